@@ -1,0 +1,98 @@
+// defines: MiniFloatSpec, kE2M1, kE4M3, kE5M2, minifloat_encode, minifloat_decode,
+//          e2m1_encode, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
+//          ue4m3_encode, ue4m3_decode
+// Small sign-exponent-mantissa floats (NUMERICS "Scalar element formats"). One encoder serves all
+// of them: round-to-nearest-even or stochastic rounding, saturating to the largest finite value
+// ("satfinite": overflow and +-Inf never give NaN or Inf), -0.0 keeping its sign bit.
+#pragma once
+#include "fourbit/numerics/round.h"
+
+namespace fourbit::num {
+
+struct MiniFloatSpec {
+  int exp_bits;
+  int man_bits;
+  int bias;
+  uint32_t max_mag_code;  // largest finite magnitude code (sign bit clear)
+  uint32_t nan_code;      // magnitude code emitted for NaN input; 0 when the format has no NaN
+  bool has_nan;
+};
+
+// NUMERICS table: E2M1 max 6 (0x7); E4M3 "fn" max 448 (0x7E), NaN 0x7F; E5M2 max 57344 (0x7B),
+// Inf 0x7C and NaN 0x7D-0x7F (we emit 0x7E).
+inline constexpr MiniFloatSpec kE2M1{2, 1, 1, 0x7u, 0x0u, false};
+inline constexpr MiniFloatSpec kE4M3{4, 3, 7, 0x7Eu, 0x7Fu, true};
+inline constexpr MiniFloatSpec kE5M2{5, 2, 15, 0x7Bu, 0x7Eu, true};
+
+inline constexpr float kE2M1Max = 6.0f;
+inline constexpr float kE4M3Max = 448.0f;
+inline constexpr float kE5M2Max = 57344.0f;
+
+// Encodes x * 2^exp_adjust (computed exactly, in the exponent, never as a float multiply) to the
+// format's code. `rnd` supplies the random bits when mode == SR. Returns sign | magnitude code.
+// NaN gives the format's NaN code, or 0 for formats without one: block quantizers detect
+// non-finite input before encoding and report it (QuantStatus), they never rely on this value.
+FOURBIT_HD uint32_t minifloat_encode(const MiniFloatSpec& f, float x, int exp_adjust = 0,
+                                     Rounding mode = Rounding::RNE, uint32_t rnd = 0) {
+  const uint32_t sign = (bits_of(x) >> 31) << (f.exp_bits + f.man_bits);
+  if (is_nan_bits(x)) return f.has_nan ? (sign | f.nan_code) : 0u;
+  if (!is_finite_bits(x)) return sign | f.max_mag_code;  // satfinite
+  if ((bits_of(x) & 0x7fffffffu) == 0) return sign;       // +-0
+  const SigExp se = split_normalized(x);
+  const int e = se.exp2 + exp_adjust;                     // |x| * 2^exp_adjust = 1.f * 2^e
+  const int emin = 1 - f.bias;                            // smallest normal exponent
+  if (e > f.bias + 8) return sign | f.max_mag_code;       // far above every format's range
+  // One quantum of the target at this magnitude is 2^(max(e, emin) - man_bits); sig's unit is
+  // 2^(e - 23), so the count of quanta is sig >> shift, rounded. shift >= 23 - man_bits > 0.
+  const int e_q = e > emin ? e : emin;
+  const int shift = (e_q - f.man_bits) - (e - 23);
+  const uint32_t n = shift_round(se.sig, shift, mode, rnd);
+  // Code from count: subnormal range codes are the count itself; a normal value with exponent
+  // e has count in [2^m, 2^(m+1)] and code ((e - emin) << m) + count. A carry out of the
+  // mantissa lands on the next binade's code automatically.
+  const int binade = e_q - emin;
+  uint32_t code = (uint32_t(binade) << f.man_bits) + n;
+  if (code > f.max_mag_code) code = f.max_mag_code;
+  return sign | code;
+}
+
+FOURBIT_HD float minifloat_decode(const MiniFloatSpec& f, uint32_t code) {
+  const uint32_t sign_bit = 1u << (f.exp_bits + f.man_bits);
+  const uint32_t mag = code & (sign_bit - 1u);
+  const bool neg = (code & sign_bit) != 0;
+  float v;
+  if (f.has_nan && mag > f.max_mag_code) {
+    // E4M3 0x7F is NaN; E5M2 0x7C is Inf, 0x7D-0x7F NaN.
+    if (f.exp_bits == 5 && mag == 0x7Cu) v = float_of(0x7f800000u);
+    else v = float_of(0x7fc00000u);
+  } else {
+    const uint32_t exp_field = mag >> f.man_bits;
+    const uint32_t man = mag & ((1u << f.man_bits) - 1u);
+    if (exp_field == 0) {
+      v = float(man) * pow2f(1 - f.bias - f.man_bits);  // exact: few bits times a power of two
+    } else {
+      v = float_of((uint32_t(int(exp_field) - f.bias + 127) << 23) | (man << (23 - f.man_bits)));
+    }
+  }
+  return neg ? -v : v;
+}
+
+FOURBIT_HD uint8_t e2m1_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
+  return uint8_t(minifloat_encode(kE2M1, x, 0, m, r));
+}
+FOURBIT_HD float e2m1_decode(uint32_t code) { return minifloat_decode(kE2M1, code & 0xFu); }
+FOURBIT_HD uint8_t e4m3_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
+  return uint8_t(minifloat_encode(kE4M3, x, 0, m, r));
+}
+FOURBIT_HD float e4m3_decode(uint32_t code) { return minifloat_decode(kE4M3, code & 0xFFu); }
+FOURBIT_HD uint8_t e5m2_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
+  return uint8_t(minifloat_encode(kE5M2, x, 0, m, r));
+}
+FOURBIT_HD float e5m2_decode(uint32_t code) { return minifloat_decode(kE5M2, code & 0xFFu); }
+
+// UE4M3: the E4M3 grid without a sign (NVFP4 block scales). Scales are never negative; the sign
+// of the input is dropped.
+FOURBIT_HD uint8_t ue4m3_encode(float x) { return uint8_t(e4m3_encode(abs_bits(x)) & 0x7Fu); }
+FOURBIT_HD float ue4m3_decode(uint32_t code) { return e4m3_decode(code & 0x7Fu); }
+
+}  // namespace fourbit::num

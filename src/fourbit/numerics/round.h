@@ -1,0 +1,73 @@
+// defines: Rounding, SigExp, split_float, shift_round_rne, shift_round_sr
+// The one place where fourbit drops low-order bits. Every encoder (E2M1, E4M3, E5M2, S2F6, UE8M0
+// scale choice) reduces a float32 to an integer significand and a shift, then rounds here.
+// Integer arithmetic only, so host and device agree bit for bit by construction.
+#pragma once
+#include "fourbit/numerics/hd.h"
+
+namespace fourbit::num {
+
+enum class Rounding : uint8_t { RNE = 0, SR = 1 };
+
+// |x| = sig * 2^(exp2 - 23), with sig < 2^24 (the implicit bit included for normal floats).
+struct SigExp {
+  uint32_t sig;
+  int exp2;  // unbiased exponent of the leading bit position 23
+};
+
+FOURBIT_HD SigExp split_float(float x) {
+  const uint32_t u = bits_of(x) & 0x7fffffffu;
+  const int biased = int(u >> 23);
+  const uint32_t frac = u & 0x7fffffu;
+  if (biased == 0) return {frac, -126};  // subnormal: no implicit bit
+  return {frac | 0x800000u, biased - 127};
+}
+
+// Leading-zero count of a nonzero 32-bit word.
+FOURBIT_HD int clz32(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __clz(int(v));
+#else
+  return __builtin_clz(v);
+#endif
+}
+
+// |x| = sig * 2^(exp2 - 23) with bit 23 of sig set: float32 subnormals are normalised (exactly,
+// by shifting). x must be finite and nonzero.
+FOURBIT_HD SigExp split_normalized(float x) {
+  SigExp se = split_float(x);
+  const int lz = clz32(se.sig) - 8;  // 0 for normal floats
+  return {se.sig << lz, se.exp2 - lz};
+}
+
+// round(sig / 2^shift) to nearest, ties to even; shift >= 0.
+FOURBIT_HD uint32_t shift_round_rne(uint32_t sig, int shift) {
+  if (shift <= 0) return sig;       // callers never pass a negative shift with a nonzero sig
+  if (shift > 25) return 0;          // sig < 2^24 <= half a quantum
+  const uint32_t kept = sig >> shift;
+  const uint32_t rem = sig & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1);
+  return kept + ((rem > half || (rem == half && (kept & 1u))) ? 1u : 0u);
+}
+
+// Stochastic rounding of sig / 2^shift with 32 random bits (NUMERICS: "add a uniform random
+// integer below the kept least-significant bit, truncate"). For shift <= 32 the added integer is
+// the top `shift` bits of `rnd`, so P(round up) = rem / 2^shift exactly. For shift > 32 (a value
+// more than 2^9 times below the target's quantum: P(up) < 2^-8) the remainder is first truncated
+// to its 32 most significant bits, a bias below 2^-32 of one quantum.
+FOURBIT_HD uint32_t shift_round_sr(uint32_t sig, int shift, uint32_t rnd) {
+  if (shift <= 0) return sig;
+  if (shift <= 32) {
+    const uint64_t add = uint64_t(rnd) >> (32 - shift);
+    return uint32_t((uint64_t(sig) + add) >> shift);
+  }
+  if (shift >= 32 + 24) return 0;   // sig >> (shift-32) == 0: never rounds up
+  const uint64_t top = uint64_t(sig >> (shift - 32));
+  return uint32_t((top + rnd) >> 32);
+}
+
+FOURBIT_HD uint32_t shift_round(uint32_t sig, int shift, Rounding mode, uint32_t rnd) {
+  return mode == Rounding::SR ? shift_round_sr(sig, shift, rnd) : shift_round_rne(sig, shift);
+}
+
+}  // namespace fourbit::num

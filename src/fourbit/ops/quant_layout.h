@@ -1,0 +1,20 @@
+// defines: QuantShape, quant_shape, alloc_qtensor
+// The shape bookkeeping shared by the CPU and CUDA quantizers: how a logical [S,] R x C input
+// maps to a QTensor's storage, and the allocation of its three buffers.
+#pragma once
+#include "fourbit/numerics/formats.h"
+#include "fourbit/tensor/qtensor.h"
+
+namespace fourbit::ops {
+
+struct QuantShape {
+  int64_t slices, rows, cols;  // logical
+};
+
+// Validates x (F32, 2-D or 3-D, spec is a block format) and returns its logical dimensions.
+QuantShape quant_shape(const Tensor& x, const QuantSpec& spec);
+
+// A QTensor for spec over logical [S,] R x C, buffers allocated on `device`, contents undefined.
+QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device);
+
+}  // namespace fourbit::ops

@@ -1,0 +1,23 @@
+// defines: the device_memory.h functions for builds without CUDA.
+#include <cstring>
+
+#include "fourbit/tensor/device_memory.h"
+
+namespace fourbit {
+
+bool cuda_built() { return false; }
+int cuda_device_count() { return 0; }
+void* device_alloc(size_t) { fail("this fourbit was built without CUDA: no GPU tensors"); }
+void device_free(void*, size_t) {}
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
+  if (dst_dev != Device::CPU || src_dev != Device::CPU)
+    fail("this fourbit was built without CUDA: no GPU tensors");
+  if (bytes) std::memcpy(dst, src, bytes);
+}
+void zero_bytes(void* p, Device dev, size_t bytes) {
+  if (dev != Device::CPU) fail("this fourbit was built without CUDA: no GPU tensors");
+  if (bytes) std::memset(p, 0, bytes);
+}
+void device_synchronize() {}
+
+}  // namespace fourbit

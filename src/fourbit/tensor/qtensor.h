@@ -1,0 +1,65 @@
+// defines: QTensor
+// A block-quantized tensor (NVFP4, MXFP8 E4M3/E5M2, S2F6): packed codes, one scale byte per
+// block, FP32 outer scales (NVFP4), and what is needed to decode them. Byte layout (see
+// docs/numerics.md): storage is `slices` matrices of rows x cols with blocks running along cols.
+// A Col-axis QTensor stores each slice transposed, so its blocks are contiguous too.
+#pragma once
+#include <cstdint>
+
+#include "fourbit/numerics/formats.h"
+#include "fourbit/tensor/tensor.h"
+
+namespace fourbit {
+
+struct QTensor {
+  Format fmt = Format::NVFP4;
+  BlockAxis axis = BlockAxis::Row;
+  OuterScale outer = OuterScale::None;
+  int64_t slices = 1;   // leading batch (e.g. experts); outer PerSlice has one scale per slice
+  int64_t rows = 0;     // storage rows per slice
+  int64_t cols = 0;     // storage cols: the blocked, contiguous dimension (unpadded)
+  bool tile_2d = false;
+  int hadamard = 0;     // RHT size applied before quantizing (S2F6 payload), 0 = none
+  uint32_t hadamard_signs = 0;
+
+  Tensor codes;         // U8 [slices*rows, code_row_bytes()]
+  Tensor block_scales;  // U8 [slices*rows, blocks_per_row()]
+  Tensor outer_scales;  // F32 S_dec values: [1], [slices*rows] or [slices]; undefined for None
+
+  int block() const { return format_traits(fmt).block; }
+  int element_bits() const { return format_traits(fmt).element_bits; }
+  int64_t blocks_per_row() const { return (cols + block() - 1) / block(); }
+  int64_t padded_cols() const { return blocks_per_row() * block(); }
+  int64_t code_row_bytes() const { return padded_cols() * element_bits() / 8; }
+  int64_t total_rows() const { return slices * rows; }
+  Device device() const { return codes.device(); }
+
+  // The logical shape of the tensor that was quantized ([slices,] R, C).
+  Shape logical_shape() const {
+    const int64_t r = axis == BlockAxis::Row ? rows : cols;
+    const int64_t c = axis == BlockAxis::Row ? cols : rows;
+    return slices == 1 ? Shape{r, c} : Shape{slices, r, c};
+  }
+  int64_t outer_index(int64_t storage_row) const {
+    switch (outer) {
+      case OuterScale::None: return -1;
+      case OuterScale::Tensor: return 0;
+      case OuterScale::PerRow: return storage_row;
+      case OuterScale::PerSlice: return storage_row / rows;
+    }
+    return -1;
+  }
+  // Bytes actually stored (codes + block scales + outer scales): the packed-activation size.
+  int64_t nbytes() const {
+    return codes.nbytes() + block_scales.nbytes() + (outer_scales.defined() ? outer_scales.nbytes() : 0);
+  }
+  QTensor to(Device d) const {
+    QTensor q = *this;
+    q.codes = codes.to(d);
+    q.block_scales = block_scales.to(d);
+    if (outer_scales.defined()) q.outer_scales = outer_scales.to(d);
+    return q;
+  }
+};
+
+}  // namespace fourbit
