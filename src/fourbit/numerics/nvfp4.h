@@ -59,14 +59,22 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block(const float* x, int n, float block_am
                                            Rounding rounding, uint64_t seed, uint64_t stream,
                                            uint64_t index0) {
   Nvfp4Block out{0, nvfp4_block_scale(block_amax, s_enc), false};
+  const int m = n < kNvfp4Block ? n : kNvfp4Block;
   if (four_over_six) {
     const uint8_t s4 = nvfp4_block_scale_4(block_amax, s_enc);
     const float enc6 = nvfp4_enc_scale(out.scale, s_dec);
     const float enc4 = nvfp4_enc_scale(s4, s_dec);
-    float err6 = 0.0f, err4 = 0.0f;  // summed in element order (NUMERICS 4/6 metric)
-    for (int i = 0; i < n; ++i) {
-      const float d6 = sub_rn(x[i], nvfp4_dequant(e2m1_encode(mul_rn(x[i], enc6)), out.scale, s_dec));
-      const float d4 = sub_rn(x[i], nvfp4_dequant(e2m1_encode(mul_rn(x[i], enc4)), s4, s_dec));
+    const float sc6 = ue4m3_decode(out.scale), sc4 = ue4m3_decode(s4);
+    uint64_t packed6 = 0, packed4 = 0;  // the RNE candidates, reused when rounding is RNE
+    float err6 = 0.0f, err4 = 0.0f;     // summed in element order (NUMERICS 4/6 metric)
+    for (int i = 0; i < m; ++i) {
+      const uint32_t c6 = out.scale ? e2m1_encode(mul_rn(x[i], enc6)) : 0u;
+      const uint32_t c4 = s4 ? e2m1_encode(mul_rn(x[i], enc4)) : 0u;
+      packed6 |= uint64_t(c6) << (4 * i);
+      packed4 |= uint64_t(c4) << (4 * i);
+      // x_hat = fl(E2M1 * E4M3) * S_dec, as nvfp4_dequant (the scale decoded once per block)
+      const float d6 = sub_rn(x[i], mul_rn(e2m1_decode(c6) * sc6, s_dec));
+      const float d4 = sub_rn(x[i], mul_rn(e2m1_decode(c4) * sc4, s_dec));
       if (metric == ScaleMetric::MSE) {
         err6 = add_rn(err6, mul_rn(d6, d6));
         err4 = add_rn(err4, mul_rn(d4, d4));
@@ -75,14 +83,18 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block(const float* x, int n, float block_am
         err4 = add_rn(err4, abs_bits(d4));
       }
     }
-    if (err4 < err6) {  // NUMERICS: ties keep 6
+    const bool four = err4 < err6;  // NUMERICS: ties keep 6
+    if (four) {
       out.scale = s4;
       out.chose_four = true;
+    }
+    if (rounding == Rounding::RNE) {
+      out.packed = four ? packed4 : packed6;
+      return out;
     }
   }
   if (out.scale == 0) return out;  // NUMERICS: a zero scale stores all-zero codes
   const float enc = nvfp4_enc_scale(out.scale, s_dec);
-  const int m = n < kNvfp4Block ? n : kNvfp4Block;
   RandomBits rnd(seed, stream);
   for (int i = 0; i < m; ++i) {
     const uint32_t r = rounding == Rounding::SR ? rnd.at(index0 + uint64_t(i)) : 0u;

@@ -40,14 +40,14 @@ FOURBIT_HD SigExp split_normalized(float x) {
   return {se.sig << lz, se.exp2 - lz};
 }
 
-// round(sig / 2^shift) to nearest, ties to even; shift >= 0.
+// round(sig / 2^shift) to nearest, ties to even; shift >= 0. Branch-free: adding half - 1 plus
+// the kept LSB carries into the kept bits exactly when the remainder is above half, or equal to
+// half with an odd kept value (sig < 2^24 and shift <= 25, so nothing overflows 32 bits).
 FOURBIT_HD uint32_t shift_round_rne(uint32_t sig, int shift) {
   if (shift <= 0) return sig;       // callers never pass a negative shift with a nonzero sig
   if (shift > 25) return 0;          // sig < 2^24 <= half a quantum
-  const uint32_t kept = sig >> shift;
-  const uint32_t rem = sig & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1);
-  return kept + ((rem > half || (rem == half && (kept & 1u))) ? 1u : 0u);
+  const uint32_t half_minus_one = (1u << (shift - 1)) - 1u;
+  return (sig + half_minus_one + ((sig >> shift) & 1u)) >> shift;
 }
 
 // Stochastic rounding of sig / 2^shift with 32 random bits (NUMERICS: "add a uniform random

@@ -1,7 +1,10 @@
-// defines: the device dispatch of ops.h, nonfinite_seen
+// defines: the device dispatch of ops.h, nonfinite_seen, Operand accessors, qtensor views,
+//          rope_table
 #include "fourbit/ops/ops.h"
 
 #include <atomic>
+#include <cmath>
+#include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
 #if FOURBIT_HAS_CUDA
@@ -11,10 +14,6 @@
 namespace fourbit::ops {
 namespace {
 std::atomic<bool> g_nonfinite{false};
-
-[[noreturn]] void no_cuda(const char* op) {
-  fail("{}: tensor is on a CUDA device but this fourbit was built without CUDA", op);
-}
 }  // namespace
 
 void raise_nonfinite() { g_nonfinite.store(true, std::memory_order_relaxed); }
@@ -23,14 +22,17 @@ bool nonfinite_seen(bool clear) {
   return clear ? g_nonfinite.exchange(false) : g_nonfinite.load();
 }
 
+// One switch per op on the device of its first tensor; a CUDA tensor in a CPU-only build fails
+// with a message instead of reaching a missing symbol.
 #if FOURBIT_HAS_CUDA
 #define FOURBIT_DISPATCH(dev, op, ...) \
   return (dev) == Device::CUDA ? cuda::op(__VA_ARGS__) : cpu::op(__VA_ARGS__)
 #else
-#define FOURBIT_DISPATCH(dev, op, ...) \
-  do {                                 \
-    if ((dev) == Device::CUDA) no_cuda(#op); \
-    return cpu::op(__VA_ARGS__);       \
+#define FOURBIT_DISPATCH(dev, op, ...)                                                         \
+  do {                                                                                         \
+    if ((dev) == Device::CUDA)                                                                 \
+      fail("{}: tensor is on a CUDA device but this fourbit was built without CUDA", #op);     \
+    return cpu::op(__VA_ARGS__);                                                               \
   } while (0)
 #endif
 
@@ -42,6 +44,145 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
 }
 QTensor requantize_transposed(const QTensor& q, RngKey rng) {
   FOURBIT_DISPATCH(q.device(), requantize_transposed, q, rng);
+}
+
+int64_t Operand::rows() const {
+  if (q_) return q_->total_rows();
+  return trans_ ? dense_->size(1) : dense_->size(0);
+}
+int64_t Operand::k() const {
+  if (q_) return q_->cols;
+  return trans_ ? dense_->size(0) : dense_->size(1);
+}
+Device Operand::device() const { return q_ ? q_->device() : dense_->device(); }
+
+void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
+  if (a.device() != b.device() || a.device() != c.device())
+    fail("gemm: operands and output must be on one device");
+  if (a.k() != b.k()) fail("gemm: reduction sizes differ: A has K={}, B has K={}", a.k(), b.k());
+  if (c.dim() != 2 || c.size(0) != a.rows() || c.size(1) != b.rows())
+    fail("gemm: output {} does not match [{}, {}]", c.str(), a.rows(), b.rows());
+  FOURBIT_DISPATCH(c.device(), gemm, a, b, c, accumulate);
+}
+
+QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {
+  FOURBIT_CHECK(q.slices == 1 && 0 <= begin && begin <= end && end <= q.rows,
+                "qtensor_rows({}, {}) of a QTensor with {} slices of {} rows", begin, end, q.slices,
+                q.rows);
+  QTensor out = q;
+  out.rows = end - begin;
+  out.codes = q.codes.slice_rows(begin, end);
+  out.block_scales = q.block_scales.slice_rows(begin, end);
+  if (q.outer == OuterScale::PerRow) out.outer_scales = q.outer_scales.slice_rows(begin, end);
+  return out;
+}
+
+QTensor qtensor_slice(const QTensor& q, int64_t s) {
+  FOURBIT_CHECK(0 <= s && s < q.slices, "qtensor_slice({}) of {} slices", s, q.slices);
+  QTensor out = q;
+  out.slices = 1;
+  out.codes = q.codes.slice_rows(s * q.rows, (s + 1) * q.rows);
+  out.block_scales = q.block_scales.slice_rows(s * q.rows, (s + 1) * q.rows);
+  switch (q.outer) {
+    case OuterScale::None:
+    case OuterScale::Tensor: break;
+    case OuterScale::PerRow: out.outer_scales = q.outer_scales.slice_rows(s * q.rows, (s + 1) * q.rows); break;
+    case OuterScale::PerSlice:
+      out.outer_scales = q.outer_scales.slice_rows(s, s + 1);
+      out.outer = OuterScale::Tensor;
+      break;
+  }
+  return out;
+}
+
+void convert(const Tensor& src, Tensor& dst) { FOURBIT_DISPATCH(src.device(), convert, src, dst); }
+void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_, dst, src); }
+void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
+double sum_squares(const Tensor& t) { FOURBIT_DISPATCH(t.device(), sum_squares, t); }
+void fill_(Tensor& t, double v) { FOURBIT_DISPATCH(t.device(), fill_, t, v); }
+
+void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
+  FOURBIT_DISPATCH(table.device(), embedding_forward, tokens, table, out);
+}
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable) {
+  FOURBIT_DISPATCH(dout.device(), embedding_backward, dout, tokens, dtable);
+}
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+  FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd);
+}
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw) {
+  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw);
+}
+
+Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device) {
+  FOURBIT_CHECK(head_dim % 2 == 0, "rope: head_dim {} must be even", head_dim);
+  const int64_t half = head_dim / 2;
+  std::vector<float> t(size_t(max_pos * head_dim));
+  for (int64_t p = 0; p < max_pos; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv_freq = std::pow(theta, -double(2 * i) / double(head_dim));
+      const double angle = double(p) * inv_freq;
+      t[size_t(p * head_dim + i)] = float(std::cos(angle));
+      t[size_t(p * head_dim + half + i)] = float(std::sin(angle));
+    }
+  return Tensor::from_host(t.data(), {max_pos, head_dim}, DType::F32, device);
+}
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table) {
+  FOURBIT_DISPATCH(x.device(), rope_forward, x, positions, table);
+}
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table) {
+  FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table);
+}
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
+                       Tensor& out, Tensor& lse) {
+  FOURBIT_DISPATCH(q.device(), attention_forward, q, k, v, pos0, out, lse);
+}
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+  FOURBIT_DISPATCH(q.device(), attention_backward, dout, q, k, v, out, lse, dq, dk, dv);
+}
+void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
+  FOURBIT_DISPATCH(h1.device(), swiglu_forward, h1, h3, a);
+}
+void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,
+                     Tensor& dh3) {
+  FOURBIT_DISPATCH(h1.device(), swiglu_backward, da, h1, h3, dh1, dh3);
+}
+void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
+                   float grad_scale) {
+  FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale);
+}
+void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx,
+                 Tensor& topk_w) {
+  FOURBIT_DISPATCH(logits.device(), router_topk, logits, k, probs, topk_idx, topk_w);
+}
+void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
+                     const Tensor& d_topk_w, const Tensor& d_probs, Tensor& d_logits) {
+  FOURBIT_DISPATCH(probs.device(), router_backward, probs, topk_idx, topk_w, d_topk_w, d_probs,
+                   d_logits);
+}
+RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
+  FOURBIT_DISPATCH(topk_idx.device(), route_plan, topk_idx, n_experts);
+}
+void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
+  FOURBIT_DISPATCH(x.device(), gather_rows, x, token_of_slot, x_perm);
+}
+QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
+  FOURBIT_DISPATCH(x.device(), gather_rows, x, token_of_slot);
+}
+void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx) {
+  FOURBIT_DISPATCH(dx.device(), gather_rows_backward, dx_perm, slot_of, dx);
+}
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out) {
+  FOURBIT_DISPATCH(out.device(), moe_combine, y_perm, slot_of, w, out);
+}
+void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                          const Tensor& w, Tensor& dy_perm, Tensor& dw) {
+  FOURBIT_DISPATCH(dout.device(), moe_combine_backward, dout, y_perm, slot_of, w, dy_perm, dw);
+}
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
+  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h);
 }
 
 }  // namespace fourbit::ops

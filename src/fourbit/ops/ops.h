@@ -1,9 +1,12 @@
-// defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed
+// defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed, Operand, gemm,
+//          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
+//          MoE permutation), adamw_step and the small tensor utilities.
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "fourbit/numerics/formats.h"
 #include "fourbit/tensor/qtensor.h"
@@ -44,5 +47,126 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng);
 
 // Sticky flag raised by any quantizer that met NaN/Inf; read-and-clear.
 bool nonfinite_seen(bool clear = true);
+
+// Rows [begin, end) of a Row-axis QTensor's storage (a view: codes, scales and per-row outer
+// scales share memory), and slice s of a multi-slice QTensor (its outer scale becomes a tensor
+// scale). Used to hand one expert's tokens or one expert's weight to a GEMM.
+QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end);
+QTensor qtensor_slice(const QTensor& q, int64_t s);
+
+// ---- GEMM on any pair of formats ----------------------------------------------------------------
+// A GEMM operand in "NT" form: a matrix R x K whose K (reduction) dimension is contiguous.
+//  - dense: F32, F64 or BF16 tensor [R, K], or [K, R] with trans = true;
+//  - quantized: a QTensor's storage [rows, cols] (blocks run along K). NVFP4 outer scales are
+//    applied after the sum (NUMERICS "GEMMs"): per tensor as a scalar, per row as a row (A) or
+//    column (B) scale of C.
+class Operand {
+ public:
+  Operand(const Tensor& t, bool trans = false) : dense_(&t), trans_(trans) {}
+  Operand(const QTensor& q) : q_(&q) {}
+  const Tensor* dense() const { return dense_; }
+  const QTensor* q() const { return q_; }
+  bool trans() const { return trans_; }
+  int64_t rows() const;
+  int64_t k() const;
+  Device device() const;
+
+ private:
+  const Tensor* dense_ = nullptr;
+  const QTensor* q_ = nullptr;
+  bool trans_ = false;
+};
+
+// C[m, n] = sum_k A(m, k) * B(n, k), C F32 [M, N] (F64 when both operands are F64); with
+// accumulate, C += that sum (one rounding). Every C[m, n] is reduced in one fixed order that does
+// not depend on M, N or the thread count: rows are batch invariant and results deterministic.
+void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false);
+
+// ---- tensor utilities ---------------------------------------------------------------------------
+void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <-> F64, same numel
+void add_(Tensor& dst, const Tensor& src);             // dst += src
+void scale_(Tensor& t, double s);                      // t *= s
+double sum_squares(const Tensor& t);                   // fixed-order sum of t^2, as double
+void fill_(Tensor& t, double v);
+
+// ---- layers (F32; the CPU backend also runs F64 for gradient checks) ----------------------------
+// tokens: I32 [N]; table [V, D]; out [N, D]. Backward accumulates into dtable, rows in token order.
+void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable);
+
+// y = x / sqrt(mean(x^2) + eps) * w over the last dim of x [N, D]; rstd [N] saved for backward.
+// Backward: dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd; dw += sum over rows of dy * y_hat.
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw);
+
+// Rotary embedding, rotate-half convention (pairs i and i + hd/2), in place on x [N, H, hd]
+// with positions I32 [N]. table F32 [max_pos, hd] holds cos in [:, :hd/2], sin in [:, hd/2:]
+// (built once by rope_table, in double, rounded to float). backward = rotation by -angle.
+Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table);
+
+// Causal attention with grouped-query heads. q [B, T, Hq, hd] holds positions pos0 .. pos0+T-1;
+// k, v [B, S, Hkv, hd] hold positions 0 .. S-1 (S >= pos0 + T; a KV cache or this batch's own
+// K/V). Query at absolute position p attends to keys 0..p; head h reads kv head h / (Hq / Hkv).
+// out [B, T, Hq, hd]; lse [B, Hq, T] (log-sum-exp of the scaled scores) saved for backward.
+// Keys are reduced in ascending position in fixed chunks aligned to absolute positions, so a
+// token's output is the same in training, prefill and decode, alone or in a batch.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
+                       Tensor& out, Tensor& lse);
+// Gradients for pos0 == 0 and S == T (training). dq, dk, dv are overwritten.
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);
+
+// a = silu(h1) * h3 elementwise (silu(z) = z * sigmoid(z)).
+void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a);
+void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1, Tensor& dh3);
+
+// Softmax cross-entropy over logits [N, V] with targets I32 [N] (-1 = ignored). Writes the
+// per-row loss into losses [N] (0 for ignored rows) and, when dlogits is defined, the gradient
+// of grad_scale * sum(losses): (softmax - onehot) * grad_scale (0 rows for ignored targets).
+void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
+                   float grad_scale);
+
+// Router: probs = softmax(logits [N, E]); top-k by probability (ties: lower expert index first),
+// topk_idx I32 [N, k] in descending order, topk_w [N, k] = renormalised probabilities.
+void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w);
+// d_logits from d_topk_w [N, k] and an extra gradient on the probabilities d_probs [N, E]
+// (the load-balance loss's), through the renormalisation and the softmax.
+void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
+                     const Tensor& d_topk_w, const Tensor& d_probs, Tensor& d_logits);
+
+// ---- MoE permutation ---------------------------------------------------------------------------
+// The assignment (token n, rank j) -> slot in the expert-sorted order: experts ascending, tokens
+// ascending within an expert (stable, so the order never depends on arrival). offsets has E+1
+// entries on the host (one device sync per MoE layer on the GPU); slot_of I32 [N, k] and
+// token_of_slot I32 [N*k] live on the tensors' device.
+struct RoutePlan {
+  std::vector<int64_t> offsets;
+  Tensor slot_of;
+  Tensor token_of_slot;
+};
+RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts);
+// x_perm[s] = x[token_of_slot[s]]: dense rows, or a Row-axis QTensor's rows (codes, scales and
+// per-row outer scales travel together: tokens are dispatched already quantized).
+void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm);
+QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot);
+// dx[n] = sum over j in rank order of dx_perm[slot_of[n, j]] (no atomics: deterministic).
+void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx);
+// out[n] = sum over j in rank order of w[n, j] * y_perm[slot_of[n, j]]  (overwrites out).
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out);
+// dy_perm[slot_of[n, j]] = w[n, j] * dout[n]; dw[n, j] = <dout[n], y_perm[slot_of[n, j]]>.
+void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                          const Tensor& w, Tensor& dy_perm, Tensor& dw);
+
+// ---- optimizer ------------------------------------------------------------------------------
+// AdamW (decoupled weight decay) on one F32 parameter tensor and its state, step t >= 1:
+// m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p).
+struct AdamW {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;
+};
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h);
 
 }  // namespace fourbit::ops

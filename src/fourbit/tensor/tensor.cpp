@@ -44,6 +44,7 @@ const char* dtype_name(DType t) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::U32: return "u32";
+    case DType::F64: return "f64";
   }
   return "?";
 }

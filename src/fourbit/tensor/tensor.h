@@ -12,7 +12,7 @@
 
 namespace fourbit {
 
-enum class DType : uint8_t { F32, BF16, U8, I8, U16, I32, I64, U32 };
+enum class DType : uint8_t { F32, BF16, U8, I8, U16, I32, I64, U32, F64 };
 enum class Device : uint8_t { CPU, CUDA };
 
 constexpr int64_t dtype_size(DType t) {
@@ -25,6 +25,7 @@ constexpr int64_t dtype_size(DType t) {
     case DType::I32: return 4;
     case DType::I64: return 8;
     case DType::U32: return 4;
+    case DType::F64: return 8;
   }
   return 0;
 }

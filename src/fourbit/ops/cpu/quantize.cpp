@@ -7,6 +7,7 @@
 
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/ops/cpu/qdecode.h"
 #include "fourbit/ops/quant_layout.h"
 
 namespace fourbit::ops {
@@ -145,9 +146,11 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
       uint8_t* row_codes = codes + r * row_bytes;
       for (int64_t b = 0; b < NB; ++b) {
         const float* xb = buf.data() + b * B;
-        const int n = int(std::min<int64_t>(B, C - b * B));
+        // Padding past C is zero; behind an RHT the rotated padding is not, so those blocks
+        // encode all B values (the GEMM's reduction runs over the padded width).
+        const int n = spec.hadamard ? B : int(std::min<int64_t>(B, C - b * B));
         const float amax = block_amax[size_t(r * NB + b)];
-        const uint64_t index0 = uint64_t(r * C + b * B);  // storage element index (SR counter)
+        const uint64_t index0 = uint64_t(r * PC + b * B);  // padded storage index (SR counter)
         switch (spec.fmt) {
           case Format::NVFP4: {
             const int64_t g = q.outer_index(r) < 0 ? 0 : q.outer_index(r);
@@ -191,35 +194,15 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
 }
 
 Tensor dequantize(const QTensor& q, bool undo_hadamard) {
-  const int64_t R = q.total_rows(), C = q.cols, PC = q.padded_cols(), NB = q.blocks_per_row();
-  const int B = q.block();
-  const uint8_t* codes = q.codes.data<uint8_t>();
-  const uint8_t* scales = q.block_scales.data<uint8_t>();
-  const float* outer = q.outer_scales.defined() ? q.outer_scales.data<float>() : nullptr;
-  const num::MiniFloatSpec elem = q.fmt == Format::MXFP8_E5M2 ? num::kE5M2 : num::kE4M3;
-  const int64_t row_bytes = q.code_row_bytes();
+  const int64_t R = q.total_rows(), C = q.cols, PC = q.padded_cols();
+  const QRowDecoder dec(q);
   std::vector<float> storage(static_cast<size_t>(R * C));
 #pragma omp parallel
   {
     std::vector<float> buf(static_cast<size_t>(PC));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
-      const uint8_t* rc = codes + r * row_bytes;
-      const float s_dec = outer ? outer[q.outer_index(r)] : 1.0f;
-      for (int64_t c = 0; c < PC; ++c) {
-        const uint8_t sb = scales[r * NB + c / B];
-        switch (q.fmt) {
-          case Format::NVFP4:
-            buf[size_t(c)] = num::nvfp4_dequant((rc[c / 2] >> (4 * (c & 1))) & 0xF, sb, s_dec);
-            break;
-          case Format::MXFP8_E4M3:
-          case Format::MXFP8_E5M2: buf[size_t(c)] = num::mxfp8_decode(rc[c], sb, elem); break;
-          case Format::S2F6:
-            buf[size_t(c)] = num::s2f6_decode_scaled(int8_t(rc[c]), sb);
-            break;
-          default: fail("dequantize: unsupported format {}", format_name(q.fmt));
-        }
-      }
+      dec.row(r, buf.data(), true);
       if (undo_hadamard && q.hadamard) rotate_row(buf.data(), PC, q.hadamard, q.hadamard_signs, true);
       std::copy_n(buf.data(), C, storage.data() + r * C);
     }

@@ -1,0 +1,81 @@
+// defines: ModelConfig, TrainConfig, DataConfig, RunConfig, load_config, parse_config,
+//          config_to_json
+// The TOML run configuration: [model] the architecture, [train] the optimisation, [data] where
+// tokens come from. Every field is checked: unknown fields, wrong types and out-of-range values
+// fail with the file, the field and what was expected.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace fourbit {
+
+struct ModelConfig {
+  int64_t vocab_size = 260;     // bytes 0..255 + specials (train/tokenizer.h)
+  int64_t d_model = 128;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 4;       // < n_heads: grouped-query attention
+  int64_t head_dim = 0;         // 0: d_model / n_heads
+  int64_t max_seq_len = 128;
+  int64_t n_experts = 8;
+  int64_t top_k = 2;
+  int64_t d_expert = 256;       // hidden size of each routed expert
+  int64_t n_shared_experts = 0; // 0 or 1 always-on expert
+  int64_t d_shared = 0;         // 0: d_expert
+  int64_t dense_layers = 0;     // the first N layers use a dense SwiGLU FFN instead of MoE
+  int64_t d_dense = 0;          // 0: 4 * d_model
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = true;
+  double aux_loss_coef = 0.01;  // load-balance loss weight
+  double init_std = 0.02;
+
+  int64_t hd() const { return head_dim ? head_dim : d_model / n_heads; }
+  int64_t shared_hidden() const { return d_shared ? d_shared : d_expert; }
+  int64_t dense_hidden() const { return d_dense ? d_dense : 4 * d_model; }
+  bool is_moe_layer(int64_t l) const { return l >= dense_layers; }
+};
+
+struct TrainConfig {
+  int64_t batch_size = 16;      // sequences per micro-batch
+  int64_t seq_len = 128;
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  int64_t steps = 300;
+  double lr = 3e-3;
+  double min_lr_ratio = 0.1;    // cosine decays to lr * min_lr_ratio
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double grad_clip = 1.0;       // global L2 norm; 0 = off
+  int64_t eval_every = 50;
+  int64_t eval_batches = 4;
+  int64_t checkpoint_every = 0; // 0: only at the end
+  int64_t log_every = 10;
+  uint64_t seed = 1234;
+};
+
+struct DataConfig {
+  std::string source = "synthetic";  // synthetic | text:FILE | tokens:FILE
+  double arithmetic_fraction = 0.4;  // synthetic: share of arithmetic documents
+  double eval_fraction = 0.05;       // text/tokens: held-out tail of the file
+};
+
+struct RunConfig {
+  ModelConfig model;
+  TrainConfig train;
+  DataConfig data;
+  std::string path;  // where it was read from ("<embedded>" for defaults)
+};
+
+RunConfig load_config(const std::string& path);
+RunConfig parse_config(const std::string& toml_text, const std::string& path_for_messages);
+nlohmann::json config_to_json(const RunConfig& c);
+RunConfig config_from_json(const nlohmann::json& j, const std::string& path_for_messages);
+// Checks the cross-field rules (heads divide, top_k <= experts, ...); load/parse call it.
+void validate_config(const RunConfig& c);
+
+}  // namespace fourbit

@@ -1,0 +1,99 @@
+// defines: Prepared, prepare, requantize_saved, QuantLog, SrStreams, gemm (linear.h)
+#include "fourbit/model/linear.h"
+
+#include <fmt/format.h>
+
+#include "fourbit/tensor/error.h"
+
+namespace fourbit {
+
+Prepared Prepared::rows(int64_t b, int64_t e) const {
+  Prepared p = *this;
+  if (is_quantized()) {
+    p.q = ops::qtensor_rows(q, b, e);
+  } else {
+    FOURBIT_CHECK(!trans, "row segment of a transposed dense operand");
+    p.dense = dense.slice_rows(b, e);
+  }
+  return p;
+}
+
+Prepared Prepared::slice(int64_t s) const {
+  Prepared p = *this;
+  if (is_quantized()) {
+    p.q = ops::qtensor_slice(q, s);
+  } else {
+    FOURBIT_CHECK(dense.dim() == 3, "slice of a {} operand", dense.str());
+    const int64_t n = dense.size(1) * dense.size(2);
+    p.dense = dense.view(s * n, {dense.size(1), dense.size(2)});
+  }
+  return p;
+}
+
+void QuantLog::add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, bool requant) {
+  if (!enabled) return;
+  counts[fmt::format("{}/{}/{}/{}{}", layer_class_name(c), gemm_role_name(r), operand,
+                     format_name(s.fmt), requant ? "/requant" : "")] += 1;
+}
+
+ops::RngKey SrStreams::key(int64_t layer, int site, int64_t expert) const {
+  // splitmix64 finaliser over the packed key: distinct keys -> unrelated streams
+  uint64_t z = (step << 24) ^ (micro << 56) ^ (uint64_t(layer) << 12) ^ (uint64_t(site) << 4) ^
+               (uint64_t(expert) << 32) ^ 0x5EED5EEDull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return ops::RngKey{seed, z};
+}
+
+namespace {
+BlockAxis axis_for(GemmRole role, char side) {
+  if (role == GemmRole::Fprop) return BlockAxis::Row;
+  if (role == GemmRole::Dgrad) return side == 'a' ? BlockAxis::Row : BlockAxis::Col;
+  return BlockAxis::Col;  // wgrad: dY^T and X^T
+}
+}  // namespace
+
+Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
+                 LayerClass cls, QuantLog* log) {
+  const BlockAxis axis = axis_for(role, side);
+  Prepared p;
+  if (log) log->add(cls, role, side, spec, false);
+  switch (spec.fmt) {
+    case Format::F32:
+      p.dense = t;
+      p.trans = axis == BlockAxis::Col;
+      return p;
+    case Format::BF16: {
+      p.dense = Tensor::empty(t.shape(), DType::BF16, t.device());
+      ops::convert(t, p.dense);
+      p.trans = axis == BlockAxis::Col;
+      return p;
+    }
+    default: {
+      if (t.dtype() != DType::F32)
+        fail("{} {} operand {}: quantized formats need f32 activations, got {}",
+             layer_class_name(cls), gemm_role_name(role), side, t.str());
+      QuantSpec s = spec;
+      s.axis = axis;
+      p.q = ops::quantize(t, s, rng, nullptr);
+      return p;
+    }
+  }
+}
+
+Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
+                          ops::RngKey rng, LayerClass cls, QuantLog* log) {
+  FOURBIT_CHECK(saved.is_quantized() && saved.q.fmt == Format::NVFP4,
+                "requantize_saved needs a saved NVFP4 operand");
+  if (log) log->add(cls, role, side, spec, true);
+  Prepared p;
+  p.q = ops::requantize_transposed(saved.q, rng);
+  return p;
+}
+
+void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate) {
+  ops::gemm(a.op(), b.op(), c, accumulate);
+}
+
+}  // namespace fourbit

@@ -1,0 +1,60 @@
+// defines: Prepared, prepare, GemmSite, QuantLog, SrStreams
+// Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
+// tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
+// (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
+// W for dgrad and both wgrad operands along the token/output axis (stored transposed).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "fourbit/model/recipe.h"
+#include "fourbit/ops/ops.h"
+
+namespace fourbit {
+
+struct Prepared {
+  Tensor dense;        // defined for dense operands
+  bool trans = false;  // dense: the matrix is stored [K, R]
+  QTensor q;           // defined (q.codes) for quantized operands
+  bool is_quantized() const { return q.codes.defined(); }
+  bool defined() const { return dense.defined() || is_quantized(); }
+  ops::Operand op() const { return is_quantized() ? ops::Operand(q) : ops::Operand(dense, trans); }
+  int64_t bytes() const { return is_quantized() ? q.nbytes() : (dense.defined() ? dense.nbytes() : 0); }
+  // Rows [b, e) of a Row-axis operand (token segments of a permuted activation).
+  Prepared rows(int64_t b, int64_t e) const;
+  // Slice s of a 3-D weight operand (one expert).
+  Prepared slice(int64_t s) const;
+};
+
+// Which quantizer ran where, for tests and for `fourbit recipes --explain`: the key is
+// "<class>/<role>/<a|b>/<format>[/requant]", the value a count of calls.
+struct QuantLog {
+  std::map<std::string, int64_t> counts;
+  bool enabled = false;
+  void add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, bool requant);
+};
+
+// Deterministic stochastic-rounding streams: one stream per (step, micro-batch, layer, site,
+// expert), mixed so that nearby keys give unrelated Philox streams.
+struct SrStreams {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint64_t micro = 0;
+  ops::RngKey key(int64_t layer, int site, int64_t expert = 0) const;
+};
+
+// Prepares t as operand `side` ('a' or 'b') of GEMM `role` under spec. t: F32 (F64 for dense
+// specs in gradient checks), 2-D, or 3-D [slices, R, C] for expert weights.
+Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
+                 LayerClass cls, QuantLog* log);
+
+// The nvfp4-fwd backward operand: the saved NVFP4 operand, exactly dequantized, transposed and
+// stochastically rounded to MXFP8 E4M3 (ops::requantize_transposed).
+Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
+                          ops::RngKey rng, LayerClass cls, QuantLog* log);
+
+// C (+)= A . B^T for two prepared operands (ops::gemm).
+void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);
+
+}  // namespace fourbit

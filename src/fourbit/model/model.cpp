@@ -1,0 +1,650 @@
+// defines: Model (model.h) — forward and backward of every block, written out
+#include "fourbit/model/model.h"
+
+#include <cmath>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/error.h"
+
+namespace fourbit {
+
+namespace {
+
+// Sites number the quantization points of a layer, so each gets its own SR stream.
+enum Site : int {
+  kSiteAttnX = 1, kSiteAttnO = 3, kSiteAttnDqkv = 5, kSiteAttnDo = 7,
+  kSiteMoeX = 10, kSiteMoeA = 12, kSiteMoeDy = 14, kSiteMoeDh = 16, kSiteMoeWgradX = 18,
+  kSiteMoeWgradA = 20, kSiteMoeW = 22,
+  kSiteFfn = 30,     // dense FFN: kSiteFfn + 0..9
+  kSiteShared = 40,  // shared expert: kSiteShared + 0..9
+  kSiteRouter = 50, kSiteLmHead = 52,
+};
+
+// X as a layer's GEMMs consume it: the fprop operand, and the wgrad operand when it has to be
+// prepared in the forward pass from the high-precision X (quantized recipes that do not
+// re-quantize the saved forward operand).
+struct LinearInput {
+  Prepared fwd;
+  Prepared wgrad;
+  int64_t bytes() const {
+    // a dense wgrad form that is the fwd tensor transposed shares its storage
+    return fwd.bytes() + (wgrad.defined() ? wgrad.bytes() : 0);
+  }
+};
+
+bool wgrad_reuses_fwd(const LayerRecipe& r) {
+  return !r.fprop.a.quantized() && !r.wgrad.b.quantized() && r.fprop.a.fmt == r.wgrad.b.fmt;
+}
+
+int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
+
+}  // namespace
+
+struct Model::Saved {
+  struct Ffn {  // dense FFN or shared expert: h1, h3 and a are recomputed in backward
+    LinearInput x;
+  };
+  struct Layer {
+    Tensor x_in, rstd1;  // attention block input (residual stream) and its norm's rstd
+    LinearInput attn_x;
+    Tensor q, k, v, o, lse;
+    LinearInput attn_o;
+    Tensor x_mid, rstd2;  // FFN block input and its norm's rstd
+    bool moe = false;
+    Tensor probs, topk_idx, topk_w;
+    ops::RoutePlan plan;
+    std::vector<double> frac;            // f_e: share of assignments routed to expert e
+    Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
+    std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
+    Ffn shared, dense;
+  };
+  Tensor positions;
+  Tensor tokens;
+  int64_t B = 0, T = 0;
+  float loss_weight = 1;
+  SrStreams sr;
+  std::vector<Layer> layers;
+  Tensor x_final, rstd_f;
+  LinearInput xf;
+  Tensor dlogits;
+};
+
+// Runs one forward or backward pass; holds what every block needs besides its tensors.
+struct ModelRunner {
+  Model& m;
+  const ModelConfig& c;
+  SrStreams sr;
+  QuantLog* log;
+  int64_t layer = 0;
+
+  Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
+  Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
+  ops::RngKey rng(int site, int64_t expert = 0) const { return sr.key(layer, site, expert); }
+  const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
+
+  Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
+                  LayerClass cls) {
+    return m.weight(w, name, role, spec, cls);
+  }
+
+  LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, int site) {
+    LinearInput in;
+    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', rng(site), cls, log);
+    if (!r.requant_saved_sr && !wgrad_reuses_fwd(r))
+      in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', rng(site + 1), cls, log);
+    return in;
+  }
+
+  // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments).
+  Prepared wgrad_input(const Prepared& fwd, const Prepared& wgrad, const LayerRecipe& r,
+                       LayerClass cls, ops::RngKey key) {
+    if (r.requant_saved_sr) return requantize_saved(fwd, r.wgrad.b, GemmRole::Wgrad, 'b', key, cls, log);
+    if (wgrad_reuses_fwd(r)) {
+      if (log) log->add(cls, GemmRole::Wgrad, 'b', r.wgrad.b, false);
+      Prepared p = fwd;
+      p.trans = true;
+      return p;
+    }
+    FOURBIT_CHECK(wgrad.defined(), "missing saved wgrad operand");
+    return wgrad;
+  }
+
+  // W for dgrad: from the saved forward operand by SR (nvfp4-fwd) or prepared from the weights.
+  Prepared dgrad_weight(const Tensor& w, const std::string& name, const LayerRecipe& r,
+                        LayerClass cls, int site) {
+    if (r.requant_saved_sr) {
+      const Prepared fwd = weight(w, name, GemmRole::Fprop, r.fprop.b, cls);
+      return requantize_saved(fwd, r.dgrad.b, GemmRole::Dgrad, 'b', rng(site), cls, log);
+    }
+    return weight(w, name, GemmRole::Dgrad, r.dgrad.b, cls);
+  }
+
+  // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X.
+  void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
+                       const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
+                       const LayerRecipe& r, LayerClass cls, int site) {
+    if (dx) {
+      const Prepared pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', rng(site), cls, log);
+      gemm(pdy, dgrad_weight(w, name, r, cls, site + 1), *dx, dx_accumulate);
+    }
+    const Prepared pdy_t = prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', rng(site + 2), cls, log);
+    gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, rng(site + 3)), dw, true);
+  }
+
+  // ---- SwiGLU FFN (dense layers and the shared expert) -------------------------------------
+  struct FfnRefs {
+    const Tensor &w1, &w3, &w2;
+    Tensor &g1, &g3, &g2;
+    std::string name;
+  };
+
+  Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, int site,
+                     Model::Saved::Ffn* saved) {
+    const LayerRecipe& r = recipe(cls);
+    const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
+    LinearInput x = prepare_input(xn, r, cls, site);
+    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F}), y = act({N, D});
+    gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls), h1);
+    gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls), h3);
+    ops::swiglu_forward(h1, h3, a);
+    const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(site + 2), cls, log);
+    gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
+    if (saved) saved->x = std::move(x);
+    return y;
+  }
+
+  // dxn (+)= the FFN's input gradient; weight gradients accumulate.
+  void ffn_backward(const Tensor& dy, const FfnRefs& w, LayerClass cls, int site,
+                    const Model::Saved::Ffn& saved, Tensor& dxn, bool dx_accumulate) {
+    const LayerRecipe& r = recipe(cls);
+    const int64_t N = dy.size(0), F = w.w1.size(0);
+    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F});
+    gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls), h1);
+    gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls), h3);
+    ops::swiglu_forward(h1, h3, a);
+    LinearInput a_in = prepare_input(a, r, cls, site + 2);  // same bits as the forward's
+    Tensor da = act({N, F}), dh1 = act({N, F}), dh3 = act({N, F});
+    linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, site + 4);
+    ops::swiglu_backward(da, h1, h3, dh1, dh3);
+    linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, site + 8);
+    linear_backward(dh3, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, site + 12);
+  }
+
+  // ---- attention block ----------------------------------------------------------------------
+  Tensor attention_forward(const Tensor& xn, const LayerWeights& w, const std::string& name,
+                           Model::Saved::Layer* s, const Tensor& positions, int64_t B, int64_t T) {
+    const LayerClass cls = LayerClass::Attention;
+    const LayerRecipe& r = recipe(cls);
+    const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
+    LinearInput x = prepare_input(xn, r, cls, kSiteAttnX);
+    Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
+    gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
+    gemm(x.fwd, weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls), k);
+    gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
+    Tensor q4 = q.reshape({B, T, Hq, hd}), k4 = k.reshape({B, T, Hkv, hd}), v4 = v.reshape({B, T, Hkv, hd});
+    Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
+    ops::rope_forward(q3, positions, m.rope_);
+    ops::rope_forward(k3, positions, m.rope_);
+    Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T});
+    ops::attention_forward(q4, k4, v4, 0, o, lse);
+    Tensor o2 = o.reshape({N, Hq * hd});
+    LinearInput o_in = prepare_input(o2, r, cls, kSiteAttnO);
+    Tensor y = act({N, c.d_model});
+    gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
+    if (s) {
+      s->attn_x = std::move(x);
+      s->q = q4;
+      s->k = k4;
+      s->v = v4;
+      s->o = o;
+      s->lse = lse;
+      s->attn_o = std::move(o_in);
+    }
+    return y;
+  }
+
+  void attention_backward(const Tensor& dy, const LayerWeights& w, LayerWeights& g,
+                          const std::string& name, const Model::Saved::Layer& s,
+                          const Tensor& positions, Tensor& dxn) {
+    const LayerClass cls = LayerClass::Attention;
+    const LayerRecipe& r = recipe(cls);
+    const int64_t N = dy.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
+    Tensor d_o = act({N, Hq * hd});
+    linear_backward(dy, s.attn_o, w.wo, name + "wo", g.wo, &d_o, false, r, cls, kSiteAttnDo);
+    Tensor dq = act(s.q.shape()), dk = act(s.k.shape()), dv = act(s.v.shape());
+    ops::attention_backward(d_o.reshape(s.o.shape()), s.q, s.k, s.v, s.o, s.lse, dq, dk, dv);
+    Tensor dq3 = dq.reshape({N, Hq, hd}), dk3 = dk.reshape({N, Hkv, hd});
+    ops::rope_backward(dq3, positions, m.rope_);
+    ops::rope_backward(dk3, positions, m.rope_);
+    Tensor dq2 = dq.reshape({N, Hq * hd}), dk2 = dk.reshape({N, Hkv * hd}), dv2 = dv.reshape({N, Hkv * hd});
+    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls, kSiteAttnDqkv * 10);
+    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls, kSiteAttnDqkv * 10 + 4);
+    linear_backward(dv2, s.attn_x, w.wv, name + "wv", g.wv, &dxn, true, r, cls, kSiteAttnDqkv * 10 + 8);
+  }
+
+  // ---- MoE block ----------------------------------------------------------------------------
+  // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
+  // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert.
+  Tensor moe_forward(const Tensor& xn, const LayerWeights& w, LayerWeights& g, const std::string& name,
+                     Model::Saved::Layer* s, double* aux_loss) {
+    const LayerClass cls = LayerClass::Expert;
+    const LayerRecipe& r = recipe(cls);
+    const LayerRecipe& rr = recipe(LayerClass::Router);
+    const int64_t N = xn.size(0), D = c.d_model, E = c.n_experts, K = c.top_k;
+
+    Tensor logits = act({N, E});
+    const Prepared px_router = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', rng(kSiteRouter),
+                                       LayerClass::Router, log);
+    gemm(px_router, weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router), logits);
+    Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
+    ops::router_topk(logits, K, probs, topk_idx, topk_w);
+    ops::RoutePlan plan = ops::route_plan(topk_idx, E);
+
+    // Load-balance loss (Switch): coef * E * sum_e f_e * P_e, with f_e the routed share
+    // (no gradient) and P_e the mean router probability.
+    std::vector<double> frac(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
+    {
+      const Tensor ph = probs.to(Device::CPU);
+      double aux = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        double pe = 0;
+        for (int64_t n = 0; n < N; ++n)
+          pe += ph.dtype() == DType::F64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
+        aux += frac[size_t(e)] * pe / double(N);
+      }
+      *aux_loss += c.aux_loss_coef * double(E) * aux;
+    }
+
+    // Dispatch: quantize each token once (per-token scales make this independent of the batch),
+    // then gather the packed rows into expert order.
+    Prepared x_perm;
+    std::vector<Prepared> x_perm_wgrad;
+    const bool wgrad_from_fwd = r.requant_saved_sr || wgrad_reuses_fwd(r);
+    Tensor xn_perm;
+    if (r.fprop.a.quantized()) {
+      const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
+      x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
+    }
+    if (!r.fprop.a.quantized() || !wgrad_from_fwd) {
+      xn_perm = act({N * K, D});
+      ops::gather_rows(xn, plan.token_of_slot, xn_perm);
+      if (!r.fprop.a.quantized())
+        x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
+    }
+    if (!wgrad_from_fwd) {
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+        x_perm_wgrad.push_back(b == end ? Prepared{}
+                                        : prepare(xn_perm.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b',
+                                                  rng(kSiteMoeWgradX, e), cls, log));
+      }
+    }
+
+    Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, nullptr);
+    Tensor out = act({N, D});
+    ops::moe_combine(y_perm, plan.slot_of, topk_w, out);
+
+    if (c.n_shared_experts) {
+      FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
+      Tensor ys = ffn_forward(xn, sref, cls, kSiteShared, s ? &s->shared : nullptr);
+      ops::add_(out, ys);
+    }
+    if (s) {
+      s->probs = probs;
+      s->topk_idx = topk_idx;
+      s->topk_w = topk_w;
+      s->plan = std::move(plan);
+      s->frac = std::move(frac);
+      s->x_perm = std::move(x_perm);
+      s->x_perm_wgrad = std::move(x_perm_wgrad);
+    }
+    return out;
+  }
+
+  // The routed experts over expert-sorted rows: y = (silu(x W1^T) * (x W3^T)) W2^T per expert.
+  // With `inner`, also returns h1, h3 and a (for backward's recompute).
+  struct ExpertInner {
+    Tensor h1, h3, a;
+    Prepared pa;
+  };
+  Tensor expert_ffn(const Prepared& x_perm, const LayerWeights& w, const std::string& name,
+                    const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner) {
+    const LayerClass cls = LayerClass::Expert;
+    const LayerRecipe& r = recipe(cls);
+    const int64_t E = c.n_experts, F = c.d_expert, D = c.d_model;
+    const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
+    Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act({rows, F}), y = act({rows, D});
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+      if (b == end) continue;
+      Tensor h1e = h1.slice_rows(b, end), h3e = h3.slice_rows(b, end);
+      gemm(x_perm.rows(b, end), w1.slice(e), h1e);
+      gemm(x_perm.rows(b, end), w3.slice(e), h3e);
+    }
+    ops::swiglu_forward(h1, h3, a);
+    // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
+    Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeA), cls, log);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+      if (b == end) continue;
+      Tensor ye = y.slice_rows(b, end);
+      gemm(pa.rows(b, end), w2.slice(e), ye);
+    }
+    if (inner) *inner = ExpertInner{h1, h3, a, std::move(pa)};
+    return y;
+  }
+
+  void moe_backward(const Tensor& dy, const Tensor& xn, const LayerWeights& w, LayerWeights& g,
+                    const std::string& name, const Model::Saved::Layer& s, float loss_weight,
+                    Tensor& dxn) {
+    const LayerClass cls = LayerClass::Expert;
+    const LayerRecipe& r = recipe(cls);
+    const LayerRecipe& rr = recipe(LayerClass::Router);
+    const int64_t N = dy.size(0), D = c.d_model, E = c.n_experts, K = c.top_k, F = c.d_expert;
+    const ops::RoutePlan& plan = s.plan;
+
+    ExpertInner in;
+    const Tensor y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
+    Tensor dy_perm = act({N * K, D}), d_topk_w = act({N, K});
+    ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
+
+    // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
+    const Prepared w2_dgrad = dgrad_weight(w.w2, name + "moe.w2", r, cls, kSiteMoeW);
+    const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, kSiteMoeW + 1);
+    const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, kSiteMoeW + 2);
+    const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
+    Tensor da = act({N * K, F});
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+      if (b == end) continue;
+      Tensor dae = da.slice_rows(b, end), g2 = g.w2.view(e * D * F, {D, F});
+      gemm(pdy.rows(b, end), w2_dgrad.slice(e), dae);
+      const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
+                                   rng(kSiteMoeDy + 1, e), cls, log);
+      Prepared a_wgrad;
+      if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
+        a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
+      } else {
+        a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
+      }
+      gemm(dyt, a_wgrad, g2, true);
+    }
+    Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
+    ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
+
+    // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
+    const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh), cls, log);
+    const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh + 1), cls, log);
+    Tensor dx_perm = act({N * K, D});
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+      if (b == end) continue;
+      Tensor dxe = dx_perm.slice_rows(b, end);
+      gemm(pdh1.rows(b, end), w1_dgrad.slice(e), dxe);
+      gemm(pdh3.rows(b, end), w3_dgrad.slice(e), dxe, true);
+      const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
+                                           s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
+                                           r, cls, rng(kSiteMoeWgradX + 1, e));
+      Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
+      const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
+      gemm(dh1t, x_wgrad, g1, true);
+      const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
+      gemm(dh3t, x_wgrad, g3, true);
+    }
+    ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
+
+    // Router: through the top-k weights and the load-balance loss's d/dprobs.
+    std::vector<double> dp_col(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      dp_col[size_t(e)] = double(loss_weight) * c.aux_loss_coef * double(E) * s.frac[size_t(e)] / double(N);
+    Tensor d_probs_host = Tensor::empty({N, E}, m.dtype_, Device::CPU);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) {
+        if (m.dtype_ == DType::F64) d_probs_host.data<double>()[n * E + e] = dp_col[size_t(e)];
+        else d_probs_host.data<float>()[n * E + e] = float(dp_col[size_t(e)]);
+      }
+    const Tensor d_probs = d_probs_host.to(m.device_);
+    Tensor d_logits = act({N, E});
+    ops::router_backward(s.probs, s.topk_idx, s.topk_w, d_topk_w, d_probs, d_logits);
+    LinearInput router_x;
+    router_x.fwd = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', rng(kSiteRouter), LayerClass::Router, log);
+    if (!wgrad_reuses_fwd(rr))
+      router_x.wgrad = prepare(xn, rr.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteRouter + 1), LayerClass::Router, log);
+    linear_backward(d_logits, router_x, w.router, name + "moe.router", g.router, &dxn, true, rr,
+                    LayerClass::Router, kSiteRouter + 2);
+
+    if (c.n_shared_experts) {
+      FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
+      ffn_backward(dy, sref, cls, kSiteShared, s.shared, dxn, true);
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+
+Model::Model(const ModelConfig& cfg, const Recipe& recipe, Device device, DType dtype)
+    : cfg_(cfg), recipe_(recipe), device_(device), dtype_(dtype), params_(cfg, dtype, device) {
+  if (dtype != DType::F32 && dtype != DType::F64) fail("model dtype must be f32 or f64");
+  rope_ = ops::rope_table(cfg.max_seq_len, cfg.hd(), cfg.rope_theta, device);
+  if (dtype == DType::F64) {
+    Tensor t = Tensor::empty(rope_.shape(), DType::F64, device);
+    ops::convert(rope_, t);
+    rope_ = t;
+  }
+}
+
+Model::~Model() = default;
+
+Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role,
+                       const QuantSpec& spec, LayerClass cls) {
+  // Weight operands are deterministic (RNE) functions of the weights: cached for the step.
+  const std::string key = name + "/" + gemm_role_name(role);
+  auto it = weight_cache_.find(key);
+  if (it != weight_cache_.end()) {
+    quant_log_.add(cls, role, 'b', spec, false);
+    return it->second;
+  }
+  Prepared p = prepare(w, spec, role, 'b', ops::RngKey{0, 0}, cls, &quant_log_);
+  weight_cache_.emplace(key, p);
+  return p;
+}
+
+namespace {
+
+Tensor positions_for(int64_t B, int64_t T, Device device) {
+  std::vector<int32_t> pos(size_t(B * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) pos[size_t(b * T + t)] = int32_t(t);
+  return Tensor::from_host(pos.data(), {B * T}, DType::I32, device);
+}
+
+double host_sum(const Tensor& t) {
+  const Tensor h = t.to(Device::CPU);
+  double s = 0;
+  for (int64_t i = 0; i < h.numel(); ++i)
+    s += h.dtype() == DType::F64 ? h.data<double>()[i] : double(h.data<float>()[i]);
+  return s;
+}
+
+// The layer stack and LM head; with `s`, keeps what backward needs.
+Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::Saved* s, double* aux) {
+  const ModelConfig& cfg = m.config();
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, D = cfg.d_model, V = cfg.vocab_size;
+  const ModelWeights w = m.params().weights();
+  ModelWeights g = m.params().grads();
+  const Tensor positions = positions_for(B, T, m.device());
+  Tensor x = run.act({N, D});
+  ops::embedding_forward(tokens.reshape({N}), w.embed, x);
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    run.layer = l;
+    Model::Saved::Layer* sl = s ? &s->layers[size_t(l)] : nullptr;
+    const LayerWeights& lw = w.layers[size_t(l)];
+    LayerWeights& lg = g.layers[size_t(l)];
+    const std::string name = "layers." + std::to_string(l) + ".";
+    // attention block
+    Tensor xn = run.act({N, D}), rstd1 = run.act({N});
+    ops::rmsnorm_forward(x, lw.attn_norm, float(cfg.norm_eps), xn, rstd1);
+    Tensor x_mid = x.clone();
+    ops::add_(x_mid, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T));
+    // FFN block
+    Tensor xn2 = run.act({N, D}), rstd2 = run.act({N});
+    ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2);
+    Tensor f;
+    if (cfg.is_moe_layer(l)) {
+      f = run.moe_forward(xn2, lw, lg, name, sl, aux);
+    } else {
+      ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
+      f = run.ffn_forward(xn2, dref, LayerClass::Dense, kSiteFfn, sl ? &sl->dense : nullptr);
+    }
+    Tensor x_out = x_mid.clone();
+    ops::add_(x_out, f);
+    if (sl) {
+      sl->x_in = x;
+      sl->rstd1 = rstd1;
+      sl->x_mid = x_mid;
+      sl->rstd2 = rstd2;
+      sl->moe = cfg.is_moe_layer(l);
+    }
+    x = x_out;
+  }
+  run.layer = cfg.n_layers;
+  Tensor xf = run.act({N, D}), rstd_f = run.act({N});
+  ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
+  const LayerRecipe& rh = m.recipe().lm_head;
+  LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, kSiteLmHead)
+                        : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.rng(kSiteLmHead),
+                                              LayerClass::LmHead, nullptr), Prepared{}};
+  Tensor logits = Tensor::empty({N, V}, m.dtype(), m.device());
+  gemm(xf_in.fwd, run.weight(w.lm_head, "lm_head", GemmRole::Fprop, rh.fprop.b, LayerClass::LmHead), logits);
+  if (s) {
+    s->x_final = x;
+    s->rstd_f = rstd_f;
+    s->xf = std::move(xf_in);
+    s->positions = positions;
+  }
+  return logits;
+}
+
+}  // namespace
+
+ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
+                            bool for_backward, float loss_weight) {
+  if (tokens.dim() != 2 || tokens.dtype() != DType::I32)
+    fail("model forward: tokens must be i32 [B, T], got {}", tokens.str());
+  if (targets.shape() != tokens.shape() || targets.dtype() != DType::I32)
+    fail("model forward: targets must be i32 {} like tokens, got {}", shape_str(tokens.shape()), targets.str());
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, V = cfg_.vocab_size;
+  if (T > cfg_.max_seq_len) fail("model forward: sequence length {} exceeds max_seq_len {}", T, cfg_.max_seq_len);
+
+  ModelRunner run{*this, cfg_, sr, &quant_log_};
+  std::unique_ptr<Saved> s;
+  if (for_backward) {
+    s = std::make_unique<Saved>();
+    s->B = B;
+    s->T = T;
+    s->loss_weight = loss_weight;
+    s->sr = sr;
+    s->tokens = tokens;
+    s->layers.resize(size_t(cfg_.n_layers));
+  }
+  double aux = 0;
+  const Tensor logits = forward_logits(*this, run, tokens, s.get(), &aux);
+
+  // Cross-entropy; its gradient (of loss_weight * mean CE) is computed here, fused.
+  const Tensor th = targets.to(Device::CPU);
+  int64_t n_valid = 0;
+  for (int64_t i = 0; i < N; ++i) n_valid += th.data<int32_t>()[i] >= 0 ? 1 : 0;
+  Tensor losses = run.act({N});
+  Tensor dlogits;
+  if (for_backward) dlogits = Tensor::empty({N, V}, dtype_, device_);
+  const float grad_scale = n_valid ? loss_weight / float(n_valid) : 0.0f;
+  ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale);
+
+  ForwardStats st;
+  st.tokens = n_valid;
+  st.loss = n_valid ? host_sum(losses) / double(n_valid) : 0.0;
+  st.aux_loss = aux;
+
+  if (s) {
+    saved_bytes_ = SavedBytes{};
+    s->dlogits = dlogits;
+    auto& by = saved_bytes_.by_category;
+    for (const Saved::Layer& sl : s->layers) {
+      by["residual"] += tensor_bytes(sl.x_in) + tensor_bytes(sl.rstd1) + tensor_bytes(sl.x_mid) + tensor_bytes(sl.rstd2);
+      by["attention"] += sl.attn_x.bytes() + tensor_bytes(sl.q) + tensor_bytes(sl.k) + tensor_bytes(sl.v) +
+                         tensor_bytes(sl.o) + tensor_bytes(sl.lse) + sl.attn_o.bytes();
+      if (sl.moe) {
+        by["router"] += tensor_bytes(sl.probs) + tensor_bytes(sl.topk_idx) + tensor_bytes(sl.topk_w) +
+                        tensor_bytes(sl.plan.slot_of) + tensor_bytes(sl.plan.token_of_slot);
+        int64_t ex = sl.x_perm.bytes() + sl.shared.x.bytes();
+        for (const Prepared& p : sl.x_perm_wgrad) ex += p.bytes();
+        by["expert"] += ex;
+      } else {
+        by["dense"] += sl.dense.x.bytes();
+      }
+    }
+    by["residual"] += tensor_bytes(s->x_final) + tensor_bytes(s->rstd_f);
+    by["lm_head"] += s->xf.bytes() + tensor_bytes(s->dlogits);
+    saved_ = std::move(s);
+  }
+  return st;
+}
+
+void Model::backward() {
+  if (!saved_) fail("model backward: no forward pass with for_backward=true to go back through");
+  std::unique_ptr<Saved> s = std::move(saved_);
+  const int64_t N = s->B * s->T, D = cfg_.d_model;
+  ModelRunner run{*this, cfg_, s->sr, &quant_log_};
+  const ModelWeights w = params_.weights();
+  ModelWeights g = params_.grads();
+
+  // LM head and final norm
+  run.layer = cfg_.n_layers;
+  Tensor dxf = run.act({N, D});
+  run.linear_backward(s->dlogits, s->xf, w.lm_head, "lm_head", g.lm_head, &dxf, false,
+                      recipe_.lm_head, LayerClass::LmHead, kSiteLmHead + 2);
+  Tensor dx = run.act({N, D});
+  ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm);
+
+  for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
+    run.layer = l;
+    const Saved::Layer& sl = s->layers[size_t(l)];
+    const LayerWeights& lw = w.layers[size_t(l)];
+    LayerWeights& lg = g.layers[size_t(l)];
+    const std::string name = "layers." + std::to_string(l) + ".";
+    // FFN block: dx flows through the residual and through the FFN
+    Tensor xn2 = run.act({N, D}), rstd_unused = run.act({N});
+    ops::rmsnorm_forward(sl.x_mid, lw.ffn_norm, float(cfg_.norm_eps), xn2, rstd_unused);
+    Tensor dxn2 = run.act({N, D});
+    if (sl.moe) {
+      run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2);
+    } else {
+      ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
+      run.ffn_backward(dx, dref, LayerClass::Dense, kSiteFfn, sl.dense, dxn2, false);
+    }
+    Tensor dres = run.act({N, D});
+    ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dres, lg.ffn_norm);
+    ops::add_(dx, dres);
+    // attention block
+    Tensor dxn = run.act({N, D});
+    run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn);
+    ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dres, lg.attn_norm);
+    ops::add_(dx, dres);
+  }
+  ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
+}
+
+Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
+  if (tokens.dtype() != DType::I32 || tokens.dim() != 2) fail("logits: tokens must be i32 [B, T], got {}", tokens.str());
+  if (tokens.size(1) > cfg_.max_seq_len)
+    fail("logits: sequence length {} exceeds max_seq_len {}", tokens.size(1), cfg_.max_seq_len);
+  ModelRunner run{*this, cfg_, sr, nullptr};
+  double aux = 0;
+  return forward_logits(*this, run, tokens, nullptr, &aux);
+}
+
+}  // namespace fourbit

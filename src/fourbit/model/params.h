@@ -1,0 +1,65 @@
+// defines: ParamInfo, ParamStore, LayerWeights, ModelWeights, build_param_layout, init_params
+// Parameters live in one flat buffer with named views (llm.c style), so the optimizer, gradient
+// clipping, checkpoints and export walk one list. Gradients and the AdamW moments are flat buffers
+// of the same layout.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "fourbit/model/config.h"
+#include "fourbit/tensor/tensor.h"
+
+namespace fourbit {
+
+struct ParamInfo {
+  std::string name;   // e.g. "layers.3.moe.w1" (HF-like; export maps these)
+  Shape shape;
+  int64_t offset = 0; // elements into the flat buffer
+  bool decay = true;  // AdamW weight decay (off for norm gains)
+  int64_t numel() const { return shape_numel(shape); }
+};
+
+std::vector<ParamInfo> build_param_layout(const ModelConfig& c);
+
+// Views into one flat tensor following a layout.
+struct LayerWeights {
+  Tensor attn_norm, wq, wk, wv, wo, ffn_norm;
+  Tensor router, w1, w3, w2;      // MoE: router [E, D]; w1, w3 [E, F, D]; w2 [E, D, F]
+  Tensor sw1, sw3, sw2;           // shared expert [Fs, D], [Fs, D], [D, Fs] (if any)
+  Tensor dw1, dw3, dw2;           // dense FFN [Fd, D], [Fd, D], [D, Fd] (first dense_layers)
+};
+struct ModelWeights {
+  Tensor embed;                   // [V, D]
+  std::vector<LayerWeights> layers;
+  Tensor final_norm;              // [D]
+  Tensor lm_head;                 // [V, D]; the embedding itself when tied
+};
+
+class ParamStore {
+ public:
+  ParamStore(const ModelConfig& c, DType dtype, Device device);
+  const std::vector<ParamInfo>& infos() const { return infos_; }
+  int64_t numel() const { return numel_; }
+  Tensor& flat() { return flat_; }
+  const Tensor& flat_const() const { return flat_; }
+  Tensor& flat_grad() { return flat_grad_; }
+  Tensor view(const Tensor& flat, const ParamInfo& p) const { return flat.view(p.offset, p.shape); }
+  const ParamInfo& info(const std::string& name) const;
+  ModelWeights weights() const { return weights_over(flat_); }
+  ModelWeights grads() const { return weights_over(flat_grad_); }
+  ModelWeights weights_over(const Tensor& flat) const;
+  void zero_grad() { flat_grad_.zero_(); }
+
+ private:
+  ModelConfig cfg_;
+  std::vector<ParamInfo> infos_;
+  int64_t numel_ = 0;
+  Tensor flat_, flat_grad_;
+};
+
+// Normal(0, init_std) weights from Philox counters keyed by (seed, parameter index), so the
+// initial model is the same on every machine and thread count. Output projections (wo, w2) are
+// scaled by 1/sqrt(2 n_layers); norm gains start at 1.
+void init_params(ParamStore& p, const ModelConfig& c, uint64_t seed);
+
+}  // namespace fourbit
