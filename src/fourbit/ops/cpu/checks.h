@@ -1,0 +1,54 @@
+// defines: cpu::expect_float, cpu::expect_dims, cpu::expect_like, cpu::expect_index,
+//          cpu::with_float
+// Argument checks shared by the CPU layer ops, so every op fails with the same kind of message
+// ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"), and the F32/F64 dispatch.
+// Checks run before any OpenMP region: an exception must never leave a parallel region.
+#pragma once
+#include <string>
+
+#include "fourbit/tensor/tensor.h"
+
+namespace fourbit::ops::cpu {
+
+// A defined CPU tensor of dtype F32 or F64 with `ndim` dimensions; `sym` names them ("[N, D]").
+inline DType expect_float(const char* op, const char* name, const Tensor& t, int64_t ndim,
+                          const char* sym) {
+  if (!t.defined()) fail("{}: {} {} is undefined", op, name, sym);
+  if (t.device() != Device::CPU || (t.dtype() != DType::F32 && t.dtype() != DType::F64) ||
+      t.dim() != ndim)
+    fail("{}: {} must be a {}-D f32 or f64 cpu tensor {}, got {}", op, name, ndim, sym, t.str());
+  return t.dtype();
+}
+
+// Exactly dtype `dt` and shape `shape` on the CPU; `sym` is the symbolic shape ("[D]").
+inline void expect_dims(const char* op, const char* name, const Tensor& t, DType dt,
+                        const Shape& shape, const char* sym) {
+  if (!t.defined())
+    fail("{}: {} must be {}{}={} cpu, got an undefined tensor", op, name, dtype_name(dt), sym,
+         shape_str(shape));
+  if (t.device() != Device::CPU || t.dtype() != dt || t.shape() != shape)
+    fail("{}: {} must be {}{}={} cpu, got {}", op, name, dtype_name(dt), sym, shape_str(shape),
+         t.str());
+}
+
+// Same dtype and shape as `ref` (named `ref_name`).
+inline void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                        const Tensor& ref) {
+  const std::string sym = std::string("[like ") + ref_name + "]";
+  expect_dims(op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+}
+
+// An I32 index tensor of shape `shape`.
+inline void expect_index(const char* op, const char* name, const Tensor& t, const Shape& shape,
+                         const char* sym) {
+  expect_dims(op, name, t, DType::I32, shape, sym);
+}
+
+// Calls f(T{}) with T = float or double for a dtype already checked by expect_float.
+template <typename F>
+void with_float(DType dt, F&& f) {
+  if (dt == DType::F64) f(double{});
+  else f(float{});
+}
+
+}  // namespace fourbit::ops::cpu

@@ -1,0 +1,172 @@
+// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::fill_
+// Elementwise utilities over F32, F64 and BF16 CPU tensors. BF16 values are decoded to float,
+// computed on, and encoded once with num::bf16_encode (RNE), so a BF16 result is the rounding of
+// the float result.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fourbit/numerics/bf16.h"
+#include "fourbit/ops/cpu/cpu_ops.h"
+
+namespace fourbit::ops::cpu {
+namespace {
+
+bool is_value_dtype(DType t) { return t == DType::F32 || t == DType::F64 || t == DType::BF16; }
+
+void expect_value(const char* op, const char* name, const Tensor& t) {
+  if (!t.defined()) fail("{}: {} is undefined", op, name);
+  if (t.device() != Device::CPU || !is_value_dtype(t.dtype()))
+    fail("{}: {} must be an f32, f64 or bf16 cpu tensor, got {}", op, name, t.str());
+}
+
+// double -> bf16 with one rounding: round to float with round-to-odd (the float keeps 16 more
+// bits than bf16, so rounding that to nearest even equals rounding the double directly).
+uint16_t bf16_from_double(double x) {
+  float f = float(x);
+  if (std::isfinite(f) && double(f) != x) {
+    if (std::fabs(double(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);  // truncate
+    f = num::float_of(num::bits_of(f) | 1u);                                 // sticky bit
+  }
+  return num::bf16_encode(f);
+}
+
+// Loads and stores every value dtype as double (exact for all three).
+double load(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::F32: return double(static_cast<const float*>(p)[i]);
+    case DType::F64: return static_cast<const double*>(p)[i];
+    case DType::BF16: return double(num::bf16_decode(static_cast<const uint16_t*>(p)[i]));
+    default: break;
+  }
+  fail("tensor utility: unsupported dtype {}", dtype_name(t));
+}
+
+// Stores a value already computed in the destination's arithmetic (see callers).
+void store(void* p, DType t, int64_t i, double x) {
+  switch (t) {
+    case DType::F32: static_cast<float*>(p)[i] = float(x); return;
+    case DType::F64: static_cast<double*>(p)[i] = x; return;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = bf16_from_double(x); return;
+    default: break;
+  }
+  fail("tensor utility: unsupported dtype {}", dtype_name(t));
+}
+
+// Fixed chunk for sum_squares: partials per chunk, combined in chunk order, so the result is
+// the same for every thread count.
+constexpr int64_t kSumChunk = 1 << 14;
+
+}  // namespace
+
+void convert(const Tensor& src, Tensor& dst) {
+  expect_value("convert", "src", src);
+  expect_value("convert", "dst", dst);
+  if (src.numel() != dst.numel())
+    fail("convert: src {} and dst {} differ in element count", src.str(), dst.str());
+  const int64_t n = src.numel();
+  const DType st = src.dtype(), dt = dst.dtype();
+  if (st == dt) {
+    std::memcpy(dst.raw(), src.raw(), size_t(src.nbytes()));
+    return;
+  }
+  const void* s = src.raw();
+  void* d = dst.raw();
+  // Every value dtype widens exactly to double; the store rounds once (RNE) to the target.
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) store(d, dt, i, load(s, st, i));
+}
+
+void add_(Tensor& dst, const Tensor& src) {
+  expect_value("add_", "dst", dst);
+  expect_value("add_", "src", src);
+  if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
+    fail("add_: src must match dst {}, got {}", dst.str(), src.str());
+  const int64_t n = dst.numel();
+  switch (dst.dtype()) {
+    case DType::F32: {
+      float* d = dst.data<float>();
+      const float* s = src.data<float>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+      return;
+    }
+    case DType::F64: {
+      double* d = dst.data<double>();
+      const double* s = src.data<double>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+      return;
+    }
+    default: {  // BF16: float sum, one rounding
+      uint16_t* d = dst.data<uint16_t>();
+      const uint16_t* s = src.data<uint16_t>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i)
+        d[i] = num::bf16_encode(num::bf16_decode(d[i]) + num::bf16_decode(s[i]));
+      return;
+    }
+  }
+}
+
+// The factor is rounded to the tensor's arithmetic once (float for F32 and BF16) and every element
+// is multiplied by it: the CUDA kernel does the same.
+void scale_(Tensor& t, double s) {
+  expect_value("scale_", "t", t);
+  const int64_t n = t.numel();
+  switch (t.dtype()) {
+    case DType::F32: {
+      float* d = t.data<float>();
+      const float f = float(s);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] *= f;
+      return;
+    }
+    case DType::F64: {
+      double* d = t.data<double>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] *= s;
+      return;
+    }
+    default: {
+      uint16_t* d = t.data<uint16_t>();
+      const float f = float(s);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] = num::bf16_encode(num::bf16_decode(d[i]) * f);
+      return;
+    }
+  }
+}
+
+double sum_squares(const Tensor& t) {
+  expect_value("sum_squares", "t", t);
+  const int64_t n = t.numel();
+  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  std::vector<double> partial(size_t(chunks), 0.0);
+  const void* p = t.raw();
+  const DType dt = t.dtype();
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double acc = 0.0;
+    for (int64_t i = c * kSumChunk; i < std::min(n, (c + 1) * kSumChunk); ++i) {
+      const double x = load(p, dt, i);
+      acc += x * x;
+    }
+    partial[size_t(c)] = acc;
+  }
+  double total = 0.0;
+  for (double x : partial) total += x;
+  return total;
+}
+
+void fill_(Tensor& t, double v) {
+  expect_value("fill_", "t", t);
+  const int64_t n = t.numel();
+  void* p = t.raw();
+  const DType dt = t.dtype();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) store(p, dt, i, v);
+}
+
+}  // namespace fourbit::ops::cpu

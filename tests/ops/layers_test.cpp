@@ -1,0 +1,362 @@
+// The CPU layer ops of layers.cpp, tensor_utils.cpp and adamw.cpp: finite-difference gradient
+// checks in F64, forward checks against naive double references, batch invariance and thread-count
+// determinism (bitwise), AdamW against its formula, and the error messages of bad arguments.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "fourbit/numerics/bf16.h"
+#include "fourbit/ops/ops.h"
+#include "ops/op_test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::optest;
+
+namespace {
+
+// Runs f once with 1 and once with 2 OpenMP threads, restoring the thread count.
+template <typename F>
+void with_threads(int n, F&& f) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(n);
+  f();
+  omp_set_num_threads(saved);
+}
+
+void report(const char* what, double worst) {
+  std::printf("[ fd       ] %-34s worst rel err %.3g\n", what, worst);
+}
+
+}  // namespace
+
+// ---- tensor utilities -----------------------------------------------------------------------------
+
+TEST(LayerUtils, ConvertRoundsOnceToBf16) {
+  Tensor x = random_tensor({1000}, DType::F32, 1, -100.0, 100.0);
+  Tensor b = Tensor::empty({1000}, DType::BF16);
+  ops::convert(x, b);
+  for (int64_t i = 0; i < 1000; ++i)
+    ASSERT_EQ(b.data<uint16_t>()[i], num::bf16_encode(x.data<float>()[i])) << i;
+  Tensor back = Tensor::empty({10, 100}, DType::F32);
+  ops::convert(b, back);
+  for (int64_t i = 0; i < 1000; ++i)
+    ASSERT_EQ(back.data<float>()[i], num::bf16_decode(b.data<uint16_t>()[i]));
+  // 1 + 2^-8 + 2^-30 lies just above the bf16 tie 1 + 2^-8: rounding through float would land
+  // on the tie and go to even (1.0); one rounding gives 1 + 2^-7.
+  const double above_tie = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);
+  Tensor d = Tensor::from_host(&above_tie, {1}, DType::F64);
+  Tensor h = Tensor::empty({1}, DType::BF16);
+  ops::convert(d, h);
+  EXPECT_EQ(h.data<uint16_t>()[0], 0x3F81);
+  Tensor f = Tensor::empty({1}, DType::F32);
+  ops::convert(d, f);
+  EXPECT_EQ(f.data<float>()[0], float(above_tie));
+}
+
+TEST(LayerUtils, AddScaleFillSumSquares) {
+  Tensor a = random_tensor({300, 200}, DType::F32, 2);
+  Tensor b = random_tensor({300, 200}, DType::F32, 3);
+  Tensor c = a.clone();
+  ops::add_(c, b);
+  for (int64_t i = 0; i < a.numel(); ++i)
+    ASSERT_EQ(c.data<float>()[i], a.data<float>()[i] + b.data<float>()[i]);
+  ops::scale_(c, 0.25);
+  for (int64_t i = 0; i < a.numel(); ++i)
+    ASSERT_EQ(c.data<float>()[i], (a.data<float>()[i] + b.data<float>()[i]) * 0.25f);
+  double naive = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) naive += double(a.data<float>()[i]) * a.data<float>()[i];
+  double s1 = 0.0, s2 = 0.0;
+  with_threads(1, [&] { s1 = ops::sum_squares(a); });
+  with_threads(2, [&] { s2 = ops::sum_squares(a); });
+  EXPECT_EQ(s1, s2);
+  EXPECT_NEAR(s1, naive, 1e-10 * naive);
+  ops::fill_(c, 1.5);
+  EXPECT_EQ(ops::sum_squares(c), 2.25 * double(c.numel()));
+  expect_error([&] { ops::add_(c, random_tensor({200, 300}, DType::F32, 4)); },
+               "add_: src must match dst f32[300, 200] cpu");
+}
+
+// ---- embedding ------------------------------------------------------------------------------------
+
+TEST(EmbeddingOps, ForwardCopiesRowsAndGradCheck) {
+  const int64_t V = 7, D = 5;
+  Tensor table = random_tensor({V, D}, DType::F64, 10);
+  Tensor tokens = int_tensor({3, 0, 3, 6, 1, 3, 0, 2, 5}, {9});
+  Tensor out = Tensor::empty({9, D}, DType::F64);
+  Tensor r = random_tensor({9, D}, DType::F64, 11);
+  auto fwd = [&] { ops::embedding_forward(tokens, table, out); };
+  fwd();
+  for (int64_t n = 0; n < 9; ++n)
+    EXPECT_TRUE(bitwise_equal_range(out, n * D, table, tokens.data<int32_t>()[n] * D, D));
+  Tensor dtable = Tensor::zeros({V, D}, DType::F64);
+  ops::embedding_backward(r, tokens, dtable);
+  const double worst = fd_check(table, dtable, {{&out, &r}}, fwd);
+  report("embedding dtable", worst);
+  for (int64_t d = 0; d < D; ++d) EXPECT_EQ(dtable.data<double>()[4 * D + d], 0.0);  // unused row
+}
+
+TEST(EmbeddingOps, BackwardIsThreadCountInvariant) {
+  const int64_t N = 3000, V = 50, D = 33;
+  Tensor tokens = random_ints({N}, 0, V, 12);
+  Tensor dout = random_tensor({N, D}, DType::F32, 13);
+  Tensor init = random_tensor({V, D}, DType::F32, 14);
+  Tensor d1 = init.clone(), d2 = init.clone();
+  with_threads(1, [&] { ops::embedding_backward(dout, tokens, d1); });
+  with_threads(2, [&] { ops::embedding_backward(dout, tokens, d2); });
+  EXPECT_TRUE(bitwise_equal(d1, d2));
+}
+
+TEST(EmbeddingOps, Errors) {
+  Tensor table = random_tensor({7, 4}, DType::F32, 15);
+  Tensor out = Tensor::empty({3, 4}, DType::F32);
+  expect_error([&] { ops::embedding_forward(int_tensor({1, 2, 9}, {3}), table, out); },
+               "embedding_forward: tokens[2] = 9 is outside [0, V=7)");
+  Tensor bad_out = Tensor::empty({3, 5}, DType::F32);
+  expect_error([&] { ops::embedding_forward(int_tensor({1, 2, 3}, {3}), table, bad_out); },
+               "embedding_forward: out must be f32[N, D]=[3, 4] cpu, got f32[3, 5] cpu");
+}
+
+// ---- rmsnorm --------------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<double> rmsnorm_reference(const Tensor& x, const Tensor& w, double eps) {
+  const int64_t N = x.size(0), D = x.size(1);
+  std::vector<double> y(static_cast<size_t>(N * D));
+  for (int64_t n = 0; n < N; ++n) {
+    double ss = 0.0;
+    for (int64_t d = 0; d < D; ++d) ss += at(x, n * D + d) * at(x, n * D + d);
+    const double rs = 1.0 / std::sqrt(ss / double(D) + eps);
+    for (int64_t d = 0; d < D; ++d) y[size_t(n * D + d)] = at(x, n * D + d) * rs * at(w, d);
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST(RmsNormOps, ForwardMatchesReference) {
+  for (DType dt : {DType::F64, DType::F32}) {
+    Tensor x = random_tensor({6, 48}, dt, 20, -2.0, 2.0);
+    Tensor w = random_tensor({48}, dt, 21, 0.5, 1.5);
+    Tensor y = Tensor::empty({6, 48}, dt), rstd = Tensor::empty({6}, dt);
+    ops::rmsnorm_forward(x, w, 1e-5f, y, rstd);
+    const double err = max_rel_err(y, rmsnorm_reference(x, w, double(1e-5f)), 1e-3);
+    EXPECT_LT(err, dt == DType::F64 ? 1e-14 : 1e-6) << dtype_name(dt);
+  }
+}
+
+TEST(RmsNormOps, GradCheck) {
+  const int64_t N = 4, D = 8;
+  Tensor x = random_tensor({N, D}, DType::F64, 22, -2.0, 2.0);
+  Tensor w = random_tensor({D}, DType::F64, 23, 0.5, 1.5);
+  Tensor r = random_tensor({N, D}, DType::F64, 24);
+  Tensor y = Tensor::empty({N, D}, DType::F64), rstd = Tensor::empty({N}, DType::F64);
+  auto fwd = [&] { ops::rmsnorm_forward(x, w, 1e-5f, y, rstd); };
+  fwd();
+  Tensor dx = Tensor::empty({N, D}, DType::F64), dw = Tensor::zeros({D}, DType::F64);
+  ops::rmsnorm_backward(r, x, w, rstd, dx, dw);
+  report("rmsnorm dx", fd_check(x, dx, {{&y, &r}}, fwd));
+  report("rmsnorm dw", fd_check(w, dw, {{&y, &r}}, fwd));
+  // dw accumulates: a second backward adds the same sum again.
+  Tensor dw2 = dw.clone();
+  ops::rmsnorm_backward(r, x, w, rstd, dx, dw2);
+  for (int64_t d = 0; d < D; ++d) EXPECT_NEAR(at(dw2, d), 2.0 * at(dw, d), 1e-14);
+}
+
+TEST(RmsNormOps, BatchInvariantAndThreadCountInvariant) {
+  const int64_t T = 37, D = 96;
+  Tensor x8 = random_tensor({8 * T, D}, DType::F32, 25, -3.0, 3.0);
+  Tensor x1 = x8.slice_rows(0, T).clone();
+  Tensor w = random_tensor({D}, DType::F32, 26, 0.5, 1.5);
+  Tensor y1 = Tensor::empty({T, D}, DType::F32), r1 = Tensor::empty({T}, DType::F32);
+  Tensor y8 = Tensor::empty({8 * T, D}, DType::F32), r8 = Tensor::empty({8 * T}, DType::F32);
+  ops::rmsnorm_forward(x1, w, 1e-6f, y1, r1);
+  ops::rmsnorm_forward(x8, w, 1e-6f, y8, r8);
+  EXPECT_TRUE(bitwise_equal_range(y1, 0, y8, 0, T * D));
+  EXPECT_TRUE(bitwise_equal_range(r1, 0, r8, 0, T));
+
+  Tensor dy = random_tensor({8 * T, D}, DType::F32, 27);
+  Tensor dx1 = Tensor::empty({8 * T, D}, DType::F32), dx2 = dx1.clone();
+  Tensor dw1 = Tensor::zeros({D}, DType::F32), dw2 = Tensor::zeros({D}, DType::F32);
+  with_threads(1, [&] { ops::rmsnorm_backward(dy, x8, w, r8, dx1, dw1); });
+  with_threads(2, [&] { ops::rmsnorm_backward(dy, x8, w, r8, dx2, dw2); });
+  EXPECT_TRUE(bitwise_equal(dw1, dw2));
+  EXPECT_TRUE(bitwise_equal(dx1, dx2));
+}
+
+TEST(RmsNormOps, Errors) {
+  Tensor x = random_tensor({4, 64}, DType::F32, 28);
+  Tensor y = Tensor::empty({4, 64}, DType::F32), rstd = Tensor::empty({4}, DType::F32);
+  expect_error([&] { ops::rmsnorm_forward(x, random_tensor({32}, DType::F32, 1), 1e-5f, y, rstd); },
+               "rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu");
+  expect_error([&] { ops::rmsnorm_forward(x, random_tensor({64}, DType::F64, 1), 1e-5f, y, rstd); },
+               "rmsnorm_forward: w must be f32[D]=[64] cpu, got f64[64] cpu");
+  expect_error([&] { ops::rmsnorm_forward(int_tensor({1, 2}, {2}), x, 1e-5f, y, rstd); },
+               "rmsnorm_forward: x must be a 2-D f32 or f64 cpu tensor [N, D], got i32[2] cpu");
+}
+
+// ---- rope -----------------------------------------------------------------------------------------
+
+TEST(RopeOps, ForwardMatchesRotationAndGradCheck) {
+  const int64_t N = 3, H = 2, hd = 8;
+  Tensor table = ops::rope_table(16, hd, 10000.0, Device::CPU);
+  Tensor pos = int_tensor({0, 5, 15}, {N});
+  Tensor x = random_tensor({N, H, hd}, DType::F64, 30);
+  Tensor y = Tensor::empty({N, H, hd}, DType::F64);
+  auto fwd = [&] {
+    y.copy_from(x);
+    ops::rope_forward(y, pos, table);
+  };
+  fwd();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < hd / 2; ++i) {
+        const int64_t p = pos.data<int32_t>()[n], o = (n * H + h) * hd;
+        const double ang = double(p) * std::pow(10000.0, -double(2 * i) / double(hd));
+        const double a = at(x, o + i), b = at(x, o + i + hd / 2);
+        EXPECT_NEAR(at(y, o + i), a * std::cos(ang) - b * std::sin(ang), 1e-6);
+        EXPECT_NEAR(at(y, o + i + hd / 2), b * std::cos(ang) + a * std::sin(ang), 1e-6);
+      }
+  Tensor r = random_tensor({N, H, hd}, DType::F64, 31);
+  Tensor g = r.clone();
+  ops::rope_backward(g, pos, table);
+  report("rope dx", fd_check(x, g, {{&y, &r}}, fwd));
+  expect_error([&] { ops::rope_forward(y, int_tensor({0, 16, 1}, {N}), table); },
+               "rope_forward: positions[1] = 16 is outside [0, max_pos=16)");
+}
+
+// ---- swiglu ---------------------------------------------------------------------------------------
+
+TEST(SwigluOps, GradCheck) {
+  Tensor h1 = random_tensor({4, 6}, DType::F64, 40, -4.0, 4.0);
+  Tensor h3 = random_tensor({4, 6}, DType::F64, 41, -2.0, 2.0);
+  Tensor a = Tensor::empty({4, 6}, DType::F64), r = random_tensor({4, 6}, DType::F64, 42);
+  auto fwd = [&] { ops::swiglu_forward(h1, h3, a); };
+  fwd();
+  for (int64_t i = 0; i < 24; ++i) {
+    const double z = at(h1, i);
+    EXPECT_NEAR(at(a, i), z / (1.0 + std::exp(-z)) * at(h3, i), 1e-15);
+  }
+  Tensor dh1 = Tensor::empty({4, 6}, DType::F64), dh3 = Tensor::empty({4, 6}, DType::F64);
+  ops::swiglu_backward(r, h1, h3, dh1, dh3);
+  report("swiglu dh1", fd_check(h1, dh1, {{&a, &r}}, fwd));
+  report("swiglu dh3", fd_check(h3, dh3, {{&a, &r}}, fwd));
+  expect_error([&] { ops::swiglu_forward(h1, random_tensor({4, 5}, DType::F64, 1), a); },
+               "swiglu_forward: h3 must be f64[like h1]=[4, 6] cpu, got f64[4, 5] cpu");
+}
+
+// ---- cross entropy --------------------------------------------------------------------------------
+
+TEST(CrossEntropyOps, ForwardMatchesReference) {
+  for (DType dt : {DType::F64, DType::F32}) {
+    const int64_t N = 6, V = 11;
+    Tensor logits = random_tensor({N, V}, dt, 50, -5.0, 5.0);
+    Tensor tg = int_tensor({0, 10, -1, 3, 7, 3}, {N});
+    Tensor losses = Tensor::empty({N}, dt);
+    ops::cross_entropy(logits, tg, losses, nullptr, 1.0f);
+    std::vector<double> want(N, 0.0);
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t t = tg.data<int32_t>()[n];
+      if (t < 0) continue;
+      double s = 0.0;
+      for (int64_t v = 0; v < V; ++v) s += std::exp(at(logits, n * V + v));
+      want[size_t(n)] = std::log(s) - at(logits, n * V + t);
+    }
+    EXPECT_LT(max_rel_err(losses, want, 1e-3), dt == DType::F64 ? 1e-13 : 1e-6);
+    EXPECT_EQ(at(losses, 2), 0.0);
+  }
+  // Max subtraction: huge logits give the same loss as shifted ones.
+  std::vector<float> big = {1000.0f, 1001.0f, 999.0f}, small = {0.0f, 1.0f, -1.0f};
+  Tensor lb = Tensor::from_host(big.data(), {1, 3}, DType::F32);
+  Tensor ls = Tensor::from_host(small.data(), {1, 3}, DType::F32);
+  Tensor t = int_tensor({2}, {1}), o1 = Tensor::empty({1}, DType::F32), o2 = o1.clone();
+  ops::cross_entropy(lb, t, o1, nullptr, 1.0f);
+  ops::cross_entropy(ls, t, o2, nullptr, 1.0f);
+  EXPECT_TRUE(std::isfinite(o1.data<float>()[0]));
+  EXPECT_NEAR(o1.data<float>()[0], o2.data<float>()[0], 1e-5);
+}
+
+TEST(CrossEntropyOps, GradCheckWithIgnoredRows) {
+  const int64_t N = 5, V = 7;
+  const float gs = 0.7f;
+  Tensor logits = random_tensor({N, V}, DType::F64, 51, -3.0, 3.0);
+  Tensor tg = int_tensor({2, -1, 6, 0, -1}, {N});
+  Tensor losses = Tensor::empty({N}, DType::F64), dlogits = Tensor::empty({N, V}, DType::F64);
+  Tensor r = Tensor::empty({N}, DType::F64);
+  ops::fill_(r, double(gs));  // L = grad_scale * sum(losses)
+  auto fwd = [&] { ops::cross_entropy(logits, tg, losses, nullptr, gs); };
+  ops::cross_entropy(logits, tg, losses, &dlogits, gs);
+  for (int64_t n : {1, 4}) {
+    EXPECT_EQ(at(losses, n), 0.0);
+    for (int64_t v = 0; v < V; ++v) EXPECT_EQ(at(dlogits, n * V + v), 0.0);
+  }
+  report("cross_entropy dlogits", fd_check(logits, dlogits, {{&losses, &r}}, fwd));
+}
+
+TEST(CrossEntropyOps, BatchInvariant) {
+  const int64_t T = 13, V = 301;
+  Tensor l8 = random_tensor({8 * T, V}, DType::F32, 52, -8.0, 8.0);
+  Tensor t8 = random_ints({8 * T}, 0, V, 53);
+  Tensor l1 = l8.slice_rows(0, T).clone(), t1 = t8.slice_rows(0, T).clone();
+  Tensor o1 = Tensor::empty({T}, DType::F32), g1 = Tensor::empty({T, V}, DType::F32);
+  Tensor o8 = Tensor::empty({8 * T}, DType::F32), g8 = Tensor::empty({8 * T, V}, DType::F32);
+  ops::cross_entropy(l1, t1, o1, &g1, 0.01f);
+  ops::cross_entropy(l8, t8, o8, &g8, 0.01f);
+  EXPECT_TRUE(bitwise_equal_range(o1, 0, o8, 0, T));
+  EXPECT_TRUE(bitwise_equal_range(g1, 0, g8, 0, T * V));
+}
+
+TEST(CrossEntropyOps, Errors) {
+  Tensor logits = random_tensor({3, 5}, DType::F32, 54);
+  Tensor losses = Tensor::empty({3}, DType::F32);
+  expect_error([&] { ops::cross_entropy(logits, int_tensor({0, 9, 1}, {3}), losses, nullptr, 1.0f); },
+               "cross_entropy: targets[1] = 9 is outside [0, V=5)");
+  expect_error([&] { ops::cross_entropy(logits, int_tensor({0, -2, 1}, {3}), losses, nullptr, 1.0f); },
+               "targets[1] = -2");
+  Tensor bad = Tensor::empty({3, 4}, DType::F32);
+  expect_error([&] { ops::cross_entropy(logits, int_tensor({0, 1, 1}, {3}), losses, &bad, 1.0f); },
+               "cross_entropy: dlogits must be f32[N, V]=[3, 5] cpu, got f32[3, 4] cpu");
+}
+
+// ---- adamw ----------------------------------------------------------------------------------------
+
+TEST(AdamWOps, MatchesDoubleFormula) {
+  for (float wd : {0.0f, 0.1f}) {
+    const int64_t n = 1000;
+    Tensor p = random_tensor({n}, DType::F32, 60, 0.5, 1.5);
+    Tensor m = Tensor::zeros({n}, DType::F32), v = Tensor::zeros({n}, DType::F32);
+    std::vector<double> rp(p.data<float>(), p.data<float>() + n), rm(n, 0.0), rv(n, 0.0);
+    ops::AdamW h{1e-2f, 0.9f, 0.999f, 1e-8f, wd, 0};
+    for (int64_t step = 1; step <= 5; ++step) {
+      // Gradients keep one sign per element, so m never cancels to ~0 (relative error stays
+      // meaningful).
+      Tensor g = random_tensor({n}, DType::F32, 61 + uint64_t(step), 0.1, 1.0);
+      for (int64_t i = 0; i < n; i += 2) g.data<float>()[i] = -g.data<float>()[i];
+      h.step = step;
+      ops::adamw_step(p, g, m, v, h);
+      const double b1 = h.beta1, b2 = h.beta2;
+      for (int64_t i = 0; i < n; ++i) {
+        const double gi = g.data<float>()[i];
+        rm[i] = b1 * rm[i] + (1 - b1) * gi;
+        rv[i] = b2 * rv[i] + (1 - b2) * gi * gi;
+        const double mh = rm[i] / (1 - std::pow(b1, double(step)));
+        const double vh = rv[i] / (1 - std::pow(b2, double(step)));
+        rp[i] -= double(h.lr) * (mh / (std::sqrt(vh) + double(h.eps)) + double(wd) * rp[i]);
+      }
+      const double ep = max_rel_err(p, rp, 0.0), em = max_rel_err(m, rm, 0.0),
+                   ev = max_rel_err(v, rv, 0.0);
+      EXPECT_LT(ep, 1e-6) << "wd " << wd << " step " << step;
+      EXPECT_LT(em, 1e-6) << "wd " << wd << " step " << step;
+      EXPECT_LT(ev, 1e-6) << "wd " << wd << " step " << step;
+    }
+  }
+  Tensor p = Tensor::zeros({4}, DType::F32), g = Tensor::zeros({5}, DType::F32);
+  Tensor m = p.clone(), v = p.clone();
+  expect_error([&] { ops::adamw_step(p, g, m, v, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 1}); },
+               "adamw_step: grad must be f32[like param]=[4] cpu, got f32[5] cpu");
+  expect_error([&] { ops::adamw_step(p, p, m, v, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f, 0}); },
+               "step must be >= 1");
+}

@@ -1,0 +1,228 @@
+// Router and MoE permutation ops on the CPU: top-k order and ties, finite-difference gradients
+// (router, moe_combine, gather_rows_backward), route_plan invariants on random routings, dense
+// and quantized gathers (exact bytes), and error messages.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "ops/op_test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::optest;
+
+namespace {
+
+// Each token picks k distinct experts at random.
+Tensor random_routing(int64_t N, int64_t E, int64_t k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> idx(static_cast<size_t>(N * k)), experts(static_cast<size_t>(E));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int64_t n = 0; n < N; ++n) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::copy_n(experts.begin(), k, idx.begin() + n * k);
+  }
+  return int_tensor(idx, {N, k});
+}
+
+void report(const char* what, double worst) {
+  std::printf("[ fd       ] %-34s worst rel err %.3g\n", what, worst);
+}
+
+}  // namespace
+
+// ---- router ---------------------------------------------------------------------------------------
+
+TEST(RouterOps, TopkOrderTiesAndWeights) {
+  // Row 0 has a three-way tie at the top (experts 1, 3, 4): lower index first.
+  std::vector<float> lg = {0.5f, 2.0f, -1.0f, 2.0f, 2.0f, 0.0f,
+                           -3.0f, 1.0f, 4.0f, 0.25f, 1.5f, 3.0f};
+  Tensor logits = Tensor::from_host(lg.data(), {2, 6}, DType::F32);
+  Tensor probs = Tensor::empty({2, 6}, DType::F32), idx = Tensor::empty({2, 3}, DType::I32),
+         w = Tensor::empty({2, 3}, DType::F32);
+  ops::router_topk(logits, 3, probs, idx, w);
+  const int32_t* I = idx.data<int32_t>();
+  EXPECT_EQ(std::vector<int32_t>(I, I + 3), (std::vector<int32_t>{1, 3, 4}));
+  EXPECT_EQ(std::vector<int32_t>(I + 3, I + 6), (std::vector<int32_t>{2, 5, 4}));
+  for (int64_t n = 0; n < 2; ++n) {
+    double ps = 0.0, ws = 0.0, sel = 0.0;
+    for (int64_t e = 0; e < 6; ++e) ps += probs.data<float>()[n * 6 + e];
+    for (int64_t j = 0; j < 3; ++j) {
+      ws += w.data<float>()[n * 3 + j];
+      sel += probs.data<float>()[n * 6 + I[n * 3 + j]];
+    }
+    EXPECT_NEAR(ps, 1.0, 1e-6);
+    EXPECT_NEAR(ws, 1.0, 1e-6);
+    for (int64_t j = 0; j < 3; ++j)
+      EXPECT_NEAR(w.data<float>()[n * 3 + j], probs.data<float>()[n * 6 + I[n * 3 + j]] / sel, 1e-7);
+  }
+  expect_error([&] { ops::router_topk(logits, 7, probs, idx, w); },
+               "router_topk: k must be in [1, E=6], got k=7");
+}
+
+TEST(RouterOps, GradCheckThroughTopkAndProbs) {
+  const int64_t N = 4, E = 6, k = 2;
+  // Logits spaced by >= 0.5 (a shuffled ladder plus small noise): the top-k set cannot change
+  // under the 1e-6 perturbation.
+  std::mt19937_64 rng(700);
+  std::vector<double> lg(static_cast<size_t>(N * E));
+  std::uniform_real_distribution<double> noise(-0.1, 0.1);
+  for (int64_t n = 0; n < N; ++n) {
+    std::vector<int> ladder(static_cast<size_t>(E));
+    std::iota(ladder.begin(), ladder.end(), 0);
+    std::shuffle(ladder.begin(), ladder.end(), rng);
+    for (int64_t e = 0; e < E; ++e) lg[size_t(n * E + e)] = 0.6 * ladder[size_t(e)] + noise(rng);
+  }
+  Tensor logits = Tensor::from_host(lg.data(), {N, E}, DType::F64);
+  Tensor probs = Tensor::empty({N, E}, DType::F64), idx = Tensor::empty({N, k}, DType::I32),
+         w = Tensor::empty({N, k}, DType::F64);
+  auto fwd = [&] { ops::router_topk(logits, k, probs, idx, w); };
+  fwd();
+  const Tensor idx0 = idx.clone();
+  Tensor rw = random_tensor({N, k}, DType::F64, 701), rp = random_tensor({N, E}, DType::F64, 702);
+  Tensor dlogits = Tensor::empty({N, E}, DType::F64);
+  ops::router_backward(probs, idx, w, rw, rp, dlogits);
+  report("router d_logits", fd_check(logits, dlogits, {{&w, &rw}, {&probs, &rp}}, fwd));
+  EXPECT_TRUE(bitwise_equal(idx, idx0));
+  // Only through the top-k weights (undefined d_probs = no extra gradient).
+  Tensor dl_w = Tensor::empty({N, E}, DType::F64);
+  ops::router_backward(probs, idx, w, rw, Tensor(), dl_w);
+  report("router d_logits (top-k weights only)", fd_check(logits, dl_w, {{&w, &rw}}, fwd));
+}
+
+// ---- route plan -----------------------------------------------------------------------------------
+
+TEST(MoeOps, RoutePlanInvariants) {
+  for (uint64_t seed = 0; seed < 20; ++seed) {
+    const int64_t N = 1 + int64_t(seed * 7 % 61), E = 2 + int64_t(seed % 9), k = 1 + int64_t(seed % std::min<int64_t>(E, 4));
+    const Tensor idx = random_routing(N, E, k, 800 + seed);
+    const ops::RoutePlan plan = ops::route_plan(idx, E);
+    ASSERT_EQ(plan.offsets.size(), size_t(E + 1));
+    EXPECT_EQ(plan.offsets.front(), 0);
+    EXPECT_EQ(plan.offsets.back(), N * k);
+    const int32_t* I = idx.data<int32_t>();
+    const int32_t* slot = plan.slot_of.data<int32_t>();
+    const int32_t* tok = plan.token_of_slot.data<int32_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t count = std::count(I, I + N * k, int32_t(e));
+      EXPECT_EQ(plan.offsets[size_t(e + 1)] - plan.offsets[size_t(e)], count) << "expert " << e;
+      // Tokens ascending within an expert.
+      for (int64_t s = plan.offsets[size_t(e)] + 1; s < plan.offsets[size_t(e + 1)]; ++s)
+        EXPECT_LT(tok[s - 1], tok[s]);
+    }
+    std::vector<int> seen(size_t(N * k), 0);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t s = slot[n * k + j];
+        ASSERT_GE(s, 0);
+        ASSERT_LT(s, N * k);
+        ++seen[size_t(s)];
+        EXPECT_EQ(tok[s], n);
+        const int32_t e = I[n * k + j];
+        EXPECT_GE(s, plan.offsets[size_t(e)]);
+        EXPECT_LT(s, plan.offsets[size_t(e + 1)]);
+      }
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+  }
+}
+
+TEST(MoeOps, GatherAndCombineOnRandomRoutings) {
+  const int64_t N = 37, E = 5, k = 2, D = 12;
+  const Tensor idx = random_routing(N, E, k, 900);
+  const ops::RoutePlan plan = ops::route_plan(idx, E);
+  const Tensor x = random_tensor({N, D}, DType::F32, 901);
+  Tensor xp = Tensor::empty({N * k, D}, DType::F32);
+  ops::gather_rows(x, plan.token_of_slot, xp);
+  for (int64_t s = 0; s < N * k; ++s)
+    EXPECT_TRUE(bitwise_equal_range(xp, s * D, x, plan.token_of_slot.data<int32_t>()[s] * D, D));
+  // Combining the gathered rows with weights w gives (sum_j w_j) x in rank order.
+  const Tensor w = random_tensor({N, k}, DType::F32, 902, 0.0, 1.0);
+  Tensor out = Tensor::empty({N, D}, DType::F32);
+  ops::moe_combine(xp, plan.slot_of, w, out);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d) {
+      float want = 0.0f;
+      for (int64_t j = 0; j < k; ++j) want += w.data<float>()[n * k + j] * x.data<float>()[n * D + d];
+      ASSERT_EQ(out.data<float>()[n * D + d], want) << n << " " << d;
+    }
+  // gather_rows_backward of the gathered rows sums k copies of each token row.
+  Tensor dx = Tensor::empty({N, D}, DType::F32);
+  ops::gather_rows_backward(xp, plan.slot_of, dx);
+  for (int64_t i = 0; i < N * D; ++i) ASSERT_EQ(dx.data<float>()[i], 2.0f * x.data<float>()[i]);
+}
+
+TEST(MoeOps, GradCheckCombineAndGatherBackward) {
+  const int64_t N = 6, E = 4, k = 2, D = 5;
+  const Tensor idx = random_routing(N, E, k, 1000);
+  const ops::RoutePlan plan = ops::route_plan(idx, E);
+  Tensor yp = random_tensor({N * k, D}, DType::F64, 1001);
+  Tensor w = random_tensor({N, k}, DType::F64, 1002);
+  Tensor out = Tensor::empty({N, D}, DType::F64), r = random_tensor({N, D}, DType::F64, 1003);
+  auto fwd = [&] { ops::moe_combine(yp, plan.slot_of, w, out); };
+  fwd();
+  Tensor dyp = Tensor::empty({N * k, D}, DType::F64), dw = Tensor::empty({N, k}, DType::F64);
+  ops::moe_combine_backward(r, yp, plan.slot_of, w, dyp, dw);
+  report("moe_combine dy_perm", fd_check(yp, dyp, {{&out, &r}}, fwd));
+  report("moe_combine dw", fd_check(w, dw, {{&out, &r}}, fwd));
+
+  Tensor x = random_tensor({N, D}, DType::F64, 1004);
+  Tensor xp = Tensor::empty({N * k, D}, DType::F64), rp = random_tensor({N * k, D}, DType::F64, 1005);
+  auto gather = [&] { ops::gather_rows(x, plan.token_of_slot, xp); };
+  gather();
+  Tensor dx = Tensor::empty({N, D}, DType::F64);
+  ops::gather_rows_backward(rp, plan.slot_of, dx);
+  report("gather_rows_backward dx", fd_check(x, dx, {{&xp, &rp}}, gather));
+}
+
+TEST(MoeOps, QTensorGatherCopiesExactBytes) {
+  const int64_t N = 19, C = 64, E = 4, k = 2;
+  const Tensor x = random_tensor({N, C}, DType::F32, 1100, -3.0, 3.0);
+  QuantSpec spec;
+  spec.fmt = Format::NVFP4;
+  spec.outer = OuterScale::PerRow;
+  const QTensor q = ops::quantize(x, spec);
+  const ops::RoutePlan plan = ops::route_plan(random_routing(N, E, k, 1101), E);
+  const QTensor g = ops::gather_rows(q, plan.token_of_slot);
+  ASSERT_EQ(g.rows, N * k);
+  EXPECT_EQ(g.cols, q.cols);
+  EXPECT_EQ(g.fmt, q.fmt);
+  EXPECT_EQ(g.outer, OuterScale::PerRow);
+  ASSERT_EQ(g.codes.shape(), (Shape{N * k, q.code_row_bytes()}));
+  ASSERT_EQ(g.block_scales.shape(), (Shape{N * k, q.blocks_per_row()}));
+  ASSERT_EQ(g.outer_scales.shape(), (Shape{N * k}));
+  const Tensor xq = ops::dequantize(q), gq = ops::dequantize(g);
+  for (int64_t s = 0; s < N * k; ++s) {
+    const int64_t n = plan.token_of_slot.data<int32_t>()[s];
+    EXPECT_TRUE(bitwise_equal_range(g.codes, s * q.code_row_bytes(), q.codes,
+                                    n * q.code_row_bytes(), q.code_row_bytes()));
+    EXPECT_TRUE(bitwise_equal_range(g.block_scales, s * q.blocks_per_row(), q.block_scales,
+                                    n * q.blocks_per_row(), q.blocks_per_row()));
+    EXPECT_TRUE(bitwise_equal_range(g.outer_scales, s, q.outer_scales, n, 1));
+    EXPECT_TRUE(bitwise_equal_range(gq, s * C, xq, n * C, C));
+  }
+  // A tensor-scale QTensor keeps its one scale.
+  spec.outer = OuterScale::Tensor;
+  const QTensor qt = ops::quantize(x, spec);
+  const QTensor gt = ops::gather_rows(qt, plan.token_of_slot);
+  EXPECT_TRUE(bitwise_equal(gt.outer_scales, qt.outer_scales));
+}
+
+TEST(MoeOps, Errors) {
+  expect_error([&] { ops::route_plan(int_tensor({0, 1, 4, 2}, {2, 2}), 4); },
+               "route_plan: topk_idx[1, 0] = 4 is outside [0, n_experts=4)");
+  const Tensor x = random_tensor({4, 3}, DType::F32, 1200);
+  Tensor xp = Tensor::empty({2, 3}, DType::F32);
+  expect_error([&] { ops::gather_rows(x, int_tensor({0, 4}, {2}), xp); },
+               "gather_rows: token_of_slot[1] = 4 is outside [0, N=4)");
+  Tensor out = Tensor::empty({4, 3}, DType::F32);
+  expect_error([&] {
+    ops::moe_combine(xp, int_tensor({0, 1, 1, 0, 0, 1, 1, 0}, {4, 2}),
+                     random_tensor({4, 3}, DType::F32, 1), out);
+  }, "moe_combine: w must be f32[N, k]=[4, 2] cpu, got f32[4, 3] cpu");
+}

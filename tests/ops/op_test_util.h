@@ -1,0 +1,130 @@
+// defines: test helpers for the layer ops: random tensors, bitwise comparison, error-message
+//          expectations, and fd_check (central finite differences of L = sum(r * outputs)).
+#pragma once
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+
+namespace fourbit::optest {
+
+inline Tensor random_tensor(const Shape& shape, DType dt, uint64_t seed, double lo = -1.0,
+                            double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  Tensor t = Tensor::empty(shape, dt);
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (dt == DType::F64) t.data<double>()[i] = u(rng);
+    else t.data<float>()[i] = float(u(rng));
+  }
+  return t;
+}
+
+inline Tensor int_tensor(const std::vector<int32_t>& v, const Shape& shape) {
+  return Tensor::from_host(v.data(), shape, DType::I32);
+}
+
+inline Tensor random_ints(const Shape& shape, int32_t lo, int32_t hi_exclusive, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> u(lo, hi_exclusive - 1);
+  std::vector<int32_t> v(size_t(shape_numel(shape)));
+  for (auto& x : v) x = u(rng);
+  return int_tensor(v, shape);
+}
+
+inline double at(const Tensor& t, int64_t i) {
+  return t.dtype() == DType::F64 ? t.data<double>()[i] : double(t.data<float>()[i]);
+}
+inline void set(Tensor& t, int64_t i, double x) {
+  if (t.dtype() == DType::F64) t.data<double>()[i] = x;
+  else t.data<float>()[i] = float(x);
+}
+
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), size_t(a.nbytes())) == 0;
+}
+// Bytes [off, off + n) of two tensors, in elements of a's dtype.
+inline bool bitwise_equal_range(const Tensor& a, int64_t a_off, const Tensor& b, int64_t b_off,
+                                int64_t n) {
+  const int64_t es = dtype_size(a.dtype());
+  return std::memcmp(static_cast<const char*>(a.raw()) + a_off * es,
+                     static_cast<const char*>(b.raw()) + b_off * es, size_t(n * es)) == 0;
+}
+
+inline double max_rel_err(const Tensor& got, const std::vector<double>& want, double floor) {
+  double worst = 0.0;
+  for (int64_t i = 0; i < got.numel(); ++i)
+    worst = std::max(worst, std::fabs(at(got, i) - want[size_t(i)]) /
+                                std::max(std::fabs(want[size_t(i)]), floor));
+  return worst;
+}
+
+// Runs f, expects a fourbit::Error whose message contains `needle`.
+inline void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message '" << e.what() << "' lacks '" << needle << "'";
+  }
+}
+
+// An output of the function under test and the weights r of L = sum(r * output).
+struct Weighted {
+  const Tensor* out;
+  const Tensor* r;
+};
+
+// Gradients smaller than this are compared absolutely: the central difference of an F64
+// function with h = 1e-6 carries a rounding error of about 1e-10 * |output|.
+constexpr double kFdFloor = 1e-3;
+constexpr double kFdStep = 1e-6;
+
+// Checks `analytic` = dL/dx for every element of the F64 tensor x by central differences:
+// forward() recomputes the outputs from x. Returns the worst relative error
+// |fd - analytic| / max(|analytic|, kFdFloor). The difference of L is taken output by output,
+// so outputs that x does not reach cancel exactly.
+inline double fd_check(Tensor& x, const Tensor& analytic, const std::vector<Weighted>& outs,
+                       const std::function<void()>& forward) {
+  EXPECT_EQ(x.dtype(), DType::F64);
+  EXPECT_EQ(analytic.numel(), x.numel());
+  double* xd = x.data<double>();
+  std::vector<std::vector<double>> plus(outs.size());
+  double worst = 0.0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double x0 = xd[i];
+    xd[i] = x0 + kFdStep;
+    forward();
+    for (size_t o = 0; o < outs.size(); ++o) {
+      const Tensor& t = *outs[o].out;
+      plus[o].assign(t.data<double>(), t.data<double>() + t.numel());
+    }
+    xd[i] = x0 - kFdStep;
+    forward();
+    xd[i] = x0;
+    long double diff = 0.0L;
+    for (size_t o = 0; o < outs.size(); ++o) {
+      const Tensor& t = *outs[o].out;
+      const double* r = outs[o].r->data<double>();
+      for (int64_t j = 0; j < t.numel(); ++j)
+        diff += (long double)r[j] * ((long double)plus[o][size_t(j)] - t.data<double>()[j]);
+    }
+    const double fd = double(diff / (2.0L * kFdStep));
+    const double an = at(analytic, i);
+    const double err = std::fabs(fd - an) / std::max(std::fabs(an), kFdFloor);
+    EXPECT_LT(err, 1e-6) << "element " << i << ": finite difference " << fd << ", analytic " << an;
+    worst = std::max(worst, err);
+  }
+  forward();  // leave the outputs at x
+  return worst;
+}
+
+}  // namespace fourbit::optest
