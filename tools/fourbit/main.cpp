@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   fourbit::cli::add_recipes_command(app);
   fourbit::cli::add_generate_command(app);
   fourbit::cli::add_plot_command(app);
+  fourbit::cli::add_summary_command(app);
   fourbit::cli::add_quant_command(app);
   try {
     app.parse(argc, argv);

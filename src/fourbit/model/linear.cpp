@@ -37,12 +37,18 @@ void QuantLog::add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, b
 }
 
 ops::RngKey SrStreams::key(int64_t layer, int site, int64_t expert) const {
-  // splitmix64 finaliser over the packed key: distinct keys -> unrelated streams
-  uint64_t z = (step << 24) ^ (micro << 56) ^ (uint64_t(layer) << 12) ^ (uint64_t(site) << 4) ^
-               (uint64_t(expert) << 32) ^ 0x5EED5EEDull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
+  // Each field is folded in through the splitmix64 finaliser in turn, so no two fields share
+  // bits (packing them by shifts let step 256 collide with expert 1).
+  auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  uint64_t z = mix(step + 0x5EED5EEDull);
+  z = mix(z ^ micro);
+  z = mix(z ^ uint64_t(layer));
+  z = mix(z ^ uint64_t(site));
+  z = mix(z ^ uint64_t(expert));
   return ops::RngKey{seed, z};
 }
 

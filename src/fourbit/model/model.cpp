@@ -561,7 +561,7 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   Tensor losses = run.act({N});
   Tensor dlogits;
   if (for_backward) dlogits = Tensor::empty({N, V}, dtype_, device_);
-  const float grad_scale = n_valid ? loss_weight / float(n_valid) : 0.0f;
+  const double grad_scale = n_valid ? double(loss_weight) / double(n_valid) : 0.0;
   ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale);
 
   ForwardStats st;

@@ -1,5 +1,5 @@
-// defines: MiniFloatSpec, kE2M1, kE4M3, kE5M2, minifloat_encode, minifloat_decode,
-//          e2m1_encode, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
+// defines: MiniFloatSpec, e2m1_spec, e4m3_spec, e5m2_spec, kE2M1, kE4M3, kE5M2, minifloat_encode,
+//          minifloat_decode, e2m1_encode, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
 //          ue4m3_encode, ue4m3_decode
 // Small sign-exponent-mantissa floats (NUMERICS "Scalar element formats"). One encoder serves all
 // of them: round-to-nearest-even or stochastic rounding, saturating to the largest finite value
@@ -19,10 +19,14 @@ struct MiniFloatSpec {
 };
 
 // NUMERICS table: E2M1 max 6 (0x7); E4M3 "fn" max 448 (0x7E), NaN 0x7F; E5M2 max 57344 (0x7B),
-// Inf 0x7C and NaN 0x7D-0x7F (we emit 0x7E).
-inline constexpr MiniFloatSpec kE2M1{2, 1, 1, 0x7u, 0x0u, false};
-inline constexpr MiniFloatSpec kE4M3{4, 3, 7, 0x7Eu, 0x7Fu, true};
-inline constexpr MiniFloatSpec kE5M2{5, 2, 15, 0x7Bu, 0x7Eu, true};
+// Inf 0x7C and NaN 0x7D-0x7F (we emit 0x7E). Device code must use the functions (a namespace-scope
+// constexpr object cannot be read in a kernel); host code may use the k* constants.
+FOURBIT_HD constexpr MiniFloatSpec e2m1_spec() { return {2, 1, 1, 0x7u, 0x0u, false}; }
+FOURBIT_HD constexpr MiniFloatSpec e4m3_spec() { return {4, 3, 7, 0x7Eu, 0x7Fu, true}; }
+FOURBIT_HD constexpr MiniFloatSpec e5m2_spec() { return {5, 2, 15, 0x7Bu, 0x7Eu, true}; }
+inline constexpr MiniFloatSpec kE2M1 = e2m1_spec();
+inline constexpr MiniFloatSpec kE4M3 = e4m3_spec();
+inline constexpr MiniFloatSpec kE5M2 = e5m2_spec();
 
 inline constexpr float kE2M1Max = 6.0f;
 inline constexpr float kE4M3Max = 448.0f;
@@ -32,7 +36,7 @@ inline constexpr float kE5M2Max = 57344.0f;
 // format's code. `rnd` supplies the random bits when mode == SR. Returns sign | magnitude code.
 // NaN gives the format's NaN code, or 0 for formats without one: block quantizers detect
 // non-finite input before encoding and report it (QuantStatus), they never rely on this value.
-FOURBIT_HD uint32_t minifloat_encode(const MiniFloatSpec& f, float x, int exp_adjust = 0,
+FOURBIT_HD uint32_t minifloat_encode(MiniFloatSpec f, float x, int exp_adjust = 0,
                                      Rounding mode = Rounding::RNE, uint32_t rnd = 0) {
   const uint32_t sign = (bits_of(x) >> 31) << (f.exp_bits + f.man_bits);
   if (is_nan_bits(x)) return f.has_nan ? (sign | f.nan_code) : 0u;
@@ -56,7 +60,7 @@ FOURBIT_HD uint32_t minifloat_encode(const MiniFloatSpec& f, float x, int exp_ad
   return sign | code;
 }
 
-FOURBIT_HD float minifloat_decode(const MiniFloatSpec& f, uint32_t code) {
+FOURBIT_HD float minifloat_decode(MiniFloatSpec f, uint32_t code) {
   const uint32_t sign_bit = 1u << (f.exp_bits + f.man_bits);
   const uint32_t mag = code & (sign_bit - 1u);
   const bool neg = (code & sign_bit) != 0;
@@ -78,7 +82,7 @@ FOURBIT_HD float minifloat_decode(const MiniFloatSpec& f, uint32_t code) {
 }
 
 FOURBIT_HD uint8_t e2m1_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
-  return uint8_t(minifloat_encode(kE2M1, x, 0, m, r));
+  return uint8_t(minifloat_encode(e2m1_spec(), x, 0, m, r));
 }
 // E2M1 decode without branches (it sits in the Four Over Six inner loop): exponent field e,
 // mantissa bit m; e > 0 is (1 + m/2) * 2^(e-1), e == 0 is m/2. Same values as minifloat_decode.
@@ -89,13 +93,13 @@ FOURBIT_HD float e2m1_decode(uint32_t code) {
   return float_of(mag | ((code & 8u) << 28));
 }
 FOURBIT_HD uint8_t e4m3_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
-  return uint8_t(minifloat_encode(kE4M3, x, 0, m, r));
+  return uint8_t(minifloat_encode(e4m3_spec(), x, 0, m, r));
 }
-FOURBIT_HD float e4m3_decode(uint32_t code) { return minifloat_decode(kE4M3, code & 0xFFu); }
+FOURBIT_HD float e4m3_decode(uint32_t code) { return minifloat_decode(e4m3_spec(), code & 0xFFu); }
 FOURBIT_HD uint8_t e5m2_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
-  return uint8_t(minifloat_encode(kE5M2, x, 0, m, r));
+  return uint8_t(minifloat_encode(e5m2_spec(), x, 0, m, r));
 }
-FOURBIT_HD float e5m2_decode(uint32_t code) { return minifloat_decode(kE5M2, code & 0xFFu); }
+FOURBIT_HD float e5m2_decode(uint32_t code) { return minifloat_decode(e5m2_spec(), code & 0xFFu); }
 
 // UE4M3: the E4M3 grid without a sign (NVFP4 block scales). Scales are never negative; the sign
 // of the input is dropped.

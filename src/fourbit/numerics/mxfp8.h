@@ -11,27 +11,27 @@ namespace fourbit::num {
 inline constexpr int kMxBlock = 32;
 enum class MxScaleRule : uint8_t { RCEIL = 0, FLOOR = 1 };
 
-FOURBIT_HD uint8_t mxfp8_scale(float block_amax, const MiniFloatSpec& elem, MxScaleRule rule) {
+FOURBIT_HD uint8_t mxfp8_scale(float block_amax, MiniFloatSpec elem, MxScaleRule rule) {
   const bool e4m3 = elem.exp_bits == 4;
   if (rule == MxScaleRule::FLOOR) return ue8m0_scale_floor(block_amax, e4m3 ? 8 : 15);
   return ue8m0_scale_for_max(block_amax, e4m3 ? kE4M3Max : kE5M2Max);
 }
 
 // q = encode(x * 2^-(E-127)); the scaling is applied to the exponent, exactly.
-FOURBIT_HD uint8_t mxfp8_encode(float x, uint8_t scale, const MiniFloatSpec& elem,
+FOURBIT_HD uint8_t mxfp8_encode(float x, uint8_t scale, MiniFloatSpec elem,
                                 Rounding rounding = Rounding::RNE, uint32_t rnd = 0) {
   return uint8_t(minifloat_encode(elem, x, 127 - int(scale), rounding, rnd));
 }
 
 // x_hat = elem(q) * 2^(E-127): exact in float32 (at least 2^-143 > 2^-149).
-FOURBIT_HD float mxfp8_decode(uint8_t code, uint8_t scale, const MiniFloatSpec& elem) {
+FOURBIT_HD float mxfp8_decode(uint8_t code, uint8_t scale, MiniFloatSpec elem) {
   return minifloat_decode(elem, code) * ue8m0_decode(scale);
 }
 
 // One block of n <= 32 values: picks the scale from block_amax, writes n codes, returns the scale.
 // SR bits: random_bits(seed, stream, index0 + i).
 FOURBIT_HD uint8_t mxfp8_quantize_block(const float* x, int n, float block_amax,
-                                        const MiniFloatSpec& elem, MxScaleRule rule,
+                                        MiniFloatSpec elem, MxScaleRule rule,
                                         Rounding rounding, uint64_t seed, uint64_t stream,
                                         uint64_t index0, uint8_t* codes) {
   const uint8_t scale = mxfp8_scale(block_amax, elem, rule);

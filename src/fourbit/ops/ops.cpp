@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/tensor/device_memory.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
 #endif
@@ -19,7 +20,11 @@ std::atomic<bool> g_nonfinite{false};
 void raise_nonfinite() { g_nonfinite.store(true, std::memory_order_relaxed); }
 
 bool nonfinite_seen(bool clear) {
-  return clear ? g_nonfinite.exchange(false) : g_nonfinite.load();
+  bool seen = clear ? g_nonfinite.exchange(false) : g_nonfinite.load();
+#if FOURBIT_HAS_CUDA
+  if (cuda_device_count() > 0) seen = cuda::take_nonfinite_flag(clear) || seen;
+#endif
+  return seen;
 }
 
 // One switch per op on the device of its first tensor; a CUDA tensor in a CPU-only build fails
@@ -150,7 +155,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   FOURBIT_DISPATCH(h1.device(), swiglu_backward, da, h1, h3, dh1, dh3);
 }
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   float grad_scale) {
+                   double grad_scale) {
   FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale);
 }
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx,

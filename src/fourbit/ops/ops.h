@@ -127,7 +127,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 // per-row loss into losses [N] (0 for ignored rows) and, when dlogits is defined, the gradient
 // of grad_scale * sum(losses): (softmax - onehot) * grad_scale (0 rows for ignored targets).
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   float grad_scale);
+                   double grad_scale);
 
 // Router: probs = softmax(logits [N, E]); top-k by probability (ties: lower expert index first),
 // topk_idx I32 [N, k] in descending order, topk_w [N, k] = renormalised probabilities.

@@ -86,6 +86,8 @@ TrainSummary pretrain(const PretrainOptions& opt) {
       fail("{}: checkpoint was trained with recipe '{}', not '{}'", dir, st.recipe, opt.recipe);
     if (config_to_json(st.config)["model"] != config_to_json(cfg)["model"])
       fail("{}: the checkpoint's [model] config differs from the one given", dir);
+    if (st.step >= cfg.train.steps)
+      fail("{}: the run is already at step {}; give a larger --steps to continue it", dir, st.step);
     load_checkpoint(dir, model.params(), &optim.m(), &optim.v());
     start_step = st.step;
     cfg.train.seed = st.seed;

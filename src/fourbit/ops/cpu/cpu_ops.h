@@ -31,7 +31,7 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a);
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1, Tensor& dh3);
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   float grad_scale);
+                   double grad_scale);
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w);
 void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
                      const Tensor& d_topk_w, const Tensor& d_probs, Tensor& d_logits);

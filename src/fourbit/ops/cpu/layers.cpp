@@ -306,7 +306,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   float grad_scale) {
+                   double grad_scale) {
   const char* op = "cross_entropy";
   const DType dt = expect_float(op, "logits", logits, 2, "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);

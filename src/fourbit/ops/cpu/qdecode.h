@@ -17,7 +17,7 @@ class QRowDecoder {
  public:
   explicit QRowDecoder(const QTensor& q) : q_(q) {
     for (uint32_t c = 0; c < 16; ++c) e2m1_[c] = num::e2m1_decode(c);
-    const num::MiniFloatSpec& elem = q.fmt == Format::MXFP8_E5M2 ? num::kE5M2 : num::kE4M3;
+    const num::MiniFloatSpec elem = q.fmt == Format::MXFP8_E5M2 ? num::kE5M2 : num::kE4M3;
     for (uint32_t c = 0; c < 256; ++c) fp8_[c] = num::minifloat_decode(elem, c);
     codes_ = q.codes.data<uint8_t>();
     scales_ = q.block_scales.data<uint8_t>();

@@ -1,0 +1,125 @@
+// Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
+// the bf16 recipe measured in the same process, and the activation bytes kept for backward.
+// Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
+//                    [--warmup 2] [--steps 5] [--json FILE]
+// Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
+// half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
+// rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
+#include <chrono>
+#include <sstream>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "fourbit/model/model.h"
+#include "fourbit/tensor/device_memory.h"
+#include "fourbit/train/data.h"
+#include "fourbit/train/optimizer.h"
+
+using namespace fourbit;
+
+namespace {
+
+double active_matmul_params(const ModelConfig& c) {
+  const double D = double(c.d_model), hd = double(c.hd());
+  const double attn = D * hd * double(c.n_heads) * 2 + D * hd * double(c.n_kv_heads) * 2;
+  const double moe = double(c.top_k) * 3 * D * double(c.d_expert) +
+                     double(c.n_shared_experts) * 3 * D * double(c.shared_hidden()) + D * double(c.n_experts);
+  const double dense = 3 * D * double(c.dense_hidden());
+  const double moe_layers = double(c.n_layers - c.dense_layers), dense_layers = double(c.dense_layers);
+  return double(c.n_layers) * attn + moe_layers * moe + dense_layers * dense + D * double(c.vocab_size);
+}
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& def) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return def;
+}
+
+void sync(Device d) {
+  if (d == Device::CUDA) device_synchronize();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const RunConfig cfg = load_config(arg(argc, argv, "--config", "configs/tiny.toml"));
+  const Device device = arg(argc, argv, "--device", "cpu") == "cuda" ? Device::CUDA : Device::CPU;
+  if (device == Device::CUDA && cuda_device_count() == 0) {
+    std::printf("train_bench: no CUDA device; nothing measured\n");
+    return 0;
+  }
+  std::vector<std::string> recipes;
+  {
+    std::stringstream ss(arg(argc, argv, "--recipes", "bf16,mxfp8,nvfp4-fwd"));
+    for (std::string r; std::getline(ss, r, ',');) recipes.push_back(r);
+  }
+  const int warmup = std::stoi(arg(argc, argv, "--warmup", "2"));
+  const int steps = std::stoi(arg(argc, argv, "--steps", "5"));
+  const TrainConfig& t = cfg.train;
+  const int64_t tokens_per_step = t.batch_size * t.seq_len * t.grad_accum;
+  const double flops_per_token = 6.0 * active_matmul_params(cfg.model) +
+                                 6.0 * double(cfg.model.n_layers * cfg.model.n_heads * cfg.model.hd() * t.seq_len);
+  const auto src = data::make_token_source(cfg.data, data::Split::Train, t.seed, cfg.model.vocab_size);
+
+  bench::BenchTable table;
+  table.name = fmt::format("training step, {} on {}, {} tokens/step", cfg.path, device_name(device), tokens_per_step);
+  table.columns = {"recipe", "step ms", "tokens/s", "TFLOP/s", "MFU vs 786", "step / bf16", "saved MiB", "peak MiB"};
+  double bf16_ms = 0;
+  for (const std::string& name : recipes) {
+    Model model(cfg.model, recipe_by_name(name), device);
+    init_params(model.params(), cfg.model, t.seed);
+    Optimizer optim(model.params(), t);
+    std::vector<int32_t> tok(size_t(t.batch_size * t.seq_len)), tgt(tok.size());
+    auto run_step = [&](int64_t step) {
+      model.params().zero_grad();
+      for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+        src->batch(step * t.grad_accum + micro, t.batch_size, t.seq_len, tok.data(), tgt.data());
+        const Tensor tokens = Tensor::from_host(tok.data(), {t.batch_size, t.seq_len}, DType::I32, device);
+        const Tensor targets = Tensor::from_host(tgt.data(), {t.batch_size, t.seq_len}, DType::I32, device);
+        model.forward(tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true,
+                      1.0f / float(t.grad_accum));
+        model.backward();
+      }
+      optim.step(step);
+      model.invalidate_weight_cache();
+    };
+    for (int i = 0; i < warmup; ++i) run_step(i);
+    sync(device);
+    device_peak_bytes(true);
+    std::vector<double> ms;
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run_step(warmup + i);
+      sync(device);
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    const double step_ms = ms[ms.size() / 2];
+    if (name == "bf16") bf16_ms = step_ms;
+    const double tps = double(tokens_per_step) / (step_ms / 1e3);
+    const double tflops = tps * flops_per_token / 1e12;
+    int64_t saved = 0;
+    nlohmann::json by;
+    for (const auto& [k, v] : model.saved_bytes().by_category) {
+      saved += v;
+      by[k] = double(v) / 1048576.0;
+    }
+    table.add({{"recipe", name},
+               {"step ms", step_ms},
+               {"tokens/s", tps},
+               {"TFLOP/s", tflops},
+               {"MFU vs 786", tflops / 786.0},
+               {"MFU vs 989", tflops / 989.0},
+               {"step / bf16", bf16_ms > 0 ? step_ms / bf16_ms : 0.0},
+               {"saved MiB", double(saved) / 1048576.0},
+               {"saved MiB by category", by},
+               {"peak MiB", double(device_peak_bytes(false)) / 1048576.0},
+               {"step ms all", ms}});
+  }
+  table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
+                {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
+                {"warmup", warmup}, {"steps", steps}};
+  table.print();
+  table.write_json(arg(argc, argv, "--json", ""));
+  return 0;
+}

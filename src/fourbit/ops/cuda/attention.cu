@@ -1,0 +1,236 @@
+// defines: cuda::attention_forward, cuda::attention_backward
+// Causal grouped-query attention on the GPU as three tensor-core GEMM stages with the scores
+// materialised: S = Q K^T / sqrt(hd) (BF16 operands, FP32 scores) -> masked softmax, one block per
+// query row with a fixed reduction tree (P in BF16, log-sum-exp in FP32) -> O = P V. Backward
+// recomputes P from the saved log-sum-exp. Every GEMM goes through matmul_nt, whose kernel choice
+// does not depend on the batch, and every reduction runs inside one row: a sequence's outputs are
+// the same alone or in a batch. Query row t of a call with pos0 sees keys 0 .. pos0 + t, so a KV
+// cache decode step (T = 1) computes what the full forward computed for that row up to the
+// order of the key reduction within one softmax block.
+//
+// Cost: O(T*S) memory for the scores (512 MiB for 128 heads x 1024 x 1024), which a fused
+// flash-style kernel would avoid; this is the first, simple-and-right version (docs/cuda.md).
+#include <cuda_bf16.h>
+
+#include <cmath>
+
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/matmul.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kRowThreads = 256;
+
+// x [B, T, Hx, hd] F32 -> out [B, Hq, T, hd] BF16, head h reading x's head h / group.
+__global__ void to_heads_kernel(const float* __restrict__ x, int64_t B, int64_t T, int64_t Hx, int64_t Hq,
+                                int64_t hd, __nv_bfloat16* __restrict__ out) {
+  const int64_t total = B * Hq * T * hd, group = Hq / Hx;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % Hq, b = i / (hd * T * Hq);
+    out[i] = __float2bfloat16_rn(x[((b * T + t) * Hx + h / group) * hd + d]);
+  }
+}
+
+// y [B, Hq, T, hd] F32 -> out [B, T, Hq, hd] F32.
+__global__ void from_heads_kernel(const float* __restrict__ y, int64_t B, int64_t T, int64_t Hq, int64_t hd,
+                                  float* __restrict__ out) {
+  const int64_t total = B * Hq * T * hd;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % hd, h = (i / hd) % Hq, t = (i / (hd * Hq)) % T, b = i / (hd * Hq * T);
+    out[i] = y[((b * Hq + h) * T + t) * hd + d];
+  }
+}
+
+// dkv_h [B, Hq, S, hd] -> dkv [B, S, Hkv, hd]: the heads of a group summed in head order.
+__global__ void reduce_groups_kernel(const float* __restrict__ per_head, int64_t B, int64_t S, int64_t Hq,
+                                     int64_t Hkv, int64_t hd, float* __restrict__ out) {
+  const int64_t total = B * S * Hkv * hd, group = Hq / Hkv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % hd, kh = (i / hd) % Hkv, s = (i / (hd * Hkv)) % S, b = i / (hd * Hkv * S);
+    float acc = 0.0f;
+    for (int64_t g = 0; g < group; ++g) acc += per_head[((b * Hq + kh * group + g) * S + s) * hd + d];
+    out[i] = acc;
+  }
+}
+
+__device__ float block_reduce(float v, float* shared, bool is_max) {
+  // fixed tree: warp shuffles, then warp 0 over the per-warp results
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int(blockDim.x >> 5) ? shared[lane] : (is_max ? -INFINITY : 0.0f);
+    for (int o = 16; o > 0; o >>= 1) {
+      const float w = __shfl_xor_sync(0xffffffffu, v, o);
+      v = is_max ? fmaxf(v, w) : v + w;
+    }
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  const float r = shared[0];
+  __syncthreads();
+  return r;
+}
+
+// One block per score row (b*Hq + h, t): P = softmax over keys 0 .. pos0+t (masked keys 0).
+__global__ void softmax_rows_kernel(const float* __restrict__ scores, int64_t T, int64_t S, int64_t pos0,
+                                    __nv_bfloat16* __restrict__ p, float* __restrict__ lse) {
+  __shared__ float shared[32];
+  const int64_t row = blockIdx.x, t = row % T;
+  const int64_t valid = min(S, pos0 + t + 1);
+  const float* s = scores + row * S;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, s[j]);
+  m = block_reduce(m, shared, true);
+  float l = 0.0f;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) l += expf(s[j] - m);
+  l = block_reduce(l, shared, false);
+  const float inv = 1.0f / l;
+  for (int64_t j = threadIdx.x; j < S; j += blockDim.x)
+    p[row * S + j] = __float2bfloat16_rn(j < valid ? expf(s[j] - m) * inv : 0.0f);
+  if (threadIdx.x == 0) lse[row] = m + logf(l);
+}
+
+// D[b, h, t] = sum_d dout . out (original [B, T, Hq, hd] layout), one warp per row.
+__global__ void rowdot_kernel(const float* __restrict__ dout, const float* __restrict__ out, int64_t B,
+                              int64_t T, int64_t Hq, int64_t hd, float* __restrict__ D) {
+  const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  for (int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; w < B * Hq * T; w += warps) {
+    const int64_t t = w % T, h = (w / T) % Hq, b = w / (T * Hq);
+    const int64_t base = ((b * T + t) * Hq + h) * hd;
+    float acc = 0.0f;
+    for (int64_t d = lane; d < hd; d += 32) acc += dout[base + d] * out[base + d];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) D[w] = acc;
+  }
+}
+
+// From recomputed scores: P = exp(S - lse) (BF16, for dV) and dS = P (dP - D) * scale (BF16).
+__global__ void softmax_backward_kernel(const float* __restrict__ scores, const float* __restrict__ lse,
+                                        const float* __restrict__ dp, const float* __restrict__ D, int64_t rows,
+                                        int64_t T, int64_t S, float scale, __nv_bfloat16* __restrict__ p,
+                                        __nv_bfloat16* __restrict__ ds) {
+  const int64_t total = rows * S;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / S, j = i % S, t = row % T;
+    float pv = 0.0f, dsv = 0.0f;
+    if (j <= t) {
+      pv = expf(scores[i] - lse[row]);
+      dsv = pv * (dp[i] - D[row]) * scale;
+    }
+    p[i] = __float2bfloat16_rn(pv);
+    ds[i] = __float2bfloat16_rn(dsv);
+  }
+}
+
+struct Dims {
+  int64_t B, T, S, Hq, Hkv, hd;
+};
+
+Dims check_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
+  check_cuda_tensor(q, op, "q");
+  check_cuda_tensor(k, op, "k");
+  check_cuda_tensor(v, op, "v");
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.dtype() != DType::F32 || k.dtype() != DType::F32 ||
+      v.dtype() != DType::F32)
+    fail("{}: q, k, v must be f32 [B, T, H, hd], got {}, {}, {}", op, q.str(), k.str(), v.str());
+  Dims d{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  if (k.shape() != v.shape() || k.size(0) != d.B || k.size(3) != d.hd || d.Hq % d.Hkv)
+    fail("{}: k {} / v {} do not fit q {}", op, k.str(), v.str(), q.str());
+  return d;
+}
+
+Tensor heads_bf16(const Tensor& x, const Dims& d, int64_t len, int64_t hx) {
+  Tensor out = Tensor::empty({d.B, d.Hq, len, d.hd}, DType::BF16, Device::CUDA);
+  to_heads_kernel<<<grid_for(out.numel(), 256), 256>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd,
+                                                       out.data<__nv_bfloat16>());
+  FOURBIT_LAUNCH_CHECK();
+  return out;
+}
+
+// Batched S[bh] = scale * Q[bh] K[bh]^T, [T, S] per head.
+Tensor scores(const Tensor& qh, const Tensor& kh, const Dims& d) {
+  Tensor s = Tensor::empty({d.B * d.Hq, d.T, d.S}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{qh.raw(), false, d.hd, d.T * d.hd}, MatmulOperand{kh.raw(), false, d.hd, d.S * d.hd},
+            s.raw(), d.S, d.T * d.S, d.T, d.S, d.hd, int(d.B * d.Hq), CUDA_R_16BF,
+            float(1.0 / std::sqrt(double(d.hd))), 0.0f);
+  return s;
+}
+
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse) {
+  const Dims d = check_dims(q, k, v, "attention_forward");
+  if (pos0 < 0 || pos0 + d.T > d.S) fail("attention_forward: pos0 {} + T {} exceeds the {} keys", pos0, d.T, d.S);
+  if (out.shape() != q.shape() || lse.shape() != Shape{d.B, d.Hq, d.T})
+    fail("attention_forward: out must be {} and lse [{}, {}, {}]", shape_str(q.shape()), d.B, d.Hq, d.T);
+  const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
+  const Tensor s = scores(qh, kh, d);
+  Tensor p = Tensor::empty({d.B * d.Hq, d.T, d.S}, DType::BF16, Device::CUDA);
+  softmax_rows_kernel<<<unsigned(d.B * d.Hq * d.T), kRowThreads>>>(s.data<float>(), d.T, d.S, pos0,
+                                                                  p.data<__nv_bfloat16>(), lse.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  // O[bh] = P[bh] V[bh]: V is stored [S, hd] = [K, N], a transposed B operand.
+  Tensor oh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
+            oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
+  from_heads_kernel<<<grid_for(oh.numel(), 256), 256>>>(oh.data<float>(), d.B, d.T, d.Hq, d.hd, out.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const Dims d = check_dims(q, k, v, "attention_backward");
+  if (d.S != d.T) fail("attention_backward: training attention needs S == T, got S={} T={}", d.S, d.T);
+  if (dout.shape() != q.shape() || out.shape() != q.shape() || dq.shape() != q.shape() || dk.shape() != k.shape() ||
+      dv.shape() != v.shape())
+    fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
+  const int64_t BH = d.B * d.Hq;
+  const float scale = float(1.0 / std::sqrt(double(d.hd)));
+  const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
+  const Tensor doh = heads_bf16(dout, d, d.T, d.Hq);
+  const Tensor s = scores(qh, kh, d);
+  // dP[bh] = dO[bh] V[bh]^T  [T, S]
+  Tensor dp = Tensor::empty({BH, d.T, d.S}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{doh.raw(), false, d.hd, d.T * d.hd}, MatmulOperand{vh.raw(), false, d.hd, d.S * d.hd},
+            dp.raw(), d.S, d.T * d.S, d.T, d.S, d.hd, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
+  Tensor D = Tensor::empty({BH * d.T}, DType::F32, Device::CUDA);
+  rowdot_kernel<<<grid_for(BH * d.T * 32, 256), 256>>>(dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd,
+                                                       D.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  Tensor p = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
+  Tensor ds = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
+  softmax_backward_kernel<<<grid_for(BH * d.T * d.S, 256), 256>>>(s.data<float>(), lse.data<float>(), dp.data<float>(),
+                                                                  D.data<float>(), BH * d.T, d.T, d.S, scale,
+                                                                  p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
+  FOURBIT_LAUNCH_CHECK();
+  // dV_h[bh] = P^T dO: C[s, d] = sum_t P[t, s] dO[t, d]  (A = P stored [K=T, M=S], B = dO stored [K=T, N=hd])
+  Tensor dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{p.raw(), true, d.S, d.T * d.S}, MatmulOperand{doh.raw(), true, d.hd, d.T * d.hd},
+            dvh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
+  // dQ_h = dS K: C[t, d] = sum_s dS[t, s] K[s, d]  (B = K stored [K=S, N=hd])
+  Tensor dqh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{ds.raw(), false, d.S, d.T * d.S}, MatmulOperand{kh.raw(), true, d.hd, d.S * d.hd},
+            dqh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
+  // dK_h = dS^T Q: C[s, d] = sum_t dS[t, s] Q[t, d]
+  Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{ds.raw(), true, d.S, d.T * d.S}, MatmulOperand{qh.raw(), true, d.hd, d.T * d.hd},
+            dkh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
+  from_heads_kernel<<<grid_for(dqh.numel(), 256), 256>>>(dqh.data<float>(), d.B, d.T, d.Hq, d.hd, dq.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  reduce_groups_kernel<<<grid_for(dk.numel(), 256), 256>>>(dkh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
+                                                           dk.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  reduce_groups_kernel<<<grid_for(dv.numel(), 256), 256>>>(dvh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
+                                                           dv.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace fourbit::ops::cuda

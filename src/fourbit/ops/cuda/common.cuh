@@ -1,0 +1,49 @@
+// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, grid_for, cublas_handle,
+//          cublaslt_handle, check_cuda_tensor
+// What every CUDA source of the backend needs: error checks that name the call and the file,
+// launch sizing, and the process-wide cuBLAS handles. Kernels run on the default stream.
+#pragma once
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fourbit/tensor/error.h"
+#include "fourbit/tensor/tensor.h"
+
+#define FOURBIT_CUDA_CHECK(call)                                                               \
+  do {                                                                                         \
+    const cudaError_t err_ = (call);                                                           \
+    if (err_ != cudaSuccess)                                                                   \
+      ::fourbit::fail("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations immediately (cheap, no sync).
+#define FOURBIT_LAUNCH_CHECK() FOURBIT_CUDA_CHECK(cudaGetLastError())
+
+#define FOURBIT_CUBLAS_CHECK(call)                                                             \
+  do {                                                                                         \
+    const cublasStatus_t st_ = (call);                                                         \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                          \
+      ::fourbit::fail("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, cublasGetStatusString(st_)); \
+  } while (0)
+
+namespace fourbit::ops::cuda {
+
+inline unsigned grid_for(int64_t work_items, int threads_per_block, int64_t max_blocks = 132 * 32) {
+  int64_t blocks = (work_items + threads_per_block - 1) / threads_per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > max_blocks) blocks = max_blocks;
+  return unsigned(blocks);
+}
+
+cublasHandle_t cublas_handle();
+cublasLtHandle_t cublaslt_handle();
+void* cublas_workspace(size_t* bytes);  // a device buffer for cuBLASLt
+
+inline void check_cuda_tensor(const Tensor& t, const char* op, const char* name) {
+  if (t.device() != Device::CUDA) fail("{}: {} must be a CUDA tensor, got {}", op, name, t.str());
+}
+
+}  // namespace fourbit::ops::cuda

@@ -1,0 +1,149 @@
+// defines: the device_memory.h functions for CUDA builds, with a caching allocator.
+// Training allocates and frees the same activation sizes every step; cudaMalloc/cudaFree are
+// slow and synchronising, so freed blocks are kept in per-size free lists and reused. Sizes are
+// rounded up (512 B granules below 1 MiB, 2 MiB above) so near-equal requests share blocks.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "fourbit/tensor/device_memory.h"
+
+namespace fourbit {
+namespace {
+
+#define FOURBIT_MEM_CHECK(call)                                                                 \
+  do {                                                                                          \
+    const cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) fail("{}: {}", #call, cudaGetErrorString(e_));                      \
+  } while (0)
+
+size_t round_size(size_t bytes) {
+  constexpr size_t kSmall = 512, kLarge = size_t(2) << 20;
+  if (bytes < (size_t(1) << 20)) return (bytes + kSmall - 1) / kSmall * kSmall;
+  return (bytes + kLarge - 1) / kLarge * kLarge;
+}
+
+struct Cache {
+  std::mutex mu;
+  std::map<size_t, std::vector<void*>> free_blocks;
+  size_t cached_bytes = 0;
+  int64_t in_use = 0, peak = 0;  // bytes handed out (rounded sizes)
+  void taken(size_t size) {
+    in_use += int64_t(size);
+    if (in_use > peak) peak = in_use;
+  }
+};
+
+Cache& cache() {
+  static Cache* c = new Cache();  // never destroyed: tensors may be freed during static teardown
+  return *c;
+}
+
+cudaMemcpyKind kind_of(Device dst, Device src) {
+  if (dst == Device::CUDA && src == Device::CUDA) return cudaMemcpyDeviceToDevice;
+  if (dst == Device::CUDA) return cudaMemcpyHostToDevice;
+  if (src == Device::CUDA) return cudaMemcpyDeviceToHost;
+  return cudaMemcpyHostToHost;
+}
+
+}  // namespace
+
+bool cuda_built() { return true; }
+
+int cuda_device_count() {
+  static const int n = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky "no device" error
+      return 0;
+    }
+    return count;
+  }();
+  return n;
+}
+
+void* device_alloc(size_t bytes) {
+  if (cuda_device_count() == 0) fail("no CUDA device is visible: cannot allocate {} bytes on the GPU", bytes);
+  const size_t size = round_size(bytes);
+  Cache& c = cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.free_blocks.find(size);
+    if (it != c.free_blocks.end() && !it->second.empty()) {
+      void* p = it->second.back();
+      it->second.pop_back();
+      c.cached_bytes -= size;
+      c.taken(size);
+      return p;
+    }
+  }
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, size);
+  if (e == cudaErrorMemoryAllocation) {
+    // Give the cached blocks back to the driver and try once more.
+    cudaGetLastError();
+    std::lock_guard<std::mutex> lock(c.mu);
+    cudaDeviceSynchronize();
+    for (auto& [sz, blocks] : c.free_blocks)
+      for (void* b : blocks) cudaFree(b);
+    c.free_blocks.clear();
+    c.cached_bytes = 0;
+    e = cudaMalloc(&p, size);
+  }
+  if (e != cudaSuccess) fail("cudaMalloc of {} bytes failed: {}", size, cudaGetErrorString(e));
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.taken(size);
+  return p;
+}
+
+void device_free(void* p, size_t bytes) {
+  if (!p) return;
+  // Freed memory may still be read by queued kernels; every kernel is on the default stream, and
+  // a later allocation's use is queued after them on that stream, so reuse is ordered.
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  const size_t size = round_size(bytes);
+  c.free_blocks[size].push_back(p);
+  c.cached_bytes += size;
+  c.in_use -= int64_t(size);
+}
+
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
+  if (!bytes) return;
+  if (dst_dev == Device::CPU && src_dev == Device::CPU) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  FOURBIT_MEM_CHECK(cudaMemcpy(dst, src, bytes, kind_of(dst_dev, src_dev)));
+}
+
+void zero_bytes(void* p, Device dev, size_t bytes) {
+  if (!bytes) return;
+  if (dev == Device::CPU) {
+    std::memset(p, 0, bytes);
+    return;
+  }
+  FOURBIT_MEM_CHECK(cudaMemsetAsync(p, 0, bytes, 0));
+}
+
+void device_synchronize() {
+  if (cuda_device_count() > 0) FOURBIT_MEM_CHECK(cudaDeviceSynchronize());
+}
+
+int64_t device_bytes_in_use() {
+  std::lock_guard<std::mutex> lock(cache().mu);
+  return cache().in_use;
+}
+
+int64_t device_peak_bytes(bool reset) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  const int64_t p = c.peak;
+  if (reset) c.peak = c.in_use;
+  return p;
+}
+
+}  // namespace fourbit

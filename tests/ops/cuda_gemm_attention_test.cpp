@@ -1,0 +1,184 @@
+// defines: tests of the CUDA GEMM and attention against the CPU backend (skipped without a GPU):
+// every operand format pair within a similarity bound, NVFP4 outer scales applied after the sum,
+// accumulate mode, batch invariance of GEMM rows (M = 1 .. 4096) with a split-K negative
+// control, and attention forward/backward within the BF16-attention tolerance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+
+using namespace fourbit;
+
+namespace {
+
+bool have_gpu() { return cuda_device_count() > 0; }
+
+Tensor randn(const Shape& s, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = nd(g) * scale;
+  return Tensor::from_host(v.data(), s, DType::F32);
+}
+
+// DeepGEMM-style similarity: 1 - 2<x,y> / (|x|^2 + |y|^2); 0 for identical tensors.
+double diff(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
+  double xy = 0, xx = 0, yy = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double p = x.data<float>()[i], q = y.data<float>()[i];
+    xy += p * q;
+    xx += p * p;
+    yy += q * q;
+  }
+  return 1.0 - 2.0 * xy / (xx + yy);
+}
+
+QuantSpec spec(Format f, OuterScale outer = OuterScale::None, BlockAxis axis = BlockAxis::Row) {
+  QuantSpec s;
+  s.fmt = f;
+  s.outer = outer;
+  s.axis = axis;
+  return s;
+}
+
+}  // namespace
+
+TEST(CudaGemm, QuantizedOperandsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Tensor x = randn({200, 96}, 1), w = randn({72, 96}, 2, 0.05f);
+  struct Case {
+    QuantSpec a, b;
+  };
+  const std::vector<Case> cases = {
+      {spec(Format::NVFP4, OuterScale::PerRow), spec(Format::NVFP4, OuterScale::Tensor)},
+      {spec(Format::NVFP4, OuterScale::Tensor), spec(Format::NVFP4, OuterScale::PerRow)},
+      {spec(Format::MXFP8_E4M3), spec(Format::MXFP8_E4M3)},
+      {spec(Format::MXFP8_E5M2), spec(Format::MXFP8_E4M3)},
+  };
+  for (const Case& c : cases) {
+    const QTensor qa = ops::quantize(x, c.a), qb = ops::quantize(w, c.b);
+    Tensor cpu = Tensor::empty({200, 72}, DType::F32);
+    ops::gemm(qa, qb, cpu);
+    const QTensor ga = qa.to(Device::CUDA), gb = qb.to(Device::CUDA);
+    Tensor gpu = Tensor::empty({200, 72}, DType::F32, Device::CUDA);
+    ops::gemm(ga, gb, gpu);
+    // the same exact operand values, only the FP32 accumulation order differs
+    EXPECT_LT(diff(cpu, gpu), 1e-9) << format_name(c.a.fmt) << " x " << format_name(c.b.fmt);
+    // accumulate: C += A.B^T
+    ops::gemm(ga, gb, gpu, true);
+    Tensor twice = cpu.clone();
+    ops::add_(twice, cpu);
+    EXPECT_LT(diff(twice, gpu), 1e-9);
+  }
+}
+
+TEST(CudaGemm, DenseFormatsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Tensor a = randn({130, 64}, 3), b = randn({40, 64}, 4), at = randn({64, 130}, 5);
+  for (bool trans : {false, true}) {
+    const Tensor& A = trans ? at : a;
+    Tensor cpu = Tensor::empty({130, 40}, DType::F32), gpu = Tensor::empty({130, 40}, DType::F32, Device::CUDA);
+    ops::gemm(ops::Operand(A, trans), b, cpu);
+    const Tensor ga = A.to(Device::CUDA), gb = b.to(Device::CUDA);
+    ops::gemm(ops::Operand(ga, trans), gb, gpu);
+    EXPECT_LT(diff(cpu, gpu), 1e-10) << "fp32 trans=" << trans;  // true FP32, no TF32
+    // BF16 operands
+    Tensor a16 = Tensor::empty(A.shape(), DType::BF16), b16 = Tensor::empty(b.shape(), DType::BF16);
+    ops::convert(A, a16);
+    ops::convert(b, b16);
+    ops::gemm(ops::Operand(a16, trans), b16, cpu);
+    const Tensor ga16 = a16.to(Device::CUDA), gb16 = b16.to(Device::CUDA);
+    ops::gemm(ops::Operand(ga16, trans), gb16, gpu);
+    EXPECT_LT(diff(cpu, gpu), 1e-9) << "bf16 trans=" << trans;
+  }
+}
+
+TEST(CudaGemm, RowsAreBatchInvariant) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t K = 1024, N = 512;
+  const Tensor big = randn({4096, K}, 6).to(Device::CUDA), w = randn({N, K}, 7, 0.03f).to(Device::CUDA);
+  Tensor a16 = Tensor::empty(big.shape(), DType::BF16, Device::CUDA), w16 = Tensor::empty(w.shape(), DType::BF16, Device::CUDA);
+  ops::convert(big, a16);
+  ops::convert(w, w16);
+  Tensor full = Tensor::empty({4096, N}, DType::F32, Device::CUDA);
+  ops::gemm(a16, w16, full);
+  const Tensor full_h = full.to(Device::CPU);
+  for (int64_t M : {1, 3, 64, 1000}) {
+    Tensor part = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+    const Tensor rows = a16.slice_rows(0, M);
+    ops::gemm(rows, w16, part);
+    const Tensor ph = part.to(Device::CPU);
+    EXPECT_EQ(0, std::memcmp(ph.data<float>(), full_h.data<float>(), size_t(M * N) * 4)) << "M=" << M;
+  }
+  // Negative control: a split-K GEMM (two halves, then added) changes the bits of some rows.
+  Tensor lo = Tensor::empty({4096, N}, DType::F32, Device::CUDA), hi = Tensor::empty({4096, N}, DType::F32, Device::CUDA);
+  Tensor a_lo = Tensor::empty({4096, K / 2}, DType::BF16, Device::CUDA), a_hi = a_lo.clone();
+  Tensor w_lo = Tensor::empty({N, K / 2}, DType::BF16, Device::CUDA), w_hi = w_lo.clone();
+  {
+    const Tensor bh = a16.to(Device::CPU), wh = w16.to(Device::CPU);
+    Tensor al = Tensor::empty({4096, K / 2}, DType::BF16), ah = al.clone(), wl = Tensor::empty({N, K / 2}, DType::BF16),
+           whh = wl.clone();
+    for (int64_t r = 0; r < 4096; ++r)
+      for (int64_t k = 0; k < K / 2; ++k) {
+        al.data<uint16_t>()[r * K / 2 + k] = bh.data<uint16_t>()[r * K + k];
+        ah.data<uint16_t>()[r * K / 2 + k] = bh.data<uint16_t>()[r * K + K / 2 + k];
+      }
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t k = 0; k < K / 2; ++k) {
+        wl.data<uint16_t>()[r * K / 2 + k] = wh.data<uint16_t>()[r * K + k];
+        whh.data<uint16_t>()[r * K / 2 + k] = wh.data<uint16_t>()[r * K + K / 2 + k];
+      }
+    a_lo = al.to(Device::CUDA);
+    a_hi = ah.to(Device::CUDA);
+    w_lo = wl.to(Device::CUDA);
+    w_hi = whh.to(Device::CUDA);
+  }
+  ops::gemm(a_lo, w_lo, lo);
+  ops::gemm(a_hi, w_hi, hi);
+  ops::add_(lo, hi);
+  const Tensor split = lo.to(Device::CPU);
+  EXPECT_NE(0, std::memcmp(split.data<float>(), full_h.data<float>(), size_t(4096 * N) * 4))
+      << "split-K should change some bits: the invariance check would be vacuous";
+}
+
+TEST(CudaAttention, ForwardBackwardMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 2, T = 40, Hq = 4, Hkv = 2, hd = 32;
+  const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
+  Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({B, Hq, T}, DType::F32);
+  ops::attention_forward(q, k, v, 0, out, lse);
+  const Tensor gq = q.to(Device::CUDA), gk = k.to(Device::CUDA), gv = v.to(Device::CUDA);
+  Tensor gout = Tensor::empty(q.shape(), DType::F32, Device::CUDA), glse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
+  ops::attention_forward(gq, gk, gv, 0, gout, glse);
+  EXPECT_LT(diff(out, gout), 1e-4);  // BF16 Q, K, V and P on the GPU
+  EXPECT_LT(diff(lse, glse), 1e-4);
+  const Tensor dout = randn(q.shape(), 11);
+  Tensor dq = Tensor::empty(q.shape(), DType::F32), dk = Tensor::empty(k.shape(), DType::F32), dv = dk.clone();
+  ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
+  const Tensor gdout = dout.to(Device::CUDA);
+  Tensor gdq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), gdk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
+         gdv = gdk.clone();
+  ops::attention_backward(gdout, gq, gk, gv, gout, glse, gdq, gdk, gdv);
+  EXPECT_LT(diff(dq, gdq), 1e-3);
+  EXPECT_LT(diff(dk, gdk), 1e-3);
+  EXPECT_LT(diff(dv, gdv), 1e-3);
+}
+
+TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 8, T = 64, Hq = 4, Hkv = 4, hd = 64;
+  const Tensor q = randn({B, T, Hq, hd}, 12).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 13).to(Device::CUDA),
+               v = randn({B, T, Hkv, hd}, 14).to(Device::CUDA);
+  Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
+  ops::attention_forward(q, k, v, 0, out, lse);
+  const Tensor q1 = q.slice_rows(3, 4), k1 = k.slice_rows(3, 4), v1 = v.slice_rows(3, 4);
+  Tensor out1 = Tensor::empty(q1.shape(), DType::F32, Device::CUDA), lse1 = Tensor::empty({1, Hq, T}, DType::F32, Device::CUDA);
+  ops::attention_forward(q1, k1, v1, 0, out1, lse1);
+  const Tensor all = out.to(Device::CPU), one = out1.to(Device::CPU);
+  EXPECT_EQ(0, std::memcmp(one.data<float>(), all.data<float>() + 3 * T * Hq * hd, size_t(T * Hq * hd) * 4));
+}

@@ -1,0 +1,234 @@
+// defines: end-to-end tests of `fourbit pretrain`, `fourbit recipes` and `fourbit plot`: the built
+//          CLI (FOURBIT_CLI) is run as a user would, its exit status, stdout and stderr captured.
+//          Every user error (malformed TOML, unknown field or recipe, wrong type, empty or
+//          non-UTF-8 data, a truncated checkpoint, a loss that goes non-finite) ends in exactly one
+//          "fourbit: error:" line naming what is wrong and exit status 1, and leaves the
+//          checkpoints already on disk byte for byte as they were.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "model/model_test_util.h"
+
+using namespace fourbit::modeltest;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct CliRun {
+  int status = -1;
+  std::string out, err;
+};
+
+CliRun run_cli(const std::string& dir, const std::string& args) {
+  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
+  // One OpenMP thread: these models are tiny, and on a shared machine two spinning threads make a
+  // run 100x slower (results do not depend on the thread count).
+  const std::string cmd =
+      std::string("OMP_NUM_THREADS=1 '") + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  CliRun r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = file_bytes(out);
+  r.err = file_bytes(err);
+  return r;
+}
+
+std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+void write_text(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), std::streamsize(bytes.size()));
+  ASSERT_TRUE(f.good()) << "cannot write " << path;
+}
+
+// A 2-layer MoE that trains in well under a second.
+std::string good_config(const std::string& train_extra = "", int checkpoint_every = 1) {
+  return "[model]\n"
+         "vocab_size = 260\nd_model = 32\nn_layers = 2\nn_heads = 2\nn_kv_heads = 1\n"
+         "max_seq_len = 16\nn_experts = 4\ntop_k = 2\nd_expert = 32\nn_shared_experts = 1\n"
+         "dense_layers = 1\nd_dense = 64\n"
+         "[train]\n"
+         "batch_size = 2\nseq_len = 16\nsteps = 2\nwarmup_steps = 2\neval_every = 0\n"
+         "eval_batches = 1\nlog_every = 1\nseed = 7\ncheckpoint_every = " + std::to_string(checkpoint_every) + "\n" +
+         train_extra +
+         "[data]\n"
+         "source = \"synthetic\"\n";
+}
+
+// The error contract: stderr's last line is the only "fourbit: error:" line, exit status 1.
+// With `alone`, nothing else was written to stderr (the error came before any work).
+std::string expect_one_error(const CliRun& r, bool alone = true) {
+  EXPECT_EQ(r.status, 1) << r.err;
+  const std::vector<std::string> lines = lines_of(r.err);
+  int n_error = 0;
+  for (const auto& l : lines) n_error += l.rfind("fourbit: error:", 0) == 0;
+  EXPECT_EQ(n_error, 1) << "stderr:\n" << r.err;
+  if (alone) {
+    EXPECT_EQ(lines.size(), 1u) << "stderr:\n" << r.err;
+  }
+  if (lines.empty()) return "";
+  EXPECT_EQ(lines.back().rfind("fourbit: error:", 0), 0u) << "the error is not the last line:\n" << r.err;
+  return lines.back();
+}
+
+#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
+
+// Every file under dir (relative path -> bytes).
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = file_bytes(e.path().string());
+  return out;
+}
+
+std::vector<std::string> names_of(const std::map<std::string, std::string>& snap) {
+  std::vector<std::string> out;
+  for (const auto& [k, v] : snap) out.push_back(k);
+  return out;
+}
+
+}  // namespace
+
+TEST(PretrainCli, MalformedTomlNamesTheFileAndLine) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/broken.toml", "[model]\nd_model = 32\nn_layers = = 2\n");
+  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/broken.toml --out " + dir + "/run"));
+  EXPECT_HAS(msg, "broken.toml:3");
+  EXPECT_HAS(msg, "malformed TOML");
+  EXPECT_FALSE(fs::exists(dir + "/run"));
+}
+
+TEST(PretrainCli, UnknownFieldIsNamed) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/typo.toml", "[model]\nd_model = 32\nd_modle = 64\n");
+  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/typo.toml --out " + dir + "/run"));
+  EXPECT_HAS(msg, "typo.toml:3");
+  EXPECT_HAS(msg, "model.d_modle");
+  EXPECT_HAS(msg, "unknown field");
+}
+
+TEST(PretrainCli, UnknownRecipeListsTheKnownOnes) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  const std::string msg =
+      expect_one_error(run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp5 --out " + dir + "/run"));
+  EXPECT_HAS(msg, "nvfp5");
+  for (const char* n : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) EXPECT_HAS(msg, n);
+  EXPECT_FALSE(fs::exists(dir + "/run"));
+}
+
+TEST(PretrainCli, WrongTypeSaysWhatWasExpected) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/type.toml", "[train]\nsteps = \"many\"\n");
+  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/type.toml --out " + dir + "/run"));
+  EXPECT_HAS(msg, "type.toml:2");
+  EXPECT_HAS(msg, "train.steps");
+  EXPECT_HAS(msg, "expected an integer");
+}
+
+TEST(PretrainCli, EmptyTextDataIsNamed) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  write_text(dir + "/empty.txt", "");
+  const std::string msg = expect_one_error(
+      run_cli(dir, "pretrain --config " + dir + "/ok.toml --data text:" + dir + "/empty.txt --out " + dir + "/run"));
+  EXPECT_HAS(msg, dir + "/empty.txt");
+  EXPECT_HAS(msg, "empty");
+}
+
+TEST(PretrainCli, NonUtf8TextDataIsNamed) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  write_text(dir + "/latin1.txt", std::string("caf\xe9 au lait, na\xefve text that is not UTF-8\n"));
+  const std::string msg = expect_one_error(
+      run_cli(dir, "pretrain --config " + dir + "/ok.toml --data text:" + dir + "/latin1.txt --out " + dir + "/run"));
+  EXPECT_HAS(msg, dir + "/latin1.txt");
+  EXPECT_HAS(msg, "not valid UTF-8");
+}
+
+TEST(PretrainCli, TruncatedCheckpointFailsAndIsLeftAlone) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  const std::string run = dir + "/run";
+  const CliRun first = run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp4-fwd --device cpu --out " + run);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const std::string model = run + "/checkpoints/step-000002/model.safetensors";
+  ASSERT_TRUE(fs::exists(model));
+  fs::resize_file(model, fs::file_size(model) / 2);
+  const auto before = snapshot(run + "/checkpoints");
+  const std::string msg = expect_one_error(
+      run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp4-fwd --device cpu --steps 4 --resume " + run));
+  EXPECT_HAS(msg, "step-000002/model.safetensors");
+  const auto after = snapshot(run + "/checkpoints");
+  EXPECT_EQ(names_of(after), names_of(before));
+  EXPECT_TRUE(after == before) << "the checkpoint directory changed";
+}
+
+// A run that diverges: two sane steps with a checkpoint after each, then a resume of the same
+// directory with a config whose learning rate is absurd (the resumed run takes [train] from the
+// config it is given; [model] must match the checkpoint's). The error names the cause and the
+// step; the checkpoints of steps 1 and 2 and `latest` are byte-identical afterwards and no
+// later checkpoint appears.
+TEST(PretrainCli, NonFiniteLossStopsWithoutTouchingCheckpoints) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  write_text(dir + "/diverge.toml", good_config("lr = 1e30\nmin_lr_ratio = 1.0\n", /*checkpoint_every=*/0));
+  const std::string run = dir + "/run";
+  const CliRun first = run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp4-fwd --device cpu --out " + run);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const auto before = snapshot(run + "/checkpoints");
+  ASSERT_TRUE(before.count("step-000001/model.safetensors"));
+  ASSERT_TRUE(before.count("step-000002/model.safetensors"));
+  const CliRun r =
+      run_cli(dir, "pretrain --config " + dir + "/diverge.toml --recipe nvfp4-fwd --device cpu --steps 8 --resume " + run);
+  const std::string msg = expect_one_error(r, /*alone=*/false);  // progress lines come first
+  EXPECT_HAS(msg, "non-finite");
+  EXPECT_HAS(msg, "step ");
+  std::printf("  %s\n", msg.c_str());
+  const auto after = snapshot(run + "/checkpoints");
+  EXPECT_EQ(names_of(after), names_of(before)) << "checkpoint files appeared or vanished";
+  EXPECT_TRUE(after == before) << "an existing checkpoint changed";
+}
+
+TEST(RecipesCli, ListsAllFiveRecipes) {
+  const std::string dir = fresh_test_dir("cli_tests");
+  const CliRun r = run_cli(dir, "recipes");
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const char* n : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) EXPECT_HAS(r.out, std::string("recipe ") + n + ":");
+  EXPECT_HAS(r.out, "(last 2)");  // --layers defaults to 12
+  const CliRun one = run_cli(dir, "recipes --recipe mxfp8 --layers 4");
+  EXPECT_EQ(one.status, 0) << one.err;
+  EXPECT_HAS(one.out, "recipe mxfp8:");
+  EXPECT_EQ(one.out.find("recipe bf16:"), std::string::npos);
+  expect_one_error(run_cli(dir, "recipes --recipe nvfp5"));
+}
+
+TEST(PlotCli, WritesAPng) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed";
+  const std::string dir = fresh_test_dir("cli_tests");
+  write_text(dir + "/ok.toml", good_config());
+  const std::string run = dir + "/run";
+  const CliRun train = run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe mxfp8 --device cpu --steps 3 --out " + run);
+  ASSERT_EQ(train.status, 0) << train.err;
+  const CliRun r = run_cli(dir, "plot " + run + " --out " + dir + "/loss.png");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string png = file_bytes(dir + "/loss.png");
+  ASSERT_GE(png.size(), 8u);
+  EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8));
+  const std::string msg = expect_one_error(run_cli(dir, "plot " + dir + "/no-such-run --out " + dir + "/x.png"));
+  EXPECT_HAS(msg, "no-such-run/metrics.jsonl");
+}
