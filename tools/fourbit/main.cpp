@@ -13,7 +13,7 @@ Device parse_device(const std::string& name) {
   if (name == "cpu") return Device::CPU;
   if (name == "cuda") {
     if (cuda_device_count() == 0)
-      fail("--device cuda: no CUDA device is visible{}", cuda_built() ? "" : " (this fourbit was built without CUDA)");
+      fail("no CUDA device: {}", cuda_built() ? "none is visible to this process" : "this fourbit was built without CUDA");
     return Device::CUDA;
   }
   if (name == "auto") return cuda_device_count() > 0 ? Device::CUDA : Device::CPU;
@@ -33,8 +33,14 @@ int main(int argc, char** argv) {
   fourbit::cli::add_quant_command(app);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    // one line, like every other user error (CLI11 would add "Run with --help" and its own code)
+    std::fprintf(stderr, "fourbit: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fourbit: error: %s\n", e.what());
     return 1;

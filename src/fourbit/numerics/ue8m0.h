@@ -18,10 +18,11 @@ FOURBIT_HD float ue8m0_decode(uint32_t code) {
 // Nearest power of two. A format without mantissa bits has no even mantissa to break a tie
 // (x = 1.5 * 2^k) with; ties go up to the larger power, as ml_dtypes' float8_e8m0fnu cast does
 // (hardware offers only round-up and round-to-zero for UE8M0). Scale selection never comes here:
-// it uses ue8m0_scale_for_max. Positive finite x only: NaN, negative values and +Inf give 0xFF; values below 2^-127
-// round to code 0 or saturate there; above 2^127 saturate to 0xFE.
+// it uses ue8m0_scale_for_max. NaN and negative values (no sign bit) give 0xFF; values below
+// 2^-127 round to code 0 or saturate there; above 2^127, and +Inf, saturate to 0xFE (satfinite).
 FOURBIT_HD uint8_t ue8m0_encode(float x) {
-  if (is_nan_bits(x) || (bits_of(x) >> 31) || !is_finite_bits(x)) return kUe8m0Nan;
+  if (is_nan_bits(x) || (bits_of(x) >> 31)) return kUe8m0Nan;
+  if (!is_finite_bits(x)) return 0xFE;
   if (bits_of(x) == 0) return 0;
   const SigExp se = split_normalized(x);           // x = sig * 2^(e - 23), bit 23 set
   int e = se.exp2;

@@ -51,23 +51,23 @@ struct RowSource {
   }
 };
 
-struct RowStats {
-  float amax = 0.0f;
-  int64_t nonfinite = 0;
-};
-
-RowStats scan_row(const float* row, int64_t n, int block, float* block_amax) {
-  RowStats st;
+// Block amaxes of one loaded (padded, possibly rotated) row; returns the row amax.
+float scan_row(const float* row, int64_t n, int block, float* block_amax) {
+  float row_amax = 0.0f;
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     float a = 0.0f;
-    for (int64_t i = b0; i < b0 + block; ++i) {
-      a = num::max_abs_finite(a, row[i]);
-      st.nonfinite += num::is_finite_bits(row[i]) ? 0 : 1;
-    }
+    for (int64_t i = b0; i < b0 + block; ++i) a = num::max_abs_finite(a, row[i]);
     block_amax[b0 / block] = a;
-    st.amax = std::max(st.amax, a);
+    row_amax = std::max(row_amax, a);
   }
-  return st;
+  return row_amax;
+}
+
+// NaN/Inf among the input values of storage row r (counted before any rotation spreads them).
+int64_t count_nonfinite(const float* row, int64_t n) {
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) k += num::is_finite_bits(row[i]) ? 0 : 1;
+  return k;
 }
 
 }  // namespace
@@ -95,10 +95,9 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
     std::vector<float> buf(static_cast<size_t>(PC));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
+      nonfinite += count_nonfinite(base + r * C, C);
       src.load(r, buf.data());
-      const RowStats st = scan_row(buf.data(), PC, B, &block_amax[size_t(r * NB)]);
-      row_amax[size_t(r)] = st.amax;
-      nonfinite += st.nonfinite;
+      row_amax[size_t(r)] = scan_row(buf.data(), PC, B, &block_amax[size_t(r * NB)]);
     }
   }
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
+# PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|all]...
+# The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-dev}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(all)
+has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.log"; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+if has build; then
+  log build
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a-real -DFOURBIT_ARCH= > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant > "$OUT/build.log" 2>&1 \
+    || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+  log build done
+fi
+if has tests; then
+  log gpu tests
+  (cd "$BUILD" && OMP_NUM_THREADS=8 ctest --output-on-failure -j 1 -R "${TESTS:-Cuda}" > "../$OUT/gpu_tests.log" 2>&1)
+  grep -E "tests passed|Failed|FAILED|\*\*\*" "$OUT/gpu_tests.log" | tail -30
+  log gpu tests done
+fi
+if has bench; then
+  log gpu_quant
+  "$BUILD/bench/gpu_quant" --json "$OUT/gpu_quant.json" 2>&1 | tee "$OUT/gpu_quant.log" | tail -14
+  log train_bench
+  "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
+    --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8
+  log torch reference
+  python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
+    --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"
+  log done
+fi
