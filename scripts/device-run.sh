@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$O
 if has build; then
   log build
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90a-real -DFOURBIT_ARCH= > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+    -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
   ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   log build done

@@ -107,6 +107,8 @@ void init_params(ParamStore& store, const ModelConfig& c, uint64_t seed) {
     const bool is_norm = !p.decay;
     const bool is_out = p.name.ends_with(".wo") || p.name.ends_with(".w2");
     const double std = c.init_std * (is_out ? out_scale : 1.0);
+    // Each element is a function of its counter alone, so threads cannot change the values.
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < p.numel(); ++i) {
       double v = 1.0;
       if (!is_norm) {

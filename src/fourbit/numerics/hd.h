@@ -1,4 +1,4 @@
-// defines: FOURBIT_HD, bits_of, float_of, pow2f, is_finite_bits, mul_rn, add_rn, sub_rn
+// defines: FOURBIT_HD, bits_of, float_of, pow2f, is_finite_bits, mul_rn, add_rn, sub_rn, div_rn, sqrt_rn
 // The host/device qualifier and the few bit-level helpers every codec needs. Everything in
 // numerics/ is header-only and compiled both by the host compiler and by nvcc, so one definition
 // of each rounding rule serves the CPU loops and the CUDA kernels (NUMERICS: "one scalar definition").
@@ -72,6 +72,21 @@ FOURBIT_HD float sub_rn(float a, float b) {
   return __fsub_rn(a, b);
 #else
   return a - b;
+#endif
+}
+
+FOURBIT_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+FOURBIT_HD float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
 #endif
 }
 

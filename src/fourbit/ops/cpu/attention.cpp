@@ -37,11 +37,16 @@ struct Dims {
   int64_t lse_at(int64_t b, int64_t h, int64_t t) const { return (b * Hq + h) * T + t; }
 };
 
+// Four interleaved partial sums combined as (s0 + s1) + (s2 + s3): a fixed order (the same for
+// every row, batch size and thread count) that is not one long chain of dependent adds.
 template <typename T>
 double dot(const T* a, const T* b, int64_t n) {
-  double acc = 0.0;
-  for (int64_t i = 0; i < n; ++i) acc += double(a[i]) * double(b[i]);
-  return acc;
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += double(a[i + j]) * double(b[i + j]);
+  for (; i < n; ++i) s[i & 3] += double(a[i]) * double(b[i]);
+  return (s[0] + s[1]) + (s[2] + s[3]);
 }
 
 template <typename T>

@@ -17,17 +17,19 @@ void raise_nonfinite();  // ops.cpp
 namespace fourbit::ops::cpu {
 namespace {
 
-// Transposes each slice of src [S, R, C] into dst [S, C, R], in cache-sized tiles.
+// Transposes each slice of src [S, R, C] into dst [S, C, R], in cache-sized tiles: writes run
+// along dst rows (contiguous), reads stride through a 32 x 32 tile that stays in L1.
 void transpose_slices(const float* src, float* dst, int64_t S, int64_t R, int64_t C) {
-  constexpr int64_t T = 64;
+  constexpr int64_t T = 32;
 #pragma omp parallel for collapse(3) schedule(static)
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t r0 = 0; r0 < R; r0 += T)
-      for (int64_t c0 = 0; c0 < C; c0 += T) {
+    for (int64_t c0 = 0; c0 < C; c0 += T)
+      for (int64_t r0 = 0; r0 < R; r0 += T) {
         const float* a = src + s * R * C;
         float* b = dst + s * R * C;
-        for (int64_t r = r0; r < std::min(R, r0 + T); ++r)
-          for (int64_t c = c0; c < std::min(C, c0 + T); ++c) b[c * R + r] = a[r * C + c];
+        const int64_t r_end = std::min(R, r0 + T), c_end = std::min(C, c0 + T);
+        for (int64_t c = c0; c < c_end; ++c)
+          for (int64_t r = r0; r < r_end; ++r) b[c * R + r] = a[r * C + c];
       }
 }
 

@@ -21,17 +21,6 @@ void expect_value(const char* op, const char* name, const Tensor& t) {
     fail("{}: {} must be an f32, f64 or bf16 cpu tensor, got {}", op, name, t.str());
 }
 
-// double -> bf16 with one rounding: round to float with round-to-odd (the float keeps 16 more
-// bits than bf16, so rounding that to nearest even equals rounding the double directly).
-uint16_t bf16_from_double(double x) {
-  float f = float(x);
-  if (std::isfinite(f) && double(f) != x) {
-    if (std::fabs(double(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);  // truncate
-    f = num::float_of(num::bits_of(f) | 1u);                                 // sticky bit
-  }
-  return num::bf16_encode(f);
-}
-
 // Loads and stores every value dtype as double (exact for all three).
 double load(const void* p, DType t, int64_t i) {
   switch (t) {
@@ -48,7 +37,7 @@ void store(void* p, DType t, int64_t i, double x) {
   switch (t) {
     case DType::F32: static_cast<float*>(p)[i] = float(x); return;
     case DType::F64: static_cast<double*>(p)[i] = x; return;
-    case DType::BF16: static_cast<uint16_t*>(p)[i] = bf16_from_double(x); return;
+    case DType::BF16: static_cast<uint16_t*>(p)[i] = num::bf16_encode_f64(x); return;
     default: break;
   }
   fail("tensor utility: unsupported dtype {}", dtype_name(t));

@@ -1,0 +1,175 @@
+// defines: the gpu_quant benchmark (main)
+// GPU quantizer throughput: each CUDA quantizer on a 16384 x 8192 float32 input (512 MiB, far
+// above the H200's 60 MB L2), timed with CUDA events (warm-up, median of --reps runs), next to a
+// device-to-device cudaMemcpy of the same input bytes in the same run. GB/s counts the bytes a
+// kernel must read and write at least once (input + codes + scales + outer scales); quantizers
+// with tensor-wide scales read their input twice (amax pass, then quantize), which the ratio
+// charges to them. The ratio is to the copy's read + write GB/s.
+// Usage: gpu_quant [--rows R --cols C --reps N --case NAME] [--json FILE]
+// (--case runs only the named row, e.g. under a profiler.)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "fourbit/numerics/philox.h"
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+
+using namespace fourbit;
+
+namespace {
+
+#define BENCH_CUDA_CHECK(call)                                                                  \
+  do {                                                                                          \
+    const cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess) fail("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+  } while (0)
+
+// Median milliseconds of fn over `reps` runs after `warmup` runs, each bracketed by CUDA events
+// on the default stream (the stream every fourbit kernel runs on).
+double median_ms(const std::function<void()>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn();
+  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  BENCH_CUDA_CHECK(cudaEventCreate(&start));
+  BENCH_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
+    BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.0f;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  BENCH_CUDA_CHECK(cudaEventDestroy(start));
+  BENCH_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// N(0,1)-like values (sum of four uniforms, rescaled) from Philox counters: fast to make for
+// 134M values, the same on every run.
+std::vector<float> make_input(int64_t n) {
+  std::vector<float> v(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < n; ++g) {
+    const num::Philox4x32 r = num::random_bits4(2024, 1, uint64_t(g));
+    float s = 0.0f;
+    for (uint32_t w : r.v) s += float(w) * 2.3283064365386963e-10f;  // [0, 1)
+    v[size_t(g)] = (s - 2.0f) * 1.7320508f;                          // mean 0, variance 1
+  }
+  return v;
+}
+
+int64_t qbytes(const QTensor& q) { return q.nbytes(); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (cuda_device_count() == 0) {
+    std::printf("gpu_quant: no CUDA device visible, nothing to measure\n");
+    return 0;
+  }
+  int64_t R = 16384, C = 8192;
+  int reps = 25;
+  std::string only;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) == "--case") only = argv[i + 1];
+    if (std::string(argv[i]) == "--rows") R = std::stoll(argv[i + 1]);
+    if (std::string(argv[i]) == "--cols") C = std::stoll(argv[i + 1]);
+    if (std::string(argv[i]) == "--reps") reps = std::max(1, std::stoi(argv[i + 1]));
+  }
+  const int64_t in_bytes = R * C * 4;
+  const std::vector<float> host = make_input(R * C);
+  const Tensor x = Tensor::from_host(host.data(), {R, C}, DType::F32, Device::CUDA);
+
+  cudaDeviceProp prop{};
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+
+  // The device-to-device copy of the input bytes: the bandwidth ceiling (read + write).
+  Tensor dst = Tensor::empty({R, C}, DType::F32, Device::CUDA);
+  const double copy_ms = median_ms([&] {
+    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), x.raw(), size_t(in_bytes), cudaMemcpyDeviceToDevice, 0));
+  }, reps);
+  const double copy_gbs = 2.0 * double(in_bytes) / (copy_ms * 1e6);
+
+  auto spec = [](Format f, BlockAxis axis, OuterScale o, bool fos, num::Rounding r, int had = 0) {
+    QuantSpec s;
+    s.fmt = f;
+    s.axis = axis;
+    s.outer = o;
+    s.four_over_six = fos;
+    s.rounding = r;
+    s.hadamard = had;
+    s.hadamard_signs = 0x9E3779B9u;
+    return s;
+  };
+  using num::Rounding;
+  struct Case {
+    std::string name;
+    QuantSpec spec;
+  };
+  const std::vector<Case> cases = {
+      {"nvfp4 tensor rne", spec(Format::NVFP4, BlockAxis::Row, OuterScale::Tensor, false, Rounding::RNE)},
+      {"nvfp4 4/6 per-token", spec(Format::NVFP4, BlockAxis::Row, OuterScale::PerRow, true, Rounding::RNE)},
+      {"nvfp4 per-token rne", spec(Format::NVFP4, BlockAxis::Row, OuterScale::PerRow, false, Rounding::RNE)},
+      {"nvfp4 per-token sr", spec(Format::NVFP4, BlockAxis::Row, OuterScale::PerRow, false, Rounding::SR)},
+      {"nvfp4 tensor col rne", spec(Format::NVFP4, BlockAxis::Col, OuterScale::Tensor, false, Rounding::RNE)},
+      {"mxfp8-e4m3 row", spec(Format::MXFP8_E4M3, BlockAxis::Row, OuterScale::None, false, Rounding::RNE)},
+      {"mxfp8-e4m3 row sr", spec(Format::MXFP8_E4M3, BlockAxis::Row, OuterScale::None, false, Rounding::SR)},
+      {"mxfp8-e4m3 col", spec(Format::MXFP8_E4M3, BlockAxis::Col, OuterScale::None, false, Rounding::RNE)},
+      {"s2f6", spec(Format::S2F6, BlockAxis::Row, OuterScale::None, false, Rounding::RNE)},
+      {"s2f6 rht32", spec(Format::S2F6, BlockAxis::Row, OuterScale::None, false, Rounding::RNE, 32)},
+  };
+
+  bench::BenchTable table;
+  table.name = fmt::format("GPU quantize throughput, {}x{} float32 ({:.0f} MiB), {}", R, C,
+                           double(in_bytes) / (1 << 20), prop.name);
+  table.columns = {"kernel", "ms", "GB/s", "ratio to D2D copy"};
+  auto add = [&](const std::string& name, double ms, int64_t bytes) {
+    const double gbs = double(bytes) / (ms * 1e6);
+    table.add({{"kernel", name}, {"ms", ms}, {"GB/s", gbs}, {"ratio to D2D copy", gbs / copy_gbs},
+               {"bytes", bytes}});
+  };
+  table.add({{"kernel", "D2D copy (read+write)"}, {"ms", copy_ms}, {"GB/s", copy_gbs},
+             {"ratio to D2D copy", 1.0}, {"bytes", 2 * in_bytes}});
+
+  auto wanted = [&](const std::string& name) { return only.empty() || only == name; };
+  for (const Case& c : cases) {
+    if (!wanted(c.name)) continue;
+    const int64_t out_bytes = qbytes(ops::quantize(x, c.spec, {1, 2}));
+    const double ms = median_ms([&] { (void)ops::quantize(x, c.spec, {1, 2}); }, reps);
+    add(c.name, ms, in_bytes + out_bytes);
+  }
+
+  // The backward's NVFP4 -> MXFP8 (transposed, SR) and the decoder, on a per-token NVFP4 tensor.
+  const QTensor nv = ops::quantize(x, cases[1].spec, {1, 2});
+  if (wanted("requantize_transposed")) {
+    const int64_t out_bytes = qbytes(ops::requantize_transposed(nv, {3, 4}));
+    const double ms = median_ms([&] { (void)ops::requantize_transposed(nv, {3, 4}); }, reps);
+    add("requantize_transposed", ms, qbytes(nv) + out_bytes);
+  }
+  if (wanted("dequantize nvfp4")) {
+    const double ms = median_ms([&] { (void)ops::dequantize(nv, true); }, reps);
+    add("dequantize nvfp4", ms, qbytes(nv) + in_bytes);
+  }
+  device_synchronize();
+
+  table.meta = {{"rows", R},
+                {"cols", C},
+                {"reps", reps},
+                {"device", prop.name},
+                {"note", "GB/s = (input bytes read once + output bytes written) / time; ratio is to "
+                         "the D2D copy's (read + write) GB/s"}};
+  table.print();
+  table.write_json(bench::json_path_arg(argc, argv));
+  return 0;
+}

@@ -1,0 +1,53 @@
+// defines: AdamWConstants, adamw_constants, adamw_update
+// The AdamW update as one definition for both backends (ops/cpu/adamw.cpp, ops/cuda/adamw.cu),
+// so the two give the same bits. Per call, on the host: bc1 = 1 - b1^t and bc2 = 1 - b2^t in
+// double (b^t by repeated squaring: a fixed sequence of IEEE multiplies, unlike pow()), each
+// rounded to float once; 1 - b1 and 1 - b2 in float. Per element, in float, in this order, every
+// operation rounded on its own (no FMA): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// m_hat = m / bc1; v_hat = v / bc2; u = m_hat / (sqrt(v_hat) + eps); p = p - lr (u + wd p).
+#pragma once
+#include <cstdint>
+
+#include "fourbit/numerics/hd.h"
+#include "fourbit/ops/ops.h"
+
+namespace fourbit::ops {
+
+struct AdamWConstants {
+  float b1, b2, omb1, omb2, bc1, bc2, lr, eps, wd;
+};
+
+inline AdamWConstants adamw_constants(const AdamW& h) {
+  auto pow_by_squaring = [](double b, int64_t t) {
+    double r = 1.0;
+    for (; t > 0; t >>= 1, b *= b)
+      if (t & 1) r *= b;
+    return r;
+  };
+  AdamWConstants k;
+  k.bc1 = float(1.0 - pow_by_squaring(double(h.beta1), h.step));
+  k.bc2 = float(1.0 - pow_by_squaring(double(h.beta2), h.step));
+  k.b1 = h.beta1;
+  k.b2 = h.beta2;
+  k.omb1 = 1.0f - h.beta1;
+  k.omb2 = 1.0f - h.beta2;
+  k.lr = h.lr;
+  k.eps = h.eps;
+  k.wd = h.weight_decay;
+  return k;
+}
+
+FOURBIT_HD void adamw_update(float& p, float g, float& m, float& v, const AdamWConstants& k) {
+  using num::add_rn;
+  using num::div_rn;
+  using num::mul_rn;
+  using num::sub_rn;
+  m = add_rn(mul_rn(k.b1, m), mul_rn(k.omb1, g));
+  v = add_rn(mul_rn(k.b2, v), mul_rn(k.omb2, mul_rn(g, g)));
+  const float m_hat = div_rn(m, k.bc1);
+  const float v_hat = div_rn(v, k.bc2);
+  const float u = div_rn(m_hat, add_rn(num::sqrt_rn(v_hat), k.eps));
+  p = sub_rn(p, mul_rn(k.lr, add_rn(u, mul_rn(k.wd, p))));  // wd * p before the update
+}
+
+}  // namespace fourbit::ops

@@ -1,0 +1,61 @@
+// defines: cuda::adamw_step
+// AdamW on GPU F32 parameters and state, with the order of operations that ops/cpu/adamw.cpp
+// fixes as the contract (see the comment there): every step is one IEEE float operation, never
+// fused (num::mul_rn/add_rn/sub_rn, __fdiv_rn, __fsqrt_rn), and the two bias corrections are
+// computed on the host exactly as the CPU computes them. The two backends therefore give the same
+// bits. Elementwise, four elements per thread (float4 when the four tensors are 16-byte aligned).
+#include "fourbit/ops/adamw_math.h"
+#include "fourbit/ops/cuda/checks.cuh"
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/vec4.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, bool vec,
+                 AdamWConstants k) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    float p[4], gr[4], mm[4], vv[4];
+    load4(param, 4 * g, n, vec, p);
+    load4(grad, 4 * g, n, vec, gr);
+    load4(m, 4 * g, n, vec, mm);
+    load4(v, 4 * g, n, vec, vv);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) adamw_update(p[c], gr[c], mm[c], vv[c], k);
+    store4(param, 4 * g, n, vec, p);
+    store4(m, 4 * g, n, vec, mm);
+    store4(v, 4 * g, n, vec, vv);
+  }
+}
+
+}  // namespace
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
+  const char* op = "adamw_step";
+  if (!param.defined() || param.device() != Device::CUDA || param.dtype() != DType::F32)
+    fail("{}: param must be an f32 cuda tensor, got {}", op,
+         param.defined() ? param.str() : "an undefined tensor");
+  expect_like(op, "grad", grad, "param", param);
+  expect_like(op, "m", m, "param", param);
+  expect_like(op, "v", v, "param", param);
+  if (h.step < 1) fail("{}: step must be >= 1 (bias correction), got {}", op, h.step);
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f) || !(h.beta2 >= 0.0f && h.beta2 < 1.0f))
+    fail("{}: beta1 and beta2 must be in [0, 1), got {} and {}", op, h.beta1, h.beta2);
+  const int64_t n = param.numel();
+  if (n == 0) return;
+
+  const AdamWConstants k = adamw_constants(h);
+  const bool vec = aligned16(param.raw()) && aligned16(grad.raw()) && aligned16(m.raw()) &&
+                   aligned16(v.raw());
+  adamw_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(
+      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), n, vec, k);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace fourbit::ops::cuda

@@ -1,0 +1,50 @@
+// defines: cuda::expect_f32, cuda::expect_dims, cuda::expect_like, cuda::expect_index,
+//          cuda::aligned16
+// Argument checks of the CUDA layer ops. They mirror ops/cpu/checks.h (same wording, so a shape
+// error reads the same on either backend), but that header insists on CPU tensors and allows F64;
+// the GPU backend takes CUDA tensors and runs F32 only, and says so in the message.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "fourbit/tensor/tensor.h"
+
+namespace fourbit::ops::cuda {
+
+// A defined CUDA F32 tensor with `ndim` dimensions; `sym` names them ("[N, D]").
+inline void expect_f32(const char* op, const char* name, const Tensor& t, int64_t ndim,
+                       const char* sym) {
+  if (!t.defined()) fail("{}: {} {} is undefined", op, name, sym);
+  if (t.device() != Device::CUDA || t.dtype() != DType::F32 || t.dim() != ndim)
+    fail("{}: {} must be a {}-D f32 cuda tensor {} (the GPU backend runs f32 only), got {}", op,
+         name, ndim, sym, t.str());
+}
+
+// Exactly dtype `dt` and shape `shape` on the GPU; `sym` is the symbolic shape ("[D]").
+inline void expect_dims(const char* op, const char* name, const Tensor& t, DType dt,
+                        const Shape& shape, const char* sym) {
+  if (!t.defined())
+    fail("{}: {} must be {}{}={} cuda, got an undefined tensor", op, name, dtype_name(dt), sym,
+         shape_str(shape));
+  if (t.device() != Device::CUDA || t.dtype() != dt || t.shape() != shape)
+    fail("{}: {} must be {}{}={} cuda, got {}", op, name, dtype_name(dt), sym, shape_str(shape),
+         t.str());
+}
+
+// Same dtype and shape as `ref` (named `ref_name`).
+inline void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
+                        const Tensor& ref) {
+  const std::string sym = std::string("[like ") + ref_name + "]";
+  expect_dims(op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+}
+
+// An I32 index tensor of shape `shape` on the GPU.
+inline void expect_index(const char* op, const char* name, const Tensor& t, const Shape& shape,
+                         const char* sym) {
+  expect_dims(op, name, t, DType::I32, shape, sym);
+}
+
+// float4 / 16-byte accesses need 16-byte aligned addresses; a view into a larger tensor may not be.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace fourbit::ops::cuda

@@ -1,0 +1,623 @@
+// defines: cuda::embedding_forward, cuda::embedding_backward, cuda::rmsnorm_forward,
+//          cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward, cuda::swiglu_forward,
+//          cuda::swiglu_backward, cuda::cross_entropy
+// The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
+// formula for formula: arithmetic in double, each output rounded once to float. Hopper runs FP64
+// at half the FP32 rate, which these memory-bound kernels barely feel, and it makes GPU and CPU
+// agree to about one float ulp instead of to a tolerance. The exception is cross_entropy, whose
+// two exponentials per logit would make it compute-bound in double: its inner loops run in float,
+// guarded (see there), and agree with the CPU to a few float ulps.
+//
+// Determinism and batch invariance (DESIGN "Exactness"):
+//  - row ops (rmsnorm, cross_entropy) give one row to one warp or one block; a thread's share of
+//    the row and the reduction tree (reduce.cuh) depend only on the row length, never on the
+//    number of rows or on where the row sits in the batch;
+//  - rmsnorm's dw sums rows in fixed chunks (a function of N only), one thread per 4 columns
+//    and chunk, then adds the chunk partials in chunk order;
+//  - embedding_backward sorts token positions by id (a stable counting sort, bucket_sort.cuh),
+//    then one thread per (id, 4 columns) adds that id's rows in ascending token order, the CPU's
+//    sequence of double additions; ids with many tokens are spread over a block's warps in a fixed
+//    interleaving (see embedding_backward_big_kernel).
+// No float atomics anywhere. Index checks: index_errors.cuh.
+#include <cmath>
+
+#include "fourbit/ops/cuda/bucket_sort.cuh"
+#include "fourbit/ops/cuda/checks.cuh"
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/index_errors.cuh"
+#include "fourbit/ops/cuda/reduce.cuh"
+#include "fourbit/ops/cuda/vec4.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kRowWarps = 8;  // warp-per-row kernels: one row per warp, 8 warps per block
+constexpr int kRowThreads = kRowWarps * 32;
+constexpr int kEltThreads = 256;   // elementwise kernels
+constexpr int kColThreads = 128;   // column kernels: one group of 4 columns per thread
+constexpr int kXentThreads = 1024;  // cross_entropy: one row per block (see cross_entropy_kernel)
+constexpr int64_t kSmallBucket = 32;  // embedding_backward: ids with at most this many tokens ...
+constexpr int kBigBucketWarps = 32;   // ... else a block of 32 warps per (id, 128 columns) ...
+constexpr int kBigBucketBatch = 8;    // ... each warp with the loads of 8 rows in flight
+constexpr int64_t kDwMinRows = 32;   // rmsnorm dw: rows per chunk at least this ...
+constexpr int64_t kDwMaxChunks = 256;  // ... and at most this many chunks (bounds the scratch)
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
+__device__ __forceinline__ int64_t first_row_of_warp() {
+  return blockIdx.x * int64_t(kRowWarps) + threadIdx.x / 32;
+}
+__device__ __forceinline__ int64_t warp_row_stride() { return int64_t(gridDim.x) * kRowWarps; }
+unsigned warp_row_grid(int64_t rows) { return grid_for(rows, kRowWarps); }
+
+// ---- embedding --------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kRowThreads)
+    embedding_forward_kernel(const int32_t* tok, const float* table, float* out, int64_t N,
+                             int64_t V, int64_t D, bool vec, IndexError* err) {
+  const int lane = lane_id();
+  const int64_t groups = (D + 3) / 4;
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const int32_t id = tok[n];
+    float* o = out + n * D;
+    if (id < 0 || id >= V) {  // recorded, row left as zeros, never read out of bounds
+      if (lane == 0) record_index_error(err, IndexSite::EmbeddingForwardTokens, n, id, V, 1);
+      const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t g = lane; g < groups; g += 32) store4(o, 4 * g, D, vec, zero);
+      continue;
+    }
+    const float* src = table + int64_t(id) * D;
+    for (int64_t g = lane; g < groups; g += 32) {
+      float v[4];
+      load4(src, 4 * g, D, vec, v);
+      store4(o, 4 * g, D, vec, v);
+    }
+  }
+}
+
+// Ids used by at most kSmallBucket tokens (nearly all of them): block (x, y) owns column group
+// blockIdx.y * kColThreads + threadIdx.x of the ids blockIdx.x, blockIdx.x + gridDim.x, ...;
+// order[start[v] .. start[v+1]) are v's token positions, ascending, and the thread adds those
+// rows in that order in double, then dtable[v] += the sum with one rounding: the CPU's sequence.
+__global__ void __launch_bounds__(kColThreads)
+    embedding_backward_small_kernel(const float* dout, const int32_t* order, const int32_t* start,
+                                    float* dtable, int64_t V, int64_t D, bool vec) {
+  const int64_t g = blockIdx.y * int64_t(kColThreads) + threadIdx.x;
+  if (4 * g >= D) return;
+  for (int64_t v = blockIdx.x; v < V; v += gridDim.x) {
+    const int32_t begin = start[v], end = start[v + 1];
+    // Unused ids are not touched (the CPU skips them too); big ones are the other kernel's.
+    if (begin == end || end - begin > kSmallBucket) continue;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int32_t r = begin; r < end; ++r) {
+      float x[4];
+      load4(dout + int64_t(order[r]) * D, 4 * g, D, vec, x);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] += double(x[c]);
+    }
+    float* dst = dtable + v * D;
+    float d[4];
+    load4(dst, 4 * g, D, vec, d);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) d[c] = float(double(d[c]) + acc[c]);
+    store4(dst, 4 * g, D, vec, d);
+  }
+}
+
+// Ids used by more than kSmallBucket tokens (a frequent token, padding): one sequential sum would
+// leave a few threads walking thousands of rows, so a block spreads the rows of such an id over
+// its 32 warps for columns [128 blockIdx.y, + 128), lane l owning 4 of them. Warp w adds rows
+// w, w + 32, w + 64, ... of the id in ascending order (the loads of kBigBucketBatch rows in
+// flight), then warp 0 adds the 32 warp sums in warp order: a fixed order for a given token
+// count, so the result is deterministic; it differs from the CPU's sequential sum only by double
+// rounding. Blocks find their ids a window of 1024 at a time (one id per thread); the order of
+// the window's list (a shared-memory counter) does not matter, as each id is computed alone.
+__global__ void __launch_bounds__(kBigBucketWarps * 32)
+    embedding_backward_big_kernel(const float* dout, const int32_t* order, const int32_t* start,
+                                  float* dtable, int64_t V, int64_t D, bool vec) {
+  constexpr int kThreads = kBigBucketWarps * 32;
+  __shared__ double partial[kBigBucketWarps][128];
+  __shared__ int32_t big_ids[kThreads];
+  __shared__ int big_count;
+  const int lane = lane_id(), warp = threadIdx.x / 32;
+  const int64_t col = blockIdx.y * int64_t(128) + 4 * lane;  // past D: loads give zeros
+  for (int64_t window = blockIdx.x * int64_t(kThreads); window < V;
+       window += int64_t(gridDim.x) * kThreads) {
+    if (threadIdx.x == 0) big_count = 0;
+    __syncthreads();
+    const int64_t mine = window + threadIdx.x;
+    if (mine < V && start[mine + 1] - start[mine] > kSmallBucket)
+      big_ids[atomicAdd(&big_count, 1)] = int32_t(mine);
+    __syncthreads();
+    const int count = big_count;
+    for (int i = 0; i < count; ++i) {
+      const int64_t v = big_ids[i];
+      const int32_t begin = start[v], end = start[v + 1];
+      double acc[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int64_t r0 = begin + warp; r0 < end;
+           r0 += int64_t(kBigBucketWarps) * kBigBucketBatch) {
+        float x[kBigBucketBatch][4];
+#pragma unroll
+        for (int u = 0; u < kBigBucketBatch; ++u) {
+          const int64_t r = r0 + int64_t(u) * kBigBucketWarps;
+          if (r < end) {
+            load4(dout + int64_t(order[r]) * D, col, D, vec, x[u]);
+          } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) x[u][c] = 0.0f;  // adds nothing
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBigBucketBatch; ++u)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[c] += double(x[u][c]);
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) partial[warp][4 * lane + c] = acc[c];
+      __syncthreads();
+      if (warp == 0 && col < D) {
+        double total[4] = {0.0, 0.0, 0.0, 0.0};
+        for (int w = 0; w < kBigBucketWarps; ++w)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) total[c] += partial[w][4 * lane + c];
+        float* dst = dtable + v * D;
+        float d[4];
+        load4(dst, col, D, vec, d);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) d[c] = float(double(d[c]) + total[c]);
+        store4(dst, col, D, vec, d);
+      }
+      __syncthreads();  // partial is rewritten for the next id
+    }
+    __syncthreads();  // every thread has read big_count and big_ids before the next window
+  }
+}
+
+// ---- rmsnorm ----------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kRowThreads)
+    rmsnorm_forward_kernel(const float* x, const float* w, double eps, float* y, float* rstd,
+                           int64_t N, int64_t D, bool vec) {
+  const int lane = lane_id();
+  const int64_t groups = (D + 3) / 4;
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const float* xr = x + n * D;
+    double ss = 0.0;
+    for (int64_t g = lane; g < groups; g += 32) {
+      float v[4];
+      load4(xr, 4 * g, D, vec, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) ss += double(v[c]) * double(v[c]);
+    }
+    ss = warp_sum(ss);
+    // The stored rstd is what backward sees, so y is computed from the rounded value too.
+    const float rs = float(1.0 / sqrt(ss / double(D) + eps));
+    if (lane == 0) rstd[n] = rs;
+    float* yr = y + n * D;
+    for (int64_t g = lane; g < groups; g += 32) {
+      float xv[4], wv[4], out[4];
+      load4(xr, 4 * g, D, vec, xv);
+      load4(w, 4 * g, D, vec, wv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) out[c] = float(double(xv[c]) * double(rs) * double(wv[c]));
+      store4(yr, 4 * g, D, vec, out);
+    }
+  }
+}
+
+// dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd with y_hat = x * rstd, per row.
+__global__ void __launch_bounds__(kRowThreads)
+    rmsnorm_backward_dx_kernel(const float* dy, const float* x, const float* w, const float* rstd,
+                               float* dx, int64_t N, int64_t D, bool vec) {
+  const int lane = lane_id();
+  const int64_t groups = (D + 3) / 4;
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const float* xr = x + n * D;
+    const float* dyr = dy + n * D;
+    const double rs = double(rstd[n]);
+    double dot = 0.0;
+    for (int64_t g = lane; g < groups; g += 32) {
+      float xv[4], dv[4], wv[4];
+      load4(xr, 4 * g, D, vec, xv);
+      load4(dyr, 4 * g, D, vec, dv);
+      load4(w, 4 * g, D, vec, wv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dot += double(wv[c]) * double(dv[c]) * (double(xv[c]) * rs);
+    }
+    const double mean = warp_sum(dot) / double(D);
+    float* dxr = dx + n * D;
+    for (int64_t g = lane; g < groups; g += 32) {
+      float xv[4], dv[4], wv[4], out[4];
+      load4(xr, 4 * g, D, vec, xv);
+      load4(dyr, 4 * g, D, vec, dv);
+      load4(w, 4 * g, D, vec, wv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        out[c] = float((double(wv[c]) * double(dv[c]) - double(xv[c]) * rs * mean) * rs);
+      store4(dxr, 4 * g, D, vec, out);
+    }
+  }
+}
+
+// Block (x, y): column group blockIdx.x * kColThreads + threadIdx.x, rows of chunk blockIdx.y in
+// ascending order; partial[chunk, d] = sum over the chunk of dy * (x * rstd).
+__global__ void __launch_bounds__(kColThreads)
+    rmsnorm_dw_partials_kernel(const float* dy, const float* x, const float* rstd, int64_t N,
+                               int64_t D, int64_t rows_per_chunk, bool vec, double* partial) {
+  const int64_t g = blockIdx.x * int64_t(kColThreads) + threadIdx.x;
+  if (4 * g >= D) return;
+  const int64_t chunk = blockIdx.y;
+  const int64_t n0 = chunk * rows_per_chunk;
+  const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int64_t n = n0; n < n1; ++n) {
+    const double rs = double(rstd[n]);
+    float dv[4], xv[4];
+    load4(dy + n * D, 4 * g, D, vec, dv);
+    load4(x + n * D, 4 * g, D, vec, xv);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[c] += double(dv[c]) * (double(xv[c]) * rs);
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    if (4 * g + c < D) partial[chunk * D + 4 * g + c] = acc[c];
+}
+
+// dw[d] += the chunk partials of column d added in chunk order (one rounding, as on the CPU).
+__global__ void __launch_bounds__(kEltThreads)
+    rmsnorm_dw_finish_kernel(const double* partial, int64_t chunks, int64_t D, float* dw) {
+  const int64_t d = blockIdx.x * int64_t(kEltThreads) + threadIdx.x;
+  if (d >= D) return;
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += partial[c * D + d];
+  dw[d] = float(double(dw[d]) + total);
+}
+
+// ---- rope -------------------------------------------------------------------------------------
+
+// One thread per (row n, head h, group of 4 pairs): pairs (i, i + hd/2) rotate by +angle
+// (sign = 1) or -angle (sign = -1):  a' = a cos - s b sin,  b' = b cos + s a sin.
+__global__ void __launch_bounds__(kEltThreads)
+    rope_kernel(float* x, const int32_t* pos, const float* table, int64_t N, int64_t H,
+                int64_t hd, int64_t max_pos, double sign, bool vec, IndexSite site,
+                IndexError* err) {
+  const int64_t half = hd / 2, groups = (half + 3) / 4, items = N * H * groups;
+  for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = item % groups, nh = item / groups, n = nh / H;
+    const int32_t p = pos[n];
+    if (p < 0 || p >= max_pos) {  // recorded once per row, x left unrotated
+      if (g == 0 && nh % H == 0) record_index_error(err, site, n, p, max_pos, 1);
+      continue;
+    }
+    float* row = x + nh * hd;
+    const float* cs = table + int64_t(p) * hd;
+    float a[4], b[4], c[4], s[4];
+    load4(row, 4 * g, half, vec, a);
+    load4(row + half, 4 * g, half, vec, b);
+    load4(cs, 4 * g, half, vec, c);
+    load4(cs + half, 4 * g, half, vec, s);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const double cc = double(c[k]), ss = sign * double(s[k]);
+      const double aa = double(a[k]), bb = double(b[k]);
+      a[k] = float(aa * cc - bb * ss);
+      b[k] = float(bb * cc + aa * ss);
+    }
+    store4(row, 4 * g, half, vec, a);
+    store4(row + half, 4 * g, half, vec, b);
+  }
+}
+
+// ---- swiglu -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
+
+__global__ void __launch_bounds__(kEltThreads)
+    swiglu_forward_kernel(const float* h1, const float* h3, float* a, int64_t n, bool vec) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    float z[4], u[4], out[4];
+    load4(h1, 4 * g, n, vec, z);
+    load4(h3, 4 * g, n, vec, u);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const double zz = double(z[c]);
+      out[c] = float(zz * sigmoid(zz) * double(u[c]));
+    }
+    store4(a, 4 * g, n, vec, out);
+  }
+}
+
+// d silu(z)/dz = s (1 + z (1 - s)) with s = sigmoid(z).
+__global__ void __launch_bounds__(kEltThreads)
+    swiglu_backward_kernel(const float* da, const float* h1, const float* h3, float* dh1,
+                           float* dh3, int64_t n, bool vec) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    float gv[4], z[4], u[4], o1[4], o3[4];
+    load4(da, 4 * g, n, vec, gv);
+    load4(h1, 4 * g, n, vec, z);
+    load4(h3, 4 * g, n, vec, u);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const double zz = double(z[c]), s = sigmoid(zz), gg = double(gv[c]);
+      const double dsilu = s * (1.0 + zz * (1.0 - s));
+      o1[c] = float(gg * double(u[c]) * dsilu);
+      o3[c] = float(gg * zz * s);
+    }
+    store4(dh1, 4 * g, n, vec, o1);
+    store4(dh3, 4 * g, n, vec, o3);
+  }
+}
+
+// ---- cross entropy ----------------------------------------------------------------------------
+// The one layer whose inner loops run in float: two exponentials per logit in double, with the
+// float <-> double conversions around them (a quarter of the FP64 rate on Hopper), made it
+// compute-bound at a third of the memory bandwidth. Float arithmetic with three guards keeps each
+// output within a few float ulps of the CPU's double result:
+//  - x - m (m the row max, exact) rounds by at most half an ulp of |x - m|: a relative error of
+//    |x - m| 2^-24 in exp(x - m), small exactly where the term is large; the max contributes
+//    exp(0) = 1 exactly;
+//  - each thread adds its terms with Kahan compensation and hands the block tree (in double) the
+//    compensated value, so l = 1 + (the rest) keeps the rest's digits, and a confident token's
+//    loss log(l) stays accurate relative to itself;
+//  - the gradient subtracts lse as float hi + lo, and the target's p_t - 1, which cancels as
+//    p_t -> 1, is expm1f of a small and accurate argument.
+//
+// One block per row (grid-stride; the branch on the target is uniform over the block, so every
+// thread reaches the same block reductions). Thread t owns groups t, t + kXentThreads, ...
+// The row is read three times (max, sum, gradient); with 1024 threads a block, at most two rows
+// per SM are in flight (~34 MB for V = 32000 on an H200), so the second and third reads hit L2.
+__global__ void __launch_bounds__(kXentThreads)
+    cross_entropy_kernel(const float* logits, const int32_t* tgt, float* losses, float* dlogits,
+                         float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
+  __shared__ float max_scratch[kXentThreads / 32];
+  __shared__ double sum_scratch[kXentThreads / 32];
+  const int64_t groups = (V + 3) / 4;
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    const float* x = logits + n * V;
+    float* grad = dlogits ? dlogits + n * V : nullptr;
+    const int32_t t = tgt[n];
+    if (t < 0 || t >= V) {  // -1: ignored (loss 0, zero gradient row); anything else: recorded
+      if (threadIdx.x == 0) {
+        losses[n] = 0.0f;
+        if (t != -1) record_index_error(err, IndexSite::CrossEntropyTargets, n, t, V, 1);
+      }
+      if (grad) {
+        const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) store4(grad, 4 * g, V, vec, zero);
+      }
+      continue;
+    }
+    float m = -INFINITY;
+    for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+      float v[4];
+      load4(x, 4 * g, V, vec, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (4 * g + c < V) m = fmaxf(m, v[c]);
+    }
+    // The max of floats is exact in any order. (A NaN logit is skipped here but makes l NaN.)
+    m = block_max<kXentThreads>(m, max_scratch);
+    float sum = 0.0f, lost = 0.0f;  // Kahan: the running sum and the low part it dropped
+    for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+      float v[4];
+      load4(x, 4 * g, V, vec, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (4 * g + c < V) {
+          const float y = expf(v[c] - m) - lost;
+          const float next = sum + y;
+          lost = (next - sum) - y;
+          sum = next;
+        }
+    }
+    const double l = block_sum<kXentThreads>(double(sum) - double(lost), sum_scratch);
+    const double lse = double(m) + log(l);
+    if (threadIdx.x == 0) losses[n] = float(lse - double(x[t]));
+    if (grad) {
+      const float lse_hi = float(lse), lse_lo = float(lse - double(lse_hi));
+      for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+        float v[4], out[4];
+        load4(x, 4 * g, V, vec, v);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float d = (v[c] - lse_hi) - lse_lo;
+          out[c] = (4 * g + c == t ? expm1f(d) : expf(d)) * grad_scale;
+        }
+        store4(grad, 4 * g, V, vec, out);
+      }
+    }
+  }
+}
+
+// ---- shared host helpers ----------------------------------------------------------------------
+
+void expect_tokens_1d(const char* op, const Tensor& tokens) {
+  if (!tokens.defined() || tokens.dim() != 1)
+    fail("{}: tokens must be i32[N], got {}", op, tokens.defined() ? tokens.str() : "undefined");
+}
+
+void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, const Tensor& table,
+          double sign) {
+  expect_f32(op, "x", x, 3, "[N, H, hd]");
+  const int64_t N = x.size(0), H = x.size(1), hd = x.size(2);
+  if (hd % 2 != 0) fail("{}: head_dim must be even, got x {}", op, x.str());
+  expect_index(op, "positions", positions, {N}, "[N]");
+  expect_f32(op, "table", table, 2, "[max_pos, hd]");
+  if (table.size(1) != hd)
+    fail("{}: table must be [max_pos, hd] with hd={}, got {}", op, hd, table.str());
+  const int64_t half = hd / 2, items = N * H * ((half + 3) / 4);
+  if (items == 0) return;
+  const bool vec = half % 4 == 0 && aligned16(x.raw()) && aligned16(table.raw());
+  rope_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+      x.data<float>(), positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
+      sign, vec, site, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
+  const char* op = "embedding_forward";
+  expect_f32(op, "table", table, 2, "[V, D]");
+  expect_tokens_1d(op, tokens);
+  const int64_t N = tokens.size(0), V = table.size(0), D = table.size(1);
+  expect_index(op, "tokens", tokens, {N}, "[N]");
+  expect_dims(op, "out", out, DType::F32, {N, D}, "[N, D]");
+  if (N == 0) return;
+  const bool vec = D % 4 == 0 && aligned16(table.raw()) && aligned16(out.raw());
+  embedding_forward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+      tokens.data<int32_t>(), table.data<float>(), out.data<float>(), N, V, D, vec,
+      index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+  check_index_errors();  // token ids are user data: a bad one fails here, as on the CPU
+}
+
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable) {
+  const char* op = "embedding_backward";
+  expect_f32(op, "dtable", dtable, 2, "[V, D]");
+  const int64_t V = dtable.size(0), D = dtable.size(1);
+  expect_tokens_1d(op, tokens);
+  const int64_t N = tokens.size(0);
+  expect_index(op, "tokens", tokens, {N}, "[N]");
+  expect_dims(op, "dout", dout, DType::F32, {N, D}, "[N, D]");
+  if (N >= (int64_t(1) << 31)) fail("{}: N={} tokens exceed the 32-bit sort", op, N);
+  if (N == 0) return;
+  Tensor order = Tensor::empty({N}, DType::I32, Device::CUDA);
+  Tensor start = Tensor::empty({V + 1}, DType::I32, Device::CUDA);
+  stable_bucket_sort(tokens.data<int32_t>(), N, V, IndexSite::EmbeddingBackwardTokens, 1, 1,
+                     order.data<int32_t>(), nullptr, start.data<int32_t>());
+  const int64_t groups = (D + 3) / 4;
+  if (groups > 0) {
+    const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(dtable.raw());
+    const dim3 small_grid(grid_for(V, 1, 2048), unsigned((groups + kColThreads - 1) / kColThreads));
+    embedding_backward_small_kernel<<<small_grid, kColThreads>>>(
+        dout.data<float>(), order.data<int32_t>(), start.data<int32_t>(), dtable.data<float>(), V,
+        D, vec);
+    FOURBIT_LAUNCH_CHECK();
+    const dim3 big_grid(grid_for(V, kBigBucketWarps * 32, 64), unsigned((D + 127) / 128));
+    embedding_backward_big_kernel<<<big_grid, kBigBucketWarps * 32>>>(
+        dout.data<float>(), order.data<int32_t>(), start.data<int32_t>(), dtable.data<float>(), V,
+        D, vec);
+    FOURBIT_LAUNCH_CHECK();
+  }
+  check_index_errors();  // token ids are user data (bad ones were left out of the sort)
+}
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+  const char* op = "rmsnorm_forward";
+  expect_f32(op, "x", x, 2, "[N, D]");
+  const int64_t N = x.size(0), D = x.size(1);
+  expect_dims(op, "w", w, DType::F32, {D}, "[D]");
+  expect_dims(op, "y", y, DType::F32, {N, D}, "[N, D]");
+  expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
+  if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
+  if (N == 0) return;
+  const bool vec =
+      D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && aligned16(y.raw());
+  rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+      x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(), N, D,
+      vec);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                      Tensor& dx, Tensor& dw) {
+  const char* op = "rmsnorm_backward";
+  expect_f32(op, "x", x, 2, "[N, D]");
+  const int64_t N = x.size(0), D = x.size(1);
+  expect_dims(op, "dy", dy, DType::F32, {N, D}, "[N, D]");
+  expect_dims(op, "w", w, DType::F32, {D}, "[D]");
+  expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
+  expect_dims(op, "dx", dx, DType::F32, {N, D}, "[N, D]");
+  expect_dims(op, "dw", dw, DType::F32, {D}, "[D]");
+  if (N == 0 || D == 0) return;  // dw += an empty sum
+  const bool vec = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw()) &&
+                   aligned16(w.raw()) && aligned16(dx.raw());
+  rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads>>>(
+      dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
+      D, vec);
+  FOURBIT_LAUNCH_CHECK();
+
+  // dw: the chunking is a function of N alone, so a given batch always sums in the same order.
+  int64_t rows_per_chunk = (N + kDwMaxChunks - 1) / kDwMaxChunks;
+  if (rows_per_chunk < kDwMinRows) rows_per_chunk = kDwMinRows;
+  const int64_t chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+  Tensor partial = Tensor::empty({chunks, D}, DType::F64, Device::CUDA);
+  const int64_t groups = (D + 3) / 4;
+  const dim3 grid(unsigned((groups + kColThreads - 1) / kColThreads), unsigned(chunks));
+  const bool vec_dw = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw());
+  rmsnorm_dw_partials_kernel<<<grid, kColThreads>>>(dy.data<float>(), x.data<float>(),
+                                                    rstd.data<float>(), N, D, rows_per_chunk,
+                                                    vec_dw, partial.data<double>());
+  FOURBIT_LAUNCH_CHECK();
+  rmsnorm_dw_finish_kernel<<<unsigned((D + kEltThreads - 1) / kEltThreads), kEltThreads>>>(
+      partial.data<double>(), chunks, D, dw.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table) {
+  rope("rope_forward", IndexSite::RopeForwardPositions, x, positions, table, 1.0);
+}
+
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table) {
+  rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0);
+}
+
+void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
+  const char* op = "swiglu_forward";
+  expect_f32(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
+  expect_like(op, "h3", h3, "h1", h1);
+  expect_like(op, "a", a, "h1", h1);
+  const int64_t n = h1.numel();
+  if (n == 0) return;
+  const bool vec = aligned16(h1.raw()) && aligned16(h3.raw()) && aligned16(a.raw());
+  swiglu_forward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads>>>(
+      h1.data<float>(), h3.data<float>(), a.data<float>(), n, vec);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,
+                     Tensor& dh3) {
+  const char* op = "swiglu_backward";
+  expect_f32(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
+  expect_like(op, "da", da, "h1", h1);
+  expect_like(op, "h3", h3, "h1", h1);
+  expect_like(op, "dh1", dh1, "h1", h1);
+  expect_like(op, "dh3", dh3, "h1", h1);
+  const int64_t n = h1.numel();
+  if (n == 0) return;
+  const bool vec = aligned16(da.raw()) && aligned16(h1.raw()) && aligned16(h3.raw()) &&
+                   aligned16(dh1.raw()) && aligned16(dh3.raw());
+  swiglu_backward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads>>>(
+      da.data<float>(), h1.data<float>(), h3.data<float>(), dh1.data<float>(), dh3.data<float>(),
+      n, vec);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
+                   double grad_scale) {
+  const char* op = "cross_entropy";
+  expect_f32(op, "logits", logits, 2, "[N, V]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  if (V < 1) fail("{}: logits must have at least one column, got {}", op, logits.str());
+  expect_index(op, "targets", targets, {N}, "[N]");
+  expect_dims(op, "losses", losses, DType::F32, {N}, "[N]");
+  const bool want_grad = dlogits && dlogits->defined();
+  if (want_grad) expect_dims(op, "dlogits", *dlogits, DType::F32, {N, V}, "[N, V]");
+  if (N == 0) return;
+  const bool vec = V % 4 == 0 && aligned16(logits.raw()) &&
+                   (!want_grad || aligned16(dlogits->raw()));
+  cross_entropy_kernel<<<grid_for(N, 1), kXentThreads>>>(
+      logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
+      want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
+      index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+  check_index_errors();  // targets are user data: a bad one fails here, as on the CPU
+}
+
+}  // namespace fourbit::ops::cuda

@@ -1,0 +1,690 @@
+// defines: cuda::router_topk, cuda::router_backward, cuda::route_plan, cuda::gather_rows (dense
+//          and QTensor), cuda::gather_rows_backward, cuda::moe_combine,
+//          cuda::moe_combine_backward, cuda::stable_bucket_sort
+// The router and the token <-> expert-slot permutation on the GPU, following ops/cpu/moe.cpp:
+//  - router rows run one per warp, arithmetic in double rounded once per output, so a token's
+//    probabilities, choices and weights never depend on the other tokens (batch invariance);
+//  - route_plan is a stable counting sort on the device (experts ascending, tokens ascending
+//    within an expert); its E+1 offsets come to the host in the one copy (the one
+//    synchronisation) the design allows per MoE layer; slot_of and token_of_slot stay on the GPU;
+//  - gather_rows_backward and moe_combine add a token's k terms in rank order in float, with
+//    the CPU's exact operations (acc = 0, then acc += term, never fused), so the two backends
+//    agree bit for bit; moe_combine_backward's dot products are per-(token, rank) warp reductions.
+// No float atomics anywhere; the integer atomics (slot ownership, the error record) only detect
+// bad input. Index checks: index_errors.cuh.
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "fourbit/numerics/hd.h"
+#include "fourbit/ops/cuda/bucket_sort.cuh"
+#include "fourbit/ops/cuda/checks.cuh"
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/index_errors.cuh"
+#include "fourbit/ops/cuda/reduce.cuh"
+#include "fourbit/ops/cuda/vec4.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kRowWarps = 8;  // warp-per-row kernels: one row (or assignment) per warp
+constexpr int kRowThreads = kRowWarps * 32;
+constexpr int kEltThreads = 256;
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
+__device__ __forceinline__ int64_t first_row_of_warp() {
+  return blockIdx.x * int64_t(kRowWarps) + threadIdx.x / 32;
+}
+__device__ __forceinline__ int64_t warp_row_stride() { return int64_t(gridDim.x) * kRowWarps; }
+unsigned warp_row_grid(int64_t rows) { return grid_for(rows, kRowWarps); }
+
+// ---- stable bucket sort (bucket_sort.cuh) -----------------------------------------------------
+// Four kernels, no atomics. The keys are cut into chunks, one warp per chunk; table[c, b] is
+// first the number of keys b in chunk c, then the number of keys b in chunks before c.
+//  1. count: the warp stages 1024 keys of its chunk in shared memory and walks them 32 at a time,
+//     in order; lanes holding equal keys find each other with __match_any_sync and the lowest of
+//     them adds their number to table[chunk, key]. A table row belongs to one warp, and
+//     __syncwarp orders one step's update before the next step's.
+//  2. chunk prefix: one thread per bucket turns its column of the table into exclusive prefixes
+//     over the chunks and writes the bucket's total.
+//  3. offsets: one block scans the totals into bucket_start (integers: exact in any order).
+//  4. scatter: the same walk as 1; a key goes to bucket_start[key] + table[chunk, key] + the
+//     number of equal keys on lower lanes of the same step; the lowest lane advances the entry.
+// Positions therefore follow (key, index) order exactly: the sort is stable by construction.
+
+constexpr int kSortWarps = 4;                   // chunks (warps) per block in kernels 1 and 4
+constexpr int kSortStage = 1024;                // keys staged per warp at a time (32 steps)
+constexpr int64_t kSortMaxChunks = 128;         // at most this many chunks ...
+constexpr int64_t kSortTableEntries = 1 << 22;  // ... and a table of at most ~this many counts
+constexpr int kPrefixThreads = 256;             // kernel 2: one thread per bucket
+constexpr int kPrefixBatch = 8;                 // kernel 2: loads in flight per thread
+constexpr int kScanThreads = 1024;              // kernel 3: one block of 32 warps
+
+// Loads keys [base, min(base + kSortStage, end)) of the chunk into this warp's stage. Callers end
+// every step with __syncwarp, so a refill never overwrites keys a lane is still reading.
+__device__ __forceinline__ void stage_keys(const int32_t* keys, int64_t base, int64_t end,
+                                           int32_t* stage, int lane) {
+  for (int s = lane; s < kSortStage; s += 32)
+    if (base + s < end) stage[s] = keys[base + s];
+  __syncwarp();
+}
+
+__global__ void __launch_bounds__(kSortWarps * 32)
+    bucket_count_kernel(const int32_t* keys, int64_t n, int64_t buckets, int64_t chunk_len,
+                        int64_t chunks, int32_t* table, IndexSite site, int64_t key_cols,
+                        IndexError* err) {
+  __shared__ int32_t stages[kSortWarps][kSortStage];
+  const int64_t chunk = blockIdx.x * int64_t(kSortWarps) + threadIdx.x / 32;
+  if (chunk >= chunks) return;  // the whole warp leaves (no block barriers below)
+  const int lane = lane_id();
+  int32_t* stage = stages[threadIdx.x / 32];
+  const int64_t begin = chunk * chunk_len;
+  const int64_t end = begin + chunk_len < n ? begin + chunk_len : n;
+  int32_t* counts = table + chunk * buckets;
+  for (int64_t base = begin; base < end; base += kSortStage) {
+    stage_keys(keys, base, end, stage, lane);
+    for (int s = 0; s < kSortStage && base + s < end; s += 32) {
+      const int64_t i = base + s + lane;
+      const int32_t key = i < end ? stage[s + lane] : 0;
+      const bool valid = i < end && key >= 0 && key < buckets;
+      if (i < end && !valid) record_index_error(err, site, i, key, buckets, key_cols);
+      const unsigned active = __ballot_sync(kFullMask, valid);
+      if (valid) {
+        const unsigned peers = __match_any_sync(active, key);
+        if (lane == __ffs(peers) - 1) counts[key] += __popc(peers);
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Thread b: table[c, b] <- sum of table[c', b] for c' < c; totals[b] <- the column's sum.
+// Loads go in batches so that several are in flight (the column is strided by `buckets`).
+__global__ void __launch_bounds__(kPrefixThreads)
+    bucket_chunk_prefix_kernel(int32_t* table, int64_t buckets, int64_t chunks,
+                               int32_t* totals) {
+  for (int64_t b = blockIdx.x * int64_t(kPrefixThreads) + threadIdx.x; b < buckets;
+       b += int64_t(gridDim.x) * kPrefixThreads) {
+    int32_t running = 0;
+    for (int64_t c0 = 0; c0 < chunks; c0 += kPrefixBatch) {
+      int32_t count[kPrefixBatch];
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u)
+        count[u] = c0 + u < chunks ? table[(c0 + u) * buckets + b] : 0;
+#pragma unroll
+      for (int u = 0; u < kPrefixBatch; ++u)
+        if (c0 + u < chunks) {
+          table[(c0 + u) * buckets + b] = running;
+          running += count[u];
+        }
+    }
+    totals[b] = running;
+  }
+}
+
+// One block: thread t owns the buckets [b0, b1) (contiguous, in order). The block scans the
+// threads' sums, then each thread writes its buckets' starts.
+__global__ void __launch_bounds__(kScanThreads)
+    bucket_offsets_kernel(const int32_t* __restrict__ totals, int64_t buckets,
+                          int32_t* __restrict__ bucket_start) {
+  __shared__ int32_t warp_totals[kScanThreads / 32];
+  const int lane = lane_id(), warp = threadIdx.x / 32;
+  const int64_t per = (buckets + kScanThreads - 1) / kScanThreads;
+  const int64_t b0 = threadIdx.x * per < buckets ? threadIdx.x * per : buckets;
+  const int64_t b1 = b0 + per < buckets ? b0 + per : buckets;
+  int32_t own = 0;
+  for (int64_t b = b0; b < b1; ++b) own += totals[b];
+  int32_t incl = own;  // inclusive scan within the warp
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int32_t up = __shfl_up_sync(kFullMask, incl, offset);
+    if (lane >= offset) incl += up;
+  }
+  if (lane == 31) warp_totals[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {  // inclusive scan of the 32 warp sums
+    int32_t t = warp_totals[lane];
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int32_t up = __shfl_up_sync(kFullMask, t, offset);
+      if (lane >= offset) t += up;
+    }
+    warp_totals[lane] = t;
+  }
+  __syncthreads();
+  int32_t running = incl - own + (warp > 0 ? warp_totals[warp - 1] : 0);
+  for (int64_t b = b0; b < b1; ++b) {
+    bucket_start[b] = running;
+    running += totals[b];
+  }
+  if (threadIdx.x == kScanThreads - 1) bucket_start[buckets] = running;  // its b1 == buckets
+}
+
+__global__ void __launch_bounds__(kSortWarps * 32)
+    bucket_scatter_kernel(const int32_t* keys, int64_t n, int64_t buckets, int64_t chunk_len,
+                          int64_t chunks, int32_t* table, const int32_t* bucket_start,
+                          int32_t divisor, int32_t* order_out, int32_t* pos_out) {
+  __shared__ int32_t stages[kSortWarps][kSortStage];
+  const int64_t chunk = blockIdx.x * int64_t(kSortWarps) + threadIdx.x / 32;
+  if (chunk >= chunks) return;
+  const int lane = lane_id();
+  int32_t* stage = stages[threadIdx.x / 32];
+  const int64_t begin = chunk * chunk_len;
+  const int64_t end = begin + chunk_len < n ? begin + chunk_len : n;
+  int32_t* before = table + chunk * buckets;  // keys b already placed by earlier chunks and steps
+  for (int64_t base = begin; base < end; base += kSortStage) {
+    stage_keys(keys, base, end, stage, lane);
+    for (int s = 0; s < kSortStage && base + s < end; s += 32) {
+      const int64_t i = base + s + lane;
+      const int32_t key = i < end ? stage[s + lane] : 0;
+      const bool valid = i < end && key >= 0 && key < buckets;  // bad keys were recorded in 1
+      const unsigned active = __ballot_sync(kFullMask, valid);
+      if (valid) {
+        const unsigned peers = __match_any_sync(active, key);
+        const int leader = __ffs(peers) - 1;
+        int32_t first = 0;
+        if (lane == leader) {
+          first = bucket_start[key] + before[key];
+          before[key] += __popc(peers);
+        }
+        first = __shfl_sync(active, first, leader);
+        const int32_t p = first + __popc(peers & ((1u << lane) - 1u));
+        order_out[p] = int32_t(i / divisor);
+        if (pos_out) pos_out[i] = p;
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// ---- router -----------------------------------------------------------------------------------
+
+// One warp per row; lane l owns experts l, l + 32, ... Selection works on the stored float
+// probabilities, as on the CPU: pick j is the greatest (probability, then lower index) among the
+// experts that come after pick j-1 in that order, which is the CPU's "strictly greater wins,
+// skip taken" scan without a taken set.
+__global__ void __launch_bounds__(kRowThreads)
+    router_topk_kernel(const float* logits, int64_t k, float* probs, int32_t* topk_idx,
+                       float* topk_w, int64_t N, int64_t E) {
+  const int lane = lane_id();
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const float* x = logits + n * E;
+    float* p = probs + n * E;
+    float m = -INFINITY;
+    for (int64_t e = lane; e < E; e += 32) m = fmaxf(m, x[e]);
+    const double mx = double(warp_max(m));
+    double l = 0.0;
+    for (int64_t e = lane; e < E; e += 32) l += exp(double(x[e]) - mx);
+    l = warp_sum(l);
+    for (int64_t e = lane; e < E; e += 32) p[e] = float(exp(double(x[e]) - mx) / l);
+    int32_t* idx = topk_idx + n * k;
+    float* w = topk_w + n * k;
+    if (isnan(l)) {
+      // A NaN or infinite logit makes every probability NaN; nothing compares greater than a
+      // NaN, so the CPU's scan takes experts 0 .. k-1, and their weights are NaN.
+      for (int64_t j = lane; j < k; j += 32) {
+        idx[j] = int32_t(j);
+        w[j] = float(NAN);
+      }
+      continue;
+    }
+    float prev_v = INFINITY;  // probabilities are finite: everything comes after this
+    int32_t prev_e = -1;
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      float best_v = -1.0f;  // below every probability
+      int32_t best_e = INT32_MAX;
+      for (int32_t e = lane; e < E; e += 32) {
+        const float v = p[e];  // this lane's own store above
+        const bool after_prev = v < prev_v || (v == prev_v && e > prev_e);
+        if (after_prev && v > best_v) best_v = v, best_e = e;  // e ascends: ties keep the lower
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(kFullMask, best_v, offset);
+        const int32_t oe = __shfl_xor_sync(kFullMask, best_e, offset);
+        if (ov > best_v || (ov == best_v && oe < best_e)) best_v = ov, best_e = oe;
+      }
+      prev_v = best_v, prev_e = best_e;
+      sum += double(best_v);
+      if (lane == 0) {
+        idx[j] = best_e;
+        w[j] = best_v;  // the probability for now; divided by the sum below
+      }
+    }
+    if (lane == 0)
+      for (int64_t j = 0; j < k; ++j) w[j] = float(double(w[j]) / sum);
+  }
+}
+
+// w_j = p_{i_j} / S with S = sum_j p_{i_j}:  dL/dp_{i_l} = (dw_l - sum_j dw_j w_j) / S.
+// Then the softmax Jacobian: dlogit_e = p_e (dp_e - sum_f p_f dp_f). One warp per row; dp_e is
+// recomputed in the second pass instead of stored (k is small).
+__device__ __forceinline__ double router_dp(const int32_t* idx, const float* dw, int64_t k,
+                                            const float* dprobs_row, int64_t e, double gw,
+                                            double S) {
+  double dp = dprobs_row ? double(dprobs_row[e]) : 0.0;
+  for (int64_t j = 0; j < k; ++j)
+    if (idx[j] == e) dp += (double(dw[j]) - gw) / S;
+  return dp;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    router_backward_kernel(const float* probs, const int32_t* topk_idx, const float* topk_w,
+                           const float* d_topk_w, const float* d_probs, float* d_logits,
+                           int64_t N, int64_t E, int64_t k, IndexError* err) {
+  const int lane = lane_id();
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const float* p = probs + n * E;
+    const int32_t* idx = topk_idx + n * k;
+    const float* w = topk_w + n * k;
+    const float* dw = d_topk_w + n * k;
+    const float* dpr = d_probs ? d_probs + n * E : nullptr;
+    // Every lane reads the same k entries and computes the same S and gw.
+    double S = 0.0, gw = 0.0;
+    bool ok = true;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = idx[j];
+      if (e < 0 || e >= E) {
+        if (lane == 0) record_index_error(err, IndexSite::RouterBackwardTopk, n * k + j, e, E, k);
+        ok = false;
+        break;
+      }
+      S += double(p[e]);
+      gw += double(dw[j]) * double(w[j]);
+    }
+    if (!ok) continue;  // the same decision on every lane
+    double dot = 0.0;
+    for (int64_t e = lane; e < E; e += 32)
+      dot += double(p[e]) * router_dp(idx, dw, k, dpr, e, gw, S);
+    dot = warp_sum(dot);
+    for (int64_t e = lane; e < E; e += 32)
+      d_logits[n * E + e] = float(double(p[e]) * (router_dp(idx, dw, k, dpr, e, gw, S) - dot));
+  }
+}
+
+// ---- permutation ------------------------------------------------------------------------------
+
+// Row copies of any dtype as units U (16, 4 or 1 bytes), one warp per output row.
+template <typename U>
+__global__ void __launch_bounds__(kRowThreads)
+    gather_rows_kernel(const U* x, const int32_t* token_of_slot, U* out, int64_t M, int64_t N,
+                       int64_t row_units, IndexError* err) {
+  const int lane = lane_id();
+  for (int64_t s = first_row_of_warp(); s < M; s += warp_row_stride()) {
+    const int32_t n = token_of_slot[s];
+    U* o = out + s * row_units;
+    if (n < 0 || n >= N) {  // recorded; the row is zeroed, never read out of bounds
+      if (lane == 0) record_index_error(err, IndexSite::GatherRowsTokenOfSlot, s, n, N, 1);
+      for (int64_t u = lane; u < row_units; u += 32) o[u] = U{};
+      continue;
+    }
+    const U* src = x + int64_t(n) * row_units;
+    for (int64_t u = lane; u < row_units; u += 32) o[u] = src[u];
+  }
+}
+
+// out[s, :] = x[token_of_slot[s], :] for rows of row_bytes bytes.
+void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t* token_of_slot,
+                      int64_t M, void* out) {
+  if (M == 0 || row_bytes == 0) return;
+  const unsigned grid = warp_row_grid(M);
+  IndexError* err = index_error_record();
+  if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))
+    gather_rows_kernel<uint4><<<grid, kRowThreads>>>(static_cast<const uint4*>(x), token_of_slot,
+                                                     static_cast<uint4*>(out), M, N,
+                                                     row_bytes / 16, err);
+  else if (row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 &&
+           reinterpret_cast<uintptr_t>(out) % 4 == 0)
+    gather_rows_kernel<uint32_t><<<grid, kRowThreads>>>(static_cast<const uint32_t*>(x),
+                                                        token_of_slot, static_cast<uint32_t*>(out),
+                                                        M, N, row_bytes / 4, err);
+  else
+    gather_rows_kernel<uint8_t><<<grid, kRowThreads>>>(static_cast<const uint8_t*>(x),
+                                                       token_of_slot, static_cast<uint8_t*>(out),
+                                                       M, N, row_bytes, err);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+// True (and the first bad one recorded) when a slot of token n's k entries is outside [0, M).
+__device__ __forceinline__ bool bad_slots(const int32_t* slot_of, int64_t n, int64_t k, int64_t M,
+                                          bool record, IndexSite site, IndexError* err) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t s = slot_of[n * k + j];
+    if (s < 0 || s >= M) {
+      if (record) record_index_error(err, site, n * k + j, s, M, k);
+      return true;
+    }
+  }
+  return false;
+}
+
+// One thread per (token n, group of 4 columns): dx[n] = sum over j of dx_perm[slot_of[n, j]],
+// acc = 0 then acc += row, in rank order, in float (the CPU's exact sequence).
+__global__ void __launch_bounds__(kEltThreads)
+    gather_rows_backward_kernel(const float* dx_perm, const int32_t* slot_of, float* dx,
+                                int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
+                                IndexError* err) {
+  const int64_t groups = (D + 3) / 4, items = N * groups;
+  for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = item % groups, n = item / groups;
+    if (bad_slots(slot_of, n, k, M, g == 0, IndexSite::GatherRowsBackwardSlotOf, err)) continue;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < k; ++j) {
+      float v[4];
+      load4(dx_perm + int64_t(slot_of[n * k + j]) * D, 4 * g, D, vec, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] = num::add_rn(acc[c], v[c]);
+    }
+    store4(dx + n * D, 4 * g, D, vec, acc);
+  }
+}
+
+// out[n] = sum over j in rank order of w[n, j] * y_perm[slot_of[n, j]]: acc = 0, then
+// acc += w * y with a separate rounding for the product and the sum (never an FMA), as on the CPU.
+__global__ void __launch_bounds__(kEltThreads)
+    moe_combine_kernel(const float* y_perm, const int32_t* slot_of, const float* w, float* out,
+                       int64_t N, int64_t M, int64_t k, int64_t D, bool vec, IndexError* err) {
+  const int64_t groups = (D + 3) / 4, items = N * groups;
+  for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = item % groups, n = item / groups;
+    if (bad_slots(slot_of, n, k, M, g == 0, IndexSite::MoeCombineSlotOf, err)) continue;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t j = 0; j < k; ++j) {
+      const float wj = w[n * k + j];
+      float v[4];
+      load4(y_perm + int64_t(slot_of[n * k + j]) * D, 4 * g, D, vec, v);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] = num::add_rn(acc[c], num::mul_rn(wj, v[c]));
+    }
+    store4(out + n * D, 4 * g, D, vec, acc);
+  }
+}
+
+// One warp per assignment a = (n, j) with slot s: dy_perm[s] = w * dout[n] (one float product,
+// as on the CPU) and dw[a] = <dout[n], y_perm[s]> in double, reduced by the warp tree.
+// owners[s] counts the assignments that claim slot s: a second claimant is recorded (the CPU
+// rejects a non-injective slot_of before writing; here the error is raised at the next check).
+__global__ void __launch_bounds__(kRowThreads)
+    moe_combine_backward_kernel(const float* dout, const float* y_perm, const int32_t* slot_of,
+                                const float* w, float* dy_perm, float* dw, int32_t* owners,
+                                int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
+                                IndexError* err) {
+  const int lane = lane_id();
+  const int64_t groups = (D + 3) / 4;
+  for (int64_t a = first_row_of_warp(); a < N * k; a += warp_row_stride()) {
+    const int32_t s = slot_of[a];
+    if (s < 0 || s >= M) {
+      if (lane == 0) record_index_error(err, IndexSite::MoeCombineBackwardSlotOf, a, s, M, k);
+      continue;
+    }
+    if (lane == 0 && atomicAdd(&owners[s], 1) != 0)
+      record_index_error(err, IndexSite::MoeCombineBackwardSharedSlot, a, s, M, k);
+    const float wj = w[a];
+    const float* g = dout + (a / k) * D;
+    const float* y = y_perm + int64_t(s) * D;
+    float* o = dy_perm + int64_t(s) * D;
+    double dot = 0.0;
+    for (int64_t gi = lane; gi < groups; gi += 32) {
+      float gv[4], yv[4], out[4];
+      load4(g, 4 * gi, D, vec, gv);
+      load4(y, 4 * gi, D, vec, yv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        out[c] = num::mul_rn(wj, gv[c]);
+        dot += double(gv[c]) * double(yv[c]);  // zeros past the end add nothing
+      }
+      store4(o, 4 * gi, D, vec, out);
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dw[a] = float(dot);
+  }
+}
+
+// ---- host helpers -----------------------------------------------------------------------------
+
+const char* str_or_undef(const Tensor& t) { return t.defined() ? "" : "undefined "; }
+
+// slot_of must be a CUDA i32[N, k] for the given N; returns k.
+int64_t expect_slot_of(const char* op, const Tensor& slot_of, int64_t N) {
+  if (!slot_of.defined() || slot_of.dim() != 2 || slot_of.size(0) != N)
+    fail("{}: slot_of must be i32[N, k] with N={}, got {}{}", op, N, str_or_undef(slot_of),
+         slot_of.defined() ? slot_of.str() : "");
+  const int64_t k = slot_of.size(1);
+  expect_index(op, "slot_of", slot_of, {N, k}, "[N, k]");
+  return k;
+}
+
+void expect_token_of_slot(const char* op, const Tensor& token_of_slot) {
+  if (!token_of_slot.defined() || token_of_slot.dim() != 1)
+    fail("{}: token_of_slot must be i32[M], got {}{}", op, str_or_undef(token_of_slot),
+         token_of_slot.defined() ? token_of_slot.str() : "");
+  expect_index(op, "token_of_slot", token_of_slot, {token_of_slot.size(0)}, "[M]");
+}
+
+}  // namespace
+
+void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSite site,
+                        int64_t key_cols, int32_t divisor, int32_t* order_out, int32_t* pos_out,
+                        int32_t* bucket_start) {
+  FOURBIT_CHECK(n >= 0 && n < (int64_t(1) << 31) && buckets >= 1 && buckets < (int64_t(1) << 31),
+                "stable_bucket_sort: n={} keys into {} buckets", n, buckets);
+  if (n == 0) {
+    FOURBIT_CUDA_CHECK(cudaMemsetAsync(bucket_start, 0, size_t(buckets + 1) * sizeof(int32_t), 0));
+    return;
+  }
+  FOURBIT_CHECK(divisor >= 1, "stable_bucket_sort: divisor {}", divisor);
+  // The chunking changes only the speed: the sorted order is one permutation whatever it is.
+  int64_t max_chunks = kSortTableEntries / buckets;
+  if (max_chunks > kSortMaxChunks) max_chunks = kSortMaxChunks;
+  if (max_chunks < 1) max_chunks = 1;
+  int64_t chunk_len = (n + max_chunks - 1) / max_chunks;
+  chunk_len = (chunk_len + kSortStage - 1) / kSortStage * kSortStage;
+  const int64_t chunks = (n + chunk_len - 1) / chunk_len;
+  Tensor table = Tensor::zeros({chunks * buckets + buckets}, DType::I32, Device::CUDA);
+  int32_t* t = table.data<int32_t>();
+  int32_t* totals = t + chunks * buckets;
+  const unsigned grid = unsigned((chunks + kSortWarps - 1) / kSortWarps);
+  bucket_count_kernel<<<grid, kSortWarps * 32>>>(keys, n, buckets, chunk_len, chunks, t, site,
+                                                 key_cols, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+  bucket_chunk_prefix_kernel<<<grid_for(buckets, kPrefixThreads), kPrefixThreads>>>(
+      t, buckets, chunks, totals);
+  FOURBIT_LAUNCH_CHECK();
+  bucket_offsets_kernel<<<1, kScanThreads>>>(totals, buckets, bucket_start);
+  FOURBIT_LAUNCH_CHECK();
+  bucket_scatter_kernel<<<grid, kSortWarps * 32>>>(keys, n, buckets, chunk_len, chunks, t,
+                                                   bucket_start, divisor, order_out, pos_out);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w) {
+  const char* op = "router_topk";
+  expect_f32(op, "logits", logits, 2, "[N, E]");
+  const int64_t N = logits.size(0), E = logits.size(1);
+  if (k < 1 || k > E) fail("{}: k must be in [1, E={}], got k={}", op, E, k);
+  if (E >= (int64_t(1) << 31)) fail("{}: E={} experts exceed the 32-bit index", op, E);
+  expect_dims(op, "probs", probs, DType::F32, {N, E}, "[N, E]");
+  expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
+  expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
+  if (N == 0) return;
+  router_topk_kernel<<<warp_row_grid(N), kRowThreads>>>(
+      logits.data<float>(), k, probs.data<float>(), topk_idx.data<int32_t>(),
+      topk_w.data<float>(), N, E);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
+                     const Tensor& d_topk_w, const Tensor& d_probs, Tensor& d_logits) {
+  const char* op = "router_backward";
+  expect_f32(op, "probs", probs, 2, "[N, E]");
+  const int64_t N = probs.size(0), E = probs.size(1);
+  if (!topk_idx.defined() || topk_idx.dim() != 2)
+    fail("{}: topk_idx must be i32[N, k], got {}{}", op, str_or_undef(topk_idx),
+         topk_idx.defined() ? topk_idx.str() : "");
+  const int64_t k = topk_idx.size(1);
+  expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
+  expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
+  expect_dims(op, "d_topk_w", d_topk_w, DType::F32, {N, k}, "[N, k]");
+  // An undefined d_probs means no extra gradient on the probabilities.
+  if (d_probs.defined()) expect_dims(op, "d_probs", d_probs, DType::F32, {N, E}, "[N, E]");
+  expect_dims(op, "d_logits", d_logits, DType::F32, {N, E}, "[N, E]");
+  if (N == 0) return;
+  router_backward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+      probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
+      d_topk_w.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
+      d_logits.data<float>(), N, E, k, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
+  const char* op = "route_plan";
+  if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
+      topk_idx.device() != Device::CUDA)
+    fail("{}: topk_idx must be an i32[N, k] cuda tensor, got {}{}", op, str_or_undef(topk_idx),
+         topk_idx.defined() ? topk_idx.str() : "");
+  if (n_experts < 1 || n_experts >= (int64_t(1) << 31))
+    fail("{}: n_experts must be in [1, 2^31), got {}", op, n_experts);
+  const int64_t N = topk_idx.size(0), k = topk_idx.size(1), A = N * k;
+  if (A >= (int64_t(1) << 31))
+    fail("{}: N*k = {} assignments exceed the 32-bit slot index", op, A);
+  RoutePlan plan;
+  plan.slot_of = Tensor::empty({N, k}, DType::I32, Device::CUDA);
+  plan.token_of_slot = Tensor::empty({A}, DType::I32, Device::CUDA);
+  // Scratch: bucket_start (E+1 int32), then a copy of the index-error record, so that one
+  // device-to-host copy (the layer's one synchronisation) brings back the offsets and any error.
+  const size_t start_bytes = (size_t(n_experts + 1) * sizeof(int32_t) + 7) / 8 * 8;
+  const size_t bytes = start_bytes + sizeof(IndexError);
+  Tensor scratch = Tensor::empty({int64_t(bytes)}, DType::U8, Device::CUDA);
+  char* dev = static_cast<char*>(scratch.raw());
+  stable_bucket_sort(topk_idx.data<int32_t>(), A, n_experts, IndexSite::RoutePlanTopk, k,
+                     int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
+                     plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
+                                     cudaMemcpyDeviceToDevice, 0));
+  std::vector<char> host(bytes);
+  FOURBIT_CUDA_CHECK(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost));
+  IndexError err;
+  std::memcpy(&err, host.data() + start_bytes, sizeof err);
+  if (err.set) raise_index_error(err);  // this op's expert ids, or an earlier op's indices
+  plan.offsets.resize(size_t(n_experts + 1));
+  for (int64_t e = 0; e <= n_experts; ++e) {
+    int32_t v;
+    std::memcpy(&v, host.data() + e * sizeof(int32_t), sizeof v);
+    plan.offsets[size_t(e)] = v;
+  }
+  return plan;
+}
+
+void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
+  const char* op = "gather_rows";
+  if (!x.defined() || x.dim() != 2 || x.device() != Device::CUDA)
+    fail("{}: x must be a 2-D cuda tensor [N, D], got {}{}", op, str_or_undef(x),
+         x.defined() ? x.str() : "");
+  expect_token_of_slot(op, token_of_slot);
+  const int64_t N = x.size(0), D = x.size(1), M = token_of_slot.size(0);
+  expect_dims(op, "x_perm", x_perm, x.dtype(), {M, D}, "[M, D]");
+  // A row copy is exact for every dtype, so this one kernel serves them all.
+  gather_row_bytes(x.raw(), N, D * dtype_size(x.dtype()), token_of_slot.data<int32_t>(), M,
+                   x_perm.raw());
+}
+
+QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
+  const char* op = "gather_rows";
+  if (x.axis != BlockAxis::Row || x.slices != 1)
+    fail("{}: a QTensor must be Row-axis with one slice (rows = tokens), got {}-axis with {} "
+         "slices",
+         op, x.axis == BlockAxis::Row ? "Row" : "Col", x.slices);
+  expect_dims(op, "QTensor codes", x.codes, DType::U8, {x.rows, x.code_row_bytes()},
+              "[rows, code_row_bytes]");
+  expect_dims(op, "QTensor block_scales", x.block_scales, DType::U8,
+              {x.rows, x.blocks_per_row()}, "[rows, blocks_per_row]");
+  const bool per_row = x.outer == OuterScale::PerRow;
+  if (per_row)
+    expect_dims(op, "QTensor outer_scales", x.outer_scales, DType::F32, {x.rows}, "[rows]");
+  expect_token_of_slot(op, token_of_slot);
+  const int64_t M = token_of_slot.size(0);
+  const int32_t* tok = token_of_slot.data<int32_t>();
+  QTensor out = x;
+  out.rows = M;
+  out.codes = Tensor::empty({M, x.code_row_bytes()}, DType::U8, Device::CUDA);
+  out.block_scales = Tensor::empty({M, x.blocks_per_row()}, DType::U8, Device::CUDA);
+  gather_row_bytes(x.codes.raw(), x.rows, x.code_row_bytes(), tok, M, out.codes.raw());
+  gather_row_bytes(x.block_scales.raw(), x.rows, x.blocks_per_row(), tok, M,
+                   out.block_scales.raw());
+  // Per-row (per-token) scales travel with their rows; Tensor/None (and the single PerSlice
+  // scale of a one-slice tensor) apply to every row and are copied as they are.
+  if (per_row) {
+    out.outer_scales = Tensor::empty({M}, DType::F32, Device::CUDA);
+    gather_row_bytes(x.outer_scales.raw(), x.rows, sizeof(float), tok, M,
+                     out.outer_scales.raw());
+  } else if (x.outer_scales.defined()) {
+    out.outer_scales = x.outer_scales.clone();
+  }
+  return out;
+}
+
+void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx) {
+  const char* op = "gather_rows_backward";
+  expect_f32(op, "dx", dx, 2, "[N, D]");
+  const int64_t N = dx.size(0), D = dx.size(1);
+  expect_f32(op, "dx_perm", dx_perm, 2, "[M, D]");
+  const int64_t M = dx_perm.size(0);
+  expect_dims(op, "dx_perm", dx_perm, DType::F32, {M, D}, "[M, D]");
+  const int64_t k = expect_slot_of(op, slot_of, N);
+  const int64_t items = N * ((D + 3) / 4);
+  if (items == 0) return;
+  const bool vec = D % 4 == 0 && aligned16(dx_perm.raw()) && aligned16(dx.raw());
+  gather_rows_backward_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+      dx_perm.data<float>(), slot_of.data<int32_t>(), dx.data<float>(), N, M, k, D, vec,
+      index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out) {
+  const char* op = "moe_combine";
+  expect_f32(op, "out", out, 2, "[N, D]");
+  const int64_t N = out.size(0), D = out.size(1);
+  expect_f32(op, "y_perm", y_perm, 2, "[M, D]");
+  const int64_t M = y_perm.size(0);
+  expect_dims(op, "y_perm", y_perm, DType::F32, {M, D}, "[M, D]");
+  const int64_t k = expect_slot_of(op, slot_of, N);
+  expect_dims(op, "w", w, DType::F32, {N, k}, "[N, k]");
+  const int64_t items = N * ((D + 3) / 4);
+  if (items == 0) return;
+  const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw());
+  moe_combine_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+      y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k,
+      D, vec, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                          const Tensor& w, Tensor& dy_perm, Tensor& dw) {
+  const char* op = "moe_combine_backward";
+  expect_f32(op, "dout", dout, 2, "[N, D]");
+  const int64_t N = dout.size(0), D = dout.size(1);
+  expect_f32(op, "y_perm", y_perm, 2, "[M, D]");
+  const int64_t M = y_perm.size(0);
+  expect_dims(op, "y_perm", y_perm, DType::F32, {M, D}, "[M, D]");
+  const int64_t k = expect_slot_of(op, slot_of, N);
+  expect_dims(op, "w", w, DType::F32, {N, k}, "[N, k]");
+  expect_dims(op, "dy_perm", dy_perm, DType::F32, {M, D}, "[M, D]");
+  expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
+  dy_perm.zero_();  // slots no token points at stay zero (none for a route_plan's slot_of)
+  if (N * k == 0) return;
+  Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
+  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) &&
+                   aligned16(dy_perm.raw());
+  moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads>>>(
+      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
+      dy_perm.data<float>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
+      index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace fourbit::ops::cuda

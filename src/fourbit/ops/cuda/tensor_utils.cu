@@ -1,0 +1,229 @@
+// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::fill_
+// The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
+// BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
+// (RNE), so both backends give the same bits. The GPU backend holds F32 and BF16 only; F64
+// tensors stay on the host.
+//
+// sum_squares is a reduction and must not depend on scheduling: every block owns one fixed chunk
+// of kSumChunk elements and writes one double partial (fixed per-thread sums, fixed block tree),
+// then a single block adds the partials in a fixed tree. No atomics; the chunking depends only on
+// the element count, so the same tensor always gives the same bits.
+#include <cmath>
+
+#include "fourbit/numerics/bf16.h"
+#include "fourbit/ops/cuda/checks.cuh"
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/reduce.cuh"
+#include "fourbit/ops/cuda/vec4.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kSumChunk = 1 << 14;  // elements per sum_squares partial (the CPU's chunk)
+constexpr int kFinalThreads = 1024;
+
+bool is_value_dtype(DType t) { return t == DType::F32 || t == DType::BF16; }
+
+void expect_value(const char* op, const char* name, const Tensor& t) {
+  if (!t.defined()) fail("{}: {} is undefined", op, name);
+  if (t.device() != Device::CUDA || !is_value_dtype(t.dtype()))
+    fail("{}: {} must be an f32 or bf16 cuda tensor (GPU tensors are f32 or bf16; f64 stays on "
+         "the host), got {}",
+         op, name, t.str());
+}
+
+// ---- kernels (grid-stride over groups of 4 elements for F32; plain elements for BF16) ---------
+
+__global__ void f32_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = num::bf16_encode(src[i]);
+}
+
+__global__ void bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = num::bf16_decode(src[i]);
+}
+
+__global__ void add_f32_kernel(float* dst, const float* src, int64_t n, bool vec) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    float d[4], s[4];
+    load4(dst, 4 * g, n, vec, d);
+    load4(src, 4 * g, n, vec, s);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) d[c] = num::add_rn(d[c], s[c]);
+    store4(dst, 4 * g, n, vec, d);
+  }
+}
+
+__global__ void add_bf16_kernel(uint16_t* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = num::bf16_encode(num::add_rn(num::bf16_decode(dst[i]), num::bf16_decode(src[i])));
+}
+
+__global__ void scale_f32_kernel(float* t, float f, int64_t n, bool vec) {
+  const int64_t groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    float d[4];
+    load4(t, 4 * g, n, vec, d);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) d[c] = num::mul_rn(d[c], f);
+    store4(t, 4 * g, n, vec, d);
+  }
+}
+
+__global__ void scale_bf16_kernel(uint16_t* t, float f, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    t[i] = num::bf16_encode(num::mul_rn(num::bf16_decode(t[i]), f));
+}
+
+template <typename T>
+__global__ void fill_kernel(T* t, T pattern, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    t[i] = pattern;
+}
+
+__device__ __forceinline__ double square_of(float x) { return double(x) * double(x); }
+__device__ __forceinline__ double square_of(uint16_t x) {
+  const double d = double(num::bf16_decode(x));
+  return d * d;
+}
+
+// Block b sums the squares of chunk b: thread t takes groups t, t + kThreads, ... of the chunk
+// (four elements each, in order), then the block tree combines the threads.
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_f32_partials(const float* x, int64_t n, bool vec, double* partial) {
+  __shared__ double scratch[kThreads / 32];
+  const int64_t begin = blockIdx.x * kSumChunk;
+  const int64_t len = n - begin < kSumChunk ? n - begin : kSumChunk;
+  double acc = 0.0;
+  for (int64_t g = threadIdx.x; 4 * g < len; g += kThreads) {
+    float v[4];
+    load4(x + begin, 4 * g, len, vec, v);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc += square_of(v[c]);  // zeros past the end add nothing
+  }
+  acc = block_sum<kThreads>(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_bf16_partials(const uint16_t* x, int64_t n, double* partial) {
+  __shared__ double scratch[kThreads / 32];
+  const int64_t begin = blockIdx.x * kSumChunk;
+  const int64_t len = n - begin < kSumChunk ? n - begin : kSumChunk;
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < len; i += kThreads) acc += square_of(x[begin + i]);
+  acc = block_sum<kThreads>(acc, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// One block: thread t adds partials t, t + 1024, ... in order, then the block tree.
+__global__ void __launch_bounds__(kFinalThreads)
+    sum_partials_kernel(const double* partial, int64_t count, double* out) {
+  __shared__ double scratch[kFinalThreads / 32];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) acc += partial[i];
+  acc = block_sum<kFinalThreads>(acc, scratch);
+  if (threadIdx.x == 0) out[0] = acc;
+}
+
+}  // namespace
+
+void convert(const Tensor& src, Tensor& dst) {
+  expect_value("convert", "src", src);
+  expect_value("convert", "dst", dst);
+  if (src.numel() != dst.numel())
+    fail("convert: src {} and dst {} differ in element count", src.str(), dst.str());
+  const int64_t n = src.numel();
+  if (n == 0) return;
+  if (src.dtype() == dst.dtype()) {
+    FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), size_t(src.nbytes()),
+                                       cudaMemcpyDeviceToDevice, 0));
+    return;
+  }
+  if (src.dtype() == DType::F32) {  // F32 -> BF16: one RNE rounding (bf16_encode)
+    f32_to_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(src.data<float>(),
+                                                            dst.data<uint16_t>(), n);
+  } else {  // BF16 -> F32: exact
+    bf16_to_f32_kernel<<<grid_for(n, kThreads), kThreads>>>(src.data<uint16_t>(),
+                                                            dst.data<float>(), n);
+  }
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void add_(Tensor& dst, const Tensor& src) {
+  expect_value("add_", "dst", dst);
+  expect_value("add_", "src", src);
+  if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
+    fail("add_: src must match dst {}, got {}", dst.str(), src.str());
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  if (dst.dtype() == DType::F32) {
+    const bool vec = aligned16(dst.raw()) && aligned16(src.raw());
+    add_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(dst.data<float>(),
+                                                                  src.data<float>(), n, vec);
+  } else {
+    add_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(dst.data<uint16_t>(),
+                                                         src.data<uint16_t>(), n);
+  }
+  FOURBIT_LAUNCH_CHECK();
+}
+
+// As on the CPU: the factor is rounded to float once and every element is multiplied by it.
+void scale_(Tensor& t, double s) {
+  expect_value("scale_", "t", t);
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  const float f = float(s);
+  if (t.dtype() == DType::F32)
+    scale_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(t.data<float>(), f, n,
+                                                                    aligned16(t.raw()));
+  else
+    scale_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(t.data<uint16_t>(), f, n);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+double sum_squares(const Tensor& t) {
+  expect_value("sum_squares", "t", t);
+  const int64_t n = t.numel();
+  if (n == 0) return 0.0;
+  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  Tensor partial = Tensor::empty({chunks + 1}, DType::F64, Device::CUDA);  // + 1: the total
+  double* p = partial.data<double>();
+  if (t.dtype() == DType::F32)
+    sum_squares_f32_partials<<<unsigned(chunks), kThreads>>>(t.data<float>(), n,
+                                                              aligned16(t.raw()), p);
+  else
+    sum_squares_bf16_partials<<<unsigned(chunks), kThreads>>>(t.data<uint16_t>(), n, p);
+  FOURBIT_LAUNCH_CHECK();
+  sum_partials_kernel<<<1, kFinalThreads>>>(p, chunks, p + chunks);
+  FOURBIT_LAUNCH_CHECK();
+  double total = 0.0;  // the host needs the value: this copy is the op's one synchronisation
+  FOURBIT_CUDA_CHECK(cudaMemcpy(&total, p + chunks, sizeof total, cudaMemcpyDeviceToHost));
+  return total;
+}
+
+void fill_(Tensor& t, double v) {
+  expect_value("fill_", "t", t);
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  // The value is rounded once on the host, as the CPU's store() rounds it, and copied n times.
+  if (t.dtype() == DType::F32)
+    fill_kernel<float><<<grid_for(n, kThreads), kThreads>>>(t.data<float>(), float(v), n);
+  else
+    fill_kernel<uint16_t><<<grid_for(n, kThreads), kThreads>>>(t.data<uint16_t>(),
+                                                               num::bf16_encode_f64(v), n);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace fourbit::ops::cuda

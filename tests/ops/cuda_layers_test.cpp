@@ -1,0 +1,602 @@
+// defines: the CudaLayers tests: the CUDA tensor utilities, layers, router, MoE permutation and
+//          AdamW against the CPU backend (the same ops:: calls on CUDA and on CPU tensors),
+//          determinism (two GPU runs give the same bits) and batch invariance (a row alone and
+//          inside a batch of 513 gives the same bits). Plain C++; skipped without a GPU.
+//
+// Tolerances: |gpu - cpu| / max(|cpu|, 1e-6 * max|cpu|) below 1e-5 for elementwise ops and 1e-4
+// for ops that reduce (the floor keeps elements that cancel to ~0 on the tensor's scale). Index
+// outputs, copies, and the ops whose float arithmetic is specified step by step (tensor
+// utilities, gather/combine sums, AdamW) are compared bit for bit as well or instead.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+#include "ops/op_test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::optest;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                         \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device is visible"; \
+  } while (0)
+
+constexpr double kElementwiseTol = 1e-5;
+constexpr double kReductionTol = 1e-4;
+
+Tensor gpu(const Tensor& t) { return t.to(Device::CUDA); }
+Tensor host(const Tensor& t) { return t.to(Device::CPU); }
+
+// Worst |got - want| / max(|want|, floor) with floor = 1e-6 * max|want| (and a NaN in either
+// where the other has a number counts as infinitely wrong). `got` may live on the GPU.
+double rel_err(const Tensor& got_any, const Tensor& want) {
+  const Tensor got = host(got_any);
+  double scale = 0.0;
+  for (int64_t i = 0; i < want.numel(); ++i) scale = std::max(scale, std::fabs(at(want, i)));
+  const double floor = std::max(1e-6 * scale, 1e-30);
+  double worst = 0.0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double g = at(got, i), w = at(want, i);
+    if (std::isnan(g) || std::isnan(w)) {
+      if (std::isnan(g) != std::isnan(w)) return INFINITY;
+      continue;
+    }
+    worst = std::max(worst, std::fabs(g - w) / std::max(std::fabs(w), floor));
+  }
+  return worst;
+}
+
+void expect_close(const std::string& what, const Tensor& got, const Tensor& want, double tol) {
+  ASSERT_EQ(got.shape(), want.shape()) << what;
+  const double err = rel_err(got, want);
+  std::printf("[ gpu-cpu  ] %-58s worst rel err %.3g\n", what.c_str(), err);
+  EXPECT_LT(err, tol) << what;
+}
+
+// Same bytes (either tensor may live on the GPU).
+void expect_bits(const std::string& what, const Tensor& a, const Tensor& b) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  ASSERT_EQ(a.dtype(), b.dtype()) << what;
+  const Tensor ha = host(a), hb = host(b);
+  int64_t differ = 0, first = -1;
+  const int64_t es = dtype_size(a.dtype());
+  for (int64_t i = 0; i < a.numel(); ++i)
+    if (std::memcmp(static_cast<const char*>(ha.raw()) + i * es,
+                    static_cast<const char*>(hb.raw()) + i * es, size_t(es)) != 0) {
+      if (first < 0) first = i;
+      ++differ;
+    }
+  EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << a.numel()
+                       << " elements differ, the first at flat index " << first;
+}
+
+// Row r of a 2-D host tensor as a fresh [1, C] GPU tensor (fresh: aligned like any allocation).
+Tensor gpu_row(const Tensor& t, int64_t r) {
+  const int64_t C = t.size(1);
+  return Tensor::from_host(static_cast<const char*>(t.raw()) + r * C * dtype_size(t.dtype()),
+                           {1, C}, t.dtype(), Device::CUDA);
+}
+
+// Row r of a 2-D tensor (any device) as a host [1, C] tensor.
+Tensor host_row(const Tensor& t, int64_t r) { return host(t.slice_rows(r, r + 1)); }
+
+// Each token picks k distinct experts at random.
+Tensor random_routing(int64_t N, int64_t E, int64_t k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> idx(static_cast<size_t>(N * k)), experts(static_cast<size_t>(E));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int64_t n = 0; n < N; ++n) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::copy_n(experts.begin(), k, idx.begin() + n * k);
+  }
+  return Tensor::from_host(idx.data(), {N, k}, DType::I32);
+}
+
+std::string cfg(const char* fmt_str, int64_t a, int64_t b = -1, int64_t c = -1) {
+  char buf[128];
+  std::snprintf(buf, sizeof buf, fmt_str, (long long)a, (long long)b, (long long)c);
+  return buf;
+}
+
+}  // namespace
+
+// ---- tensor utilities -----------------------------------------------------------------------------
+
+TEST(CudaLayers, ConvertAddScaleFillMatchCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t n : {int64_t(1), int64_t(1000), int64_t(65537), int64_t(1 << 20) + 3}) {
+    const Tensor x = random_tensor({n}, DType::F32, 10 + uint64_t(n), -4.0, 4.0);
+    const Tensor y = random_tensor({n}, DType::F32, 20 + uint64_t(n), -4.0, 4.0);
+    const Tensor xg = gpu(x), yg = gpu(y);
+    // F32 -> BF16 -> F32.
+    Tensor bc = Tensor::empty({n}, DType::BF16), bg = Tensor::empty({n}, DType::BF16, Device::CUDA);
+    ops::convert(x, bc);
+    ops::convert(xg, bg);
+    expect_bits(cfg("convert f32->bf16 n=%lld", n), bg, bc);
+    Tensor fc = Tensor::empty({n}, DType::F32), fg = Tensor::empty({n}, DType::F32, Device::CUDA);
+    ops::convert(bc, fc);
+    ops::convert(bg, fg);
+    expect_bits(cfg("convert bf16->f32 n=%lld", n), fg, fc);
+    // add_, scale_ in F32 and BF16.
+    Tensor ac = x.clone(), ag = gpu(x);
+    ops::add_(ac, y);
+    ops::add_(ag, yg);
+    expect_bits(cfg("add_ f32 n=%lld", n), ag, ac);
+    Tensor b2c = Tensor::empty({n}, DType::BF16), b2g = Tensor::empty({n}, DType::BF16, Device::CUDA);
+    ops::convert(y, b2c);
+    ops::convert(yg, b2g);
+    ops::add_(bc, b2c);
+    ops::add_(bg, b2g);
+    expect_bits(cfg("add_ bf16 n=%lld", n), bg, bc);
+    ops::scale_(ac, 0.37);
+    ops::scale_(ag, 0.37);
+    expect_bits(cfg("scale_ f32 n=%lld", n), ag, ac);
+    ops::scale_(bc, -1.7);
+    ops::scale_(bg, -1.7);
+    expect_bits(cfg("scale_ bf16 n=%lld", n), bg, bc);
+    // fill_: 0.1 is not representable; both round it once (bf16 through round-to-odd).
+    ops::fill_(ac, 0.1);
+    ops::fill_(ag, 0.1);
+    expect_bits(cfg("fill_ f32 n=%lld", n), ag, ac);
+    ops::fill_(bc, 0.1 + 1e-12);
+    ops::fill_(bg, 0.1 + 1e-12);
+    expect_bits(cfg("fill_ bf16 n=%lld", n), bg, bc);
+  }
+  // A view one element into its storage is not 16-byte aligned: the scalar path must agree.
+  const int64_t n = 1001;
+  const Tensor x = random_tensor({n + 1}, DType::F32, 30), y = random_tensor({n + 1}, DType::F32, 31);
+  Tensor xc = x.clone(), xg = gpu(x);
+  Tensor vc = xc.view(1, {n}), vg = xg.view(1, {n});
+  ops::add_(vc, y.view(1, {n}));
+  ops::add_(vg, gpu(y).view(1, {n}));
+  ops::scale_(vc, 3.0);
+  ops::scale_(vg, 3.0);
+  expect_bits("add_ + scale_ on an unaligned view", xg, xc);
+}
+
+TEST(CudaLayers, SumSquaresIsDeterministicAndMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t n : {int64_t(1), int64_t(1000), int64_t(16384), int64_t(16385),
+                          int64_t(1 << 20) + 3}) {
+    const Tensor x = random_tensor({n}, DType::F32, 40 + uint64_t(n), -3.0, 3.0);
+    const Tensor xg = gpu(x);
+    const double want = ops::sum_squares(x);
+    const double got = ops::sum_squares(xg);
+    const double err = std::fabs(got - want) / std::max(std::fabs(want), 1e-300);
+    std::printf("[ gpu-cpu  ] sum_squares f32 n=%-8lld rel err %.3g\n", (long long)n, err);
+    EXPECT_LT(err, kReductionTol);
+    EXPECT_EQ(ops::sum_squares(xg), got) << "two GPU runs differ, n=" << n;
+    Tensor bc = Tensor::empty({n}, DType::BF16), bg = Tensor::empty({n}, DType::BF16, Device::CUDA);
+    ops::convert(x, bc);
+    ops::convert(xg, bg);
+    const double want_b = ops::sum_squares(bc), got_b = ops::sum_squares(bg);
+    EXPECT_LT(std::fabs(got_b - want_b) / std::max(std::fabs(want_b), 1e-300), kReductionTol);
+    EXPECT_EQ(ops::sum_squares(bg), got_b) << "two GPU runs differ (bf16), n=" << n;
+    // Unaligned view: same value as an aligned copy of the same elements.
+    if (n > 1) {
+      const Tensor view = xg.view(1, {n - 1});
+      EXPECT_EQ(ops::sum_squares(view), ops::sum_squares(gpu(x.view(1, {n - 1}))));
+    }
+  }
+}
+
+// ---- embedding ------------------------------------------------------------------------------------
+
+TEST(CudaLayers, EmbeddingMatchesCpuAndBackwardIsDeterministic) {
+  SKIP_WITHOUT_GPU();
+  // Token 7 is every third token: 26 uses (one sequential sum), 1000 and 171 uses (spread over a
+  // block's warps); the last config sends every token to one id.
+  struct Cfg { int64_t V, D, N; bool one_id; };
+  for (const Cfg c : {Cfg{260, 64, 77, false}, Cfg{260, 96, 3000, false},
+                      Cfg{32000, 1024, 513, false}, Cfg{260, 130, 2000, true}}) {
+    const std::string name = cfg("V=%lld D=%lld N=%lld", c.V, c.D, c.N) + (c.one_id ? " one id" : "");
+    Tensor tok = random_ints({c.N}, 0, int32_t(c.V), 100 + uint64_t(c.N));
+    for (int64_t n = 0; n < c.N; n += c.one_id ? 1 : 3) tok.data<int32_t>()[n] = 7;
+    const Tensor table = random_tensor({c.V, c.D}, DType::F32, 101);
+    Tensor out_c = Tensor::empty({c.N, c.D}, DType::F32);
+    Tensor out_g = Tensor::empty({c.N, c.D}, DType::F32, Device::CUDA);
+    const Tensor tok_g = gpu(tok);
+    ops::embedding_forward(tok, table, out_c);
+    ops::embedding_forward(tok_g, gpu(table), out_g);
+    expect_bits("embedding_forward " + name, out_g, out_c);
+
+    const Tensor dout = random_tensor({c.N, c.D}, DType::F32, 102);
+    const Tensor dtable0 = random_tensor({c.V, c.D}, DType::F32, 103);
+    Tensor dt_c = dtable0.clone();
+    ops::embedding_backward(dout, tok, dt_c);
+    Tensor dt_g = gpu(dtable0), dt_g2 = gpu(dtable0);
+    const Tensor dout_g = gpu(dout);
+    ops::embedding_backward(dout_g, tok_g, dt_g);
+    ops::embedding_backward(dout_g, tok_g, dt_g2);
+    expect_close("embedding_backward dtable " + name, dt_g, dt_c, kReductionTol);
+    expect_bits("embedding_backward two GPU runs " + name, dt_g, dt_g2);
+  }
+  Tensor out = Tensor::empty({4, 8}, DType::F32, Device::CUDA);
+  expect_error([&] {
+    ops::embedding_forward(gpu(int_tensor({1, 2, 260, 3}, {4})),
+                           gpu(random_tensor({260, 8}, DType::F32, 104)), out);
+  }, "embedding_forward: tokens[2] = 260 is outside [0, V=260)");
+  Tensor dt = Tensor::zeros({260, 8}, DType::F32, Device::CUDA);
+  expect_error([&] {
+    ops::embedding_backward(gpu(random_tensor({4, 8}, DType::F32, 105)),
+                            gpu(int_tensor({1, -2, 5, 3}, {4})), dt);
+  }, "embedding_backward: tokens[1] = -2 is outside [0, V=260)");
+}
+
+// ---- rmsnorm --------------------------------------------------------------------------------------
+
+TEST(CudaLayers, RmsNormMatchesCpuDeterministicAndBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  const float eps = 1e-5f;
+  for (const int64_t D : {int64_t(64), int64_t(96), int64_t(1024), int64_t(130)}) {
+    for (const int64_t N : {int64_t(77), int64_t(513)}) {
+      const std::string name = cfg("N=%lld D=%lld", N, D);
+      const Tensor x = random_tensor({N, D}, DType::F32, 200 + uint64_t(D), -2.0, 2.0);
+      const Tensor w = random_tensor({D}, DType::F32, 201, 0.5, 1.5);
+      const Tensor dy = random_tensor({N, D}, DType::F32, 202);
+      const Tensor dw0 = random_tensor({D}, DType::F32, 203);
+      Tensor y_c = Tensor::empty({N, D}, DType::F32), r_c = Tensor::empty({N}, DType::F32);
+      ops::rmsnorm_forward(x, w, eps, y_c, r_c);
+      const Tensor xg = gpu(x), wg = gpu(w), dyg = gpu(dy);
+      Tensor y_g = Tensor::empty({N, D}, DType::F32, Device::CUDA);
+      Tensor r_g = Tensor::empty({N}, DType::F32, Device::CUDA);
+      ops::rmsnorm_forward(xg, wg, eps, y_g, r_g);
+      expect_close("rmsnorm_forward y " + name, y_g, y_c, kReductionTol);
+      expect_close("rmsnorm_forward rstd " + name, r_g, r_c, kReductionTol);
+
+      Tensor dx_c = Tensor::empty({N, D}, DType::F32), dw_c = dw0.clone();
+      ops::rmsnorm_backward(dy, x, w, r_c, dx_c, dw_c);
+      Tensor dx_g = Tensor::empty({N, D}, DType::F32, Device::CUDA), dw_g = gpu(dw0);
+      Tensor dx_g2 = Tensor::empty({N, D}, DType::F32, Device::CUDA), dw_g2 = gpu(dw0);
+      ops::rmsnorm_backward(dyg, xg, wg, r_g, dx_g, dw_g);
+      ops::rmsnorm_backward(dyg, xg, wg, r_g, dx_g2, dw_g2);
+      expect_close("rmsnorm_backward dx " + name, dx_g, dx_c, kReductionTol);
+      expect_close("rmsnorm_backward dw " + name, dw_g, dw_c, kReductionTol);
+      expect_bits("rmsnorm_backward dw two GPU runs " + name, dw_g, dw_g2);
+      expect_bits("rmsnorm_backward dx two GPU runs " + name, dx_g, dx_g2);
+
+      if (N != 513) continue;
+      // Batch invariance: rows computed alone are the rows of the batch, bit for bit.
+      for (const int64_t r : {int64_t(0), int64_t(1), int64_t(255), int64_t(512)}) {
+        const Tensor x1 = gpu_row(x, r), dy1 = gpu_row(dy, r);
+        Tensor y1 = Tensor::empty({1, D}, DType::F32, Device::CUDA);
+        Tensor r1 = Tensor::empty({1}, DType::F32, Device::CUDA);
+        ops::rmsnorm_forward(x1, wg, eps, y1, r1);
+        expect_bits(cfg("rmsnorm y row %lld alone vs in N=513, D=%lld", r, D), y1, host_row(y_g, r));
+        expect_bits(cfg("rmsnorm rstd row %lld alone, D=%lld", r, D), r1, host(r_g).view(r, {1}));
+        Tensor dx1 = Tensor::empty({1, D}, DType::F32, Device::CUDA), dw1 = gpu(dw0);
+        ops::rmsnorm_backward(dy1, x1, wg, r1, dx1, dw1);
+        expect_bits(cfg("rmsnorm dx row %lld alone, D=%lld", r, D), dx1, host_row(dx_g, r));
+      }
+    }
+  }
+}
+
+// ---- rope -----------------------------------------------------------------------------------------
+
+TEST(CudaLayers, RopeMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t max_pos = 100;
+  for (const int64_t hd : {int64_t(64), int64_t(96), int64_t(6)}) {
+    const int64_t N = 77, H = 3;
+    const std::string name = cfg("N=%lld H=%lld hd=%lld", N, H, hd);
+    const Tensor table_c = ops::rope_table(max_pos, hd, 10000.0, Device::CPU);
+    const Tensor table_g = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
+    const Tensor pos = random_ints({N}, 0, int32_t(max_pos), 300);
+    const Tensor pos_g = gpu(pos);
+    const Tensor x = random_tensor({N, H, hd}, DType::F32, 301, -2.0, 2.0);
+    Tensor xc = x.clone(), xg = gpu(x);
+    ops::rope_forward(xc, pos, table_c);
+    ops::rope_forward(xg, pos_g, table_g);
+    expect_close("rope_forward " + name, xg, xc, kElementwiseTol);
+    ops::rope_backward(xc, pos, table_c);
+    ops::rope_backward(xg, pos_g, table_g);
+    expect_close("rope_backward " + name, xg, xc, kElementwiseTol);
+  }
+}
+
+// ---- swiglu ---------------------------------------------------------------------------------------
+
+TEST(CudaLayers, SwigluMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const Shape& s : {Shape{77, 96}, Shape{513, 1024}, Shape{3, 5}, Shape{7}}) {
+    const std::string name = "swiglu " + shape_str(s);
+    const Tensor h1 = random_tensor(s, DType::F32, 400, -8.0, 8.0);
+    const Tensor h3 = random_tensor(s, DType::F32, 401, -2.0, 2.0);
+    const Tensor da = random_tensor(s, DType::F32, 402);
+    Tensor a_c = Tensor::empty(s, DType::F32), a_g = Tensor::empty(s, DType::F32, Device::CUDA);
+    ops::swiglu_forward(h1, h3, a_c);
+    const Tensor h1g = gpu(h1), h3g = gpu(h3);
+    ops::swiglu_forward(h1g, h3g, a_g);
+    expect_close(name + " forward", a_g, a_c, kElementwiseTol);
+    Tensor d1c = Tensor::empty(s, DType::F32), d3c = Tensor::empty(s, DType::F32);
+    Tensor d1g = Tensor::empty(s, DType::F32, Device::CUDA), d3g = Tensor::empty(s, DType::F32, Device::CUDA);
+    ops::swiglu_backward(da, h1, h3, d1c, d3c);
+    ops::swiglu_backward(gpu(da), h1g, h3g, d1g, d3g);
+    expect_close(name + " backward dh1", d1g, d1c, kElementwiseTol);
+    expect_close(name + " backward dh3", d3g, d3c, kElementwiseTol);
+  }
+}
+
+// ---- cross entropy --------------------------------------------------------------------------------
+
+TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  struct Cfg { int64_t N, V; };
+  for (const Cfg c : {Cfg{513, 260}, Cfg{77, 32000}, Cfg{33, 1001}}) {
+    const std::string name = cfg("N=%lld V=%lld", c.N, c.V);
+    Tensor logits = random_tensor({c.N, c.V}, DType::F32, 500 + uint64_t(c.V), -8.0, 8.0);
+    Tensor tgt = random_ints({c.N}, 0, int32_t(c.V), 501);
+    for (int64_t n = 4; n < c.N; n += 5) tgt.data<int32_t>()[n] = -1;  // ignored rows
+    if (c.V == 1001)  // masked logits (-inf) away from the target: probability 0, gradient 0
+      for (int64_t n = 0; n < c.N; ++n)
+        for (int64_t v = n % 7; v < c.V; v += 97)
+          if (v != tgt.data<int32_t>()[n]) logits.data<float>()[n * c.V + v] = -INFINITY;
+    const float gs = 1.0f / float(c.N);
+    Tensor loss_c = Tensor::empty({c.N}, DType::F32), dl_c = Tensor::empty({c.N, c.V}, DType::F32);
+    ops::cross_entropy(logits, tgt, loss_c, &dl_c, gs);
+    const Tensor lg = gpu(logits), tg = gpu(tgt);
+    Tensor loss_g = Tensor::empty({c.N}, DType::F32, Device::CUDA);
+    Tensor dl_g = Tensor::empty({c.N, c.V}, DType::F32, Device::CUDA);
+    ops::cross_entropy(lg, tg, loss_g, &dl_g, gs);
+    expect_close("cross_entropy losses " + name, loss_g, loss_c, kReductionTol);
+    expect_close("cross_entropy dlogits " + name, dl_g, dl_c, kReductionTol);
+    Tensor loss_only = Tensor::empty({c.N}, DType::F32, Device::CUDA);
+    ops::cross_entropy(lg, tg, loss_only, nullptr, gs);
+    expect_bits("cross_entropy losses without dlogits " + name, loss_only, loss_g);
+
+    if (c.N != 513) continue;
+    for (const int64_t r : {int64_t(0), int64_t(4), int64_t(300), int64_t(512)}) {
+      Tensor l1 = Tensor::empty({1}, DType::F32, Device::CUDA);
+      Tensor d1 = Tensor::empty({1, c.V}, DType::F32, Device::CUDA);
+      const Tensor t1 = gpu(tgt.view(r, {1}));
+      ops::cross_entropy(gpu_row(logits, r), t1, l1, &d1, gs);
+      expect_bits(cfg("cross_entropy loss row %lld alone vs in N=513", r), l1, host(loss_g).view(r, {1}));
+      expect_bits(cfg("cross_entropy dlogits row %lld alone vs in N=513", r), d1, host_row(dl_g, r));
+    }
+  }
+  Tensor loss = Tensor::empty({4}, DType::F32, Device::CUDA);
+  expect_error([&] {
+    ops::cross_entropy(gpu(random_tensor({4, 260}, DType::F32, 502)),
+                       gpu(int_tensor({1, -1, 5, 260}, {4})), loss, nullptr, 1.0f);
+  }, "cross_entropy: targets[3] = 260 is outside [0, V=260) and is not -1 (ignored)");
+}
+
+// ---- router ---------------------------------------------------------------------------------------
+
+TEST(CudaLayers, RouterMatchesCpuAndIsBatchInvariant) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 513;
+  for (const int64_t E : {int64_t(8), int64_t(64)}) {
+    for (const int64_t k : {int64_t(1), int64_t(2), int64_t(4)}) {
+      const std::string name = cfg("N=%lld E=%lld k=%lld", N, E, k);
+      Tensor logits = random_tensor({N, E}, DType::F32, 600 + uint64_t(E * 10 + k), -3.0, 3.0);
+      // Exact ties in every 7th row: experts 1, 3 and E-1 share the row's largest logit.
+      for (int64_t n = 0; n < N; n += 7) {
+        float* row = logits.data<float>() + n * E;
+        for (const int64_t e : {int64_t(1), int64_t(3), E - 1}) row[e] = 3.5f;
+      }
+      Tensor p_c = Tensor::empty({N, E}, DType::F32), i_c = Tensor::empty({N, k}, DType::I32),
+             w_c = Tensor::empty({N, k}, DType::F32);
+      ops::router_topk(logits, k, p_c, i_c, w_c);
+      const Tensor lg = gpu(logits);
+      Tensor p_g = Tensor::empty({N, E}, DType::F32, Device::CUDA);
+      Tensor i_g = Tensor::empty({N, k}, DType::I32, Device::CUDA);
+      Tensor w_g = Tensor::empty({N, k}, DType::F32, Device::CUDA);
+      ops::router_topk(lg, k, p_g, i_g, w_g);
+      expect_close("router_topk probs " + name, p_g, p_c, kReductionTol);
+      expect_bits("router_topk topk_idx " + name, i_g, i_c);
+      expect_close("router_topk topk_w " + name, w_g, w_c, kReductionTol);
+
+      // Backward from the CPU's forward outputs on both sides, with and without d_probs.
+      const Tensor dw = random_tensor({N, k}, DType::F32, 610);
+      const Tensor dp = random_tensor({N, E}, DType::F32, 611);
+      Tensor dl_c = Tensor::empty({N, E}, DType::F32);
+      Tensor dl_g = Tensor::empty({N, E}, DType::F32, Device::CUDA);
+      ops::router_backward(p_c, i_c, w_c, dw, dp, dl_c);
+      ops::router_backward(gpu(p_c), gpu(i_c), gpu(w_c), gpu(dw), gpu(dp), dl_g);
+      expect_close("router_backward d_logits " + name, dl_g, dl_c, kReductionTol);
+      ops::router_backward(p_c, i_c, w_c, dw, Tensor(), dl_c);
+      ops::router_backward(gpu(p_c), gpu(i_c), gpu(w_c), gpu(dw), Tensor(), dl_g);
+      expect_close("router_backward d_logits (no d_probs) " + name, dl_g, dl_c, kReductionTol);
+
+      for (const int64_t r : {int64_t(0), int64_t(1), int64_t(511)}) {
+        Tensor p1 = Tensor::empty({1, E}, DType::F32, Device::CUDA);
+        Tensor i1 = Tensor::empty({1, k}, DType::I32, Device::CUDA);
+        Tensor w1 = Tensor::empty({1, k}, DType::F32, Device::CUDA);
+        ops::router_topk(gpu_row(logits, r), k, p1, i1, w1);
+        expect_bits(cfg("router probs row %lld alone vs in N=513", r), p1, host_row(p_g, r));
+        expect_bits(cfg("router topk_idx row %lld alone", r), i1, host_row(i_g, r));
+        expect_bits(cfg("router topk_w row %lld alone", r), w1, host_row(w_g, r));
+      }
+    }
+  }
+}
+
+// ---- route plan -----------------------------------------------------------------------------------
+
+TEST(CudaLayers, RoutePlanEqualsCpuExactly) {
+  SKIP_WITHOUT_GPU();
+  struct Cfg { int64_t N, E, k; bool skew; };
+  for (const Cfg c : {Cfg{1, 8, 1, false}, Cfg{77, 8, 2, false}, Cfg{513, 64, 4, false},
+                      Cfg{5000, 64, 2, true}, Cfg{20000, 64, 4, false}, Cfg{3000, 8, 4, true},
+                      Cfg{0, 8, 2, false}}) {
+    const std::string name = cfg("N=%lld E=%lld k=%lld", c.N, c.E, c.k) + (c.skew ? " skewed" : "");
+    Tensor idx = random_routing(c.N, c.E, c.k, 700 + uint64_t(c.N));
+    if (c.skew)  // rank 0 of most tokens goes to expert 3 (duplicates within a token allowed)
+      for (int64_t n = 0; n < c.N; n += 1 + n % 3) idx.data<int32_t>()[n * c.k] = 3;
+    const ops::RoutePlan want = ops::route_plan(idx, c.E);
+    const ops::RoutePlan got = ops::route_plan(gpu(idx), c.E);
+    EXPECT_EQ(got.offsets, want.offsets) << name;
+    EXPECT_EQ(got.slot_of.device(), Device::CUDA);
+    EXPECT_EQ(got.token_of_slot.device(), Device::CUDA);
+    expect_bits("route_plan slot_of " + name, got.slot_of, want.slot_of);
+    expect_bits("route_plan token_of_slot " + name, got.token_of_slot, want.token_of_slot);
+  }
+  expect_error([&] { ops::route_plan(gpu(int_tensor({0, 1, 64, 2}, {2, 2})), 64); },
+               "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");
+}
+
+// ---- gather / combine -----------------------------------------------------------------------------
+
+TEST(CudaLayers, GatherAndCombineMatchCpuBitForBit) {
+  SKIP_WITHOUT_GPU();
+  struct Cfg { int64_t N, D, E, k; };
+  for (const Cfg c : {Cfg{77, 64, 8, 2}, Cfg{513, 96, 64, 4}, Cfg{300, 1024, 8, 1}, Cfg{45, 13, 8, 2}}) {
+    const std::string name = cfg("N=%lld D=%lld k=%lld", c.N, c.D, c.k);
+    const int64_t M = c.N * c.k;
+    const Tensor idx = random_routing(c.N, c.E, c.k, 800 + uint64_t(c.N));
+    const ops::RoutePlan plan = ops::route_plan(idx, c.E);
+    const ops::RoutePlan plan_g = ops::route_plan(gpu(idx), c.E);
+
+    const Tensor x = random_tensor({c.N, c.D}, DType::F32, 801);
+    Tensor xp_c = Tensor::empty({M, c.D}, DType::F32), xp_g = Tensor::empty({M, c.D}, DType::F32, Device::CUDA);
+    ops::gather_rows(x, plan.token_of_slot, xp_c);
+    ops::gather_rows(gpu(x), plan_g.token_of_slot, xp_g);
+    expect_bits("gather_rows f32 " + name, xp_g, xp_c);
+    // Any dtype is a row copy: odd-length u8 rows take the byte path.
+    std::vector<uint8_t> bytes(size_t(c.N * 13));
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(i * 37 + 11);
+    const Tensor xb = Tensor::from_host(bytes.data(), {c.N, 13}, DType::U8);
+    Tensor xbp_c = Tensor::empty({M, 13}, DType::U8), xbp_g = Tensor::empty({M, 13}, DType::U8, Device::CUDA);
+    ops::gather_rows(xb, plan.token_of_slot, xbp_c);
+    ops::gather_rows(gpu(xb), plan_g.token_of_slot, xbp_g);
+    expect_bits("gather_rows u8 " + name, xbp_g, xbp_c);
+
+    const Tensor dxp = random_tensor({M, c.D}, DType::F32, 802);
+    Tensor dx_c = Tensor::empty({c.N, c.D}, DType::F32);
+    Tensor dx_g = Tensor::empty({c.N, c.D}, DType::F32, Device::CUDA);
+    Tensor dx_g2 = Tensor::empty({c.N, c.D}, DType::F32, Device::CUDA);
+    ops::gather_rows_backward(dxp, plan.slot_of, dx_c);
+    ops::gather_rows_backward(gpu(dxp), plan_g.slot_of, dx_g);
+    ops::gather_rows_backward(gpu(dxp), plan_g.slot_of, dx_g2);
+    expect_close("gather_rows_backward " + name, dx_g, dx_c, kElementwiseTol);
+    expect_bits("gather_rows_backward vs cpu " + name, dx_g, dx_c);
+    expect_bits("gather_rows_backward two GPU runs " + name, dx_g, dx_g2);
+
+    const Tensor yp = random_tensor({M, c.D}, DType::F32, 803);
+    const Tensor w = random_tensor({c.N, c.k}, DType::F32, 804, 0.0, 1.0);
+    Tensor out_c = Tensor::empty({c.N, c.D}, DType::F32);
+    Tensor out_g = Tensor::empty({c.N, c.D}, DType::F32, Device::CUDA);
+    ops::moe_combine(yp, plan.slot_of, w, out_c);
+    ops::moe_combine(gpu(yp), plan_g.slot_of, gpu(w), out_g);
+    expect_close("moe_combine " + name, out_g, out_c, kElementwiseTol);
+    expect_bits("moe_combine vs cpu " + name, out_g, out_c);
+
+    const Tensor dout = random_tensor({c.N, c.D}, DType::F32, 805);
+    Tensor dyp_c = Tensor::empty({M, c.D}, DType::F32), dw_c = Tensor::empty({c.N, c.k}, DType::F32);
+    Tensor dyp_g = Tensor::empty({M, c.D}, DType::F32, Device::CUDA);
+    Tensor dw_g = Tensor::empty({c.N, c.k}, DType::F32, Device::CUDA);
+    ops::moe_combine_backward(dout, yp, plan.slot_of, w, dyp_c, dw_c);
+    ops::moe_combine_backward(gpu(dout), gpu(yp), plan_g.slot_of, gpu(w), dyp_g, dw_g);
+    expect_bits("moe_combine_backward dy_perm " + name, dyp_g, dyp_c);
+    expect_close("moe_combine_backward dw " + name, dw_g, dw_c, kReductionTol);
+  }
+}
+
+TEST(CudaLayers, QTensorGatherMatchesCpuBytes) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 77, C = 96, E = 8, k = 2;
+  const Tensor x = random_tensor({N, C}, DType::F32, 900, -3.0, 3.0);
+  const Tensor idx = random_routing(N, E, k, 901);
+  const ops::RoutePlan plan = ops::route_plan(idx, E);
+  const ops::RoutePlan plan_g = ops::route_plan(gpu(idx), E);
+  for (const OuterScale outer : {OuterScale::PerRow, OuterScale::Tensor}) {
+    QuantSpec spec;
+    spec.fmt = Format::NVFP4;
+    spec.outer = outer;
+    const QTensor q = ops::quantize(x, spec);  // on the CPU; the GPU gets a copy of the bytes
+    const QTensor g_c = ops::gather_rows(q, plan.token_of_slot);
+    const QTensor g_g = ops::gather_rows(q.to(Device::CUDA), plan_g.token_of_slot);
+    const std::string name = outer == OuterScale::PerRow ? "per-row outer" : "tensor outer";
+    EXPECT_EQ(g_g.rows, g_c.rows);
+    EXPECT_EQ(g_g.cols, g_c.cols);
+    EXPECT_EQ(g_g.outer, g_c.outer);
+    EXPECT_EQ(g_g.device(), Device::CUDA);
+    expect_bits("gather_rows QTensor codes, " + name, g_g.codes, g_c.codes);
+    expect_bits("gather_rows QTensor block scales, " + name, g_g.block_scales, g_c.block_scales);
+    ASSERT_TRUE(g_g.outer_scales.defined());
+    expect_bits("gather_rows QTensor outer scales, " + name, g_g.outer_scales, g_c.outer_scales);
+  }
+}
+
+TEST(CudaLayers, DeferredIndexErrorsAreReportedAtTheNextCheck) {
+  SKIP_WITHOUT_GPU();
+  // gather_rows does not synchronise; its bad index surfaces at the next route_plan.
+  const Tensor x = gpu(random_tensor({4, 3}, DType::F32, 1200));
+  Tensor xp = Tensor::empty({2, 3}, DType::F32, Device::CUDA);
+  ops::gather_rows(x, gpu(int_tensor({0, 4}, {2})), xp);
+  expect_error([&] { ops::route_plan(gpu(int_tensor({0, 1}, {1, 2})), 2); },
+               "gather_rows: token_of_slot[1] = 4 is outside [0, N=4)");
+  // The record was cleared: the next plan succeeds.
+  EXPECT_EQ(ops::route_plan(gpu(int_tensor({0, 1}, {1, 2})), 2).offsets,
+            (std::vector<int64_t>{0, 1, 2}));
+  // A slot shared by two assignments (slot_of not injective) in moe_combine_backward.
+  Tensor dyp = Tensor::empty({2, 3}, DType::F32, Device::CUDA);
+  Tensor dw = Tensor::empty({1, 2}, DType::F32, Device::CUDA);
+  ops::moe_combine_backward(gpu(random_tensor({1, 3}, DType::F32, 1201)), xp,
+                            gpu(int_tensor({1, 1}, {1, 2})),
+                            gpu(random_tensor({1, 2}, DType::F32, 1202)), dyp, dw);
+  // (Which of the two claimants is named depends on scheduling; that one is, does not.)
+  expect_error([&] { ops::route_plan(gpu(int_tensor({0, 1}, {1, 2})), 2); },
+               "= 1 is also the slot of another assignment");
+}
+
+// ---- AdamW ----------------------------------------------------------------------------------------
+
+TEST(CudaLayers, AdamWMatchesCpuOverThreeSteps) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t n : {int64_t(1000), int64_t(4097), int64_t(1 << 20)}) {
+    for (const bool unaligned : {false, true}) {
+      const std::string name = cfg("n=%lld", n) + (unaligned ? " (unaligned view)" : "");
+      const int64_t off = unaligned ? 1 : 0;
+      Tensor p_c = random_tensor({n + off}, DType::F32, 1300 + uint64_t(n));
+      Tensor m_c = Tensor::zeros({n + off}, DType::F32), v_c = Tensor::zeros({n + off}, DType::F32);
+      Tensor p_g = gpu(p_c), m_g = gpu(m_c), v_g = gpu(v_c);
+      Tensor pc = p_c.view(off, {n}), mc = m_c.view(off, {n}), vc = v_c.view(off, {n});
+      Tensor pg = p_g.view(off, {n}), mg = m_g.view(off, {n}), vg = v_g.view(off, {n});
+      for (int64_t step = 1; step <= 3; ++step) {
+        const Tensor g = random_tensor({n}, DType::F32, 1310 + uint64_t(step), -0.1, 0.1);
+        const ops::AdamW h{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step};
+        ops::adamw_step(pc, g, mc, vc, h);
+        ops::adamw_step(pg, gpu(g), mg, vg, h);
+      }
+      expect_close("adamw param after 3 steps " + name, pg, pc, 1e-6);
+      expect_close("adamw m after 3 steps " + name, mg, mc, 1e-6);
+      expect_close("adamw v after 3 steps " + name, vg, vc, 1e-6);
+      // The order of operations is the shared contract: expect the same bits.
+      expect_bits("adamw param bits " + name, pg, pc);
+    }
+  }
+}
+
+// ---- argument errors ------------------------------------------------------------------------------
+
+TEST(CudaLayers, ArgumentErrorsNameTheTensor) {
+  SKIP_WITHOUT_GPU();
+  const Tensor x64 = Tensor::zeros({4, 64}, DType::F64, Device::CUDA);
+  Tensor y = Tensor::empty({4, 64}, DType::F32, Device::CUDA), r = Tensor::empty({4}, DType::F32, Device::CUDA);
+  const Tensor w = Tensor::zeros({64}, DType::F32, Device::CUDA);
+  expect_error([&] { ops::rmsnorm_forward(x64, w, 1e-5f, y, r); },
+               "rmsnorm_forward: x must be a 2-D f32 cuda tensor [N, D] (the GPU backend runs f32 only)");
+  const Tensor x = Tensor::zeros({4, 64}, DType::F32, Device::CUDA);
+  expect_error([&] { ops::rmsnorm_forward(x, Tensor::zeros({64}, DType::F32), 1e-5f, y, r); },
+               "rmsnorm_forward: w must be f32[D]=[64] cuda, got f32[64] cpu");
+  Tensor b64 = Tensor::empty({4}, DType::F64, Device::CUDA);
+  expect_error([&] { ops::fill_(b64, 1.0); }, "fill_: t must be an f32 or bf16 cuda tensor");
+  Tensor probs = Tensor::empty({4, 8}, DType::F32, Device::CUDA), idx = Tensor::empty({4, 9}, DType::I32, Device::CUDA);
+  Tensor tw = Tensor::empty({4, 9}, DType::F32, Device::CUDA);
+  expect_error([&] { ops::router_topk(Tensor::zeros({4, 8}, DType::F32, Device::CUDA), 9, probs, idx, tw); },
+               "router_topk: k must be in [1, E=8], got k=9");
+}
