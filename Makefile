@@ -8,7 +8,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 FOURBIT    := $(BUILD)/fourbit
 
-.PHONY: all deps build test test-asan demo bench clean
+.PHONY: all deps build test test-asan demo bench convergence clean
 
 all: build
 
@@ -38,6 +38,11 @@ demo: build
 
 bench: build
 	@scripts/bench.sh $(BUILD)
+
+# 300-step runs of every recipe on configs/tiny.toml, checked against the unigram entropy and
+# against each other (about 12 minutes on 2 cores; not part of `make test`).
+convergence: build
+	@mkdir -p runs/convergence && scripts/convergence.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD) $(BUILD_ASAN)

@@ -36,17 +36,26 @@ struct BenchTable {
 
   void add(const nlohmann::json& row) { rows.push_back(row); }
 
+  static std::string cell(const nlohmann::json& v) {
+    if (v.is_number_float()) return fmt::format("{:.3f}", v.get<double>());
+    if (v.is_string()) return v.get<std::string>();
+    return v.dump();
+  }
+
+  // Columns as wide as their widest cell, so long names never run into the next column.
   void print() const {
     std::printf("\n%s\n", name.c_str());
-    for (const auto& c : columns) std::printf("%-22s", c.c_str());
+    std::vector<size_t> width;
+    for (const auto& c : columns) {
+      size_t w = c.size();
+      for (const auto& r : rows) w = std::max(w, cell(r.contains(c) ? r.at(c) : nlohmann::json("")).size());
+      width.push_back(w + 2);
+    }
+    for (size_t i = 0; i < columns.size(); ++i) std::printf("%-*s", int(width[i]), columns[i].c_str());
     std::printf("\n");
     for (const auto& r : rows) {
-      for (const auto& c : columns) {
-        const auto& v = r.contains(c) ? r.at(c) : nlohmann::json("");
-        if (v.is_number_float()) std::printf("%-22s", fmt::format("{:.3f}", v.get<double>()).c_str());
-        else if (v.is_string()) std::printf("%-22s", v.get<std::string>().c_str());
-        else std::printf("%-22s", v.dump().c_str());
-      }
+      for (size_t i = 0; i < columns.size(); ++i)
+        std::printf("%-*s", int(width[i]), cell(r.contains(columns[i]) ? r.at(columns[i]) : nlohmann::json("")).c_str());
       std::printf("\n");
     }
   }

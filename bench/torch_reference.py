@@ -150,7 +150,7 @@ class Model(nn.Module):
             x, aux = b(x, cos, sin)
             aux_total = aux_total + aux
         logits = self.norm(x) @ self.embed.weight.t().to(x.dtype)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return loss + aux_total
 
 

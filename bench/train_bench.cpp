@@ -63,7 +63,10 @@ int main(int argc, char** argv) {
 
   bench::BenchTable table;
   table.name = fmt::format("training step, {} on {}, {} tokens/step", cfg.path, device_name(device), tokens_per_step);
-  table.columns = {"recipe", "step ms", "tokens/s", "TFLOP/s", "MFU vs 786", "step / bf16", "saved MiB", "peak MiB"};
+  table.columns = device == Device::CUDA
+                      ? std::vector<std::string>{"recipe", "step ms", "tokens/s", "TFLOP/s", "MFU vs 786",
+                                                 "step / bf16", "saved MiB", "peak MiB"}
+                      : std::vector<std::string>{"recipe", "step ms", "tokens/s", "step / bf16", "saved MiB"};
   double bf16_ms = 0;
   for (const std::string& name : recipes) {
     Model model(cfg.model, recipe_by_name(name), device);

@@ -4,12 +4,12 @@
 # Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|all]...
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
-OUT=${OUT:-out}
+OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
 BUILD=${BUILD:-build-dev}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
-has() { for s in "${steps[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+has() { for s in "${steps[@]}"; do { [ "$s" = "$1" ] || [ "$s" = all ]; } && return 0; done; return 1; }
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.log"; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
@@ -23,7 +23,7 @@ if has build; then
 fi
 if has tests; then
   log gpu tests
-  (cd "$BUILD" && OMP_NUM_THREADS=8 ctest --output-on-failure -j 1 -R "${TESTS:-Cuda}" > "../$OUT/gpu_tests.log" 2>&1)
+  (cd "$BUILD" && OMP_NUM_THREADS=8 ctest --output-on-failure -j 1 -R "${TESTS:-Cuda}" > "$OUT/gpu_tests.log" 2>&1)
   grep -E "tests passed|Failed|FAILED|\*\*\*" "$OUT/gpu_tests.log" | tail -30
   log gpu tests done
 fi
@@ -33,6 +33,8 @@ if has bench; then
   log train_bench
   "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
     --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8
+fi
+if has torch; then
   log torch reference
   python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
     --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"

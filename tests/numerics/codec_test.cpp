@@ -394,3 +394,26 @@ TEST(E2m1Packing, ElementZeroInTheLowNibble) {
 }
 
 }  // namespace
+
+// The comparison-based E2M1 encoder (the NVFP4 hot path) against the generic rounding core: every
+// float32 whose magnitude lies in [2^-3, 2^3) — all seven rounding boundaries and their
+// neighbourhoods — both signs, plus specials and a random sample of everything else.
+TEST(E2m1FastPath, EqualsGenericEncoderOnEveryFloatOfTheRoundingRange) {
+  int64_t bad = 0;
+  for (uint32_t e = 124; e < 130; ++e)
+    for (uint32_t m = 0; m < (1u << 23); ++m)
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        const float x = float_of(sign | (e << 23) | m);
+        if (e2m1_encode_rne(x) != uint8_t(minifloat_encode(e2m1_spec(), x)) && ++bad < 5)
+          ADD_FAILURE() << "x = " << x;
+      }
+  std::mt19937 g(7);
+  for (int i = 0; i < 2000000; ++i) {
+    const float x = float_of(uint32_t(g()));
+    if (e2m1_encode_rne(x) != uint8_t(minifloat_encode(e2m1_spec(), x)) && ++bad < 5)
+      ADD_FAILURE() << "x bits = " << bits_of(x);
+  }
+  for (float x : {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, FLT_MAX, -FLT_MAX, FLT_MIN, 1e-45f})
+    EXPECT_EQ(e2m1_encode_rne(x), uint8_t(minifloat_encode(e2m1_spec(), x))) << x;
+  EXPECT_EQ(bad, 0);
+}

@@ -1,5 +1,5 @@
 // defines: MiniFloatSpec, e2m1_spec, e4m3_spec, e5m2_spec, kE2M1, kE4M3, kE5M2, minifloat_encode,
-//          minifloat_decode, e2m1_encode, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
+//          minifloat_decode, e2m1_encode, e2m1_encode_rne, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
 //          ue4m3_encode, ue4m3_decode
 // Small sign-exponent-mantissa floats (NUMERICS "Scalar element formats"). One encoder serves all
 // of them: round-to-nearest-even or stochastic rounding, saturating to the largest finite value
@@ -81,7 +81,22 @@ FOURBIT_HD float minifloat_decode(MiniFloatSpec f, uint32_t code) {
   return neg ? -v : v;
 }
 
+// E2M1 RNE by comparison with the seven rounding boundaries: strict at the ties whose even
+// neighbour is below (0.25 -> 0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4), inclusive where it is above
+// (0.75 -> 1.0, 1.75 -> 2, 3.5 -> 4). Same codes as minifloat_encode for every float
+// (tests/numerics/codec_test.cpp checks all floats of the rounding range), a quarter of the
+// instructions: it is the inner loop of every NVFP4 quantizer.
+FOURBIT_HD uint8_t e2m1_encode_rne(float x) {
+  if (is_nan_bits(x)) return 0;  // as minifloat_encode: E2M1 has no NaN code
+  const float a = abs_bits(x);
+  const uint32_t mag = uint32_t(a > 0.25f) + uint32_t(a >= 0.75f) + uint32_t(a > 1.25f) +
+                       uint32_t(a >= 1.75f) + uint32_t(a > 2.5f) + uint32_t(a >= 3.5f) +
+                       uint32_t(a > 5.0f);
+  return uint8_t(((bits_of(x) >> 31) << 3) | mag);
+}
+
 FOURBIT_HD uint8_t e2m1_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
+  if (m == Rounding::RNE) return e2m1_encode_rne(x);
   return uint8_t(minifloat_encode(e2m1_spec(), x, 0, m, r));
 }
 // E2M1 decode without branches (it sits in the Four Over Six inner loop): exponent field e,

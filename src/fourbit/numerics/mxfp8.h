@@ -3,6 +3,9 @@
 // rounded up (RCEIL) by default so no element clips; the OCP floor rule is an option.
 #pragma once
 #include "fourbit/numerics/minifloat.h"
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
 #include "fourbit/numerics/philox.h"
 #include "fourbit/numerics/ue8m0.h"
 
@@ -18,8 +21,18 @@ FOURBIT_HD uint8_t mxfp8_scale(float block_amax, MiniFloatSpec elem, MxScaleRule
 }
 
 // q = encode(x * 2^-(E-127)); the scaling is applied to the exponent, exactly.
+// On Ada/Hopper devices RNE goes through the hardware conversion (cvt.rn.satfinite.e4m3/e5m2):
+// x * 2^-(E-127) is exact wherever the result is a normal float, and below 2^-126 both paths give
+// (signed) zero, so the codes are the ones minifloat_encode gives (NaN keeps the software path).
+// tests/ops/cuda_quantize_test.cpp compares every GPU code with the CPU's.
 FOURBIT_HD uint8_t mxfp8_encode(float x, uint8_t scale, MiniFloatSpec elem,
                                 Rounding rounding = Rounding::RNE, uint32_t rnd = 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (rounding == Rounding::RNE && !is_nan_bits(x)) {
+    const float y = mul_rn(x, pow2f(127 - int(scale)));
+    return uint8_t(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, elem.exp_bits == 4 ? __NV_E4M3 : __NV_E5M2));
+  }
+#endif
   return uint8_t(minifloat_encode(elem, x, 127 - int(scale), rounding, rnd));
 }
 

@@ -1,4 +1,4 @@
-// defines: AdamWConstants, adamw_constants, adamw_update
+// defines: AdamWConstants, check_adamw_args, adamw_constants, adamw_update
 // The AdamW update as one definition for both backends (ops/cpu/adamw.cpp, ops/cuda/adamw.cu),
 // so the two give the same bits. Per call, on the host: bc1 = 1 - b1^t and bc2 = 1 - b2^t in
 // double (b^t by repeated squaring: a fixed sequence of IEEE multiplies, unlike pow()), each
@@ -10,12 +10,28 @@
 
 #include "fourbit/numerics/hd.h"
 #include "fourbit/ops/ops.h"
+#include "fourbit/ops/tensor_checks.h"
 
 namespace fourbit::ops {
 
 struct AdamWConstants {
   float b1, b2, omb1, omb2, bc1, bc2, lr, eps, wd;
 };
+
+// One F32 parameter tensor and its gradient and moments on `dev`; bias correction needs t >= 1.
+inline void check_adamw_args(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,
+                             const Tensor& v, const AdamW& h) {
+  const char* op = "adamw_step";
+  if (!param.defined() || param.device() != dev || param.dtype() != DType::F32)
+    fail("{}: param must be an f32 {} tensor, got {}", op, device_name(dev),
+         param.defined() ? param.str() : "an undefined tensor");
+  expect_like_on(dev, op, "grad", grad, "param", param);
+  expect_like_on(dev, op, "m", m, "param", param);
+  expect_like_on(dev, op, "v", v, "param", param);
+  if (h.step < 1) fail("{}: step must be >= 1 (bias correction), got {}", op, h.step);
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f) || !(h.beta2 >= 0.0f && h.beta2 < 1.0f))
+    fail("{}: beta1 and beta2 must be in [0, 1), got {} and {}", op, h.beta1, h.beta2);
+}
 
 inline AdamWConstants adamw_constants(const AdamW& h) {
   auto pow_by_squaring = [](double b, int64_t t) {

@@ -48,4 +48,16 @@ QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device)
   return q;
 }
 
+QuantSpec requantize_transposed_spec(const QTensor& q) {
+  if (q.fmt != Format::NVFP4)
+    fail("requantize_transposed: input must be nvfp4, got {}", format_name(q.fmt));
+  QuantSpec spec;
+  spec.fmt = Format::MXFP8_E4M3;
+  spec.outer = OuterScale::None;
+  spec.axis = q.axis == BlockAxis::Row ? BlockAxis::Col : BlockAxis::Row;
+  spec.rounding = num::Rounding::SR;
+  spec.mx_rule = num::MxScaleRule::RCEIL;
+  return spec;
+}
+
 }  // namespace fourbit::ops

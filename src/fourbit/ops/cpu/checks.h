@@ -6,6 +6,7 @@
 #pragma once
 #include <string>
 
+#include "fourbit/ops/tensor_checks.h"
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit::ops::cpu {
@@ -20,22 +21,13 @@ inline DType expect_float(const char* op, const char* name, const Tensor& t, int
   return t.dtype();
 }
 
-// Exactly dtype `dt` and shape `shape` on the CPU; `sym` is the symbolic shape ("[D]").
 inline void expect_dims(const char* op, const char* name, const Tensor& t, DType dt,
                         const Shape& shape, const char* sym) {
-  if (!t.defined())
-    fail("{}: {} must be {}{}={} cpu, got an undefined tensor", op, name, dtype_name(dt), sym,
-         shape_str(shape));
-  if (t.device() != Device::CPU || t.dtype() != dt || t.shape() != shape)
-    fail("{}: {} must be {}{}={} cpu, got {}", op, name, dtype_name(dt), sym, shape_str(shape),
-         t.str());
+  expect_dims_on(Device::CPU, op, name, t, dt, shape, sym);
 }
-
-// Same dtype and shape as `ref` (named `ref_name`).
 inline void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
                         const Tensor& ref) {
-  const std::string sym = std::string("[like ") + ref_name + "]";
-  expect_dims(op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+  expect_like_on(Device::CPU, op, name, t, ref_name, ref);
 }
 
 // An I32 index tensor of shape `shape`.

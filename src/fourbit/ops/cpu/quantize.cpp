@@ -215,13 +215,7 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
 }
 
 QTensor requantize_transposed(const QTensor& q, RngKey rng) {
-  if (q.fmt != Format::NVFP4)
-    fail("requantize_transposed: input must be nvfp4, got {}", format_name(q.fmt));
-  QuantSpec spec;
-  spec.fmt = Format::MXFP8_E4M3;
-  spec.axis = q.axis == BlockAxis::Row ? BlockAxis::Col : BlockAxis::Row;
-  spec.rounding = num::Rounding::SR;
-  spec.mx_rule = num::MxScaleRule::RCEIL;
+  const QuantSpec spec = requantize_transposed_spec(q);
   return cpu::quantize(cpu::dequantize(q, true), spec, rng, nullptr);
 }
 

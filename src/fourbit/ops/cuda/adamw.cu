@@ -37,16 +37,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
-  const char* op = "adamw_step";
-  if (!param.defined() || param.device() != Device::CUDA || param.dtype() != DType::F32)
-    fail("{}: param must be an f32 cuda tensor, got {}", op,
-         param.defined() ? param.str() : "an undefined tensor");
-  expect_like(op, "grad", grad, "param", param);
-  expect_like(op, "m", m, "param", param);
-  expect_like(op, "v", v, "param", param);
-  if (h.step < 1) fail("{}: step must be >= 1 (bias correction), got {}", op, h.step);
-  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f) || !(h.beta2 >= 0.0f && h.beta2 < 1.0f))
-    fail("{}: beta1 and beta2 must be in [0, 1), got {} and {}", op, h.beta1, h.beta2);
+  check_adamw_args(Device::CUDA, param, grad, m, v, h);
   const int64_t n = param.numel();
   if (n == 0) return;
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "fourbit/ops/tensor_checks.h"
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit::ops::cuda {
@@ -20,22 +21,13 @@ inline void expect_f32(const char* op, const char* name, const Tensor& t, int64_
          name, ndim, sym, t.str());
 }
 
-// Exactly dtype `dt` and shape `shape` on the GPU; `sym` is the symbolic shape ("[D]").
 inline void expect_dims(const char* op, const char* name, const Tensor& t, DType dt,
                         const Shape& shape, const char* sym) {
-  if (!t.defined())
-    fail("{}: {} must be {}{}={} cuda, got an undefined tensor", op, name, dtype_name(dt), sym,
-         shape_str(shape));
-  if (t.device() != Device::CUDA || t.dtype() != dt || t.shape() != shape)
-    fail("{}: {} must be {}{}={} cuda, got {}", op, name, dtype_name(dt), sym, shape_str(shape),
-         t.str());
+  expect_dims_on(Device::CUDA, op, name, t, dt, shape, sym);
 }
-
-// Same dtype and shape as `ref` (named `ref_name`).
 inline void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
                         const Tensor& ref) {
-  const std::string sym = std::string("[like ") + ref_name + "]";
-  expect_dims(op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+  expect_like_on(Device::CUDA, op, name, t, ref_name, ref);
 }
 
 // An I32 index tensor of shape `shape` on the GPU.

@@ -949,13 +949,7 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
 }
 
 QTensor requantize_transposed(const QTensor& q, RngKey rng) {
-  if (q.fmt != Format::NVFP4)
-    fail("requantize_transposed: input must be nvfp4, got {}", format_name(q.fmt));
-  QuantSpec spec;
-  spec.fmt = Format::MXFP8_E4M3;
-  spec.axis = q.axis == BlockAxis::Row ? BlockAxis::Col : BlockAxis::Row;
-  spec.rounding = num::Rounding::SR;
-  spec.mx_rule = num::MxScaleRule::RCEIL;
+  const QuantSpec spec = requantize_transposed_spec(q);
   // Behind an RHT the exact values need the inverse rotation of whole chunks first: the plain
   // composition (cpu::requantize_transposed's definition) on the GPU.
   if (q.hadamard != 0) return cuda::quantize(cuda::dequantize(q, true), spec, rng, nullptr);
