@@ -1,4 +1,4 @@
-// defines: expect_dims_on, expect_like_on, expect_index_on
+// defines: expect_dims_on, expect_like_on, CombineShape, expect_combine_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -25,6 +25,27 @@ inline void expect_like_on(Device dev, const char* op, const char* name, const T
                            const char* ref_name, const Tensor& ref) {
   const std::string sym = std::string("[like ") + ref_name + "]";
   expect_dims_on(dev, op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+}
+
+// moe_combine and its backward: y_perm [M, D] and w [N, k] of dtype `dt` (that of out/dout,
+// [N, D]), slot_of i32 [N, k]. Returns M and k.
+struct CombineShape {
+  int64_t M, k;
+};
+inline CombineShape expect_combine_args(Device dev, const char* op, DType dt, int64_t N, int64_t D,
+                                        const Tensor& y_perm, const Tensor& slot_of, const Tensor& w) {
+  if (!y_perm.defined() || y_perm.dim() != 2)
+    fail("{}: y_perm must be a 2-D {} tensor [M, D], got {}", op, device_name(dev),
+         y_perm.defined() ? y_perm.str() : "an undefined tensor");
+  const int64_t M = y_perm.size(0);
+  expect_dims_on(dev, op, "y_perm", y_perm, dt, {M, D}, "[M, D]");
+  if (!slot_of.defined() || slot_of.dim() != 2 || slot_of.size(0) != N)
+    fail("{}: slot_of must be i32[N, k] with N={}, got {}", op, N,
+         slot_of.defined() ? slot_of.str() : "an undefined tensor");
+  const int64_t k = slot_of.size(1);
+  expect_dims_on(dev, op, "slot_of", slot_of, DType::I32, {N, k}, "[N, k]");
+  expect_dims_on(dev, op, "w", w, dt, {N, k}, "[N, k]");
+  return {M, k};
 }
 
 }  // namespace fourbit::ops

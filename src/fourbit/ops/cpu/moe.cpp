@@ -306,15 +306,7 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
   const char* op = "moe_combine";
   const DType dt = expect_float(op, "out", out, 2, "[N, D]");
   const int64_t N = out.size(0), D = out.size(1);
-  expect_float(op, "y_perm", y_perm, 2, "[M, D]");
-  const int64_t M = y_perm.size(0);
-  expect_dims(op, "y_perm", y_perm, dt, {M, D}, "[M, D]");
-  if (!slot_of.defined() || slot_of.dim() != 2 || slot_of.size(0) != N)
-    fail("{}: slot_of must be i32[N, k] with N={}, got {}{}", op, N, str_or_undef(slot_of),
-         slot_of.defined() ? slot_of.str() : "");
-  const int64_t k = slot_of.size(1);
-  expect_index(op, "slot_of", slot_of, {N, k}, "[N, k]");
-  expect_dims(op, "w", w, dt, {N, k}, "[N, k]");
+  const auto [M, k] = expect_combine_args(Device::CPU, op, dt, N, D, y_perm, slot_of, w);
   check_range(op, "slot_of", slot_of, M, "M");
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
@@ -327,15 +319,7 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   const char* op = "moe_combine_backward";
   const DType dt = expect_float(op, "dout", dout, 2, "[N, D]");
   const int64_t N = dout.size(0), D = dout.size(1);
-  expect_float(op, "y_perm", y_perm, 2, "[M, D]");
-  const int64_t M = y_perm.size(0);
-  expect_dims(op, "y_perm", y_perm, dt, {M, D}, "[M, D]");
-  if (!slot_of.defined() || slot_of.dim() != 2 || slot_of.size(0) != N)
-    fail("{}: slot_of must be i32[N, k] with N={}, got {}{}", op, N, str_or_undef(slot_of),
-         slot_of.defined() ? slot_of.str() : "");
-  const int64_t k = slot_of.size(1);
-  expect_index(op, "slot_of", slot_of, {N, k}, "[N, k]");
-  expect_dims(op, "w", w, dt, {N, k}, "[N, k]");
+  const auto [M, k] = expect_combine_args(Device::CPU, op, dt, N, D, y_perm, slot_of, w);
   expect_dims(op, "dy_perm", dy_perm, dt, {M, D}, "[M, D]");
   expect_dims(op, "dw", dw, dt, {N, k}, "[N, k]");
   check_range(op, "slot_of", slot_of, M, "M");

@@ -649,11 +649,7 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
   const char* op = "moe_combine";
   expect_f32(op, "out", out, 2, "[N, D]");
   const int64_t N = out.size(0), D = out.size(1);
-  expect_f32(op, "y_perm", y_perm, 2, "[M, D]");
-  const int64_t M = y_perm.size(0);
-  expect_dims(op, "y_perm", y_perm, DType::F32, {M, D}, "[M, D]");
-  const int64_t k = expect_slot_of(op, slot_of, N);
-  expect_dims(op, "w", w, DType::F32, {N, k}, "[N, k]");
+  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
   const int64_t items = N * ((D + 3) / 4);
   if (items == 0) return;
   const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw());
@@ -668,11 +664,7 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   const char* op = "moe_combine_backward";
   expect_f32(op, "dout", dout, 2, "[N, D]");
   const int64_t N = dout.size(0), D = dout.size(1);
-  expect_f32(op, "y_perm", y_perm, 2, "[M, D]");
-  const int64_t M = y_perm.size(0);
-  expect_dims(op, "y_perm", y_perm, DType::F32, {M, D}, "[M, D]");
-  const int64_t k = expect_slot_of(op, slot_of, N);
-  expect_dims(op, "w", w, DType::F32, {N, k}, "[N, k]");
+  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
   expect_dims(op, "dy_perm", dy_perm, DType::F32, {M, D}, "[M, D]");
   expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
   dy_perm.zero_();  // slots no token points at stay zero (none for a route_plan's slot_of)
