@@ -44,7 +44,8 @@ Series read_run(const std::string& run, const fs::path& data_dir, int index) {
     try {
       std::ifstream c(cfg);
       const auto j = nlohmann::json::parse(c);
-      s.label += " (" + j.value("recipe", std::string("?")) + ")";
+      const std::string recipe = j.value("recipe", std::string("?"));
+      if (recipe != s.label) s.label += " (" + recipe + ")";
     } catch (const nlohmann::json::exception&) {
     }
   }
