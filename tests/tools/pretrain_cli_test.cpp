@@ -16,38 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "tools/cli_test_util.h"
 #include "model/model_test_util.h"
 
 using namespace fourbit::modeltest;
 namespace fs = std::filesystem;
 
+using namespace fourbit::clitest;
+
 namespace {
 
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
-
-CliRun run_cli(const std::string& dir, const std::string& args) {
-  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  // One OpenMP thread: these models are tiny, and on a shared machine two spinning threads make a
-  // run 100x slower (results do not depend on the thread count).
-  const std::string cmd =
-      std::string("OMP_NUM_THREADS=1 '") + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  CliRun r;
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = file_bytes(out);
-  r.err = file_bytes(err);
-  return r;
-}
-
-std::vector<std::string> lines_of(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
-}
 
 void write_text(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools/cli_test_util.h"
 #include "fourbit/io/npy.h"
 #include "fourbit/io/safetensors.h"
 #include "fourbit/numerics/hadamard.h"
@@ -22,31 +23,10 @@
 using namespace fourbit;
 using namespace fourbit::testing_io;
 
+using namespace fourbit::clitest;
+
 namespace {
 
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
-
-CliRun run_cli(const std::string& dir, const std::string& args) {
-  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  const std::string cmd =
-      std::string("'") + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  CliRun r;
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = read_raw(out);
-  r.err = read_raw(err);
-  return r;
-}
-
-std::vector<std::string> lines_of(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string line; std::getline(in, line);) out.push_back(line);
-  return out;
-}
 
 // Table cells are separated by at least two spaces (labels contain single spaces only).
 std::vector<std::string> cells(const std::string& line) {

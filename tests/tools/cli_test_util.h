@@ -1,0 +1,47 @@
+// defines: CliRun, run_cli, lines_of — running the built `fourbit` binary from a test.
+#pragma once
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace fourbit::clitest {
+
+struct CliRun {
+  int status = -1;
+  std::string out, err;
+};
+
+inline std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs FOURBIT_CLI with `args` (shell syntax), capturing stdout/stderr in files under `dir`. One
+// OpenMP thread: the test models are tiny, and on a shared machine spinning threads make a run
+// far slower (results do not depend on the thread count).
+inline CliRun run_cli(const std::string& dir, const std::string& args) {
+  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
+  const std::string cmd =
+      std::string("OMP_NUM_THREADS=1 '") + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const int raw = std::system(cmd.c_str());
+  CliRun r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+inline std::vector<std::string> lines_of(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+}  // namespace fourbit::clitest
