@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "fourbit/tensor/error.h"
 
 namespace fourbit::testing_io {
@@ -35,16 +36,7 @@ inline std::string read_raw(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
 }
 
-// The message of the fourbit::Error that fn throws; a test failure when it throws none.
-inline std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const fourbit::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a fourbit::Error";
-  return "";
-}
+using fourbit::testutil::error_of;
 
 inline std::vector<std::string> list_dir(const std::string& dir) {
   std::vector<std::string> names;

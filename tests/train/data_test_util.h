@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/data.h"
 
@@ -33,16 +34,8 @@ inline std::string write_file(const std::string& dir, const std::string& name,
   return path;
 }
 
-// The message of the fourbit::Error that fn throws; a test failure when it throws none.
-inline std::string error_message(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const fourbit::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a fourbit::Error";
-  return "";
-}
+using fourbit::testutil::error_of;
+inline std::string error_message(const std::function<void()>& fn) { return error_of(fn); }
 
 struct Batch {
   int64_t B = 0, T = 0;

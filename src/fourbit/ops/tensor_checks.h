@@ -1,4 +1,5 @@
-// defines: expect_dims_on, expect_like_on, CombineShape, expect_combine_args
+// defines: expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
+//          expect_gather_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -46,6 +47,24 @@ inline CombineShape expect_combine_args(Device dev, const char* op, DType dt, in
   expect_dims_on(dev, op, "slot_of", slot_of, DType::I32, {N, k}, "[N, k]");
   expect_dims_on(dev, op, "w", w, dt, {N, k}, "[N, k]");
   return {M, k};
+}
+
+// gather_rows over dense rows: x [N, D] (any dtype), token_of_slot i32 [M], x_perm [M, D] like x.
+struct GatherShape {
+  int64_t N, D, M;
+};
+inline GatherShape expect_gather_args(Device dev, const char* op, const Tensor& x,
+                                      const Tensor& token_of_slot, const Tensor& x_perm) {
+  if (!x.defined() || x.dim() != 2 || x.device() != dev)
+    fail("{}: x must be a 2-D {} tensor [N, D], got {}", op, device_name(dev),
+         x.defined() ? x.str() : "an undefined tensor");
+  if (!token_of_slot.defined() || token_of_slot.dim() != 1)
+    fail("{}: token_of_slot must be i32[M], got {}", op,
+         token_of_slot.defined() ? token_of_slot.str() : "an undefined tensor");
+  const GatherShape g{x.size(0), x.size(1), token_of_slot.size(0)};
+  expect_dims_on(dev, op, "token_of_slot", token_of_slot, DType::I32, {g.M}, "[M]");
+  expect_dims_on(dev, op, "x_perm", x_perm, x.dtype(), {g.M, g.D}, "[M, D]");
+  return g;
 }
 
 }  // namespace fourbit::ops

@@ -231,15 +231,7 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
   const char* op = "gather_rows";
-  if (!x.defined() || x.dim() != 2 || x.device() != Device::CPU)
-    fail("{}: x must be a 2-D cpu tensor [N, D], got {}{}", op, str_or_undef(x),
-         x.defined() ? x.str() : "");
-  if (!token_of_slot.defined() || token_of_slot.dim() != 1)
-    fail("{}: token_of_slot must be i32[M], got {}{}", op, str_or_undef(token_of_slot),
-         token_of_slot.defined() ? token_of_slot.str() : "");
-  const int64_t N = x.size(0), D = x.size(1), M = token_of_slot.size(0);
-  expect_index(op, "token_of_slot", token_of_slot, {M}, "[M]");
-  expect_dims(op, "x_perm", x_perm, x.dtype(), {M, D}, "[M, D]");
+  const auto [N, D, M] = expect_gather_args(Device::CPU, op, x, token_of_slot, x_perm);
   check_range(op, "token_of_slot", token_of_slot, N, "N");
   // A row copy is exact for every dtype, so this one loop serves them all.
   const int64_t row_bytes = D * dtype_size(x.dtype());

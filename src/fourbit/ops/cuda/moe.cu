@@ -582,12 +582,7 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
   const char* op = "gather_rows";
-  if (!x.defined() || x.dim() != 2 || x.device() != Device::CUDA)
-    fail("{}: x must be a 2-D cuda tensor [N, D], got {}{}", op, str_or_undef(x),
-         x.defined() ? x.str() : "");
-  expect_token_of_slot(op, token_of_slot);
-  const int64_t N = x.size(0), D = x.size(1), M = token_of_slot.size(0);
-  expect_dims(op, "x_perm", x_perm, x.dtype(), {M, D}, "[M, D]");
+  const auto [N, D, M] = expect_gather_args(Device::CUDA, op, x, token_of_slot, x_perm);
   // A row copy is exact for every dtype, so this one kernel serves them all.
   gather_row_bytes(x.raw(), N, D * dtype_size(x.dtype()), token_of_slot.data<int32_t>(), M,
                    x_perm.raw());
