@@ -17,7 +17,7 @@ if has build; then
   log build
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant > "$OUT/build.log" 2>&1 \
+  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant fourbit_kprof > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   log build done
 fi

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Where a training step's GPU time goes: bench/train_bench over a few steps per recipe under the
+# kprof injection library (bench/kprof: CUPTI activity records), which prints GPU time per kernel,
+# launch counts, and the share of the wall-clock span the GPU was busy.
+# Usage (device machine, after `scripts/device-run.sh build`): scripts/profile-step.sh [recipes]
+set -uo pipefail
+OUT=$(realpath -m "${OUT:-out}")
+mkdir -p "$OUT"
+BUILD=${BUILD:-build-dev}
+ninja -C "$BUILD" fourbit_kprof > /dev/null || exit 1
+for r in ${1:-bf16 nvfp4-fwd}; do
+  CUDA_INJECTION64_PATH="$BUILD/bench/libfourbit_kprof.so" KPROF_OUT="$OUT/kprof_$r.json" KPROF_TOP=${KPROF_TOP:-45} \
+    "$BUILD/bench/train_bench" --config ${CONFIG:-configs/gpu-small.toml} --device cuda --recipes "$r" \
+    --warmup 1 --steps ${STEPS:-2} > "$OUT/kprof_$r.log" 2>&1
+  echo "== $r"; grep -A $((${KPROF_TOP:-45} + 2)) "^kprof: GPU busy" "$OUT/kprof_$r.log"
+done
