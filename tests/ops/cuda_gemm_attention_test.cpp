@@ -4,7 +4,9 @@
 // control, and attention forward/backward within the BF16-attention tolerance.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -74,6 +76,47 @@ TEST(CudaGemm, QuantizedOperandsMatchCpu) {
     Tensor twice = cpu.clone();
     ops::add_(twice, cpu);
     EXPECT_LT(diff(twice, gpu), 1e-9);
+  }
+}
+
+// The decode into BF16 in front of cuBLASLt must give exactly the dequantized values: a GEMM on
+// block-scaled operands equals, bit for bit, the GPU GEMM on BF16 copies of their dequantized
+// values (zero-padded to the same K). Covers the vectorised BF16 decode and its zero tail
+// (NVFP4 A padded to 112 columns against MXFP8 B padded to 128).
+TEST(CudaGemm, DecodeGivesExactlyTheDequantizedValues) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (ops::native_block_scaled_gemm(Device::CUDA)) GTEST_SKIP() << "this GPU multiplies the packed operands natively";
+  struct Case {
+    QuantSpec a, b;
+    int64_t k;
+  };
+  const std::vector<Case> cases = {
+      {spec(Format::NVFP4), spec(Format::NVFP4), 128},
+      {spec(Format::MXFP8_E4M3), spec(Format::MXFP8_E4M3), 128},
+      {spec(Format::MXFP8_E5M2), spec(Format::MXFP8_E4M3), 96},
+      {spec(Format::NVFP4), spec(Format::MXFP8_E4M3), 100},
+  };
+  for (const Case& c : cases) {
+    const Tensor x = randn({192, c.k}, 11, 3.0f), w = randn({72, c.k}, 12, 0.05f);
+    const QTensor qa = ops::quantize(x, c.a), qb = ops::quantize(w, c.b);
+    const int64_t k_eff = std::max(qa.padded_cols(), qb.padded_cols());
+    auto dense_bf16 = [&](const QTensor& q, int64_t rows) {
+      const Tensor d = ops::dequantize(q);
+      std::vector<float> padded(size_t(rows * k_eff), 0.0f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < c.k; ++j) padded[size_t(r * k_eff + j)] = d.data<float>()[r * c.k + j];
+      Tensor t = Tensor::from_host(padded.data(), {rows, k_eff}, DType::F32), t16 = Tensor::empty({rows, k_eff}, DType::BF16);
+      ops::convert(t, t16);
+      return t16.to(Device::CUDA);
+    };
+    Tensor from_q = Tensor::empty({192, 72}, DType::F32, Device::CUDA), from_d = from_q.clone();
+    ops::gemm(qa.to(Device::CUDA), qb.to(Device::CUDA), from_q);
+    ops::gemm(dense_bf16(qa, 192), dense_bf16(qb, 72), from_d);
+    const Tensor hq = from_q.to(Device::CPU), hd = from_d.to(Device::CPU);
+    int64_t mismatches = 0;
+    for (int64_t i = 0; i < hq.numel(); ++i)
+      mismatches += hq.data<float>()[i] == hd.data<float>()[i] ? 0 : 1;
+    EXPECT_EQ(mismatches, 0) << format_name(c.a.fmt) << " x " << format_name(c.b.fmt) << " K=" << c.k;
   }
 }
 
@@ -181,4 +224,43 @@ TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {
   ops::attention_forward(q1, k1, v1, 0, out1, lse1);
   const Tensor all = out.to(Device::CPU), one = out1.to(Device::CPU);
   EXPECT_EQ(0, std::memcmp(one.data<float>(), all.data<float>() + 3 * T * Hq * hd, size_t(T * Hq * hd) * 4));
+}
+
+// Work spread over GPU lanes gives the bits of the same work issued in order: 16 "experts" of
+// different row counts, each quantizing its rows (MXFP8 with SR along the tokens, NVFP4 per
+// token) and running two GEMMs into its own rows, with temporaries freed inside the lanes.
+TEST(CudaLanes, ExpertLoopEqualsSequentialLoop) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t D = 256, F = 192, E = 16;
+  std::vector<int64_t> offsets{0};
+  for (int64_t e = 0; e < E; ++e) offsets.push_back(offsets.back() + 8 + 37 * ((e * 7) % 11));
+  const int64_t rows = offsets.back();
+  const Tensor x = randn({rows, D}, 21).to(Device::CUDA), w = randn({E, F, D}, 22, 0.05f).to(Device::CUDA);
+  QuantSpec tok = spec(Format::NVFP4, OuterScale::PerRow), wq = spec(Format::NVFP4, OuterScale::PerSlice);
+  QuantSpec col = spec(Format::MXFP8_E4M3, OuterScale::None, BlockAxis::Col);
+  col.rounding = num::Rounding::SR;
+  const QTensor qw = ops::quantize(w, wq);
+  auto run = [&](int lanes_n) {
+    Tensor h = Tensor::empty({rows, F}, DType::F32, Device::CUDA);
+    Tensor g = Tensor::empty({E, F, F}, DType::F32, Device::CUDA);
+    ops::fill_(g, 0.0);
+    ops::Lanes lanes(Device::CUDA, lanes_n);
+    for (int64_t e = 0; e < E; ++e) {
+      lanes.use(e);
+      const Tensor xe = x.slice_rows(offsets[e], offsets[e + 1]);
+      Tensor he = h.slice_rows(offsets[e], offsets[e + 1]);
+      ops::gemm(ops::quantize(xe, tok), ops::qtensor_slice(qw, e), he);
+      const QTensor ht = ops::quantize(he, col, ops::RngKey{7, uint64_t(e)});
+      Tensor ge = g.view(e * F * F, {F, F});
+      ops::gemm(ht, ht, ge, true);
+    }
+    return std::make_pair(h, g);
+  };
+  const auto [h1, g1] = run(1);
+  const auto [h4, g4] = run(4);
+  device_synchronize();
+  for (const auto& [a, b] : {std::make_pair(h1, h4), std::make_pair(g1, g4)}) {
+    const Tensor ha = a.to(Device::CPU), hb = b.to(Device::CPU);
+    EXPECT_EQ(0, std::memcmp(ha.data<float>(), hb.data<float>(), size_t(ha.nbytes())));
+  }
 }

@@ -4,7 +4,8 @@
 // Hadamard size, MXFP8 scale rule) on awkward and large shapes and on several kinds of data;
 // codes, block scales and outer scales are compared separately, with the first mismatch named.
 // Also: QuantReport counts, dequantize bit for bit (with and without undoing the RHT), views and
-// unaligned inputs (the scalar paths), and the non-finite flag.
+// unaligned inputs (the scalar paths), the register-resident Row-axis paths on every row width
+// class, and the non-finite flag.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -371,6 +372,34 @@ TEST(CudaQuantize, LargeShapesMatchCpu) {
   check_specs(make_data({4, 1024, 512}, Data::HeavyTailed, 12), {4, 1024, 512}, slice_specs, "heavy-tailed");
 }
 
+// The register-resident Row-axis kernels (NVFP4 per-token RNE with and without Four Over Six,
+// MXFP8 RNE and SR) on every row width class they distinguish: one warp per row and several rows
+// per CTA, teams of 2 to 16 warps with one or two 32-block runs each, widths that are not a
+// multiple of the block (padding), the widest row they take (16384) and the first one they leave
+// to the tile kernel (16388); and requantize_transposed of the results (tiles of 256 x 32, partial
+// in both directions, 16- and 8-byte code loads).
+TEST(CudaQuantize, FastRowPathsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> specs;
+  for (const QuantSpec& s : all_specs({1, 4, 64})) {
+    if (s.axis != BlockAxis::Row || s.hadamard != 0 || s.fmt == Format::S2F6) continue;
+    if (s.fmt == Format::NVFP4 && (s.outer != OuterScale::PerRow || s.tile_2d)) continue;
+    specs.push_back(s);
+  }
+  const std::vector<Dims> shapes = {{1, 9, 16},     {1, 7, 20},     {1, 17, 36},   {2, 5, 100},
+                                    {1, 300, 252},  {1, 3, 512},    {1, 5, 1000},  {1, 520, 1028},
+                                    {1, 6, 2048},   {1, 4, 4100},   {1, 3, 5120},  {1, 3, 8192},
+                                    {1, 2, 8196},   {1, 3, 12288},  {1, 2, 16380}, {1, 2, 16384},
+                                    {1, 2, 16388}};
+  uint32_t seed = 300;
+  for (const Dims& d : shapes)
+    for (Data kind : {Data::Varied, Data::HeavyTailed})
+      check_specs(make_data(d, kind, seed++), d, specs, data_name(kind));
+  for (const Dims& d : {Dims{1, 33, 96}, Dims{2, 40, 1024}})
+    for (Data kind : {Data::Tiny, Data::Huge})
+      check_specs(make_data(d, kind, seed++), d, specs, data_name(kind));
+}
+
 // Inputs that are not 16-byte aligned or whose rows are not a multiple of 4 floats take the
 // scalar load paths; QTensor views (rows of a token batch, one expert of a stack) take the
 // unaligned code paths of dequantize and requantize_transposed.
@@ -411,35 +440,39 @@ TEST(CudaQuantize, UnalignedInputsAndViewsMatchCpu) {
 
 // NaN and Inf inputs raise the sticky flag (ops::nonfinite_seen reads the device flag) and are
 // counted like the CPU counts them (input values, before an RHT spreads them over a chunk).
+// Rows of 50 floats take the tile kernels; rows of 64 (float4-loadable) the register-resident
+// Row-axis kernels, whose non-finite blocks leave the fast numerics for the generic ones.
 TEST(CudaQuantize, NonfiniteInputIsCountedAndFlagged) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const Dims d{1, 19, 50};
-  auto host = make_data(d, Data::Varied, 31);
-  host[5 * 50 + 7] = std::numeric_limits<float>::quiet_NaN();
-  host[11 * 50 + 33] = -std::numeric_limits<float>::infinity();
-  host[18 * 50 + 49] = std::numeric_limits<float>::infinity();
-  const Tensor x_cpu = Tensor::from_host(host.data(), d.shape(), DType::F32);
-  const Tensor x_gpu = x_cpu.to(Device::CUDA);
-  for (const QuantSpec& s : all_specs(d)) {
-    const std::string what = "non-finite " + spec_str(s);
-    ops::nonfinite_seen(true);
-    ops::QuantReport rg;
-    const QTensor qg = ops::quantize(x_gpu, s, {3, 4}, &rg);
-    EXPECT_TRUE(ops::nonfinite_seen(false)) << what << ": flag not raised";
-    EXPECT_TRUE(ops::nonfinite_seen(true)) << what << ": flag cleared by a non-clearing read";
-    EXPECT_FALSE(ops::nonfinite_seen(true)) << what << ": flag not cleared";
-    ops::QuantReport rc;
-    const QTensor qc = ops::quantize(x_cpu, s, {3, 4}, &rc);
-    ops::nonfinite_seen(true);
-    EXPECT_EQ(rg.nonfinite, 3) << what;
-    same_report(rc, rg, what);
-    // The bytes are still a function of the input. Except behind an RHT in MXFP8: there an Inf
-    // or NaN spreads over its chunk as NaNs whose sign bit (kept in the E4M3/E5M2 NaN code)
-    // differs between x86 and the GPU.
-    const bool mx = s.fmt == Format::MXFP8_E4M3 || s.fmt == Format::MXFP8_E5M2;
-    if (!(mx && s.hadamard)) same_qtensor(qc, qg, what);
+  for (const Dims d : {Dims{1, 19, 50}, Dims{2, 19, 64}}) {
+    auto host = make_data(d, Data::Varied, 31);
+    host[5 * d.cols + 7] = std::numeric_limits<float>::quiet_NaN();
+    host[11 * d.cols + 33] = -std::numeric_limits<float>::infinity();
+    host[18 * d.cols + 49] = std::numeric_limits<float>::infinity();
+    const Tensor x_cpu = Tensor::from_host(host.data(), d.shape(), DType::F32);
+    const Tensor x_gpu = x_cpu.to(Device::CUDA);
+    for (const QuantSpec& s : all_specs(d)) {
+      const std::string what = "non-finite " + d.str() + " " + spec_str(s);
+      ops::nonfinite_seen(true);
+      ops::QuantReport rg;
+      const QTensor qg = ops::quantize(x_gpu, s, {3, 4}, &rg);
+      EXPECT_TRUE(ops::nonfinite_seen(false)) << what << ": flag not raised";
+      EXPECT_TRUE(ops::nonfinite_seen(true)) << what << ": flag cleared by a non-clearing read";
+      EXPECT_FALSE(ops::nonfinite_seen(true)) << what << ": flag not cleared";
+      ops::QuantReport rc;
+      const QTensor qc = ops::quantize(x_cpu, s, {3, 4}, &rc);
+      ops::nonfinite_seen(true);
+      EXPECT_EQ(rg.nonfinite, 3) << what;
+      same_report(rc, rg, what);
+      // The bytes are still a function of the input. Except behind an RHT in MXFP8: there an Inf
+      // or NaN spreads over its chunk as NaNs whose sign bit (kept in the E4M3/E5M2 NaN code)
+      // differs between x86 and the GPU.
+      const bool mx = s.fmt == Format::MXFP8_E4M3 || s.fmt == Format::MXFP8_E5M2;
+      if (!(mx && s.hadamard)) same_qtensor(qc, qg, what);
+    }
   }
   // A finite input leaves the flag down.
+  const Dims d{1, 19, 50};
   const Tensor clean = Tensor::from_host(make_data(d, Data::Varied, 32).data(), d.shape(), DType::F32, Device::CUDA);
   QuantSpec s;
   s.fmt = Format::NVFP4;

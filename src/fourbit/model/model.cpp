@@ -11,6 +11,10 @@ namespace fourbit {
 
 namespace {
 
+// Concurrent GPU lanes for the per-expert loops (ops::Lanes): 4 streams of expert GEMMs with a
+// few dozen CTAs each fill the H200's 132 SMs.
+constexpr int kExpertLanes = 4;
+
 // Sites number the quantization points of a layer, so each gets its own SR stream.
 enum Site : int {
   kSiteAttnX = 1, kSiteAttnO = 3, kSiteAttnDqkv = 5, kSiteAttnDo = 7,
@@ -318,21 +322,29 @@ struct ModelRunner {
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act({rows, F}), y = act({rows, D});
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-      if (b == end) continue;
-      Tensor h1e = h1.slice_rows(b, end), h3e = h3.slice_rows(b, end);
-      gemm(x_perm.rows(b, end), w1.slice(e), h1e);
-      gemm(x_perm.rows(b, end), w3.slice(e), h3e);
+    {
+      ops::Lanes lanes(m.device_, kExpertLanes);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+        if (b == end) continue;
+        lanes.use(e);
+        Tensor h1e = h1.slice_rows(b, end), h3e = h3.slice_rows(b, end);
+        gemm(x_perm.rows(b, end), w1.slice(e), h1e);
+        gemm(x_perm.rows(b, end), w3.slice(e), h3e);
+      }
     }
     ops::swiglu_forward(h1, h3, a);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
     Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeA), cls, log);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-      if (b == end) continue;
-      Tensor ye = y.slice_rows(b, end);
-      gemm(pa.rows(b, end), w2.slice(e), ye);
+    {
+      ops::Lanes lanes(m.device_, kExpertLanes);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+        if (b == end) continue;
+        lanes.use(e);
+        Tensor ye = y.slice_rows(b, end);
+        gemm(pa.rows(b, end), w2.slice(e), ye);
+      }
     }
     if (inner) *inner = ExpertInner{h1, h3, a, std::move(pa)};
     return y;
@@ -358,20 +370,24 @@ struct ModelRunner {
     const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, kSiteMoeW + 2);
     const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
     Tensor da = act({N * K, F});
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-      if (b == end) continue;
-      Tensor dae = da.slice_rows(b, end), g2 = g.w2.view(e * D * F, {D, F});
-      gemm(pdy.rows(b, end), w2_dgrad.slice(e), dae);
-      const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
-                                   rng(kSiteMoeDy + 1, e), cls, log);
-      Prepared a_wgrad;
-      if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
-        a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
-      } else {
-        a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
+    {
+      ops::Lanes lanes(m.device_, kExpertLanes);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+        if (b == end) continue;
+        lanes.use(e);
+        Tensor dae = da.slice_rows(b, end), g2 = g.w2.view(e * D * F, {D, F});
+        gemm(pdy.rows(b, end), w2_dgrad.slice(e), dae);
+        const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
+                                     rng(kSiteMoeDy + 1, e), cls, log);
+        Prepared a_wgrad;
+        if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
+          a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
+        } else {
+          a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
+        }
+        gemm(dyt, a_wgrad, g2, true);
       }
-      gemm(dyt, a_wgrad, g2, true);
     }
     Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
@@ -380,20 +396,24 @@ struct ModelRunner {
     const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh), cls, log);
     const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh + 1), cls, log);
     Tensor dx_perm = act({N * K, D});
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-      if (b == end) continue;
-      Tensor dxe = dx_perm.slice_rows(b, end);
-      gemm(pdh1.rows(b, end), w1_dgrad.slice(e), dxe);
-      gemm(pdh3.rows(b, end), w3_dgrad.slice(e), dxe, true);
-      const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
-                                           s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
-                                           r, cls, rng(kSiteMoeWgradX + 1, e));
-      Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
-      const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
-      gemm(dh1t, x_wgrad, g1, true);
-      const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
-      gemm(dh3t, x_wgrad, g3, true);
+    {
+      ops::Lanes lanes(m.device_, kExpertLanes);
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
+        if (b == end) continue;
+        lanes.use(e);
+        Tensor dxe = dx_perm.slice_rows(b, end);
+        gemm(pdh1.rows(b, end), w1_dgrad.slice(e), dxe);
+        gemm(pdh3.rows(b, end), w3_dgrad.slice(e), dxe, true);
+        const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
+                                             s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
+                                             r, cls, rng(kSiteMoeWgradX + 1, e));
+        Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
+        const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
+        gemm(dh1t, x_wgrad, g1, true);
+        const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
+        gemm(dh3t, x_wgrad, g3, true);
+      }
     }
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 

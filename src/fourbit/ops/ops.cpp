@@ -1,4 +1,4 @@
-// defines: the device dispatch of ops.h, nonfinite_seen, Operand accessors, qtensor views,
+// defines: the device dispatch of ops.h, nonfinite_seen, Operand accessors, qtensor views, Lanes,
 //          rope_table
 #include "fourbit/ops/ops.h"
 
@@ -25,6 +25,15 @@ bool nonfinite_seen(bool clear) {
   if (cuda_device_count() > 0) seen = cuda::take_nonfinite_flag(clear) || seen;
 #endif
   return seen;
+}
+
+bool native_block_scaled_gemm(Device device) {
+#if FOURBIT_HAS_CUDA
+  return device == Device::CUDA && cuda_device_count() > 0 && cuda::native_block_scaled_gemm();
+#else
+  (void)device;
+  return false;
+#endif
 }
 
 // One switch per op on the device of its first tensor; a CUDA tensor in a CPU-only build fails
@@ -60,6 +69,16 @@ int64_t Operand::k() const {
   return trans_ ? dense_->size(0) : dense_->size(1);
 }
 Device Operand::device() const { return q_ ? q_->device() : dense_->device(); }
+
+Lanes::Lanes(Device device, int n) : active_(device == Device::CUDA && n > 1) {
+  if (active_) lanes_begin(n);
+}
+Lanes::~Lanes() {
+  if (active_) lanes_end();
+}
+void Lanes::use(int64_t i) {
+  if (active_) lanes_use(int(i));
+}
 
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   if (a.device() != b.device() || a.device() != c.device())

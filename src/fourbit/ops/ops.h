@@ -1,6 +1,6 @@
 // defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed, Operand, gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
-//          MoE permutation), adamw_step and the small tensor utilities.
+//          MoE permutation), adamw_step, Lanes and the small tensor utilities.
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
@@ -81,6 +81,28 @@ class Operand {
 // accumulate, C += that sum (one rounding). Every C[m, n] is reduced in one fixed order that does
 // not depend on M, N or the thread count: rows are batch invariant and results deterministic.
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false);
+
+// Whether GEMMs on `device` may take NVFP4 x NVFP4 and MXFP8 x MXFP8 operands packed, on
+// block-scaled tensor cores (Blackwell, when cuBLASLt offers an algorithm for the shape), instead
+// of decoding them exactly to BF16 first (Hopper; the CPU). Same products, FP32 sums in another
+// order.
+bool native_block_scaled_gemm(Device device);
+
+// Independent pieces of GPU work (one MoE expert's GEMMs and quantizations) run concurrently:
+// work issued after use(i) goes to lane i % n, the destructor joins every lane into the default
+// stream (device_memory.h). Each piece must write its own outputs; results are the same bits as
+// issuing the pieces one after the other. Does nothing on the CPU.
+class Lanes {
+ public:
+  Lanes(Device device, int n);
+  ~Lanes();
+  Lanes(const Lanes&) = delete;
+  Lanes& operator=(const Lanes&) = delete;
+  void use(int64_t i);
+
+ private:
+  bool active_;
+};
 
 // ---- tensor utilities ---------------------------------------------------------------------------
 void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <-> F64, same numel

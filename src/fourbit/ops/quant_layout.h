@@ -1,4 +1,4 @@
-// defines: QuantShape, quant_shape, alloc_qtensor, requantize_transposed_spec
+// defines: QuantShape, quant_shape, alloc_qtensor, requantize_transposed_spec, cublaslt_scale_offset
 // The shape bookkeeping shared by the CPU and CUDA quantizers: how a logical [S,] R x C input
 // maps to a QTensor's storage, and the allocation of its three buffers.
 #pragma once
@@ -20,5 +20,14 @@ QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device)
 // The output spec of requantize_transposed for q (which must be NVFP4): MXFP8 E4M3 with RCEIL
 // scales and stochastic rounding, blocks along q's other axis.
 QuantSpec requantize_transposed_spec(const QTensor& q);
+
+// Where cuBLASLt's native block-scaled GEMMs (Blackwell: VEC16_UE4M3, VEC32_UE8M0) read the scale
+// of row r, block column c of an operand: the rows x blocks scale matrix is cut into 128 x 4
+// tiles of 512 bytes, stored tile row by tile row (col_tiles tiles each); inside a tile, row r
+// starts at (r % 32) * 16 + (r % 128 / 32) * 4 and holds its four block columns (cuBLAS
+// documentation, "1D block scaling factors layout"). Padding rows/columns hold scale 0.
+FOURBIT_HD constexpr int64_t cublaslt_scale_offset(int64_t r, int64_t c, int64_t col_tiles) {
+  return ((r / 128) * col_tiles + c / 4) * 512 + (r % 32) * 16 + (r % 128 / 32) * 4 + c % 4;
+}
 
 }  // namespace fourbit::ops

@@ -1,8 +1,9 @@
 // defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, zero_bytes,
-//          device_synchronize, device_bytes_in_use, device_peak_bytes
+//          device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
+//          lanes_end, current_lane, current_stream
 // The only door from tensor/ to a GPU. With CUDA built, device_memory_cuda.cu implements these
-// with a caching allocator on the default stream; without it, device_memory_none.cpp answers
-// "no GPU" and every device request fails with a clear message.
+// with a caching allocator and the GPU streams; without it, device_memory_none.cpp answers
+// "no GPU" and every device request fails with a clear message (the lane calls do nothing).
 #pragma once
 #include <cstddef>
 
@@ -20,5 +21,17 @@ void device_synchronize();
 // Bytes of GPU tensors alive now, and the most alive at once since the last reset.
 int64_t device_bytes_in_use();
 int64_t device_peak_bytes(bool reset = false);
+
+// Concurrent GPU lanes, for independent pieces of work too small to fill the GPU one at a time
+// (the per-expert GEMMs of a MoE layer). Between lanes_begin(n) and lanes_end(), the work issued
+// after lanes_use(i) goes to stream i % n; each lane first waits for everything issued before
+// lanes_begin, and lanes_end makes the default stream wait for every lane. Memory freed while
+// lanes are open is not reused before lanes_end (a lane may still read it). Lanes do not nest;
+// one host thread issues GPU work. ops::Lanes is the scoped front end.
+void lanes_begin(int n);
+void lanes_use(int i);
+void lanes_end();
+int current_lane();      // -1 outside lanes
+void* current_stream();  // the cudaStream_t kernels go to now; null = the default stream
 
 }  // namespace fourbit

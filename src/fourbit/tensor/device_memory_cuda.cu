@@ -2,6 +2,8 @@
 // Training allocates and frees the same activation sizes every step; cudaMalloc/cudaFree are
 // slow and synchronising, so freed blocks are kept in per-size free lists and reused. Sizes are
 // rounded up (512 B granules below 1 MiB, 2 MiB above) so near-equal requests share blocks.
+// Also the GPU lanes (device_memory.h): a few non-blocking streams forked from and joined to the
+// default stream with events.
 #include <cuda_runtime.h>
 
 #include <cstring>
@@ -29,6 +31,7 @@ size_t round_size(size_t bytes) {
 struct Cache {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_blocks;
+  std::vector<std::pair<size_t, void*>> deferred;  // freed while lanes are open
   size_t cached_bytes = 0;
   int64_t in_use = 0, peak = 0;  // bytes handed out (rounded sizes)
   void taken(size_t size) {
@@ -40,6 +43,25 @@ struct Cache {
 Cache& cache() {
   static Cache* c = new Cache();  // never destroyed: tensors may be freed during static teardown
   return *c;
+}
+
+struct Lanes {
+  static constexpr int kMax = 8;
+  cudaStream_t streams[kMax] = {};
+  cudaEvent_t done[kMax] = {};
+  cudaEvent_t fork = nullptr;
+  int open = 0;     // lanes of the current region (0: none)
+  int current = -1;
+};
+
+Lanes& lanes() {
+  static Lanes* l = new Lanes();  // streams live for the process
+  return *l;
+}
+
+cudaStream_t stream_now() {
+  const Lanes& l = lanes();
+  return l.current < 0 ? cudaStream_t(0) : l.streams[l.current];
 }
 
 cudaMemcpyKind kind_of(Device dst, Device src) {
@@ -101,12 +123,15 @@ void* device_alloc(size_t bytes) {
 
 void device_free(void* p, size_t bytes) {
   if (!p) return;
-  // Freed memory may still be read by queued kernels; every kernel is on the default stream, and
-  // a later allocation's use is queued after them on that stream, so reuse is ordered.
+  // Freed memory may still be read by queued kernels. Outside lanes every kernel is on the default
+  // stream, and a later allocation's use is queued after them on that stream, so reuse is
+  // ordered. While lanes are open another stream could receive the block, so it waits for
+  // lanes_end (after which the default stream is behind every lane).
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const size_t size = round_size(bytes);
-  c.free_blocks[size].push_back(p);
+  if (lanes().open) c.deferred.emplace_back(size, p);
+  else c.free_blocks[size].push_back(p);
   c.cached_bytes += size;
   c.in_use -= int64_t(size);
 }
@@ -117,7 +142,9 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     std::memcpy(dst, src, bytes);
     return;
   }
-  FOURBIT_MEM_CHECK(cudaMemcpy(dst, src, bytes, kind_of(dst_dev, src_dev)));
+  const cudaStream_t s = stream_now();
+  FOURBIT_MEM_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(dst_dev, src_dev), s));
+  FOURBIT_MEM_CHECK(cudaStreamSynchronize(s));
 }
 
 void zero_bytes(void* p, Device dev, size_t bytes) {
@@ -126,12 +153,53 @@ void zero_bytes(void* p, Device dev, size_t bytes) {
     std::memset(p, 0, bytes);
     return;
   }
-  FOURBIT_MEM_CHECK(cudaMemsetAsync(p, 0, bytes, 0));
+  FOURBIT_MEM_CHECK(cudaMemsetAsync(p, 0, bytes, stream_now()));
 }
 
 void device_synchronize() {
   if (cuda_device_count() > 0) FOURBIT_MEM_CHECK(cudaDeviceSynchronize());
 }
+
+void lanes_begin(int n) {
+  Lanes& l = lanes();
+  if (l.open) fail("lanes_begin: GPU lanes do not nest");
+  if (n < 1 || n > Lanes::kMax) fail("lanes_begin: {} lanes requested, 1..{} supported", n, Lanes::kMax);
+  if (!l.fork) {
+    FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&l.fork, cudaEventDisableTiming));
+    for (int i = 0; i < Lanes::kMax; ++i) {
+      FOURBIT_MEM_CHECK(cudaStreamCreateWithFlags(&l.streams[i], cudaStreamNonBlocking));
+      FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&l.done[i], cudaEventDisableTiming));
+    }
+  }
+  FOURBIT_MEM_CHECK(cudaEventRecord(l.fork, 0));
+  for (int i = 0; i < n; ++i) FOURBIT_MEM_CHECK(cudaStreamWaitEvent(l.streams[i], l.fork, 0));
+  l.open = n;
+  l.current = -1;
+}
+
+void lanes_use(int i) {
+  Lanes& l = lanes();
+  if (!l.open) fail("lanes_use: no lanes are open");
+  l.current = i % l.open;
+}
+
+void lanes_end() {
+  Lanes& l = lanes();
+  if (!l.open) return;
+  for (int i = 0; i < l.open; ++i) {
+    FOURBIT_MEM_CHECK(cudaEventRecord(l.done[i], l.streams[i]));
+    FOURBIT_MEM_CHECK(cudaStreamWaitEvent(0, l.done[i], 0));
+  }
+  l.open = 0;
+  l.current = -1;
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (const auto& [size, p] : c.deferred) c.free_blocks[size].push_back(p);
+  c.deferred.clear();
+}
+
+int current_lane() { return lanes().current; }
+void* current_stream() { return stream_now(); }
 
 int64_t device_bytes_in_use() {
   std::lock_guard<std::mutex> lock(cache().mu);

@@ -19,6 +19,11 @@ void zero_bytes(void* p, Device dev, size_t bytes) {
   if (bytes) std::memset(p, 0, bytes);
 }
 void device_synchronize() {}
+void lanes_begin(int) {}
+void lanes_use(int) {}
+void lanes_end() {}
+int current_lane() { return -1; }
+void* current_stream() { return nullptr; }
 int64_t device_bytes_in_use() { return 0; }
 int64_t device_peak_bytes(bool) { return 0; }
 

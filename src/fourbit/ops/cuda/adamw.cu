@@ -44,7 +44,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   const AdamWConstants k = adamw_constants(h);
   const bool vec = aligned16(param.raw()) && aligned16(grad.raw()) && aligned16(m.raw()) &&
                    aligned16(v.raw());
-  adamw_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(
+  adamw_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(
       param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), n, vec, k);
   FOURBIT_LAUNCH_CHECK();
 }

@@ -149,7 +149,7 @@ Dims check_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* o
 
 Tensor heads_bf16(const Tensor& x, const Dims& d, int64_t len, int64_t hx) {
   Tensor out = Tensor::empty({d.B, d.Hq, len, d.hd}, DType::BF16, Device::CUDA);
-  to_heads_kernel<<<grid_for(out.numel(), 256), 256>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd,
+  to_heads_kernel<<<grid_for(out.numel(), 256), 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd,
                                                        out.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
   return out;
@@ -174,14 +174,14 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
   const Tensor s = scores(qh, kh, d);
   Tensor p = Tensor::empty({d.B * d.Hq, d.T, d.S}, DType::BF16, Device::CUDA);
-  softmax_rows_kernel<<<unsigned(d.B * d.Hq * d.T), kRowThreads>>>(s.data<float>(), d.T, d.S, pos0,
+  softmax_rows_kernel<<<unsigned(d.B * d.Hq * d.T), kRowThreads, 0, stream()>>>(s.data<float>(), d.T, d.S, pos0,
                                                                   p.data<__nv_bfloat16>(), lse.data<float>());
   FOURBIT_LAUNCH_CHECK();
   // O[bh] = P[bh] V[bh]: V is stored [S, hd] = [K, N], a transposed B operand.
   Tensor oh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
             oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
-  from_heads_kernel<<<grid_for(oh.numel(), 256), 256>>>(oh.data<float>(), d.B, d.T, d.Hq, d.hd, out.data<float>());
+  from_heads_kernel<<<grid_for(oh.numel(), 256), 256, 0, stream()>>>(oh.data<float>(), d.B, d.T, d.Hq, d.hd, out.data<float>());
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -202,12 +202,12 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   matmul_nt(MatmulOperand{doh.raw(), false, d.hd, d.T * d.hd}, MatmulOperand{vh.raw(), false, d.hd, d.S * d.hd},
             dp.raw(), d.S, d.T * d.S, d.T, d.S, d.hd, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
   Tensor D = Tensor::empty({BH * d.T}, DType::F32, Device::CUDA);
-  rowdot_kernel<<<grid_for(BH * d.T * 32, 256), 256>>>(dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd,
+  rowdot_kernel<<<grid_for(BH * d.T * 32, 256), 256, 0, stream()>>>(dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd,
                                                        D.data<float>());
   FOURBIT_LAUNCH_CHECK();
   Tensor p = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
   Tensor ds = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
-  softmax_backward_kernel<<<grid_for(BH * d.T * d.S, 256), 256>>>(s.data<float>(), lse.data<float>(), dp.data<float>(),
+  softmax_backward_kernel<<<grid_for(BH * d.T * d.S, 256), 256, 0, stream()>>>(s.data<float>(), lse.data<float>(), dp.data<float>(),
                                                                   D.data<float>(), BH * d.T, d.T, d.S, scale,
                                                                   p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
@@ -223,12 +223,12 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{ds.raw(), true, d.S, d.T * d.S}, MatmulOperand{qh.raw(), true, d.hd, d.T * d.hd},
             dkh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
-  from_heads_kernel<<<grid_for(dqh.numel(), 256), 256>>>(dqh.data<float>(), d.B, d.T, d.Hq, d.hd, dq.data<float>());
+  from_heads_kernel<<<grid_for(dqh.numel(), 256), 256, 0, stream()>>>(dqh.data<float>(), d.B, d.T, d.Hq, d.hd, dq.data<float>());
   FOURBIT_LAUNCH_CHECK();
-  reduce_groups_kernel<<<grid_for(dk.numel(), 256), 256>>>(dkh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
+  reduce_groups_kernel<<<grid_for(dk.numel(), 256), 256, 0, stream()>>>(dkh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
                                                            dk.data<float>());
   FOURBIT_LAUNCH_CHECK();
-  reduce_groups_kernel<<<grid_for(dv.numel(), 256), 256>>>(dvh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
+  reduce_groups_kernel<<<grid_for(dv.numel(), 256), 256, 0, stream()>>>(dvh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
                                                            dv.data<float>());
   FOURBIT_LAUNCH_CHECK();
 }

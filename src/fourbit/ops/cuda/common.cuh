@@ -1,7 +1,7 @@
-// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, grid_for, cublas_handle,
-//          cublaslt_handle, check_cuda_tensor
+// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, grid_for, stream,
+//          cublas_handle, cublaslt_handle, check_cuda_tensor
 // What every CUDA source of the backend needs: error checks that name the call and the file,
-// launch sizing, and the process-wide cuBLAS handles. Kernels run on the default stream.
+// launch sizing, the stream to launch on, and the process-wide cuBLAS handles.
 #pragma once
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 #include "fourbit/tensor/tensor.h"
 
@@ -38,9 +39,13 @@ inline unsigned grid_for(int64_t work_items, int threads_per_block, int64_t max_
   return unsigned(blocks);
 }
 
+// Every kernel, cuBLASLt call and async copy goes to this stream: the default stream, or the
+// current lane's while GPU lanes are open (device_memory.h, ops::Lanes).
+inline cudaStream_t stream() { return static_cast<cudaStream_t>(current_stream()); }
+
 cublasHandle_t cublas_handle();
 cublasLtHandle_t cublaslt_handle();
-void* cublas_workspace(size_t* bytes);  // a device buffer for cuBLASLt
+void* cublas_workspace(size_t* bytes);  // a device buffer for cuBLASLt (one per lane)
 
 inline void check_cuda_tensor(const Tensor& t, const char* op, const char* name) {
   if (t.device() != Device::CUDA) fail("{}: {} must be a CUDA tensor, got {}", op, name, t.str());

@@ -9,8 +9,11 @@
 // modes) it would take the packed operands directly; that path cannot run on these H200s and is
 // not built yet (docs/cuda.md).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 
@@ -21,6 +24,7 @@
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/matmul.cuh"
+#include "fourbit/ops/quant_layout.h"
 #include "fourbit/tensor/device_memory.h"
 
 namespace fourbit::ops::cuda {
@@ -45,11 +49,16 @@ cublasLtHandle_t cublaslt_handle() {
   return h;
 }
 
+// One workspace for the default stream and one per lane, so concurrent GEMMs never share one.
 void* cublas_workspace(size_t* bytes) {
-  constexpr size_t kBytes = size_t(64) << 20;
-  static void* ws = device_alloc(kBytes);
+  constexpr size_t kBytes = size_t(32) << 20;
+  constexpr int kSlots = 9;  // default stream + device_memory's 8 lanes
+  static void* ws[kSlots] = {};
+  const int slot = current_lane() + 1;
+  if (slot < 0 || slot >= kSlots) fail("cublas_workspace: lane {} out of range", slot - 1);
+  if (!ws[slot]) ws[slot] = device_alloc(kBytes);
   *bytes = kBytes;
-  return ws;
+  return ws[slot];
 }
 
 // ---- matmul_nt ---------------------------------------------------------------------------------
@@ -57,12 +66,13 @@ void* cublas_workspace(size_t* bytes) {
 namespace {
 
 struct AlgoKey {
+  int64_t m;           // 0 (M-free) except for weight-gradient GEMMs (see pick_algo)
   int64_t n, k;        // our N and K (the M-free part of the problem)
   bool a_trans, b_trans;
   int64_t lda_kind, ldb_kind;  // leading dims that do not depend on M (0 when they do)
   int ab_type;
   bool batched;
-  auto tie() const { return std::tie(n, k, a_trans, b_trans, lda_kind, ldb_kind, ab_type, batched); }
+  auto tie() const { return std::tie(m, n, k, a_trans, b_trans, lda_kind, ldb_kind, ab_type, batched); }
   bool operator<(const AlgoKey& o) const { return tie() < o.tie(); }
 };
 
@@ -109,19 +119,26 @@ void make_descs(LtDescs& d, const MatmulOperand& a, const MatmulOperand& b, int6
 std::mutex g_algo_mu;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;
 
-// The heuristic's first choice for the reference problem (M = 8192 rows, 64 batch entries), with
-// split-K turned off. Cached per M-free key so every M and batch count uses the same kernel.
+// Row GEMMs (fprop, dgrad, attention): the heuristic's first choice for the reference problem
+// (M = 8192 rows, 64 batch entries), with split-K turned off, cached per M-free key so every M and
+// batch count uses the same kernel and each output row is a function of its input row alone.
+// Weight-gradient GEMMs (A transposed and not batched: C[M, N] = A[K, M]^T B, K = tokens) reduce
+// over the batch, so batch invariance does not apply to them: they take the heuristic's choice
+// for their actual M (a reference M would pick 128x256 tiles for a 16-row router gradient over
+// 8192 tokens: 1.3 ms instead of tens of microseconds), split-K allowed: every cuBLASLt reduction
+// scheme is sequenced (in place: counters order the partial sums), so results stay deterministic.
 cublasLtMatmulAlgo_t pick_algo(const AlgoKey& key, const MatmulOperand& a, const MatmulOperand& b,
                                int64_t N, int64_t K, int batch, cudaDataType_t ab) {
   std::lock_guard<std::mutex> lock(g_algo_mu);
   auto it = g_algos.find(key);
   if (it != g_algos.end()) return it->second;
-  constexpr int64_t kRefM = 8192;
+  const bool per_m = key.m != 0;
+  const int64_t ref_m = per_m ? key.m : 8192;
   const int ref_batch = batch > 1 ? 64 : 1;
   MatmulOperand ra = a, rb = b;
-  if (a.trans) ra.ld = kRefM;  // a [K, M]: its ld grows with M
+  if (a.trans && !per_m) ra.ld = ref_m;  // a [K, M]: its ld grows with M
   LtDescs d;
-  make_descs(d, ra, rb, N, N * kRefM, kRefM, N, K, ref_batch, ab);
+  make_descs(d, ra, rb, N, N * ref_m, ref_m, N, K, ref_batch, ab);
   cublasLtMatmulPreference_t pref;
   FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws_bytes = 0;
@@ -134,12 +151,60 @@ cublasLtMatmulAlgo_t pick_algo(const AlgoKey& key, const MatmulOperand& a, const
   if (st != CUBLAS_STATUS_SUCCESS || found == 0)
     fail("cuBLASLt found no algorithm for a GEMM with N={}, K={} ({})", N, K, cublasGetStatusString(st));
   cublasLtMatmulAlgo_t algo = res[0].algo;
+  if (per_m) {
+    g_algos.emplace(key, algo);
+    return algo;
+  }
   const int32_t one = 1;
   cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one));
   const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
   cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &no_reduction, sizeof(no_reduction));
   g_algos.emplace(key, algo);
   return algo;
+}
+
+// Everything a matmul_nt call needs besides its pointers, built once per full problem shape:
+// creating four descriptors and checking the algorithm cost more host time than a small expert
+// GEMM takes on the GPU.
+struct Plan {
+  LtDescs d;
+  cublasLtMatmulAlgo_t algo{};
+  bool use_algo = true;
+};
+
+struct PlanKey {
+  int64_t m, n, k, lda, ldb, ldc, a_stride, b_stride, c_stride;
+  bool a_trans, b_trans;
+  int batch, ab_type;
+  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, a_stride, b_stride, c_stride, a_trans, b_trans, batch, ab_type); }
+  bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
+};
+
+std::mutex g_plan_mu;
+std::map<PlanKey, std::unique_ptr<Plan>> g_plans;
+
+const Plan& plan_for(const MatmulOperand& a, const MatmulOperand& b, int64_t ldc, int64_t c_stride, int64_t M,
+                     int64_t N, int64_t K, int batch, cudaDataType_t ab) {
+  const PlanKey pk{M, N, K, a.ld, b.ld, ldc, a.batch_stride, b.batch_stride, c_stride, a.trans, b.trans, batch, int(ab)};
+  {
+    std::lock_guard<std::mutex> lock(g_plan_mu);
+    auto it = g_plans.find(pk);
+    if (it != g_plans.end()) return *it->second;
+  }
+  const bool wgrad = a.trans && batch == 1;
+  const AlgoKey key{wgrad ? M : 0, N, K, a.trans, b.trans, (a.trans && !wgrad) ? 0 : a.ld, b.ld, int(ab), batch > 1};
+  auto plan = std::make_unique<Plan>();
+  plan->algo = pick_algo(key, a, b, N, K, batch, ab);
+  make_descs(plan->d, a, b, ldc, c_stride, M, N, K, batch, ab);
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(cublaslt_handle(), plan->d.op, plan->d.b, plan->d.a, plan->d.c, plan->d.c,
+                              &plan->algo, &check) != CUBLAS_STATUS_SUCCESS) {
+    // The fixed kernel cannot take this shape (alignment of an unusual M): let the heuristic
+    // choose for it. Rows of such a GEMM are then not guaranteed batch invariant.
+    plan->use_algo = false;
+  }
+  std::lock_guard<std::mutex> lock(g_plan_mu);
+  return *g_plans.emplace(pk, std::move(plan)).first->second;
 }
 
 }  // namespace
@@ -152,26 +217,16 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
     if (beta == 0) {
       for (int i = 0; i < batch; ++i)
         FOURBIT_CUDA_CHECK(cudaMemset2DAsync(static_cast<float*>(c) + i * c_stride, size_t(ldc) * 4, 0,
-                                             size_t(N) * 4, size_t(M), 0));
+                                             size_t(N) * 4, size_t(M), stream()));
     }
     return;
   }
-  const AlgoKey key{N, K, a.trans, b.trans, a.trans ? 0 : a.ld, b.ld, int(ab), batch > 1};
-  cublasLtMatmulAlgo_t algo = pick_algo(key, a, b, N, K, batch, ab);
-  LtDescs d;
-  make_descs(d, a, b, ldc, c_stride, M, N, K, batch, ab);
+  const Plan& plan = plan_for(a, b, ldc, c_stride, M, N, K, batch, ab);
   size_t ws_bytes = 0;
   void* ws = cublas_workspace(&ws_bytes);
-  cublasLtMatmulHeuristicResult_t check{};
-  const cublasLtMatmulAlgo_t* use = &algo;
-  if (cublasLtMatmulAlgoCheck(cublaslt_handle(), d.op, d.b, d.a, d.c, d.c, &algo, &check) !=
-      CUBLAS_STATUS_SUCCESS) {
-    // The fixed kernel cannot take this shape (alignment of an unusual M): let the heuristic
-    // choose for it. Rows of such a GEMM are then not guaranteed batch invariant.
-    use = nullptr;
-  }
-  FOURBIT_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), d.op, &alpha, b.ptr, d.b, a.ptr, d.a, &beta, c,
-                                      d.c, c, d.c, use, ws, ws_bytes, 0));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan.d.op, &alpha, b.ptr, plan.d.b, a.ptr, plan.d.a,
+                                      &beta, c, plan.d.c, c, plan.d.c, plan.use_algo ? &plan.algo : nullptr, ws,
+                                      ws_bytes, stream()));
 }
 
 // ---- decode of block-scaled operands -----------------------------------------------------------
@@ -208,6 +263,76 @@ __global__ void decode_blocks_kernel(const uint8_t* __restrict__ codes, const ui
   }
 }
 
+// The BF16 fast path for NVFP4 and MXFP8 operands (rows over blockIdx.y, 8-value units of a row
+// over the threads): one thread per 8 consecutive values of a row
+// (4 NVFP4 code bytes or 8 MXFP8 code bytes in one load, one 16-byte store of 8 BF16), so a warp
+// writes 512 contiguous bytes per store. Each value is the same float product as
+// decode_blocks_kernel's (exact: at most 6 significant bits for E2M1 x E4M3 and 4 for
+// E4M3/E5M2 x 2^E) converted once to BF16, so both kernels give the same bits; the table of byte
+// -> two E2M1 values lives in shared memory, the FP8 codes go through the hardware conversion.
+// Columns from the last block's end up to k_eff are zeros.
+// Values c .. c+7 of row r as 8 BF16 (c < coded: inside the stored blocks).
+template <Format F>
+__device__ __forceinline__ uint4 decode8(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                                         int64_t blocks_per_row, int64_t code_row_bytes, int64_t r, int64_t c,
+                                         const float2* e2m1_pair) {
+  constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
+  float v[8];
+  if constexpr (F == Format::NVFP4) {
+    const float sv = num::ue4m3_decode(scales[r * blocks_per_row + c / B]);
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + r * code_row_bytes + c / 2);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 p = e2m1_pair[(w >> (8 * j)) & 0xFFu];
+      v[2 * j] = p.x * sv;
+      v[2 * j + 1] = p.y * sv;
+    }
+  } else {
+    const float sv = num::ue8m0_decode(scales[r * blocks_per_row + c / B]);
+    const uint2 w = *reinterpret_cast<const uint2*>(codes + r * code_row_bytes + c);
+    const uint32_t words[2] = {w.x, w.y};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const __nv_fp8x2_storage_t pair = __nv_fp8x2_storage_t(words[j / 2] >> (16 * (j % 2)));
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, F == Format::MXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+      const float2 f = __half22float2(__half2(h));
+      v[2 * j] = f.x * sv;
+      v[2 * j + 1] = f.y * sv;
+    }
+  }
+  uint4 packed;
+  uint32_t* pw = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    pw[j] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return packed;
+}
+
+template <Format F>
+__global__ void __launch_bounds__(256)
+    decode_bf16_x8_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                          int64_t rows, int64_t blocks_per_row, int64_t code_row_bytes, int64_t k_eff,
+                          __nv_bfloat16* __restrict__ out) {
+  constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
+  __shared__ float2 e2m1_pair[256];  // byte -> (low nibble, high nibble) decoded
+  if constexpr (F == Format::NVFP4) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+      e2m1_pair[i] = make_float2(num::e2m1_decode(i & 0xF), num::e2m1_decode(i >> 4));
+    __syncthreads();
+  }
+  const int64_t units_per_row = k_eff / 8, coded = blocks_per_row * B;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    for (int64_t unit = first; unit < units_per_row; unit += step) {
+      const int64_t c = unit * 8;
+      *reinterpret_cast<uint4*>(out + r * k_eff + c) =
+          c < coded ? decode8<F>(codes, scales, blocks_per_row, code_row_bytes, r, c, e2m1_pair) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 template <typename T>
 __global__ void convert_pad_kernel(const float* __restrict__ in, int64_t rows, int64_t cols, int64_t k_eff,
                                    T* __restrict__ out) {
@@ -229,49 +354,95 @@ __global__ void bf16_to_f32_pad_kernel(const __nv_bfloat16* __restrict__ in, int
 
 // C = (accumulate ? C : 0) + fl(fl(tmp * sa[m]) * sb[n]) — the CPU's order.
 // sa/sb: per-row scales (stride 1) or one scale for all rows (stride 0); null = none.
+// Rows over blockIdx.y, columns over threads (four at a time when rows are float4-aligned).
+__device__ __forceinline__ float scale_one(float t, float a, const float* sb, int64_t n, int sb_stride,
+                                           bool has_a) {
+  float r = has_a ? num::mul_rn(t, a) : t;
+  return sb ? num::mul_rn(r, sb[n * sb_stride]) : r;
+}
+
 __global__ void scale_epilogue_kernel(const float* __restrict__ tmp, const float* __restrict__ sa,
                                       int sa_stride, const float* __restrict__ sb, int sb_stride,
-                                      int64_t M, int64_t N, bool accumulate, float* __restrict__ c) {
-  const int64_t total = M * N;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t m = i / N, n = i % N;
-    float r = tmp[i];
-    if (sa) r = num::mul_rn(r, sa[m * sa_stride]);
-    if (sb) r = num::mul_rn(r, sb[n * sb_stride]);
-    c[i] = accumulate ? num::add_rn(c[i], r) : r;
+                                      int64_t M, int64_t N, bool accumulate, bool vec4, float* __restrict__ c) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const bool has_a = sa != nullptr;
+  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
+    const float a = sa ? sa[m * sa_stride] : 1.0f;
+    const float* t = tmp + m * N;
+    float* cr = c + m * N;
+    if (vec4) {
+      for (int64_t q = first; q < N / 4; q += step) {
+        const float4 v = reinterpret_cast<const float4*>(t)[q];
+        float4 r = make_float4(scale_one(v.x, a, sb, 4 * q, sb_stride, has_a), scale_one(v.y, a, sb, 4 * q + 1, sb_stride, has_a),
+                               scale_one(v.z, a, sb, 4 * q + 2, sb_stride, has_a),
+                               scale_one(v.w, a, sb, 4 * q + 3, sb_stride, has_a));
+        if (accumulate) {
+          const float4 o = reinterpret_cast<const float4*>(cr)[q];
+          r = make_float4(num::add_rn(o.x, r.x), num::add_rn(o.y, r.y), num::add_rn(o.z, r.z), num::add_rn(o.w, r.w));
+        }
+        reinterpret_cast<float4*>(cr)[q] = r;
+      }
+    } else {
+      for (int64_t n = first; n < N; n += step) {
+        const float r = scale_one(t[n], a, sb, n, sb_stride, has_a);
+        cr[n] = accumulate ? num::add_rn(cr[n], r) : r;
+      }
+    }
   }
 }
 
 struct Materialized {
   Tensor owned;            // temp buffer when decoded/converted
   MatmulOperand op;
-  const float* scale = nullptr;  // NVFP4 outer scales (device), or null
-  int scale_stride = 0;          // 1: one per row; 0: one for the whole operand
 };
+
+struct OuterScales {
+  const float* ptr = nullptr;  // NVFP4 outer scales (device), or null
+  int stride = 0;              // 1: one per row; 0: one for the whole operand
+};
+
+OuterScales outer_scales_of(const Operand& op) {
+  const QTensor* q = op.q();
+  if (!q || q->outer == OuterScale::None) return {};
+  if (q->slices != 1 && q->outer == OuterScale::PerSlice)
+    fail("gemm: a multi-slice QTensor with per-slice scales must be sliced first (qtensor_slice)");
+  // per-slice with one slice is one scale, like per-tensor
+  return {q->outer_scales.data<float>(), q->outer == OuterScale::PerRow ? 1 : 0};
+}
 
 Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   Materialized m;
   const int64_t R = op.rows();
   const unsigned grid = grid_for(R * k_eff, 256);
   if (const QTensor* q = op.q()) {
-    if (q->slices != 1 && q->outer == OuterScale::PerSlice)
-      fail("gemm: a multi-slice QTensor with per-slice scales must be sliced first (qtensor_slice)");
     m.owned = Tensor::empty({R, k_eff}, as_f32 ? DType::F32 : DType::BF16, Device::CUDA);
     const unsigned g = grid_for(R * q->blocks_per_row(), 256);
-    if (as_f32)
-      decode_blocks_kernel<float><<<g, 256>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
+    const bool aligned = k_eff % 8 == 0 && q->code_row_bytes() % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(q->codes.raw()) % 8 == 0 &&
+                         reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0;
+    const dim3 g8(grid_for(k_eff / 8, 256, 8), unsigned(std::min<int64_t>(R, 16384)));
+    if (!as_f32 && aligned && q->fmt == Format::NVFP4)
+      decode_bf16_x8_kernel<Format::NVFP4><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
+                                                        R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
+                                                        m.owned.data<__nv_bfloat16>());
+    else if (!as_f32 && aligned && q->fmt == Format::MXFP8_E4M3)
+      decode_bf16_x8_kernel<Format::MXFP8_E4M3><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
+                                                             R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
+                                                             m.owned.data<__nv_bfloat16>());
+    else if (!as_f32 && aligned && q->fmt == Format::MXFP8_E5M2)
+      decode_bf16_x8_kernel<Format::MXFP8_E5M2><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
+                                                             R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
+                                                             m.owned.data<__nv_bfloat16>());
+    else if (as_f32)
+      decode_blocks_kernel<float><<<g, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
                                               q->blocks_per_row(), q->code_row_bytes(), q->block(), int(q->fmt),
                                               k_eff, m.owned.data<float>());
     else
-      decode_blocks_kernel<__nv_bfloat16><<<g, 256>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
+      decode_blocks_kernel<__nv_bfloat16><<<g, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
                                                       q->blocks_per_row(), q->code_row_bytes(), q->block(),
                                                       int(q->fmt), k_eff, m.owned.data<__nv_bfloat16>());
     FOURBIT_LAUNCH_CHECK();
     m.op = MatmulOperand{m.owned.raw(), false, k_eff, 0};
-    if (q->outer != OuterScale::None) {  // per-slice with one slice is one scale, like per-tensor
-      m.scale = q->outer_scales.data<float>();
-      m.scale_stride = q->outer == OuterScale::PerRow ? 1 : 0;
-    }
     return m;
   }
   const Tensor& t = *op.dense();
@@ -286,11 +457,11 @@ Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   if (op.trans()) fail("gemm: a transposed dense operand cannot be mixed with block-scaled or padded ones");
   m.owned = Tensor::empty({R, k_eff}, as_f32 ? DType::F32 : DType::BF16, Device::CUDA);
   if (is_f32 && !as_f32)
-    convert_pad_kernel<__nv_bfloat16><<<grid, 256>>>(t.data<float>(), R, K, k_eff, m.owned.data<__nv_bfloat16>());
+    convert_pad_kernel<__nv_bfloat16><<<grid, 256, 0, stream()>>>(t.data<float>(), R, K, k_eff, m.owned.data<__nv_bfloat16>());
   else if (is_f32)
-    convert_pad_kernel<float><<<grid, 256>>>(t.data<float>(), R, K, k_eff, m.owned.data<float>());
+    convert_pad_kernel<float><<<grid, 256, 0, stream()>>>(t.data<float>(), R, K, k_eff, m.owned.data<float>());
   else if (as_f32)
-    bf16_to_f32_pad_kernel<<<grid, 256>>>(t.data<__nv_bfloat16>(), R, K, k_eff, m.owned.data<float>());
+    bf16_to_f32_pad_kernel<<<grid, 256, 0, stream()>>>(t.data<__nv_bfloat16>(), R, K, k_eff, m.owned.data<float>());
   else
     fail("gemm: unexpected bf16 padding");
   FOURBIT_LAUNCH_CHECK();
@@ -300,27 +471,172 @@ Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
 
 bool is_dense_f32(const Operand& op) { return op.dense() && op.dense()->dtype() == DType::F32; }
 
+// ---- native block-scaled GEMMs (Blackwell) --------------------------------------------------------
+// Where the GPU has FP4/FP8 block-scaled tensor cores (compute capability 10+) and cuBLASLt offers
+// an algorithm for the pair, NVFP4 x NVFP4 and MXFP8 x MXFP8 operands go to the GEMM packed: codes
+// as they are, block scales copied into cuBLASLt's tiled layout (ops/quant_layout.h), outer
+// scales applied afterwards as on the decode path. The products are exact either way and the sum
+// is FP32, so only the accumulation order differs from the BF16 path.
+// NOT RUN HERE: the H200s this project is tested on (sm_90) have no such tensor cores, so this
+// path has never executed; it only compiles. Every condition below falls back to the decode path.
+
+__global__ void swizzle_scales_kernel(const uint8_t* __restrict__ src, int64_t rows, int64_t blocks,
+                                      int64_t rows_padded, int64_t col_tiles, uint8_t* __restrict__ dst) {
+  const int64_t cols_padded = col_tiles * 4, total = rows_padded * cols_padded;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols_padded, c = i % cols_padded;
+    dst[cublaslt_scale_offset(r, c, col_tiles)] = r < rows && c < blocks ? src[r * blocks + c] : uint8_t(0);
+  }
+}
+
+Tensor swizzled_scales(const QTensor& q) {
+  const int64_t rows = q.total_rows(), blocks = q.blocks_per_row();
+  const int64_t rows_padded = (rows + 127) / 128 * 128, col_tiles = (blocks + 3) / 4;
+  Tensor out = Tensor::empty({rows_padded * col_tiles * 4}, DType::U8, Device::CUDA);
+  swizzle_scales_kernel<<<grid_for(out.numel(), 256), 256, 0, stream()>>>(
+      q.block_scales.data<uint8_t>(), rows, blocks, rows_padded, col_tiles, out.data<uint8_t>());
+  FOURBIT_LAUNCH_CHECK();
+  return out;
+}
+
+struct NativeType {
+  cudaDataType_t type;
+  int32_t scale_mode;
+};
+
+bool native_type(const QTensor& q, NativeType* t) {
+  switch (q.fmt) {
+    case Format::NVFP4: *t = {CUDA_R_4F_E2M1, CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3}; return true;
+    case Format::MXFP8_E4M3: *t = {CUDA_R_8F_E4M3, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0}; return true;
+    case Format::MXFP8_E5M2: *t = {CUDA_R_8F_E5M2, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0}; return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+bool native_block_scaled_gemm() {
+  static const bool yes = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major >= 10;
+  }();
+  return yes;
+}
+
+namespace {
+
+// One algorithm per M-free problem (as matmul_nt: chosen for a reference M, split-K off), or none.
+struct NativeAlgo {
+  bool found = false;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+void native_descs(LtDescs& d, const NativeType& ta, const NativeType& tb, int64_t M, int64_t N, int64_t K,
+                  int64_t lda, int64_t ldb) {
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // cuBLAS "A" is our B (op T), cuBLAS "B" is our A (op N): the K-major "TN" form FP4/FP8 need.
+  const cublasOperation_t t = CUBLAS_OP_T, n = CUBLAS_OP_N;
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof(t)));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &n, sizeof(n)));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &tb.scale_mode, sizeof(int32_t)));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &ta.scale_mode, sizeof(int32_t)));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, tb.type, K, N, ldb));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, ta.type, K, M, lda));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, CUDA_R_32F, N, M, N));
+}
+
+bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, int64_t M, int64_t N, float beta) {
+  NativeType ta{}, tb{};
+  if (!native_block_scaled_gemm() || !native_type(qa, &ta) || !native_type(qb, &tb)) return false;
+  if ((ta.type == CUDA_R_4F_E2M1) != (tb.type == CUDA_R_4F_E2M1)) return false;  // no FP4 x FP8
+  if (ta.type == CUDA_R_8F_E5M2 && tb.type == CUDA_R_8F_E5M2) return false;     // no E5M2 x E5M2
+  const int64_t K = qa.padded_cols();
+  if (qb.padded_cols() != K || K % 32 != 0) return false;
+  for (const QTensor* q : {&qa, &qb})
+    if (q->code_row_bytes() % 16 != 0 || reinterpret_cast<uintptr_t>(q->codes.raw()) % 16 != 0) return false;
+  const int64_t lda = K, ldb = K;  // in elements: rows of packed codes are contiguous
+
+  static std::mutex mu;
+  static std::map<std::tuple<int64_t, int64_t, int, int>, NativeAlgo> algos;
+  NativeAlgo na;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_tuple(N, K, int(ta.type), int(tb.type));
+    auto it = algos.find(key);
+    if (it == algos.end()) {
+      LtDescs d;
+      native_descs(d, ta, tb, 8192, N, K, lda, ldb);
+      cublasLtMatmulPreference_t pref;
+      FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+      size_t ws_bytes = 0;
+      cublas_workspace(&ws_bytes);
+      FOURBIT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)));
+      cublasLtMatmulHeuristicResult_t res{};
+      int found = 0;
+      const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), d.op, d.b, d.a, d.c, d.c, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      NativeAlgo entry;
+      if (st == CUBLAS_STATUS_SUCCESS && found > 0) {
+        entry.found = true;
+        entry.algo = res.algo;
+        const int32_t one = 1;
+        cublasLtMatmulAlgoConfigSetAttribute(&entry.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one, sizeof(one));
+      }
+      it = algos.emplace(key, entry).first;
+    }
+    na = it->second;
+  }
+  if (!na.found) return false;
+  LtDescs d;
+  native_descs(d, ta, tb, M, N, K, lda, ldb);
+  cublasLtMatmulHeuristicResult_t check{};
+  if (cublasLtMatmulAlgoCheck(cublaslt_handle(), d.op, d.b, d.a, d.c, d.c, &na.algo, &check) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  const Tensor sa = swizzled_scales(qa), sb = swizzled_scales(qb);
+  const void* a_scale = sb.raw();  // cuBLAS A is our B
+  const void* b_scale = sa.raw();
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)));
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)));
+  size_t ws_bytes = 0;
+  void* ws = cublas_workspace(&ws_bytes);
+  const float alpha = 1.0f;
+  FOURBIT_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), d.op, &alpha, qb.codes.raw(), d.b, qa.codes.raw(), d.a, &beta,
+                                      out, d.c, out, d.c, &na.algo, ws, ws_bytes, stream()));
+  return true;
+}
+
 }  // namespace
 
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   if (c.dtype() != DType::F32) fail("gemm: GPU output must be f32, got {}", c.str());
-  auto padded = [](const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); };
-  const int64_t k_eff = std::max(padded(a), padded(b));
-  // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
-  const bool f32 = is_dense_f32(a) || is_dense_f32(b);
-  const Materialized A = materialize(a, k_eff, f32);
-  const Materialized B = materialize(b, k_eff, f32);
   const int64_t M = a.rows(), N = b.rows();
-  const cudaDataType_t type = f32 ? CUDA_R_32F : CUDA_R_16BF;
-  if (!A.scale && !B.scale) {
-    matmul_nt(A.op, B.op, c.raw(), N, 0, M, N, k_eff, 1, type, 1.0f, accumulate ? 1.0f : 0.0f);
-    return;
+  const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
+  // With outer scales the sum goes to a temporary and the scales follow in the CPU's order.
+  const bool scaled = sa.ptr || sb.ptr;
+  Tensor tmp = scaled ? Tensor::empty({M, N}, DType::F32, Device::CUDA) : Tensor();
+  void* out = scaled ? tmp.raw() : c.raw();
+  const float beta = !scaled && accumulate ? 1.0f : 0.0f;
+  if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), out, M, N, beta))) {
+    auto padded = [](const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); };
+    const int64_t k_eff = std::max(padded(a), padded(b));
+    // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
+    const bool f32 = is_dense_f32(a) || is_dense_f32(b);
+    const Materialized A = materialize(a, k_eff, f32);
+    const Materialized B = materialize(b, k_eff, f32);
+    matmul_nt(A.op, B.op, out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, beta);
   }
-  Tensor tmp = Tensor::empty({M, N}, DType::F32, Device::CUDA);
-  matmul_nt(A.op, B.op, tmp.raw(), N, 0, M, N, k_eff, 1, type, 1.0f, 0.0f);
-  scale_epilogue_kernel<<<grid_for(M * N, 256), 256>>>(tmp.data<float>(), A.scale, A.scale_stride, B.scale,
-                                                       B.scale_stride, M, N, accumulate, c.data<float>());
-  FOURBIT_LAUNCH_CHECK();
+  if (scaled) {
+    const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(c.raw()) % 16 == 0;
+    const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(M, 8192)));
+    scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa.ptr, sa.stride, sb.ptr, sb.stride, M, N,
+                                                      accumulate, vec4, c.data<float>());
+    FOURBIT_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace fourbit::ops::cuda

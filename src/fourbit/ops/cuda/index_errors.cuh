@@ -70,7 +70,8 @@ inline IndexError* index_error_record() {
 
 // Clears the device record and fails with the CPU backend's message for `e` (e.set != 0).
 [[noreturn]] inline void raise_index_error(const IndexError& e) {
-  FOURBIT_CUDA_CHECK(cudaMemset(index_error_record(), 0, sizeof(IndexError)));
+  FOURBIT_CUDA_CHECK(cudaMemsetAsync(index_error_record(), 0, sizeof(IndexError), stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   const char* op = "?";
   const char* tensor = "?";
   const char* bound = "?";
@@ -102,7 +103,8 @@ inline IndexError* index_error_record() {
 // Synchronises (one small device-to-host copy) and fails if any kernel recorded a bad index.
 inline void check_index_errors() {
   IndexError e{};
-  FOURBIT_CUDA_CHECK(cudaMemcpy(&e, index_error_record(), sizeof e, cudaMemcpyDeviceToHost));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&e, index_error_record(), sizeof e, cudaMemcpyDeviceToHost, stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   if (e.set) raise_index_error(e);
 }
 

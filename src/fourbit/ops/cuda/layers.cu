@@ -453,7 +453,7 @@ void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, co
   const int64_t half = hd / 2, items = N * H * ((half + 3) / 4);
   if (items == 0) return;
   const bool vec = half % 4 == 0 && aligned16(x.raw()) && aligned16(table.raw());
-  rope_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+  rope_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       x.data<float>(), positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
       sign, vec, site, index_error_record());
   FOURBIT_LAUNCH_CHECK();
@@ -470,7 +470,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   expect_dims(op, "out", out, DType::F32, {N, D}, "[N, D]");
   if (N == 0) return;
   const bool vec = D % 4 == 0 && aligned16(table.raw()) && aligned16(out.raw());
-  embedding_forward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+  embedding_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       tokens.data<int32_t>(), table.data<float>(), out.data<float>(), N, V, D, vec,
       index_error_record());
   FOURBIT_LAUNCH_CHECK();
@@ -495,12 +495,12 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
   if (groups > 0) {
     const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(dtable.raw());
     const dim3 small_grid(grid_for(V, 1, 2048), unsigned((groups + kColThreads - 1) / kColThreads));
-    embedding_backward_small_kernel<<<small_grid, kColThreads>>>(
+    embedding_backward_small_kernel<<<small_grid, kColThreads, 0, stream()>>>(
         dout.data<float>(), order.data<int32_t>(), start.data<int32_t>(), dtable.data<float>(), V,
         D, vec);
     FOURBIT_LAUNCH_CHECK();
     const dim3 big_grid(grid_for(V, kBigBucketWarps * 32, 64), unsigned((D + 127) / 128));
-    embedding_backward_big_kernel<<<big_grid, kBigBucketWarps * 32>>>(
+    embedding_backward_big_kernel<<<big_grid, kBigBucketWarps * 32, 0, stream()>>>(
         dout.data<float>(), order.data<int32_t>(), start.data<int32_t>(), dtable.data<float>(), V,
         D, vec);
     FOURBIT_LAUNCH_CHECK();
@@ -519,7 +519,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   if (N == 0) return;
   const bool vec =
       D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && aligned16(y.raw());
-  rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+  rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(), N, D,
       vec);
   FOURBIT_LAUNCH_CHECK();
@@ -538,7 +538,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   if (N == 0 || D == 0) return;  // dw += an empty sum
   const bool vec = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw()) &&
                    aligned16(w.raw()) && aligned16(dx.raw());
-  rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads>>>(
+  rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
       D, vec);
   FOURBIT_LAUNCH_CHECK();
@@ -551,11 +551,11 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   const int64_t groups = (D + 3) / 4;
   const dim3 grid(unsigned((groups + kColThreads - 1) / kColThreads), unsigned(chunks));
   const bool vec_dw = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw());
-  rmsnorm_dw_partials_kernel<<<grid, kColThreads>>>(dy.data<float>(), x.data<float>(),
+  rmsnorm_dw_partials_kernel<<<grid, kColThreads, 0, stream()>>>(dy.data<float>(), x.data<float>(),
                                                     rstd.data<float>(), N, D, rows_per_chunk,
                                                     vec_dw, partial.data<double>());
   FOURBIT_LAUNCH_CHECK();
-  rmsnorm_dw_finish_kernel<<<unsigned((D + kEltThreads - 1) / kEltThreads), kEltThreads>>>(
+  rmsnorm_dw_finish_kernel<<<unsigned((D + kEltThreads - 1) / kEltThreads), kEltThreads, 0, stream()>>>(
       partial.data<double>(), chunks, D, dw.data<float>());
   FOURBIT_LAUNCH_CHECK();
 }
@@ -576,7 +576,7 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const int64_t n = h1.numel();
   if (n == 0) return;
   const bool vec = aligned16(h1.raw()) && aligned16(h3.raw()) && aligned16(a.raw());
-  swiglu_forward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads>>>(
+  swiglu_forward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads, 0, stream()>>>(
       h1.data<float>(), h3.data<float>(), a.data<float>(), n, vec);
   FOURBIT_LAUNCH_CHECK();
 }
@@ -593,7 +593,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   if (n == 0) return;
   const bool vec = aligned16(da.raw()) && aligned16(h1.raw()) && aligned16(h3.raw()) &&
                    aligned16(dh1.raw()) && aligned16(dh3.raw());
-  swiglu_backward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads>>>(
+  swiglu_backward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads, 0, stream()>>>(
       da.data<float>(), h1.data<float>(), h3.data<float>(), dh1.data<float>(), dh3.data<float>(),
       n, vec);
   FOURBIT_LAUNCH_CHECK();
@@ -612,7 +612,7 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   if (N == 0) return;
   const bool vec = V % 4 == 0 && aligned16(logits.raw()) &&
                    (!want_grad || aligned16(dlogits->raw()));
-  cross_entropy_kernel<<<grid_for(N, 1), kXentThreads>>>(
+  cross_entropy_kernel<<<grid_for(N, 1), kXentThreads, 0, stream()>>>(
       logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
       want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
       index_error_record());

@@ -333,16 +333,16 @@ void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t
   const unsigned grid = warp_row_grid(M);
   IndexError* err = index_error_record();
   if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))
-    gather_rows_kernel<uint4><<<grid, kRowThreads>>>(static_cast<const uint4*>(x), token_of_slot,
+    gather_rows_kernel<uint4><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint4*>(x), token_of_slot,
                                                      static_cast<uint4*>(out), M, N,
                                                      row_bytes / 16, err);
   else if (row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 &&
            reinterpret_cast<uintptr_t>(out) % 4 == 0)
-    gather_rows_kernel<uint32_t><<<grid, kRowThreads>>>(static_cast<const uint32_t*>(x),
+    gather_rows_kernel<uint32_t><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint32_t*>(x),
                                                         token_of_slot, static_cast<uint32_t*>(out),
                                                         M, N, row_bytes / 4, err);
   else
-    gather_rows_kernel<uint8_t><<<grid, kRowThreads>>>(static_cast<const uint8_t*>(x),
+    gather_rows_kernel<uint8_t><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint8_t*>(x),
                                                        token_of_slot, static_cast<uint8_t*>(out),
                                                        M, N, row_bytes, err);
   FOURBIT_LAUNCH_CHECK();
@@ -474,7 +474,7 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
   FOURBIT_CHECK(n >= 0 && n < (int64_t(1) << 31) && buckets >= 1 && buckets < (int64_t(1) << 31),
                 "stable_bucket_sort: n={} keys into {} buckets", n, buckets);
   if (n == 0) {
-    FOURBIT_CUDA_CHECK(cudaMemsetAsync(bucket_start, 0, size_t(buckets + 1) * sizeof(int32_t), 0));
+    FOURBIT_CUDA_CHECK(cudaMemsetAsync(bucket_start, 0, size_t(buckets + 1) * sizeof(int32_t), stream()));
     return;
   }
   FOURBIT_CHECK(divisor >= 1, "stable_bucket_sort: divisor {}", divisor);
@@ -489,15 +489,15 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
   int32_t* t = table.data<int32_t>();
   int32_t* totals = t + chunks * buckets;
   const unsigned grid = unsigned((chunks + kSortWarps - 1) / kSortWarps);
-  bucket_count_kernel<<<grid, kSortWarps * 32>>>(keys, n, buckets, chunk_len, chunks, t, site,
+  bucket_count_kernel<<<grid, kSortWarps * 32, 0, stream()>>>(keys, n, buckets, chunk_len, chunks, t, site,
                                                  key_cols, index_error_record());
   FOURBIT_LAUNCH_CHECK();
-  bucket_chunk_prefix_kernel<<<grid_for(buckets, kPrefixThreads), kPrefixThreads>>>(
+  bucket_chunk_prefix_kernel<<<grid_for(buckets, kPrefixThreads), kPrefixThreads, 0, stream()>>>(
       t, buckets, chunks, totals);
   FOURBIT_LAUNCH_CHECK();
-  bucket_offsets_kernel<<<1, kScanThreads>>>(totals, buckets, bucket_start);
+  bucket_offsets_kernel<<<1, kScanThreads, 0, stream()>>>(totals, buckets, bucket_start);
   FOURBIT_LAUNCH_CHECK();
-  bucket_scatter_kernel<<<grid, kSortWarps * 32>>>(keys, n, buckets, chunk_len, chunks, t,
+  bucket_scatter_kernel<<<grid, kSortWarps * 32, 0, stream()>>>(keys, n, buckets, chunk_len, chunks, t,
                                                    bucket_start, divisor, order_out, pos_out);
   FOURBIT_LAUNCH_CHECK();
 }
@@ -512,7 +512,7 @@ void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_id
   expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
   expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
   if (N == 0) return;
-  router_topk_kernel<<<warp_row_grid(N), kRowThreads>>>(
+  router_topk_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       logits.data<float>(), k, probs.data<float>(), topk_idx.data<int32_t>(),
       topk_w.data<float>(), N, E);
   FOURBIT_LAUNCH_CHECK();
@@ -534,7 +534,7 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   if (d_probs.defined()) expect_dims(op, "d_probs", d_probs, DType::F32, {N, E}, "[N, E]");
   expect_dims(op, "d_logits", d_logits, DType::F32, {N, E}, "[N, E]");
   if (N == 0) return;
-  router_backward_kernel<<<warp_row_grid(N), kRowThreads>>>(
+  router_backward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
       d_topk_w.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
       d_logits.data<float>(), N, E, k, index_error_record());
@@ -565,9 +565,10 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
                      int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
                      plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev));
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
-                                     cudaMemcpyDeviceToDevice, 0));
+                                     cudaMemcpyDeviceToDevice, stream()));
   std::vector<char> host(bytes);
-  FOURBIT_CUDA_CHECK(cudaMemcpy(host.data(), dev, bytes, cudaMemcpyDeviceToHost));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(host.data(), dev, bytes, cudaMemcpyDeviceToHost, stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   IndexError err;
   std::memcpy(&err, host.data() + start_bytes, sizeof err);
   if (err.set) raise_index_error(err);  // this op's expert ids, or an earlier op's indices
@@ -634,7 +635,7 @@ void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& 
   const int64_t items = N * ((D + 3) / 4);
   if (items == 0) return;
   const bool vec = D % 4 == 0 && aligned16(dx_perm.raw()) && aligned16(dx.raw());
-  gather_rows_backward_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+  gather_rows_backward_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       dx_perm.data<float>(), slot_of.data<int32_t>(), dx.data<float>(), N, M, k, D, vec,
       index_error_record());
   FOURBIT_LAUNCH_CHECK();
@@ -648,7 +649,7 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
   const int64_t items = N * ((D + 3) / 4);
   if (items == 0) return;
   const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw());
-  moe_combine_kernel<<<grid_for(items, kEltThreads), kEltThreads>>>(
+  moe_combine_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k,
       D, vec, index_error_record());
   FOURBIT_LAUNCH_CHECK();
@@ -667,7 +668,7 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
   const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) &&
                    aligned16(dy_perm.raw());
-  moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads>>>(
+  moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
       dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
       dy_perm.data<float>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
       index_error_record());

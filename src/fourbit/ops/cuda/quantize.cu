@@ -1,38 +1,58 @@
 // defines: cuda::quantize, cuda::dequantize, cuda::requantize_transposed, cuda::take_nonfinite_flag
 // The GPU quantizers. Every value goes through the same numerics/ functions as the CPU loops of
 // ops/cpu/quantize.cpp (max_abs_finite, rht_forward/rht_inverse, nvfp4_s_enc/s_dec,
-// nvfp4_quantize_block, mxfp8_quantize_block, s2f6_quantize_block and the decoders), with the
-// same arguments (block amax, n, SR counter = storage_row * padded_cols + col), so the bytes
-// equal the CPU's by construction. The kernels only decide who computes what and how data moves.
+// nvfp4_quantize_block, mxfp8_quantize_block, s2f6_quantize_block and the decoders), or through
+// their register-resident equivalents in numerics/fast_quant.h (proven equal to them by
+// tests/numerics/fast_quant_test.cpp), with the same arguments (block amax, n, SR counter =
+// storage_row * padded_cols + col), so the bytes equal the CPU's by construction. The kernels
+// only decide who computes what and how data moves.
 //
-// Shapes (256 threads a CTA, default stream):
-//  - quantize_tile_kernel: one CTA per storage tile (trows x tcols, tcols a multiple of the
-//    block) staged in shared memory. Blocks are stored B+1 floats apart, so "one thread owns a
-//    block" reads (the numerics read a block in element order) hit 32 different banks.
+// Shapes (on stream()):
+//  - nvfp4_row_fast_kernel (NVFP4, Row axis, per-row (per-token) outer scale, RNE with or
+//    without Four Over Six, no RHT, no 16x16 tiles, rows of at most kFusedMaxCols padded
+//    columns, float4-loadable input: the activations; persistent CTAs, the next rows' loads in
+//    flight while the current ones are computed) and mxfp8_row_fast_kernel (MXFP8, Row axis, no
+//    RHT, RNE or SR, float4-loadable input): register-resident, one pass; a warp loads runs of
+//    32 blocks with coalesced 16-byte loads, each lane then owns one block of each run and
+//    quantizes it with fast_quant.h (see the section comment).
+//  - quantize_tile_kernel (everything else; 256 threads a CTA): one CTA per storage tile (trows
+//    x tcols, tcols a multiple of the block) staged in shared memory. Blocks are stored B+1
+//    floats apart, so "one thread owns a block" reads (the numerics read a block in element
+//    order) hit 32 different banks.
 //    Row axis: rows read with float4. Col axis: the logical [tcols x trows] patch is read along
 //    the contiguous dimension and written transposed into the tile (no transposed copy in
 //    global memory). Phase A: a thread per block counts its non-finite inputs, rotates it
 //    (RHT) in place and takes its amax. Phase A2: 16x16 tile amax, per-row S_enc. Phase B: a
 //    thread per block quantizes and stores codes and scale.
-//  - NVFP4 with per-row (per-token) scales on the Row axis: tiles are whole rows, the row amax
-//    is reduced in shared memory, the input is read once ("fused").
+//  - NVFP4 per-row scales the fast kernel does not take (SR, RHT, unaligned or wider rows) on
+//    the Row axis: tiles are whole rows, the row amax is reduced in shared memory, the input is
+//    read once ("fused").
 //  - Other NVFP4 outer scales: an amax pre-pass (amax_segments_kernel over contiguous groups,
 //    or quantize_tile_kernel in amax mode behind an RHT or for column groups), then
 //    outer_scale_kernel, then the tile kernel (two reads of the input are unavoidable).
 //  - requantize_transposed_kernel: NVFP4 tile -> exact decode into shared memory, transposed ->
-//    MXFP8 E4M3 RCEIL + SR blocks along the old rows, in one kernel.
+//    MXFP8 E4M3 RCEIL + SR blocks along the old rows with fast_quant.h, in one kernel.
 //  - dequant_tile_kernel: decode a storage tile into shared memory, undo the RHT, write the
 //    logical layout with coalesced (float4) stores.
-// Where the time goes (ncu on an H200, 8192 x 8192): the quantizers are instruction-bound, not
-// memory-bound: ~80% of issue slots busy, DRAM at 12-28%, about 90 (NVFP4 RNE, MXFP8 RNE) to
-// 200 (NVFP4 Four Over Six) instructions per element, most of them inside the scalar codecs
-// (minifloat_encode's integer rounding, Philox for SR). Faster kernels need faster numerics/.
+// Where the time goes. The tile kernels with the generic numerics are instruction-bound (ncu on
+// an H200, 8192 x 8192: ~80% of issue slots busy, DRAM at 12-28%): about 90 (NVFP4 RNE, MXFP8
+// RNE) to 200 (NVFP4 Four Over Six) instructions per element, most of them in minifloat_encode's
+// integer rounding and in Philox. A quantizer at 75% of a device copy's rate on float32 input has
+// ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
+// elements/s). The fast paths spend, counted in PTX (ptxas fuses some into LOP3/LEA/IMAD.WIDE,
+// so SASS is a little lower): NVFP4 per-token RNE ~15 per element, Four Over Six ~36 (two
+// candidates' rounding by float adds, 5 float ops each for the error sums), MXFP8 RNE ~6
+// (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70 operations a call shared by
+// 4 elements, with 32-bit multiply-high), requantize_transposed ~45 (decode ~10 + SR; its bound
+// is ~18, see the kernel). Not measured on a GPU when written: re-run bench/gpu_quant.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 
+#include "fourbit/numerics/fast_quant.h"
 #include "fourbit/numerics/formats.h"
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/ops/cuda/common.cuh"
@@ -430,6 +450,342 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantPara
   }
 }
 
+// ---- register-resident fast paths: Row axis, no RHT ------------------------------------------------
+//
+// Shape (both kernels): a warp takes runs of 32 consecutive blocks of one storage row, and lane l
+// ends up owning block l of each run in registers, quantizing it alone with the
+// numerics/fast_quant.h functions (proven equal to the generic block quantizers). A run is read
+// with coalesced 16-byte loads, lane l taking float4s l, l + 32, ... (MXFP8: every load of the
+// thread issued before the first is used; NVFP4: cp.async copies of the next row group, issued
+// before the current one is computed), and handed over through a per-warp shared buffer (2 KB a
+// run for NVFP4, 4 KB for MXFP8) whose chunk order is XOR-swizzled, so that both the coalesced
+// stores and the block-owning reads are free of bank conflicts. Codes leave as one 8-byte (NVFP4)
+// or two 16-byte (MXFP8) stores per lane: a warp writes a contiguous run. A block holding a NaN or
+// an Inf (found by a NaN-propagating max, one instruction per element) takes the generic numerics
+// on a local copy, and is counted as the tile kernel counts it. Inputs must be float4-loadable
+// (cols % 4 == 0, 16-byte aligned); padding past cols is loaded as zeros, as in the tile kernel.
+
+constexpr int kWarps = kThreads / 32;
+constexpr int kFastRunBlocks = 32;      // blocks per warp run: one per lane
+constexpr int kNvfp4FastMaxWarps = 16;  // per CTA: one row of up to 16384 columns
+
+struct FastRowParams {
+  const float* x;          // storage rows [rows, cols], contiguous
+  int64_t rows, cols, padded_cols, nb;
+  uint8_t* codes;          // [rows, code_row_bytes]
+  uint8_t* scales;         // [rows, nb]
+  float* outer;            // NVFP4: S_dec per row (written here)
+  int team_warps;          // NVFP4: warps sharing one row (and its amax)
+  int64_t runs_per_row;    // MXFP8: warps per row (one run each)
+  num::MxScaleRule mx_rule;
+  uint64_t seed, stream;
+  bool report;
+};
+
+// Chunk c (a float4) of block b of a run lives at float B * b + 4 * (c ^ stage_swizzle(b)): a
+// quarter-warp's eight 16-byte accesses then fall on eight different 4-bank groups, both when
+// consecutive lanes store consecutive chunks and when each lane reads chunk c of its own block.
+template <int B>
+__device__ __forceinline__ int stage_swizzle(int b) {
+  return B == 16 ? (b >> 1) & 3 : b & 7;
+}
+
+// Loads the run starting at column col0 of `row`: float4 j of lane l is float4 l + 32 j of the run.
+template <int B>
+__device__ __forceinline__ void load_run(const float* row, int64_t cols, int64_t col0, bool live,
+                                         float4 (&raw)[B / 4]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < B / 4; ++j) {
+    const int64_t col = col0 + 4 * (lane + 32 * j);
+    raw[j] = live && col < cols ? __ldg(reinterpret_cast<const float4*>(row + col))
+                                : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// The B values of block `lane` of a run in the warp's shared buffer.
+template <int B>
+__device__ __forceinline__ void read_run(const float* buf, float (&v)[B]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = 0; c < B / 4; ++c) {
+    const float4 f = *reinterpret_cast<const float4*>(buf + B * lane + 4 * (c ^ stage_swizzle<B>(lane)));
+    v[4 * c] = f.x;
+    v[4 * c + 1] = f.y;
+    v[4 * c + 2] = f.z;
+    v[4 * c + 3] = f.w;
+  }
+}
+
+// Passes a loaded run through the warp's shared buffer: v = the B values of block `lane`.
+template <int B>
+__device__ __forceinline__ void stage_run(float* buf, const float4 (&raw)[B / 4], float (&v)[B]) {
+  constexpr int kChunks = B / 4;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int b = lane / kChunks + j * (32 / kChunks), c = lane % kChunks;
+    *reinterpret_cast<float4*>(buf + B * b + 4 * (c ^ stage_swizzle<B>(b))) = raw[j];
+  }
+  __syncwarp();
+  read_run<B>(buf, v);
+  __syncwarp();  // the buffer is reused by the next run
+}
+
+// max_abs_finite over a block, with its non-finite values counted (the rare path).
+template <int B>
+__device__ __forceinline__ float finite_amax_counting(const float (&v)[B], unsigned& nonfinite) {
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < B; ++i) {
+    a = num::max_abs_finite(a, v[i]);
+    nonfinite += num::is_finite_bits(v[i]) ? 0u : 1u;
+  }
+  return a;
+}
+
+// Four codes of an MXFP8 block under SR as one word: y[i] = bits of x[i] * x_scale (exact where
+// it matters, see Mxfp8Sr; x's sign kept, so the block's inputs need not stay live), r the Philox
+// words of counters 4g .. 4g + 3.
+template <int kExpBits, bool kWide>
+__device__ __forceinline__ uint32_t mxfp8_sr_word(const uint32_t (&y)[32], int g,
+                                                  const num::Philox4x32& r) {
+  using Sr = num::Mxfp8Sr<kExpBits>;
+  uint32_t word = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const uint32_t u = y[4 * g + e] & 0x7fffffffu;
+    const uint32_t code = kWide ? Sr::code_wide(u, r.v[e]) : Sr::code_normal(u, r.v[e]);
+    word |= (code | ((y[4 * g + e] >> 24) & 0x80u)) << (8 * e);
+  }
+  return word;
+}
+
+// The 32 codes of an MXFP8 block under SR, as 8 words, one Philox call per 4 codes (fast_quant.h:
+// the words and codes of random_bits4 and mxfp8_encode with SR). The common form serves values
+// that are zero or normal in the target; a group of four holding a value below (rare: about one
+// Gaussian value in 10^4) takes the general form, in a branch that costs nothing otherwise.
+template <int kExpBits>
+__device__ __forceinline__ void mxfp8_sr_block(const float (&v)[32], float x_scale,
+                                               const num::PhiloxKeys& keys, uint64_t stream,
+                                               uint64_t index0, uint32_t (&w)[8]) {
+  uint32_t y[32], wide = 0;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    y[i] = num::bits_of(num::mul_rn(v[i], x_scale));
+    wide |= uint32_t(num::Mxfp8Sr<kExpBits>::needs_wide(y[i] & 0x7fffffffu)) << i;
+  }
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    const num::Philox4x32 r = num::random_bits4_fast(keys, stream, index0 / 4 + uint64_t(g));
+    if (__builtin_expect(((wide >> (4 * g)) & 0xfu) != 0, 0))
+      w[g] = mxfp8_sr_word<kExpBits, true>(y, g, r);
+    else
+      w[g] = mxfp8_sr_word<kExpBits, false>(y, g, r);
+  }
+}
+
+// Asynchronous 16-byte copies global -> shared (sm_80+), which keep the next row's loads in flight
+// while the current row is computed, without holding registers. src_bytes 0 fills zeros.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
+  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+// load_run + the stores of stage_run in one: the loads go straight into the swizzled shared buffer
+// (same layout and lane assignment, columns past cols zero-filled); read_run then takes them out.
+template <int B>
+__device__ __forceinline__ void prefetch_run(float* buf, const float* row, int64_t cols, int64_t col0,
+                                             bool live) {
+  constexpr int kChunks = B / 4;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int b = lane / kChunks + j * (32 / kChunks), c = lane % kChunks;
+    const int64_t col = col0 + 4 * (lane + 32 * j);
+    const bool in = live && col < cols;
+    cp_async16(buf + B * b + 4 * (c ^ stage_swizzle<B>(b)), in ? row + col : row, in ? 16 : 0);
+  }
+}
+
+// NVFP4, per-row (per-token) outer scale, RNE, with or without Four Over Six: one pass over the
+// input. A team of team_warps warps holds one row (kRuns runs of 32 blocks per warp, so up to
+// 16 x 2 x 32 blocks = 16384 columns); the row amax is a warp max plus, for teams of several
+// warps, a shared-memory max. A CTA holds one row or several (a row group; at most 512 threads)
+// and is persistent: it loops over row groups g = blockIdx.x, + gridDim.x, ..., and while it
+// quantizes group g the cp.async copies of group g + gridDim.x are in flight into the other half
+// of a double-buffered shared stage (the team max's __syncthreads keeps a CTA's warps in step,
+// so without this a CTA would alternate between waiting on memory and computing).
+// Instructions per element (PTX): ~15 for RNE, ~36 for Four Over Six, against the ~45 a
+// 75%-of-copy rate allows (the tile kernel's generic numerics: 90-200).
+template <int kRuns, bool kFos, num::ScaleMetric kMetric>
+__global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
+    nvfp4_row_fast_kernel(const FastRowParams p) {
+  constexpr int B = num::kNvfp4Block;
+  constexpr int kWarpFloats = kRuns * kFastRunBlocks * B;  // one warp's runs
+  extern __shared__ __align__(16) float stage[];            // [2][warps][kWarpFloats]
+  __shared__ uint32_t team_amax[2][kNvfp4FastMaxWarps];
+  const int warps = int(blockDim.x) / 32;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int tw = p.team_warps, wt = warp % tw;  // team size, warp within the team
+  const int rows_per_cta = warps / tw;
+  const int64_t groups = (p.rows + rows_per_cta - 1) / rows_per_cta;
+  const int64_t blk0 = int64_t(wt) * kRuns * kFastRunBlocks;  // first block of the warp's runs
+  // This warp's part of stage half it & 1; prefetch(g, b) starts the copies of group g into b.
+  auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
+  auto prefetch = [&](int64_t g, float* b) {
+    const int64_t row = g * rows_per_cta + warp / tw;
+    const bool live = row < p.rows;
+    const float* xrow = p.x + (live ? row : 0) * p.cols;
+#pragma unroll
+    for (int k = 0; k < kRuns; ++k)
+      prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, p.cols, (blk0 + k * kFastRunBlocks) * B, live);
+  };
+
+  unsigned values = 0, nonfinite = 0, blocks = 0, chose_four = 0;
+  int64_t g = blockIdx.x;
+  if (g < groups) prefetch(g, half(0));
+  cp_async_commit();
+  for (int it = 0; g < groups; ++it, g += gridDim.x) {  // uniform over the CTA
+    __syncwarp();  // every lane has read the half the next prefetch overwrites
+    if (g + gridDim.x < groups) prefetch(g + gridDim.x, half(it + 1));
+    cp_async_commit();
+    cp_async_wait_all_but_newest();
+    __syncwarp();  // the whole warp's copies of group g have landed
+    float v[kRuns][B];
+#pragma unroll
+    for (int k = 0; k < kRuns; ++k) read_run<B>(half(it) + k * kFastRunBlocks * B, v[k]);
+    const int64_t row = g * rows_per_cta + warp / tw;
+    const bool live = row < p.rows;
+
+    // Block amaxes (max_abs_finite), non-finite counts, the row amax (bits: order-free, exact).
+    float amax[kRuns];
+    unsigned nonfinite_blocks = 0;
+    uint32_t row_amax = 0;
+#pragma unroll
+    for (int k = 0; k < kRuns; ++k) {
+      float a = 0.0f;
+#pragma unroll
+      for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[k][i]);
+      if (!num::is_finite_bits(a)) {
+        a = finite_amax_counting(v[k], nonfinite);
+        nonfinite_blocks |= 1u << k;
+      }
+      amax[k] = a;
+      row_amax = max(row_amax, num::bits_of(a));
+    }
+    row_amax = __reduce_max_sync(0xffffffffu, row_amax);
+    if (tw > 1) {  // uniform over the CTA; the two halves alternate so no warp overwrites a max
+      if (lane == 0) team_amax[it & 1][warp] = row_amax;  // another warp still has to read
+      __syncthreads();
+      for (int w = warp - wt; w < warp - wt + tw; ++w) row_amax = max(row_amax, team_amax[it & 1][w]);
+    }
+    const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
+    const float s_dec = num::nvfp4_s_dec(s_enc);
+    if (live && wt == 0 && lane == 0) p.outer[row] = s_dec;
+
+#pragma unroll
+    for (int k = 0; k < kRuns; ++k) {
+      const int64_t blk = blk0 + k * kFastRunBlocks + lane;
+      if (!live || blk >= p.nb) continue;
+      const int n = int(min64(B, p.cols - blk * B));
+      num::Nvfp4Block out;
+      if (!((nonfinite_blocks >> k) & 1u)) {
+        out = num::nvfp4_quantize_block_fast<kFos, kMetric>(v[k], amax[k], s_enc, s_dec);
+      } else {
+        float copy[B];
+#pragma unroll
+        for (int i = 0; i < B; ++i) copy[i] = v[k][i];
+        out = num::nvfp4_quantize_block(copy, n, amax[k], s_enc, s_dec, kFos, kMetric,
+                                        num::Rounding::RNE, 0, 0, 0);
+      }
+      *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
+      p.scales[row * p.nb + blk] = out.scale;
+      values += unsigned(n);
+      blocks += 1u;
+      chose_four += out.chose_four ? 1u : 0u;
+    }
+  }
+  flush_counts(p.report, values, nonfinite, blocks, chose_four);
+}
+
+// MXFP8 (E4M3 or E5M2; RCEIL or floor scales), RNE or SR: one warp per run of 32 blocks. RNE
+// converts pairs in hardware (cvt.rn.satfinite.e4m3x2 / e5m2x2, as mxfp8_encode does); SR spends
+// one Philox-4x32-10 call on four consecutive counters (counter = padded storage index, as the
+// generic block quantizer draws them). Instructions per element (PTX): ~6 for RNE, ~35 for SR
+// (~18 of them Philox), against the ~50 a 75%-of-copy rate allows.
+template <int kExpBits, bool kSR>
+__global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastRowParams p) {
+  constexpr int B = num::kMxBlock;
+  __shared__ __align__(16) float stage[kWarps][kFastRunBlocks * B];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t gw = int64_t(blockIdx.x) * kWarps + warp;
+  const int64_t row = gw / p.runs_per_row, run = gw % p.runs_per_row;
+  const bool live = row < p.rows;
+  const float* xrow = p.x + (live ? row : 0) * p.cols;
+
+  float4 raw[B / 4];
+  load_run<B>(xrow, p.cols, run * kFastRunBlocks * B, live, raw);
+  float v[B];
+  stage_run<B>(stage[warp], raw, v);
+
+  const int64_t blk = run * kFastRunBlocks + lane;
+  unsigned values = 0, nonfinite = 0, blocks = 0;
+  if (live && blk < p.nb) {
+    const num::MiniFloatSpec elem = kExpBits == 4 ? num::e4m3_spec() : num::e5m2_spec();
+    const int64_t col = blk * B;
+    const int n = int(min64(B, p.cols - col));
+    const uint64_t index0 = uint64_t(row * p.padded_cols + col);  // padded storage index (SR)
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[i]);
+    uint32_t w[B / 4];  // the 32 code bytes
+    uint8_t scale;
+    if (num::is_finite_bits(a)) {
+      scale = num::mxfp8_scale(a, elem, p.mx_rule);
+      const float x_scale = num::pow2f(127 - int(scale));
+      if constexpr (kSR) {
+        mxfp8_sr_block<kExpBits>(v, x_scale, num::philox_keys(p.seed), p.stream, index0, w);
+      } else {
+#pragma unroll
+        for (int g = 0; g < B / 4; ++g)
+          w[g] = num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g], v[4 * g + 1], scale, x_scale) |
+                 (num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g + 2], v[4 * g + 3], scale, x_scale) << 16);
+      }
+    } else {  // a NaN or Inf in the block: the generic quantizer on a copy
+      a = finite_amax_counting(v, nonfinite);
+      float copy[B];
+      uint8_t c[B];
+#pragma unroll
+      for (int i = 0; i < B; ++i) {
+        copy[i] = v[i];
+        c[i] = 0;  // codes past n stay 0
+      }
+      scale = num::mxfp8_quantize_block(copy, n, a, elem, p.mx_rule,
+                                        kSR ? num::Rounding::SR : num::Rounding::RNE, p.seed, p.stream,
+                                        index0, c);
+#pragma unroll
+      for (int g = 0; g < B / 4; ++g)
+        w[g] = uint32_t(c[4 * g]) | uint32_t(c[4 * g + 1]) << 8 | uint32_t(c[4 * g + 2]) << 16 |
+               uint32_t(c[4 * g + 3]) << 24;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(p.codes + row * p.padded_cols + col);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    p.scales[row * p.nb + blk] = scale;
+    values = unsigned(n);
+    blocks = 1u;
+  }
+  flush_counts(p.report, values, nonfinite, blocks, 0u);
+}
+
 // ---- outer-scale pre-pass -----------------------------------------------------------------------
 
 // amax over contiguous segments of x (a tensor, a slice or a row): one CTA per chunk of a
@@ -606,15 +962,32 @@ __global__ void __launch_bounds__(kThreads) dequant_tile_kernel(const DequantPar
 }
 
 // ---- NVFP4 -> MXFP8 E4M3 (transposed), one kernel -----------------------------------------------
-
-// A tile is kReqRows input storage rows (old rows: 4 output blocks of 32) x kReqCols input
-// storage cols (4 NVFP4 blocks: 64 output storage rows).
-constexpr int kReqRows = 128;
-constexpr int kReqCols = 64;
-constexpr int kReqRs = (kReqRows / num::kMxBlock) * (num::kMxBlock + 1) + 1;  // 133: odd
+//
+// Shape: a CTA takes a tile of kReqRows input storage rows (old rows: 8 output blocks of 32) x
+// kReqCols input storage cols (2 NVFP4 blocks; 32 output storage rows). Phase 1: thread t decodes
+// old row t's two blocks (16 code bytes, one load) exactly (fl(fl(E2M1 * E4M3) * S_dec), as
+// nvfp4_dequant) and writes the 32 values down a tile column: the 32 lanes of a warp write 32
+// consecutive old rows, one bank each. Phase 2: thread t owns output block t % 8 of output row
+// t / 8, reads its 32 values with eight 16-byte shared loads (blocks kReqBlockStride floats apart:
+// conflict-free), and quantizes them with RCEIL scales and elementwise SR (fast_quant.h), one
+// Philox-4x32-10 call per four consecutive counters. A warp writes four output rows of 256
+// contiguous code bytes.
+//
+// Why this cannot reach 75% of a copy's bandwidth: the kernel moves only ~1.6 bytes per element
+// (0.56 in, 1.03 out), so 75% of an H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12
+// thread-instructions/s leaves ~18 instructions per element. Philox alone costs ~18 (PTX; at
+// least 10 in SASS: a call is 10 rounds of two 32x32 -> 64-bit products and two 3-way XORs, and
+// serves 4 elements), the SR encode ~12, the exact decode ~10, amax, scale, packing and the
+// shared-memory transpose ~4: 35-45 per element, so the ceiling is roughly 0.3-0.4 of the copy's
+// rate (it was ~0.08 with the generic numerics, ~200 instructions per element).
+constexpr int kReqRows = 256;
+constexpr int kReqCols = 32;
+constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
+constexpr int kReqRs = (kReqRows / num::kMxBlock) * kReqBlockStride;  // 288 floats per output row
 
 struct RequantParams {
   DecodeArgs dec;           // the NVFP4 input (storage [S * rows, cols])
+  bool vec16;               // two blocks (16 code bytes) of a tile row load as one uint4
   int64_t in_cols;          // input storage cols (unpadded) = output storage rows per slice
   int64_t row_tiles, col_tiles;
   uint8_t* codes;           // output storage [S * in_cols, out_padded_cols]
@@ -623,15 +996,10 @@ struct RequantParams {
   uint64_t seed, stream;
 };
 
-size_t requant_smem_bytes() {
-  return sizeof(float) * size_t(kReqCols) * kReqRs + size_t(kThreads) * kStageBytes;
-}
-
-__global__ void __launch_bounds__(kThreads) requantize_transposed_kernel(const RequantParams p) {
+__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p) {
   constexpr int B = num::kMxBlock;
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* tile = reinterpret_cast<float*>(smem);  // [kReqCols][kReqRs]: output-row major
-  uint8_t* stage = smem + sizeof(float) * kReqCols * kReqRs + threadIdx.x * kStageBytes;
+  static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
+  __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
 
   int64_t t = blockIdx.x;
   const int64_t ct = t % p.col_tiles;
@@ -641,60 +1009,96 @@ __global__ void __launch_bounds__(kThreads) requantize_transposed_kernel(const R
   const int64_t j0 = ct * kReqCols;  // first input storage col
   const int64_t in_rows = p.dec.srows;
 
-  // Phase 1: decode. Four consecutive threads take the four 16-blocks of one input row (32
-  // contiguous code bytes) and write them down tile columns. Rows past the input are zeros
-  // (the output's padding); input blocks past the row are not output rows and are skipped.
-  for (int k = threadIdx.x; k < kReqRows * (kReqCols / 16); k += kThreads) {
-    const int jb = k % (kReqCols / 16), ii = k / (kReqCols / 16);
-    const int64_t blk = j0 / 16 + jb;
-    if (blk >= p.dec.nb) continue;
-    float v[16];
+  // Phase 1: decode old row i0 + t. Rows past the input are zeros (the output's padding); an
+  // input block past the row holds no output rows and is skipped.
+  {
+    const int ii = int(threadIdx.x);
+    float* dst = tile + (ii / B) * kReqBlockStride + ii % B;  // + jj * kReqRs
+    const int64_t blk0 = j0 / 16;
+    const int nblk = int(min64(2, p.dec.nb - blk0));
     if (i0 + ii < in_rows) {
-      decode_block<Kind::Nvfp4>(p.dec, s * in_rows + i0 + ii, blk, v);
+      const int64_t row = s * in_rows + i0 + ii;
+      const uint8_t* src = p.dec.codes + row * p.dec.code_row_bytes + blk0 * 8;
+      uint64_t packed[2] = {0, 0};
+      if (p.vec16 && nblk == 2) {
+        const uint4 c = *reinterpret_cast<const uint4*>(src);
+        packed[0] = uint64_t(c.x) | uint64_t(c.y) << 32;
+        packed[1] = uint64_t(c.z) | uint64_t(c.w) << 32;
+      } else {
+        for (int b = 0; b < nblk; ++b) {
+          if (p.dec.vec) {
+            packed[b] = reinterpret_cast<const uint64_t*>(src)[b];
+          } else {
+            for (int k = 0; k < 8; ++k) packed[b] |= uint64_t(src[8 * b + k]) << (8 * k);
+          }
+        }
+      }
+      const float s_dec = p.dec.outer ? p.dec.outer[group_of(p.dec.outer_kind, row, in_rows)] : 1.0f;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (b >= nblk) break;
+        const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) {
+          const uint32_t code = uint32_t(packed[b] >> (4 * e)) & 0xFu;
+          dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+        }
+      }
     } else {
 #pragma unroll
-      for (int e = 0; e < 16; ++e) v[e] = 0.0f;
+      for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;
     }
-#pragma unroll
-    for (int e = 0; e < 16; ++e) tile[tile_pos<B>(jb * 16 + e, ii, kReqRs)] = v[e];
   }
   __syncthreads();
 
-  // Phase 2: one thread per output block (output storage row j, 32 old rows).
-  unsigned values = 0, nonfinite = 0, blocks = 0;
-  for (int k = threadIdx.x; k < kReqCols * (kReqRows / B); k += kThreads) {
-    const int ob = k % (kReqRows / B), jj = k / (kReqRows / B);
-    const int64_t j = j0 + jj;
-    const int64_t col = i0 + int64_t(ob) * B;  // output storage col
-    if (j >= p.in_cols || col >= in_rows) continue;
-    const float* xb = tile + jj * kReqRs + ob * (B + 1);
+  // Phase 2: output block ob of output storage row j0 + jj (old rows i0 + 32 ob ...).
+  unsigned nonfinite = 0;
+  const int jj = int(threadIdx.x) / (kReqRows / B), ob = int(threadIdx.x) % (kReqRows / B);
+  const int64_t j = j0 + jj;
+  const int64_t col = i0 + int64_t(ob) * B;  // output storage col
+  if (j < p.in_cols && col < in_rows) {
+    float v[B];
+    const float* src = tile + jj * kReqRs + ob * kReqBlockStride;
+#pragma unroll
+    for (int c = 0; c < B / 4; ++c) {
+      const float4 f = reinterpret_cast<const float4*>(src)[c];
+      v[4 * c] = f.x;
+      v[4 * c + 1] = f.y;
+      v[4 * c + 2] = f.z;
+      v[4 * c + 3] = f.w;
+    }
+    const int64_t row = s * p.in_cols + j;  // output storage row
+    const uint64_t index0 = uint64_t(row * p.out_padded_cols + col);
     float a = 0.0f;
 #pragma unroll
-    for (int e = 0; e < B; ++e) {
-      a = num::max_abs_finite(a, xb[e]);
-      nonfinite += num::is_finite_bits(xb[e]) ? 0u : 1u;
-    }
-    const int n = int(min64(B, in_rows - col));
-    const int64_t row = s * p.in_cols + j;  // output storage row
-    uint32_t* w = reinterpret_cast<uint32_t*>(stage);
-    if (n < B) {
+    for (int e = 0; e < B; ++e) a = num::max_abs_nan(a, v[e]);
+    uint32_t w[B / 4];
+    uint8_t scale;
+    if (num::is_finite_bits(a)) {
+      scale = num::ue8m0_scale_for_max(a, num::kE4M3Max);  // mxfp8_scale(a, E4M3, RCEIL)
+      mxfp8_sr_block<4>(v, num::pow2f(127 - int(scale)), num::philox_keys(p.seed), p.stream, index0, w);
+    } else {  // a non-finite decoded value (a NaN scale byte, or an overflowing S_dec)
+      a = finite_amax_counting(v, nonfinite);
+      const int n = int(min64(B, in_rows - col));
+      uint8_t c[B];
 #pragma unroll
-      for (int e = 0; e < B / 4; ++e) w[e] = 0u;
+      for (int e = 0; e < B; ++e) c[e] = 0;  // codes past n stay 0
+      float copy[B];
+#pragma unroll
+      for (int e = 0; e < B; ++e) copy[e] = v[e];
+      scale = num::mxfp8_quantize_block(copy, n, a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
+                                        num::Rounding::SR, p.seed, p.stream, index0, c);
+#pragma unroll
+      for (int g = 0; g < B / 4; ++g)
+        w[g] = uint32_t(c[4 * g]) | uint32_t(c[4 * g + 1]) << 8 | uint32_t(c[4 * g + 2]) << 16 |
+               uint32_t(c[4 * g + 3]) << 24;
     }
-    const uint64_t index0 = uint64_t(row * p.out_padded_cols + col);
-    const uint8_t scale =
-        n == B ? num::mxfp8_quantize_block(xb, B, a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
-                                           num::Rounding::SR, p.seed, p.stream, index0, stage)
-               : num::mxfp8_quantize_block(xb, n, a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
-                                           num::Rounding::SR, p.seed, p.stream, index0, stage);
     uint4* dst = reinterpret_cast<uint4*>(p.codes + row * p.out_padded_cols + col);
     dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
     dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
     p.scales[row * p.out_nb + col / B] = scale;
-    values += unsigned(n);
-    blocks += 1u;
   }
-  flush_counts(false, values, nonfinite, blocks, 0u);
+  flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -725,11 +1129,12 @@ DeviceCounters* counters_ptr() {
   return p;
 }
 
-void reset_counters() { FOURBIT_CUDA_CHECK(cudaMemsetAsync(counters_ptr(), 0, sizeof(DeviceCounters), 0)); }
+void reset_counters() { FOURBIT_CUDA_CHECK(cudaMemsetAsync(counters_ptr(), 0, sizeof(DeviceCounters), stream())); }
 
 void add_counters(QuantReport* report) {
   DeviceCounters c{};
-  FOURBIT_CUDA_CHECK(cudaMemcpy(&c, counters_ptr(), sizeof c, cudaMemcpyDeviceToHost));  // syncs
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&c, counters_ptr(), sizeof c, cudaMemcpyDeviceToHost, stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   report->values += int64_t(c.values);
   report->nonfinite += int64_t(c.nonfinite);
   report->blocks += int64_t(c.blocks);
@@ -759,7 +1164,7 @@ void launch_quantize_tiles(const QuantParams& p) {
   if (ctas == 0) return;
   const size_t smem = quant_smem_bytes(p.geom, kBlockOf<K>, K != Kind::Nvfp4 && !kAmaxOnly);
   allow_smem<quantize_tile_kernel<K, kCol, kAmaxOnly, kSR, kFos>>(smem);
-  quantize_tile_kernel<K, kCol, kAmaxOnly, kSR, kFos><<<grid_of(ctas, "quantize"), kThreads, smem>>>(p);
+  quantize_tile_kernel<K, kCol, kAmaxOnly, kSR, kFos><<<grid_of(ctas, "quantize"), kThreads, smem, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -788,7 +1193,7 @@ void launch_quantize(const QuantParams& p, bool col) {
 // Fills p.group_amax's groups (zeroed first) with the amax of each outer-scale group.
 void outer_amax_prepass(const QuantParams& p, bool col, int64_t groups, uint32_t* gamax, int64_t R,
                         int64_t C) {
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(gamax, 0, size_t(groups) * sizeof(uint32_t), 0));
+  FOURBIT_CUDA_CHECK(cudaMemsetAsync(gamax, 0, size_t(groups) * sizeof(uint32_t), stream()));
   const int64_t numel = p.slices * R * C;
   if (numel == 0) return;
   if (p.hadamard == 0 && !(col && p.outer_kind == OuterScale::PerRow)) {
@@ -797,7 +1202,7 @@ void outer_amax_prepass(const QuantParams& p, bool col, int64_t groups, uint32_t
     const bool vec4 = seg_len % 4 == 0 && aligned(p.in.x, 16);
     const int64_t chunk = std::min<int64_t>(seg_len, 32768);
     const int64_t chunks = (seg_len + chunk - 1) / chunk;
-    amax_segments_kernel<<<grid_of(groups * chunks, "quantize"), kThreads>>>(p.in.x, seg_len, chunks,
+    amax_segments_kernel<<<grid_of(groups * chunks, "quantize"), kThreads, 0, stream()>>>(p.in.x, seg_len, chunks,
                                                                               chunk, vec4, gamax);
     FOURBIT_LAUNCH_CHECK();
   } else {
@@ -806,6 +1211,105 @@ void outer_amax_prepass(const QuantParams& p, bool col, int64_t groups, uint32_t
     if (col) launch_quantize_tiles<Kind::Nvfp4, true, true, false, false>(a);
     else launch_quantize_tiles<Kind::Nvfp4, false, true, false, false>(a);
   }
+}
+
+// ---- launching the register-resident fast paths ------------------------------------------------------
+
+// Row-axis inputs without an RHT that float4 loads can read.
+bool fast_row_input(const QuantSpec& spec, const QuantParams& p, int64_t rows) {
+  return spec.axis == BlockAxis::Row && spec.hadamard == 0 && p.in.vec4 && p.padded_cols > 0 && rows > 0;
+}
+
+FastRowParams fast_row_params(const QuantParams& p, int64_t rows) {
+  FastRowParams f{};
+  f.x = p.in.x;
+  f.rows = rows;
+  f.cols = p.in.scols;
+  f.padded_cols = p.padded_cols;
+  f.nb = p.nb;
+  f.codes = p.codes;
+  f.scales = p.scales;
+  f.outer = p.outer;
+  f.mx_rule = p.mx_rule;
+  f.seed = p.seed;
+  f.stream = p.stream;
+  f.report = p.report;
+  return f;
+}
+
+// Streaming multiprocessors of the current device (cached per device).
+int sm_count() {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  std::atomic<int>& c = cached[dev & 63];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// The persistent NVFP4 kernel: as many CTAs as fit on the device at once (no more than there are
+// row groups), each with its double-buffered stage in dynamic shared memory.
+template <auto kernel>
+void launch_persistent(const FastRowParams& f, int64_t groups, int threads, size_t smem) {
+  allow_smem<kernel>(smem);
+  static std::atomic<int> cached_per_sm[kNvfp4FastMaxWarps + 1];  // by warps (smem follows)
+  std::atomic<int>& c = cached_per_sm[threads / 32];
+  int per_sm = c.load(std::memory_order_relaxed);
+  if (per_sm == 0) {
+    FOURBIT_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    per_sm = std::max(per_sm, 1);
+    c.store(per_sm, std::memory_order_relaxed);
+  }
+  const int64_t ctas = std::min<int64_t>(groups, int64_t(per_sm) * sm_count());
+  kernel<<<grid_of(ctas, "quantize"), threads, smem, stream()>>>(f);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+template <int kRuns>
+void launch_nvfp4_row_fast(const FastRowParams& f, int64_t groups, int threads, bool fos,
+                           num::ScaleMetric metric) {
+  using num::ScaleMetric;
+  const size_t smem =  // two halves of kRuns runs per warp
+      2 * sizeof(float) * size_t(threads / 32) * kRuns * kFastRunBlocks * num::kNvfp4Block;
+  if (!fos)
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, false, ScaleMetric::MSE>>(f, groups, threads, smem);
+  else if (metric == ScaleMetric::MSE)
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MSE>>(f, groups, threads, smem);
+  else
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MAE>>(f, groups, threads, smem);
+}
+
+// A row of nb blocks takes ceil(nb / 32) warp runs (at most 32 for kFusedMaxCols): one run per
+// warp up to 16 runs (8192 columns), else two, and as many warps as that needs (a team of up to
+// 16: one CTA); rows of up to 4 warps share a CTA (of at most 256 threads).
+void launch_nvfp4_row_fast(FastRowParams f, bool fos, num::ScaleMetric metric) {
+  const int64_t runs_needed = (f.nb + kFastRunBlocks - 1) / kFastRunBlocks;
+  const int runs = runs_needed <= kNvfp4FastMaxWarps ? 1 : 2;
+  f.team_warps = int((runs_needed + runs - 1) / runs);
+  if (f.team_warps > kNvfp4FastMaxWarps)
+    fail("cuda quantize: {} blocks per row is too wide for the per-token kernel", f.nb);
+  const int rows_per_cta = std::max(1, kWarps / f.team_warps);
+  const int64_t groups = (f.rows + rows_per_cta - 1) / rows_per_cta;
+  const int threads = 32 * f.team_warps * rows_per_cta;
+  if (runs == 1) launch_nvfp4_row_fast<1>(f, groups, threads, fos, metric);
+  else launch_nvfp4_row_fast<2>(f, groups, threads, fos, metric);
+}
+
+void launch_mxfp8_row_fast(FastRowParams f, bool e5m2, bool sr) {
+  f.runs_per_row = (f.nb + kFastRunBlocks - 1) / kFastRunBlocks;
+  const unsigned ctas = grid_of((f.rows * f.runs_per_row + kWarps - 1) / kWarps, "quantize");
+  if (e5m2) {
+    sr ? mxfp8_row_fast_kernel<5, true><<<ctas, kThreads, 0, stream()>>>(f)
+       : mxfp8_row_fast_kernel<5, false><<<ctas, kThreads, 0, stream()>>>(f);
+  } else {
+    sr ? mxfp8_row_fast_kernel<4, true><<<ctas, kThreads, 0, stream()>>>(f)
+       : mxfp8_row_fast_kernel<4, false><<<ctas, kThreads, 0, stream()>>>(f);
+  }
+  FOURBIT_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -848,6 +1352,12 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   const int64_t srows_total = q.total_rows();
   switch (spec.fmt) {
     case Format::NVFP4: {
+      // Per-token RNE (activations): the register-resident one-pass kernel.
+      if (fast_row_input(spec, p, srows_total) && q.outer == OuterScale::PerRow && !spec.tile_2d &&
+          spec.rounding == num::Rounding::RNE && p.padded_cols <= kFusedMaxCols) {
+        launch_nvfp4_row_fast(fast_row_params(p, srows_total), spec.four_over_six, spec.metric);
+        break;
+      }
       const bool fused = !col && q.outer == OuterScale::PerRow && !spec.tile_2d &&
                          p.padded_cols > 0 && p.padded_cols <= kFusedMaxCols;
       Tensor gamax;
@@ -858,7 +1368,7 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
                                                                  : srows_total;
         gamax = Tensor::empty({groups}, DType::U32, Device::CUDA);
         outer_amax_prepass(p, col, groups, gamax.data<uint32_t>(), shape.rows, shape.cols);
-        outer_scale_kernel<<<grid_for(groups, kThreads), kThreads>>>(gamax.data<uint32_t>(), groups,
+        outer_scale_kernel<<<grid_for(groups, kThreads), kThreads, 0, stream()>>>(gamax.data<uint32_t>(), groups,
                                                                      spec.four_over_six, p.outer);
         FOURBIT_LAUNCH_CHECK();
         p.group_amax = gamax.data<uint32_t>();
@@ -874,6 +1384,11 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
     }
     case Format::MXFP8_E4M3:
     case Format::MXFP8_E5M2:
+      if (fast_row_input(spec, p, srows_total)) {
+        launch_mxfp8_row_fast(fast_row_params(p, srows_total), spec.fmt == Format::MXFP8_E5M2,
+                              spec.rounding == num::Rounding::SR);
+        break;
+      }
       p.geom = col ? col_geom(B, q.rows, p.padded_cols) : row_geom(B, q.rows, p.padded_cols);
       if (p.padded_cols > 0) launch_quantize<Kind::Mx>(p, col);
       break;
@@ -913,7 +1428,7 @@ void launch_dequant(const DequantParams& p, int64_t slices) {
   if (ctas == 0) return;
   const size_t smem = dequant_smem_bytes(p.geom);
   allow_smem<dequant_tile_kernel<K, kCol>>(smem);
-  dequant_tile_kernel<K, kCol><<<grid_of(ctas, "dequantize"), kThreads, smem>>>(p);
+  dequant_tile_kernel<K, kCol><<<grid_of(ctas, "dequantize"), kThreads, smem, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -960,6 +1475,8 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng) {
   const QuantShape logical = q.axis == BlockAxis::Row ? QuantShape{q.slices, q.rows, q.cols}
                                                       : QuantShape{q.slices, q.cols, q.rows};
   QTensor out = alloc_qtensor(spec, logical, Device::CUDA);
+  // Two blocks of a tile row are 16 bytes at a multiple of 16 past the row start.
+  p.vec16 = aligned(p.dec.codes, 16) && p.dec.code_row_bytes % 16 == 0;
   p.in_cols = q.cols;
   p.row_tiles = (q.rows + kReqRows - 1) / kReqRows;
   p.col_tiles = (q.cols + kReqCols - 1) / kReqCols;
@@ -971,9 +1488,7 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng) {
   p.stream = rng.stream;
   const int64_t ctas = q.slices * p.row_tiles * p.col_tiles;
   if (ctas > 0) {
-    const size_t smem = requant_smem_bytes();
-    allow_smem<requantize_transposed_kernel>(smem);
-    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, smem>>>(p);
+    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(p);
     FOURBIT_LAUNCH_CHECK();
   }
   return out;

@@ -148,14 +148,14 @@ void convert(const Tensor& src, Tensor& dst) {
   if (n == 0) return;
   if (src.dtype() == dst.dtype()) {
     FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), size_t(src.nbytes()),
-                                       cudaMemcpyDeviceToDevice, 0));
+                                       cudaMemcpyDeviceToDevice, stream()));
     return;
   }
   if (src.dtype() == DType::F32) {  // F32 -> BF16: one RNE rounding (bf16_encode)
-    f32_to_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(src.data<float>(),
+    f32_to_bf16_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(src.data<float>(),
                                                             dst.data<uint16_t>(), n);
   } else {  // BF16 -> F32: exact
-    bf16_to_f32_kernel<<<grid_for(n, kThreads), kThreads>>>(src.data<uint16_t>(),
+    bf16_to_f32_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(src.data<uint16_t>(),
                                                             dst.data<float>(), n);
   }
   FOURBIT_LAUNCH_CHECK();
@@ -170,10 +170,10 @@ void add_(Tensor& dst, const Tensor& src) {
   if (n == 0) return;
   if (dst.dtype() == DType::F32) {
     const bool vec = aligned16(dst.raw()) && aligned16(src.raw());
-    add_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(dst.data<float>(),
+    add_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(dst.data<float>(),
                                                                   src.data<float>(), n, vec);
   } else {
-    add_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(dst.data<uint16_t>(),
+    add_bf16_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dst.data<uint16_t>(),
                                                          src.data<uint16_t>(), n);
   }
   FOURBIT_LAUNCH_CHECK();
@@ -186,10 +186,10 @@ void scale_(Tensor& t, double s) {
   if (n == 0) return;
   const float f = float(s);
   if (t.dtype() == DType::F32)
-    scale_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads>>>(t.data<float>(), f, n,
+    scale_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(t.data<float>(), f, n,
                                                                     aligned16(t.raw()));
   else
-    scale_bf16_kernel<<<grid_for(n, kThreads), kThreads>>>(t.data<uint16_t>(), f, n);
+    scale_bf16_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(t.data<uint16_t>(), f, n);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -201,15 +201,16 @@ double sum_squares(const Tensor& t) {
   Tensor partial = Tensor::empty({chunks + 1}, DType::F64, Device::CUDA);  // + 1: the total
   double* p = partial.data<double>();
   if (t.dtype() == DType::F32)
-    sum_squares_f32_partials<<<unsigned(chunks), kThreads>>>(t.data<float>(), n,
+    sum_squares_f32_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<float>(), n,
                                                               aligned16(t.raw()), p);
   else
-    sum_squares_bf16_partials<<<unsigned(chunks), kThreads>>>(t.data<uint16_t>(), n, p);
+    sum_squares_bf16_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<uint16_t>(), n, p);
   FOURBIT_LAUNCH_CHECK();
-  sum_partials_kernel<<<1, kFinalThreads>>>(p, chunks, p + chunks);
+  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(p, chunks, p + chunks);
   FOURBIT_LAUNCH_CHECK();
   double total = 0.0;  // the host needs the value: this copy is the op's one synchronisation
-  FOURBIT_CUDA_CHECK(cudaMemcpy(&total, p + chunks, sizeof total, cudaMemcpyDeviceToHost));
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&total, p + chunks, sizeof total, cudaMemcpyDeviceToHost, stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   return total;
 }
 
@@ -219,9 +220,9 @@ void fill_(Tensor& t, double v) {
   if (n == 0) return;
   // The value is rounded once on the host, as the CPU's store() rounds it, and copied n times.
   if (t.dtype() == DType::F32)
-    fill_kernel<float><<<grid_for(n, kThreads), kThreads>>>(t.data<float>(), float(v), n);
+    fill_kernel<float><<<grid_for(n, kThreads), kThreads, 0, stream()>>>(t.data<float>(), float(v), n);
   else
-    fill_kernel<uint16_t><<<grid_for(n, kThreads), kThreads>>>(t.data<uint16_t>(),
+    fill_kernel<uint16_t><<<grid_for(n, kThreads), kThreads, 0, stream()>>>(t.data<uint16_t>(),
                                                                num::bf16_encode_f64(v), n);
   FOURBIT_LAUNCH_CHECK();
 }

@@ -1,0 +1,354 @@
+// The GPU hot-path numerics (numerics/fast_quant.h) against the generic codecs and block
+// quantizers they replace, bit for bit: exhaustively over every float32 where the input range
+// allows (E2M1 rounding: all 2^31 magnitudes; E4M3 scale encoding: every float of the binades
+// that reach a code; every code for the decoders), and on millions of random and constructed
+// NVFP4 blocks (ties on the E2M1 grid, Four Over Six error ties, zero / subnormal / saturated
+// scales, float32 subnormal and huge inputs, partial blocks, 16x16-tile amaxes), MXFP8 SR
+// elements (every scale, target-subnormal values, the >32-bit shift path, extreme random words)
+// and Philox words.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "fourbit/numerics/fast_quant.h"
+
+using namespace fourbit::num;
+
+namespace {
+
+constexpr float kInf = INFINITY;
+
+uint8_t fast_e2m1_code(float y) {
+  return uint8_t(((bits_of(y) >> 28) & 8u) | e2m1_magnitude_code(e2m1_rne_magnitude(y)));
+}
+
+// Every float32 magnitude but NaN (OpenMP threads over ranges of bit patterns), with both signs on
+// the rounding range [2^-3, 2^3).
+TEST(FastQuantE2m1, RoundingEqualsTheGenericEncoderOnEveryFloat) {
+  constexpr int64_t kChunks = 256, kEnd = int64_t(0x7f800000u) + 1;
+  int64_t bad = 0, first_bad = -1;
+#pragma omp parallel for schedule(dynamic) reduction(+ : bad)
+  for (int64_t chunk = 0; chunk < kChunks; ++chunk) {
+    for (int64_t b = chunk * kEnd / kChunks; b < (chunk + 1) * kEnd / kChunks; ++b) {
+      const float y = float_of(uint32_t(b));
+      const uint8_t want = e2m1_encode_rne(y);
+      if (fast_e2m1_code(y) != want ||
+          bits_of(e2m1_rne_magnitude(y)) != bits_of(abs_bits(e2m1_decode(want)))) {
+        ++bad;
+#pragma omp critical
+        if (first_bad < 0 || b < first_bad) first_bad = b;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "first at bits 0x" << std::hex << first_bad;
+  for (uint32_t u = 0x3e000000u; u < 0x41000000u; ++u) {
+    const float y = float_of(u | 0x80000000u);
+    if (fast_e2m1_code(y) != e2m1_encode_rne(y) && ++bad <= 5) ADD_FAILURE() << "y = " << y;
+  }
+  for (float y : {-0.0f, -kInf, -FLT_MAX, -FLT_MIN, -1e-45f, -0.25f, -0.75f, -5.0f, -6.0f})
+    EXPECT_EQ(fast_e2m1_code(y), e2m1_encode_rne(y)) << y;
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(FastQuantE2m1, DecodeEqualsTheGenericDecoder) {
+  for (uint32_t c = 0; c < 16; ++c) EXPECT_EQ(bits_of(e2m1_decode_fast(c)), bits_of(e2m1_decode(c))) << c;
+}
+
+// Block scales: every non-negative float of [2^-14, 2^10) (everything below rounds to 0 and is
+// sampled, everything above saturates and is sampled), +0, +Inf, FLT_MAX.
+TEST(FastQuantE4m3, ScaleEncodeEqualsTheGenericEncoder) {
+  int64_t bad = 0;
+  auto check = [&](uint32_t u) {
+    const float t = float_of(u);
+    if (ue4m3_encode_fast(t) != ue4m3_encode(t) && ++bad <= 5)
+      ADD_FAILURE() << "t = " << t << " (0x" << std::hex << u << "): fast 0x" << int(ue4m3_encode_fast(t))
+                    << " generic 0x" << int(ue4m3_encode(t));
+  };
+  for (uint32_t u = 0x38800000u; u < 0x44800000u; ++u) check(u);  // 2^-14 .. 2^10
+  std::mt19937 g(5);
+  for (int i = 0; i < 4000000; ++i) check(uint32_t(g()) % 0x7f800001u);
+  for (uint32_t u : {0u, 1u, 0x7f800000u, 0x7f7fffffu, 0x00800000u, 0x387fffffu}) check(u);
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(FastQuantE4m3, DecodeEqualsTheGenericDecoder) {
+  for (uint32_t c = 0; c <= 0x7e; ++c) EXPECT_EQ(bits_of(e4m3_decode_fast(c)), bits_of(e4m3_decode(c))) << c;
+  for (uint32_t c = 0; c < 256; ++c) {
+    const float want = ue4m3_decode(c), got = ue4m3_decode_fast(c);
+    EXPECT_TRUE(bits_of(got) == bits_of(want) || (std::isnan(got) && std::isnan(want))) << c;
+  }
+}
+
+TEST(FastQuantPhilox, SplitProductsGiveTheSameWords) {
+  std::mt19937_64 g(3);
+  for (int i = 0; i < 1000000; ++i) {
+    const uint64_t seed = g(), stream = i % 3 == 0 ? uint64_t(i) : g(), group = i % 2 ? uint64_t(i) : g();
+    const Philox4x32 a = random_bits4(seed, stream, group);
+    const Philox4x32 b = random_bits4_fast(philox_keys(seed), stream, group);
+    for (int k = 0; k < 4; ++k) ASSERT_EQ(a.v[k], b.v[k]) << i;
+  }
+}
+
+TEST(FastQuantAmax, NanPropagatingMaxFindsNonFiniteBlocksAndOtherwiseEqualsTheFiniteMax) {
+  std::mt19937 g(11);
+  std::normal_distribution<float> nd;
+  const float specials[] = {NAN, -NAN, kInf, -kInf};
+  for (int trial = 0; trial < 200000; ++trial) {
+    float x[16];
+    for (float& v : x) v = nd(g) * std::ldexp(1.0f, int(g() % 40) - 20);
+    const int k = int(g() % 4);  // 0..3 non-finite values
+    for (int j = 0; j < k; ++j) x[g() % 16] = specials[g() % 4];
+    float fast = 0.0f, finite = 0.0f;
+    bool any = false;
+    for (float v : x) {
+      fast = max_abs_nan(fast, v);
+      finite = max_abs_finite(finite, v);
+      any = any || !is_finite_bits(v);
+    }
+    ASSERT_EQ(!is_finite_bits(fast), any) << trial;
+    if (!any) {
+      ASSERT_EQ(bits_of(fast), bits_of(finite)) << trial;
+    }
+  }
+}
+
+// ---- NVFP4 blocks -------------------------------------------------------------------------------
+
+struct BlockCase {
+  float x[16];
+  int n;
+  float block_amax, s_enc, s_dec;
+};
+
+// E2M1 grid values, their midpoints, and the 4/6 candidate's grid (1.5x): ties and exact values.
+const float kSpecialMultiples[] = {0.0f, 0.25f, 0.5f, 0.75f, 1.0f, 1.25f, 1.5f, 1.75f, 2.0f,
+                                   2.25f, 2.5f, 3.0f, 3.5f, 4.5f, 5.0f, 6.0f, 0.375f, 1.125f,
+                                   2.625f, 3.75f, 5.25f};
+
+BlockCase random_block(std::mt19937& g, int kind) {
+  std::normal_distribution<float> nd;
+  std::uniform_real_distribution<float> u01(0.0f, 1.0f);
+  BlockCase c{};
+  c.n = g() % 8 == 0 ? 1 + int(g() % 16) : 16;
+  const int scale_exp = int(g() % 300) - 160;  // magnitudes 2^-160 (zero after rounding) .. 2^140
+  switch (kind) {
+    case 0:  // Gaussian at a random magnitude, some exact zeros and -0
+      for (int i = 0; i < c.n; ++i) {
+        c.x[i] = std::ldexp(nd(g), scale_exp % 130);
+        if (g() % 10 == 0) c.x[i] = (g() & 1) ? 0.0f : -0.0f;
+      }
+      break;
+    case 1: {  // multiples of a power-of-two scale: E2M1 ties when enc is exact
+      const float sc = std::ldexp(1.0f, int(g() % 18) - 9);
+      for (int i = 0; i < c.n; ++i) {
+        const float m = kSpecialMultiples[g() % (sizeof kSpecialMultiples / sizeof(float))];
+        c.x[i] = (g() & 1 ? -m : m) * sc;
+      }
+      c.x[g() % c.n] = 6.0f * sc;
+      break;
+    }
+    case 2:  // float32 subnormals and tiny values
+      for (int i = 0; i < c.n; ++i) c.x[i] = float_of(uint32_t(g()) & 0x80ffffffu) * float(1 + g() % 3);
+      break;
+    case 3:  // huge values
+      for (int i = 0; i < c.n; ++i) c.x[i] = std::ldexp(nd(g), 100 + int(g() % 27));
+      break;
+    case 4:  // heavy-tailed: one outlier
+      for (int i = 0; i < c.n; ++i) c.x[i] = nd(g) * 0.01f;
+      c.x[g() % c.n] = nd(g) * 100.0f;
+      break;
+    default:  // random bit patterns of finite floats
+      for (int i = 0; i < c.n; ++i) {
+        uint32_t b;
+        do b = uint32_t(g()); while ((b & 0x7f800000u) == 0x7f800000u);
+        c.x[i] = float_of(b);
+      }
+  }
+  float a = 0.0f;
+  for (int i = 0; i < c.n; ++i) a = max_abs_finite(a, c.x[i]);
+  // A 16x16 tile's amax is at least the block's.
+  c.block_amax = g() % 6 == 0 ? a * (1.0f + 4.0f * u01(g)) : a;
+  if (!is_finite_bits(c.block_amax)) c.block_amax = a;
+  return c;
+}
+
+// The outer scale: none (S_enc = 1), or from a group amax at or above the block amax (per-token,
+// per-tensor; huge ratios give zero and subnormal block scales).
+void pick_outer(std::mt19937& g, BlockCase& c, bool fos) {
+  const int kind = int(g() % 4);
+  if (kind == 0) {
+    c.s_enc = 1.0f;
+  } else {
+    float group = c.block_amax;
+    if (kind >= 2) group = group * std::ldexp(1.0f + float(g() % 1000) / 1000.0f, int(g() % 40));
+    if (!is_finite_bits(group)) group = FLT_MAX;
+    c.s_enc = nvfp4_s_enc(group, fos);
+  }
+  c.s_dec = nvfp4_s_dec(c.s_enc);
+}
+
+template <bool kFos, ScaleMetric kMetric>
+int64_t compare_blocks(int64_t count, uint32_t seed) {
+  std::mt19937 g(seed);
+  int64_t bad = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    BlockCase c = random_block(g, int(t % 6));
+    pick_outer(g, c, kFos);
+    const Nvfp4Block want = nvfp4_quantize_block(c.x, c.n, c.block_amax, c.s_enc, c.s_dec, kFos,
+                                                 kMetric, Rounding::RNE, 0, 0, 0);
+    const Nvfp4Block got = nvfp4_quantize_block_fast<kFos, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
+    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
+        ++bad <= 5) {
+      std::string xs;
+      for (int i = 0; i < 16; ++i) xs += std::to_string(c.x[i]) + " ";
+      ADD_FAILURE() << "block " << t << " kind " << t % 6 << " n " << c.n << " amax " << c.block_amax
+                    << " s_enc " << c.s_enc << ": packed 0x" << std::hex << want.packed << " / 0x"
+                    << got.packed << ", scale 0x" << int(want.scale) << " / 0x" << int(got.scale)
+                    << std::dec << ", four " << want.chose_four << " / " << got.chose_four << "\n  x: " << xs;
+    }
+  }
+  return bad;
+}
+
+TEST(FastQuantNvfp4, RneBlocksEqualTheGenericQuantizer) {
+  EXPECT_EQ((compare_blocks<false, ScaleMetric::MSE>(3000000, 1)), 0);
+}
+
+TEST(FastQuantNvfp4, FourOverSixMseBlocksEqualTheGenericQuantizer) {
+  EXPECT_EQ((compare_blocks<true, ScaleMetric::MSE>(2000000, 2)), 0);
+}
+
+TEST(FastQuantNvfp4, FourOverSixMaeBlocksEqualTheGenericQuantizer) {
+  EXPECT_EQ((compare_blocks<true, ScaleMetric::MAE>(2000000, 3)), 0);
+}
+
+// Both candidates exact (values on both grids) tie at zero error: 6 is kept. All-zero blocks.
+TEST(FastQuantNvfp4, FourOverSixTiesKeepSix) {
+  float x[16] = {0.0f, 1.5f, -3.0f, 6.0f, 0.0f, -1.5f, 3.0f, 6.0f, 0.0f, 1.5f, 3.0f, -6.0f, 0, 0, 0, 0};
+  const Nvfp4Block b = nvfp4_quantize_block_fast<true>(x, 6.0f, 1.0f, 1.0f);
+  const Nvfp4Block w =
+      nvfp4_quantize_block(x, 16, 6.0f, 1.0f, 1.0f, true, ScaleMetric::MSE, Rounding::RNE, 0, 0, 0);
+  EXPECT_FALSE(b.chose_four);
+  EXPECT_EQ(b.packed, w.packed);
+  EXPECT_EQ(b.scale, w.scale);
+  float z[16] = {};
+  const Nvfp4Block bz = nvfp4_quantize_block_fast<true>(z, 0.0f, 1.0f, 1.0f);
+  EXPECT_EQ(bz.packed, 0u);
+  EXPECT_EQ(bz.scale, 0u);
+  EXPECT_FALSE(bz.chose_four);
+}
+
+// ---- MXFP8 SR -----------------------------------------------------------------------------------
+
+template <int kExpBits>
+int64_t compare_sr(int64_t count, uint32_t seed) {
+  const MiniFloatSpec f = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  const float max_elem = kExpBits == 4 ? kE4M3Max : kE5M2Max;
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    float x;
+    switch (t % 4) {
+      case 0: x = std::ldexp(nd(g), int(g() % 280) - 150); break;
+      case 1: {
+        uint32_t b;
+        do b = uint32_t(g()); while ((b & 0x7f800000u) == 0x7f800000u);
+        x = float_of(b);
+        break;
+      }
+      case 2: x = float_of(uint32_t(g()) & 0x807fffffu); break;  // float32 subnormals
+      default: x = (g() & 1 ? -1.0f : 1.0f) * float(g() % 64) * std::ldexp(1.0f, int(g() % 60) - 30);
+    }
+    // The block's RCEIL scale for an amax at or above |x| (the kernels' case), or any scale.
+    uint8_t scale;
+    if (t % 3 != 2) {
+      const float amax = abs_bits(x) * (t % 3 == 0 ? 1.0f : 1.0f + float(g() % 100000));
+      scale = ue8m0_scale_for_max(is_finite_bits(amax) ? amax : abs_bits(x), max_elem);
+    } else {
+      scale = uint8_t(g() % 255);
+    }
+    const uint32_t r = t % 7 == 0 ? 0u : t % 7 == 1 ? 0xffffffffu : uint32_t(g());
+    const uint8_t want = uint8_t(minifloat_encode(f, x, 127 - int(scale), Rounding::SR, r));
+    const uint8_t got = mxfp8_encode_sr_fast<kExpBits>(x, pow2f(127 - int(scale)), r);
+    if (want != got && ++bad <= 5)
+      ADD_FAILURE() << "x = " << x << " (0x" << std::hex << bits_of(x) << ") scale 0x" << int(scale)
+                    << " rnd 0x" << r << ": generic 0x" << int(want) << " fast 0x" << int(got);
+  }
+  return bad;
+}
+
+// The general form alone, on every input (the composed encoder uses it only below the normals).
+template <int kExpBits>
+int64_t compare_wide(int64_t count, uint32_t seed) {
+  const MiniFloatSpec f = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  std::mt19937 g(seed);
+  int64_t bad = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    uint32_t b;
+    do b = uint32_t(g()) & 0x7fffffffu; while ((b & 0x7f800000u) == 0x7f800000u);
+    if (t % 2) b = (b & 0x807fffffu) | ((100u + uint32_t(g() % 40)) << 23);  // near the target range
+    const uint32_t r = t % 5 == 0 ? 0xffffffffu : uint32_t(g());
+    const uint32_t want = minifloat_encode(f, float_of(b), 0, Rounding::SR, r);
+    if (Mxfp8Sr<kExpBits>::code_wide(b, r) != want && ++bad <= 5)
+      ADD_FAILURE() << "u 0x" << std::hex << b << " rnd 0x" << r;
+    if (!Mxfp8Sr<kExpBits>::needs_wide(b) && Mxfp8Sr<kExpBits>::code_normal(b, r) != want && ++bad <= 5)
+      ADD_FAILURE() << "normal form: u 0x" << std::hex << b << " rnd 0x" << r;
+  }
+  return bad;
+}
+
+TEST(FastQuantMxfp8, GeneralAndNormalFormsEqualTheGenericEncoder) {
+  EXPECT_EQ(compare_wide<4>(6000000, 51), 0);
+  EXPECT_EQ(compare_wide<5>(6000000, 52), 0);
+}
+
+TEST(FastQuantMxfp8, StochasticE4m3EqualsTheGenericEncoder) { EXPECT_EQ(compare_sr<4>(12000000, 21), 0); }
+TEST(FastQuantMxfp8, StochasticE5m2EqualsTheGenericEncoder) { EXPECT_EQ(compare_sr<5>(12000000, 22), 0); }
+
+// Every E4M3 / E5M2 magnitude code's value and its neighbours, at every scale that keeps it in
+// range, with random words: the rounding boundaries of both the normal and subnormal ranges.
+template <int kExpBits>
+int64_t grid_sr(uint32_t seed) {
+  const MiniFloatSpec f = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  std::mt19937 g(seed);
+  int64_t bad = 0;
+  for (uint32_t code = 0; code <= f.max_mag_code; ++code) {
+    const float v = minifloat_decode(f, code);
+    for (int scale = 0; scale < 255; scale += 1) {
+      const float x0 = std::ldexp(v, scale - 127);
+      if (!is_finite_bits(x0)) continue;
+      for (float x : {x0, std::nextafter(x0, 0.0f), std::nextafter(x0, kInf), -x0}) {
+        if (!is_finite_bits(x)) continue;
+        const uint32_t r = uint32_t(g());
+        const uint8_t want = uint8_t(minifloat_encode(f, x, 127 - scale, Rounding::SR, r));
+        if (mxfp8_encode_sr_fast<kExpBits>(x, pow2f(127 - scale), r) != want && ++bad <= 5)
+          ADD_FAILURE() << "code 0x" << std::hex << code << " scale " << std::dec << scale << " x " << x;
+      }
+    }
+  }
+  return bad;
+}
+
+TEST(FastQuantMxfp8, StochasticOnAndAroundEveryGridValue) {
+  EXPECT_EQ(grid_sr<4>(31), 0);
+  EXPECT_EQ(grid_sr<5>(32), 0);
+}
+
+TEST(FastQuantMxfp8, RnePairsEqualTheSingleEncoder) {
+  std::mt19937 g(41);
+  std::normal_distribution<float> nd;
+  for (int i = 0; i < 100000; ++i) {
+    const float a = std::ldexp(nd(g), int(g() % 60) - 30), b = std::ldexp(nd(g), int(g() % 60) - 30);
+    const uint8_t scale = ue8m0_scale_for_max(std::max(std::fabs(a), std::fabs(b)), kE4M3Max);
+    const uint32_t w = mxfp8_encode_rne_x2<4>(a, b, scale, pow2f(127 - int(scale)));
+    ASSERT_EQ(w & 0xffu, mxfp8_encode(a, scale, kE4M3));
+    ASSERT_EQ(w >> 8, mxfp8_encode(b, scale, kE4M3));
+  }
+}
+
+}  // namespace
