@@ -264,3 +264,54 @@ TEST(CudaLanes, ExpertLoopEqualsSequentialLoop) {
     EXPECT_EQ(0, std::memcmp(ha.data<float>(), hb.data<float>(), size_t(ha.nbytes())));
   }
 }
+
+// A grouped GEMM (one decode per operand, the groups' GEMMs on lanes, one epilogue) gives the bits
+// of one gemm per group, for every operand kind the model hands it, with empty groups.
+TEST(CudaGroupedGemm, EqualsOneGemmPerGroup) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t K = 96, N = 40, G = 6;
+  const std::vector<int64_t> offsets{0, 37, 37, 140, 141, 141, 200};
+  const Tensor x = randn({200, K}, 31).to(Device::CUDA), w = randn({G, N, K}, 32, 0.05f).to(Device::CUDA);
+  const Tensor wt = randn({G, K, N}, 33, 0.05f).to(Device::CUDA);  // a transposed dense B
+  Tensor x16 = Tensor::empty(x.shape(), DType::BF16, Device::CUDA), w16 = Tensor::empty(w.shape(), DType::BF16, Device::CUDA),
+         wt16 = Tensor::empty(wt.shape(), DType::BF16, Device::CUDA);
+  ops::convert(x, x16);
+  ops::convert(w, w16);
+  ops::convert(wt, wt16);
+  const QTensor xq = ops::quantize(x, spec(Format::NVFP4, OuterScale::PerRow));
+  const QTensor wq = ops::quantize(w, spec(Format::NVFP4, OuterScale::PerSlice));
+  const QTensor xm = ops::quantize(x, spec(Format::MXFP8_E4M3)), wm = ops::quantize(w, spec(Format::MXFP8_E4M3));
+  struct Case {
+    const char* name;
+    ops::Operand a, b;
+    bool b_trans3d;
+  };
+  const std::vector<Case> cases = {
+      {"nvfp4", ops::Operand(xq), ops::Operand(wq), false},
+      {"mxfp8", ops::Operand(xm), ops::Operand(wm), false},
+      {"bf16", ops::Operand(x16), ops::Operand(w16), false},
+      {"bf16 transposed B", ops::Operand(x16), ops::Operand(wt16, true), true},
+      {"fp32", ops::Operand(x), ops::Operand(w), false},
+  };
+  for (const Case& c : cases) {
+    for (bool acc : {false, true}) {
+      Tensor grouped = randn({200, N}, 34).to(Device::CUDA), looped = grouped.clone();
+      ops::grouped_gemm(c.a, c.b, offsets, grouped, acc);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
+        if (r0 == r1) continue;
+        Tensor cg = looped.slice_rows(r0, r1);
+        QTensor qa, qb;
+        Tensor da, db;
+        if (c.a.q()) qa = ops::qtensor_rows(*c.a.q(), r0, r1);
+        else da = c.a.dense()->slice_rows(r0, r1);
+        if (c.b.q()) qb = ops::qtensor_slice(*c.b.q(), g);
+        else db = c.b.dense()->view(g * N * K, c.b_trans3d ? Shape{K, N} : Shape{N, K});
+        ops::gemm(c.a.q() ? ops::Operand(qa) : ops::Operand(da), c.b.q() ? ops::Operand(qb) : ops::Operand(db, c.b_trans3d),
+                  cg, acc);
+      }
+      const Tensor hg = grouped.to(Device::CPU), hl = looped.to(Device::CPU);
+      EXPECT_EQ(0, std::memcmp(hg.data<float>(), hl.data<float>(), size_t(hg.nbytes()))) << c.name << " acc=" << acc;
+    }
+  }
+}

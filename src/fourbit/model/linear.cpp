@@ -102,4 +102,9 @@ void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate) {
   ops::gemm(a.op(), b.op(), c, accumulate);
 }
 
+void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate) {
+  ops::grouped_gemm(a.op(), b.op(), offsets, c, accumulate);
+}
+
 }  // namespace fourbit

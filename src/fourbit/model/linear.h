@@ -56,5 +56,9 @@ Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);
+// The experts' GEMMs in one call: rows offsets[e] .. offsets[e+1] of A and C use expert e's slice
+// of B (ops::grouped_gemm).
+void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate = false);
 
 }  // namespace fourbit

@@ -11,8 +11,9 @@ namespace fourbit {
 
 namespace {
 
-// Concurrent GPU lanes for the per-expert loops (ops::Lanes): 4 streams of expert GEMMs with a
-// few dozen CTAs each fill the H200's 132 SMs.
+// Concurrent GPU lanes for the per-expert weight-gradient loops (ops::Lanes): 4 streams of expert
+// GEMMs with a few dozen CTAs each fill the H200's 132 SMs (ops::grouped_gemm does the same for
+// the forward and input-gradient GEMMs).
 constexpr int kExpertLanes = 4;
 
 // Sites number the quantization points of a layer, so each gets its own SR stream.
@@ -317,35 +318,17 @@ struct ModelRunner {
                     const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
-    const int64_t E = c.n_experts, F = c.d_expert, D = c.d_model;
+    const int64_t F = c.d_expert, D = c.d_model;
     const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls);
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act({rows, F}), y = act({rows, D});
-    {
-      ops::Lanes lanes(m.device_, kExpertLanes);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-        if (b == end) continue;
-        lanes.use(e);
-        Tensor h1e = h1.slice_rows(b, end), h3e = h3.slice_rows(b, end);
-        gemm(x_perm.rows(b, end), w1.slice(e), h1e);
-        gemm(x_perm.rows(b, end), w3.slice(e), h3e);
-      }
-    }
+    grouped_gemm(x_perm, w1, plan.offsets, h1);
+    grouped_gemm(x_perm, w3, plan.offsets, h3);
     ops::swiglu_forward(h1, h3, a);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
     Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeA), cls, log);
-    {
-      ops::Lanes lanes(m.device_, kExpertLanes);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-        if (b == end) continue;
-        lanes.use(e);
-        Tensor ye = y.slice_rows(b, end);
-        gemm(pa.rows(b, end), w2.slice(e), ye);
-      }
-    }
+    grouped_gemm(pa, w2, plan.offsets, y);
     if (inner) *inner = ExpertInner{h1, h3, a, std::move(pa)};
     return y;
   }
@@ -370,14 +353,14 @@ struct ModelRunner {
     const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, kSiteMoeW + 2);
     const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
     Tensor da = act({N * K, F});
+    grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
     {
       ops::Lanes lanes(m.device_, kExpertLanes);
       for (int64_t e = 0; e < E; ++e) {
         const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
         if (b == end) continue;
         lanes.use(e);
-        Tensor dae = da.slice_rows(b, end), g2 = g.w2.view(e * D * F, {D, F});
-        gemm(pdy.rows(b, end), w2_dgrad.slice(e), dae);
+        Tensor g2 = g.w2.view(e * D * F, {D, F});
         const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
                                      rng(kSiteMoeDy + 1, e), cls, log);
         Prepared a_wgrad;
@@ -396,15 +379,14 @@ struct ModelRunner {
     const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh), cls, log);
     const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh + 1), cls, log);
     Tensor dx_perm = act({N * K, D});
+    grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
+    grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
     {
       ops::Lanes lanes(m.device_, kExpertLanes);
       for (int64_t e = 0; e < E; ++e) {
         const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
         if (b == end) continue;
         lanes.use(e);
-        Tensor dxe = dx_perm.slice_rows(b, end);
-        gemm(pdh1.rows(b, end), w1_dgrad.slice(e), dxe);
-        gemm(pdh3.rows(b, end), w3_dgrad.slice(e), dxe, true);
         const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
                                              s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
                                              r, cls, rng(kSiteMoeWgradX + 1, e));

@@ -70,7 +70,7 @@ int64_t Operand::k() const {
 }
 Device Operand::device() const { return q_ ? q_->device() : dense_->device(); }
 
-Lanes::Lanes(Device device, int n) : active_(device == Device::CUDA && n > 1) {
+Lanes::Lanes(Device device, int n) : active_(device == Device::CUDA && n > 1 && !lanes_open()) {
   if (active_) lanes_begin(n);
 }
 Lanes::~Lanes() {
@@ -87,6 +87,60 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   if (c.dim() != 2 || c.size(0) != a.rows() || c.size(1) != b.rows())
     fail("gemm: output {} does not match [{}, {}]", c.str(), a.rows(), b.rows());
   FOURBIT_DISPATCH(c.device(), gemm, a, b, c, accumulate);
+}
+
+void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate) {
+  const int64_t G = int64_t(offsets.size()) - 1;
+  if (G < 1) fail("grouped_gemm: offsets must hold at least 2 values, got {}", offsets.size());
+  for (int64_t g = 0; g < G; ++g)
+    if (offsets[size_t(g)] > offsets[size_t(g) + 1])
+      fail("grouped_gemm: offsets must not decrease (offsets[{}] = {} > offsets[{}] = {})", g, offsets[size_t(g)],
+           g + 1, offsets[size_t(g) + 1]);
+  if (offsets.front() != 0 || offsets.back() != a.rows())
+    fail("grouped_gemm: offsets must run from 0 to A's {} rows, got {} .. {}", a.rows(), offsets.front(),
+         offsets.back());
+  if (a.trans() || (a.dense() && a.dense()->dim() != 2))
+    fail("grouped_gemm: a dense A must be [M, K], not transposed; got {}", a.dense()->str());
+  // B's groups: a QTensor's slices, or a dense [G, N, K] ([G, K, N] transposed) / [G * N, K].
+  const QTensor* qb = b.q();
+  const Tensor* db = b.dense();
+  if (db && !(db->dim() == 3 || (db->dim() == 2 && !b.trans())))
+    fail("grouped_gemm: a dense B must be [G, N, K], [G, K, N] transposed or [G * N, K]; got {}", db->str());
+  const int64_t slices = qb ? qb->slices : db->dim() == 3 ? db->size(0) : G;
+  if (slices != G) fail("grouped_gemm: B has {} slices for {} groups", slices, G);
+  int64_t bn = 0, bk = 0;
+  if (qb) {
+    bn = qb->rows;
+    bk = qb->cols;
+  } else if (db->dim() == 3) {
+    bn = db->size(b.trans() ? 2 : 1);
+    bk = db->size(b.trans() ? 1 : 2);
+  } else {
+    if (db->size(0) % G != 0) fail("grouped_gemm: a dense B of {} rows does not split into {} groups", db->size(0), G);
+    bn = db->size(0) / G;
+    bk = db->size(1);
+  }
+  if (a.k() != bk) fail("grouped_gemm: reduction sizes differ: A has K={}, B has K={}", a.k(), bk);
+  if (a.device() != b.device() || a.device() != c.device())
+    fail("grouped_gemm: operands and output must be on one device");
+  if (c.dim() != 2 || c.size(0) != a.rows() || c.size(1) != bn)
+    fail("grouped_gemm: output {} does not match [{}, {}]", c.str(), a.rows(), bn);
+#if FOURBIT_HAS_CUDA
+  if (c.device() == Device::CUDA && cuda::grouped_gemm(a, b, offsets, bn, bk, c, accumulate)) return;
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
+    if (r0 == r1) continue;
+    QTensor qa_rows, qb_slice;
+    Tensor da_rows, db_slice, cg = c.slice_rows(r0, r1);
+    if (a.q()) qa_rows = qtensor_rows(*a.q(), r0, r1);
+    else da_rows = a.dense()->slice_rows(r0, r1);
+    if (qb) qb_slice = qtensor_slice(*qb, g);
+    else db_slice = db->view(g * bn * bk, b.trans() ? Shape{bk, bn} : Shape{bn, bk});
+    gemm(a.q() ? Operand(qa_rows) : Operand(da_rows), qb ? Operand(qb_slice) : Operand(db_slice, b.trans()), cg,
+         accumulate);
+  }
 }
 
 QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {

@@ -1,4 +1,4 @@
-// defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed, Operand, gemm,
+// defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed, Operand, gemm, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities.
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -82,6 +82,15 @@ class Operand {
 // not depend on M, N or the thread count: rows are batch invariant and results deterministic.
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false);
 
+// One GEMM per group of rows (a MoE layer's experts, with the router's per-expert token counts):
+// rows offsets[g] .. offsets[g+1] of A and C use slice g of B,  C[rows] (+)= A[rows] . B_g^T.
+// b: a QTensor of G slices, a dense [G, N, K] tensor or a dense [G * N, K] one; a: a Row-axis
+// QTensor or a dense [M, K] tensor; offsets: G + 1 non-decreasing values from 0 to M. Bit for bit
+// one gemm per group (the CUDA backend decodes each operand once, issues the groups' GEMMs on
+// GPU lanes and applies NVFP4 outer scales in one pass).
+void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate = false);
+
 // Whether GEMMs on `device` may take NVFP4 x NVFP4 and MXFP8 x MXFP8 operands packed, on
 // block-scaled tensor cores (Blackwell, when cuBLASLt offers an algorithm for the shape), instead
 // of decoding them exactly to BF16 first (Hopper; the CPU). Same products, FP32 sums in another
@@ -91,7 +100,8 @@ bool native_block_scaled_gemm(Device device);
 // Independent pieces of GPU work (one MoE expert's GEMMs and quantizations) run concurrently:
 // work issued after use(i) goes to lane i % n, the destructor joins every lane into the default
 // stream (device_memory.h). Each piece must write its own outputs; results are the same bits as
-// issuing the pieces one after the other. Does nothing on the CPU.
+// issuing the pieces one after the other. Does nothing on the CPU, or inside other lanes (the
+// work then stays on the enclosing lane's stream).
 class Lanes {
  public:
   Lanes(Device device, int n);

@@ -1,6 +1,6 @@
 // defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, zero_bytes,
 //          device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
-//          lanes_end, current_lane, current_stream
+//          lanes_end, lanes_open, current_lane, current_stream
 // The only door from tensor/ to a GPU. With CUDA built, device_memory_cuda.cu implements these
 // with a caching allocator and the GPU streams; without it, device_memory_none.cpp answers
 // "no GPU" and every device request fails with a clear message (the lane calls do nothing).
@@ -31,6 +31,7 @@ int64_t device_peak_bytes(bool reset = false);
 void lanes_begin(int n);
 void lanes_use(int i);
 void lanes_end();
+bool lanes_open();
 int current_lane();      // -1 outside lanes
 void* current_stream();  // the cudaStream_t kernels go to now; null = the default stream
 

@@ -198,6 +198,7 @@ void lanes_end() {
   c.deferred.clear();
 }
 
+bool lanes_open() { return lanes().open > 0; }
 int current_lane() { return lanes().current; }
 void* current_stream() { return stream_now(); }
 

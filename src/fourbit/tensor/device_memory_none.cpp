@@ -22,6 +22,7 @@ void device_synchronize() {}
 void lanes_begin(int) {}
 void lanes_use(int) {}
 void lanes_end() {}
+bool lanes_open() { return false; }
 int current_lane() { return -1; }
 void* current_stream() { return nullptr; }
 int64_t device_bytes_in_use() { return 0; }

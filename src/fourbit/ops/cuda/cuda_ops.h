@@ -1,5 +1,5 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // the default stream; results that the host reads (losses, counts) synchronise.
 #pragma once
@@ -11,6 +11,12 @@ namespace fourbit::ops::cuda {
 
 // The device-side sticky flag the quantize kernels raise on NaN/Inf input (synchronises).
 bool take_nonfinite_flag(bool clear);
+
+// ops::grouped_gemm on CUDA operands (checked by the caller; B's groups are n x k); false when it
+// does not apply (more than 128 groups, native block-scaled GEMMs, a transposed B that would need
+// a conversion), and the caller runs one gemm per group.
+bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t n, int64_t k,
+                  Tensor& c, bool accumulate);
 
 // Whether this GPU multiplies NVFP4/MXFP8 operands natively (block-scaled tensor cores, sm_100+).
 bool native_block_scaled_gemm();

@@ -354,7 +354,16 @@ __global__ void bf16_to_f32_pad_kernel(const __nv_bfloat16* __restrict__ in, int
 
 // C = (accumulate ? C : 0) + fl(fl(tmp * sa[m]) * sb[n]) — the CPU's order.
 // sa/sb: per-row scales (stride 1) or one scale for all rows (stride 0); null = none.
-// Rows over blockIdx.y, columns over threads (four at a time when rows are float4-aligned).
+// Grouped GEMMs (grouped_gemm): row m belongs to group g (off[g] <= m < off[g+1]), whose B scales
+// start at sb + g * sb_group_stride. Rows over blockIdx.y, columns over threads (four at a time
+// when rows are float4-aligned).
+constexpr int kMaxEpilogueGroups = 128;
+struct EpilogueGroups {
+  int count = 0;  // 0: one group
+  int64_t sb_group_stride = 0;
+  int64_t off[kMaxEpilogueGroups + 1] = {};
+};
+
 __device__ __forceinline__ float scale_one(float t, float a, const float* sb, int64_t n, int sb_stride,
                                            bool has_a) {
   float r = has_a ? num::mul_rn(t, a) : t;
@@ -362,12 +371,19 @@ __device__ __forceinline__ float scale_one(float t, float a, const float* sb, in
 }
 
 __global__ void scale_epilogue_kernel(const float* __restrict__ tmp, const float* __restrict__ sa,
-                                      int sa_stride, const float* __restrict__ sb, int sb_stride,
-                                      int64_t M, int64_t N, bool accumulate, bool vec4, float* __restrict__ c) {
+                                      int sa_stride, const float* __restrict__ sb_all, int sb_stride,
+                                      const EpilogueGroups groups, int64_t M, int64_t N, bool accumulate,
+                                      bool vec4, float* __restrict__ c) {
   const int64_t step = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const bool has_a = sa != nullptr;
   for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
     const float a = sa ? sa[m * sa_stride] : 1.0f;
+    int g = 0;  // the last group starting at or before m (binary search over the offsets)
+    for (int lo = 0, hi = groups.count; lo < hi;) {
+      const int mid = (lo + hi + 1) / 2;
+      if (groups.off[mid] <= m) g = lo = mid; else hi = mid - 1;
+    }
+    const float* sb = sb_all ? sb_all + g * groups.sb_group_stride : nullptr;
     const float* t = tmp + m * N;
     float* cr = c + m * N;
     if (vec4) {
@@ -389,6 +405,15 @@ __global__ void scale_epilogue_kernel(const float* __restrict__ tmp, const float
       }
     }
   }
+}
+
+void launch_scale_epilogue(const Tensor& tmp, const float* sa, int sa_stride, const float* sb, int sb_stride,
+                           const EpilogueGroups& groups, int64_t M, int64_t N, bool accumulate, Tensor& c) {
+  const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(c.raw()) % 16 == 0;
+  const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(M, 8192)));
+  scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa, sa_stride, sb, sb_stride, groups, M, N,
+                                                    accumulate, vec4, c.data<float>());
+  FOURBIT_LAUNCH_CHECK();
 }
 
 struct Materialized {
@@ -630,13 +655,67 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
     const Materialized B = materialize(b, k_eff, f32);
     matmul_nt(A.op, B.op, out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, beta);
   }
-  if (scaled) {
-    const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(c.raw()) % 16 == 0;
-    const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(M, 8192)));
-    scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa.ptr, sa.stride, sb.ptr, sb.stride, M, N,
-                                                      accumulate, vec4, c.data<float>());
-    FOURBIT_LAUNCH_CHECK();
+  if (scaled) launch_scale_epilogue(tmp, sa.ptr, sa.stride, sb.ptr, sb.stride, EpilogueGroups{}, M, N, accumulate, c);
+}
+
+// One decode of A and of every slice of B, then one cuBLASLt call per non-empty group (each with
+// the algorithm a single gemm of that shape would use, spread over the GPU lanes), then one
+// epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
+// three or four per group.
+bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
+                  Tensor& c, bool accumulate) {
+  const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
+  if (G > kMaxEpilogueGroups || native_block_scaled_gemm()) return false;  // the caller loops
+  const QTensor* qb = b.q();
+  auto padded = [](const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); };
+  const int64_t k_eff = std::max(padded(a), qb ? qb->padded_cols() : K);
+  const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
+  // B as one operand of G stacked groups: slice g starts b_slice elements after slice 0.
+  Tensor b2;
+  Materialized B;
+  int64_t b_slice = 0;
+  if (qb) {
+    B = materialize(Operand(*qb), k_eff, f32);
+    b_slice = N * B.op.ld;
+  } else if (!b.trans()) {
+    b2 = b.dense()->reshape({G * N, K});
+    B = materialize(Operand(b2), k_eff, f32);
+    b_slice = N * B.op.ld;
+  } else {  // [G, K, N]: used in place, so it must not need padding or a type conversion
+    if (K != k_eff || (b.dense()->dtype() == DType::F32) != f32) return false;
+    B.op = MatmulOperand{b.dense()->raw(), true, N, 0};
+    b_slice = K * N;
   }
+  OuterScales sa = outer_scales_of(a), sb;
+  EpilogueGroups groups;
+  groups.count = int(G);
+  for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
+  if (qb && qb->outer != OuterScale::None) {
+    sb.ptr = qb->outer_scales.data<float>();
+    sb.stride = qb->outer == OuterScale::PerRow ? 1 : 0;
+    groups.sb_group_stride = qb->outer == OuterScale::PerRow ? N : qb->outer == OuterScale::PerSlice ? 1 : 0;
+  }
+  // With outer scales the sums go to a temporary and the scales follow in the CPU's order.
+  const bool scaled = sa.ptr || sb.ptr;
+  Tensor tmp = scaled ? Tensor::empty({M, N}, DType::F32, Device::CUDA) : Tensor();
+  float* out = scaled ? tmp.data<float>() : c.data<float>();
+  const float beta = !scaled && accumulate ? 1.0f : 0.0f;
+  const Materialized A = materialize(a, k_eff, f32);
+  const size_t elem = f32 ? 4 : 2;
+  {
+    Lanes lanes(Device::CUDA, 4);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;
+      if (rows == 0) continue;
+      lanes.use(g);
+      MatmulOperand ag = A.op, bg = B.op;
+      ag.ptr = static_cast<const char*>(A.op.ptr) + size_t(r0 * A.op.ld) * elem;
+      bg.ptr = static_cast<const char*>(B.op.ptr) + size_t(g * b_slice) * elem;
+      matmul_nt(ag, bg, out + r0 * N, N, 0, rows, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, beta);
+    }
+  }
+  if (scaled) launch_scale_epilogue(tmp, sa.ptr, sa.stride, sb.ptr, sb.stride, groups, M, N, accumulate, c);
+  return true;
 }
 
 }  // namespace fourbit::ops::cuda

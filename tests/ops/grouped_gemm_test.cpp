@@ -1,0 +1,87 @@
+// defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
+// of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), and malformed offsets or
+// shapes fail with a message naming what was expected. (The GPU's single-decode, lanes and
+// one-epilogue implementation is compared with the per-group loop in CudaGroupedGemm.*.)
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "ops/op_test_util.h"
+#include "test_util.h"
+
+using namespace fourbit;
+using fourbit::optest::random_tensor;
+using fourbit::testutil::error_of;
+
+namespace {
+
+// C rows of group g computed alone with ops::gemm.
+Tensor per_group(const ops::Operand& a, const std::vector<const Tensor*>& b_dense, const std::vector<QTensor>& b_q,
+                 const std::vector<int64_t>& offsets, int64_t n, bool trans) {
+  Tensor c = Tensor::empty({offsets.back(), n}, DType::F32);
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    if (offsets[g] == offsets[g + 1]) continue;
+    Tensor cg = c.slice_rows(offsets[g], offsets[g + 1]);
+    QTensor qa;
+    Tensor da;
+    if (a.q()) qa = ops::qtensor_rows(*a.q(), offsets[g], offsets[g + 1]);
+    else da = a.dense()->slice_rows(offsets[g], offsets[g + 1]);
+    const ops::Operand b = b_q.empty() ? ops::Operand(*b_dense[g], trans) : ops::Operand(b_q[g]);
+    ops::gemm(a.q() ? ops::Operand(qa) : ops::Operand(da), b, cg);
+  }
+  return c;
+}
+
+bool same_bits(const Tensor& x, const Tensor& y) {
+  return x.nbytes() == y.nbytes() && std::memcmp(x.raw(), y.raw(), size_t(x.nbytes())) == 0;
+}
+
+}  // namespace
+
+TEST(GroupedGemm, EachGroupEqualsItsOwnGemm) {
+  const int64_t K = 48, N = 24, G = 4;
+  const std::vector<int64_t> offsets{0, 9, 9, 30, 33};
+  const Tensor x = random_tensor({33, K}, DType::F32, 1), w = random_tensor({G, N, K}, DType::F32, 2);
+  const Tensor wt = random_tensor({G, K, N}, DType::F32, 3);
+  std::vector<Tensor> w_views, wt_views;
+  std::vector<const Tensor*> w_ptrs, wt_ptrs;
+  for (int64_t g = 0; g < G; ++g) {
+    w_views.push_back(w.view(g * N * K, {N, K}));
+    wt_views.push_back(wt.view(g * N * K, {K, N}));
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    w_ptrs.push_back(&w_views[size_t(g)]);
+    wt_ptrs.push_back(&wt_views[size_t(g)]);
+  }
+  Tensor c = Tensor::empty({33, N}, DType::F32);
+  ops::grouped_gemm(x, w, offsets, c);
+  EXPECT_TRUE(same_bits(c, per_group(x, w_ptrs, {}, offsets, N, false))) << "dense [G, N, K]";
+  ops::grouped_gemm(x, w.reshape({G * N, K}), offsets, c);
+  EXPECT_TRUE(same_bits(c, per_group(x, w_ptrs, {}, offsets, N, false))) << "dense [G * N, K]";
+  ops::grouped_gemm(x, ops::Operand(wt, true), offsets, c);
+  EXPECT_TRUE(same_bits(c, per_group(x, wt_ptrs, {}, offsets, N, true))) << "dense [G, K, N] transposed";
+
+  QuantSpec sx, sw;
+  sx.fmt = sw.fmt = Format::NVFP4;
+  sx.outer = OuterScale::PerRow;
+  sw.outer = OuterScale::PerSlice;
+  const QTensor xq = ops::quantize(x, sx), wq = ops::quantize(w, sw);
+  std::vector<QTensor> slices;
+  for (int64_t g = 0; g < G; ++g) slices.push_back(ops::qtensor_slice(wq, g));
+  ops::grouped_gemm(xq, wq, offsets, c);
+  EXPECT_TRUE(same_bits(c, per_group(ops::Operand(xq), {}, slices, offsets, N, false))) << "nvfp4";
+}
+
+TEST(GroupedGemm, BadOffsetsAndShapesAreClearErrors) {
+  const Tensor x = random_tensor({10, 16}, DType::F32, 4), w = random_tensor({2, 8, 16}, DType::F32, 5);
+  Tensor c = Tensor::empty({10, 8}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 6, 4}, c); }).find("must not decrease"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 4, 9}, c); }).find("from 0 to A's 10 rows"), std::string::npos);
+  EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 2, 4, 10}, c); }).find("B has 2 slices for 3 groups"),
+            std::string::npos);
+  Tensor bad = Tensor::empty({10, 9}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 4, 10}, bad); }).find("does not match [10, 8]"),
+            std::string::npos);
+}
