@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|all]...
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|all]... [pack]
+# `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
@@ -39,4 +40,7 @@ if has torch; then
   python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
     --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"
   log done
+fi
+if [ "${steps[${#steps[@]}-1]}" = pack ]; then
+  (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz all.tgz)
 fi

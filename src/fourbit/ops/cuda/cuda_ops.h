@@ -1,7 +1,8 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
-// the default stream; results that the host reads (losses, counts) synchronise.
+// cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
+// (losses, counts) synchronise.
 #pragma once
 #include "fourbit/ops/ops.h"
 

@@ -544,6 +544,32 @@ __device__ __forceinline__ float finite_amax_counting(const float (&v)[B], unsig
   return a;
 }
 
+// The fast MXFP8 paths' fallback for a block holding a non-finite value: the generic block
+// quantizer on a copy of v (n values, codes past n stay 0), its 32 codes packed four to a word.
+__device__ __noinline__ uint8_t mxfp8_generic_block(const float (&v)[num::kMxBlock], int n, float amax,
+                                                    num::MiniFloatSpec elem, num::MxScaleRule rule,
+                                                    num::Rounding rounding, uint64_t seed, uint64_t stream,
+                                                    uint64_t index0, uint32_t (&w)[num::kMxBlock / 4]) {
+  constexpr int B = num::kMxBlock;
+  float copy[B];
+  uint8_t c[B];
+  for (int i = 0; i < B; ++i) {
+    copy[i] = v[i];
+    c[i] = 0;
+  }
+  const uint8_t scale = num::mxfp8_quantize_block(copy, n, amax, elem, rule, rounding, seed, stream, index0, c);
+  for (int g = 0; g < B / 4; ++g)
+    w[g] = uint32_t(c[4 * g]) | uint32_t(c[4 * g + 1]) << 8 | uint32_t(c[4 * g + 2]) << 16 | uint32_t(c[4 * g + 3]) << 24;
+  return scale;
+}
+
+// 32 MXFP8 codes (eight words) to dst with two 16-byte stores (dst is 16-byte aligned).
+__device__ __forceinline__ void store_mx_codes(uint8_t* dst, const uint32_t (&w)[num::kMxBlock / 4]) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
 // Four codes of an MXFP8 block under SR as one word: y[i] = bits of x[i] * x_scale (exact where
 // it matters, see Mxfp8Sr; x's sign kept, so the block's inputs need not stay live), r the Philox
 // words of counters 4g .. 4g + 3.
@@ -761,24 +787,10 @@ __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastR
       }
     } else {  // a NaN or Inf in the block: the generic quantizer on a copy
       a = finite_amax_counting(v, nonfinite);
-      float copy[B];
-      uint8_t c[B];
-#pragma unroll
-      for (int i = 0; i < B; ++i) {
-        copy[i] = v[i];
-        c[i] = 0;  // codes past n stay 0
-      }
-      scale = num::mxfp8_quantize_block(copy, n, a, elem, p.mx_rule,
-                                        kSR ? num::Rounding::SR : num::Rounding::RNE, p.seed, p.stream,
-                                        index0, c);
-#pragma unroll
-      for (int g = 0; g < B / 4; ++g)
-        w[g] = uint32_t(c[4 * g]) | uint32_t(c[4 * g + 1]) << 8 | uint32_t(c[4 * g + 2]) << 16 |
-               uint32_t(c[4 * g + 3]) << 24;
+      scale = mxfp8_generic_block(v, n, a, elem, p.mx_rule, kSR ? num::Rounding::SR : num::Rounding::RNE, p.seed,
+                                  p.stream, index0, w);
     }
-    uint4* dst = reinterpret_cast<uint4*>(p.codes + row * p.padded_cols + col);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    store_mx_codes(p.codes + row * p.padded_cols + col, w);
     p.scales[row * p.nb + blk] = scale;
     values = unsigned(n);
     blocks = 1u;
@@ -1079,23 +1091,10 @@ __global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(cons
       mxfp8_sr_block<4>(v, num::pow2f(127 - int(scale)), num::philox_keys(p.seed), p.stream, index0, w);
     } else {  // a non-finite decoded value (a NaN scale byte, or an overflowing S_dec)
       a = finite_amax_counting(v, nonfinite);
-      const int n = int(min64(B, in_rows - col));
-      uint8_t c[B];
-#pragma unroll
-      for (int e = 0; e < B; ++e) c[e] = 0;  // codes past n stay 0
-      float copy[B];
-#pragma unroll
-      for (int e = 0; e < B; ++e) copy[e] = v[e];
-      scale = num::mxfp8_quantize_block(copy, n, a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
-                                        num::Rounding::SR, p.seed, p.stream, index0, c);
-#pragma unroll
-      for (int g = 0; g < B / 4; ++g)
-        w[g] = uint32_t(c[4 * g]) | uint32_t(c[4 * g + 1]) << 8 | uint32_t(c[4 * g + 2]) << 16 |
-               uint32_t(c[4 * g + 3]) << 24;
+      scale = mxfp8_generic_block(v, int(min64(B, in_rows - col)), a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
+                                  num::Rounding::SR, p.seed, p.stream, index0, w);
     }
-    uint4* dst = reinterpret_cast<uint4*>(p.codes + row * p.out_padded_cols + col);
-    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    store_mx_codes(p.codes + row * p.out_padded_cols + col, w);
     p.scales[row * p.out_nb + col / B] = scale;
   }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
