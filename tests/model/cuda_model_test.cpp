@@ -1,11 +1,13 @@
 // defines: GPU model tests (skipped without a GPU): 50 steps of configs/tiny.toml on the GPU track
-// the CPU loss curve for every recipe (same first-step loss, curves within a few percent); a sequence's logits on the GPU are bitwise the same alone
+// the CPU loss curve for every recipe (same first-step loss, curves within a few percent); two GPU
+// runs write byte-identical metrics; a sequence's logits on the GPU are bitwise the same alone
 // and inside a batch of 8 (every recipe with per-token activation scales).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -77,6 +79,34 @@ TEST_P(CudaTraining, FiftyStepsTrackTheCpuLossCurve) {
   EXPECT_LT(first, 2e-3);
   EXPECT_LT(mean, 0.06);
   EXPECT_LT(eval, 0.07);
+}
+
+// GPU training is deterministic: two runs from the same seed write byte-identical metrics (every
+// loss and gradient norm to full precision) although the experts' GEMMs and quantizers run on
+// concurrent lanes and the weight-gradient GEMMs may split K.
+TEST_P(CudaTraining, TwoRunsWriteTheSameMetrics) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::string recipe = GetParam();
+  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
+  cfg.train.steps = 12;
+  cfg.train.eval_every = 6;
+  cfg.train.log_every = 1;
+  const std::string root = std::string(FOURBIT_TEST_DATA_DIR) + "/cuda_determinism_" + recipe;
+  std::filesystem::remove_all(root);
+  PretrainOptions opt;
+  opt.config = cfg;
+  opt.recipe = recipe;
+  opt.quiet = true;
+  opt.device = Device::CUDA;
+  std::string text[2];
+  for (int run = 0; run < 2; ++run) {
+    opt.out_dir = root + "/run" + std::to_string(run);
+    pretrain(opt);
+    std::ifstream in(std::filesystem::path(opt.out_dir) / "metrics.jsonl");
+    text[run].assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_FALSE(text[0].empty());
+  EXPECT_EQ(text[0], text[1]);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, CudaTraining,
