@@ -39,12 +39,14 @@
 // RNE) to 200 (NVFP4 Four Over Six) instructions per element, most of them in minifloat_encode's
 // integer rounding and in Philox. A quantizer at 75% of a device copy's rate on float32 input has
 // ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
-// elements/s). The fast paths spend, counted in PTX (ptxas fuses some into LOP3/LEA/IMAD.WIDE,
-// so SASS is a little lower): NVFP4 per-token RNE ~15 per element, Four Over Six ~36 (two
-// candidates' rounding by float adds, 5 float ops each for the error sums), MXFP8 RNE ~6
-// (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70 operations a call shared by
-// 4 elements, with 32-bit multiply-high), requantize_transposed ~45 (decode ~10 + SR; its bound
-// is ~18, see the kernel). Not measured on a GPU when written: re-run bench/gpu_quant.
+// elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
+// Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
+// sums), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70
+// operations a call shared by 4 elements, with 32-bit multiply-high), requantize_transposed ~45
+// (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an H200 (2026-11-30,
+// bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over Six 0.53 (ncu:
+// 55 SASS instructions per element with the loads, stores and staging, 82% of issue slots busy),
+// MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18.
 #include <cuda_runtime.h>
 
 #include <algorithm>
