@@ -352,6 +352,32 @@ __global__ void bf16_to_f32_pad_kernel(const __nv_bfloat16* __restrict__ in, int
   }
 }
 
+// An operand's NVFP4 outer scales as the epilogue reads them: row/column i of group g (slice g
+// of a multi-slice B in grouped_gemm) uses ptr[g * group_stride + i * stride].
+struct OuterScales {
+  const float* ptr = nullptr;  // device, or null: no outer scales
+  int stride = 0;              // 1: one per row; 0: one for the whole operand (or slice)
+  int64_t group_stride = 0;    // per-row: rows per slice; per-slice: 1; per-tensor: 0
+};
+
+OuterScales outer_scales_of(const Operand& op) {
+  const QTensor* q = op.q();
+  if (!q || q->outer == OuterScale::None) return {};
+  const bool per_row = q->outer == OuterScale::PerRow;
+  return {q->outer_scales.data<float>(), per_row ? 1 : 0,
+          per_row ? q->rows : q->outer == OuterScale::PerSlice ? 1 : 0};
+}
+
+// The epilogue reads one scale per slice only through grouped_gemm's groups: elsewhere a
+// multi-slice QTensor with per-slice scales must arrive sliced.
+void expect_unsliced_scales(const Operand& op) {
+  if (op.q() && op.q()->slices != 1 && op.q()->outer == OuterScale::PerSlice)
+    fail("gemm: a multi-slice QTensor with per-slice scales must be sliced first (qtensor_slice)");
+}
+
+// K of an operand as the GEMM runs it: block-scaled operands are zero-padded to whole blocks.
+int64_t padded_k(const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); }
+
 // C = (accumulate ? C : 0) + fl(fl(tmp * sa[m]) * sb[n]) — the CPU's order.
 // sa/sb: per-row scales (stride 1) or one scale for all rows (stride 0); null = none.
 // Grouped GEMMs (grouped_gemm): row m belongs to group g (off[g] <= m < off[g+1]), whose B scales
@@ -360,7 +386,7 @@ __global__ void bf16_to_f32_pad_kernel(const __nv_bfloat16* __restrict__ in, int
 constexpr int kMaxEpilogueGroups = 128;
 struct EpilogueGroups {
   int count = 0;  // 0: one group
-  int64_t sb_group_stride = 0;
+  int64_t sb_group_stride = 0;  // OuterScales::group_stride of B
   int64_t off[kMaxEpilogueGroups + 1] = {};
 };
 
@@ -407,13 +433,29 @@ __global__ void scale_epilogue_kernel(const float* __restrict__ tmp, const float
   }
 }
 
-void launch_scale_epilogue(const Tensor& tmp, const float* sa, int sa_stride, const float* sb, int sb_stride,
-                           const EpilogueGroups& groups, int64_t M, int64_t N, bool accumulate, Tensor& c) {
+void launch_scale_epilogue(const Tensor& tmp, const OuterScales& sa, const OuterScales& sb, EpilogueGroups groups,
+                           int64_t M, int64_t N, bool accumulate, Tensor& c) {
+  groups.sb_group_stride = sb.group_stride;
   const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(c.raw()) % 16 == 0;
   const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(M, 8192)));
-  scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa, sa_stride, sb, sb_stride, groups, M, N,
-                                                    accumulate, vec4, c.data<float>());
+  scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa.ptr, sa.stride, sb.ptr, sb.stride, groups,
+                                                    M, N, accumulate, vec4, c.data<float>());
   FOURBIT_LAUNCH_CHECK();
+}
+
+// Where a GEMM's FP32 sums go: C itself (beta 1 to accumulate), or, when an operand has outer
+// scales, a temporary that launch_scale_epilogue then scales into C in the CPU's order.
+struct SumTarget {
+  Tensor tmp;
+  float* out;
+  float beta;
+};
+SumTarget sum_target(bool scaled, int64_t M, int64_t N, Tensor& c, bool accumulate) {
+  SumTarget t;
+  if (scaled) t.tmp = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+  t.out = scaled ? t.tmp.data<float>() : c.data<float>();
+  t.beta = !scaled && accumulate ? 1.0f : 0.0f;
+  return t;
 }
 
 struct Materialized {
@@ -421,19 +463,6 @@ struct Materialized {
   MatmulOperand op;
 };
 
-struct OuterScales {
-  const float* ptr = nullptr;  // NVFP4 outer scales (device), or null
-  int stride = 0;              // 1: one per row; 0: one for the whole operand
-};
-
-OuterScales outer_scales_of(const Operand& op) {
-  const QTensor* q = op.q();
-  if (!q || q->outer == OuterScale::None) return {};
-  if (q->slices != 1 && q->outer == OuterScale::PerSlice)
-    fail("gemm: a multi-slice QTensor with per-slice scales must be sliced first (qtensor_slice)");
-  // per-slice with one slice is one scale, like per-tensor
-  return {q->outer_scales.data<float>(), q->outer == OuterScale::PerRow ? 1 : 0};
-}
 
 Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   Materialized m;
@@ -640,22 +669,20 @@ bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, in
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   if (c.dtype() != DType::F32) fail("gemm: GPU output must be f32, got {}", c.str());
   const int64_t M = a.rows(), N = b.rows();
+  expect_unsliced_scales(a);
+  expect_unsliced_scales(b);
   const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
-  // With outer scales the sum goes to a temporary and the scales follow in the CPU's order.
   const bool scaled = sa.ptr || sb.ptr;
-  Tensor tmp = scaled ? Tensor::empty({M, N}, DType::F32, Device::CUDA) : Tensor();
-  void* out = scaled ? tmp.raw() : c.raw();
-  const float beta = !scaled && accumulate ? 1.0f : 0.0f;
-  if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), out, M, N, beta))) {
-    auto padded = [](const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); };
-    const int64_t k_eff = std::max(padded(a), padded(b));
+  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
+  if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), t.out, M, N, t.beta))) {
+    const int64_t k_eff = std::max(padded_k(a), padded_k(b));
     // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
     const bool f32 = is_dense_f32(a) || is_dense_f32(b);
     const Materialized A = materialize(a, k_eff, f32);
     const Materialized B = materialize(b, k_eff, f32);
-    matmul_nt(A.op, B.op, out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, beta);
+    matmul_nt(A.op, B.op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
   }
-  if (scaled) launch_scale_epilogue(tmp, sa.ptr, sa.stride, sb.ptr, sb.stride, EpilogueGroups{}, M, N, accumulate, c);
+  if (scaled) launch_scale_epilogue(t.tmp, sa, sb, EpilogueGroups{}, M, N, accumulate, c);
 }
 
 // One decode of A and of every slice of B, then one cuBLASLt call per non-empty group (each with
@@ -666,9 +693,9 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
                   Tensor& c, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
   if (G > kMaxEpilogueGroups || native_block_scaled_gemm()) return false;  // the caller loops
+  expect_unsliced_scales(a);
   const QTensor* qb = b.q();
-  auto padded = [](const Operand& op) { return op.q() ? op.q()->padded_cols() : op.k(); };
-  const int64_t k_eff = std::max(padded(a), qb ? qb->padded_cols() : K);
+  const int64_t k_eff = std::max(padded_k(a), qb ? qb->padded_cols() : K);
   const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
   // B as one operand of G stacked groups: slice g starts b_slice elements after slice 0.
   Tensor b2;
@@ -686,20 +713,12 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
     B.op = MatmulOperand{b.dense()->raw(), true, N, 0};
     b_slice = K * N;
   }
-  OuterScales sa = outer_scales_of(a), sb;
+  const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
   EpilogueGroups groups;
   groups.count = int(G);
   for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
-  if (qb && qb->outer != OuterScale::None) {
-    sb.ptr = qb->outer_scales.data<float>();
-    sb.stride = qb->outer == OuterScale::PerRow ? 1 : 0;
-    groups.sb_group_stride = qb->outer == OuterScale::PerRow ? N : qb->outer == OuterScale::PerSlice ? 1 : 0;
-  }
-  // With outer scales the sums go to a temporary and the scales follow in the CPU's order.
   const bool scaled = sa.ptr || sb.ptr;
-  Tensor tmp = scaled ? Tensor::empty({M, N}, DType::F32, Device::CUDA) : Tensor();
-  float* out = scaled ? tmp.data<float>() : c.data<float>();
-  const float beta = !scaled && accumulate ? 1.0f : 0.0f;
+  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
   const Materialized A = materialize(a, k_eff, f32);
   const size_t elem = f32 ? 4 : 2;
   {
@@ -711,10 +730,10 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
       MatmulOperand ag = A.op, bg = B.op;
       ag.ptr = static_cast<const char*>(A.op.ptr) + size_t(r0 * A.op.ld) * elem;
       bg.ptr = static_cast<const char*>(B.op.ptr) + size_t(g * b_slice) * elem;
-      matmul_nt(ag, bg, out + r0 * N, N, 0, rows, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, beta);
+      matmul_nt(ag, bg, t.out + r0 * N, N, 0, rows, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
     }
   }
-  if (scaled) launch_scale_epilogue(tmp, sa.ptr, sa.stride, sb.ptr, sb.stride, groups, M, N, accumulate, c);
+  if (scaled) launch_scale_epilogue(t.tmp, sa, sb, groups, M, N, accumulate, c);
   return true;
 }
 
