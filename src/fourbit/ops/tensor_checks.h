@@ -1,5 +1,5 @@
-// defines: expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
-//          expect_gather_args
+// defines: str_or_undef, expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
+//          expect_gather_args, expect_router_backward_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -9,6 +9,9 @@
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit::ops {
+
+// "undefined " for an undefined tensor, "" otherwise: messages print it before t.str().
+inline const char* str_or_undef(const Tensor& t) { return t.defined() ? "" : "undefined "; }
 
 // Exactly dtype `dt` and shape `shape` on `dev`; `sym` is the symbolic shape ("[D]").
 inline void expect_dims_on(Device dev, const char* op, const char* name, const Tensor& t, DType dt,
@@ -47,6 +50,24 @@ inline CombineShape expect_combine_args(Device dev, const char* op, DType dt, in
   expect_dims_on(dev, op, "slot_of", slot_of, DType::I32, {N, k}, "[N, k]");
   expect_dims_on(dev, op, "w", w, dt, {N, k}, "[N, k]");
   return {M, k};
+}
+
+// router_backward: probs [N, E] of dtype `dt` (checked by the caller), topk_idx i32 [N, k],
+// topk_w, d_topk_w [N, k], d_probs [N, E] or undefined (no extra gradient), d_logits [N, E].
+// Returns k.
+inline int64_t expect_router_backward_args(Device dev, const char* op, DType dt, int64_t N, int64_t E,
+                                           const Tensor& topk_idx, const Tensor& topk_w,
+                                           const Tensor& d_topk_w, const Tensor& d_probs,
+                                           const Tensor& d_logits) {
+  if (!topk_idx.defined() || topk_idx.dim() != 2)
+    fail("{}: topk_idx must be i32[N, k], got {}{}", op, str_or_undef(topk_idx), topk_idx.defined() ? topk_idx.str() : "");
+  const int64_t k = topk_idx.size(1);
+  expect_dims_on(dev, op, "topk_idx", topk_idx, DType::I32, {N, k}, "[N, k]");
+  expect_dims_on(dev, op, "topk_w", topk_w, dt, {N, k}, "[N, k]");
+  expect_dims_on(dev, op, "d_topk_w", d_topk_w, dt, {N, k}, "[N, k]");
+  if (d_probs.defined()) expect_dims_on(dev, op, "d_probs", d_probs, dt, {N, E}, "[N, E]");
+  expect_dims_on(dev, op, "d_logits", d_logits, dt, {N, E}, "[N, E]");
+  return k;
 }
 
 // gather_rows over dense rows: x [N, D] (any dtype), token_of_slot i32 [M], x_perm [M, D] like x.

@@ -31,8 +31,6 @@ void check_range(const char* op, const char* name, const Tensor& idx, int64_t li
     }
 }
 
-const char* str_or_undef(const Tensor& t) { return t.defined() ? "" : "undefined "; }
-
 // ---- router -----------------------------------------------------------------------------------
 
 template <typename T>
@@ -181,16 +179,7 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   const char* op = "router_backward";
   const DType dt = expect_float(op, "probs", probs, 2, "[N, E]");
   const int64_t N = probs.size(0), E = probs.size(1);
-  if (!topk_idx.defined() || topk_idx.dim() != 2)
-    fail("{}: topk_idx must be i32[N, k], got {}{}", op, str_or_undef(topk_idx),
-         topk_idx.defined() ? topk_idx.str() : "");
-  const int64_t k = topk_idx.size(1);
-  expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
-  expect_dims(op, "topk_w", topk_w, dt, {N, k}, "[N, k]");
-  expect_dims(op, "d_topk_w", d_topk_w, dt, {N, k}, "[N, k]");
-  // An undefined d_probs means no extra gradient on the probabilities.
-  if (d_probs.defined()) expect_dims(op, "d_probs", d_probs, dt, {N, E}, "[N, E]");
-  expect_dims(op, "d_logits", d_logits, dt, {N, E}, "[N, E]");
+  const int64_t k = expect_router_backward_args(Device::CPU, op, dt, N, E, topk_idx, topk_w, d_topk_w, d_probs, d_logits);
   check_range(op, "topk_idx", topk_idx, E, "E");
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);

@@ -447,8 +447,6 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // ---- host helpers -----------------------------------------------------------------------------
 
-const char* str_or_undef(const Tensor& t) { return t.defined() ? "" : "undefined "; }
-
 // slot_of must be a CUDA i32[N, k] for the given N; returns k.
 int64_t expect_slot_of(const char* op, const Tensor& slot_of, int64_t N) {
   if (!slot_of.defined() || slot_of.dim() != 2 || slot_of.size(0) != N)
@@ -523,16 +521,8 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   const char* op = "router_backward";
   expect_f32(op, "probs", probs, 2, "[N, E]");
   const int64_t N = probs.size(0), E = probs.size(1);
-  if (!topk_idx.defined() || topk_idx.dim() != 2)
-    fail("{}: topk_idx must be i32[N, k], got {}{}", op, str_or_undef(topk_idx),
-         topk_idx.defined() ? topk_idx.str() : "");
-  const int64_t k = topk_idx.size(1);
-  expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
-  expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
-  expect_dims(op, "d_topk_w", d_topk_w, DType::F32, {N, k}, "[N, k]");
-  // An undefined d_probs means no extra gradient on the probabilities.
-  if (d_probs.defined()) expect_dims(op, "d_probs", d_probs, DType::F32, {N, E}, "[N, E]");
-  expect_dims(op, "d_logits", d_logits, DType::F32, {N, E}, "[N, E]");
+  const int64_t k =
+      expect_router_backward_args(Device::CUDA, op, DType::F32, N, E, topk_idx, topk_w, d_topk_w, d_probs, d_logits);
   if (N == 0) return;
   router_backward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
