@@ -34,6 +34,18 @@ std::vector<double> losses(const std::string& run_dir, const char* key) {
   return out;
 }
 
+// configs/tiny.toml for `steps` steps of `recipe`, quiet; `root` (where the runs go) is emptied.
+PretrainOptions tiny_run(const std::string& recipe, int64_t steps, int64_t eval_every, const std::string& root) {
+  PretrainOptions opt;
+  opt.config = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
+  opt.config.train.steps = steps;
+  opt.config.train.eval_every = eval_every;
+  opt.recipe = recipe;
+  opt.quiet = true;
+  std::filesystem::remove_all(root);
+  return opt;
+}
+
 }  // namespace
 
 class CudaTraining : public ::testing::TestWithParam<std::string> {};
@@ -41,15 +53,8 @@ class CudaTraining : public ::testing::TestWithParam<std::string> {};
 TEST_P(CudaTraining, FiftyStepsTrackTheCpuLossCurve) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string recipe = GetParam();
-  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
-  cfg.train.steps = 50;
-  cfg.train.eval_every = 25;
   const std::string root = std::string(FOURBIT_TEST_DATA_DIR) + "/cuda_track_" + recipe;
-  std::filesystem::remove_all(root);
-  PretrainOptions opt;
-  opt.config = cfg;
-  opt.recipe = recipe;
-  opt.quiet = true;
+  PretrainOptions opt = tiny_run(recipe, 50, 25, root);
   opt.device = Device::CPU;
   opt.out_dir = root + "/cpu";
   const TrainSummary cpu = pretrain(opt);
@@ -87,16 +92,9 @@ TEST_P(CudaTraining, FiftyStepsTrackTheCpuLossCurve) {
 TEST_P(CudaTraining, TwoRunsWriteTheSameMetrics) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string recipe = GetParam();
-  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
-  cfg.train.steps = 12;
-  cfg.train.eval_every = 6;
-  cfg.train.log_every = 1;
   const std::string root = std::string(FOURBIT_TEST_DATA_DIR) + "/cuda_determinism_" + recipe;
-  std::filesystem::remove_all(root);
-  PretrainOptions opt;
-  opt.config = cfg;
-  opt.recipe = recipe;
-  opt.quiet = true;
+  PretrainOptions opt = tiny_run(recipe, 12, 6, root);
+  opt.config.train.log_every = 1;
   opt.device = Device::CUDA;
   std::string text[2];
   for (int run = 0; run < 2; ++run) {
