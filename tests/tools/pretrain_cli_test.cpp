@@ -81,60 +81,65 @@ std::vector<std::string> names_of(const std::map<std::string, std::string>& snap
 
 }  // namespace
 
+// A fresh test dir for a pretrain run that must fail: file() writes an input and returns its
+// path, pretrain_error() runs `pretrain ARGS --out DIR/run` and returns its one error line.
+struct FailingRun {
+  std::string dir = fresh_test_dir("cli_tests");
+  std::string file(const std::string& name, const std::string& text) const {
+    write_text(dir + "/" + name, text);
+    return dir + "/" + name;
+  }
+  std::string pretrain_error(const std::string& args) const {
+    return expect_one_error(run_cli(dir, "pretrain " + args + " --out " + dir + "/run"));
+  }
+};
+
 TEST(PretrainCli, MalformedTomlNamesTheFileAndLine) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/broken.toml", "[model]\nd_model = 32\nn_layers = = 2\n");
-  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/broken.toml --out " + dir + "/run"));
+  const FailingRun run;
+  const std::string msg = run.pretrain_error("--config " + run.file("broken.toml", "[model]\nd_model = 32\nn_layers = = 2\n"));
   EXPECT_HAS(msg, "broken.toml:3");
   EXPECT_HAS(msg, "malformed TOML");
-  EXPECT_FALSE(fs::exists(dir + "/run"));
+  EXPECT_FALSE(fs::exists(run.dir + "/run"));
 }
 
 TEST(PretrainCli, UnknownFieldIsNamed) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/typo.toml", "[model]\nd_model = 32\nd_modle = 64\n");
-  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/typo.toml --out " + dir + "/run"));
+  const FailingRun run;
+  const std::string msg = run.pretrain_error("--config " + run.file("typo.toml", "[model]\nd_model = 32\nd_modle = 64\n"));
   EXPECT_HAS(msg, "typo.toml:3");
   EXPECT_HAS(msg, "model.d_modle");
   EXPECT_HAS(msg, "unknown field");
 }
 
 TEST(PretrainCli, UnknownRecipeListsTheKnownOnes) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/ok.toml", good_config());
-  const std::string msg =
-      expect_one_error(run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp5 --out " + dir + "/run"));
+  const FailingRun run;
+  const std::string msg = run.pretrain_error("--config " + run.file("ok.toml", good_config()) + " --recipe nvfp5");
   EXPECT_HAS(msg, "nvfp5");
   for (const char* n : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) EXPECT_HAS(msg, n);
-  EXPECT_FALSE(fs::exists(dir + "/run"));
+  EXPECT_FALSE(fs::exists(run.dir + "/run"));
 }
 
 TEST(PretrainCli, WrongTypeSaysWhatWasExpected) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/type.toml", "[train]\nsteps = \"many\"\n");
-  const std::string msg = expect_one_error(run_cli(dir, "pretrain --config " + dir + "/type.toml --out " + dir + "/run"));
+  const FailingRun run;
+  const std::string msg = run.pretrain_error("--config " + run.file("type.toml", "[train]\nsteps = \"many\"\n"));
   EXPECT_HAS(msg, "type.toml:2");
   EXPECT_HAS(msg, "train.steps");
   EXPECT_HAS(msg, "expected an integer");
 }
 
 TEST(PretrainCli, EmptyTextDataIsNamed) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/ok.toml", good_config());
-  write_text(dir + "/empty.txt", "");
-  const std::string msg = expect_one_error(
-      run_cli(dir, "pretrain --config " + dir + "/ok.toml --data text:" + dir + "/empty.txt --out " + dir + "/run"));
-  EXPECT_HAS(msg, dir + "/empty.txt");
+  const FailingRun run;
+  const std::string msg =
+      run.pretrain_error("--config " + run.file("ok.toml", good_config()) + " --data text:" + run.file("empty.txt", ""));
+  EXPECT_HAS(msg, run.dir + "/empty.txt");
   EXPECT_HAS(msg, "empty");
 }
 
 TEST(PretrainCli, NonUtf8TextDataIsNamed) {
-  const std::string dir = fresh_test_dir("cli_tests");
-  write_text(dir + "/ok.toml", good_config());
-  write_text(dir + "/latin1.txt", std::string("caf\xe9 au lait, na\xefve text that is not UTF-8\n"));
-  const std::string msg = expect_one_error(
-      run_cli(dir, "pretrain --config " + dir + "/ok.toml --data text:" + dir + "/latin1.txt --out " + dir + "/run"));
-  EXPECT_HAS(msg, dir + "/latin1.txt");
+  const FailingRun run;
+  const std::string msg = run.pretrain_error(
+      "--config " + run.file("ok.toml", good_config()) + " --data text:" +
+      run.file("latin1.txt", std::string("caf\xe9 au lait, na\xefve text that is not UTF-8\n")));
+  EXPECT_HAS(msg, run.dir + "/latin1.txt");
   EXPECT_HAS(msg, "not valid UTF-8");
 }
 
