@@ -87,14 +87,6 @@ void reference(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
     }
 }
 
-template <typename F>
-void with_threads(int n, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(saved);
-}
-
 }  // namespace
 
 TEST(AttentionOps, ForwardMatchesReference) {

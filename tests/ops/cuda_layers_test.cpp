@@ -91,18 +91,6 @@ Tensor gpu_row(const Tensor& t, int64_t r) {
 // Row r of a 2-D tensor (any device) as a host [1, C] tensor.
 Tensor host_row(const Tensor& t, int64_t r) { return host(t.slice_rows(r, r + 1)); }
 
-// Each token picks k distinct experts at random.
-Tensor random_routing(int64_t N, int64_t E, int64_t k, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> idx(static_cast<size_t>(N * k)), experts(static_cast<size_t>(E));
-  std::iota(experts.begin(), experts.end(), 0);
-  for (int64_t n = 0; n < N; ++n) {
-    std::shuffle(experts.begin(), experts.end(), rng);
-    std::copy_n(experts.begin(), k, idx.begin() + n * k);
-  }
-  return Tensor::from_host(idx.data(), {N, k}, DType::I32);
-}
-
 std::string cfg(const char* fmt_str, int64_t a, int64_t b = -1, int64_t c = -1) {
   char buf[128];
   std::snprintf(buf, sizeof buf, fmt_str, (long long)a, (long long)b, (long long)c);

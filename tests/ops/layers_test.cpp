@@ -17,15 +17,6 @@ using namespace fourbit::optest;
 
 namespace {
 
-// Runs f once with 1 and once with 2 OpenMP threads, restoring the thread count.
-template <typename F>
-void with_threads(int n, F&& f) {
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(saved);
-}
-
 void report(const char* what, double worst) {
   std::printf("[ fd       ] %-34s worst rel err %.3g\n", what, worst);
 }

@@ -19,18 +19,6 @@ using namespace fourbit::optest;
 
 namespace {
 
-// Each token picks k distinct experts at random.
-Tensor random_routing(int64_t N, int64_t E, int64_t k, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<int32_t> idx(static_cast<size_t>(N * k)), experts(static_cast<size_t>(E));
-  std::iota(experts.begin(), experts.end(), 0);
-  for (int64_t n = 0; n < N; ++n) {
-    std::shuffle(experts.begin(), experts.end(), rng);
-    std::copy_n(experts.begin(), k, idx.begin() + n * k);
-  }
-  return int_tensor(idx, {N, k});
-}
-
 void report(const char* what, double worst) {
   std::printf("[ fd       ] %-34s worst rel err %.3g\n", what, worst);
 }

@@ -1,12 +1,14 @@
-// defines: test helpers for the layer ops: random tensors, bitwise comparison, error-message
-//          expectations, and fd_check (central finite differences of L = sum(r * outputs)).
+// defines: test helpers for the layer ops: random tensors and routings, bitwise comparison, error-message
+//          expectations, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
 #pragma once
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +31,27 @@ inline Tensor random_tensor(const Shape& shape, DType dt, uint64_t seed, double 
 
 inline Tensor int_tensor(const std::vector<int32_t>& v, const Shape& shape) {
   return Tensor::from_host(v.data(), shape, DType::I32);
+}
+
+// I32 [N, k] host routing: each token picks k distinct experts of E at random.
+inline Tensor random_routing(int64_t N, int64_t E, int64_t k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> idx(static_cast<size_t>(N * k)), experts(static_cast<size_t>(E));
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int64_t n = 0; n < N; ++n) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::copy_n(experts.begin(), k, idx.begin() + n * k);
+  }
+  return int_tensor(idx, {N, k});
+}
+
+// Runs f with n OpenMP threads, then restores the thread count.
+template <typename F>
+void with_threads(int n, F&& f) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(n);
+  f();
+  omp_set_num_threads(saved);
 }
 
 inline Tensor random_ints(const Shape& shape, int32_t lo, int32_t hi_exclusive, uint64_t seed) {
