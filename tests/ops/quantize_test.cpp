@@ -228,9 +228,11 @@ Ref ref_nvfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
   return out;
 }
 
-// NUMERICS "MXFP8": E from RCEIL (or the OCP floor rule), q_i = elem(x_i * 2^-(E-127)).
-Ref ref_mxfp8(const std::vector<float>& x, const Layout& L, const QuantSpec& spec, ops::RngKey rng) {
-  const bool e4m3 = spec.fmt == Format::MXFP8_E4M3;
+// The 1x32-block skeleton of the MXFP8 and S2F6 references: a Ref sized for x's layout, and
+// block(out, r, b, c0, n, amax) called for block b of row r (n values from column c0, amax the
+// max |x| over them) to set its scale and codes.
+template <typename Block>
+Ref ref_blocks32(const std::vector<float>& x, const Layout& L, Block block) {
   const int64_t TR = L.total_rows(), C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
   Ref out;
   out.codes.assign(size_t(TR * PC), 0);
@@ -240,43 +242,44 @@ Ref ref_mxfp8(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
       const int64_t c0 = b * 32, n = std::min<int64_t>(32, C - c0);
       float amax = 0.0f;
       for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[size_t(r * C + c0 + i)]));
-      const int e = spec.mx_rule == num::MxScaleRule::RCEIL ? rceil_exponent(amax, e4m3 ? 448.0 : 57344.0)
-                                                            : floor_exponent(amax, e4m3 ? 8 : 15);
-      out.scales[size_t(r * NB + b)] = uint8_t(e);
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = x[size_t(r * C + c0 + i)];
-        const float xs = float(std::ldexp(double(v), 127 - e));
-        EXPECT_EQ(double(xs), std::ldexp(double(v), 127 - e)) << "test data: scaled value not exact";
-        const uint64_t idx = sr_index(r, c0 + i, PC);
-        const uint32_t rnd = spec.rounding == Rounding::SR ? num::random_bits(rng.seed, rng.stream, idx) : 0u;
-        out.codes[size_t(r * PC + c0 + i)] =
-            e4m3 ? num::e4m3_encode(xs, spec.rounding, rnd) : num::e5m2_encode(xs, spec.rounding, rnd);
-      }
+      block(out, r, b, c0, n, amax);
     }
   return out;
+}
+
+// NUMERICS "MXFP8": E from RCEIL (or the OCP floor rule), q_i = elem(x_i * 2^-(E-127)).
+Ref ref_mxfp8(const std::vector<float>& x, const Layout& L, const QuantSpec& spec, ops::RngKey rng) {
+  const bool e4m3 = spec.fmt == Format::MXFP8_E4M3;
+  const int64_t C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
+  return ref_blocks32(x, L, [&](Ref& out, int64_t r, int64_t b, int64_t c0, int64_t n, float amax) {
+    const int e = spec.mx_rule == num::MxScaleRule::RCEIL ? rceil_exponent(amax, e4m3 ? 448.0 : 57344.0)
+                                                          : floor_exponent(amax, e4m3 ? 8 : 15);
+    out.scales[size_t(r * NB + b)] = uint8_t(e);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = x[size_t(r * C + c0 + i)];
+      const float xs = float(std::ldexp(double(v), 127 - e));
+      EXPECT_EQ(double(xs), std::ldexp(double(v), 127 - e)) << "test data: scaled value not exact";
+      const uint64_t idx = sr_index(r, c0 + i, PC);
+      const uint32_t rnd = spec.rounding == Rounding::SR ? num::random_bits(rng.seed, rng.stream, idx) : 0u;
+      out.codes[size_t(r * PC + c0 + i)] =
+          e4m3 ? num::e4m3_encode(xs, spec.rounding, rnd) : num::e5m2_encode(xs, spec.rounding, rnd);
+    }
+  });
 }
 
 // NUMERICS "S2F6 combine payload" (the RHT, when the spec has one, is applied by the caller):
 // E by RCEIL against 127/64, q = clamp(rne(y * 64 * 2^-(E-127)), -128, 127).
 Ref ref_s2f6(const std::vector<float>& y, const Layout& L) {
-  const int64_t TR = L.total_rows(), C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
-  Ref out;
-  out.codes.assign(size_t(TR * PC), 0);
-  out.scales.assign(size_t(TR * NB), 0);
-  for (int64_t r = 0; r < TR; ++r)
-    for (int64_t b = 0; b < NB; ++b) {
-      const int64_t c0 = b * 32, n = std::min<int64_t>(32, C - c0);
-      float amax = 0.0f;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(y[size_t(r * C + c0 + i)]));
-      const int e = rceil_exponent(amax, 127.0 / 64.0);
-      out.scales[size_t(r * NB + b)] = uint8_t(e);
-      for (int64_t i = 0; i < n; ++i) {
-        const double t = std::ldexp(double(y[size_t(r * C + c0 + i)]), 6 - (e - 127));  // exact
-        const double q = std::clamp(std::nearbyint(t), -128.0, 127.0);  // FE_TONEAREST: ties even
-        out.codes[size_t(r * PC + c0 + i)] = uint8_t(int8_t(q));
-      }
+  const int64_t C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
+  return ref_blocks32(y, L, [&](Ref& out, int64_t r, int64_t b, int64_t c0, int64_t n, float amax) {
+    const int e = rceil_exponent(amax, 127.0 / 64.0);
+    out.scales[size_t(r * NB + b)] = uint8_t(e);
+    for (int64_t i = 0; i < n; ++i) {
+      const double t = std::ldexp(double(y[size_t(r * C + c0 + i)]), 6 - (e - 127));  // exact
+      const double q = std::clamp(std::nearbyint(t), -128.0, 127.0);  // FE_TONEAREST: ties even
+      out.codes[size_t(r * PC + c0 + i)] = uint8_t(int8_t(q));
     }
-  return out;
+  });
 }
 
 // NUMERICS "Random Hadamard transform": each row padded with zeros to whole blocks, then
