@@ -308,6 +308,19 @@ struct ModelRunner {
     return out;
   }
 
+  // fn(e, begin, end) for every expert that received tokens (rows begin..end of the expert-sorted
+  // activations), each expert's work on a GPU lane (ops::Lanes; in order on the CPU).
+  template <typename Fn>
+  void for_each_expert_on_lanes(const ops::RoutePlan& plan, Fn&& fn) {
+    ops::Lanes lanes(m.device_, kExpertLanes);
+    for (int64_t e = 0; e + 1 < int64_t(plan.offsets.size()); ++e) {
+      const int64_t b = plan.offsets[size_t(e)], end = plan.offsets[size_t(e) + 1];
+      if (b == end) continue;
+      lanes.use(e);
+      fn(e, b, end);
+    }
+  }
+
   // The routed experts over expert-sorted rows: y = (silu(x W1^T) * (x W3^T)) W2^T per expert.
   // With `inner`, also returns h1, h3 and a (for backward's recompute).
   struct ExpertInner {
@@ -354,24 +367,18 @@ struct ModelRunner {
     const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
     Tensor da = act({N * K, F});
     grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
-    {
-      ops::Lanes lanes(m.device_, kExpertLanes);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-        if (b == end) continue;
-        lanes.use(e);
-        Tensor g2 = g.w2.view(e * D * F, {D, F});
-        const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
-                                     rng(kSiteMoeDy + 1, e), cls, log);
-        Prepared a_wgrad;
-        if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
-          a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
-        } else {
-          a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
-        }
-        gemm(dyt, a_wgrad, g2, true);
+    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t b, int64_t end) {
+      Tensor g2 = g.w2.view(e * D * F, {D, F});
+      const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
+                                   rng(kSiteMoeDy + 1, e), cls, log);
+      Prepared a_wgrad;
+      if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
+        a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
+      } else {
+        a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
       }
-    }
+      gemm(dyt, a_wgrad, g2, true);
+    });
     Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
 
@@ -381,22 +388,16 @@ struct ModelRunner {
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
-    {
-      ops::Lanes lanes(m.device_, kExpertLanes);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-        if (b == end) continue;
-        lanes.use(e);
-        const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
-                                             s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
-                                             r, cls, rng(kSiteMoeWgradX + 1, e));
-        Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
-        const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
-        gemm(dh1t, x_wgrad, g1, true);
-        const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
-        gemm(dh3t, x_wgrad, g3, true);
-      }
-    }
+    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t b, int64_t end) {
+      const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
+                                           s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
+                                           r, cls, rng(kSiteMoeWgradX + 1, e));
+      Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
+      const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
+      gemm(dh1t, x_wgrad, g1, true);
+      const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
+      gemm(dh3t, x_wgrad, g3, true);
+    });
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 
     // Router: through the top-k weights and the load-balance loss's d/dprobs.
