@@ -400,6 +400,89 @@ TEST(CudaQuantize, FastRowPathsMatchCpu) {
       check_specs(make_data(d, kind, seed++), d, specs, data_name(kind));
 }
 
+// ops::quantize_segments on the GPU (the Col-axis MXFP8 kernel over row segments: the experts'
+// weight-gradient operands) equals the CPU's quantize of each segment: empty segments, segments
+// shorter than a block, not a multiple of it, more segments than one launch takes (40 > 32),
+// widths that are not a multiple of the CTA's 256 columns, both elements, both roundings (SR
+// counters restart in every segment) and both scale rules.
+TEST(CudaQuantize, ColAxisMxfp8SegmentsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> specs;
+  for (const QuantSpec& s : all_specs({1, 4, 64}))
+    if (s.axis == BlockAxis::Col && s.hadamard == 0 && (s.fmt == Format::MXFP8_E4M3 || s.fmt == Format::MXFP8_E5M2))
+      specs.push_back(s);
+  ASSERT_EQ(specs.size(), 8u);
+  const std::vector<std::vector<int64_t>> lengths = {
+      {0, 1, 31, 32, 33, 100, 0, 64},
+      {5},
+      std::vector<int64_t>(40, 37),
+  };
+  uint32_t seed = 900;
+  for (int64_t cols : {1, 37, 256, 300, 1024})
+    for (const auto& len : lengths) {
+      std::vector<int64_t> offsets = {0};
+      for (int64_t n : len) offsets.push_back(offsets.back() + n);
+      const Dims d{1, offsets.back(), cols};
+      const auto host = make_data(d, Data::Varied, seed++);
+      const Tensor x_cpu = Tensor::from_host(host.data(), d.shape(), DType::F32);
+      const Tensor x_gpu = x_cpu.to(Device::CUDA);
+      int index = 0;
+      for (const QuantSpec& s : specs) {
+        std::vector<ops::RngKey> keys;
+        for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xC0FFEEu + uint64_t(index), 11 * e + 3});
+        ++index;
+        const std::vector<QTensor> got = ops::quantize_segments(x_gpu, offsets, s, keys);
+        ASSERT_EQ(got.size(), len.size());
+        for (size_t e = 0; e < len.size(); ++e) {
+          const std::string what = d.str() + " " + spec_str(s) + " segment " + std::to_string(e);
+          if (len[e] == 0) {
+            EXPECT_FALSE(got[e].codes.defined()) << what;
+            continue;
+          }
+          const QTensor want = ops::quantize(x_cpu.slice_rows(offsets[e], offsets[e + 1]), s, keys[e]);
+          if (!same_qtensor(want, got[e], what)) return;
+        }
+      }
+    }
+}
+
+// ops::requantize_transposed_segments on the GPU (one launch for up to 16 of an NVFP4 activation's
+// row segments) equals the CPU's requantize_transposed of each segment's rows: empty segments,
+// segments shorter than a block and longer than a 256-row tile, more segments than one launch
+// takes, widths that end inside a 32-column tile, per-token and per-tensor outer scales.
+TEST(CudaQuantize, RequantizeSegmentsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<std::vector<int64_t>> lengths = {{0, 1, 31, 300, 0, 64, 33}, std::vector<int64_t>(20, 45)};
+  uint32_t seed = 950;
+  for (int64_t cols : {16, 48, 1024})
+    for (const auto& len : lengths)
+      for (OuterScale outer : {OuterScale::PerRow, OuterScale::Tensor}) {
+        std::vector<int64_t> offsets = {0};
+        for (int64_t n : len) offsets.push_back(offsets.back() + n);
+        const Dims d{1, offsets.back(), cols};
+        const auto host = make_data(d, Data::Varied, seed++);
+        QuantSpec spec;
+        spec.fmt = Format::NVFP4;
+        spec.outer = outer;
+        spec.four_over_six = true;
+        const QTensor q_cpu = ops::quantize(Tensor::from_host(host.data(), d.shape(), DType::F32), spec);
+        const QTensor q_gpu = q_cpu.to(Device::CUDA);
+        std::vector<ops::RngKey> keys;
+        for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xBEEFu + seed, 5 * e + 1});
+        const std::vector<QTensor> got = ops::requantize_transposed_segments(q_gpu, offsets, keys);
+        ASSERT_EQ(got.size(), len.size());
+        for (size_t e = 0; e < len.size(); ++e) {
+          const std::string what = d.str() + " segment " + std::to_string(e);
+          if (len[e] == 0) {
+            EXPECT_FALSE(got[e].codes.defined()) << what;
+            continue;
+          }
+          const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q_cpu, offsets[e], offsets[e + 1]), keys[e]);
+          if (!same_qtensor(want, got[e], what)) return;
+        }
+      }
+}
+
 // Inputs that are not 16-byte aligned or whose rows are not a multiple of 4 floats take the
 // scalar load paths; QTensor views (rows of a token batch, one expert of a stack) take the
 // unaligned code paths of dequantize and requantize_transposed.

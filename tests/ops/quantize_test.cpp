@@ -888,6 +888,73 @@ TEST(Layout, SrIsReproducibleAndIndependentOfThreads) {
   EXPECT_EQ(one, two);
 }
 
+// quantize_segments: each non-empty segment's QTensor is quantize() of those rows with its own
+// key (bytes equal), empty segments give an empty QTensor, and bad offsets or key counts are
+// refused with a message naming the argument.
+TEST(QuantizeSegments, EqualsQuantizeOfEachSegment) {
+  const Dims d{1, 100, 40};
+  const Tensor t = to_tensor(varied_data(d, 71), d);
+  const std::vector<int64_t> offsets = {0, 33, 33, 64, 65, 100};
+  std::vector<ops::RngKey> keys;
+  for (uint64_t e = 0; e < 5; ++e) keys.push_back({7, 100 + e});
+  QuantSpec fs = nvfp4(OuterScale::PerRow, Rounding::SR);
+  fs.four_over_six = true;
+  for (QuantSpec spec : {mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), fs})
+    for (BlockAxis axis : {BlockAxis::Row, BlockAxis::Col}) {
+      spec.axis = axis;
+      const std::vector<QTensor> got = ops::quantize_segments(t, offsets, spec, keys);
+      ASSERT_EQ(got.size(), 5u);
+      for (size_t e = 0; e < 5; ++e) {
+        const std::string ctx = spec_str(spec, d) + " segment " + std::to_string(e);
+        if (offsets[e] == offsets[e + 1]) {
+          EXPECT_FALSE(got[e].codes.defined()) << ctx;
+          continue;
+        }
+        const QTensor want = ops::quantize(t.slice_rows(offsets[e], offsets[e + 1]), spec, keys[e]);
+        EXPECT_EQ(host<uint8_t>(got[e].codes), host<uint8_t>(want.codes)) << ctx;
+        EXPECT_EQ(host<uint8_t>(got[e].block_scales), host<uint8_t>(want.block_scales)) << ctx;
+        EXPECT_EQ(host<float>(got[e].outer_scales), host<float>(want.outer_scales)) << ctx;
+      }
+    }
+  const QuantSpec m = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::RNE);
+  auto error_of = [&](const Tensor& x, const std::vector<int64_t>& off, size_t nkeys) {
+    try {
+      ops::quantize_segments(x, off, m, std::vector<ops::RngKey>(nkeys));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(t, {0, 50, 40, 100}, 3).find("must not decrease"), std::string::npos);
+  EXPECT_NE(error_of(t, {0, 50, 99}, 2).find("from 0 to x's 100 rows"), std::string::npos);
+  EXPECT_NE(error_of(t, {0, 50, 100}, 3).find("3 keys for 2 segments"), std::string::npos);
+  EXPECT_NE(error_of(t, {0}, 0).find("at least 2 values"), std::string::npos);
+  EXPECT_NE(error_of(t.reshape({2, 50, 40}), {0, 2}, 1).find("must be 2-D"), std::string::npos);
+}
+
+// requantize_transposed_segments: requantize_transposed of each segment's rows (bytes equal);
+// multi-slice or Col-axis inputs and bad offsets are refused.
+TEST(QuantizeSegments, RequantizeEqualsEachSegmentsRequantize) {
+  const Dims d{1, 90, 48};
+  const Tensor t = to_tensor(varied_data(d, 72), d);
+  const QTensor q = ops::quantize(t, nvfp4(OuterScale::PerRow));
+  const std::vector<int64_t> offsets = {0, 40, 40, 90};
+  const std::vector<ops::RngKey> keys = {{3, 1}, {3, 2}, {3, 3}};
+  const std::vector<QTensor> got = ops::requantize_transposed_segments(q, offsets, keys);
+  ASSERT_EQ(got.size(), 3u);
+  EXPECT_FALSE(got[1].codes.defined());
+  for (size_t e : {size_t(0), size_t(2)}) {
+    const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q, offsets[e], offsets[e + 1]), keys[e]);
+    EXPECT_EQ(host<uint8_t>(got[e].codes), host<uint8_t>(want.codes)) << e;
+    EXPECT_EQ(host<uint8_t>(got[e].block_scales), host<uint8_t>(want.block_scales)) << e;
+  }
+  QuantSpec col = nvfp4(OuterScale::Tensor);
+  col.axis = BlockAxis::Col;
+  EXPECT_THROW(ops::requantize_transposed_segments(ops::quantize(t, col), {0, 48}, {{1, 1}}), std::exception);
+  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 50, 91}, {{1, 1}, {1, 2}}), std::exception);
+  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 90}, {}), std::exception);
+}
+
 // ---- non-finite input --------------------------------------------------------------------------
 
 // QuantReport.nonfinite counts the non-finite *input* values (the report's `values` are input

@@ -1,4 +1,4 @@
-// defines: Prepared, prepare, requantize_saved, QuantLog, SrStreams, gemm (linear.h)
+// defines: Prepared, prepare, prepare_segments, requantize_saved, requantize_saved_segments, QuantLog, SrStreams, gemm (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <fmt/format.h>
@@ -58,6 +58,20 @@ BlockAxis axis_for(GemmRole role, char side) {
   if (role == GemmRole::Dgrad) return side == 'a' ? BlockAxis::Row : BlockAxis::Col;
   return BlockAxis::Col;  // wgrad: dY^T and X^T
 }
+
+// spec on the role's block axis, for an f32 t.
+QuantSpec quantized_spec(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, LayerClass cls) {
+  if (t.dtype() != DType::F32)
+    fail("{} {} operand {}: quantized formats need f32 activations, got {}", layer_class_name(cls),
+         gemm_role_name(role), side, t.str());
+  QuantSpec s = spec;
+  s.axis = axis_for(role, side);
+  return s;
+}
+
+void check_saved_nvfp4(const Prepared& saved) {
+  FOURBIT_CHECK(saved.is_quantized() && saved.q.fmt == Format::NVFP4, "requantize_saved needs a saved NVFP4 operand");
+}
 }  // namespace
 
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
@@ -76,26 +90,54 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       p.trans = axis == BlockAxis::Col;
       return p;
     }
-    default: {
-      if (t.dtype() != DType::F32)
-        fail("{} {} operand {}: quantized formats need f32 activations, got {}",
-             layer_class_name(cls), gemm_role_name(role), side, t.str());
-      QuantSpec s = spec;
-      s.axis = axis;
-      p.q = ops::quantize(t, s, rng, nullptr);
-      return p;
+    default: p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), rng, nullptr); return p;
+  }
+}
+
+std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
+                                       GemmRole role, char side, const std::vector<ops::RngKey>& rngs,
+                                       LayerClass cls, QuantLog* log) {
+  std::vector<Prepared> out(rngs.size());
+  const bool dense = spec.fmt == Format::F32 || spec.fmt == Format::BF16;
+  std::vector<QTensor> qs;
+  Prepared whole;
+  if (dense) whole = prepare(t, spec, role, side, rngs.empty() ? ops::RngKey{} : rngs[0], cls, nullptr);
+  else qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), rngs);
+  for (size_t e = 0; e < out.size(); ++e) {
+    const int64_t b = offsets[e], end = offsets[e + 1];
+    if (b == end) continue;
+    if (log) log->add(cls, role, side, spec, false);
+    if (dense) {
+      out[e] = whole;
+      out[e].dense = whole.dense.slice_rows(b, end);
+    } else {
+      out[e].q = std::move(qs[e]);
     }
   }
+  return out;
 }
 
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
                           ops::RngKey rng, LayerClass cls, QuantLog* log) {
-  FOURBIT_CHECK(saved.is_quantized() && saved.q.fmt == Format::NVFP4,
-                "requantize_saved needs a saved NVFP4 operand");
+  check_saved_nvfp4(saved);
   if (log) log->add(cls, role, side, spec, true);
   Prepared p;
   p.q = ops::requantize_transposed(saved.q, rng);
   return p;
+}
+
+std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
+                                                const QuantSpec& spec, GemmRole role, char side,
+                                                const std::vector<ops::RngKey>& rngs, LayerClass cls, QuantLog* log) {
+  check_saved_nvfp4(saved);
+  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, rngs);
+  std::vector<Prepared> out(qs.size());
+  for (size_t e = 0; e < qs.size(); ++e) {
+    if (!qs[e].codes.defined()) continue;
+    if (log) log->add(cls, role, side, spec, true);
+    out[e].q = std::move(qs[e]);
+  }
+  return out;
 }
 
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate) {

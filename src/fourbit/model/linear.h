@@ -1,4 +1,4 @@
-// defines: Prepared, prepare, GemmSite, QuantLog, SrStreams
+// defines: Prepared, prepare, prepare_segments, requantize_saved_segments, GemmSite, QuantLog, SrStreams
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "fourbit/model/recipe.h"
 #include "fourbit/ops/ops.h"
@@ -49,10 +50,23 @@ struct SrStreams {
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
                  LayerClass cls, QuantLog* log);
 
+// prepare() of rows offsets[e] .. offsets[e + 1] of a 2-D t for every segment e (an expert's
+// tokens), with key rngs[e]; empty segments give an empty Prepared. Bit for bit the per-segment
+// calls, in one pass (ops::quantize_segments; a dense operand is converted once and sliced).
+std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
+                                       GemmRole role, char side, const std::vector<ops::RngKey>& rngs,
+                                       LayerClass cls, QuantLog* log);
+
 // The nvfp4-fwd backward operand: the saved NVFP4 operand, exactly dequantized, transposed and
 // stochastically rounded to MXFP8 E4M3 (ops::requantize_transposed).
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
                           ops::RngKey rng, LayerClass cls, QuantLog* log);
+
+// requantize_saved of rows offsets[e] .. offsets[e + 1] of a saved Row-axis NVFP4 operand for
+// every segment e, with key rngs[e] (ops::requantize_transposed_segments: one pass on the GPU).
+std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
+                                                const QuantSpec& spec, GemmRole role, char side,
+                                                const std::vector<ops::RngKey>& rngs, LayerClass cls, QuantLog* log);
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);

@@ -86,6 +86,12 @@ struct ModelRunner {
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
   ops::RngKey rng(int site, int64_t expert = 0) const { return sr.key(layer, site, expert); }
+  // rng(site, e) for every routed expert e.
+  std::vector<ops::RngKey> expert_keys(int site) const {
+    std::vector<ops::RngKey> keys;
+    for (int64_t e = 0; e < c.n_experts; ++e) keys.push_back(rng(site, e));
+    return keys;
+  }
   const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
 
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
@@ -113,6 +119,21 @@ struct ModelRunner {
     }
     FOURBIT_CHECK(wgrad.defined(), "missing saved wgrad operand");
     return wgrad;
+  }
+
+  // wgrad_input for every expert's token range (rows offsets[e] .. offsets[e + 1] of the saved
+  // operands; wgrad: the per-expert saved forms, or empty), key rng(site, e); the requantized
+  // form in one pass.
+  std::vector<Prepared> wgrad_inputs(const Prepared& fwd, const std::vector<Prepared>& wgrad, const LayerRecipe& r,
+                                     LayerClass cls, int site, const std::vector<int64_t>& offsets) {
+    if (r.requant_saved_sr)
+      return requantize_saved_segments(fwd, offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(site), cls, log);
+    std::vector<Prepared> out(offsets.size() - 1);
+    for (size_t e = 0; e < out.size(); ++e)
+      if (offsets[e] < offsets[e + 1])
+        out[e] = wgrad_input(fwd.rows(offsets[e], offsets[e + 1]), wgrad.empty() ? Prepared{} : wgrad[e], r, cls,
+                             rng(site, int64_t(e)));
+    return out;
   }
 
   // W for dgrad: from the saved forward operand by SR (nvfp4-fwd) or prepared from the weights.
@@ -278,14 +299,9 @@ struct ModelRunner {
       if (!r.fprop.a.quantized())
         x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
     }
-    if (!wgrad_from_fwd) {
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t b = plan.offsets[e], end = plan.offsets[e + 1];
-        x_perm_wgrad.push_back(b == end ? Prepared{}
-                                        : prepare(xn_perm.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b',
-                                                  rng(kSiteMoeWgradX, e), cls, log));
-      }
-    }
+    if (!wgrad_from_fwd)
+      x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
+                                      expert_keys(kSiteMoeWgradX), cls, log);
 
     Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, nullptr);
     Tensor out = act({N, D});
@@ -367,17 +383,17 @@ struct ModelRunner {
     const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
     Tensor da = act({N * K, F});
     grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
-    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t b, int64_t end) {
+    // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
+    const std::vector<Prepared> dyt =
+        prepare_segments(dy_perm, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDy + 1), cls, log);
+    const std::vector<Prepared> a_wgrad =
+        r.requant_saved_sr || wgrad_reuses_fwd(r)
+            ? wgrad_inputs(in.pa, {}, r, cls, kSiteMoeWgradA, plan.offsets)
+            : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(kSiteMoeWgradA), cls,
+                               log);
+    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t, int64_t) {
       Tensor g2 = g.w2.view(e * D * F, {D, F});
-      const Prepared dyt = prepare(dy_perm.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a',
-                                   rng(kSiteMoeDy + 1, e), cls, log);
-      Prepared a_wgrad;
-      if (r.requant_saved_sr || wgrad_reuses_fwd(r)) {
-        a_wgrad = wgrad_input(in.pa.rows(b, end), Prepared{}, r, cls, rng(kSiteMoeWgradA, e));
-      } else {
-        a_wgrad = prepare(in.a.slice_rows(b, end), r.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteMoeWgradA, e), cls, log);
-      }
-      gemm(dyt, a_wgrad, g2, true);
+      gemm(dyt[size_t(e)], a_wgrad[size_t(e)], g2, true);
     });
     Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
@@ -388,15 +404,16 @@ struct ModelRunner {
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
-    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t b, int64_t end) {
-      const Prepared x_wgrad = wgrad_input(s.x_perm.rows(b, end),
-                                           s.x_perm_wgrad.empty() ? Prepared{} : s.x_perm_wgrad[size_t(e)],
-                                           r, cls, rng(kSiteMoeWgradX + 1, e));
+    const std::vector<Prepared> dh1t =
+        prepare_segments(dh1, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDh + 2), cls, log);
+    const std::vector<Prepared> dh3t =
+        prepare_segments(dh3, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDh + 3), cls, log);
+    const std::vector<Prepared> x_wgrad =
+        wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, kSiteMoeWgradX + 1, plan.offsets);
+    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t, int64_t) {
       Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
-      const Prepared dh1t = prepare(dh1.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 2, e), cls, log);
-      gemm(dh1t, x_wgrad, g1, true);
-      const Prepared dh3t = prepare(dh3.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', rng(kSiteMoeDh + 3, e), cls, log);
-      gemm(dh3t, x_wgrad, g3, true);
+      gemm(dh1t[size_t(e)], x_wgrad[size_t(e)], g1, true);
+      gemm(dh3t[size_t(e)], x_wgrad[size_t(e)], g3, true);
     });
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 

@@ -89,17 +89,61 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   FOURBIT_DISPATCH(c.device(), gemm, a, b, c, accumulate);
 }
 
-void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
-                  bool accumulate) {
+namespace {
+// offsets: G + 1 >= 2 non-decreasing values from 0 to `rows` (of `what`); returns G.
+int64_t check_row_offsets(const char* op, const std::vector<int64_t>& offsets, int64_t rows, const char* what) {
   const int64_t G = int64_t(offsets.size()) - 1;
-  if (G < 1) fail("grouped_gemm: offsets must hold at least 2 values, got {}", offsets.size());
+  if (G < 1) fail("{}: offsets must hold at least 2 values, got {}", op, offsets.size());
   for (int64_t g = 0; g < G; ++g)
     if (offsets[size_t(g)] > offsets[size_t(g) + 1])
-      fail("grouped_gemm: offsets must not decrease (offsets[{}] = {} > offsets[{}] = {})", g, offsets[size_t(g)],
-           g + 1, offsets[size_t(g) + 1]);
-  if (offsets.front() != 0 || offsets.back() != a.rows())
-    fail("grouped_gemm: offsets must run from 0 to A's {} rows, got {} .. {}", a.rows(), offsets.front(),
+      fail("{}: offsets must not decrease (offsets[{}] = {} > offsets[{}] = {})", op, g, offsets[size_t(g)], g + 1,
+           offsets[size_t(g) + 1]);
+  if (offsets.front() != 0 || offsets.back() != rows)
+    fail("{}: offsets must run from 0 to {}'s {} rows, got {} .. {}", op, what, rows, offsets.front(),
          offsets.back());
+  return G;
+}
+}  // namespace
+
+std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
+                                       const QuantSpec& spec, const std::vector<RngKey>& rngs) {
+  if (x.dim() != 2) fail("quantize_segments: x must be 2-D [rows, cols], got {}", x.str());
+  const int64_t G = check_row_offsets("quantize_segments", offsets, x.size(0), "x");
+  if (int64_t(rngs.size()) != G) fail("quantize_segments: {} keys for {} segments", rngs.size(), G);
+  std::vector<QTensor> out;
+#if FOURBIT_HAS_CUDA
+  if (x.device() == Device::CUDA && cuda::quantize_segments(x, offsets, spec, rngs, out)) return out;
+#endif
+  out.assign(size_t(G), QTensor{});
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
+    if (r0 < r1) out[size_t(g)] = quantize(x.slice_rows(r0, r1), spec, rngs[size_t(g)]);
+  }
+  return out;
+}
+
+std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
+                                                    const std::vector<RngKey>& rngs) {
+  if (q.slices != 1 || q.axis != BlockAxis::Row)
+    fail("requantize_transposed_segments: q must be a single-slice Row-axis QTensor (slices {}, axis {})", q.slices,
+         q.axis == BlockAxis::Row ? "row" : "col");
+  const int64_t G = check_row_offsets("requantize_transposed_segments", offsets, q.rows, "q");
+  if (int64_t(rngs.size()) != G) fail("requantize_transposed_segments: {} keys for {} segments", rngs.size(), G);
+  std::vector<QTensor> out;
+#if FOURBIT_HAS_CUDA
+  if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, rngs, out)) return out;
+#endif
+  out.assign(size_t(G), QTensor{});
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
+    if (r0 < r1) out[size_t(g)] = requantize_transposed(qtensor_rows(q, r0, r1), rngs[size_t(g)]);
+  }
+  return out;
+}
+
+void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate) {
+  const int64_t G = check_row_offsets("grouped_gemm", offsets, a.rows(), "A");
   if (a.trans() || (a.dense() && a.dense()->dim() != 2))
     fail("grouped_gemm: a dense A must be [M, K], not transposed; got {}", a.dense()->str());
   // B's groups: a QTensor's slices, or a dense [G, N, K] ([G, K, N] transposed) / [G * N, K].

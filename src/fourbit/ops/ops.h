@@ -1,4 +1,5 @@
-// defines: RngKey, QuantReport, quantize, dequantize, requantize_transposed, Operand, gemm, grouped_gemm,
+// defines: RngKey, QuantReport, quantize, quantize_segments, dequantize, requantize_transposed,
+//          requantize_transposed_segments, Operand, gemm, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities.
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -44,6 +45,19 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard = true);
 // NVFP4 -> exact dequantize -> transpose -> MXFP8 E4M3 (RCEIL, elementwise SR). The result is the
 // same logical tensor quantized along the other axis: blocks now run along the old rows.
 QTensor requantize_transposed(const QTensor& q, RngKey rng);
+
+// quantize(x.slice_rows(offsets[i], offsets[i + 1]), spec, rngs[i]) for every row segment i of a
+// 2-D x (G + 1 non-decreasing offsets from 0 to x's rows, G keys; an empty segment gives an empty
+// QTensor), bit for bit, in one pass where the backend has a kernel for it (CUDA: MXFP8 on the
+// Col axis, the experts' weight-gradient operands; otherwise segment by segment).
+std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
+                                       const QuantSpec& spec, const std::vector<RngKey>& rngs);
+
+// requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), rngs[i]) for every row
+// segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an
+// empty segment gives an empty QTensor), bit for bit, in one pass on the GPU.
+std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
+                                                    const std::vector<RngKey>& rngs);
 
 // Sticky flag raised by any quantizer that met NaN/Inf; read-and-clear.
 bool nonfinite_seen(bool clear = true);

@@ -1,5 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, quantize_segments,
+//          requantize_transposed_segments
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.
@@ -18,6 +19,16 @@ bool take_nonfinite_flag(bool clear);
 // a conversion), and the caller runs one gemm per group.
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t n, int64_t k,
                   Tensor& c, bool accumulate);
+
+// ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
+// has no batched kernel, and the caller quantizes segment by segment.
+bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, const QuantSpec& spec,
+                       const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
+
+// ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
+// behind an RHT (the caller requantizes segment by segment).
+bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
+                                    const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
 
 // Whether this GPU multiplies NVFP4/MXFP8 operands natively (block-scaled tensor cores, sm_100+).
 bool native_block_scaled_gemm();

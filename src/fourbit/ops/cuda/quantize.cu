@@ -1,4 +1,5 @@
-// defines: cuda::quantize, cuda::dequantize, cuda::requantize_transposed, cuda::take_nonfinite_flag
+// defines: cuda::quantize, cuda::quantize_segments, cuda::dequantize, cuda::requantize_transposed,
+//          cuda::requantize_transposed_segments, cuda::take_nonfinite_flag
 // The GPU quantizers. Every value goes through the same numerics/ functions as the CPU loops of
 // ops/cpu/quantize.cpp (max_abs_finite, rht_forward/rht_inverse, nvfp4_s_enc/s_dec,
 // nvfp4_quantize_block, mxfp8_quantize_block, s2f6_quantize_block and the decoders), or through
@@ -749,11 +750,46 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   flush_counts(p.report, values, nonfinite, blocks, chose_four);
 }
 
-// MXFP8 (E4M3 or E5M2; RCEIL or floor scales), RNE or SR: one warp per run of 32 blocks. RNE
+// One MXFP8 block of the fast paths: v holds the block's values (zeros past n), index0 its
+// first SR counter; the 32 codes go to dst (16-byte aligned) and the scale byte is returned. RNE
 // converts pairs in hardware (cvt.rn.satfinite.e4m3x2 / e5m2x2, as mxfp8_encode does); SR spends
-// one Philox-4x32-10 call on four consecutive counters (counter = padded storage index, as the
-// generic block quantizer draws them). Instructions per element (PTX): ~6 for RNE, ~35 for SR
-// (~18 of them Philox), against the ~50 a 75%-of-copy rate allows.
+// one Philox-4x32-10 call on four consecutive counters. A block holding NaN/Inf takes the generic
+// quantizer and counts its non-finite values into `nonfinite`.
+template <int kExpBits, bool kSR>
+__device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlock], int n, num::MxScaleRule rule,
+                                                    uint64_t seed, uint64_t stream, uint64_t index0, uint8_t* dst,
+                                                    unsigned& nonfinite) {
+  constexpr int B = num::kMxBlock;
+  const num::MiniFloatSpec elem = kExpBits == 4 ? num::e4m3_spec() : num::e5m2_spec();
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[i]);
+  uint32_t w[B / 4];  // the 32 code bytes
+  uint8_t scale;
+  if (num::is_finite_bits(a)) {
+    scale = num::mxfp8_scale(a, elem, rule);
+    const float x_scale = num::pow2f(127 - int(scale));
+    if constexpr (kSR) {
+      mxfp8_sr_block<kExpBits>(v, x_scale, num::philox_keys(seed), stream, index0, w);
+    } else {
+#pragma unroll
+      for (int g = 0; g < B / 4; ++g)
+        w[g] = num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g], v[4 * g + 1], scale, x_scale) |
+               (num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g + 2], v[4 * g + 3], scale, x_scale) << 16);
+    }
+  } else {  // a NaN or Inf in the block: the generic quantizer on a copy
+    a = finite_amax_counting(v, nonfinite);
+    scale = mxfp8_generic_block(v, n, a, elem, rule, kSR ? num::Rounding::SR : num::Rounding::RNE, seed, stream,
+                                index0, w);
+  }
+  store_mx_codes(dst, w);
+  return scale;
+}
+
+// MXFP8 (E4M3 or E5M2; RCEIL or floor scales), RNE or SR, on the Row axis: one warp per run of
+// 32 blocks, each lane quantizing one block with mxfp8_fast_block (SR counter = padded storage
+// index, as the generic block quantizer draws them). Instructions per element (PTX): ~6 for RNE,
+// ~35 for SR (~18 of them Philox), against the ~50 a 75%-of-copy rate allows.
 template <int kExpBits, bool kSR>
 __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastRowParams p) {
   constexpr int B = num::kMxBlock;
@@ -772,33 +808,69 @@ __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastR
   const int64_t blk = run * kFastRunBlocks + lane;
   unsigned values = 0, nonfinite = 0, blocks = 0;
   if (live && blk < p.nb) {
-    const num::MiniFloatSpec elem = kExpBits == 4 ? num::e4m3_spec() : num::e5m2_spec();
     const int64_t col = blk * B;
     const int n = int(min64(B, p.cols - col));
-    const uint64_t index0 = uint64_t(row * p.padded_cols + col);  // padded storage index (SR)
-    float a = 0.0f;
+    p.scales[row * p.nb + blk] = mxfp8_fast_block<kExpBits, kSR>(
+        v, n, p.mx_rule, p.seed, p.stream, uint64_t(row * p.padded_cols + col), p.codes + row * p.padded_cols + col,
+        nonfinite);
+    values = unsigned(n);
+    blocks = 1u;
+  }
+  flush_counts(p.report, values, nonfinite, blocks, 0u);
+}
+
+// MXFP8 on the Col axis (blocks of 32 logical rows down each column; storage transposed), no
+// RHT, RNE or SR, for one or several row segments of one [R, C] input, each its own storage
+// matrix [C, padded rows] (a tensor, the slices of a 3-D tensor, or the experts' token ranges of
+// the weight-gradient operands, which would otherwise be as many small launches). A CTA takes one
+// block row (32 logical rows) of one segment and kThreads columns; thread t loads its column's 32
+// values with 32 scalar loads that a warp makes into 128-byte rows (coalesced, no shared
+// memory), quantizes them with mxfp8_fast_block and writes the block's 32 codes as two 16-byte
+// stores. Counter for SR: storage row (logical column) * padded rows + first logical row.
+constexpr int kColSegsPerLaunch = 32;
+struct ColSegment {
+  const float* x;   // logical rows [rows, cols] of the input, row-major
+  uint8_t* codes;   // storage [cols, padded_rows]
+  uint8_t* scales;  // storage [cols, padded_rows / 32]
+  int64_t rows;     // logical rows (the blocked dimension)
+  int64_t row0;     // storage row of the segment's first row in the SR counter (slice s: s * cols)
+  uint64_t seed, stream;
+  int64_t cta0;     // the segment's first CTA
+};
+struct ColSegments {
+  ColSegment seg[kColSegsPerLaunch];
+  int n;
+  int64_t cols, col_chunks;  // logical cols, ceil(cols / kThreads)
+  num::MxScaleRule mx_rule;
+  bool report;
+};
+
+template <int kExpBits, bool kSR>
+__global__ void __launch_bounds__(kThreads) mxfp8_col_fast_kernel(const __grid_constant__ ColSegments p) {
+  constexpr int B = num::kMxBlock;
+  const int64_t cta = blockIdx.x;
+  int si = 0;
+  while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
+  const ColSegment& sg = p.seg[si];
+  const int64_t local = cta - sg.cta0, rb = local / p.col_chunks;
+  const int64_t j = (local % p.col_chunks) * kThreads + threadIdx.x;  // logical column
+  unsigned values = 0, nonfinite = 0, blocks = 0;
+  if (j < p.cols) {
+    const int64_t r0 = rb * B;
+    const int n = int(min64(B, sg.rows - r0));
+    const float* src = sg.x + r0 * p.cols + j;
+    float v[B];
+    if (n == B) {
 #pragma unroll
-    for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[i]);
-    uint32_t w[B / 4];  // the 32 code bytes
-    uint8_t scale;
-    if (num::is_finite_bits(a)) {
-      scale = num::mxfp8_scale(a, elem, p.mx_rule);
-      const float x_scale = num::pow2f(127 - int(scale));
-      if constexpr (kSR) {
-        mxfp8_sr_block<kExpBits>(v, x_scale, num::philox_keys(p.seed), p.stream, index0, w);
-      } else {
+      for (int i = 0; i < B; ++i) v[i] = __ldg(src + int64_t(i) * p.cols);
+    } else {
 #pragma unroll
-        for (int g = 0; g < B / 4; ++g)
-          w[g] = num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g], v[4 * g + 1], scale, x_scale) |
-                 (num::mxfp8_encode_rne_x2<kExpBits>(v[4 * g + 2], v[4 * g + 3], scale, x_scale) << 16);
-      }
-    } else {  // a NaN or Inf in the block: the generic quantizer on a copy
-      a = finite_amax_counting(v, nonfinite);
-      scale = mxfp8_generic_block(v, n, a, elem, p.mx_rule, kSR ? num::Rounding::SR : num::Rounding::RNE, p.seed,
-                                  p.stream, index0, w);
+      for (int i = 0; i < B; ++i) v[i] = i < n ? __ldg(src + int64_t(i) * p.cols) : 0.0f;
     }
-    store_mx_codes(p.codes + row * p.padded_cols + col, w);
-    p.scales[row * p.nb + blk] = scale;
+    const int64_t padded_rows = ((sg.rows + B - 1) / B) * B;
+    sg.scales[j * (padded_rows / B) + rb] = mxfp8_fast_block<kExpBits, kSR>(
+        v, n, p.mx_rule, sg.seed, sg.stream, uint64_t((sg.row0 + j) * padded_rows + r0),
+        sg.codes + j * padded_rows + r0, nonfinite);
     values = unsigned(n);
     blocks = 1u;
   }
@@ -1015,12 +1087,12 @@ struct RequantParams {
   uint64_t seed, stream;
 };
 
-__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p) {
+// Tile t of p (slices x row tiles x col tiles), by the CTA.
+__device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t) {
   constexpr int B = num::kMxBlock;
   static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
   __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
 
-  int64_t t = blockIdx.x;
   const int64_t ct = t % p.col_tiles;
   t /= p.col_tiles;
   const int64_t rt = t % p.row_tiles, s = t / p.row_tiles;
@@ -1105,6 +1177,26 @@ __global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(cons
     p.scales[row * p.out_nb + col / B] = scale;
   }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
+}
+
+__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p) {
+  requantize_tile(p, blockIdx.x);
+}
+
+// Several single-slice inputs (the experts' token ranges of one saved operand) in one launch: CTA
+// c runs tile c - cta0[i] of segment i, the last segment whose first CTA is at or before c.
+constexpr int kReqSegsPerLaunch = 16;
+struct RequantSegments {
+  RequantParams seg[kReqSegsPerLaunch];
+  int64_t cta0[kReqSegsPerLaunch];
+  int n;
+};
+
+__global__ void __launch_bounds__(kThreads, 3) requantize_segments_kernel(const __grid_constant__ RequantSegments p) {
+  const int64_t cta = blockIdx.x;
+  int si = 0;
+  while (si + 1 < p.n && p.cta0[si + 1] <= cta) ++si;  // uniform over the CTA
+  requantize_tile(p.seg[si], cta - p.cta0[si]);
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -1318,6 +1410,55 @@ void launch_mxfp8_row_fast(FastRowParams f, bool e5m2, bool sr) {
   FOURBIT_LAUNCH_CHECK();
 }
 
+// The Col-axis MXFP8 kernel over row segments of x [*, cols] (x_rows[i] = the segment's first
+// row), kColSegsPerLaunch segments a launch. out[i] is segment i's QTensor (allocated).
+struct ColSegmentOut {
+  int64_t x_row0, rows;  // the segment's rows of x
+  const QTensor* q;      // its storage (one QTensor, or one slice's view)
+  int64_t counter_row0;  // ColSegment::row0
+  RngKey rng;
+};
+void launch_mxfp8_col_fast(const float* x, int64_t cols, const std::vector<ColSegmentOut>& segs, bool e5m2,
+                           bool sr, num::MxScaleRule rule, bool report) {
+  for (size_t first = 0; first < segs.size(); first += kColSegsPerLaunch) {
+    ColSegments p{};
+    p.cols = cols;
+    p.col_chunks = (cols + kThreads - 1) / kThreads;
+    p.mx_rule = rule;
+    p.report = report;
+    int64_t ctas = 0;
+    for (size_t i = first; i < segs.size() && p.n < kColSegsPerLaunch; ++i) {
+      const ColSegmentOut& o = segs[i];
+      ColSegment& sg = p.seg[p.n++];
+      sg.x = x + o.x_row0 * cols;
+      sg.row0 = o.counter_row0;
+      sg.codes = o.q->codes.data<uint8_t>();
+      sg.scales = o.q->block_scales.data<uint8_t>();
+      sg.rows = o.rows;
+      sg.seed = o.rng.seed;
+      sg.stream = o.rng.stream;
+      sg.cta0 = ctas;
+      ctas += ((o.rows + num::kMxBlock - 1) / num::kMxBlock) * p.col_chunks;
+    }
+    if (ctas == 0) continue;
+    const unsigned grid = grid_of(ctas, "quantize");
+    if (e5m2) {
+      sr ? mxfp8_col_fast_kernel<5, true><<<grid, kThreads, 0, stream()>>>(p)
+         : mxfp8_col_fast_kernel<5, false><<<grid, kThreads, 0, stream()>>>(p);
+    } else {
+      sr ? mxfp8_col_fast_kernel<4, true><<<grid, kThreads, 0, stream()>>>(p)
+         : mxfp8_col_fast_kernel<4, false><<<grid, kThreads, 0, stream()>>>(p);
+    }
+    FOURBIT_LAUNCH_CHECK();
+  }
+}
+
+// Specs the Col-axis MXFP8 kernel takes.
+bool mxfp8_col_fast(const QuantSpec& spec) {
+  return (spec.fmt == Format::MXFP8_E4M3 || spec.fmt == Format::MXFP8_E5M2) && spec.axis == BlockAxis::Col &&
+         spec.hadamard == 0;
+}
+
 }  // namespace
 
 QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report) {
@@ -1390,6 +1531,16 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
     }
     case Format::MXFP8_E4M3:
     case Format::MXFP8_E5M2:
+      if (mxfp8_col_fast(spec)) {  // one segment per slice; SR counters run on over the slices
+        std::vector<QTensor> views;
+        std::vector<ColSegmentOut> segs;
+        for (int64_t sl = 0; sl < q.slices; ++sl) views.push_back(qtensor_slice(q, sl));
+        for (int64_t sl = 0; sl < q.slices; ++sl)
+          segs.push_back({sl * q.cols, q.cols, &views[size_t(sl)], sl * q.rows, rng});
+        launch_mxfp8_col_fast(p.in.x, q.rows, segs, spec.fmt == Format::MXFP8_E5M2,
+                              spec.rounding == num::Rounding::SR, spec.mx_rule, p.report);
+        break;
+      }
       if (fast_row_input(spec, p, srows_total)) {
         launch_mxfp8_row_fast(fast_row_params(p, srows_total), spec.fmt == Format::MXFP8_E5M2,
                               spec.rounding == num::Rounding::SR);
@@ -1406,6 +1557,25 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   }
   if (report) add_counters(report);
   return q;
+}
+
+bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, const QuantSpec& spec,
+                       const std::vector<RngKey>& rngs, std::vector<QTensor>& out) {
+  if (!mxfp8_col_fast(spec)) return false;
+  check_cuda_tensor(x, "quantize_segments", "x");
+  if (x.dtype() != DType::F32) fail("cuda quantize_segments: x must be f32, got {}", x.str());
+  const size_t G = rngs.size();
+  out.assign(G, QTensor{});
+  std::vector<ColSegmentOut> segs;
+  for (size_t g = 0; g < G; ++g) {
+    const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+    if (r0 == r1) continue;
+    out[g] = alloc_qtensor(spec, quant_shape(x.slice_rows(r0, r1), spec), Device::CUDA);
+    segs.push_back({r0, r1 - r0, &out[g], 0, rngs[g]});
+  }
+  launch_mxfp8_col_fast(x.data<float>(), x.size(1), segs, spec.fmt == Format::MXFP8_E5M2,
+                        spec.rounding == num::Rounding::SR, spec.mx_rule, false);
+  return true;
 }
 
 namespace {
@@ -1469,35 +1639,67 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   return out;
 }
 
-QTensor requantize_transposed(const QTensor& q, RngKey rng) {
-  const QuantSpec spec = requantize_transposed_spec(q);
-  // Behind an RHT the exact values need the inverse rotation of whole chunks first: the plain
-  // composition (cpu::requantize_transposed's definition) on the GPU.
-  if (q.hadamard != 0) return cuda::quantize(cuda::dequantize(q, true), spec, rng, nullptr);
-
-  RequantParams p{};
+namespace {
+// requantize_transposed_kernel's arguments for q (no RHT) into a freshly allocated *out; returns
+// the number of CTAs.
+int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams& p) {
+  p = RequantParams{};
   p.dec = decode_args(q, "requantize_transposed");
   // Either axis: the output's storage is the per-slice transpose of the input's storage.
   const QuantShape logical = q.axis == BlockAxis::Row ? QuantShape{q.slices, q.rows, q.cols}
                                                       : QuantShape{q.slices, q.cols, q.rows};
-  QTensor out = alloc_qtensor(spec, logical, Device::CUDA);
+  *out = alloc_qtensor(requantize_transposed_spec(q), logical, Device::CUDA);
   // Two blocks of a tile row are 16 bytes at a multiple of 16 past the row start.
   p.vec16 = aligned(p.dec.codes, 16) && p.dec.code_row_bytes % 16 == 0;
   p.in_cols = q.cols;
   p.row_tiles = (q.rows + kReqRows - 1) / kReqRows;
   p.col_tiles = (q.cols + kReqCols - 1) / kReqCols;
-  p.codes = out.codes.data<uint8_t>();
-  p.scales = out.block_scales.data<uint8_t>();
-  p.out_padded_cols = out.padded_cols();
-  p.out_nb = out.blocks_per_row();
+  p.codes = out->codes.data<uint8_t>();
+  p.scales = out->block_scales.data<uint8_t>();
+  p.out_padded_cols = out->padded_cols();
+  p.out_nb = out->blocks_per_row();
   p.seed = rng.seed;
   p.stream = rng.stream;
-  const int64_t ctas = q.slices * p.row_tiles * p.col_tiles;
+  return q.slices * p.row_tiles * p.col_tiles;
+}
+}  // namespace
+
+QTensor requantize_transposed(const QTensor& q, RngKey rng) {
+  // Behind an RHT the exact values need the inverse rotation of whole chunks first: the plain
+  // composition (cpu::requantize_transposed's definition) on the GPU.
+  if (q.hadamard != 0) return cuda::quantize(cuda::dequantize(q, true), requantize_transposed_spec(q), rng, nullptr);
+  RequantParams p;
+  QTensor out;
+  const int64_t ctas = requant_params(q, rng, &out, p);
   if (ctas > 0) {
     requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(p);
     FOURBIT_LAUNCH_CHECK();
   }
   return out;
+}
+
+bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
+                                    const std::vector<RngKey>& rngs, std::vector<QTensor>& out) {
+  if (q.hadamard != 0) return false;
+  out.assign(rngs.size(), QTensor{});
+  RequantSegments p{};
+  int64_t ctas = 0;
+  auto flush = [&] {
+    if (ctas > 0) {
+      requantize_segments_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(p);
+      FOURBIT_LAUNCH_CHECK();
+    }
+    p.n = 0;
+    ctas = 0;
+  };
+  for (size_t g = 0; g < rngs.size(); ++g) {
+    if (offsets[g] == offsets[g + 1]) continue;
+    p.cta0[p.n] = ctas;
+    ctas += requant_params(qtensor_rows(q, offsets[g], offsets[g + 1]), rngs[g], &out[g], p.seg[p.n]);
+    if (++p.n == kReqSegsPerLaunch) flush();
+  }
+  flush();
+  return true;
 }
 
 bool take_nonfinite_flag(bool clear) {
