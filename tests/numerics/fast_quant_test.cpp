@@ -3,7 +3,8 @@
 // allows (E2M1 rounding: all 2^31 magnitudes; E4M3 scale encoding: every float of the binades
 // that reach a code; every code for the decoders), and on millions of random and constructed
 // NVFP4 blocks (ties on the E2M1 grid, Four Over Six error ties, zero / subnormal / saturated
-// scales, float32 subnormal and huge inputs, partial blocks, 16x16-tile amaxes), MXFP8 SR
+// scales, float32 subnormal and huge inputs, partial blocks, 16x16-tile amaxes, the limits of
+// the scaled Four Over Six form), MXFP8 SR
 // elements (every scale, target-subnormal values, the >32-bit shift path, extreme random words)
 // and Philox words.
 #include <gtest/gtest.h>
@@ -224,6 +225,43 @@ TEST(FastQuantNvfp4, FourOverSixMseBlocksEqualTheGenericQuantizer) {
 
 TEST(FastQuantNvfp4, FourOverSixMaeBlocksEqualTheGenericQuantizer) {
   EXPECT_EQ((compare_blocks<true, ScaleMetric::MAE>(2000000, 3)), 0);
+}
+
+// Four Over Six computes in a scaled form that needs enc >= 2^-22 and S_dec < 2^102 and hands other
+// blocks to the generic quantizer: blocks on both sides of those limits (block amaxes around
+// 6 * 2^22, group amaxes around 1536 * 2^102, tiny groups with subnormal S_dec), both metrics.
+template <ScaleMetric kMetric>
+int64_t compare_fos_limits(uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0;
+  for (int t = 0; t < 400000; ++t) {
+    BlockCase c{};
+    c.n = 16;
+    const int e = t % 4 == 0 ? 20 + int(g() % 6) : t % 4 == 1 ? 95 + int(g() % 20) : t % 4 == 2
+                                                   ? -140 + int(g() % 30) : int(g() % 40) - 20;
+    for (int i = 0; i < 16; ++i) c.x[i] = std::ldexp(nd(g), e);
+    if (t % 7 == 0) c.x[g() % 16] = std::ldexp(6.0f, e + 2) * (1.0f - float(g() % 64) / 1024.0f);
+    float a = 0.0f;
+    for (float v : c.x) a = max_abs_finite(a, v);
+    c.block_amax = a;
+    float group = a * std::ldexp(1.0f + float(g() % 1000) / 1000.0f, int(g() % 24));
+    if (!is_finite_bits(group)) group = FLT_MAX;
+    c.s_enc = t % 5 == 0 ? 1.0f : nvfp4_s_enc(group, true);
+    c.s_dec = nvfp4_s_dec(c.s_enc);
+    const Nvfp4Block want =
+        nvfp4_quantize_block(c.x, 16, c.block_amax, c.s_enc, c.s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
+    const Nvfp4Block got = nvfp4_quantize_block_fast<true, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
+    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
+        ++bad <= 5)
+      ADD_FAILURE() << "block " << t << " amax " << c.block_amax << " s_dec " << c.s_dec;
+  }
+  return bad;
+}
+
+TEST(FastQuantNvfp4, FourOverSixAtTheScaledFormsLimits) {
+  EXPECT_EQ(compare_fos_limits<ScaleMetric::MSE>(61), 0);
+  EXPECT_EQ(compare_fos_limits<ScaleMetric::MAE>(62), 0);
 }
 
 // Both candidates exact (values on both grids) tie at zero error: 6 is kept. All-zero blocks.

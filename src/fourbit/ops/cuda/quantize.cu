@@ -42,7 +42,7 @@
 // ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
 // elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
-// sums), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70
+// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70
 // operations a call shared by 4 elements, with 32-bit multiply-high), requantize_transposed ~45
 // (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an H200 (2026-11-30,
 // bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over Six 0.53 (ncu:
@@ -635,17 +635,26 @@ __device__ __forceinline__ void cp_async_wait_all_but_newest() {
 
 // load_run + the stores of stage_run in one: the loads go straight into the swizzled shared buffer
 // (same layout and lane assignment, columns past cols zero-filled); read_run then takes them out.
+// Columns are 32-bit (rows of at most kFusedMaxCols) and the row pointer is formed once, opaque to
+// the compiler (which would otherwise redo the row's 64-bit offset arithmetic for every chunk): a
+// source address is then one wide multiply-add. A column past the row reads nothing (zero fill)
+// from the row's start.
+__device__ __forceinline__ const float* opaque_ptr(const float* q) {
+  asm("mov.b64 %0, %0;" : "+l"(q));
+  return q;
+}
 template <int B>
-__device__ __forceinline__ void prefetch_run(float* buf, const float* row, int64_t cols, int64_t col0,
-                                             bool live) {
+__device__ __forceinline__ void prefetch_run(float* buf, const float* row, int cols, int col0, bool live) {
   constexpr int kChunks = B / 4;
   const int lane = threadIdx.x & 31;
+  row = opaque_ptr(row);
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const int b = lane / kChunks + j * (32 / kChunks), c = lane % kChunks;
-    const int64_t col = col0 + 4 * (lane + 32 * j);
+    const int col = col0 + 4 * (lane + 32 * j);
     const bool in = live && col < cols;
-    cp_async16(buf + B * b + 4 * (c ^ stage_swizzle<B>(b)), in ? row + col : row, in ? 16 : 0);
+    cp_async16(buf + B * b + 4 * (c ^ stage_swizzle<B>(b)), row + uint32_t(col < cols ? col : 0),
+               in ? 16 : 0);
   }
 }
 
@@ -657,8 +666,13 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int64
 // quantizes group g the cp.async copies of group g + gridDim.x are in flight into the other half
 // of a double-buffered shared stage (the team max's __syncthreads keeps a CTA's warps in step,
 // so without this a CTA would alternate between waiting on memory and computing).
-// Instructions per element (PTX): ~15 for RNE, ~36 for Four Over Six, against the ~45 a
-// 75%-of-copy rate allows (the tile kernel's generic numerics: 90-200).
+// Instructions per element, SASS of the sm_90a build (cuobjdump/nvdisasm; one thread's hot path
+// through one loop iteration, divided by the kRuns * 16 elements it quantizes; counted by
+// scripts/sass_hot_path.py): kRuns 1: RNE 26.0, Four Over Six MSE 43.9 (was 57.4), MAE 41.7;
+// kRuns 2: RNE 21.5, Four Over Six MSE 40.0 (was 49.1), MAE 38.1. kRuns 1, 4/6 MSE, per element:
+// the block quantizer's per-element code 26.1 (12 per candidate, signs ~1) and its scales 4.1;
+// prefetch 4.2, staging reads and block amax 2.9, team max, S_enc, S_dec and amax / 6 4.5, stores
+// 1.4. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic numerics: 90-200).
 template <int kRuns, bool kFos, num::ScaleMetric kMetric>
 __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
@@ -671,32 +685,35 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   const int tw = p.team_warps, wt = warp % tw;  // team size, warp within the team
   const int rows_per_cta = warps / tw;
   const int64_t groups = (p.rows + rows_per_cta - 1) / rows_per_cta;
-  const int64_t blk0 = int64_t(wt) * kRuns * kFastRunBlocks;  // first block of the warp's runs
-  // This warp's part of stage half it & 1; prefetch(g, b) starts the copies of group g into b.
+  const int blk0 = wt * kRuns * kFastRunBlocks;  // first block of the warp's runs
+  const int cols = int(p.cols);                  // at most kFusedMaxCols
+  // The warp's row in group g is g * rows_per_cta + warp / tw: kept as a running value (row of
+  // the group being quantized) so the loop does no division and no 64-bit multiply for it.
+  const int64_t row_step = int64_t(gridDim.x) * rows_per_cta;
+  int64_t row = int64_t(blockIdx.x) * rows_per_cta + warp / tw;
+  // This warp's part of stage half it & 1; prefetch(r, b) starts the copies of row r into b.
   auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
-  auto prefetch = [&](int64_t g, float* b) {
-    const int64_t row = g * rows_per_cta + warp / tw;
-    const bool live = row < p.rows;
-    const float* xrow = p.x + (live ? row : 0) * p.cols;
+  auto prefetch = [&](int64_t r, float* b) {
+    const bool live = r < p.rows;
+    const float* xrow = p.x + (live ? r : 0) * p.cols;
 #pragma unroll
     for (int k = 0; k < kRuns; ++k)
-      prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, p.cols, (blk0 + k * kFastRunBlocks) * B, live);
+      prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
   };
 
   unsigned values = 0, nonfinite = 0, blocks = 0, chose_four = 0;
   int64_t g = blockIdx.x;
-  if (g < groups) prefetch(g, half(0));
+  if (g < groups) prefetch(row, half(0));
   cp_async_commit();
-  for (int it = 0; g < groups; ++it, g += gridDim.x) {  // uniform over the CTA
+  for (int it = 0; g < groups; ++it, g += gridDim.x, row += row_step) {  // uniform over the CTA
     __syncwarp();  // every lane has read the half the next prefetch overwrites
-    if (g + gridDim.x < groups) prefetch(g + gridDim.x, half(it + 1));
+    if (g + gridDim.x < groups) prefetch(row + row_step, half(it + 1));
     cp_async_commit();
     cp_async_wait_all_but_newest();
     __syncwarp();  // the whole warp's copies of group g have landed
     float v[kRuns][B];
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) read_run<B>(half(it) + k * kFastRunBlocks * B, v[k]);
-    const int64_t row = g * rows_per_cta + warp / tw;
     const bool live = row < p.rows;
 
     // Block amaxes (max_abs_finite), non-finite counts, the row amax (bits: order-free, exact).
@@ -719,7 +736,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     if (tw > 1) {  // uniform over the CTA; the two halves alternate so no warp overwrites a max
       if (lane == 0) team_amax[it & 1][warp] = row_amax;  // another warp still has to read
       __syncthreads();
-      for (int w = warp - wt; w < warp - wt + tw; ++w) row_amax = max(row_amax, team_amax[it & 1][w]);
+      // lane l < tw reads team warp l's max: one read and one warp max whatever the team size
+      row_amax = __reduce_max_sync(0xffffffffu, lane < tw ? team_amax[it & 1][warp - wt + lane] : 0u);
     }
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
@@ -727,9 +745,9 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
 
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) {
-      const int64_t blk = blk0 + k * kFastRunBlocks + lane;
+      const int blk = blk0 + k * kFastRunBlocks + lane;
       if (!live || blk >= p.nb) continue;
-      const int n = int(min64(B, p.cols - blk * B));
+      const int n = min(B, cols - blk * B);
       num::Nvfp4Block out;
       if (!((nonfinite_blocks >> k) & 1u)) {
         out = num::nvfp4_quantize_block_fast<kFos, kMetric>(v[k], amax[k], s_enc, s_dec);
