@@ -315,3 +315,83 @@ TEST(CudaGroupedGemm, EqualsOneGemmPerGroup) {
     }
   }
 }
+
+// A batch of independent GEMMs (each distinct quantized operand decoded once, all decodes in one
+// launch per format, the GEMMs on lanes) gives the bits of one gemm per job: the MoE weight-
+// gradient shapes (Col-axis MXFP8 operands of several token counts, one B shared by two jobs),
+// NVFP4 with per-row and per-tensor outer scales (the epilogue), E5M2, BF16 and FP32 dense
+// operands, operands whose K is not a multiple of 8 (the generic decode), with and without
+// accumulation, more decodes than one launch takes.
+TEST(CudaGemmBatch, EqualsOneGemmPerJob) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t N = 48, M = 40;
+  std::vector<Tensor> dense;  // keeps every operand alive
+  std::vector<QTensor> quant;
+  dense.reserve(256);
+  quant.reserve(256);
+  std::vector<ops::GemmJob> jobs;
+  std::vector<Tensor> outs, want;
+  outs.reserve(256);
+  want.reserve(256);
+  uint64_t seed = 100;
+  auto add_job = [&](ops::Operand a, ops::Operand b, bool acc) {
+    outs.push_back(randn({a.rows(), b.rows()}, seed++).to(Device::CUDA));
+    want.push_back(outs.back().clone());
+    jobs.push_back({a, b, &outs.back(), acc});
+  };
+  // The experts' weight gradients: K = tokens of the expert, Col-axis MXFP8 (E4M3 and E5M2).
+  for (int64_t tokens : {1, 31, 64, 100, 250}) {
+    for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
+      dense.push_back(randn({tokens, M}, seed++).to(Device::CUDA));
+      quant.push_back(ops::quantize(dense.back(), spec(f, OuterScale::None, BlockAxis::Col)));
+      const QTensor& dy = quant.back();
+      dense.push_back(randn({tokens, N}, seed++).to(Device::CUDA));
+      quant.push_back(ops::quantize(dense.back(), spec(f, OuterScale::None, BlockAxis::Col)));
+      const QTensor& x = quant.back();
+      add_job(ops::Operand(dy), ops::Operand(x), true);
+      add_job(ops::Operand(dy), ops::Operand(x), false);  // the same operands again
+    }
+  }
+  for (OuterScale o : {OuterScale::PerRow, OuterScale::Tensor}) {
+    dense.push_back(randn({M, 96}, seed++).to(Device::CUDA));
+    quant.push_back(ops::quantize(dense.back(), spec(Format::NVFP4, o)));
+    const QTensor& a = quant.back();
+    dense.push_back(randn({N, 96}, seed++).to(Device::CUDA));
+    quant.push_back(ops::quantize(dense.back(), spec(Format::NVFP4, o)));
+    add_job(ops::Operand(a), ops::Operand(quant.back()), true);
+  }
+  dense.push_back(randn({M, 72}, seed++).to(Device::CUDA));
+  const Tensor& a32 = dense.back();
+  dense.push_back(randn({N, 72}, seed++).to(Device::CUDA));
+  const Tensor& b32 = dense.back();
+  add_job(ops::Operand(a32), ops::Operand(b32), true);  // FP32
+  dense.push_back(Tensor::empty(a32.shape(), DType::BF16, Device::CUDA));
+  ops::convert(a32, dense.back());
+  const Tensor& a16 = dense.back();
+  dense.push_back(Tensor::empty(b32.shape(), DType::BF16, Device::CUDA));
+  ops::convert(b32, dense.back());
+  add_job(ops::Operand(a16), ops::Operand(dense.back()), false);  // BF16
+  // S2F6 and an MXFP8 operand with K = 20 (padded to 32): decoded one by one, as gemm does.
+  dense.push_back(randn({M, 20}, seed++).to(Device::CUDA));
+  quant.push_back(ops::quantize(dense.back(), spec(Format::MXFP8_E4M3)));
+  const QTensor& odd = quant.back();
+  dense.push_back(randn({N, 20}, seed++).to(Device::CUDA));
+  quant.push_back(ops::quantize(dense.back(), spec(Format::S2F6)));
+  add_job(ops::Operand(odd), ops::Operand(quant.back()), true);
+  // More than 32 distinct decodes of one format: two launches.
+  for (int i = 0; i < 20; ++i) {
+    dense.push_back(randn({33, M}, seed++).to(Device::CUDA));
+    quant.push_back(ops::quantize(dense.back(), spec(Format::MXFP8_E4M3, OuterScale::None, BlockAxis::Col)));
+    const QTensor& a = quant.back();
+    dense.push_back(randn({33, N}, seed++).to(Device::CUDA));
+    quant.push_back(ops::quantize(dense.back(), spec(Format::MXFP8_E4M3, OuterScale::None, BlockAxis::Col)));
+    add_job(ops::Operand(a), ops::Operand(quant.back()), true);
+  }
+  ASSERT_LE(outs.size(), 256u);
+  ops::gemm_batch(jobs);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    ops::gemm(jobs[j].a, jobs[j].b, want[j], jobs[j].accumulate);
+    const Tensor hg = outs[j].to(Device::CPU), hw = want[j].to(Device::CPU);
+    EXPECT_EQ(0, std::memcmp(hg.data<float>(), hw.data<float>(), size_t(hg.nbytes()))) << "job " << j;
+  }
+}

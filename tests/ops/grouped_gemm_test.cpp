@@ -85,3 +85,27 @@ TEST(GroupedGemm, BadOffsetsAndShapesAreClearErrors) {
   EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 4, 10}, bad); }).find("does not match [10, 8]"),
             std::string::npos);
 }
+
+// gemm_batch runs every job as ops::gemm would (an operand shared by two jobs, accumulation on
+// and off), and a job that gemm would refuse is refused with gemm's message.
+TEST(GemmBatch, EachJobEqualsItsOwnGemmAndBadJobsAreClearErrors) {
+  const Tensor a = random_tensor({12, 16}, DType::F32, 6), b1 = random_tensor({8, 16}, DType::F32, 7),
+               b2 = random_tensor({5, 16}, DType::F32, 8);
+  QuantSpec s;
+  s.fmt = Format::MXFP8_E4M3;
+  const QTensor qa = ops::quantize(a, s), qb = ops::quantize(b1, s);
+  Tensor c1 = random_tensor({12, 8}, DType::F32, 9), c2 = Tensor::empty({12, 5}, DType::F32);
+  Tensor w1 = c1.clone(), w2 = c2.clone();
+  ops::gemm_batch({{ops::Operand(qa), ops::Operand(qb), &c1, true}, {ops::Operand(a), ops::Operand(b2), &c2, false}});
+  ops::gemm(qa, qb, w1, true);
+  ops::gemm(a, b2, w2, false);
+  EXPECT_TRUE(same_bits(c1, w1));
+  EXPECT_TRUE(same_bits(c2, w2));
+  ops::gemm_batch({});  // nothing to do
+  Tensor bad = Tensor::empty({12, 9}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::gemm_batch({{ops::Operand(a), ops::Operand(b1), &bad, false}}); })
+                .find("does not match [12, 8]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::gemm_batch({{ops::Operand(a), ops::Operand(b1), nullptr, false}}); }).find("no output"),
+            std::string::npos);
+}

@@ -11,11 +11,6 @@ namespace fourbit {
 
 namespace {
 
-// Concurrent GPU lanes for the per-expert weight-gradient loops (ops::Lanes): 4 streams of expert
-// GEMMs with a few dozen CTAs each fill the H200's 132 SMs (ops::grouped_gemm does the same for
-// the forward and input-gradient GEMMs).
-constexpr int kExpertLanes = 4;
-
 // Sites number the quantization points of a layer, so each gets its own SR stream.
 enum Site : int {
   kSiteAttnX = 1, kSiteAttnO = 3, kSiteAttnDqkv = 5, kSiteAttnDo = 7,
@@ -324,17 +319,27 @@ struct ModelRunner {
     return out;
   }
 
-  // fn(e, begin, end) for every expert that received tokens (rows begin..end of the expert-sorted
-  // activations), each expert's work on a GPU lane (ops::Lanes; in order on the CPU).
-  template <typename Fn>
-  void for_each_expert_on_lanes(const ops::RoutePlan& plan, Fn&& fn) {
-    ops::Lanes lanes(m.device_, kExpertLanes);
-    for (int64_t e = 0; e + 1 < int64_t(plan.offsets.size()); ++e) {
-      const int64_t b = plan.offsets[size_t(e)], end = plan.offsets[size_t(e) + 1];
-      if (b == end) continue;
-      lanes.use(e);
-      fn(e, b, end);
-    }
+  // The experts' weight gradients: grad[e] += a[e] . b[e]^T for every expert that received tokens
+  // (grad: an [E, R, C] gradient; a, b: per-expert operands, empty for experts without tokens),
+  // every set's GEMMs in one ops::gemm_batch (each operand decoded once, the GEMMs on GPU lanes:
+  // a ~1000-token expert GEMM alone fills a quarter of an H200).
+  struct ExpertWgrad {
+    const std::vector<Prepared>& a;
+    const std::vector<Prepared>& b;
+    Tensor& grad;
+  };
+  void experts_wgrad(const ops::RoutePlan& plan, const std::vector<ExpertWgrad>& sets) {
+    std::vector<Tensor> outs;
+    outs.reserve(sets.size() * plan.offsets.size());  // jobs point at them
+    std::vector<ops::GemmJob> jobs;
+    for (const ExpertWgrad& w : sets)
+      for (size_t e = 0; e + 1 < plan.offsets.size(); ++e) {
+        if (plan.offsets[e] == plan.offsets[e + 1]) continue;
+        const int64_t R = w.grad.size(1), C = w.grad.size(2);
+        outs.push_back(w.grad.view(int64_t(e) * R * C, {R, C}));
+        jobs.push_back(ops::GemmJob{w.a[e].op(), w.b[e].op(), &outs.back(), true});
+      }
+    ops::gemm_batch(jobs);
   }
 
   // The routed experts over expert-sorted rows: y = (silu(x W1^T) * (x W3^T)) W2^T per expert.
@@ -391,10 +396,7 @@ struct ModelRunner {
             ? wgrad_inputs(in.pa, {}, r, cls, kSiteMoeWgradA, plan.offsets)
             : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(kSiteMoeWgradA), cls,
                                log);
-    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t, int64_t) {
-      Tensor g2 = g.w2.view(e * D * F, {D, F});
-      gemm(dyt[size_t(e)], a_wgrad[size_t(e)], g2, true);
-    });
+    experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
     Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
 
@@ -410,11 +412,7 @@ struct ModelRunner {
         prepare_segments(dh3, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDh + 3), cls, log);
     const std::vector<Prepared> x_wgrad =
         wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, kSiteMoeWgradX + 1, plan.offsets);
-    for_each_expert_on_lanes(plan, [&](int64_t e, int64_t, int64_t) {
-      Tensor g1 = g.w1.view(e * F * D, {F, D}), g3 = g.w3.view(e * F * D, {F, D});
-      gemm(dh1t[size_t(e)], x_wgrad[size_t(e)], g1, true);
-      gemm(dh3t[size_t(e)], x_wgrad[size_t(e)], g3, true);
-    });
+    experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 
     // Router: through the top-k weights and the load-balance loss's d/dprobs.

@@ -80,12 +80,17 @@ void Lanes::use(int64_t i) {
   if (active_) lanes_use(int(i));
 }
 
-void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
-  if (a.device() != b.device() || a.device() != c.device())
-    fail("gemm: operands and output must be on one device");
-  if (a.k() != b.k()) fail("gemm: reduction sizes differ: A has K={}, B has K={}", a.k(), b.k());
+namespace {
+void check_gemm_args(const char* op, const Operand& a, const Operand& b, const Tensor& c) {
+  if (a.device() != b.device() || a.device() != c.device()) fail("{}: operands and output must be on one device", op);
+  if (a.k() != b.k()) fail("{}: reduction sizes differ: A has K={}, B has K={}", op, a.k(), b.k());
   if (c.dim() != 2 || c.size(0) != a.rows() || c.size(1) != b.rows())
-    fail("gemm: output {} does not match [{}, {}]", c.str(), a.rows(), b.rows());
+    fail("{}: output {} does not match [{}, {}]", op, c.str(), a.rows(), b.rows());
+}
+}  // namespace
+
+void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
+  check_gemm_args("gemm", a, b, c);
   FOURBIT_DISPATCH(c.device(), gemm, a, b, c, accumulate);
 }
 
@@ -185,6 +190,19 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
     gemm(a.q() ? Operand(qa_rows) : Operand(da_rows), qb ? Operand(qb_slice) : Operand(db_slice, b.trans()), cg,
          accumulate);
   }
+}
+
+void gemm_batch(const std::vector<GemmJob>& jobs) {
+  if (jobs.empty()) return;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    if (!jobs[j].c) fail("gemm_batch: job {} has no output", j);
+    check_gemm_args("gemm_batch", jobs[j].a, jobs[j].b, *jobs[j].c);
+    if (jobs[j].c->device() != jobs[0].c->device()) fail("gemm_batch: jobs 0 and {} are on different devices", j);
+  }
+#if FOURBIT_HAS_CUDA
+  if (jobs[0].c->device() == Device::CUDA && cuda::gemm_batch(jobs)) return;
+#endif
+  for (const GemmJob& j : jobs) gemm(j.a, j.b, *j.c, j.accumulate);
 }
 
 QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {

@@ -1,5 +1,5 @@
 // defines: RngKey, QuantReport, quantize, quantize_segments, dequantize, requantize_transposed,
-//          requantize_transposed_segments, Operand, gemm, grouped_gemm,
+//          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities.
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -104,6 +104,18 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false
 // GPU lanes and applies NVFP4 outer scales in one pass).
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate = false);
+
+// One GEMM of a batch: c (+)= a . b^T, as ops::gemm(a, b, *c, accumulate).
+struct GemmJob {
+  Operand a, b;
+  Tensor* c;
+  bool accumulate;
+};
+// ops::gemm for every job, bit for bit. The jobs are independent: no output may overlap another
+// job's output or operands; an operand may appear in several jobs (a MoE layer's experts'
+// weight-gradient GEMMs, W1 and W3 sharing X). The CUDA backend decodes each distinct quantized
+// operand once, all of them in one launch per format, and spreads the GEMMs over the GPU lanes.
+void gemm_batch(const std::vector<GemmJob>& jobs);
 
 // Whether GEMMs on `device` may take NVFP4 x NVFP4 and MXFP8 x MXFP8 operands packed, on
 // block-scaled tensor cores (Blackwell, when cuBLASLt offers an algorithm for the shape), instead

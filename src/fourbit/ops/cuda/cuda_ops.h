@@ -1,5 +1,5 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, quantize_segments,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, gemm_batch, quantize_segments,
 //          requantize_transposed_segments
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -19,6 +19,10 @@ bool take_nonfinite_flag(bool clear);
 // a conversion), and the caller runs one gemm per group.
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t n, int64_t k,
                   Tensor& c, bool accumulate);
+
+// ops::gemm_batch on CUDA operands (checked by the caller); false when it does not apply
+// (native block-scaled GEMMs), and the caller runs one gemm per job.
+bool gemm_batch(const std::vector<GemmJob>& jobs);
 
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.

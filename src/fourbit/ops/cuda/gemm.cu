@@ -1,4 +1,4 @@
-// defines: cuda::gemm, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
+// defines: cuda::gemm, cuda::gemm_batch, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
 // GEMMs on Hopper. Block-scaled operands (NVFP4, MXFP8, S2F6) are decoded exactly into BF16 —
 // E2M1 x E4M3 has at most 6 significant bits and E4M3 x 2^E at most 4, so nothing rounds — and
 // multiplied on the BF16 tensor cores with FP32 accumulation (cuBLASLt). NVFP4 outer scales are
@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <climits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -310,6 +311,16 @@ __device__ __forceinline__ uint4 decode8(const uint8_t* __restrict__ codes, cons
   return packed;
 }
 
+// decode8's table of byte -> two E2M1 values (NVFP4 only), filled by the whole CTA.
+template <Format F>
+__device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
+  if constexpr (F == Format::NVFP4) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)
+      e2m1_pair[i] = make_float2(num::e2m1_decode(i & 0xF), num::e2m1_decode(i >> 4));
+    __syncthreads();
+  }
+}
+
 template <Format F>
 __global__ void __launch_bounds__(256)
     decode_bf16_x8_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
@@ -317,11 +328,7 @@ __global__ void __launch_bounds__(256)
                           __nv_bfloat16* __restrict__ out) {
   constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
   __shared__ float2 e2m1_pair[256];  // byte -> (low nibble, high nibble) decoded
-  if constexpr (F == Format::NVFP4) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x)
-      e2m1_pair[i] = make_float2(num::e2m1_decode(i & 0xF), num::e2m1_decode(i >> 4));
-    __syncthreads();
-  }
+  fill_e2m1_pairs<F>(e2m1_pair);
   const int64_t units_per_row = k_eff / 8, coded = blocks_per_row * B;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
@@ -330,6 +337,42 @@ __global__ void __launch_bounds__(256)
       *reinterpret_cast<uint4*>(out + r * k_eff + c) =
           c < coded ? decode8<F>(codes, scales, blocks_per_row, code_row_bytes, r, c, e2m1_pair) : make_uint4(0, 0, 0, 0);
     }
+  }
+}
+
+// Several operands' BF16 decodes in one launch (gemm_batch: a MoE layer's weight-gradient
+// operands, a few hundred KB each, which one launch apiece would leave latency-bound): CTA c
+// decodes kDecodeUnits 8-value units of the last job whose first CTA is at or before c, with
+// decode8 (the same bits as decode_bf16_x8_kernel).
+constexpr int kDecodeJobsPerLaunch = 32;
+constexpr int64_t kDecodeUnits = 1024;  // per CTA: four per thread
+struct DecodeJob {
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t rows, blocks_per_row, code_row_bytes, k_eff;
+  __nv_bfloat16* out;
+  int64_t cta0;
+};
+struct DecodeJobs {
+  DecodeJob job[kDecodeJobsPerLaunch];
+  int n;
+};
+
+template <Format F>
+__global__ void __launch_bounds__(256) decode_bf16_x8_jobs_kernel(const __grid_constant__ DecodeJobs p) {
+  constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
+  __shared__ float2 e2m1_pair[256];
+  fill_e2m1_pairs<F>(e2m1_pair);
+  int ji = 0;
+  while (ji + 1 < p.n && p.job[ji + 1].cta0 <= int64_t(blockIdx.x)) ++ji;  // uniform over the CTA
+  const DecodeJob& j = p.job[ji];
+  const int64_t units_per_row = j.k_eff / 8, coded = j.blocks_per_row * B, total = j.rows * units_per_row;
+  const int64_t first = (int64_t(blockIdx.x) - j.cta0) * kDecodeUnits;
+  for (int64_t u = first + threadIdx.x; u < min(first + kDecodeUnits, total); u += blockDim.x) {
+    const int64_t r = u / units_per_row, c = (u % units_per_row) * 8;
+    *reinterpret_cast<uint4*>(j.out + r * j.k_eff + c) =
+        c < coded ? decode8<F>(j.codes, j.scales, j.blocks_per_row, j.code_row_bytes, r, c, e2m1_pair)
+                  : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -464,6 +507,12 @@ struct Materialized {
 };
 
 
+// Whether decode8 can decode q padded to k_eff (8-value units: aligned codes; the output buffer
+// must be 16-byte aligned too, which fresh allocations are). Its formats are checked by callers.
+bool decodes_x8(const QTensor& q, int64_t k_eff) {
+  return k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
+}
+
 Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   Materialized m;
   const int64_t R = op.rows();
@@ -471,9 +520,7 @@ Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   if (const QTensor* q = op.q()) {
     m.owned = Tensor::empty({R, k_eff}, as_f32 ? DType::F32 : DType::BF16, Device::CUDA);
     const unsigned g = grid_for(R * q->blocks_per_row(), 256);
-    const bool aligned = k_eff % 8 == 0 && q->code_row_bytes() % 8 == 0 &&
-                         reinterpret_cast<uintptr_t>(q->codes.raw()) % 8 == 0 &&
-                         reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0;
+    const bool aligned = decodes_x8(*q, k_eff) && reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0;
     const dim3 g8(grid_for(k_eff / 8, 256, 8), unsigned(std::min<int64_t>(R, 16384)));
     if (!as_f32 && aligned && q->fmt == Format::NVFP4)
       decode_bf16_x8_kernel<Format::NVFP4><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
@@ -664,9 +711,13 @@ bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, in
   return true;
 }
 
-}  // namespace
+// FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
+bool runs_f32(const Operand& a, const Operand& b) { return is_dense_f32(a) || is_dense_f32(b); }
 
-void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
+// C (+)= A . B^T with the operands materialized (or, when A and B are null, natively packed):
+// the sums, then the outer-scale epilogue.
+void run_gemm(const Operand& a, const Operand& b, const Materialized* A, const Materialized* B, Tensor& c,
+              bool accumulate) {
   if (c.dtype() != DType::F32) fail("gemm: GPU output must be f32, got {}", c.str());
   const int64_t M = a.rows(), N = b.rows();
   expect_unsliced_scales(a);
@@ -676,13 +727,88 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   const SumTarget t = sum_target(scaled, M, N, c, accumulate);
   if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), t.out, M, N, t.beta))) {
     const int64_t k_eff = std::max(padded_k(a), padded_k(b));
-    // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
-    const bool f32 = is_dense_f32(a) || is_dense_f32(b);
-    const Materialized A = materialize(a, k_eff, f32);
-    const Materialized B = materialize(b, k_eff, f32);
-    matmul_nt(A.op, B.op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
+    const bool f32 = runs_f32(a, b);
+    Materialized own_a, own_b;
+    if (!A) A = &(own_a = materialize(a, k_eff, f32));
+    if (!B) B = &(own_b = materialize(b, k_eff, f32));
+    matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
   }
   if (scaled) launch_scale_epilogue(t.tmp, sa, sb, EpilogueGroups{}, M, N, accumulate, c);
+}
+
+// The BF16 decodes gemm_batch collects: one per distinct (codes, rows, k_eff), launched together
+// per format.
+class BatchDecoder {
+ public:
+  // The materialized operand (decoded now or later by run(); dense ones as materialize makes them).
+  const Materialized& get(const Operand& op, int64_t k_eff, bool f32) {
+    const QTensor* q = op.q();
+    const int fmt = !q ? -1 : q->fmt == Format::NVFP4 ? 0 : q->fmt == Format::MXFP8_E4M3 ? 1 : q->fmt == Format::MXFP8_E5M2 ? 2 : -1;
+    if (fmt < 0 || f32 || !decodes_x8(*q, k_eff)) return *store_.emplace_back(std::make_unique<Materialized>(materialize(op, k_eff, f32)));
+    const auto key = std::make_tuple(q->codes.raw(), q->total_rows(), k_eff);
+    if (const auto it = seen_.find(key); it != seen_.end()) return *it->second;
+    auto m = std::make_unique<Materialized>();
+    m->owned = Tensor::empty({q->total_rows(), k_eff}, DType::BF16, Device::CUDA);
+    m->op = MatmulOperand{m->owned.raw(), false, k_eff, 0};
+    pending_[fmt].push_back({q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), q->total_rows(),
+                             q->blocks_per_row(), q->code_row_bytes(), k_eff, m->owned.data<__nv_bfloat16>(), 0});
+    seen_[key] = m.get();
+    return *store_.emplace_back(std::move(m));
+  }
+
+  void run() {
+    launch<Format::NVFP4>(pending_[0]);
+    launch<Format::MXFP8_E4M3>(pending_[1]);
+    launch<Format::MXFP8_E5M2>(pending_[2]);
+  }
+
+ private:
+  template <Format F>
+  static void launch(std::vector<DecodeJob>& jobs) {
+    for (size_t first = 0; first < jobs.size(); first += kDecodeJobsPerLaunch) {
+      DecodeJobs p{};
+      int64_t ctas = 0;
+      for (size_t i = first; i < jobs.size() && p.n < kDecodeJobsPerLaunch; ++i) {
+        DecodeJob j = jobs[i];
+        j.cta0 = ctas;
+        ctas += (j.rows * (j.k_eff / 8) + kDecodeUnits - 1) / kDecodeUnits;
+        p.job[p.n++] = j;
+      }
+      if (ctas == 0) continue;
+      if (ctas > INT_MAX) fail("cuda gemm_batch: {} decode blocks is more than one launch takes", ctas);
+      decode_bf16_x8_jobs_kernel<F><<<unsigned(ctas), 256, 0, stream()>>>(p);
+      FOURBIT_LAUNCH_CHECK();
+    }
+  }
+
+  std::vector<std::unique_ptr<Materialized>> store_;
+  std::map<std::tuple<const void*, int64_t, int64_t>, const Materialized*> seen_;
+  std::vector<DecodeJob> pending_[3];
+};
+
+}  // namespace
+
+void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
+  run_gemm(a, b, nullptr, nullptr, c, accumulate);
+}
+
+bool gemm_batch(const std::vector<GemmJob>& jobs) {
+  if (native_block_scaled_gemm()) return false;
+  BatchDecoder dec;
+  std::vector<std::pair<const Materialized*, const Materialized*>> ops;
+  for (const GemmJob& j : jobs) {
+    const int64_t k_eff = std::max(padded_k(j.a), padded_k(j.b));
+    const bool f32 = runs_f32(j.a, j.b);
+    const Materialized& A = dec.get(j.a, k_eff, f32);
+    ops.emplace_back(&A, &dec.get(j.b, k_eff, f32));
+  }
+  dec.run();
+  Lanes lanes(Device::CUDA, 4);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    lanes.use(int64_t(i));
+    run_gemm(jobs[i].a, jobs[i].b, ops[i].first, ops[i].second, *jobs[i].c, jobs[i].accumulate);
+  }
+  return true;
 }
 
 // One decode of A and of every slice of B, then one cuBLASLt call per non-empty group (each with
