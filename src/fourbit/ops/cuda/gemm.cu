@@ -123,8 +123,9 @@ std::map<AlgoKey, cublasLtMatmulAlgo_t> g_algos;
 // Row GEMMs (fprop, dgrad, attention): the heuristic's first choice for the reference problem
 // (M = 8192 rows, 64 batch entries), with split-K turned off, cached per M-free key so every M and
 // batch count uses the same kernel and each output row is a function of its input row alone.
-// Weight-gradient GEMMs (A transposed and not batched: C[M, N] = A[K, M]^T B, K = tokens) reduce
-// over the batch, so batch invariance does not apply to them: they take the heuristic's choice
+// Weight-gradient GEMMs (K = tokens: A transposed and not batched, C[M, N] = A[K, M]^T B, or the
+// decoded Col-axis operands of a quantized recipe, C = dY^T X with both stored [rows, tokens])
+// reduce over the batch, so batch invariance does not apply to them: they take the heuristic's choice
 // for their actual M (a reference M would pick 128x256 tiles for a 16-row router gradient over
 // 8192 tokens: 1.3 ms instead of tens of microseconds), split-K allowed: every cuBLASLt reduction
 // scheme is sequenced (in place: counters order the partial sums), so results stay deterministic.
@@ -175,9 +176,11 @@ struct Plan {
 
 struct PlanKey {
   int64_t m, n, k, lda, ldb, ldc, a_stride, b_stride, c_stride;
-  bool a_trans, b_trans;
+  bool a_trans, b_trans, wgrad;
   int batch, ab_type;
-  auto tie() const { return std::tie(m, n, k, lda, ldb, ldc, a_stride, b_stride, c_stride, a_trans, b_trans, batch, ab_type); }
+  auto tie() const {
+    return std::tie(m, n, k, lda, ldb, ldc, a_stride, b_stride, c_stride, a_trans, b_trans, wgrad, batch, ab_type);
+  }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
@@ -185,14 +188,15 @@ std::mutex g_plan_mu;
 std::map<PlanKey, std::unique_ptr<Plan>> g_plans;
 
 const Plan& plan_for(const MatmulOperand& a, const MatmulOperand& b, int64_t ldc, int64_t c_stride, int64_t M,
-                     int64_t N, int64_t K, int batch, cudaDataType_t ab) {
-  const PlanKey pk{M, N, K, a.ld, b.ld, ldc, a.batch_stride, b.batch_stride, c_stride, a.trans, b.trans, batch, int(ab)};
+                     int64_t N, int64_t K, int batch, cudaDataType_t ab, bool reduce_over_batch) {
+  const bool wgrad = (a.trans || reduce_over_batch) && batch == 1;
+  const PlanKey pk{M,       N,       K,     a.ld,  b.ld,     ldc, a.batch_stride, b.batch_stride, c_stride,
+                   a.trans, b.trans, wgrad, batch, int(ab)};
   {
     std::lock_guard<std::mutex> lock(g_plan_mu);
     auto it = g_plans.find(pk);
     if (it != g_plans.end()) return *it->second;
   }
-  const bool wgrad = a.trans && batch == 1;
   const AlgoKey key{wgrad ? M : 0, N, K, a.trans, b.trans, (a.trans && !wgrad) ? 0 : a.ld, b.ld, int(ab), batch > 1};
   auto plan = std::make_unique<Plan>();
   plan->algo = pick_algo(key, a, b, N, K, batch, ab);
@@ -212,7 +216,7 @@ const Plan& plan_for(const MatmulOperand& a, const MatmulOperand& b, int64_t ldc
 
 void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t ldc,
                int64_t c_stride, int64_t M, int64_t N, int64_t K, int batch, cudaDataType_t ab,
-               float alpha, float beta) {
+               float alpha, float beta, bool reduce_over_batch) {
   if (M == 0 || N == 0) return;
   if (K == 0) {  // an empty reduction: C = beta * C
     if (beta == 0) {
@@ -222,7 +226,7 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
     }
     return;
   }
-  const Plan& plan = plan_for(a, b, ldc, c_stride, M, N, K, batch, ab);
+  const Plan& plan = plan_for(a, b, ldc, c_stride, M, N, K, batch, ab, reduce_over_batch);
   size_t ws_bytes = 0;
   void* ws = cublas_workspace(&ws_bytes);
   FOURBIT_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), plan.d.op, &alpha, b.ptr, plan.d.b, a.ptr, plan.d.a,
@@ -731,7 +735,10 @@ void run_gemm(const Operand& a, const Operand& b, const Materialized* A, const M
     Materialized own_a, own_b;
     if (!A) A = &(own_a = materialize(a, k_eff, f32));
     if (!B) B = &(own_b = materialize(b, k_eff, f32));
-    matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
+    // A Col-axis A (blocks along the tokens) is a weight gradient's dY^T: K runs over the batch.
+    const bool reduce_over_batch = a.q() && a.q()->axis == BlockAxis::Col;
+    matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta,
+              reduce_over_batch);
   }
   if (scaled) launch_scale_epilogue(t.tmp, sa, sb, EpilogueGroups{}, M, N, accumulate, c);
 }

@@ -22,9 +22,12 @@ struct MatmulOperand {
 };
 
 // ab_type: CUDA_R_16BF or CUDA_R_32F (both operands the same); C is CUDA_R_32F, row-major
-// [M, N] with row stride ldc. beta = 0 or 1.
+// [M, N] with row stride ldc. beta = 0 or 1. reduce_over_batch: K runs over the batch (a weight
+// gradient, C = dY^T X over the tokens), so no output row belongs to one sequence and batch
+// invariance does not apply: the algorithm is the heuristic's for this M, split-K allowed
+// (deterministic either way). A transposed, unbatched A implies it.
 void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t ldc,
                int64_t c_batch_stride, int64_t M, int64_t N, int64_t K, int batch,
-               cudaDataType_t ab_type, float alpha, float beta);
+               cudaDataType_t ab_type, float alpha, float beta, bool reduce_over_batch = false);
 
 }  // namespace fourbit::ops::cuda
