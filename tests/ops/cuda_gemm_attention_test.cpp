@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "fourbit/ops/ops.h"
@@ -189,27 +191,32 @@ TEST(CudaGemm, RowsAreBatchInvariant) {
       << "split-K should change some bits: the invariance check would be vacuous";
 }
 
+// Two shapes: the vectorised layout and softmax paths (hd a multiple of 8, T of 4) and their
+// scalar fallbacks (hd = 6, T = 37).
 TEST(CudaAttention, ForwardBackwardMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t B = 2, T = 40, Hq = 4, Hkv = 2, hd = 32;
-  const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
-  Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({B, Hq, T}, DType::F32);
-  ops::attention_forward(q, k, v, 0, out, lse);
-  const Tensor gq = q.to(Device::CUDA), gk = k.to(Device::CUDA), gv = v.to(Device::CUDA);
-  Tensor gout = Tensor::empty(q.shape(), DType::F32, Device::CUDA), glse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
-  ops::attention_forward(gq, gk, gv, 0, gout, glse);
-  EXPECT_LT(diff(out, gout), 1e-4);  // BF16 Q, K, V and P on the GPU
-  EXPECT_LT(diff(lse, glse), 1e-4);
-  const Tensor dout = randn(q.shape(), 11);
-  Tensor dq = Tensor::empty(q.shape(), DType::F32), dk = Tensor::empty(k.shape(), DType::F32), dv = dk.clone();
-  ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
-  const Tensor gdout = dout.to(Device::CUDA);
-  Tensor gdq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), gdk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
-         gdv = gdk.clone();
-  ops::attention_backward(gdout, gq, gk, gv, gout, glse, gdq, gdk, gdv);
-  EXPECT_LT(diff(dq, gdq), 1e-3);
-  EXPECT_LT(diff(dk, gdk), 1e-3);
-  EXPECT_LT(diff(dv, gdv), 1e-3);
+  for (const auto [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {37, 6}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd));
+    const int64_t B = 2, Hq = 4, Hkv = 2;
+    const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
+    Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({B, Hq, T}, DType::F32);
+    ops::attention_forward(q, k, v, 0, out, lse);
+    const Tensor gq = q.to(Device::CUDA), gk = k.to(Device::CUDA), gv = v.to(Device::CUDA);
+    Tensor gout = Tensor::empty(q.shape(), DType::F32, Device::CUDA), glse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
+    ops::attention_forward(gq, gk, gv, 0, gout, glse);
+    EXPECT_LT(diff(out, gout), 1e-4);  // BF16 Q, K, V and P on the GPU
+    EXPECT_LT(diff(lse, glse), 1e-4);
+    const Tensor dout = randn(q.shape(), 11);
+    Tensor dq = Tensor::empty(q.shape(), DType::F32), dk = Tensor::empty(k.shape(), DType::F32), dv = dk.clone();
+    ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
+    const Tensor gdout = dout.to(Device::CUDA);
+    Tensor gdq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), gdk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
+           gdv = gdk.clone();
+    ops::attention_backward(gdout, gq, gk, gv, gout, glse, gdq, gdk, gdv);
+    EXPECT_LT(diff(dq, gdq), 1e-3);
+    EXPECT_LT(diff(dk, gdk), 1e-3);
+    EXPECT_LT(diff(dv, gdv), 1e-3);
+  }
 }
 
 TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {

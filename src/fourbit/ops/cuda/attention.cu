@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -23,36 +25,113 @@ namespace {
 
 constexpr int kRowThreads = 256;
 
+// The layout kernels move U consecutive values of the head dimension per thread (U = 8 or 4 when
+// hd and the pointers allow 16-byte accesses, else 1), with the index arithmetic once per unit.
+template <int U>
+__device__ __forceinline__ void load_f32(const float* p, float (&v)[U]) {
+  if constexpr (U % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < U; i += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      v[i] = f.x;
+      v[i + 1] = f.y;
+      v[i + 2] = f.z;
+      v[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < U; ++i) v[i] = p[i];
+  }
+}
+template <int U>
+__device__ __forceinline__ void store_f32(float* p, const float (&v)[U]) {
+  if constexpr (U % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < U; i += 4) *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < U; ++i) p[i] = v[i];
+  }
+}
+
 // x [B, T, Hx, hd] F32 -> out [B, Hq, T, hd] BF16, head h reading x's head h / group.
+template <int U>
 __global__ void to_heads_kernel(const float* __restrict__ x, int64_t B, int64_t T, int64_t Hx, int64_t Hq,
                                 int64_t hd, __nv_bfloat16* __restrict__ out) {
-  const int64_t total = B * Hq * T * hd, group = Hq / Hx;
+  const int64_t units = hd / U, total = B * Hq * T * units, group = Hq / Hx;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % Hq, b = i / (hd * T * Hq);
-    out[i] = __float2bfloat16_rn(x[((b * T + t) * Hx + h / group) * hd + d]);
+    const int64_t d = (i % units) * U, t = (i / units) % T, h = (i / (units * T)) % Hq, b = i / (units * T * Hq);
+    float v[U];
+    load_f32<U>(x + ((b * T + t) * Hx + h / group) * hd + d, v);
+    __nv_bfloat16* o = out + i * U;
+    if constexpr (U == 8) {
+      uint4 packed;
+      __nv_bfloat162* pk = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) pk[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+      *reinterpret_cast<uint4*>(o) = packed;
+    } else {
+#pragma unroll
+      for (int j = 0; j < U; ++j) o[j] = __float2bfloat16_rn(v[j]);
+    }
   }
 }
 
 // y [B, Hq, T, hd] F32 -> out [B, T, Hq, hd] F32.
+template <int U>
 __global__ void from_heads_kernel(const float* __restrict__ y, int64_t B, int64_t T, int64_t Hq, int64_t hd,
                                   float* __restrict__ out) {
-  const int64_t total = B * Hq * T * hd;
+  const int64_t units = hd / U, total = B * Hq * T * units;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t d = i % hd, h = (i / hd) % Hq, t = (i / (hd * Hq)) % T, b = i / (hd * Hq * T);
-    out[i] = y[((b * Hq + h) * T + t) * hd + d];
+    const int64_t d = (i % units) * U, h = (i / units) % Hq, t = (i / (units * Hq)) % T, b = i / (units * Hq * T);
+    float v[U];
+    load_f32<U>(y + ((b * Hq + h) * T + t) * hd + d, v);
+    store_f32<U>(out + i * U, v);
   }
 }
 
 // dkv_h [B, Hq, S, hd] -> dkv [B, S, Hkv, hd]: the heads of a group summed in head order.
+template <int U>
 __global__ void reduce_groups_kernel(const float* __restrict__ per_head, int64_t B, int64_t S, int64_t Hq,
                                      int64_t Hkv, int64_t hd, float* __restrict__ out) {
-  const int64_t total = B * S * Hkv * hd, group = Hq / Hkv;
+  const int64_t units = hd / U, total = B * S * Hkv * units, group = Hq / Hkv;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t d = i % hd, kh = (i / hd) % Hkv, s = (i / (hd * Hkv)) % S, b = i / (hd * Hkv * S);
-    float acc = 0.0f;
-    for (int64_t g = 0; g < group; ++g) acc += per_head[((b * Hq + kh * group + g) * S + s) * hd + d];
-    out[i] = acc;
+    const int64_t d = (i % units) * U, kh = (i / units) % Hkv, s = (i / (units * Hkv)) % S, b = i / (units * Hkv * S);
+    float acc[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) acc[j] = 0.0f;
+    for (int64_t g = 0; g < group; ++g) {
+      float v[U];
+      load_f32<U>(per_head + ((b * Hq + kh * group + g) * S + s) * hd + d, v);
+#pragma unroll
+      for (int j = 0; j < U; ++j) acc[j] += v[j];
+    }
+    store_f32<U>(out + i * U, acc);
   }
+}
+
+// u (8 or 4) when hd is a multiple of it and every pointer is 16-byte aligned, else 1.
+int unit_for(int64_t hd, std::initializer_list<const void*> ptrs, int u) {
+  bool ok = hd % u == 0;
+  for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  return ok ? u : 1;
+}
+
+void launch_from_heads(const Tensor& y, int64_t B, int64_t T, int64_t Hq, int64_t hd, Tensor& out) {
+  const int u = unit_for(hd, {y.raw(), out.raw()}, 4);
+  const unsigned grid = grid_for(y.numel() / u, 256);
+  if (u == 4) from_heads_kernel<4><<<grid, 256, 0, stream()>>>(y.data<float>(), B, T, Hq, hd, out.data<float>());
+  else from_heads_kernel<1><<<grid, 256, 0, stream()>>>(y.data<float>(), B, T, Hq, hd, out.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void launch_reduce_groups(const Tensor& per_head, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t hd,
+                          Tensor& out) {
+  const int u = unit_for(hd, {per_head.raw(), out.raw()}, 4);
+  const unsigned grid = grid_for(out.numel() / u, 256);
+  if (u == 4) reduce_groups_kernel<4><<<grid, 256, 0, stream()>>>(per_head.data<float>(), B, S, Hq, Hkv, hd, out.data<float>());
+  else reduce_groups_kernel<1><<<grid, 256, 0, stream()>>>(per_head.data<float>(), B, S, Hq, Hkv, hd, out.data<float>());
+  FOURBIT_LAUNCH_CHECK();
 }
 
 __device__ float block_reduce(float v, float* shared, bool is_max) {
@@ -78,7 +157,10 @@ __device__ float block_reduce(float v, float* shared, bool is_max) {
   return r;
 }
 
-// One block per score row (b*Hq + h, t): P = softmax over keys 0 .. pos0+t (masked keys 0).
+// One block per score row (b*Hq + h, t): P = softmax over keys 0 .. pos0+t (masked keys 0). The
+// row is read three times (max, sum, write), from L1/L2 after the first: holding it in registers
+// instead (8 values a thread) was slower on an H200 (510 vs 447 us a call at 128 x 1024 x 1024):
+// twice the registers halve the CTAs in flight, and this kernel waits on memory.
 __global__ void softmax_rows_kernel(const float* __restrict__ scores, int64_t T, int64_t S, int64_t pos0,
                                     __nv_bfloat16* __restrict__ p, float* __restrict__ lse) {
   __shared__ float shared[32];
@@ -113,20 +195,43 @@ __global__ void rowdot_kernel(const float* __restrict__ dout, const float* __res
 }
 
 // From recomputed scores: P = exp(S - lse) (BF16, for dV) and dS = P (dP - D) * scale (BF16).
+// One block per score row; U = 4 keys a thread (16-byte loads, 8-byte stores) when S allows;
+// masked keys (j > t) write zeros without reading their scores.
+template <int U>
 __global__ void softmax_backward_kernel(const float* __restrict__ scores, const float* __restrict__ lse,
-                                        const float* __restrict__ dp, const float* __restrict__ D, int64_t rows,
-                                        int64_t T, int64_t S, float scale, __nv_bfloat16* __restrict__ p,
+                                        const float* __restrict__ dp, const float* __restrict__ D, int64_t T,
+                                        int64_t S, float scale, __nv_bfloat16* __restrict__ p,
                                         __nv_bfloat16* __restrict__ ds) {
-  const int64_t total = rows * S;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / S, j = i % S, t = row % T;
-    float pv = 0.0f, dsv = 0.0f;
-    if (j <= t) {
-      pv = expf(scores[i] - lse[row]);
-      dsv = pv * (dp[i] - D[row]) * scale;
+  const int64_t row = blockIdx.x, t = row % T;
+  const float l = lse[row], dr = D[row];
+  for (int64_t j0 = int64_t(threadIdx.x) * U; j0 < S; j0 += int64_t(blockDim.x) * U) {
+    const int64_t i = row * S + j0;
+    float sv[U], dv[U], pv[U], dsv[U];
+    if (j0 <= t) {
+      load_f32<U>(scores + i, sv);
+      load_f32<U>(dp + i, dv);
     }
-    p[i] = __float2bfloat16_rn(pv);
-    ds[i] = __float2bfloat16_rn(dsv);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      pv[k] = 0.0f;
+      dsv[k] = 0.0f;
+      if (j0 + k <= t) {
+        pv[k] = expf(sv[k] - l);
+        dsv[k] = pv[k] * (dv[k] - dr) * scale;
+      }
+    }
+    if constexpr (U == 4) {
+      __nv_bfloat162 pp[2] = {__floats2bfloat162_rn(pv[0], pv[1]), __floats2bfloat162_rn(pv[2], pv[3])};
+      __nv_bfloat162 dd[2] = {__floats2bfloat162_rn(dsv[0], dsv[1]), __floats2bfloat162_rn(dsv[2], dsv[3])};
+      *reinterpret_cast<uint2*>(p + i) = *reinterpret_cast<const uint2*>(pp);
+      *reinterpret_cast<uint2*>(ds + i) = *reinterpret_cast<const uint2*>(dd);
+    } else {
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        p[i + k] = __float2bfloat16_rn(pv[k]);
+        ds[i + k] = __float2bfloat16_rn(dsv[k]);
+      }
+    }
   }
 }
 
@@ -149,8 +254,12 @@ Dims check_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* o
 
 Tensor heads_bf16(const Tensor& x, const Dims& d, int64_t len, int64_t hx) {
   Tensor out = Tensor::empty({d.B, d.Hq, len, d.hd}, DType::BF16, Device::CUDA);
-  to_heads_kernel<<<grid_for(out.numel(), 256), 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd,
-                                                       out.data<__nv_bfloat16>());
+  const int u = unit_for(d.hd, {x.raw(), out.raw()}, 8);  // 8 BF16 = one 16-byte store
+  const unsigned grid = grid_for(out.numel() / u, 256);
+  if (u == 8)
+    to_heads_kernel<8><<<grid, 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
+  else
+    to_heads_kernel<1><<<grid, 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
   return out;
 }
@@ -181,8 +290,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   Tensor oh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
             oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
-  from_heads_kernel<<<grid_for(oh.numel(), 256), 256, 0, stream()>>>(oh.data<float>(), d.B, d.T, d.Hq, d.hd, out.data<float>());
-  FOURBIT_LAUNCH_CHECK();
+  launch_from_heads(oh, d.B, d.T, d.Hq, d.hd, out);
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -207,9 +315,15 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   FOURBIT_LAUNCH_CHECK();
   Tensor p = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
   Tensor ds = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
-  softmax_backward_kernel<<<grid_for(BH * d.T * d.S, 256), 256, 0, stream()>>>(s.data<float>(), lse.data<float>(), dp.data<float>(),
-                                                                  D.data<float>(), BH * d.T, d.T, d.S, scale,
-                                                                  p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
+  // S % 4 == 0 keeps every row's 4-key units 16-byte aligned (fresh buffers are).
+  if (d.S % 4 == 0)
+    softmax_backward_kernel<4><<<unsigned(BH * d.T), kRowThreads, 0, stream()>>>(
+        s.data<float>(), lse.data<float>(), dp.data<float>(), D.data<float>(), d.T, d.S, scale,
+        p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
+  else
+    softmax_backward_kernel<1><<<unsigned(BH * d.T), kRowThreads, 0, stream()>>>(
+        s.data<float>(), lse.data<float>(), dp.data<float>(), D.data<float>(), d.T, d.S, scale,
+        p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
   // dV_h[bh] = P^T dO: C[s, d] = sum_t P[t, s] dO[t, d]  (A = P stored [K=T, M=S], B = dO stored [K=T, N=hd])
   Tensor dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
@@ -223,14 +337,9 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{ds.raw(), true, d.S, d.T * d.S}, MatmulOperand{qh.raw(), true, d.hd, d.T * d.hd},
             dkh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
-  from_heads_kernel<<<grid_for(dqh.numel(), 256), 256, 0, stream()>>>(dqh.data<float>(), d.B, d.T, d.Hq, d.hd, dq.data<float>());
-  FOURBIT_LAUNCH_CHECK();
-  reduce_groups_kernel<<<grid_for(dk.numel(), 256), 256, 0, stream()>>>(dkh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
-                                                           dk.data<float>());
-  FOURBIT_LAUNCH_CHECK();
-  reduce_groups_kernel<<<grid_for(dv.numel(), 256), 256, 0, stream()>>>(dvh.data<float>(), d.B, d.S, d.Hq, d.Hkv, d.hd,
-                                                           dv.data<float>());
-  FOURBIT_LAUNCH_CHECK();
+  launch_from_heads(dqh, d.B, d.T, d.Hq, d.hd, dq);
+  launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
+  launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
 }
 
 }  // namespace fourbit::ops::cuda
