@@ -54,6 +54,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "fourbit/numerics/fast_quant.h"
 #include "fourbit/numerics/formats.h"
@@ -1415,17 +1416,23 @@ void launch_nvfp4_row_fast(FastRowParams f, bool fos, num::ScaleMetric metric) {
   else launch_nvfp4_row_fast<2>(f, groups, threads, fos, metric);
 }
 
+// launch(exp_bits, sr) with the element's exponent bits (4: E4M3, 5: E5M2) and the rounding as
+// compile-time constants, for the fast MXFP8 kernels' template arguments.
+template <typename Launch>
+void with_mxfp8_variant(bool e5m2, bool sr, Launch&& launch) {
+  using E4 = std::integral_constant<int, 4>;
+  using E5 = std::integral_constant<int, 5>;
+  if (e5m2) sr ? launch(E5{}, std::true_type{}) : launch(E5{}, std::false_type{});
+  else sr ? launch(E4{}, std::true_type{}) : launch(E4{}, std::false_type{});
+  FOURBIT_LAUNCH_CHECK();
+}
+
 void launch_mxfp8_row_fast(FastRowParams f, bool e5m2, bool sr) {
   f.runs_per_row = (f.nb + kFastRunBlocks - 1) / kFastRunBlocks;
   const unsigned ctas = grid_of((f.rows * f.runs_per_row + kWarps - 1) / kWarps, "quantize");
-  if (e5m2) {
-    sr ? mxfp8_row_fast_kernel<5, true><<<ctas, kThreads, 0, stream()>>>(f)
-       : mxfp8_row_fast_kernel<5, false><<<ctas, kThreads, 0, stream()>>>(f);
-  } else {
-    sr ? mxfp8_row_fast_kernel<4, true><<<ctas, kThreads, 0, stream()>>>(f)
-       : mxfp8_row_fast_kernel<4, false><<<ctas, kThreads, 0, stream()>>>(f);
-  }
-  FOURBIT_LAUNCH_CHECK();
+  with_mxfp8_variant(e5m2, sr, [&](auto exp_bits, auto sr_c) {
+    mxfp8_row_fast_kernel<decltype(exp_bits)::value, decltype(sr_c)::value><<<ctas, kThreads, 0, stream()>>>(f);
+  });
 }
 
 // The Col-axis MXFP8 kernel over row segments of x [*, cols] (x_rows[i] = the segment's first
@@ -1460,14 +1467,9 @@ void launch_mxfp8_col_fast(const float* x, int64_t cols, const std::vector<ColSe
     }
     if (ctas == 0) continue;
     const unsigned grid = grid_of(ctas, "quantize");
-    if (e5m2) {
-      sr ? mxfp8_col_fast_kernel<5, true><<<grid, kThreads, 0, stream()>>>(p)
-         : mxfp8_col_fast_kernel<5, false><<<grid, kThreads, 0, stream()>>>(p);
-    } else {
-      sr ? mxfp8_col_fast_kernel<4, true><<<grid, kThreads, 0, stream()>>>(p)
-         : mxfp8_col_fast_kernel<4, false><<<grid, kThreads, 0, stream()>>>(p);
-    }
-    FOURBIT_LAUNCH_CHECK();
+    with_mxfp8_variant(e5m2, sr, [&](auto exp_bits, auto sr_c) {
+      mxfp8_col_fast_kernel<decltype(exp_bits)::value, decltype(sr_c)::value><<<grid, kThreads, 0, stream()>>>(p);
+    });
   }
 }
 
