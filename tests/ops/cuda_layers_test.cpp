@@ -556,7 +556,7 @@ TEST(CudaLayers, AdamWMatchesCpuOverThreeSteps) {
       Tensor pg = p_g.view(off, {n}), mg = m_g.view(off, {n}), vg = v_g.view(off, {n});
       for (int64_t step = 1; step <= 3; ++step) {
         const Tensor g = random_tensor({n}, DType::F32, 1310 + uint64_t(step), -0.1, 0.1);
-        const ops::AdamW h{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step};
+        const ops::AdamW h{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, step == 2 ? 0.37f : 1.0f};  // step 2 clipped
         ops::adamw_step(pc, g, mc, vc, h);
         ops::adamw_step(pg, gpu(g), mg, vg, h);
       }

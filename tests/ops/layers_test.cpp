@@ -314,6 +314,25 @@ TEST(CrossEntropyOps, Errors) {
 
 // ---- adamw ----------------------------------------------------------------------------------------
 
+// Gradient clipping inside the update: grad_scale s gives the bits of scaling the gradient by s
+// first (ops::scale_) and stepping with scale 1, and leaves the gradient as it was.
+TEST(AdamWOps, GradScaleEqualsScalingTheGradientFirst) {
+  const int64_t n = 777;
+  const Tensor p0 = random_tensor({n}, DType::F32, 70, -1.0, 1.0), g0 = random_tensor({n}, DType::F32, 71, -3.0, 3.0);
+  const Tensor m0 = random_tensor({n}, DType::F32, 72, -0.1, 0.1), v0 = random_tensor({n}, DType::F32, 73, 0.0, 0.1);
+  const double s = 0.123456789;
+  Tensor pa = p0.clone(), ma = m0.clone(), va = v0.clone(), ga = g0.clone();
+  ops::scale_(ga, s);
+  ops::adamw_step(pa, ga, ma, va, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 4});
+  Tensor pb = p0.clone(), mb = m0.clone(), vb = v0.clone(), gb = g0.clone();
+  ops::adamw_step(pb, gb, mb, vb, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 4, float(s)});
+  EXPECT_TRUE(bitwise_equal_range(pa, 0, pb, 0, n));
+  EXPECT_TRUE(bitwise_equal_range(ma, 0, mb, 0, n));
+  EXPECT_TRUE(bitwise_equal_range(va, 0, vb, 0, n));
+  EXPECT_TRUE(bitwise_equal_range(gb, 0, g0, 0, n));   // the gradient is not scaled in place
+  EXPECT_FALSE(bitwise_equal_range(pa, 0, p0, 0, n));  // the step did move the parameters
+}
+
 TEST(AdamWOps, MatchesDoubleFormula) {
   for (float wd : {0.0f, 0.1f}) {
     const int64_t n = 1000;

@@ -3,7 +3,7 @@
 // so the two give the same bits. Per call, on the host: bc1 = 1 - b1^t and bc2 = 1 - b2^t in
 // double (b^t by repeated squaring: a fixed sequence of IEEE multiplies, unlike pow()), each
 // rounded to float once; 1 - b1 and 1 - b2 in float. Per element, in float, in this order, every
-// operation rounded on its own (no FMA): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+// operation rounded on its own (no FMA): g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // m_hat = m / bc1; v_hat = v / bc2; u = m_hat / (sqrt(v_hat) + eps); p = p - lr (u + wd p).
 #pragma once
 #include <cstdint>
@@ -15,7 +15,7 @@
 namespace fourbit::ops {
 
 struct AdamWConstants {
-  float b1, b2, omb1, omb2, bc1, bc2, lr, eps, wd;
+  float b1, b2, omb1, omb2, bc1, bc2, lr, eps, wd, grad_scale;
 };
 
 // One F32 parameter tensor and its gradient and moments on `dev`; bias correction needs t >= 1.
@@ -50,14 +50,16 @@ inline AdamWConstants adamw_constants(const AdamW& h) {
   k.lr = h.lr;
   k.eps = h.eps;
   k.wd = h.weight_decay;
+  k.grad_scale = h.grad_scale;
   return k;
 }
 
-FOURBIT_HD void adamw_update(float& p, float g, float& m, float& v, const AdamWConstants& k) {
+FOURBIT_HD void adamw_update(float& p, float g_raw, float& m, float& v, const AdamWConstants& k) {
   using num::add_rn;
   using num::div_rn;
   using num::mul_rn;
   using num::sub_rn;
+  const float g = mul_rn(g_raw, k.grad_scale);  // exact for 1; = scale_(grad) then the update
   m = add_rn(mul_rn(k.b1, m), mul_rn(k.omb1, g));
   v = add_rn(mul_rn(k.b2, v), mul_rn(k.omb2, mul_rn(g, g)));
   const float m_hat = div_rn(m, k.bc1);

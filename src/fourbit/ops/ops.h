@@ -224,6 +224,7 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
 struct AdamW {
   float lr, beta1, beta2, eps, weight_decay;
   int64_t step;
+  float grad_scale = 1.0f;  // the gradient is used as fl(grad * grad_scale) (clipping), grad unchanged
 };
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h);
 

@@ -26,14 +26,16 @@ double Optimizer::step(int64_t step_index) {
   for (const ParamInfo& p : params_.infos()) sq += ops::sum_squares(params_.view(params_.flat_grad(), p));
   const double norm = std::sqrt(sq);
   if (!std::isfinite(norm)) return norm;  // the trainer stops on a non-finite norm
-  if (t_.grad_clip > 0 && norm > t_.grad_clip) ops::scale_(params_.flat_grad(), t_.grad_clip / norm);
+  // Clipping scales the gradient inside the update (the same float product as scaling it first,
+  // without another pass over every gradient).
+  const float clip = t_.grad_clip > 0 && norm > t_.grad_clip ? float(t_.grad_clip / norm) : 1.0f;
   const double lr = lr_at(t_, step_index);
   for (const ParamInfo& p : params_.infos()) {
     Tensor w = params_.view(params_.flat(), p), g = params_.view(params_.flat_grad(), p);
     Tensor m = params_.view(m_, p), v = params_.view(v_, p);
     ops::adamw_step(w, g, m, v,
                     ops::AdamW{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
-                               p.decay ? float(t_.weight_decay) : 0.0f, step_index + 1});
+                               p.decay ? float(t_.weight_decay) : 0.0f, step_index + 1, clip});
   }
   return norm;
 }
