@@ -693,12 +693,29 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   int64_t row = int64_t(blockIdx.x) * rows_per_cta + warp / tw;
   // This warp's part of stage half it & 1; prefetch(r, b) starts the copies of row r into b.
   auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
+  // A warp whose runs lie inside the row (every warp of rows that are a multiple of its span, as
+  // 8192 columns) copies from one address per row: chunk j of run k is at src + 128 j + 512 k and
+  // lands at dst + 128 j + 512 k (the swizzle (b >> 1) & 3 of block b = lane / 4 + 8 j does not
+  // depend on j), so the copies take immediate offsets and no per-chunk bounds checks.
+  const bool whole = (blk0 + kRuns * kFastRunBlocks) * B <= cols;  // uniform over the warp
+  const uint32_t src0 = uint32_t(blk0 * B + 4 * lane);
+  const int dst0 = B * (lane / 4) + 4 * ((lane % 4) ^ ((lane / 8) & 3));
   auto prefetch = [&](int64_t r, float* b) {
     const bool live = r < p.rows;
     const float* xrow = p.x + (live ? r : 0) * p.cols;
+    if (whole) {
+      const float* src = opaque_ptr(xrow) + src0;
 #pragma unroll
-    for (int k = 0; k < kRuns; ++k)
-      prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
+      for (int k = 0; k < kRuns; ++k)
+#pragma unroll
+        for (int j = 0; j < B / 4; ++j)
+          cp_async16(b + dst0 + k * kFastRunBlocks * B + 8 * B * j, src + k * kFastRunBlocks * B + 128 * j,
+                     live ? 16 : 0);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kRuns; ++k)
+        prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
+    }
   };
 
   unsigned values = 0, nonfinite = 0, blocks = 0, chose_four = 0;
