@@ -759,15 +759,22 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
     if (live && wt == 0 && lane == 0) p.outer[row] = s_dec;
+    // Four Over Six: the row's table of encode scales (lookups are shuffles: the whole warp builds
+    // and reads it, before the per-block branches); rows outside its exact range go generic.
+    num::FosGroup grp{};
+    if constexpr (kFos) grp = num::fos_group(s_dec);
 
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) {
       const int blk = blk0 + k * kFastRunBlocks + lane;
+      num::FosBlockScales scales{};
+      if constexpr (kFos) scales = num::fos_block_scales(amax[k], s_enc, grp);
       if (!live || blk >= p.nb) continue;
       const int n = min(B, cols - blk * B);
       num::Nvfp4Block out;
-      if (!((nonfinite_blocks >> k) & 1u)) {
-        out = num::nvfp4_quantize_block_fast<kFos, kMetric>(v[k], amax[k], s_enc, s_dec);
+      if (!((nonfinite_blocks >> k) & 1u) && (!kFos || grp.exact)) {
+        if constexpr (kFos) out = num::fos_quantize_block<kMetric>(v[k], scales);
+        else out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
       } else {
         float copy[B];
 #pragma unroll
