@@ -42,12 +42,14 @@
 // ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
 // elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
-// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70
-// operations a call shared by 4 elements, with 32-bit multiply-high), requantize_transposed ~45
-// (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an H200 (2026-11-30,
-// bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over Six 0.53 (ncu:
-// 55 SASS instructions per element with the loads, stores and staging, 82% of issue slots busy),
-// MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18.
+// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 35.2 for the
+// bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
+// (Philox ~18 of them: 70 operations a call shared by 4 elements, with 32-bit multiply-high),
+// requantize_transposed ~45 (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an
+// H200 (2026-11-30, bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over
+// Six 0.53 (ncu: 55 SASS instructions per element with the loads, stores and staging, 82% of
+// issue slots busy), MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18; later, with 43.9
+// SASS per element, Four Over Six 0.66 and per-token RNE 0.95 (bench/results/h200_gpu_quant.json).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -666,13 +668,18 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int c
 // quantizes group g the cp.async copies of group g + gridDim.x are in flight into the other half
 // of a double-buffered shared stage (the team max's __syncthreads keeps a CTA's warps in step,
 // so without this a CTA would alternate between waiting on memory and computing).
-// Instructions per element, SASS of the sm_90a build (cuobjdump/nvdisasm; one thread's hot path
-// through one loop iteration, divided by the kRuns * 16 elements it quantizes; counted by
-// scripts/sass_hot_path.py): kRuns 1: RNE 26.0, Four Over Six MSE 43.9 (was 57.4), MAE 41.7;
-// kRuns 2: RNE 21.5, Four Over Six MSE 40.0 (was 49.1), MAE 38.1. kRuns 1, 4/6 MSE, per element:
-// the block quantizer's per-element code 26.1 (12 per candidate, signs ~1) and its scales 4.1;
-// prefetch 4.2, staging reads and block amax 2.9, team max, S_enc, S_dec and amax / 6 4.5, stores
-// 1.4. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic numerics: 90-200).
+// Instructions per element, SASS of the sm_90a build (nvdisasm -gi; one thread's hot path
+// through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
+// elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
+// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 35.2 (was 40.0,
+// 49.1 before that), MAE 33.2, RNE 20.3; kRuns 1: Four Over Six MSE 40.3 (was 43.9, 57.4), MAE
+// 38.3, RNE 24.8 (was 26.0). kRuns 2, 4/6 MSE, 1127 instructions per iteration, per element: the
+// block quantizer 25.7 (12 per element and candidate, signs ~1, the choice and packing ~0.7), its
+// scales 1.7 (fos_block_scales: no division); prefetch 1.9 (one address per row, immediate
+// offsets), staging reads and block amax 1.9, team max, S_enc, S_dec and the encode-scale table
+// 2.3, stores and counters 0.9. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic
+// numerics: 90-200). kRuns 2 holds 16 warps per SM (128 registers), kRuns 1 32 (64 registers),
+// both with 64 KiB of copies in flight per SM.
 template <int kRuns, bool kFos, num::ScaleMetric kMetric>
 __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
