@@ -26,8 +26,10 @@ for m in re.finditer(r'^\.text\.(\S+):', txt, re.M):
 src = open(src_path).read().split('\n')
 def line_of(pat): return [i + 1 for i, l in enumerate(src) if pat in l]
 # quantize.cu lines of the rare paths: the non-finite recount and the generic fallback block
+# and the prefetch of warps whose runs reach past the row's end (the bench's rows are whole)
 cold_q = set(line_of('finite_amax_counting(v[k], nonfinite)') + line_of('copy[i] = v[k][i]') +
-             line_of('out = num::nvfp4_quantize_block(copy'))
+             line_of('out = num::nvfp4_quantize_block(copy') +
+             line_of('prefetch_run<B>(b + k * kFastRunBlocks * B, xrow'))
 ins, labels, chain, fresh = [], {}, [], True
 for l in sec.split('\n'):
     m = re.match(r'\s*//## File "([^"]+)", line (\d+)', l)
@@ -65,7 +67,9 @@ def succ(k):
     s, e = blocks[k]
     t = ins[e - 1][1]
     m = re.search(r'\bBRA\b.*`\((\.L_x_\d+)\)', t)
-    if m:
+    if re.match(r'(@\S+ )?BRA\.DIV\b', t):  # taken only by a diverged warp: not the hot path
+        out = [k + 1]
+    elif m:
         tgt = blk_of[labels[m.group(1)]]
         out = [k + 1, tgt] if t.startswith('@') else [tgt]
     elif re.search(r'\b(EXIT|RET)\b', t) and not t.startswith('@'): out = []
@@ -76,8 +80,14 @@ def is_cold_block(s, e):  # a CALL, or mostly generic code (merge points share a
     if any('CALL' in ins[i][1] for i in real): return True
     return bool(real) and 2 * sum(cold(i) for i in real) > len(real)
 coldblk = [is_cold_block(s, e) for (s, e) in blocks]
-# the row-group loop: the backward branch spanning the most blocks
-back, head = max(((k, x) for k in range(len(blocks)) for x in succ(k) if x <= k),
+# the row-group loop: the backward branch spanning the most blocks, among those reachable
+reach, todo = set(), [0]
+while todo:
+    k = todo.pop()
+    if k not in reach:
+        reach.add(k)
+        todo += succ(k)
+back, head = max(((k, x) for k in reach for x in succ(k) if x <= k),
                  key=lambda p: p[0] - p[1])
 k, count, seen = head, 0, {}
 while True:

@@ -4,7 +4,7 @@
 // that reach a code; every code for the decoders), and on millions of random and constructed
 // NVFP4 blocks (ties on the E2M1 grid, Four Over Six error ties, zero / subnormal / saturated
 // scales, float32 subnormal and huge inputs, partial blocks, 16x16-tile amaxes, the limits of
-// the scaled Four Over Six form), MXFP8 SR
+// the scaled Four Over Six form and of its group table), MXFP8 SR
 // elements (every scale, target-subnormal values, the >32-bit shift path, extreme random words)
 // and Philox words.
 #include <gtest/gtest.h>
@@ -74,6 +74,66 @@ TEST(FastQuantE4m3, ScaleEncodeEqualsTheGenericEncoder) {
   for (int i = 0; i < 4000000; ++i) check(uint32_t(g()) % 0x7f800001u);
   for (uint32_t u : {0u, 1u, 0x7f800000u, 0x7f7fffffu, 0x00800000u, 0x387fffffu}) check(u);
   EXPECT_EQ(bad, 0);
+}
+
+// The scale as a value (and its code back from it): the same ranges as the encoder's test.
+TEST(FastQuantE4m3, ScaleValueEqualsTheGenericEncoderAndDecoder) {
+  int64_t bad = 0;
+  auto check = [&](uint32_t u) {
+    const float t = float_of(u);
+    const uint8_t want = ue4m3_encode(t);
+    const float v = ue4m3_rne_value(t);
+    if ((bits_of(v) != bits_of(ue4m3_decode(want)) || ue4m3_code_of(v) != want) && ++bad <= 5)
+      ADD_FAILURE() << "t = " << t << " (0x" << std::hex << u << "): value " << v << " code 0x"
+                    << ue4m3_code_of(v) << ", generic 0x" << int(want);
+  };
+  for (uint32_t u = 0x38800000u; u < 0x44800000u; ++u) check(u);  // 2^-14 .. 2^10
+  std::mt19937 g(6);
+  for (int i = 0; i < 4000000; ++i) check(uint32_t(g()) % 0x7f800001u);
+  for (uint32_t u : {0u, 1u, 0x7f800000u, 0x7f7fffffu, 0x00800000u, 0x387fffffu, 0x43e00000u, 0x43e80000u})
+    check(u);
+  EXPECT_EQ(bad, 0);
+}
+
+// div6_rn is the correctly rounded quotient on every float from 2^-125 up; below, the block scale
+// it feeds is 0 either way (it stays below 2^-127, see fos_block_scales).
+TEST(FastQuantNvfp4, DivisionBySixOnEveryFloat) {
+  constexpr int64_t kChunks = 256, kBegin = 0x01000000, kEnd = 0x7f800000;  // [2^-125, Inf)
+  int64_t bad = 0;
+#pragma omp parallel for schedule(dynamic) reduction(+ : bad)
+  for (int64_t chunk = 0; chunk < kChunks; ++chunk)
+    for (int64_t b = kBegin + chunk * (kEnd - kBegin) / kChunks; b < kBegin + (chunk + 1) * (kEnd - kBegin) / kChunks; ++b) {
+      const float a = float_of(uint32_t(b));
+      if (bits_of(div6_rn(a)) != bits_of(a / 6.0f)) ++bad;
+    }
+  EXPECT_EQ(bad, 0);
+  for (uint32_t b = 0; b < 0x01000000u; b += 7) ASSERT_LE(div6_rn(float_of(b)), 0x1p-127f) << b;
+}
+
+// The group table's encode scales are nvfp4_enc_scale's, times 2^-104, for every scale code, on
+// groups across the exact range and at its ends; outside it the group is not exact.
+TEST(FastQuantNvfp4, FourOverSixGroupTableEqualsTheReciprocal) {
+  std::mt19937 g(71);
+  std::vector<float> sdecs = {0x1p-100f, 0x1p13f, 1.0f, nvfp4_s_dec(nvfp4_s_enc(1.0f, true)),
+                              std::nextafter(0x1p13f, 0.0f), std::nextafter(0x1p-100f, 1.0f)};
+  for (int i = 0; i < 20000; ++i) sdecs.push_back(std::ldexp(1.0f + float(g() % (1u << 23)) * 0x1p-23f, int(g() % 113) - 100));
+  for (int i = 0; i < 2000; ++i)  // from group amaxes, as the kernels form them
+    sdecs.push_back(nvfp4_s_dec(nvfp4_s_enc(std::ldexp(1.0f + float(g() % 1000) / 1000.0f, int(g() % 100) - 80), true)));
+  int64_t bad = 0;
+  for (float s_dec : sdecs) {
+    const FosGroup grp = fos_group(s_dec);
+    if (!grp.exact) continue;  // only the generated ones past 2^13
+    for (uint32_t code = 1; code <= 0x7e; ++code) {
+      const float sc = ue4m3_decode(code);
+      const float want = mul_rn(nvfp4_enc_scale(uint8_t(code), s_dec), 0x1p-104f);
+      const float got = float_of(grp.lookup(bits_of(sc) >> 20) - (bits_of(sc) & 0x7f800000u));
+      if ((bits_of(got) != bits_of(want) || nvfp4_enc_scale(uint8_t(code), s_dec) < 0x1p-22f) && ++bad <= 5)
+        ADD_FAILURE() << "s_dec " << s_dec << " code 0x" << std::hex << code;
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  for (float s_dec : {std::nextafter(0x1p13f, 1e30f), std::nextafter(0x1p-100f, 0.0f), 0x1p14f, 0x1p-120f})
+    EXPECT_FALSE(fos_group(s_dec).exact) << s_dec;
 }
 
 TEST(FastQuantE4m3, DecodeEqualsTheGenericDecoder) {
@@ -257,6 +317,44 @@ int64_t compare_fos_limits(uint32_t seed) {
       ADD_FAILURE() << "block " << t << " amax " << c.block_amax << " s_dec " << c.s_dec;
   }
   return bad;
+}
+
+// Groups at both ends of FosGroup::exact (S_dec around 2^13 and 2^-100): group amaxes around
+// 1536 * 2^13 and 1536 * 2^-100, block amaxes from the group's down to zero scales.
+template <ScaleMetric kMetric>
+int64_t compare_fos_group_edges(uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0;
+  for (int t = 0; t < 200000; ++t) {
+    BlockCase c{};
+    c.n = 16;
+    const float group = std::ldexp(1.0f + float(g() % 4096) / 4096.0f, (t % 2 ? 23 : -90) + int(g() % 3) - 2);
+    c.s_enc = nvfp4_s_enc(group, true);
+    c.s_dec = nvfp4_s_dec(c.s_enc);
+    const int e = int(std::ilogb(group)) - int(g() % 30);
+    for (int i = 0; i < 16; ++i) c.x[i] = std::ldexp(nd(g), e);
+    float a = 0.0f;
+    for (float v : c.x) a = max_abs_finite(a, v);
+    if (a > group) {
+      for (float& v : c.x) v = v / a * group;
+      a = 0.0f;
+      for (float v : c.x) a = max_abs_finite(a, v);
+    }
+    c.block_amax = a;
+    const Nvfp4Block want =
+        nvfp4_quantize_block(c.x, 16, c.block_amax, c.s_enc, c.s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
+    const Nvfp4Block got = nvfp4_quantize_block_fast<true, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
+    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
+        ++bad <= 5)
+      ADD_FAILURE() << "block " << t << " amax " << c.block_amax << " s_dec " << c.s_dec;
+  }
+  return bad;
+}
+
+TEST(FastQuantNvfp4, FourOverSixAtTheGroupTablesLimits) {
+  EXPECT_EQ(compare_fos_group_edges<ScaleMetric::MSE>(81), 0);
+  EXPECT_EQ(compare_fos_group_edges<ScaleMetric::MAE>(82), 0);
 }
 
 TEST(FastQuantNvfp4, FourOverSixAtTheScaledFormsLimits) {

@@ -1,6 +1,8 @@
 // defines: fma_rn, fabs_hd, max_abs_nan, e2m1_rne_magnitude, e2m1_magnitude_code,
 //          e2m1_decode_fast, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
-//          nvfp4_enc_scale_fast, nvfp4_quantize_block_fast, PhiloxKeys, philox_keys,
+//          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
+//          FosBlockScales, fos_block_scales, fos_quantize_block, nvfp4_quantize_block_fast,
+//          PhiloxKeys, philox_keys,
 //          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, mxfp8_encode_rne_x2
 // The GPU quantizers' inner loops, written for the instruction budget of a memory-bound kernel
 // (a few tens of instructions per element): float adds and compares instead of the integer
@@ -107,7 +109,69 @@ FOURBIT_HD float nvfp4_enc_scale_fast(float sc, float s_dec) {
   return is_finite_bits(r) ? r : 3.40282347e38f;
 }
 
-// ---- NVFP4 block, RNE (with or without Four Over Six) ----------------------------------------------
+// fl(a / 6) for finite a >= 2^-125 (tests check every float): the product with RN(1/6) corrected
+// once (Markstein: the remainder a - 6 q0 is exact in an FMA, RN(1/6) is within half an ulp), three
+// FMAs where a division also takes a range check and a slow-path branch. Below 2^-125 the
+// quotient can be off in its last subnormal bit (see fos_block_scales for why that never shows).
+FOURBIT_HD float div6_rn(float a) {
+  constexpr float kSixth = 0x1.555556p-3f;  // RN(1/6)
+  const float q0 = mul_rn(a, kSixth);
+  return fma_rn(fma_rn(-q0, 6.0f, a), kSixth, q0);
+}
+
+// E4M3(ue4m3_encode(t)) as a float, for t >= 0 (not NaN; +Inf saturates): e2m1_rne_magnitude's
+// rounding by the adder, with E4M3's quantum e * 2^-3 (e = t's binade, 2^-6 below it: the
+// subnormals' 2^-9), after saturation at 448 (on the grid; rounding is monotone).
+FOURBIT_HD float ue4m3_rne_value(float t) {
+  const float a = fminf(t, 448.0f);
+  const float e = fmaxf(float_of(bits_of(a) & 0x7f800000u), 0x1p-6f);
+  const float sum = fma_rn(e, 1048576.0f, a);  // e * 2^20 + a: one rounding, the adder's
+  return fma_rn(e, -1048576.0f, sum);
+}
+// The code of an E4M3 grid value: e4m3_decode_fast read backwards.
+FOURBIT_HD uint32_t ue4m3_code_of(float sc) { return bits_of(mul_rn(sc, 0x1p-120f)) >> 20; }
+
+// ---- NVFP4 blocks: RNE, Four Over Six --------------------------------------------------------------
+
+// The group's part of the Four Over Six block scales. A nonzero E4M3 value is m * 2^e with m one
+// of the eight 1 + k/8 (k: its top three float32 mantissa bits; E4M3's subnormals are float32
+// normals), so while every step stays in float32's normal range
+//   enc = fl(1 / fl(m 2^e * S_dec)) = 2^-e * fl(1 / fl(m * S_dec)) = 2^-e * R[k]
+// (scaling by 2^e commutes with rounding), and detail::FosCandidate's enc * 2^-104 is R[k] with
+// 23 - E added to its exponent field (E: the scale's biased exponent, e + 127). `exact`: S_dec in
+// [2^-100, 2^13], where that holds for every scale up to 448 (m 2^e S_dec in [2^-109, 2^22), its
+// reciprocal in (2^-22, 2^109]) and FosCandidate's limits hold too (enc >= 2^-22, S_dec < 2^102);
+// other groups (amax_G beyond ~1.2e7 or below ~1e-27) take the generic quantizer.
+// On the device lane l holds R[l % 8] and a lookup is a shuffle within 8 lanes: the whole warp
+// builds the group and looks up together (converged). The two layouts never cross host/device.
+struct FosGroup {
+  float sd;  // S_dec * 2^26
+  bool exact;
+#if defined(__CUDA_ARCH__)
+  uint32_t enc_bits;  // bits of R[lane % 8], plus 23 << 23
+  __device__ __forceinline__ uint32_t lookup(uint32_t k) const {
+    return uint32_t(__shfl_sync(0xffffffffu, int(enc_bits), int(k), 8));  // lane (l & ~7) | (k & 7)
+  }
+#else
+  uint32_t enc_bits[8];
+  uint32_t lookup(uint32_t k) const { return enc_bits[k & 7u]; }
+#endif
+};
+
+FOURBIT_HD FosGroup fos_group(float s_dec) {
+  FosGroup g{};
+  g.sd = mul_rn(s_dec, 0x1p26f);
+  g.exact = s_dec >= 0x1p-100f && s_dec <= 0x1p13f;
+  auto entry = [s_dec](uint32_t k) {
+    return bits_of(nvfp4_enc_scale_fast(1.0f + float(k) * 0.125f, s_dec)) + (23u << 23);
+  };
+#if defined(__CUDA_ARCH__)
+  g.enc_bits = entry(threadIdx.x & 7u);  // lane % 8 (one-dimensional blocks)
+#else
+  for (uint32_t k = 0; k < 8; ++k) g.enc_bits[k] = entry(k);
+#endif
+  return g;
+}
 
 namespace detail {
 // Element i's E2M1 code at its place in a 32-bit word of 8 packed codes (element 2k in the low
@@ -144,7 +208,7 @@ FOURBIT_HD uint32_t nibble_in(uint32_t acc, float x) {
 
 // One Four Over Six candidate (block scale sc, its encode scale enc, the group's S_dec), in a
 // scaled form that saves a multiply per element: with enc_s = enc * 2^-104, sc_s = sc * 2^100 and
-// sd = S_dec * 2^26 all exact (the caller checks enc >= 2^-22 or enc = 0, and S_dec < 2^102):
+// sd = S_dec * 2^26 all exact (enc >= 2^-22 and S_dec < 2^102: FosGroup::exact):
 //  - y_s = fl(x * enc_s) is fl(x * enc) * 2^-104 wherever that is a normal float; below it |y| <
 //    2^-22 and both give the code 0; above 6 * 2^-104 both saturate.
 //  - e2m1_rne_magnitude's steps, scaled by 2^-104 (eps = e * 2^-104, all normal floats, the
@@ -153,6 +217,8 @@ FOURBIT_HD uint32_t nibble_in(uint32_t acc, float x) {
 //  - x_hat = fl(fl(v * sc) * S_dec): v * sc is exact, so x_hat is the one rounding of the real
 //    v * sc * S_dec, which is also (v * 2^-126 * sc_s) * sd with an exact first product (its
 //    range is [2^-36, 2^-14]).
+// A zero scale (sc_s = 0) makes every x_hat 0 whatever enc_s is (finite), as the generic codes 0
+// do: its codes are then not used, so enc_s need not be 0.
 struct FosCandidate {
   float enc_s, sc_s, sd;
   FOURBIT_HD float code22(float x) const {
@@ -165,24 +231,79 @@ struct FosCandidate {
 };
 }  // namespace detail
 
-// nvfp4_quantize_block(x, n, block_amax, s_enc, s_dec, kFos, kMetric, RNE, ...) for a block whose
+// One block's two candidates: the scales as E4M3 values, and their scaled forms.
+struct FosBlockScales {
+  detail::FosCandidate c6, c4;
+  float sc6, sc4;
+};
+
+// nvfp4_quantize_block's Four Over Six scales for a group with g.exact: t = fl(fl(block_amax / 6)
+// * S_enc), s_b = E4M3(t), s_b4 = E4M3(fl(t * 1.5)), held as values (ue4m3_rne_value), and the
+// encode scales from the group's table (no division). A block amax below 2^-125, where div6_rn
+// may miss by a subnormal ulp, has t < 2^-27 either way (S_enc <= 2^100 in an exact group): both
+// scales are 0. On the device: the whole warp together (FosGroup::lookup). SASS (sm_90a, inlined
+// in nvfp4_row_fast_kernel): ~27 instructions a block (two shuffles), where the division by 6 and
+// the two reciprocals with their range checks and slow-path branches took ~65; fos_group ~22 a
+// group (one reciprocal per lane).
+FOURBIT_HD FosBlockScales fos_block_scales(float block_amax, float s_enc, const FosGroup& g) {
+  const float t = mul_rn(div6_rn(block_amax), s_enc);
+  const float sc6 = ue4m3_rne_value(t), sc4 = ue4m3_rne_value(mul_rn(t, 1.5f));
+  auto enc_s = [&g](float sc) { return float_of(g.lookup(bits_of(sc) >> 20) - (bits_of(sc) & 0x7f800000u)); };
+  return {{enc_s(sc6), mul_rn(sc6, 0x1p100f), g.sd}, {enc_s(sc4), mul_rn(sc4, 0x1p100f), g.sd}, sc6, sc4};
+}
+
+// nvfp4_quantize_block(x, n, block_amax, s_enc, s_dec, true, kMetric, RNE, ...) for a block whose
 // values are all finite (x[n..16) = +0: the padding; zeros add nothing to the error sums and
-// encode as code 0, so the result does not depend on n). block_amax may be a 16x16 tile's.
-// Four Over Six: both candidates' values come from e2m1_rne_magnitude's steps in the scaled form
-// of detail::FosCandidate (the magnitude code straight from the rounding's second FMA, one multiply
-// less per element and candidate); the error of element i is computed on magnitudes,
+// encode as code 0, so the result does not depend on n), with s = fos_block_scales(block_amax,
+// s_enc, fos_group(s_dec)) of an exact group. Both candidates' values come from
+// e2m1_rne_magnitude's steps in the scaled form of detail::FosCandidate (the magnitude code
+// straight from the rounding's second FMA); the error of element i is computed on magnitudes,
 // d = |x| - fl(fl(v * sc) * S_dec), which is the contract's x - x_hat up to its sign (x_hat has
 // x's sign or is zero, and rounding is symmetric), so d^2 and |d| are the same floats, summed in
 // element order with the same float32 operations. Both candidates' magnitude codes are packed as
 // they are found (no values are kept for later, few registers live); the signs, common to both,
-// once, by funnel shifts. SASS (sm_90a, nvdisasm): 417 instructions for the 16 elements (MSE;
-// 12 per element and candidate), 473 before the scaled form, plus ~65 per block for the scales.
+// once, by funnel shifts. SASS (sm_90a, nvdisasm): 412 instructions a block (MSE): 12 per element
+// and candidate, ~1 per element for the signs, ~12 for the choice and the packing.
+template <ScaleMetric kMetric = ScaleMetric::MSE>
+FOURBIT_HD Nvfp4Block fos_quantize_block(const float (&x)[16], const FosBlockScales& s) {
+  const detail::FosCandidate c6 = s.c6, c4 = s.c4;
+  uint32_t w6[2] = {0u, 0u}, w4[2] = {0u, 0u}, signs[2] = {0u, 0u};
+  float err6 = 0.0f, err4 = 0.0f;  // NUMERICS 4/6: summed in element order
+  FOURBIT_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const float v6 = c6.code22(x[i]), v4 = c4.code22(x[i]);
+    const float d6 = sub_rn(fabs_hd(x[i]), c6.dequant(v6));
+    const float d4 = sub_rn(fabs_hd(x[i]), c4.dequant(v4));
+    // fl(0 + e) = e for the first term (e >= +0), so the sums start at it
+    if constexpr (kMetric == ScaleMetric::MSE) {
+      err6 = i == 0 ? mul_rn(d6, d6) : add_rn(err6, mul_rn(d6, d6));
+      err4 = i == 0 ? mul_rn(d4, d4) : add_rn(err4, mul_rn(d4, d4));
+    } else {
+      err6 = i == 0 ? fabs_hd(d6) : add_rn(err6, fabs_hd(d6));
+      err4 = i == 0 ? fabs_hd(d4) : add_rn(err4, fabs_hd(d4));
+    }
+    w6[i / 8] += detail::code22_at(bits_of(v6), i);
+    w4[i / 8] += detail::code22_at(bits_of(v4), i);
+  }
+  FOURBIT_UNROLL
+  for (int i = 15; i >= 0; --i) signs[i / 8] = detail::nibble_in(signs[i / 8], x[i]);
+  const bool four = err4 < err6;  // NUMERICS: ties keep 6
+  const uint32_t code = ue4m3_code_of(four ? s.sc4 : s.sc6);
+  if (code == 0) return {0, 0, four};  // NUMERICS: a zero scale stores all-zero codes
+  return {(four ? detail::words(w4) : detail::words(w6)) | (detail::words(signs) & 0x8888888888888888ull),
+          uint8_t(code), four};
+}
+
+// nvfp4_quantize_block(x, n, block_amax, s_enc, s_dec, kFos, kMetric, RNE, ...) for a block whose
+// values are all finite (x[n..16) = +0, see fos_quantize_block). block_amax may be a 16x16 tile's.
+// Four Over Six: fos_quantize_block, or the generic quantizer for a group outside FosGroup::exact;
+// on the device only with the whole warp converged (kernels build the group once per group
+// instead, see nvfp4_row_fast_kernel).
 template <bool kFos, ScaleMetric kMetric = ScaleMetric::MSE>
 FOURBIT_HD Nvfp4Block nvfp4_quantize_block_fast(const float (&x)[16], float block_amax, float s_enc,
                                                 float s_dec) {
-  const float t = mul_rn(block_amax / 6.0f, s_enc);
-  const uint8_t s6 = ue4m3_encode_fast(t);
   if constexpr (!kFos) {
+    const uint8_t s6 = ue4m3_encode_fast(mul_rn(block_amax / 6.0f, s_enc));
     if (s6 == 0) return {0, 0, false};  // NUMERICS: a zero scale stores all-zero codes
     const float enc = nvfp4_enc_scale_fast(e4m3_decode_fast(s6), s_dec);
     uint32_t w[2] = {0u, 0u};
@@ -192,46 +313,13 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block_fast(const float (&x)[16], float bloc
                   detail::e2m1_sign_at(x[i], i);
     return {detail::words(w), s6, false};
   } else {
-    const uint8_t s4 = ue4m3_encode_fast(mul_rn(t, 1.5f));
-    const float sc6 = e4m3_decode_fast(s6), sc4 = e4m3_decode_fast(s4);
-    const float enc6 = s6 ? nvfp4_enc_scale_fast(sc6, s_dec) : 0.0f;
-    const float enc4 = s4 ? nvfp4_enc_scale_fast(sc4, s_dec) : 0.0f;
-    // The scaled forms below need enc * 2^-104 and s_dec * 2^26 exact (see detail::FosCandidate);
-    // blocks outside that (element magnitudes above ~2.5e7, or S_dec >= 2^102) take the generic
-    // quantizer, which defines the bits.
-    if (!(enc6 >= 0x1p-22f || s6 == 0) || !(enc4 >= 0x1p-22f || s4 == 0) || !(s_dec < 0x1p102f)) {
+    const FosGroup g = fos_group(s_dec);
+    if (!g.exact) {
       float copy[16];
       for (int i = 0; i < 16; ++i) copy[i] = x[i];
       return nvfp4_quantize_block(copy, 16, block_amax, s_enc, s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
     }
-    const float sd = mul_rn(s_dec, 0x1p26f);
-    const detail::FosCandidate c6{mul_rn(enc6, 0x1p-104f), mul_rn(sc6, 0x1p100f), sd};
-    const detail::FosCandidate c4{mul_rn(enc4, 0x1p-104f), mul_rn(sc4, 0x1p100f), sd};
-    uint32_t w6[2] = {0u, 0u}, w4[2] = {0u, 0u}, signs[2] = {0u, 0u};
-    float err6 = 0.0f, err4 = 0.0f;  // NUMERICS 4/6: summed in element order
-    FOURBIT_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      const float v6 = c6.code22(x[i]), v4 = c4.code22(x[i]);
-      const float d6 = sub_rn(fabs_hd(x[i]), c6.dequant(v6));
-      const float d4 = sub_rn(fabs_hd(x[i]), c4.dequant(v4));
-      // fl(0 + e) = e for the first term (e >= +0), so the sums start at it
-      if constexpr (kMetric == ScaleMetric::MSE) {
-        err6 = i == 0 ? mul_rn(d6, d6) : add_rn(err6, mul_rn(d6, d6));
-        err4 = i == 0 ? mul_rn(d4, d4) : add_rn(err4, mul_rn(d4, d4));
-      } else {
-        err6 = i == 0 ? fabs_hd(d6) : add_rn(err6, fabs_hd(d6));
-        err4 = i == 0 ? fabs_hd(d4) : add_rn(err4, fabs_hd(d4));
-      }
-      w6[i / 8] += detail::code22_at(bits_of(v6), i);
-      w4[i / 8] += detail::code22_at(bits_of(v4), i);
-    }
-    FOURBIT_UNROLL
-    for (int i = 15; i >= 0; --i) signs[i / 8] = detail::nibble_in(signs[i / 8], x[i]);
-    const bool four = err4 < err6;  // NUMERICS: ties keep 6
-    const uint8_t s = four ? s4 : s6;
-    if (s == 0) return {0, 0, four};
-    return {(four ? detail::words(w4) : detail::words(w6)) | (detail::words(signs) & 0x8888888888888888ull),
-            s, four};
+    return fos_quantize_block<kMetric>(x, fos_block_scales(block_amax, s_enc, g));
   }
 }
 

@@ -42,12 +42,14 @@
 // ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
 // elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
-// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70
-// operations a call shared by 4 elements, with 32-bit multiply-high), requantize_transposed ~45
-// (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an H200 (2026-11-30,
-// bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over Six 0.53 (ncu:
-// 55 SASS instructions per element with the loads, stores and staging, 82% of issue slots busy),
-// MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18.
+// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 35.2 for the
+// bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
+// (Philox ~18 of them: 70 operations a call shared by 4 elements, with 32-bit multiply-high),
+// requantize_transposed ~45 (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an
+// H200 (2026-11-30, bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over
+// Six 0.53 (ncu: 55 SASS instructions per element with the loads, stores and staging, 82% of
+// issue slots busy), MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18; later, with 43.9
+// SASS per element, Four Over Six 0.66 and per-token RNE 0.95 (bench/results/h200_gpu_quant.json).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -667,13 +669,18 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int c
 // quantizes group g the cp.async copies of group g + gridDim.x are in flight into the other half
 // of a double-buffered shared stage (the team max's __syncthreads keeps a CTA's warps in step,
 // so without this a CTA would alternate between waiting on memory and computing).
-// Instructions per element, SASS of the sm_90a build (cuobjdump/nvdisasm; one thread's hot path
-// through one loop iteration, divided by the kRuns * 16 elements it quantizes; counted by
-// scripts/sass_hot_path.py): kRuns 1: RNE 26.0, Four Over Six MSE 43.9 (was 57.4), MAE 41.7;
-// kRuns 2: RNE 21.5, Four Over Six MSE 40.0 (was 49.1), MAE 38.1. kRuns 1, 4/6 MSE, per element:
-// the block quantizer's per-element code 26.1 (12 per candidate, signs ~1) and its scales 4.1;
-// prefetch 4.2, staging reads and block amax 2.9, team max, S_enc, S_dec and amax / 6 4.5, stores
-// 1.4. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic numerics: 90-200).
+// Instructions per element, SASS of the sm_90a build (nvdisasm -gi; one thread's hot path
+// through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
+// elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
+// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 35.2 (was 40.0,
+// 49.1 before that), MAE 33.2, RNE 20.3; kRuns 1: Four Over Six MSE 40.3 (was 43.9, 57.4), MAE
+// 38.3, RNE 24.8 (was 26.0). kRuns 2, 4/6 MSE, 1127 instructions per iteration, per element: the
+// block quantizer 25.7 (12 per element and candidate, signs ~1, the choice and packing ~0.7), its
+// scales 1.7 (fos_block_scales: no division); prefetch 1.9 (one address per row, immediate
+// offsets), staging reads and block amax 1.9, team max, S_enc, S_dec and the encode-scale table
+// 2.3, stores and counters 0.9. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic
+// numerics: 90-200). kRuns 2 holds 16 warps per SM (128 registers), kRuns 1 32 (64 registers),
+// both with 64 KiB of copies in flight per SM.
 template <int kRuns, bool kFos, num::ScaleMetric kMetric>
 __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
@@ -694,12 +701,29 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   int64_t row = int64_t(blockIdx.x) * rows_per_cta + warp / tw;
   // This warp's part of stage half it & 1; prefetch(r, b) starts the copies of row r into b.
   auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
+  // A warp whose runs lie inside the row (every warp of rows that are a multiple of its span, as
+  // 8192 columns) copies from one address per row: chunk j of run k is at src + 128 j + 512 k and
+  // lands at dst + 128 j + 512 k (the swizzle (b >> 1) & 3 of block b = lane / 4 + 8 j does not
+  // depend on j), so the copies take immediate offsets and no per-chunk bounds checks.
+  const bool whole = (blk0 + kRuns * kFastRunBlocks) * B <= cols;  // uniform over the warp
+  const uint32_t src0 = uint32_t(blk0 * B + 4 * lane);
+  const int dst0 = B * (lane / 4) + 4 * ((lane % 4) ^ ((lane / 8) & 3));
   auto prefetch = [&](int64_t r, float* b) {
     const bool live = r < p.rows;
     const float* xrow = p.x + (live ? r : 0) * p.cols;
+    if (whole) {
+      const float* src = opaque_ptr(xrow) + src0;
 #pragma unroll
-    for (int k = 0; k < kRuns; ++k)
-      prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
+      for (int k = 0; k < kRuns; ++k)
+#pragma unroll
+        for (int j = 0; j < B / 4; ++j)
+          cp_async16(b + dst0 + k * kFastRunBlocks * B + 8 * B * j, src + k * kFastRunBlocks * B + 128 * j,
+                     live ? 16 : 0);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kRuns; ++k)
+        prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
+    }
   };
 
   unsigned values = 0, nonfinite = 0, blocks = 0, chose_four = 0;
@@ -743,15 +767,22 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
     if (live && wt == 0 && lane == 0) p.outer[row] = s_dec;
+    // Four Over Six: the row's table of encode scales (lookups are shuffles: the whole warp builds
+    // and reads it, before the per-block branches); rows outside its exact range go generic.
+    num::FosGroup grp{};
+    if constexpr (kFos) grp = num::fos_group(s_dec);
 
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) {
       const int blk = blk0 + k * kFastRunBlocks + lane;
+      num::FosBlockScales scales{};
+      if constexpr (kFos) scales = num::fos_block_scales(amax[k], s_enc, grp);
       if (!live || blk >= p.nb) continue;
       const int n = min(B, cols - blk * B);
       num::Nvfp4Block out;
-      if (!((nonfinite_blocks >> k) & 1u)) {
-        out = num::nvfp4_quantize_block_fast<kFos, kMetric>(v[k], amax[k], s_enc, s_dec);
+      if (!((nonfinite_blocks >> k) & 1u) && (!kFos || grp.exact)) {
+        if constexpr (kFos) out = num::fos_quantize_block<kMetric>(v[k], scales);
+        else out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
       } else {
         float copy[B];
 #pragma unroll
@@ -1400,12 +1431,17 @@ void launch_nvfp4_row_fast(const FastRowParams& f, int64_t groups, int threads, 
     launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MAE>>(f, groups, threads, smem);
 }
 
-// A row of nb blocks takes ceil(nb / 32) warp runs (at most 32 for kFusedMaxCols): one run per
-// warp up to 16 runs (8192 columns), else two, and as many warps as that needs (a team of up to
-// 16: one CTA); rows of up to 4 warps share a CTA (of at most 256 threads).
+// A row of nb blocks takes ceil(nb / 32) warp runs (at most 32 for kFusedMaxCols): two runs per
+// warp above 16 runs (8192 columns), and under Four Over Six for every even count (8192 columns:
+// 8 warps of 2 runs), else one; as many warps as that needs (a team of up to 16: one CTA); rows
+// of up to 4 warps share a CTA (of at most 256 threads). Two runs spread the row's fixed work
+// (prefetch, staging, team max, S_enc, S_dec, the encode-scale table) over twice the elements:
+// Four Over Six, 8192 columns, 35.2 SASS instructions per element against 40.3 with one run (see
+// nvfp4_row_fast_kernel), for 16 resident warps per SM instead of 32 (128 registers; the same
+// 64 KiB of copies in flight per SM). The RNE path, memory-bound already, keeps one run.
 void launch_nvfp4_row_fast(FastRowParams f, bool fos, num::ScaleMetric metric) {
   const int64_t runs_needed = (f.nb + kFastRunBlocks - 1) / kFastRunBlocks;
-  const int runs = runs_needed <= kNvfp4FastMaxWarps ? 1 : 2;
+  const int runs = runs_needed > kNvfp4FastMaxWarps || (fos && runs_needed % 2 == 0) ? 2 : 1;
   f.team_warps = int((runs_needed + runs - 1) / runs);
   if (f.team_warps > kNvfp4FastMaxWarps)
     fail("cuda quantize: {} blocks per row is too wide for the per-token kernel", f.nb);
