@@ -46,10 +46,10 @@
 // bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
 // (Philox ~18 of them: 70 operations a call shared by 4 elements, with 32-bit multiply-high),
 // requantize_transposed ~45 (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an
-// H200 (2026-11-30, bench/gpu_quant, ratio to a device copy): NVFP4 per-token RNE 0.77, Four Over
-// Six 0.53 (ncu: 55 SASS instructions per element with the loads, stores and staging, 82% of
-// issue slots busy), MXFP8 row RNE 1.00, SR 0.65, requantize_transposed 0.18; later, with 43.9
-// SASS per element, Four Over Six 0.66 and per-token RNE 0.95 (bench/results/h200_gpu_quant.json).
+// H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio to a device copy; bench/results/
+// h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS instructions per element (ncu: 82% of
+// issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (now); NVFP4 per-token RNE 0.98; MXFP8 row RNE
+// 1.03, SR 0.66, Col axis 0.61; requantize_transposed 0.18.
 #include <cuda_runtime.h>
 
 #include <algorithm>
