@@ -252,6 +252,23 @@ void pick_outer(std::mt19937& g, BlockCase& c, bool fos) {
   c.s_dec = nvfp4_s_dec(c.s_enc);
 }
 
+// Whether nvfp4_quantize_block_fast gives the generic quantizer's block for case c (block t);
+// the first five mismatches of a run (counted in *bad) are reported with their inputs.
+template <bool kFos, ScaleMetric kMetric>
+void expect_fast_block(const BlockCase& c, int64_t t, int64_t* bad) {
+  const Nvfp4Block want =
+      nvfp4_quantize_block(c.x, c.n, c.block_amax, c.s_enc, c.s_dec, kFos, kMetric, Rounding::RNE, 0, 0, 0);
+  const Nvfp4Block got = nvfp4_quantize_block_fast<kFos, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
+  if (want.packed == got.packed && want.scale == got.scale && want.chose_four == got.chose_four) return;
+  if (++*bad > 5) return;
+  std::string xs;
+  for (int i = 0; i < 16; ++i) xs += std::to_string(c.x[i]) + " ";
+  ADD_FAILURE() << "block " << t << " n " << c.n << " amax " << c.block_amax << " s_enc " << c.s_enc
+                << " s_dec " << c.s_dec << ": packed 0x" << std::hex << want.packed << " / 0x" << got.packed
+                << ", scale 0x" << int(want.scale) << " / 0x" << int(got.scale) << std::dec << ", four "
+                << want.chose_four << " / " << got.chose_four << "\n  x: " << xs;
+}
+
 template <bool kFos, ScaleMetric kMetric>
 int64_t compare_blocks(int64_t count, uint32_t seed) {
   std::mt19937 g(seed);
@@ -259,18 +276,7 @@ int64_t compare_blocks(int64_t count, uint32_t seed) {
   for (int64_t t = 0; t < count; ++t) {
     BlockCase c = random_block(g, int(t % 6));
     pick_outer(g, c, kFos);
-    const Nvfp4Block want = nvfp4_quantize_block(c.x, c.n, c.block_amax, c.s_enc, c.s_dec, kFos,
-                                                 kMetric, Rounding::RNE, 0, 0, 0);
-    const Nvfp4Block got = nvfp4_quantize_block_fast<kFos, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
-    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
-        ++bad <= 5) {
-      std::string xs;
-      for (int i = 0; i < 16; ++i) xs += std::to_string(c.x[i]) + " ";
-      ADD_FAILURE() << "block " << t << " kind " << t % 6 << " n " << c.n << " amax " << c.block_amax
-                    << " s_enc " << c.s_enc << ": packed 0x" << std::hex << want.packed << " / 0x"
-                    << got.packed << ", scale 0x" << int(want.scale) << " / 0x" << int(got.scale)
-                    << std::dec << ", four " << want.chose_four << " / " << got.chose_four << "\n  x: " << xs;
-    }
+    expect_fast_block<kFos, kMetric>(c, t, &bad);
   }
   return bad;
 }
@@ -287,17 +293,29 @@ TEST(FastQuantNvfp4, FourOverSixMaeBlocksEqualTheGenericQuantizer) {
   EXPECT_EQ((compare_blocks<true, ScaleMetric::MAE>(2000000, 3)), 0);
 }
 
+// count Four Over Six blocks made by make(t, g, nd, c) (c: 16 values, block amax, S_enc, S_dec)
+// against the generic quantizer; returns the mismatches.
+template <ScaleMetric kMetric, typename Make>
+int64_t compare_fos_cases(int count, uint32_t seed, Make make) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0;
+  for (int t = 0; t < count; ++t) {
+    BlockCase c{};
+    c.n = 16;
+    make(t, g, nd, c);
+    expect_fast_block<true, kMetric>(c, t, &bad);
+  }
+  return bad;
+}
+
 // Four Over Six computes in a scaled form that needs enc >= 2^-22 and S_dec < 2^102 and hands other
 // blocks to the generic quantizer: blocks on both sides of those limits (block amaxes around
 // 6 * 2^22, group amaxes around 1536 * 2^102, tiny groups with subnormal S_dec), both metrics.
 template <ScaleMetric kMetric>
 int64_t compare_fos_limits(uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> nd;
-  int64_t bad = 0;
-  for (int t = 0; t < 400000; ++t) {
-    BlockCase c{};
-    c.n = 16;
+  return compare_fos_cases<kMetric>(400000, seed, [](int t, std::mt19937& g, std::normal_distribution<float>& nd,
+                                                     BlockCase& c) {
     const int e = t % 4 == 0 ? 20 + int(g() % 6) : t % 4 == 1 ? 95 + int(g() % 20) : t % 4 == 2
                                                    ? -140 + int(g() % 30) : int(g() % 40) - 20;
     for (int i = 0; i < 16; ++i) c.x[i] = std::ldexp(nd(g), e);
@@ -309,26 +327,15 @@ int64_t compare_fos_limits(uint32_t seed) {
     if (!is_finite_bits(group)) group = FLT_MAX;
     c.s_enc = t % 5 == 0 ? 1.0f : nvfp4_s_enc(group, true);
     c.s_dec = nvfp4_s_dec(c.s_enc);
-    const Nvfp4Block want =
-        nvfp4_quantize_block(c.x, 16, c.block_amax, c.s_enc, c.s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
-    const Nvfp4Block got = nvfp4_quantize_block_fast<true, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
-    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
-        ++bad <= 5)
-      ADD_FAILURE() << "block " << t << " amax " << c.block_amax << " s_dec " << c.s_dec;
-  }
-  return bad;
+  });
 }
 
 // Groups at both ends of FosGroup::exact (S_dec around 2^13 and 2^-100): group amaxes around
 // 1536 * 2^13 and 1536 * 2^-100, block amaxes from the group's down to zero scales.
 template <ScaleMetric kMetric>
 int64_t compare_fos_group_edges(uint32_t seed) {
-  std::mt19937 g(seed);
-  std::normal_distribution<float> nd;
-  int64_t bad = 0;
-  for (int t = 0; t < 200000; ++t) {
-    BlockCase c{};
-    c.n = 16;
+  return compare_fos_cases<kMetric>(200000, seed, [](int t, std::mt19937& g, std::normal_distribution<float>& nd,
+                                                     BlockCase& c) {
     const float group = std::ldexp(1.0f + float(g() % 4096) / 4096.0f, (t % 2 ? 23 : -90) + int(g() % 3) - 2);
     c.s_enc = nvfp4_s_enc(group, true);
     c.s_dec = nvfp4_s_dec(c.s_enc);
@@ -342,14 +349,7 @@ int64_t compare_fos_group_edges(uint32_t seed) {
       for (float v : c.x) a = max_abs_finite(a, v);
     }
     c.block_amax = a;
-    const Nvfp4Block want =
-        nvfp4_quantize_block(c.x, 16, c.block_amax, c.s_enc, c.s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
-    const Nvfp4Block got = nvfp4_quantize_block_fast<true, kMetric>(c.x, c.block_amax, c.s_enc, c.s_dec);
-    if ((want.packed != got.packed || want.scale != got.scale || want.chose_four != got.chose_four) &&
-        ++bad <= 5)
-      ADD_FAILURE() << "block " << t << " amax " << c.block_amax << " s_dec " << c.s_dec;
-  }
-  return bad;
+  });
 }
 
 TEST(FastQuantNvfp4, FourOverSixAtTheGroupTablesLimits) {
