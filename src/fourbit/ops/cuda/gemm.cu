@@ -443,37 +443,67 @@ __device__ __forceinline__ float scale_one(float t, float a, const float* sb, in
   return sb ? num::mul_rn(r, sb[n * sb_stride]) : r;
 }
 
-__global__ void scale_epilogue_kernel(const float* __restrict__ tmp, const float* __restrict__ sa,
-                                      int sa_stride, const float* __restrict__ sb_all, int sb_stride,
-                                      const EpilogueGroups groups, int64_t M, int64_t N, bool accumulate,
-                                      bool vec4, float* __restrict__ c) {
+// A row's scales: A's (1 without), and the start of B's for the row's group.
+struct RowScales {
+  float a;
+  const float* sb;
+};
+__device__ __forceinline__ RowScales row_scales(const float* sa, int sa_stride, const float* sb_all,
+                                                const EpilogueGroups& groups, int64_t m) {
+  int g = 0;  // the last group starting at or before m (binary search over the offsets)
+  for (int lo = 0, hi = groups.count; lo < hi;) {
+    const int mid = (lo + hi + 1) / 2;
+    if (groups.off[mid] <= m) g = lo = mid; else hi = mid - 1;
+  }
+  return {sa ? sa[m * sa_stride] : 1.0f, sb_all ? sb_all + g * groups.sb_group_stride : nullptr};
+}
+
+// kRows rows a thread at a time (rows m, m + gridDim.y, ...), all their loads issued before the
+// first store: one float4 in flight a thread left the kernel at ~2/3 of a copy's bandwidth.
+constexpr int kEpilogueRows = 4;
+
+// At most 64 registers (4 CTAs an SM): 4 rows' loads of 1024 threads in flight per SM.
+__global__ void __launch_bounds__(256, 4)
+    scale_epilogue_kernel(const float* __restrict__ tmp, const float* __restrict__ sa, int sa_stride,
+                          const float* __restrict__ sb_all, int sb_stride, const EpilogueGroups groups, int64_t M,
+                          int64_t N, bool accumulate, bool vec4, float* __restrict__ c) {
   const int64_t step = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const bool has_a = sa != nullptr;
-  for (int64_t m = blockIdx.y; m < M; m += gridDim.y) {
-    const float a = sa ? sa[m * sa_stride] : 1.0f;
-    int g = 0;  // the last group starting at or before m (binary search over the offsets)
-    for (int lo = 0, hi = groups.count; lo < hi;) {
-      const int mid = (lo + hi + 1) / 2;
-      if (groups.off[mid] <= m) g = lo = mid; else hi = mid - 1;
-    }
-    const float* sb = sb_all ? sb_all + g * groups.sb_group_stride : nullptr;
-    const float* t = tmp + m * N;
-    float* cr = c + m * N;
-    if (vec4) {
+  const int64_t rstep = gridDim.y;
+  if (vec4) {
+    for (int64_t m0 = blockIdx.y; m0 < M; m0 += kEpilogueRows * rstep) {
       for (int64_t q = first; q < N / 4; q += step) {
-        const float4 v = reinterpret_cast<const float4*>(t)[q];
-        float4 r = make_float4(scale_one(v.x, a, sb, 4 * q, sb_stride, has_a), scale_one(v.y, a, sb, 4 * q + 1, sb_stride, has_a),
-                               scale_one(v.z, a, sb, 4 * q + 2, sb_stride, has_a),
-                               scale_one(v.w, a, sb, 4 * q + 3, sb_stride, has_a));
-        if (accumulate) {
-          const float4 o = reinterpret_cast<const float4*>(cr)[q];
-          r = make_float4(num::add_rn(o.x, r.x), num::add_rn(o.y, r.y), num::add_rn(o.z, r.z), num::add_rn(o.w, r.w));
+        float4 v[kEpilogueRows], o[kEpilogueRows];
+#pragma unroll
+        for (int r = 0; r < kEpilogueRows; ++r) {
+          const int64_t m = m0 + r * rstep;
+          if (m >= M) break;
+          v[r] = reinterpret_cast<const float4*>(tmp + m * N)[q];
+          if (accumulate) o[r] = reinterpret_cast<const float4*>(c + m * N)[q];
         }
-        reinterpret_cast<float4*>(cr)[q] = r;
+#pragma unroll
+        for (int r = 0; r < kEpilogueRows; ++r) {
+          const int64_t m = m0 + r * rstep;
+          if (m >= M) break;
+          const RowScales rs = row_scales(sa, sa_stride, sb_all, groups, m);
+          float4 x = make_float4(scale_one(v[r].x, rs.a, rs.sb, 4 * q, sb_stride, has_a),
+                                 scale_one(v[r].y, rs.a, rs.sb, 4 * q + 1, sb_stride, has_a),
+                                 scale_one(v[r].z, rs.a, rs.sb, 4 * q + 2, sb_stride, has_a),
+                                 scale_one(v[r].w, rs.a, rs.sb, 4 * q + 3, sb_stride, has_a));
+          if (accumulate)
+            x = make_float4(num::add_rn(o[r].x, x.x), num::add_rn(o[r].y, x.y), num::add_rn(o[r].z, x.z),
+                            num::add_rn(o[r].w, x.w));
+          reinterpret_cast<float4*>(c + m * N)[q] = x;
+        }
       }
-    } else {
+    }
+  } else {
+    for (int64_t m = blockIdx.y; m < M; m += rstep) {
+      const RowScales rs = row_scales(sa, sa_stride, sb_all, groups, m);
+      const float* t = tmp + m * N;
+      float* cr = c + m * N;
       for (int64_t n = first; n < N; n += step) {
-        const float r = scale_one(t[n], a, sb, n, sb_stride, has_a);
+        const float r = scale_one(t[n], rs.a, rs.sb, n, sb_stride, has_a);
         cr[n] = accumulate ? num::add_rn(cr[n], r) : r;
       }
     }
@@ -484,7 +514,8 @@ void launch_scale_epilogue(const Tensor& tmp, const OuterScales& sa, const Outer
                            int64_t M, int64_t N, bool accumulate, Tensor& c) {
   groups.sb_group_stride = sb.group_stride;
   const bool vec4 = N % 4 == 0 && reinterpret_cast<uintptr_t>(c.raw()) % 16 == 0;
-  const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(M, 8192)));
+  const int64_t row_groups = vec4 ? (M + kEpilogueRows - 1) / kEpilogueRows : M;
+  const dim3 grid(grid_for(vec4 ? N / 4 : N, 256, 8), unsigned(std::min<int64_t>(row_groups, 8192)));
   scale_epilogue_kernel<<<grid, 256, 0, stream()>>>(tmp.data<float>(), sa.ptr, sa.stride, sb.ptr, sb.stride, groups,
                                                     M, N, accumulate, vec4, c.data<float>());
   FOURBIT_LAUNCH_CHECK();
