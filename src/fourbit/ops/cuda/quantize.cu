@@ -1135,7 +1135,20 @@ struct RequantParams {
   uint8_t* scales;
   int64_t out_padded_cols, out_nb;
   uint64_t seed, stream;
+  num::PhiloxKeys keys;     // philox_keys(seed), made on the host: the rounds read them from the
+                            // constant bank (computed in the kernel they were rematerialized,
+                            // one add per key and Philox call, for want of registers)
 };
+
+// A 16-byte shared-memory load the compiler must issue again (volatile): reading a value back
+// instead of holding it in a register from an earlier load.
+__device__ __forceinline__ float4 lds_reload(const float4* p) {
+  float4 f;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(f.x), "=f"(f.y), "=f"(f.z), "=f"(f.w)
+               : "r"(uint32_t(__cvta_generic_to_shared(p))));
+  return f;
+}
 
 // Tile t of p (slices x row tiles x col tiles), by the CTA.
 __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t) {
@@ -1217,7 +1230,38 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
     uint8_t scale;
     if (num::is_finite_bits(a)) {
       scale = num::ue8m0_scale_for_max(a, num::kE4M3Max);  // mxfp8_scale(a, E4M3, RCEIL)
-      mxfp8_sr_block<4>(v, num::pow2f(127 - int(scale)), num::philox_keys(p.seed), p.stream, index0, w);
+      // RCEIL: every |v| * 2^(127 - scale) <= 448, as E4m3SrWords needs
+      using Sr = num::E4m3SrWords;
+      const float xs8 = Sr::x_scale8(scale);
+      uint32_t y8[B], low = ~0u;  // low: the least nonzero y8, less 1 (zeros wrap to ~0)
+#pragma unroll
+      for (int e = 0; e < B; ++e) {
+        y8[e] = Sr::scaled(v[e], xs8);
+        low = min(low, y8[e] - 1u);
+      }
+      // v is not kept past here (registers: 32 more spilled): the signs and the rare path read
+      // the tile again
+      const float4* src4 = reinterpret_cast<const float4*>(src);
+      if (__builtin_expect(!Sr::needs_wide(low + 1u), 1)) {
+        // index0 is a multiple of 32 (padded cols and col are), so the group index0 / 4 + g
+        // is (index0 / 4) | g: the same counter without a 64-bit add
+#pragma unroll
+        for (int g = 0; g < B / 4; ++g) {
+          const num::Philox4x32 r = num::random_bits4_fast(p.keys, p.stream, (index0 >> 2) | uint64_t(g));
+          const float4 x = lds_reload(src4 + g);
+          w[g] = Sr::pack(Sr::code_at_24(y8[4 * g], r.v[0]), Sr::code_at_24(y8[4 * g + 1], r.v[1]),
+                          Sr::code_at_24(y8[4 * g + 2], r.v[2]), Sr::code_at_24(y8[4 * g + 3], r.v[3]),
+                          num::bits_of(x.x), num::bits_of(x.y), num::bits_of(x.z), num::bits_of(x.w));
+        }
+      } else {  // a value below E4M3's smallest normal (rare): Mxfp8Sr's general form
+        float x[B];
+#pragma unroll
+        for (int c = 0; c < B / 4; ++c) {
+          const float4 f = lds_reload(src4 + c);
+          x[4 * c] = f.x, x[4 * c + 1] = f.y, x[4 * c + 2] = f.z, x[4 * c + 3] = f.w;
+        }
+        mxfp8_sr_block<4>(x, num::pow2f(127 - int(scale)), p.keys, p.stream, index0, w);
+      }
     } else {  // a non-finite decoded value (a NaN scale byte, or an overflowing S_dec)
       a = finite_amax_counting(v, nonfinite);
       scale = mxfp8_generic_block(v, int(min64(B, in_rows - col)), a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
@@ -1716,6 +1760,7 @@ int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams
   p.out_nb = out->blocks_per_row();
   p.seed = rng.seed;
   p.stream = rng.stream;
+  p.keys = num::philox_keys(rng.seed);
   return q.slices * p.row_tiles * p.col_tiles;
 }
 }  // namespace
