@@ -34,8 +34,9 @@ if args[1] == 'requantize_transposed':
     name = 'requantize_transposed_kernel'
     key, per, mode = 'requantize_transposed_kernelENS2_13RequantParamsE', 32, 'straight'
     cold_spec = [
-        ('quantize.cu', 'for (int b = 0; b < nblk; ++b) {', 'for (int k = 0; k < 8; ++k) packed[b]'),
+        ('quantize.cu', 'for (int b = 0; b < 2; ++b) {  // unrolled: words stays', 'words[2 * b] = uint32_t(packed)'),
         ('quantize.cu', 'for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;', None),
+        ('quantize.cu', '} else {  // |S_dec| >= 2^120', 'num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);'),
         ('quantize.cu', 'a = finite_amax_counting(v, nonfinite);', 'Rounding::SR, p.seed'),
         ('quantize.cu', 'w[g] = mxfp8_sr_word<kExpBits, true>(y, g, r);', None),
         ('quantize.cu', '// a value below E4M3\'s smallest normal (rare)', 'mxfp8_sr_block<4>(x, num::pow2f(127'),

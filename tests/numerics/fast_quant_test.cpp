@@ -570,3 +570,40 @@ int64_t compare_sr_words(int64_t count, uint32_t seed) {
 TEST(FastQuantMxfp8, StochasticE4m3WordsEqualTheGenericEncoder) { EXPECT_EQ(compare_sr_words(6000000, 71), 0); }
 
 }  // namespace
+
+namespace {
+
+// Nvfp4DecodeWord (requantize_transposed's exact decode) against nvfp4_dequant: every code at
+// every position of a word, every scale byte (NaN 0x7F and zero included), S_dec of every binade
+// the helper takes (subnormal, up to just below 2^120, both signs, Inf, NaN) and random ones.
+TEST(FastQuantNvfp4, WordDecodeEqualsTheGenericDecoder) {
+  std::mt19937 g(81);
+  std::vector<float> sdecs = {1.0f, -1.0f, 0.0f, kInf, -kInf, NAN, 0x1p-149f, 0x1p-130f, 0x1.fffffep119f,
+                              -0x1.fffffep119f, 0x1p119f, 3.0e-39f, FLT_MIN};
+  for (int i = 0; i < 3000; ++i) sdecs.push_back(std::ldexp(float(g() % 0xffffffu + 1) * 0x1p-24f, int(g() % 270) - 150));
+  int64_t bad = 0;
+  for (float sd : sdecs) {
+    if (!Nvfp4DecodeWord::exact_for(sd)) {  // the kernel's other path
+      ASSERT_GE(std::fabs(sd), 0x1p120f);
+      continue;
+    }
+    for (uint32_t sb = 0; sb < 256; ++sb) {
+      const Nvfp4DecodeWord d(ue4m3_decode_fast(sb), sd);
+      const uint32_t word = uint32_t(g());
+      for (int e = 0; e < 8; ++e) {
+        for (uint32_t c : {(word >> (4 * e)) & 15u, uint32_t(e), uint32_t(e + 8)}) {
+          const uint32_t w = (word & ~(15u << (4 * e))) | (c << (4 * e));
+          const float want = nvfp4_dequant(c, uint8_t(sb), sd), got = d.at(w, e);
+          if (!(bits_of(got) == bits_of(want) || (std::isnan(got) && std::isnan(want))) && ++bad <= 5)
+            ADD_FAILURE() << "code " << c << " at " << e << " s_b 0x" << std::hex << sb << " s_dec " << sd
+                          << ": 0x" << bits_of(want) << " vs 0x" << bits_of(got);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_FALSE(Nvfp4DecodeWord::exact_for(0x1p120f));
+  EXPECT_FALSE(Nvfp4DecodeWord::exact_for(-FLT_MAX));
+}
+
+}  // namespace

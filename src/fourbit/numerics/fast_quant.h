@@ -1,5 +1,5 @@
 // defines: fma_rn, fabs_hd, max_abs_nan, e2m1_rne_magnitude, e2m1_magnitude_code,
-//          e2m1_decode_fast, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
+//          e2m1_decode_fast, Nvfp4DecodeWord, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
 //          FosBlockScales, fos_block_scales, fos_quantize_block, nvfp4_quantize_block_fast,
 //          PhiloxKeys, philox_keys,
@@ -80,6 +80,26 @@ FOURBIT_HD float e2m1_decode_fast(uint32_t code) {
   const float mag = mul_rn(float_of((code & 7u) << 22), 0x1p126f);
   return float_of(bits_of(mag) | ((code & 8u) << 28));
 }
+
+// nvfp4_dequant (fl(fl(E2M1(c) * sc) * S_dec), sc = E4M3(s_b)) of the 8 codes of a packed word
+// (element e in nibble e, sign in its bit 3), for S_dec below 2^120 in magnitude (or not finite;
+// exact_for). The code's bits land where float32's put them (magnitude at bits 22..24: the E2M1
+// value times 2^-126, sign at bit 31) without e2m1_decode_fast's multiply by 2^126, which moves
+// into sc_hi = sc * 2^118 and sd_lo = S_dec * 2^8 (both exact: sc <= 448): the first product is
+// the exact E2M1 * sc times 2^-8 (at most 6 significant bits, in [2^-18, 2^12)), signed as
+// before, and the second rounds the same real number as fl(E2M1 * sc) * S_dec once.
+struct Nvfp4DecodeWord {
+  float sc_hi, sd_lo;
+  static FOURBIT_HD bool exact_for(float s_dec) { return !(fabs_hd(s_dec) >= 0x1p120f); }
+  FOURBIT_HD Nvfp4DecodeWord(float sc, float s_dec)
+      : sc_hi(mul_rn(sc, 0x1p118f)), sd_lo(mul_rn(s_dec, 0x1p8f)) {}
+  FOURBIT_HD float at(uint32_t word, int e) const {
+    const int s = 22 - 4 * e;
+    const uint32_t mag = (s >= 0 ? word << s : word >> -s) & 0x01c00000u;
+    const uint32_t sign = (word << (28 - 4 * e)) & 0x80000000u;
+    return mul_rn(mul_rn(float_of(mag | sign), sc_hi), sd_lo);
+  }
+};
 
 // ---- E4M3 block scales -----------------------------------------------------------------------------
 

@@ -1173,29 +1173,39 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
     if (i0 + ii < in_rows) {
       const int64_t row = s * in_rows + i0 + ii;
       const uint8_t* src = p.dec.codes + row * p.dec.code_row_bytes + blk0 * 8;
-      uint64_t packed[2] = {0, 0};
+      uint32_t words[4] = {0, 0, 0, 0};  // element k in nibble k % 8 of words[k / 8]
       if (p.vec16 && nblk == 2) {
         const uint4 c = *reinterpret_cast<const uint4*>(src);
-        packed[0] = uint64_t(c.x) | uint64_t(c.y) << 32;
-        packed[1] = uint64_t(c.z) | uint64_t(c.w) << 32;
+        words[0] = c.x, words[1] = c.y, words[2] = c.z, words[3] = c.w;
       } else {
-        for (int b = 0; b < nblk; ++b) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {  // unrolled: words stays in registers
+          if (b >= nblk) break;
+          uint64_t packed = 0;
           if (p.dec.vec) {
-            packed[b] = reinterpret_cast<const uint64_t*>(src)[b];
+            packed = reinterpret_cast<const uint64_t*>(src)[b];
           } else {
-            for (int k = 0; k < 8; ++k) packed[b] |= uint64_t(src[8 * b + k]) << (8 * k);
+            for (int k = 0; k < 8; ++k) packed |= uint64_t(src[8 * b + k]) << (8 * k);
           }
+          words[2 * b] = uint32_t(packed), words[2 * b + 1] = uint32_t(packed >> 32);
         }
       }
       const float s_dec = p.dec.outer ? p.dec.outer[group_of(p.dec.outer_kind, row, in_rows)] : 1.0f;
+      if (__builtin_expect(num::Nvfp4DecodeWord::exact_for(s_dec), 1)) {
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (b >= nblk) break;
-        const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+        for (int b = 0; b < 2; ++b) {
+          if (b >= nblk) break;
+          const num::Nvfp4DecodeWord d(num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]), s_dec);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const uint32_t code = uint32_t(packed[b] >> (4 * e)) & 0xFu;
-          dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+          for (int e = 0; e < 16; ++e) dst[(16 * b + e) * kReqRs] = d.at(words[2 * b + e / 8], e % 8);
+        }
+      } else {  // |S_dec| >= 2^120: e2m1_decode_fast and the two products as written
+        for (int b = 0; b < nblk; ++b) {
+          const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+          for (int e = 0; e < 16; ++e) {
+            const uint32_t code = (b == 0 ? (e < 8 ? words[0] : words[1]) : (e < 8 ? words[2] : words[3])) >> (4 * (e % 8));
+            dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+          }
         }
       }
     } else {
