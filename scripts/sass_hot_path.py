@@ -10,7 +10,7 @@ and an inner loop is left after one pass.
       nvfp4_row_fast_kernel<RUNS, FOS, METRIC>: RUNS 1 or 2, FOS 0 or 1, METRIC 0 (MSE) or 1 (MAE);
       one iteration of the row-group loop, every block finite (no generic fallback, no
       non-finite recount), the division fast paths, the next group's prefetch taken.
-  scripts/sass_hot_path.py /tmp/q.cubin requantize_transposed [QUANTIZE_CU] [--trace] [--by-function]
+  scripts/sass_hot_path.py /tmp/q.cubin requantize_transposed [QUANTIZE_CU] [--trace] [--by-function] [--by-line]
       requantize_transposed_kernel, entry to EXIT: a whole tile (two NVFP4 blocks a row in one
       16-byte load), every decoded value finite, no value below E4M3's smallest normal (the SR
       encode's general form is cold). A thread decodes 32 values and encodes 32: per element =
@@ -20,7 +20,7 @@ import os, re, subprocess, sys
 from collections import Counter
 
 args = [a for a in sys.argv[1:] if not a.startswith('--')]
-trace, by_function = '--trace' in sys.argv, '--by-function' in sys.argv
+trace, by_function, by_line = '--trace' in sys.argv, '--by-function' in sys.argv, '--by-line' in sys.argv
 cubin = args[0]
 here = os.path.dirname(os.path.abspath(__file__))
 src_dir = os.path.join(here, '..', 'src/fourbit')
@@ -191,5 +191,8 @@ if by_function:
                   else ins[i][1].split()[1].split('.')[0] for i in path)
     for f, n in by.most_common(): print(f'  {n:5d} {n / per:6.2f}/elem  {f}')
     print('  opcodes: ' + ', '.join(f'{o} {n}' for o, n in ops.most_common()))
+if by_line:  # innermost source line of each instruction
+    for (f, ln), n in sorted(Counter(ins[i][3] for i in path).items(), key=lambda p: -p[1]):
+        print(f'  {n:5d} {f}:{ln}: {lines_of(f)[ln - 1].strip() if 0 < ln <= len(lines_of(f)) else ""}')
 print(f'{label}: {count} SASS instructions per {"loop iteration" if mode == "loop" else "thread"} '
       f'on the hot path, {count / per:.2f} per element')

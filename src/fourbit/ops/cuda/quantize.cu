@@ -1131,6 +1131,7 @@ struct RequantParams {
   bool vec16;               // two blocks (16 code bytes) of a tile row load as one uint4
   int64_t in_cols;          // input storage cols (unpadded) = output storage rows per slice
   int64_t row_tiles, col_tiles;
+  uint32_t row_tiles32, col_tiles32;  // the same, at most 2^32 - 1 (for 32-bit tile arithmetic)
   uint8_t* codes;           // output storage [S * in_cols, out_padded_cols]
   uint8_t* scales;
   int64_t out_padded_cols, out_nb;
@@ -1156,9 +1157,10 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
   static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
   __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
 
-  const int64_t ct = t % p.col_tiles;
-  t /= p.col_tiles;
-  const int64_t rt = t % p.row_tiles, s = t / p.row_tiles;
+  // t < 2^31 (one launch's CTAs), so 32-bit divisions give the same quotients (a count of tiles
+  // beyond 2^32 - 1 is larger than t either way)
+  const uint32_t t32 = uint32_t(t), ct = t32 % p.col_tiles32, t_rs = t32 / p.col_tiles32;
+  const int64_t rt = t_rs % p.row_tiles32, s = t_rs / p.row_tiles32;
   const int64_t i0 = rt * kReqRows;  // first input storage row (in the slice)
   const int64_t j0 = ct * kReqCols;  // first input storage col
   const int64_t in_rows = p.dec.srows;
@@ -1190,7 +1192,9 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
           words[2 * b] = uint32_t(packed), words[2 * b + 1] = uint32_t(packed >> 32);
         }
       }
-      const float s_dec = p.dec.outer ? p.dec.outer[group_of(p.dec.outer_kind, row, in_rows)] : 1.0f;
+      // group_of(outer_kind, row, in_rows) without its division: row / in_rows is the slice s
+      const int64_t group = p.dec.outer_kind == OuterScale::PerRow ? row : p.dec.outer_kind == OuterScale::PerSlice ? s : 0;
+      const float s_dec = p.dec.outer ? p.dec.outer[group] : 1.0f;
       if (__builtin_expect(num::Nvfp4DecodeWord::exact_for(s_dec), 1)) {
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
@@ -1764,6 +1768,8 @@ int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams
   p.in_cols = q.cols;
   p.row_tiles = (q.rows + kReqRows - 1) / kReqRows;
   p.col_tiles = (q.cols + kReqCols - 1) / kReqCols;
+  p.row_tiles32 = uint32_t(std::min<int64_t>(p.row_tiles, 0xffffffffll));
+  p.col_tiles32 = uint32_t(std::min<int64_t>(p.col_tiles, 0xffffffffll));
   p.codes = out->codes.data<uint8_t>();
   p.scales = out->block_scales.data<uint8_t>();
   p.out_padded_cols = out->padded_cols();
