@@ -478,7 +478,13 @@ struct E4m3SrWords {
                                   uint32_t xb1, uint32_t xb2, uint32_t xb3) {
     const uint32_t codes = byte_perm(byte_perm(z0, z1, 0x0073u), byte_perm(z2, z3, 0x7300u), 0x7610u);
     const uint32_t signs = byte_perm(byte_perm(xb0, xb1, 0x0073u), byte_perm(xb2, xb3, 0x7300u), 0x7610u);
+#if defined(__CUDA_ARCH__)
+    uint32_t w;  // (codes & 0x7f7f7f7f) | (signs & ~0x7f7f7f7f) as one LOP3 (ptxas made it two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(codes), "r"(signs), "r"(0x7f7f7f7fu));
+    return w;
+#else
     return (codes & 0x7f7f7f7fu) | (signs & 0x80808080u);
+#endif
   }
 };
 
