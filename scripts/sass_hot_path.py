@@ -32,7 +32,7 @@ src_dir = os.path.join(here, '..', 'src/fourbit')
 if args[1] == 'requantize_transposed':
     qcu = args[2] if len(args) > 2 else os.path.join(src_dir, 'ops/cuda/quantize.cu')
     name = 'requantize_transposed_kernel'
-    key, per, mode = 'requantize_transposed_kernelENS2_13RequantParamsE', 32, 'straight'
+    key, per, mode = 'requantize_transposed_kernelENS2_13RequantParams', 32, 'straight'
     cold_spec = [
         ('quantize.cu', 'for (int b = 0; b < 2; ++b) {  // unrolled: words stays', 'words[2 * b] = uint32_t(packed)'),
         ('quantize.cu', 'for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;', None),
@@ -65,12 +65,12 @@ NVD = os.environ.get('NVDISASM', 'nvdisasm')
 txt = subprocess.run([NVD, '-gi', cubin], capture_output=True, text=True).stdout
 sec = None
 for m in re.finditer(r'^\.text\.(\S+):', txt, re.M):
-    if m.group(1).endswith(key):
+    if key in m.group(1):  # the mangled name holds it
         s = m.end()
         ends = [x for x in (txt.find('\n.section', s), txt.find('\n.text.', s)) if x > 0]
         sec = txt[s:min(ends) if ends else len(txt)]
         break
-if sec is None: raise SystemExit(f'no kernel ending in {key} in {cubin}')
+if sec is None: raise SystemExit(f'no kernel named like {key} in {cubin}')
 
 sources = {}
 def lines_of(fname):

@@ -44,8 +44,9 @@
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
 // sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 35.2 for the
 // bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
-// (Philox ~18 of them: 70 operations a call shared by 4 elements, with 32-bit multiply-high),
-// requantize_transposed ~45 (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an
+// (Philox ~18 of them: 70 operations a call shared by 4 elements; ~10.7 in SASS, where each
+// 32x32 -> 64-bit product is one IMAD.WIDE), requantize_transposed 32.4 in SASS (was 46.9;
+// decode ~7, SR encode ~6, Philox ~10.7; its bound is ~18, see the kernel). Measured on an
 // H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio to a device copy; bench/results/
 // h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS instructions per element (ncu: 82% of
 // issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (now); NVFP4 per-token RNE 0.98; MXFP8 row RNE
@@ -1106,21 +1107,34 @@ __global__ void __launch_bounds__(kThreads) dequant_tile_kernel(const DequantPar
 //
 // Shape: a CTA takes a tile of kReqRows input storage rows (old rows: 8 output blocks of 32) x
 // kReqCols input storage cols (2 NVFP4 blocks; 32 output storage rows). Phase 1: thread t decodes
-// old row t's two blocks (16 code bytes, one load) exactly (fl(fl(E2M1 * E4M3) * S_dec), as
-// nvfp4_dequant) and writes the 32 values down a tile column: the 32 lanes of a warp write 32
-// consecutive old rows, one bank each. Phase 2: thread t owns output block t % 8 of output row
-// t / 8, reads its 32 values with eight 16-byte shared loads (blocks kReqBlockStride floats apart:
-// conflict-free), and quantizes them with RCEIL scales and elementwise SR (fast_quant.h), one
+// old row t's two blocks (16 code bytes, one load, four registers) exactly (fl(fl(E2M1 * E4M3) *
+// S_dec), as nvfp4_dequant, by Nvfp4DecodeWord) and writes the 32 values down a tile column: the
+// 32 lanes of a warp write 32 consecutive old rows, one bank each. Phase 2: thread t owns output
+// block t % 8 of output row t / 8, reads its 32 values with eight 16-byte shared loads (blocks
+// kReqBlockStride floats apart: conflict-free), and quantizes them with RCEIL scales and
+// elementwise SR (E4m3SrWords; Mxfp8Sr for a block holding a value below E4M3's normals), one
 // Philox-4x32-10 call per four consecutive counters. A warp writes four output rows of 256
 // contiguous code bytes.
 //
-// Why this cannot reach 75% of a copy's bandwidth: the kernel moves only ~1.6 bytes per element
-// (0.56 in, 1.03 out), so 75% of an H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12
-// thread-instructions/s leaves ~18 instructions per element. Philox alone costs ~18 (PTX; at
-// least 10 in SASS: a call is 10 rounds of two 32x32 -> 64-bit products and two 3-way XORs, and
-// serves 4 elements), the SR encode ~12, the exact decode ~10, amax, scale, packing and the
-// shared-memory transpose ~4: 35-45 per element, so the ceiling is roughly 0.3-0.4 of the copy's
-// rate (it was ~0.08 with the generic numerics, ~200 instructions per element).
+// Instructions (SASS, sm_90a, nvdisasm; scripts/sass_hot_path.py CUBIN requantize_transposed
+// [--by-function | --by-line]: one thread's path from entry to EXIT for a whole tile of finite
+// values, divided by its 32 elements): 32.4 per element (1037 a thread), was 46.9 (1501):
+//   Philox          10.7  (was 14.7) 64-bit products: one IMAD.WIDE each, not IMAD.HI + IMAD;
+//                         keys from the constant bank, not rematerialized per call
+//   exact decode    ~7    (was ~10)  4 bit moves + 2 FMUL + 1 STS (no multiply by 2^126; the
+//                         codes were a runtime-indexed array in local memory)
+//   SR encode       ~6    (was ~11.5) FMUL, VIADDMNMX (the wide-path test), SHF + LEA, 7/4 PRMT
+//                         and LOP3 to pack codes and signs, the signs' shared reload
+//   amax, scale     ~1.5
+//   the rest        ~6    tile coordinates (32-bit now, was 64-bit divisions), addresses,
+//                         loads, shared loads, stores
+// What bounds it: the kernel moves only ~1.6 bytes per element (0.56 in, 1.03 out), so 75% of an
+// H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12 thread-instructions/s leaves ~18
+// instructions per element; Philox alone is ~10 of them under the SR contract (10 rounds of two
+// 32x32 -> 64-bit products and two 3-way XORs per 4 elements), decode and encode ~13, so the
+// ceiling stays well below 0.75. It ran at 0.18 at 46.9 instructions (it was ~0.08 with the
+// generic numerics, ~200 instructions per element); scaling by the count suggests ~0.26 at 32.4,
+// to be measured (IMAD.WIDE may issue at a lower rate than the IMADs it replaces).
 constexpr int kReqRows = 256;
 constexpr int kReqCols = 32;
 constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
@@ -1136,9 +1150,6 @@ struct RequantParams {
   uint8_t* scales;
   int64_t out_padded_cols, out_nb;
   uint64_t seed, stream;
-  num::PhiloxKeys keys;     // philox_keys(seed), made on the host: the rounds read them from the
-                            // constant bank (computed in the kernel they were rematerialized,
-                            // one add per key and Philox call, for want of registers)
 };
 
 // A 16-byte shared-memory load the compiler must issue again (volatile): reading a value back
@@ -1152,7 +1163,8 @@ __device__ __forceinline__ float4 lds_reload(const float4* p) {
 }
 
 // Tile t of p (slices x row tiles x col tiles), by the CTA.
-__device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t) {
+// keys = philox_keys(p.seed).
+__device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t, const num::PhiloxKeys& keys) {
   constexpr int B = num::kMxBlock;
   static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
   __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
@@ -1261,7 +1273,7 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
         // is (index0 / 4) | g: the same counter without a 64-bit add
 #pragma unroll
         for (int g = 0; g < B / 4; ++g) {
-          const num::Philox4x32 r = num::random_bits4_fast(p.keys, p.stream, (index0 >> 2) | uint64_t(g));
+          const num::Philox4x32 r = num::random_bits4_fast(keys, p.stream, (index0 >> 2) | uint64_t(g));
           const float4 x = lds_reload(src4 + g);
           w[g] = Sr::pack(Sr::code_at_24(y8[4 * g], r.v[0]), Sr::code_at_24(y8[4 * g + 1], r.v[1]),
                           Sr::code_at_24(y8[4 * g + 2], r.v[2]), Sr::code_at_24(y8[4 * g + 3], r.v[3]),
@@ -1274,7 +1286,7 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
           const float4 f = lds_reload(src4 + c);
           x[4 * c] = f.x, x[4 * c + 1] = f.y, x[4 * c + 2] = f.z, x[4 * c + 3] = f.w;
         }
-        mxfp8_sr_block<4>(x, num::pow2f(127 - int(scale)), p.keys, p.stream, index0, w);
+        mxfp8_sr_block<4>(x, num::pow2f(127 - int(scale)), keys, p.stream, index0, w);
       }
     } else {  // a non-finite decoded value (a NaN scale byte, or an overflowing S_dec)
       a = finite_amax_counting(v, nonfinite);
@@ -1287,8 +1299,12 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
-__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p) {
-  requantize_tile(p, blockIdx.x);
+// keys: philox_keys(p.seed), made on the host, so that the rounds read them from the constant
+// bank (made in the kernel they were rematerialized, one add per key and Philox call, for want of
+// registers: 38.4 instructions per element instead of 32.4).
+__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p,
+                                                                            const num::PhiloxKeys keys) {
+  requantize_tile(p, blockIdx.x, keys);
 }
 
 // Several single-slice inputs (the experts' token ranges of one saved operand) in one launch: CTA
@@ -1304,7 +1320,8 @@ __global__ void __launch_bounds__(kThreads, 3) requantize_segments_kernel(const 
   const int64_t cta = blockIdx.x;
   int si = 0;
   while (si + 1 < p.n && p.cta0[si + 1] <= cta) ++si;  // uniform over the CTA
-  requantize_tile(p.seg[si], cta - p.cta0[si]);
+  // the keys made here: 16 segments' keys would take the parameters past 4 KB
+  requantize_tile(p.seg[si], cta - p.cta0[si], num::philox_keys(p.seg[si].seed));
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -1776,7 +1793,6 @@ int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams
   p.out_nb = out->blocks_per_row();
   p.seed = rng.seed;
   p.stream = rng.stream;
-  p.keys = num::philox_keys(rng.seed);
   return q.slices * p.row_tiles * p.col_tiles;
 }
 }  // namespace
@@ -1789,7 +1805,8 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng) {
   QTensor out;
   const int64_t ctas = requant_params(q, rng, &out, p);
   if (ctas > 0) {
-    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(p);
+    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(
+        p, num::philox_keys(rng.seed));
     FOURBIT_LAUNCH_CHECK();
   }
   return out;
