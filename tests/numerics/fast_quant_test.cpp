@@ -488,3 +488,122 @@ TEST(FastQuantMxfp8, RnePairsEqualTheSingleEncoder) {
 }
 
 }  // namespace
+
+namespace {
+
+// byte_perm's host form against the PTX definition written out, on random words and selectors.
+TEST(FastQuantMxfp8, BytePermMovesTheSelectedBytes) {
+  std::mt19937 g(61);
+  for (int i = 0; i < 100000; ++i) {
+    const uint32_t a = uint32_t(g()), b = uint32_t(g()), s = uint32_t(g()) & 0x7777u;
+    const uint8_t bytes[8] = {uint8_t(a), uint8_t(a >> 8), uint8_t(a >> 16), uint8_t(a >> 24),
+                              uint8_t(b), uint8_t(b >> 8), uint8_t(b >> 16), uint8_t(b >> 24)};
+    const uint32_t want = uint32_t(bytes[s & 7]) | uint32_t(bytes[(s >> 4) & 7]) << 8 |
+                          uint32_t(bytes[(s >> 8) & 7]) << 16 | uint32_t(bytes[(s >> 12) & 7]) << 24;
+    ASSERT_EQ(byte_perm(a, b, s), want) << std::hex << a << " " << b << " " << s;
+  }
+}
+
+// E4m3SrWords (requantize_transposed's encoder) against the generic SR encoder and Mxfp8Sr, on
+// blocks of four whose RCEIL scale comes from an amax at or above every |x| (the kernel's case):
+// random floats of every binade (and target-subnormal ones, which must be flagged), zeros of both
+// signs, values on and next to the E4M3 grid up to 448, extreme random words.
+int64_t compare_sr_words(int64_t count, uint32_t seed) {
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0, words = 0, wide = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    float x[4];
+    const int e0 = int(g() % 250) - 125;
+    for (float& v : x) {
+      switch (g() % 6) {
+        case 0: v = g() & 1 ? 0.0f : -0.0f; break;
+        case 1: v = std::ldexp(nd(g), e0 - int(g() % 24)); break;  // below the amax, sometimes subnormal in E4M3
+        case 2: {  // an E4M3 grid value or its neighbour, at the block's scale
+          const float q = minifloat_decode(e4m3_spec(), uint32_t(g() % 0x7f)) * (g() & 1 ? 1.0f : -1.0f);
+          v = std::ldexp(q, e0 - 8);
+          if (g() & 1) v = std::nextafter(v, g() & 1 ? 0.0f : kInf);
+          break;
+        }
+        default: v = std::ldexp(nd(g), e0);
+      }
+      if (!is_finite_bits(v)) v = 1.0f;
+    }
+    float amax = 0.0f;
+    for (float v : x) amax = std::max(amax, std::fabs(v));
+    if (t % 5 == 0) amax = std::min(amax * float(1 + g() % 1000), 3.0e38f);  // headroom: any larger amax
+    const uint8_t scale = ue8m0_scale_for_max(amax, kE4M3Max);
+    const float xs8 = E4m3SrWords::x_scale8(scale);
+    uint32_t y8[4], r[4];
+    bool any_wide = false, want_wide = false;
+    for (int e = 0; e < 4; ++e) {
+      y8[e] = E4m3SrWords::scaled(x[e], xs8);
+      any_wide |= E4m3SrWords::needs_wide(y8[e]);
+      const float u = std::fabs(x[e]) * pow2f(127 - int(scale));
+      want_wide |= u != 0.0f && u < 0x1p-6f && std::fabs(x[e]) * xs8 != 0.0f;
+      r[e] = t % 7 == 0 ? 0u : t % 7 == 1 ? 0xffffffffu : uint32_t(g());
+    }
+    if (any_wide != want_wide && ++bad <= 5) ADD_FAILURE() << "needs_wide at t = " << t;
+    if (any_wide) {
+      ++wide;
+      continue;
+    }
+    ++words;
+    const uint32_t w = E4m3SrWords::pack(
+        E4m3SrWords::code_at_24(y8[0], r[0]), E4m3SrWords::code_at_24(y8[1], r[1]),
+        E4m3SrWords::code_at_24(y8[2], r[2]), E4m3SrWords::code_at_24(y8[3], r[3]), bits_of(x[0]),
+        bits_of(x[1]), bits_of(x[2]), bits_of(x[3]));
+    for (int e = 0; e < 4; ++e) {
+      const uint8_t want = uint8_t(minifloat_encode(e4m3_spec(), x[e], 127 - int(scale), Rounding::SR, r[e]));
+      const uint8_t fast = Mxfp8Sr<4>::encode(x[e], pow2f(127 - int(scale)), r[e]);
+      const uint8_t got = uint8_t(w >> (8 * e));
+      if ((got != want || fast != want) && ++bad <= 5)
+        ADD_FAILURE() << "x = " << x[e] << " (0x" << std::hex << bits_of(x[e]) << ") scale 0x" << int(scale)
+                      << " rnd 0x" << r[e] << ": generic 0x" << int(want) << " words 0x" << int(got);
+    }
+  }
+  EXPECT_GT(words, count / 2);  // the cases reach both forms
+  EXPECT_GT(wide, count / 100);
+  return bad;
+}
+
+TEST(FastQuantMxfp8, StochasticE4m3WordsEqualTheGenericEncoder) { EXPECT_EQ(compare_sr_words(6000000, 71), 0); }
+
+}  // namespace
+
+namespace {
+
+// Nvfp4DecodeWord (requantize_transposed's exact decode) against nvfp4_dequant: every code at
+// every position of a word, every scale byte (NaN 0x7F and zero included), S_dec of every binade
+// the helper takes (subnormal, up to just below 2^120, both signs, Inf, NaN) and random ones.
+TEST(FastQuantNvfp4, WordDecodeEqualsTheGenericDecoder) {
+  std::mt19937 g(81);
+  std::vector<float> sdecs = {1.0f, -1.0f, 0.0f, kInf, -kInf, NAN, 0x1p-149f, 0x1p-130f, 0x1.fffffep119f,
+                              -0x1.fffffep119f, 0x1p119f, 3.0e-39f, FLT_MIN};
+  for (int i = 0; i < 3000; ++i) sdecs.push_back(std::ldexp(float(g() % 0xffffffu + 1) * 0x1p-24f, int(g() % 270) - 150));
+  int64_t bad = 0;
+  for (float sd : sdecs) {
+    if (!Nvfp4DecodeWord::exact_for(sd)) {  // the kernel's other path
+      ASSERT_GE(std::fabs(sd), 0x1p120f);
+      continue;
+    }
+    for (uint32_t sb = 0; sb < 256; ++sb) {
+      const Nvfp4DecodeWord d(ue4m3_decode_fast(sb), sd);
+      const uint32_t word = uint32_t(g());
+      for (int e = 0; e < 8; ++e) {
+        for (uint32_t c : {(word >> (4 * e)) & 15u, uint32_t(e), uint32_t(e + 8)}) {
+          const uint32_t w = (word & ~(15u << (4 * e))) | (c << (4 * e));
+          const float want = nvfp4_dequant(c, uint8_t(sb), sd), got = d.at(w, e);
+          if (!(bits_of(got) == bits_of(want) || (std::isnan(got) && std::isnan(want))) && ++bad <= 5)
+            ADD_FAILURE() << "code " << c << " at " << e << " s_b 0x" << std::hex << sb << " s_dec " << sd
+                          << ": 0x" << bits_of(want) << " vs 0x" << bits_of(got);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_FALSE(Nvfp4DecodeWord::exact_for(0x1p120f));
+  EXPECT_FALSE(Nvfp4DecodeWord::exact_for(-FLT_MAX));
+}
+
+}  // namespace

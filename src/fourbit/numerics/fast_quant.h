@@ -1,9 +1,10 @@
 // defines: fma_rn, fabs_hd, max_abs_nan, e2m1_rne_magnitude, e2m1_magnitude_code,
-//          e2m1_decode_fast, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
+//          e2m1_decode_fast, Nvfp4DecodeWord, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
 //          FosBlockScales, fos_block_scales, fos_quantize_block, nvfp4_quantize_block_fast,
 //          PhiloxKeys, philox_keys,
-//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, mxfp8_encode_rne_x2
+//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, byte_perm, E4m3SrWords,
+//          mxfp8_encode_rne_x2
 // The GPU quantizers' inner loops, written for the instruction budget of a memory-bound kernel
 // (a few tens of instructions per element): float adds and compares instead of the integer
 // rounding core, for the cases the hot paths meet (finite inputs, RNE E2M1, the E4M3 block
@@ -79,6 +80,26 @@ FOURBIT_HD float e2m1_decode_fast(uint32_t code) {
   const float mag = mul_rn(float_of((code & 7u) << 22), 0x1p126f);
   return float_of(bits_of(mag) | ((code & 8u) << 28));
 }
+
+// nvfp4_dequant (fl(fl(E2M1(c) * sc) * S_dec), sc = E4M3(s_b)) of the 8 codes of a packed word
+// (element e in nibble e, sign in its bit 3), for S_dec below 2^120 in magnitude (or not finite;
+// exact_for). The code's bits land where float32's put them (magnitude at bits 22..24: the E2M1
+// value times 2^-126, sign at bit 31) without e2m1_decode_fast's multiply by 2^126, which moves
+// into sc_hi = sc * 2^118 and sd_lo = S_dec * 2^8 (both exact: sc <= 448): the first product is
+// the exact E2M1 * sc times 2^-8 (at most 6 significant bits, in [2^-18, 2^12)), signed as
+// before, and the second rounds the same real number as fl(E2M1 * sc) * S_dec once.
+struct Nvfp4DecodeWord {
+  float sc_hi, sd_lo;
+  static FOURBIT_HD bool exact_for(float s_dec) { return !(fabs_hd(s_dec) >= 0x1p120f); }
+  FOURBIT_HD Nvfp4DecodeWord(float sc, float s_dec)
+      : sc_hi(mul_rn(sc, 0x1p118f)), sd_lo(mul_rn(s_dec, 0x1p8f)) {}
+  FOURBIT_HD float at(uint32_t word, int e) const {
+    const int s = 22 - 4 * e;
+    const uint32_t mag = (s >= 0 ? word << s : word >> -s) & 0x01c00000u;
+    const uint32_t sign = (word << (28 - 4 * e)) & 0x80000000u;
+    return mul_rn(mul_rn(float_of(mag | sign), sc_hi), sd_lo);
+  }
+};
 
 // ---- E4M3 block scales -----------------------------------------------------------------------------
 
@@ -325,10 +346,12 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block_fast(const float (&x)[16], float bloc
 
 // ---- MXFP8 -----------------------------------------------------------------------------------------
 
-// Philox-4x32-10 (philox.h) with the key schedule computed once per thread and the 32x32 ->
-// 64-bit products taken as high and low 32-bit halves: the same words from 20 multiply-high/low
-// pairs and 20 three-way XORs a call (40-60 SASS instructions), where philox.h's 64-bit products
-// and key additions compile to roughly twice that.
+// Philox-4x32-10 (philox.h) with the key schedule computed once per thread (no key additions in
+// the rounds). Each 32x32 -> 64-bit product is one 64-bit product in the source, so that it is
+// one IMAD.WIDE.U32 on the device (its halves are a register pair); written as __umulhi and a
+// 32-bit product it was two instructions (IMAD.HI.U32 + IMAD): SASS, sm_90a, in
+// requantize_transposed_kernel: ~59 instructions a call before, ~39 now (20 products, 20
+// three-way XORs, less what a caller's constant stream and keys let the compiler hoist).
 struct PhiloxKeys {
   uint32_t k0[10], k1[10];
 };
@@ -353,17 +376,11 @@ FOURBIT_HD Philox4x32 random_bits4_fast(const PhiloxKeys& keys, uint64_t stream,
            c3 = uint32_t(stream >> 32);
   FOURBIT_UNROLL
   for (int round = 0; round < 10; ++round) {
-#if defined(__CUDA_ARCH__)
-    const uint32_t hi0 = __umulhi(kMul0, c0), hi1 = __umulhi(kMul1, c2);
-#else
-    const uint32_t hi0 = uint32_t((uint64_t(kMul0) * c0) >> 32);
-    const uint32_t hi1 = uint32_t((uint64_t(kMul1) * c2) >> 32);
-#endif
-    const uint32_t lo0 = kMul0 * c0, lo1 = kMul1 * c2;
-    c0 = hi1 ^ c1 ^ keys.k0[round];
-    c1 = lo1;
-    c2 = hi0 ^ c3 ^ keys.k1[round];
-    c3 = lo0;
+    const uint64_t p0 = uint64_t(kMul0) * c0, p1 = uint64_t(kMul1) * c2;
+    c0 = uint32_t(p1 >> 32) ^ c1 ^ keys.k0[round];
+    c1 = uint32_t(p1);
+    c2 = uint32_t(p0 >> 32) ^ c3 ^ keys.k1[round];
+    c3 = uint32_t(p0);
   }
   return Philox4x32{{c0, c1, c2, c3}};
 }
@@ -418,6 +435,58 @@ template <int kExpBits>
 FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd) {
   return Mxfp8Sr<kExpBits>::encode(x, x_scale, rnd);
 }
+
+// prmt.b32 (byte permute, default mode, selectors 0-7 only): byte n of the result is byte
+// (s >> 4n) & 7 of the pair (b:a), a's bytes numbered 0-3. One PRMT on the device.
+FOURBIT_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, s);
+#else
+  const uint64_t ab = uint64_t(a) | (uint64_t(b) << 32);
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= uint32_t((ab >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+#endif
+}
+
+// MXFP8 E4M3 stochastic rounding four codes at a time, for blocks whose RCEIL scale leaves every
+// value at most 448 (nothing clips, so no clamp) and none of them below E4M3's smallest normal
+// 2^-6 but zeros (needs_wide says which block is not one: it takes Mxfp8Sr). Equal to
+// Mxfp8Sr<4>::encode(x, pow2f(127 - scale), rnd) there, in 4.75 SASS instructions an element
+// (FMUL, SHF, LEA, 7 per 4 to pack) where Mxfp8Sr's common form with its sign, clamps and
+// packing took ~11:
+//  - y8 = bits of |x| * 2^(119 - scale): Mxfp8Sr's u with 8 taken off its exponent field
+//    (exact: u is a normal float here, and so is u * 2^-8 >= 2^-14; a zero stays zero, and a
+//    value whose product underflows had u < 2^-126, where Mxfp8Sr's count is 0 too).
+//  - z = (y8 << 4) + (rnd >> 8): its bits 4..31 are bits 0..27 of y8 + (rnd >> 12) (the other
+//    4 bits cannot carry), so bits 24..30 are those of field = (y8 + (rnd >> 12)) >> 20.
+//    code_normal is ((u + (rnd >> 12)) >> 20) - 960 = field + 64 - 960 = field - 7 * 128, and
+//    the code is below 128: code = field mod 128, z's bits 24..30. No subtraction and no clamp
+//    (a zero's field is 0, where the clamp gave 0; 448 has no bits below to carry).
+//  - the sign: bit 31 of x's bits. Byte moves (PRMT) gather the four z's and the four x's top
+//    bytes, one LOP3 merges them under the mask 0x7f7f7f7f.
+struct E4m3SrWords {
+  static constexpr uint32_t kNormalBits = 113u << 23;  // 2^-14: 2^-6 (E4M3's smallest normal) * 2^-8
+
+  static FOURBIT_HD float x_scale8(uint8_t scale) { return pow2f(119 - int(scale)); }
+  static FOURBIT_HD uint32_t scaled(float x, float x_scale8) { return bits_of(mul_rn(fabs_hd(x), x_scale8)); }
+  // A nonzero y8 below the target's smallest normal.
+  static FOURBIT_HD bool needs_wide(uint32_t y8) { return y8 - 1u < kNormalBits - 1u; }
+  static FOURBIT_HD uint32_t code_at_24(uint32_t y8, uint32_t rnd) { return (y8 << 4) + (rnd >> 8); }
+  // Codes of elements 0..3 (z: code_at_24, xb: the inputs' bits) as one word, element e in byte e.
+  static FOURBIT_HD uint32_t pack(uint32_t z0, uint32_t z1, uint32_t z2, uint32_t z3, uint32_t xb0,
+                                  uint32_t xb1, uint32_t xb2, uint32_t xb3) {
+    const uint32_t codes = byte_perm(byte_perm(z0, z1, 0x0073u), byte_perm(z2, z3, 0x7300u), 0x7610u);
+    const uint32_t signs = byte_perm(byte_perm(xb0, xb1, 0x0073u), byte_perm(xb2, xb3, 0x7300u), 0x7610u);
+#if defined(__CUDA_ARCH__)
+    uint32_t w;  // (codes & 0x7f7f7f7f) | (signs & ~0x7f7f7f7f) as one LOP3 (ptxas made it two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(codes), "r"(signs), "r"(0x7f7f7f7fu));
+    return w;
+#else
+    return (codes & 0x7f7f7f7fu) | (signs & 0x80808080u);
+#endif
+  }
+};
 
 // mxfp8_encode(a, scale, elem) | mxfp8_encode(b, scale, elem) << 8 (RNE) for a, b not NaN, with
 // x_scale = pow2f(127 - scale). On sm_89+ one hardware conversion of the pair (the conversion

@@ -44,8 +44,9 @@
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
 // sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 35.2 for the
 // bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
-// (Philox ~18 of them: 70 operations a call shared by 4 elements, with 32-bit multiply-high),
-// requantize_transposed ~45 (decode ~10 + SR; its bound is ~18, see the kernel). Measured on an
+// (Philox ~18 of them: 70 operations a call shared by 4 elements; ~10.7 in SASS, where each
+// 32x32 -> 64-bit product is one IMAD.WIDE), requantize_transposed 32.4 in SASS (was 46.9;
+// decode ~7, SR encode ~6, Philox ~10.7; its bound is ~18, see the kernel). Measured on an
 // H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio to a device copy; bench/results/
 // h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS instructions per element (ncu: 82% of
 // issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (now); NVFP4 per-token RNE 0.98; MXFP8 row RNE
@@ -1106,21 +1107,34 @@ __global__ void __launch_bounds__(kThreads) dequant_tile_kernel(const DequantPar
 //
 // Shape: a CTA takes a tile of kReqRows input storage rows (old rows: 8 output blocks of 32) x
 // kReqCols input storage cols (2 NVFP4 blocks; 32 output storage rows). Phase 1: thread t decodes
-// old row t's two blocks (16 code bytes, one load) exactly (fl(fl(E2M1 * E4M3) * S_dec), as
-// nvfp4_dequant) and writes the 32 values down a tile column: the 32 lanes of a warp write 32
-// consecutive old rows, one bank each. Phase 2: thread t owns output block t % 8 of output row
-// t / 8, reads its 32 values with eight 16-byte shared loads (blocks kReqBlockStride floats apart:
-// conflict-free), and quantizes them with RCEIL scales and elementwise SR (fast_quant.h), one
+// old row t's two blocks (16 code bytes, one load, four registers) exactly (fl(fl(E2M1 * E4M3) *
+// S_dec), as nvfp4_dequant, by Nvfp4DecodeWord) and writes the 32 values down a tile column: the
+// 32 lanes of a warp write 32 consecutive old rows, one bank each. Phase 2: thread t owns output
+// block t % 8 of output row t / 8, reads its 32 values with eight 16-byte shared loads (blocks
+// kReqBlockStride floats apart: conflict-free), and quantizes them with RCEIL scales and
+// elementwise SR (E4m3SrWords; Mxfp8Sr for a block holding a value below E4M3's normals), one
 // Philox-4x32-10 call per four consecutive counters. A warp writes four output rows of 256
 // contiguous code bytes.
 //
-// Why this cannot reach 75% of a copy's bandwidth: the kernel moves only ~1.6 bytes per element
-// (0.56 in, 1.03 out), so 75% of an H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12
-// thread-instructions/s leaves ~18 instructions per element. Philox alone costs ~18 (PTX; at
-// least 10 in SASS: a call is 10 rounds of two 32x32 -> 64-bit products and two 3-way XORs, and
-// serves 4 elements), the SR encode ~12, the exact decode ~10, amax, scale, packing and the
-// shared-memory transpose ~4: 35-45 per element, so the ceiling is roughly 0.3-0.4 of the copy's
-// rate (it was ~0.08 with the generic numerics, ~200 instructions per element).
+// Instructions (SASS, sm_90a, nvdisasm; scripts/sass_hot_path.py CUBIN requantize_transposed
+// [--by-function | --by-line]: one thread's path from entry to EXIT for a whole tile of finite
+// values, divided by its 32 elements): 32.4 per element (1037 a thread), was 46.9 (1501):
+//   Philox          10.7  (was 14.7) 64-bit products: one IMAD.WIDE each, not IMAD.HI + IMAD;
+//                         keys from the constant bank, not rematerialized per call
+//   exact decode    ~7    (was ~10)  4 bit moves + 2 FMUL + 1 STS (no multiply by 2^126; the
+//                         codes were a runtime-indexed array in local memory)
+//   SR encode       ~6    (was ~11.5) FMUL, VIADDMNMX (the wide-path test), SHF + LEA, 7/4 PRMT
+//                         and LOP3 to pack codes and signs, the signs' shared reload
+//   amax, scale     ~1.5
+//   the rest        ~6    tile coordinates (32-bit now, was 64-bit divisions), addresses,
+//                         loads, shared loads, stores
+// What bounds it: the kernel moves only ~1.6 bytes per element (0.56 in, 1.03 out), so 75% of an
+// H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12 thread-instructions/s leaves ~18
+// instructions per element; Philox alone is ~10 of them under the SR contract (10 rounds of two
+// 32x32 -> 64-bit products and two 3-way XORs per 4 elements), decode and encode ~13, so the
+// ceiling stays well below 0.75. It ran at 0.18 at 46.9 instructions (it was ~0.08 with the
+// generic numerics, ~200 instructions per element); scaling by the count suggests ~0.26 at 32.4,
+// to be measured (IMAD.WIDE may issue at a lower rate than the IMADs it replaces).
 constexpr int kReqRows = 256;
 constexpr int kReqCols = 32;
 constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
@@ -1131,21 +1145,34 @@ struct RequantParams {
   bool vec16;               // two blocks (16 code bytes) of a tile row load as one uint4
   int64_t in_cols;          // input storage cols (unpadded) = output storage rows per slice
   int64_t row_tiles, col_tiles;
+  uint32_t row_tiles32, col_tiles32;  // the same, at most 2^32 - 1 (for 32-bit tile arithmetic)
   uint8_t* codes;           // output storage [S * in_cols, out_padded_cols]
   uint8_t* scales;
   int64_t out_padded_cols, out_nb;
   uint64_t seed, stream;
 };
 
+// A 16-byte shared-memory load the compiler must issue again (volatile): reading a value back
+// instead of holding it in a register from an earlier load.
+__device__ __forceinline__ float4 lds_reload(const float4* p) {
+  float4 f;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(f.x), "=f"(f.y), "=f"(f.z), "=f"(f.w)
+               : "r"(uint32_t(__cvta_generic_to_shared(p))));
+  return f;
+}
+
 // Tile t of p (slices x row tiles x col tiles), by the CTA.
-__device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t) {
+// keys = philox_keys(p.seed).
+__device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t t, const num::PhiloxKeys& keys) {
   constexpr int B = num::kMxBlock;
   static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
   __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
 
-  const int64_t ct = t % p.col_tiles;
-  t /= p.col_tiles;
-  const int64_t rt = t % p.row_tiles, s = t / p.row_tiles;
+  // t < 2^31 (one launch's CTAs), so 32-bit divisions give the same quotients (a count of tiles
+  // beyond 2^32 - 1 is larger than t either way)
+  const uint32_t t32 = uint32_t(t), ct = t32 % p.col_tiles32, t_rs = t32 / p.col_tiles32;
+  const int64_t rt = t_rs % p.row_tiles32, s = t_rs / p.row_tiles32;
   const int64_t i0 = rt * kReqRows;  // first input storage row (in the slice)
   const int64_t j0 = ct * kReqCols;  // first input storage col
   const int64_t in_rows = p.dec.srows;
@@ -1160,29 +1187,41 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
     if (i0 + ii < in_rows) {
       const int64_t row = s * in_rows + i0 + ii;
       const uint8_t* src = p.dec.codes + row * p.dec.code_row_bytes + blk0 * 8;
-      uint64_t packed[2] = {0, 0};
+      uint32_t words[4] = {0, 0, 0, 0};  // element k in nibble k % 8 of words[k / 8]
       if (p.vec16 && nblk == 2) {
         const uint4 c = *reinterpret_cast<const uint4*>(src);
-        packed[0] = uint64_t(c.x) | uint64_t(c.y) << 32;
-        packed[1] = uint64_t(c.z) | uint64_t(c.w) << 32;
+        words[0] = c.x, words[1] = c.y, words[2] = c.z, words[3] = c.w;
       } else {
-        for (int b = 0; b < nblk; ++b) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {  // unrolled: words stays in registers
+          if (b >= nblk) break;
+          uint64_t packed = 0;
           if (p.dec.vec) {
-            packed[b] = reinterpret_cast<const uint64_t*>(src)[b];
+            packed = reinterpret_cast<const uint64_t*>(src)[b];
           } else {
-            for (int k = 0; k < 8; ++k) packed[b] |= uint64_t(src[8 * b + k]) << (8 * k);
+            for (int k = 0; k < 8; ++k) packed |= uint64_t(src[8 * b + k]) << (8 * k);
           }
+          words[2 * b] = uint32_t(packed), words[2 * b + 1] = uint32_t(packed >> 32);
         }
       }
-      const float s_dec = p.dec.outer ? p.dec.outer[group_of(p.dec.outer_kind, row, in_rows)] : 1.0f;
+      // group_of(outer_kind, row, in_rows) without its division: row / in_rows is the slice s
+      const int64_t group = p.dec.outer_kind == OuterScale::PerRow ? row : p.dec.outer_kind == OuterScale::PerSlice ? s : 0;
+      const float s_dec = p.dec.outer ? p.dec.outer[group] : 1.0f;
+      if (__builtin_expect(num::Nvfp4DecodeWord::exact_for(s_dec), 1)) {
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        if (b >= nblk) break;
-        const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+        for (int b = 0; b < 2; ++b) {
+          if (b >= nblk) break;
+          const num::Nvfp4DecodeWord d(num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]), s_dec);
 #pragma unroll
-        for (int e = 0; e < 16; ++e) {
-          const uint32_t code = uint32_t(packed[b] >> (4 * e)) & 0xFu;
-          dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+          for (int e = 0; e < 16; ++e) dst[(16 * b + e) * kReqRs] = d.at(words[2 * b + e / 8], e % 8);
+        }
+      } else {  // |S_dec| >= 2^120: e2m1_decode_fast and the two products as written
+        for (int b = 0; b < nblk; ++b) {
+          const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+          for (int e = 0; e < 16; ++e) {
+            const uint32_t code = (b == 0 ? (e < 8 ? words[0] : words[1]) : (e < 8 ? words[2] : words[3])) >> (4 * (e % 8));
+            dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+          }
         }
       }
     } else {
@@ -1217,7 +1256,38 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
     uint8_t scale;
     if (num::is_finite_bits(a)) {
       scale = num::ue8m0_scale_for_max(a, num::kE4M3Max);  // mxfp8_scale(a, E4M3, RCEIL)
-      mxfp8_sr_block<4>(v, num::pow2f(127 - int(scale)), num::philox_keys(p.seed), p.stream, index0, w);
+      // RCEIL: every |v| * 2^(127 - scale) <= 448, as E4m3SrWords needs
+      using Sr = num::E4m3SrWords;
+      const float xs8 = Sr::x_scale8(scale);
+      uint32_t y8[B], low = ~0u;  // low: the least nonzero y8, less 1 (zeros wrap to ~0)
+#pragma unroll
+      for (int e = 0; e < B; ++e) {
+        y8[e] = Sr::scaled(v[e], xs8);
+        low = min(low, y8[e] - 1u);
+      }
+      // v is not kept past here (registers: 32 more spilled): the signs and the rare path read
+      // the tile again
+      const float4* src4 = reinterpret_cast<const float4*>(src);
+      if (__builtin_expect(!Sr::needs_wide(low + 1u), 1)) {
+        // index0 is a multiple of 32 (padded cols and col are), so the group index0 / 4 + g
+        // is (index0 / 4) | g: the same counter without a 64-bit add
+#pragma unroll
+        for (int g = 0; g < B / 4; ++g) {
+          const num::Philox4x32 r = num::random_bits4_fast(keys, p.stream, (index0 >> 2) | uint64_t(g));
+          const float4 x = lds_reload(src4 + g);
+          w[g] = Sr::pack(Sr::code_at_24(y8[4 * g], r.v[0]), Sr::code_at_24(y8[4 * g + 1], r.v[1]),
+                          Sr::code_at_24(y8[4 * g + 2], r.v[2]), Sr::code_at_24(y8[4 * g + 3], r.v[3]),
+                          num::bits_of(x.x), num::bits_of(x.y), num::bits_of(x.z), num::bits_of(x.w));
+        }
+      } else {  // a value below E4M3's smallest normal (rare): Mxfp8Sr's general form
+        float x[B];
+#pragma unroll
+        for (int c = 0; c < B / 4; ++c) {
+          const float4 f = lds_reload(src4 + c);
+          x[4 * c] = f.x, x[4 * c + 1] = f.y, x[4 * c + 2] = f.z, x[4 * c + 3] = f.w;
+        }
+        mxfp8_sr_block<4>(x, num::pow2f(127 - int(scale)), keys, p.stream, index0, w);
+      }
     } else {  // a non-finite decoded value (a NaN scale byte, or an overflowing S_dec)
       a = finite_amax_counting(v, nonfinite);
       scale = mxfp8_generic_block(v, int(min64(B, in_rows - col)), a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
@@ -1229,8 +1299,12 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
-__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p) {
-  requantize_tile(p, blockIdx.x);
+// keys: philox_keys(p.seed), made on the host, so that the rounds read them from the constant
+// bank (made in the kernel they were rematerialized, one add per key and Philox call, for want of
+// registers: 38.4 instructions per element instead of 32.4).
+__global__ void __launch_bounds__(kThreads, 3) requantize_transposed_kernel(const RequantParams p,
+                                                                            const num::PhiloxKeys keys) {
+  requantize_tile(p, blockIdx.x, keys);
 }
 
 // Several single-slice inputs (the experts' token ranges of one saved operand) in one launch: CTA
@@ -1246,7 +1320,8 @@ __global__ void __launch_bounds__(kThreads, 3) requantize_segments_kernel(const 
   const int64_t cta = blockIdx.x;
   int si = 0;
   while (si + 1 < p.n && p.cta0[si + 1] <= cta) ++si;  // uniform over the CTA
-  requantize_tile(p.seg[si], cta - p.cta0[si]);
+  // the keys made here: 16 segments' keys would take the parameters past 4 KB
+  requantize_tile(p.seg[si], cta - p.cta0[si], num::philox_keys(p.seg[si].seed));
 }
 
 // ---- host side -----------------------------------------------------------------------------------
@@ -1710,6 +1785,8 @@ int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams
   p.in_cols = q.cols;
   p.row_tiles = (q.rows + kReqRows - 1) / kReqRows;
   p.col_tiles = (q.cols + kReqCols - 1) / kReqCols;
+  p.row_tiles32 = uint32_t(std::min<int64_t>(p.row_tiles, 0xffffffffll));
+  p.col_tiles32 = uint32_t(std::min<int64_t>(p.col_tiles, 0xffffffffll));
   p.codes = out->codes.data<uint8_t>();
   p.scales = out->block_scales.data<uint8_t>();
   p.out_padded_cols = out->padded_cols();
@@ -1728,7 +1805,8 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng) {
   QTensor out;
   const int64_t ctas = requant_params(q, rng, &out, p);
   if (ctas > 0) {
-    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(p);
+    requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(
+        p, num::philox_keys(rng.seed));
     FOURBIT_LAUNCH_CHECK();
   }
   return out;
