@@ -50,7 +50,7 @@
 // H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio to a device copy; bench/results/
 // h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS instructions per element (ncu: 82% of
 // issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (now); NVFP4 per-token RNE 0.98; MXFP8 row RNE
-// 1.03, SR 0.66, Col axis 0.61; requantize_transposed 0.18.
+// 1.01, SR 0.68, Col axis 0.62; requantize_transposed 0.18 at 46.9 SASS per element, 0.23 at 32.4.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -1133,8 +1133,8 @@ __global__ void __launch_bounds__(kThreads) dequant_tile_kernel(const DequantPar
 // instructions per element; Philox alone is ~10 of them under the SR contract (10 rounds of two
 // 32x32 -> 64-bit products and two 3-way XORs per 4 elements), decode and encode ~13, so the
 // ceiling stays well below 0.75. It ran at 0.18 at 46.9 instructions (it was ~0.08 with the
-// generic numerics, ~200 instructions per element); scaling by the count suggests ~0.26 at 32.4,
-// to be measured (IMAD.WIDE may issue at a lower rate than the IMADs it replaces).
+// generic numerics, ~200 instructions per element) and runs at 0.23 at 32.4 (H200, measured; less
+// than the count's ~0.26: IMAD.WIDE issues at half the rate of the IMADs it replaces).
 constexpr int kReqRows = 256;
 constexpr int kReqCols = 32;
 constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
