@@ -1134,7 +1134,7 @@ __global__ void __launch_bounds__(kThreads) dequant_tile_kernel(const DequantPar
 // 32x32 -> 64-bit products and two 3-way XORs per 4 elements), decode and encode ~13, so the
 // ceiling stays well below 0.75. It ran at 0.18 at 46.9 instructions (it was ~0.08 with the
 // generic numerics, ~200 instructions per element) and runs at 0.23 at 32.4 (H200, measured; less
-// than the count's ~0.26: IMAD.WIDE issues at half the rate of the IMADs it replaces).
+// than the count's ~0.26; not profiled: IMAD.WIDE's issue rate is the first suspect).
 constexpr int kReqRows = 256;
 constexpr int kReqCols = 32;
 constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
