@@ -325,29 +325,9 @@ __device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
   }
 }
 
-template <Format F>
-__global__ void __launch_bounds__(256)
-    decode_bf16_x8_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
-                          int64_t rows, int64_t blocks_per_row, int64_t code_row_bytes, int64_t k_eff,
-                          __nv_bfloat16* __restrict__ out) {
-  constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
-  __shared__ float2 e2m1_pair[256];  // byte -> (low nibble, high nibble) decoded
-  fill_e2m1_pairs<F>(e2m1_pair);
-  const int64_t units_per_row = k_eff / 8, coded = blocks_per_row * B;
-  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    for (int64_t unit = first; unit < units_per_row; unit += step) {
-      const int64_t c = unit * 8;
-      *reinterpret_cast<uint4*>(out + r * k_eff + c) =
-          c < coded ? decode8<F>(codes, scales, blocks_per_row, code_row_bytes, r, c, e2m1_pair) : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Several operands' BF16 decodes in one launch (gemm_batch: a MoE layer's weight-gradient
+// BF16 decodes of one or several operands in one launch (gemm_batch: a MoE layer's weight-gradient
 // operands, a few hundred KB each, which one launch apiece would leave latency-bound): CTA c
-// decodes kDecodeUnits 8-value units of the last job whose first CTA is at or before c, with
-// decode8 (the same bits as decode_bf16_x8_kernel).
+// decodes kDecodeUnits 8-value units of the last job whose first CTA is at or before c.
 constexpr int kDecodeJobsPerLaunch = 32;
 constexpr int64_t kDecodeUnits = 1024;  // per CTA: four per thread
 struct DecodeJob {
@@ -377,6 +357,30 @@ __global__ void __launch_bounds__(256) decode_bf16_x8_jobs_kernel(const __grid_c
     *reinterpret_cast<uint4*>(j.out + r * j.k_eff + c) =
         c < coded ? decode8<F>(j.codes, j.scales, j.blocks_per_row, j.code_row_bytes, r, c, e2m1_pair)
                   : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Launches the decodes of `jobs` (formats NVFP4, MXFP8 E4M3/E5M2, decodes_x8), kDecodeJobsPerLaunch
+// a launch.
+void launch_decodes_x8(Format fmt, std::vector<DecodeJob> jobs) {
+  for (size_t first = 0; first < jobs.size(); first += kDecodeJobsPerLaunch) {
+    DecodeJobs p{};
+    int64_t ctas = 0;
+    for (size_t i = first; i < jobs.size() && p.n < kDecodeJobsPerLaunch; ++i) {
+      DecodeJob& j = p.job[p.n++] = jobs[i];
+      j.cta0 = ctas;
+      ctas += (j.rows * (j.k_eff / 8) + kDecodeUnits - 1) / kDecodeUnits;
+    }
+    if (ctas == 0) continue;
+    if (ctas > INT_MAX) fail("cuda gemm: {} decode blocks is more than one launch takes", ctas);
+    const unsigned grid = unsigned(ctas);
+    switch (fmt) {
+      case Format::NVFP4: decode_bf16_x8_jobs_kernel<Format::NVFP4><<<grid, 256, 0, stream()>>>(p); break;
+      case Format::MXFP8_E4M3: decode_bf16_x8_jobs_kernel<Format::MXFP8_E4M3><<<grid, 256, 0, stream()>>>(p); break;
+      case Format::MXFP8_E5M2: decode_bf16_x8_jobs_kernel<Format::MXFP8_E5M2><<<grid, 256, 0, stream()>>>(p); break;
+      default: fail("cuda gemm: no 8-value decode for {}", format_name(fmt));
+    }
+    FOURBIT_LAUNCH_CHECK();
   }
 }
 
@@ -542,10 +546,17 @@ struct Materialized {
 };
 
 
-// Whether decode8 can decode q padded to k_eff (8-value units: aligned codes; the output buffer
-// must be 16-byte aligned too, which fresh allocations are). Its formats are checked by callers.
+// Whether decode8 can decode q padded to k_eff into BF16: NVFP4 or MXFP8, 8-value units, aligned
+// codes (the output buffer must be 16-byte aligned too, which fresh allocations are).
 bool decodes_x8(const QTensor& q, int64_t k_eff) {
-  return k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
+  const bool fmt = q.fmt == Format::NVFP4 || q.fmt == Format::MXFP8_E4M3 || q.fmt == Format::MXFP8_E5M2;
+  return fmt && k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
+}
+
+// q decoded into out ([total rows, k_eff] BF16) by decode_bf16_x8_jobs_kernel.
+DecodeJob decode_job(const QTensor& q, int64_t k_eff, Tensor& out) {
+  return {q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(), q.total_rows(), q.blocks_per_row(),
+          q.code_row_bytes(), k_eff, out.data<__nv_bfloat16>(), 0};
 }
 
 Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
@@ -555,20 +566,8 @@ Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   if (const QTensor* q = op.q()) {
     m.owned = Tensor::empty({R, k_eff}, as_f32 ? DType::F32 : DType::BF16, Device::CUDA);
     const unsigned g = grid_for(R * q->blocks_per_row(), 256);
-    const bool aligned = decodes_x8(*q, k_eff) && reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0;
-    const dim3 g8(grid_for(k_eff / 8, 256, 8), unsigned(std::min<int64_t>(R, 16384)));
-    if (!as_f32 && aligned && q->fmt == Format::NVFP4)
-      decode_bf16_x8_kernel<Format::NVFP4><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
-                                                        R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
-                                                        m.owned.data<__nv_bfloat16>());
-    else if (!as_f32 && aligned && q->fmt == Format::MXFP8_E4M3)
-      decode_bf16_x8_kernel<Format::MXFP8_E4M3><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
-                                                             R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
-                                                             m.owned.data<__nv_bfloat16>());
-    else if (!as_f32 && aligned && q->fmt == Format::MXFP8_E5M2)
-      decode_bf16_x8_kernel<Format::MXFP8_E5M2><<<g8, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(),
-                                                             R, q->blocks_per_row(), q->code_row_bytes(), k_eff,
-                                                             m.owned.data<__nv_bfloat16>());
+    if (!as_f32 && decodes_x8(*q, k_eff) && reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0)
+      launch_decodes_x8(q->fmt, {decode_job(*q, k_eff, m.owned)});
     else if (as_f32)
       decode_blocks_kernel<float><<<g, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
                                               q->blocks_per_row(), q->code_row_bytes(), q->block(), int(q->fmt),
@@ -781,47 +780,27 @@ class BatchDecoder {
   // The materialized operand (decoded now or later by run(); dense ones as materialize makes them).
   const Materialized& get(const Operand& op, int64_t k_eff, bool f32) {
     const QTensor* q = op.q();
-    const int fmt = !q ? -1 : q->fmt == Format::NVFP4 ? 0 : q->fmt == Format::MXFP8_E4M3 ? 1 : q->fmt == Format::MXFP8_E5M2 ? 2 : -1;
-    if (fmt < 0 || f32 || !decodes_x8(*q, k_eff)) return *store_.emplace_back(std::make_unique<Materialized>(materialize(op, k_eff, f32)));
+    if (!q || f32 || !decodes_x8(*q, k_eff))
+      return *store_.emplace_back(std::make_unique<Materialized>(materialize(op, k_eff, f32)));
     const auto key = std::make_tuple(q->codes.raw(), q->total_rows(), k_eff);
     if (const auto it = seen_.find(key); it != seen_.end()) return *it->second;
     auto m = std::make_unique<Materialized>();
     m->owned = Tensor::empty({q->total_rows(), k_eff}, DType::BF16, Device::CUDA);
     m->op = MatmulOperand{m->owned.raw(), false, k_eff, 0};
-    pending_[fmt].push_back({q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), q->total_rows(),
-                             q->blocks_per_row(), q->code_row_bytes(), k_eff, m->owned.data<__nv_bfloat16>(), 0});
+    pending_[q->fmt].push_back(decode_job(*q, k_eff, m->owned));
     seen_[key] = m.get();
     return *store_.emplace_back(std::move(m));
   }
 
   void run() {
-    launch<Format::NVFP4>(pending_[0]);
-    launch<Format::MXFP8_E4M3>(pending_[1]);
-    launch<Format::MXFP8_E5M2>(pending_[2]);
+    for (auto& [fmt, jobs] : pending_) launch_decodes_x8(fmt, std::move(jobs));
+    pending_.clear();
   }
 
  private:
-  template <Format F>
-  static void launch(std::vector<DecodeJob>& jobs) {
-    for (size_t first = 0; first < jobs.size(); first += kDecodeJobsPerLaunch) {
-      DecodeJobs p{};
-      int64_t ctas = 0;
-      for (size_t i = first; i < jobs.size() && p.n < kDecodeJobsPerLaunch; ++i) {
-        DecodeJob j = jobs[i];
-        j.cta0 = ctas;
-        ctas += (j.rows * (j.k_eff / 8) + kDecodeUnits - 1) / kDecodeUnits;
-        p.job[p.n++] = j;
-      }
-      if (ctas == 0) continue;
-      if (ctas > INT_MAX) fail("cuda gemm_batch: {} decode blocks is more than one launch takes", ctas);
-      decode_bf16_x8_jobs_kernel<F><<<unsigned(ctas), 256, 0, stream()>>>(p);
-      FOURBIT_LAUNCH_CHECK();
-    }
-  }
-
   std::vector<std::unique_ptr<Materialized>> store_;
   std::map<std::tuple<const void*, int64_t, int64_t>, const Materialized*> seen_;
-  std::vector<DecodeJob> pending_[3];
+  std::map<Format, std::vector<DecodeJob>> pending_;
 };
 
 }  // namespace

@@ -1144,8 +1144,7 @@ struct RequantParams {
   DecodeArgs dec;           // the NVFP4 input (storage [S * rows, cols])
   bool vec16;               // two blocks (16 code bytes) of a tile row load as one uint4
   int64_t in_cols;          // input storage cols (unpadded) = output storage rows per slice
-  int64_t row_tiles, col_tiles;
-  uint32_t row_tiles32, col_tiles32;  // the same, at most 2^32 - 1 (for 32-bit tile arithmetic)
+  uint32_t row_tiles, col_tiles;  // per slice (a launch's CTAs are < 2^31: so are these)
   uint8_t* codes;           // output storage [S * in_cols, out_padded_cols]
   uint8_t* scales;
   int64_t out_padded_cols, out_nb;
@@ -1169,10 +1168,9 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
   static_assert(kReqRows == kThreads && kReqCols == 32 && kReqCols * (kReqRows / B) == kThreads);
   __shared__ __align__(16) float tile[kReqCols * kReqRs];  // output-row major, 36 KB
 
-  // t < 2^31 (one launch's CTAs), so 32-bit divisions give the same quotients (a count of tiles
-  // beyond 2^32 - 1 is larger than t either way)
-  const uint32_t t32 = uint32_t(t), ct = t32 % p.col_tiles32, t_rs = t32 / p.col_tiles32;
-  const int64_t rt = t_rs % p.row_tiles32, s = t_rs / p.row_tiles32;
+  // t < 2^31 (one launch's CTAs): 32-bit divisions
+  const uint32_t t32 = uint32_t(t), ct = t32 % p.col_tiles, t_rs = t32 / p.col_tiles;
+  const int64_t rt = t_rs % p.row_tiles, s = t_rs / p.row_tiles;
   const int64_t i0 = rt * kReqRows;  // first input storage row (in the slice)
   const int64_t j0 = ct * kReqCols;  // first input storage col
   const int64_t in_rows = p.dec.srows;
@@ -1783,17 +1781,16 @@ int64_t requant_params(const QTensor& q, RngKey rng, QTensor* out, RequantParams
   // Two blocks of a tile row are 16 bytes at a multiple of 16 past the row start.
   p.vec16 = aligned(p.dec.codes, 16) && p.dec.code_row_bytes % 16 == 0;
   p.in_cols = q.cols;
-  p.row_tiles = (q.rows + kReqRows - 1) / kReqRows;
-  p.col_tiles = (q.cols + kReqCols - 1) / kReqCols;
-  p.row_tiles32 = uint32_t(std::min<int64_t>(p.row_tiles, 0xffffffffll));
-  p.col_tiles32 = uint32_t(std::min<int64_t>(p.col_tiles, 0xffffffffll));
+  const int64_t row_tiles = (q.rows + kReqRows - 1) / kReqRows, col_tiles = (q.cols + kReqCols - 1) / kReqCols;
+  p.row_tiles = uint32_t(row_tiles);  // exact whenever the CTA count passes grid_of (< 2^31)
+  p.col_tiles = uint32_t(col_tiles);
   p.codes = out->codes.data<uint8_t>();
   p.scales = out->block_scales.data<uint8_t>();
   p.out_padded_cols = out->padded_cols();
   p.out_nb = out->blocks_per_row();
   p.seed = rng.seed;
   p.stream = rng.stream;
-  return q.slices * p.row_tiles * p.col_tiles;
+  return q.slices * row_tiles * col_tiles;
 }
 }  // namespace
 
