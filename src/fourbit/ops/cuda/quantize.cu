@@ -107,13 +107,17 @@ enum class Kind : int { Nvfp4, Mx, S2f6 };
 template <Kind K>
 constexpr int kBlockOf = K == Kind::Nvfp4 ? num::kNvfp4Block : num::kMxBlock;
 
-// The storage row's outer scale group (QTensor::outer_index).
-__device__ __forceinline__ int64_t group_of(OuterScale outer, int64_t storage_row, int64_t rows_per_slice) {
+// The outer scale group (QTensor::outer_index) of a storage row in a known slice.
+__device__ __forceinline__ int64_t group_in_slice(OuterScale outer, int64_t storage_row, int64_t slice) {
   switch (outer) {
     case OuterScale::PerRow: return storage_row;
-    case OuterScale::PerSlice: return storage_row / rows_per_slice;
+    case OuterScale::PerSlice: return slice;
     default: return 0;
   }
+}
+// The same from the rows per slice.
+__device__ __forceinline__ int64_t group_of(OuterScale outer, int64_t storage_row, int64_t rows_per_slice) {
+  return group_in_slice(outer, storage_row, outer == OuterScale::PerSlice ? storage_row / rows_per_slice : 0);
 }
 
 // Position of column c of tile row rr in the shared tile: blocks are B+1 floats apart.
@@ -1202,9 +1206,7 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
           words[2 * b] = uint32_t(packed), words[2 * b + 1] = uint32_t(packed >> 32);
         }
       }
-      // group_of(outer_kind, row, in_rows) without its division: row / in_rows is the slice s
-      const int64_t group = p.dec.outer_kind == OuterScale::PerRow ? row : p.dec.outer_kind == OuterScale::PerSlice ? s : 0;
-      const float s_dec = p.dec.outer ? p.dec.outer[group] : 1.0f;
+      const float s_dec = p.dec.outer ? p.dec.outer[group_in_slice(p.dec.outer_kind, row, s)] : 1.0f;
       if (__builtin_expect(num::Nvfp4DecodeWord::exact_for(s_dec), 1)) {
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
