@@ -108,6 +108,15 @@ int64_t check_row_offsets(const char* op, const std::vector<int64_t>& offsets, i
          offsets.back());
   return G;
 }
+
+// f(r0, r1, g) for every non-empty segment g of the checked offsets; empty ones stay QTensor{}.
+template <typename F>
+std::vector<QTensor> per_segment(const std::vector<int64_t>& offsets, F&& f) {
+  std::vector<QTensor> out(offsets.size() - 1);
+  for (size_t g = 0; g < out.size(); ++g)
+    if (offsets[g] < offsets[g + 1]) out[g] = f(offsets[g], offsets[g + 1], g);
+  return out;
+}
 }  // namespace
 
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
@@ -119,12 +128,8 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
 #if FOURBIT_HAS_CUDA
   if (x.device() == Device::CUDA && cuda::quantize_segments(x, offsets, spec, rngs, out)) return out;
 #endif
-  out.assign(size_t(G), QTensor{});
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
-    if (r0 < r1) out[size_t(g)] = quantize(x.slice_rows(r0, r1), spec, rngs[size_t(g)]);
-  }
-  return out;
+  return per_segment(offsets,
+                     [&](int64_t r0, int64_t r1, size_t g) { return quantize(x.slice_rows(r0, r1), spec, rngs[g]); });
 }
 
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
@@ -138,12 +143,9 @@ std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std:
 #if FOURBIT_HAS_CUDA
   if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, rngs, out)) return out;
 #endif
-  out.assign(size_t(G), QTensor{});
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t r0 = offsets[size_t(g)], r1 = offsets[size_t(g) + 1];
-    if (r0 < r1) out[size_t(g)] = requantize_transposed(qtensor_rows(q, r0, r1), rngs[size_t(g)]);
-  }
-  return out;
+  return per_segment(offsets, [&](int64_t r0, int64_t r1, size_t g) {
+    return requantize_transposed(qtensor_rows(q, r0, r1), rngs[g]);
+  });
 }
 
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
