@@ -17,43 +17,15 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/gpu_bench_util.h"
 #include "fourbit/numerics/philox.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 
 using namespace fourbit;
+using bench::median_ms;
 
 namespace {
-
-#define BENCH_CUDA_CHECK(call)                                                                  \
-  do {                                                                                          \
-    const cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) fail("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-  } while (0)
-
-// Median milliseconds of fn over `reps` runs after `warmup` runs, each bracketed by CUDA events
-// on the default stream (the stream every fourbit kernel runs on).
-double median_ms(const std::function<void()>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  BENCH_CUDA_CHECK(cudaEventCreate(&start));
-  BENCH_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
-    BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  BENCH_CUDA_CHECK(cudaEventDestroy(start));
-  BENCH_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // N(0,1)-like values (sum of four uniforms, rescaled) from Philox counters: fast to make for
 // 134M values, the same on every run.

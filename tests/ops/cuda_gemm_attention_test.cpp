@@ -1,7 +1,9 @@
 // defines: tests of the CUDA GEMM and attention against the CPU backend (skipped without a GPU):
 // every operand format pair within a similarity bound, NVFP4 outer scales applied after the sum,
 // accumulate mode, batch invariance of GEMM rows (M = 1 .. 4096) with a split-K negative
-// control, and attention forward/backward within the BF16-attention tolerance.
+// control, and attention forward/backward within the BF16-attention tolerance: the fused kernels
+// against the CPU and the materialized path, and bitwise the same rows in a batch, alone, and in
+// KV-cache decode and chunked prefill.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +16,9 @@
 
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
 
 using namespace fourbit;
 
@@ -191,11 +196,12 @@ TEST(CudaGemm, RowsAreBatchInvariant) {
       << "split-K should change some bits: the invariance check would be vacuous";
 }
 
-// Two shapes: the vectorised layout and softmax paths (hd a multiple of 8, T of 4) and their
-// scalar fallbacks (hd = 6, T = 37).
+// Three shapes: the fused kernels in one partial tile (T = 40, hd = 32) and over three tiles with
+// a partial last one (T = 130, hd = 64), and the materialized path's scalar fallbacks (hd = 6,
+// T = 37).
 TEST(CudaAttention, ForwardBackwardMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const auto [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {37, 6}}) {
+  for (const auto [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {130, 64}, {37, 6}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd));
     const int64_t B = 2, Hq = 4, Hkv = 2;
     const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
@@ -232,6 +238,108 @@ TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {
   const Tensor all = out.to(Device::CPU), one = out1.to(Device::CPU);
   EXPECT_EQ(0, std::memcmp(one.data<float>(), all.data<float>() + 3 * T * Hq * hd, size_t(T * Hq * hd) * 4));
 }
+
+// The [B, t1 - t0, H, hd] rows t0 .. t1-1 of x [B, T, H, hd] (host tensors).
+Tensor time_rows(const Tensor& x, int64_t t0, int64_t t1) {
+  const int64_t B = x.size(0), L = x.size(1), row = x.size(2) * x.size(3);
+  Tensor out = Tensor::empty({B, t1 - t0, x.size(2), x.size(3)}, x.dtype());
+  for (int64_t b = 0; b < B; ++b)
+    out.view(b * (t1 - t0) * row, {(t1 - t0) * row}).copy_from(x.view((b * L + t0) * row, {(t1 - t0) * row}));
+  return out;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
+  return x.shape() == y.shape() && std::memcmp(x.raw(), y.raw(), size_t(x.numel()) * 4) == 0;
+}
+
+// lse rows t0 .. t0+n-1 of every (b, h) of a [B, H, T] tensor, as [B, H, n].
+Tensor lse_rows(const Tensor& lse, int64_t t0, int64_t n) {
+  const Tensor h = lse.to(Device::CPU);
+  const int64_t BH = h.size(0) * h.size(1), T = h.size(2);
+  Tensor out = Tensor::empty({h.size(0), h.size(1), n}, DType::F32);
+  for (int64_t i = 0; i < BH; ++i) out.view(i * n, {n}).copy_from(h.view(i * T + t0, {n}));
+  return out;
+}
+
+TEST(CudaAttention, SequenceBackwardAloneEqualsInBatch) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 4, T = 100, Hq = 4, Hkv = 2, hd = 64;
+  const Tensor q = randn({B, T, Hq, hd}, 31), k = randn({B, T, Hkv, hd}, 32), v = randn({B, T, Hkv, hd}, 33),
+               dout = randn({B, T, Hq, hd}, 34);
+  auto grads = [&](int64_t b0, int64_t n) {
+    const Tensor gq = q.slice_rows(b0, b0 + n).to(Device::CUDA), gk = k.slice_rows(b0, b0 + n).to(Device::CUDA),
+                 gv = v.slice_rows(b0, b0 + n).to(Device::CUDA), gd = dout.slice_rows(b0, b0 + n).to(Device::CUDA);
+    Tensor out = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({n, Hq, T}, DType::F32, Device::CUDA);
+    ops::attention_forward(gq, gk, gv, 0, out, lse);
+    Tensor dq = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), dk = Tensor::empty(gk.shape(), DType::F32, Device::CUDA),
+           dv = dk.clone();
+    ops::attention_backward(gd, gq, gk, gv, out, lse, dq, dk, dv);
+    return std::vector<Tensor>{dq.to(Device::CPU), dk.to(Device::CPU), dv.to(Device::CPU)};
+  };
+  const std::vector<Tensor> all = grads(0, B), one = grads(2, 1);
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(one[i], all[i].slice_rows(2, 3))) << "gradient " << i;
+  const std::vector<Tensor> again = grads(0, B);
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(again[i], all[i])) << "rerun, gradient " << i;
+}
+
+// A token's attention output and lse are the same bits in the full forward, in a one-token
+// KV-cache decode step and in a prefill chunk that starts mid-block (the fused kernels' key
+// blocks sit at absolute positions).
+TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t B = 2, T = 150, Hq = 4, Hkv = 1, hd = 64;
+  const Tensor q = randn({B, T, Hq, hd}, 41), k = randn({B, T, Hkv, hd}, 42), v = randn({B, T, Hkv, hd}, 43);
+  auto forward = [&](int64_t t0, int64_t t1, int64_t keys) {
+    const Tensor gq = time_rows(q, t0, t1).to(Device::CUDA), gk = time_rows(k, 0, keys).to(Device::CUDA),
+                 gv = time_rows(v, 0, keys).to(Device::CUDA);
+    Tensor out = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, t1 - t0}, DType::F32, Device::CUDA);
+    ops::attention_forward(gq, gk, gv, t0, out, lse);
+    return std::pair<Tensor, Tensor>{out.to(Device::CPU), lse.to(Device::CPU)};
+  };
+  const auto [full, full_lse] = forward(0, T, T);
+  for (int64_t t : {0, 1, 63, 64, 65, 127, 149}) {
+    const auto [o, l] = forward(t, t + 1, t + 1);
+    EXPECT_TRUE(same_bits(o, time_rows(full, t, t + 1))) << "decode t=" << t;
+    EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t, 1))) << "decode lse t=" << t;
+  }
+  for (const auto [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
+    const auto [o, l] = forward(t0, t1, T);  // keys past t1 exist and are masked
+    EXPECT_TRUE(same_bits(o, time_rows(full, t0, t1))) << "prefill " << t0;
+    EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t0, t1 - t0))) << "prefill lse " << t0;
+  }
+}
+
+#if FOURBIT_HAS_CUDA
+// The fused kernels against the materialized path on a training-sized shape (both BF16
+// attention; they differ in where P is rounded: unnormalized in the fused kernels).
+TEST(CudaAttention, FusedMatchesMaterialized) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const int64_t hd : {32, 64}) {
+    SCOPED_TRACE("hd=" + std::to_string(hd));
+    const int64_t B = 2, T = 320, Hq = 8, Hkv = 2;
+    const Tensor q = randn({B, T, Hq, hd}, 51).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 52).to(Device::CUDA),
+                 v = randn({B, T, Hkv, hd}, 53).to(Device::CUDA), dout = randn({B, T, Hq, hd}, 54).to(Device::CUDA);
+    Tensor out[2], lse[2], dq[2], dk[2], dv[2];
+    for (int i = 0; i < 2; ++i) {
+      out[i] = Tensor::empty(q.shape(), DType::F32, Device::CUDA);
+      lse[i] = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
+      dq[i] = Tensor::empty(q.shape(), DType::F32, Device::CUDA);
+      dk[i] = Tensor::empty(k.shape(), DType::F32, Device::CUDA);
+      dv[i] = Tensor::empty(k.shape(), DType::F32, Device::CUDA);
+    }
+    ASSERT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out[0], lse[0]));
+    ops::cuda::materialized_attention_forward(q, k, v, 0, out[1], lse[1]);
+    EXPECT_LT(diff(out[0], out[1]), 1e-5);
+    EXPECT_LT(diff(lse[0], lse[1]), 1e-7);
+    ops::attention_backward(dout, q, k, v, out[0], lse[0], dq[0], dk[0], dv[0]);  // fused (hd 32 / 64)
+    ops::cuda::materialized_attention_backward(dout, q, k, v, out[1], lse[1], dq[1], dk[1], dv[1]);
+    EXPECT_LT(diff(dq[0], dq[1]), 1e-4);
+    EXPECT_LT(diff(dk[0], dk[1]), 1e-4);
+    EXPECT_LT(diff(dv[0], dv[1]), 1e-5);
+  }
+}
+#endif
 
 // Work spread over GPU lanes gives the bits of the same work issued in order: 16 "experts" of
 // different row counts, each quantizing its rows (MXFP8 with SR along the tokens, NVFP4 per

@@ -1,15 +1,17 @@
-// defines: cuda::attention_forward, cuda::attention_backward
-// Causal grouped-query attention on the GPU as three tensor-core GEMM stages with the scores
-// materialised: S = Q K^T / sqrt(hd) (BF16 operands, FP32 scores) -> masked softmax, one block per
-// query row with a fixed reduction tree (P in BF16, log-sum-exp in FP32) -> O = P V. Backward
-// recomputes P from the saved log-sum-exp. Every GEMM goes through matmul_nt, whose kernel choice
-// does not depend on the batch, and every reduction runs inside one row: a sequence's outputs are
-// the same alone or in a batch. Query row t of a call with pos0 sees keys 0 .. pos0 + t, so a KV
-// cache decode step (T = 1) computes what the full forward computed for that row up to the
-// order of the key reduction within one softmax block.
+// defines: cuda::attention_forward, cuda::attention_backward, cuda::materialized_attention_forward,
+//          cuda::materialized_attention_backward
+// Causal grouped-query attention on the GPU. ops::attention_* run the fused kernels of
+// flash_attention.cu when they take the shape (hd 32 or 64), else the materialized path here:
+// three tensor-core GEMM stages with the scores in memory: S = Q K^T / sqrt(hd) (BF16 operands,
+// FP32 scores) -> masked softmax, one block per query row with a fixed reduction tree (P in BF16,
+// log-sum-exp in FP32) -> O = P V. Backward recomputes P from the saved log-sum-exp. Every GEMM
+// goes through matmul_nt, whose kernel choice does not depend on the batch, and every reduction
+// runs inside one row: a sequence's outputs are the same alone or in a batch. Query row t of a
+// call with pos0 sees keys 0 .. pos0 + t, so a KV cache decode step (T = 1) computes what the full
+// forward computed for that row up to the order of the key reduction within one softmax block.
 //
-// Cost: O(T*S) memory for the scores (512 MiB for 128 heads x 1024 x 1024), which a fused
-// flash-style kernel would avoid; this is the first, simple-and-right version (docs/cuda.md).
+// Cost: O(T*S) memory for the scores (512 MiB for 128 heads x 1024 x 1024), which the fused path
+// avoids; this path stays for the head sizes the fused kernels do not take (docs/cuda.md).
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -281,33 +283,19 @@ Tensor scores(const Tensor& qh, const Tensor& kh, const Dims& d) {
   return s;
 }
 
-}  // namespace
-
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse) {
-  const Dims d = check_dims(q, k, v, "attention_forward");
-  if (pos0 < 0 || pos0 + d.T > d.S) fail("attention_forward: pos0 {} + T {} exceeds the {} keys", pos0, d.T, d.S);
-  if (out.shape() != q.shape() || lse.shape() != Shape{d.B, d.Hq, d.T})
-    fail("attention_forward: out must be {} and lse [{}, {}, {}]", shape_str(q.shape()), d.B, d.Hq, d.T);
-  const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
-  const Tensor s = scores(qh, kh, d);
-  Tensor p = Tensor::empty({d.B * d.Hq, d.T, d.S}, DType::BF16, Device::CUDA);
-  softmax_rows_kernel<<<unsigned(d.B * d.Hq * d.T), kSoftmaxThreads, 0, stream()>>>(s.data<float>(), d.T, d.S, pos0,
-                                                                  p.data<__nv_bfloat16>(), lse.data<float>());
+// D = rowsum(dout * out) [B, Hq, T], the softmax backward's per-row term (both paths).
+Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d) {
+  Tensor D = Tensor::empty({d.B * d.Hq * d.T}, DType::F32, Device::CUDA);
+  rowdot_kernel<<<grid_for(d.B * d.Hq * d.T * 32, 256), 256, 0, stream()>>>(dout.data<float>(), out.data<float>(), d.B,
+                                                                           d.T, d.Hq, d.hd, D.data<float>());
   FOURBIT_LAUNCH_CHECK();
-  // O[bh] = P[bh] V[bh]: V is stored [S, hd] = [K, N], a transposed B operand.
-  Tensor oh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
-  matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
-            oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
-  launch_from_heads(oh, d.B, d.T, d.Hq, d.hd, out);
+  return D;
 }
 
-void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+// The materialized backward: scores, dP, P and dS in memory, five batched GEMMs.
+void materialized_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
+                           const Tensor& D, Tensor& dq, Tensor& dk, Tensor& dv) {
   const Dims d = check_dims(q, k, v, "attention_backward");
-  if (d.S != d.T) fail("attention_backward: training attention needs S == T, got S={} T={}", d.S, d.T);
-  if (dout.shape() != q.shape() || out.shape() != q.shape() || dq.shape() != q.shape() || dk.shape() != k.shape() ||
-      dv.shape() != v.shape())
-    fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
   const int64_t BH = d.B * d.Hq;
   const float scale = float(1.0 / std::sqrt(double(d.hd)));
   const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
@@ -317,10 +305,6 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   Tensor dp = Tensor::empty({BH, d.T, d.S}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{doh.raw(), false, d.hd, d.T * d.hd}, MatmulOperand{vh.raw(), false, d.hd, d.S * d.hd},
             dp.raw(), d.S, d.T * d.S, d.T, d.S, d.hd, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
-  Tensor D = Tensor::empty({BH * d.T}, DType::F32, Device::CUDA);
-  rowdot_kernel<<<grid_for(BH * d.T * 32, 256), 256, 0, stream()>>>(dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd,
-                                                       D.data<float>());
-  FOURBIT_LAUNCH_CHECK();
   Tensor p = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
   Tensor ds = Tensor::empty({BH, d.T, d.S}, DType::BF16, Device::CUDA);
   // S % 4 == 0 keeps every row's 4-key units 16-byte aligned (fresh buffers are).
@@ -348,6 +332,48 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   launch_from_heads(dqh, d.B, d.T, d.Hq, d.hd, dq);
   launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
   launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
+}
+
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse) {
+  const Dims d = check_dims(q, k, v, "attention_forward");
+  if (pos0 < 0 || pos0 + d.T > d.S) fail("attention_forward: pos0 {} + T {} exceeds the {} keys", pos0, d.T, d.S);
+  if (out.shape() != q.shape() || lse.shape() != Shape{d.B, d.Hq, d.T})
+    fail("attention_forward: out must be {} and lse [{}, {}, {}]", shape_str(q.shape()), d.B, d.Hq, d.T);
+  if (!flash_attention_forward(q, k, v, pos0, out, lse)) materialized_attention_forward(q, k, v, pos0, out, lse);
+}
+
+void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
+                                    Tensor& lse) {
+  const Dims d = check_dims(q, k, v, "attention_forward");
+  const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
+  const Tensor s = scores(qh, kh, d);
+  Tensor p = Tensor::empty({d.B * d.Hq, d.T, d.S}, DType::BF16, Device::CUDA);
+  softmax_rows_kernel<<<unsigned(d.B * d.Hq * d.T), kSoftmaxThreads, 0, stream()>>>(s.data<float>(), d.T, d.S, pos0,
+                                                                  p.data<__nv_bfloat16>(), lse.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  // O[bh] = P[bh] V[bh]: V is stored [S, hd] = [K, N], a transposed B operand.
+  Tensor oh = Tensor::empty({d.B, d.Hq, d.T, d.hd}, DType::F32, Device::CUDA);
+  matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
+            oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
+  launch_from_heads(oh, d.B, d.T, d.Hq, d.hd, out);
+}
+
+void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const Dims d = check_dims(q, k, v, "attention_backward");
+  if (d.S != d.T) fail("attention_backward: training attention needs S == T, got S={} T={}", d.S, d.T);
+  if (dout.shape() != q.shape() || out.shape() != q.shape() || dq.shape() != q.shape() || dk.shape() != k.shape() ||
+      dv.shape() != v.shape())
+    fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
+  const Tensor D = rowdot(dout, out, d);
+  if (!flash_attention_backward(dout, q, k, v, lse, D, dq, dk, dv)) materialized_backward(dout, q, k, v, lse, D, dq, dk, dv);
+}
+
+void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+  materialized_backward(dout, q, k, v, lse, rowdot(dout, out, check_dims(q, k, v, "attention_backward")), dq, dk, dv);
 }
 
 }  // namespace fourbit::ops::cuda

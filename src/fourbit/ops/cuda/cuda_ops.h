@@ -1,6 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, gemm_batch, quantize_segments,
-//          requantize_transposed_segments
+//          requantize_transposed_segments, flash_attention_forward, flash_attention_backward,
+//          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.
@@ -33,6 +34,19 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
 // behind an RHT (the caller requantizes segment by segment).
 bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                     const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
+
+// The two GPU attention paths behind ops::attention_forward/backward (same arguments; the
+// backward also takes D = rowsum(dout * out) [B, Hq, T]). The fused one (flash_attention.cu)
+// returns false for shapes it does not take (hd other than 32 or 64, unaligned tensors) and the
+// materialized one (attention.cu: scores in memory, cuBLASLt GEMMs) runs instead. Both are here
+// for the tests and bench/gpu_attention, which compare them.
+bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);
+bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
+                              const Tensor& D, Tensor& dq, Tensor& dk, Tensor& dv);
+void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
+                                    Tensor& lse);
+void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);
 
 // Whether this GPU multiplies NVFP4/MXFP8 operands natively (block-scaled tensor cores, sm_100+).
 bool native_block_scaled_gemm();
