@@ -201,7 +201,7 @@ TEST(CudaGemm, RowsAreBatchInvariant) {
 // T = 37).
 TEST(CudaAttention, ForwardBackwardMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const auto [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {130, 64}, {37, 6}}) {
+  for (const auto& [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {130, 64}, {37, 6}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd));
     const int64_t B = 2, Hq = 4, Hkv = 2;
     const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
@@ -303,7 +303,7 @@ TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
     EXPECT_TRUE(same_bits(o, time_rows(full, t, t + 1))) << "decode t=" << t;
     EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t, 1))) << "decode lse t=" << t;
   }
-  for (const auto [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
+  for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
     const auto [o, l] = forward(t0, t1, T);  // keys past t1 exist and are masked
     EXPECT_TRUE(same_bits(o, time_rows(full, t0, t1))) << "prefill " << t0;
     EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t0, t1 - t0))) << "prefill lse " << t0;

@@ -368,7 +368,14 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
       dv.shape() != v.shape())
     fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
   const Tensor D = rowdot(dout, out, d);
-  if (!flash_attention_backward(dout, q, k, v, lse, D, dq, dk, dv)) materialized_backward(dout, q, k, v, lse, D, dq, dk, dv);
+  Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA),
+         dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
+  if (!flash_attention_backward(dout, q, k, v, lse, D, dq, dkh, dvh)) {
+    materialized_backward(dout, q, k, v, lse, D, dq, dk, dv);
+    return;
+  }
+  launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
+  launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
 }
 
 void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -8,20 +8,24 @@
 //   dQ        one CTA per (64-query block, q head, sequence): P again from lse,
 //             dS = P (dP - D) * scale with dP = dO V^T and D = rowsum(dO * O) (attention.cu's
 //             rowdot), dQ += dS K.
-//   dK, dV    one CTA per (64-key block, kv head, sequence), looping over the group's q heads and
-//             the query blocks at or after the keys: dV += P^T dO, dK += dS^T Q.
+//   dK, dV    one CTA per (64-key block, q head, sequence), looping over the query blocks at or
+//             after the keys: dV += P^T dO, dK += dS^T Q, per q head ([B, Hq, S, hd]); attention.cu
+//             sums each group's heads.
 //
-// Q, K, V and dO are read in FP32 from the model's [B, T, H, hd] layout and rounded to BF16 as
-// the materialized path's to_heads does; outputs go straight back to [B, T, H, hd] FP32. Every
+// Q, K, V and dO are rounded to BF16 (RNE, as the materialized path's to_heads) into copies in the
+// model's [B, T, H, hd] layout, which the kernels stream through double-buffered shared-memory
+// tiles with cp.async (the next block lands while the current one is multiplied); outputs go
+// straight back to [B, T, H, hd] FP32. Every
 // sum runs in a fixed order (no atomics), so results are deterministic, and the work for a query
 // row depends only on that row, its keys and the key blocks (64 keys aligned to absolute
 // positions): a sequence gives the same bits alone or in a batch, and a KV-cache decode step
 // gives the bits of the full forward's row (fully masked key blocks change nothing: their scale
 // factor is exp(0) = 1 and their P is 0).
 //
-// Supported: hd 32 or 64 (registers: the dK/dV kernel holds K, V and both gradients of 16 keys
-// per warp), 16-byte aligned tensors. Anything else returns false and attention.cu takes the
-// materialized path.
+// Fragments come from row-major BF16 tiles in shared memory by ldmatrix (.trans where the tile
+// holds B itself rather than its transpose). Supported: hd 32 or 64 (registers: the dK/dV kernel
+// holds K, V and both gradients of 16 keys per warp) and 16-byte aligned outputs; for anything
+// else the entry points return false and attention.cu takes the materialized path.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -35,51 +39,70 @@ namespace {
 
 constexpr int kFaBlock = 64;           // queries and keys per tile
 constexpr int kFaThreads = 128;        // 4 warps, 16 rows each
-constexpr int kFaTransLd = kFaBlock + 8;  // BF16 row stride of a transposed tile [hd][64]
 template <int HD>
-constexpr int kFaLd = HD + 8;          // BF16 row stride of a row-major tile [64][hd]
-// (+8 BF16 = 16 bytes: the 32-bit fragment loads of a warp fall in 32 different banks)
+constexpr int kFaLd = HD + 8;  // BF16 row stride of a tile [64][hd]: +16 bytes, so the eight rows
+                                // an ldmatrix reads sit in different banks
 
 // C (16x8, FP32) += A (16x16, BF16, row) * B (16x8, BF16, col): PTX's m16n8k16 fragments, with
 // gid = lane / 4 and tig = lane % 4: a = {(gid, 2tig..), (gid+8, 2tig..), (gid, 2tig+8..),
 // (gid+8, 2tig+8..)}, b = {(k 2tig.., n gid), (k 2tig+8.., n gid)}, c = {(gid, 2tig), (gid, 2tig+1),
 // (gid+8, 2tig), (gid+8, 2tig+1)}. The lower k index of a pair sits in the low 16 bits.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t ld_pair(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The A fragments of k-step kk for the warp's rows r .. r+15 of a row-major tile (stride ld).
-__device__ __forceinline__ void load_a(const __nv_bfloat16* tile, int ld, int r, int kk, uint32_t (&a)[4]) {
-  const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
-  const __nv_bfloat16* p = tile + (r + gid) * ld + kk * 16 + 2 * tig;
-  a[0] = ld_pair(p);
-  a[1] = ld_pair(p + 8 * ld);
-  a[2] = ld_pair(p + 8);
-  a[3] = ld_pair(p + 8 * ld + 8);
+// ldmatrix .x4: four 8x8 BF16 matrices, lane l giving the address of row l % 8 of matrix l / 8.
+// Plain, lane l receives (row l / 4, cols 2 (l % 4) ..) of each; .trans, (rows 2 (l % 4) .., col
+// l / 4), i.e. the transposed matrix's fragment.
+template <bool Trans>
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(p));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 
-// acc[n-tile] (16 x 8N) += A (16 x 16K, the warp's fragments) * Y^T, Y stored [n][k] with stride ld:
-// every product of these kernels is "rows times the transpose of a tile".
-template <int N, int K>
-__device__ __forceinline__ void mma_rows_by_tile(float (&acc)[N][4], const uint32_t (&a)[K][4], const __nv_bfloat16* y,
-                                                 int ld) {
-  const int gid = (threadIdx.x & 31) >> 2, tig = threadIdx.x & 3;
+// The A fragments of k-step kk for the warp's rows r .. r+15 of a row-major tile (stride ld):
+// matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8).
+__device__ __forceinline__ void load_a(const __nv_bfloat16* tile, int ld, int r, int kk, uint32_t (&a)[4]) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+  ldsm_x4<false>(a, tile + (r + 8 * (m & 1) + (lane & 7)) * ld + kk * 16 + 8 * (m >> 1));
+}
+
+// acc[n-tile] (16 x 8N) += A (16 x 16K, the warp's fragments) * B, with B (16K x 8N) held in a
+// row-major BF16 tile y (stride ld) either as its transpose, y[n][k] (KMajor: S = Q K^T reads K
+// stored [key][d]), or as itself, y[k][n] (O = P V reads V stored [key][d]). One ldmatrix gives
+// the B fragments of two n-tiles: matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8).
+template <bool KMajor, int N, int K>
+__device__ __forceinline__ void mma_tile(float (&acc)[N][4], const uint32_t (&a)[K][4], const __nv_bfloat16* y, int ld) {
+  static_assert(N % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
 #pragma unroll
-  for (int n = 0; n < N; ++n) {
-    const __nv_bfloat16* p = y + (n * 8 + gid) * ld + 2 * tig;
+  for (int n = 0; n < N; n += 2) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) mma_bf16(acc[n], a[k], ld_pair(p + k * 16), ld_pair(p + k * 16 + 8));
+    for (int k = 0; k < K; ++k) {
+      uint32_t b[4];
+      if constexpr (KMajor)
+        ldsm_x4<false>(b, y + (n * 8 + 8 * (m >> 1) + i) * ld + k * 16 + 8 * (m & 1));
+      else
+        ldsm_x4<true>(b, y + (k * 16 + 8 * (m & 1) + i) * ld + n * 8 + 8 * (m >> 1));
+      mma_bf16(acc[n], a[k], b[0], b[1]);
+      mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+    }
   }
 }
 
@@ -100,31 +123,35 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-// Rows r0 .. r0+63 of x (row r at x + r * stride, HD floats, 16-byte aligned) rounded to BF16
-// into a row-major tile (stride HD + 8) and/or a transposed one (stride 72); rows at or past
-// `rows` are zeros.
+// Asynchronous copies into shared memory (cp.async, Ampere+): `bytes` of src, or zeros when
+// !valid (src-size 0: nothing is read). Completed by cp_async_wait_all.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Starts copying rows r0 .. r0+63 of x (BF16, row r at x + r * stride, 16-byte aligned) into a
+// row-major tile (stride HD + 8); rows at or past `rows` become zeros.
 template <int HD>
-__device__ __forceinline__ void load_tile(const float* __restrict__ x, int64_t stride, int r0, int rows,
-                                          __nv_bfloat16* row_major, __nv_bfloat16* transposed) {
-  constexpr int kUnits = HD / 4;
-  for (int i = threadIdx.x; i < kFaBlock * kUnits; i += kFaThreads) {
-    const int r = i / kUnits, c = (i % kUnits) * 4;
-    float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    if (r0 + r < rows) f = *reinterpret_cast<const float4*>(x + int64_t(r0 + r) * stride + c);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
-    if (row_major) {
-      uint2 u;
-      u.x = *reinterpret_cast<const uint32_t*>(&lo);
-      u.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(row_major + r * kFaLd<HD> + c) = u;
-    }
-    if (transposed) {
-      transposed[(c + 0) * kFaTransLd + r] = lo.x;
-      transposed[(c + 1) * kFaTransLd + r] = lo.y;
-      transposed[(c + 2) * kFaTransLd + r] = hi.x;
-      transposed[(c + 3) * kFaTransLd + r] = hi.y;
-    }
+__device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict__ x, int64_t stride, int r0, int rows,
+                                                __nv_bfloat16* tile) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kFaThreads) {
+    const int r = i / kChunks, c = (i % kChunks) * 8;
+    const bool valid = r0 + r < rows;
+    cp_async<16>(tile + r * kFaLd<HD> + c, valid ? x + int64_t(r0 + r) * stride + c : x, valid);
   }
+}
+
+// Starts copying the 64 row values v[r0 ..] (zeros past `rows`) into shared memory.
+__device__ __forceinline__ void load_rows_async(const float* __restrict__ v, int r0, int rows, float* dst) {
+  for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) cp_async<4>(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows);
 }
 
 // The thread's two rows of a 16-row warp tile: gid and gid + 8.
@@ -150,22 +177,28 @@ struct FaDims {
 // ---- forward ----------------------------------------------------------------------------------
 
 template <int HD>
-__global__ void __launch_bounds__(kFaThreads) flash_forward_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                                   const float* __restrict__ v, FaDims d,
-                                                                   float* __restrict__ out, float* __restrict__ lse) {
-  constexpr int KS = HD / 16, ND = HD / 8;
-  __shared__ __align__(16) __nv_bfloat16 qs[kFaBlock * kFaLd<HD>];
-  __shared__ __align__(16) __nv_bfloat16 ks[kFaBlock * kFaLd<HD>];
-  __shared__ __align__(16) __nv_bfloat16 vt[HD * kFaTransLd];
+__global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv_bfloat16* __restrict__ q,
+                                                                      const __nv_bfloat16* __restrict__ k,
+                                                                      const __nv_bfloat16* __restrict__ v, FaDims d,
+                                                                      float* __restrict__ out, float* __restrict__ lse) {
+  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
+  __shared__ __align__(16) __nv_bfloat16 qs[kTile];
+  __shared__ __align__(16) __nv_bfloat16 ks[2][kTile];  // double-buffered: block kb + 1 loads
+  __shared__ __align__(16) __nv_bfloat16 vs[2][kTile];  // while block kb is multiplied
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
-  const float* qh = q + (int64_t(b) * d.T * d.Hq + h) * HD;
-  const float* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const float* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const int last_key = min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1));
+  const int key_blocks = last_key / kFaBlock + 1;
 
-  load_tile<HD>(qh, q_stride, t0, d.T, qs, nullptr);
+  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, qs);
+  load_tile_async<HD>(kh, kv_stride, 0, d.S, ks[0]);
+  load_tile_async<HD>(vh, kv_stride, 0, d.S, vs[0]);
+  cp_async_commit();
+  cp_async_wait_all();
   __syncthreads();
   uint32_t qa[KS][4];
 #pragma unroll
@@ -177,16 +210,16 @@ __global__ void __launch_bounds__(kFaThreads) flash_forward_kernel(const float* 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
-  const int last_key = min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1));
-  for (int kb = 0; kb * kFaBlock <= last_key; ++kb) {
-    const int s0 = kb * kFaBlock;
-    __syncthreads();  // the previous block's K and V are no longer read
-    load_tile<HD>(kh, kv_stride, s0, d.S, ks, nullptr);
-    load_tile<HD>(vh, kv_stride, s0, d.S, nullptr, vt);
-    __syncthreads();
+  for (int kb = 0; kb < key_blocks; ++kb) {
+    const int s0 = kb * kFaBlock, buf = kb & 1;
+    if (kb + 1 < key_blocks) {
+      load_tile_async<HD>(kh, kv_stride, s0 + kFaBlock, d.S, ks[buf ^ 1]);
+      load_tile_async<HD>(vh, kv_stride, s0 + kFaBlock, d.S, vs[buf ^ 1]);
+    }
+    cp_async_commit();
     float s[8][4];
     zero(s);
-    mma_rows_by_tile(s, qa, ks, kFaLd<HD>);
+    mma_tile<true>(s, qa, ks[buf], kFaLd<HD>);
     float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -217,7 +250,9 @@ __global__ void __launch_bounds__(kFaThreads) flash_forward_kernel(const float* 
       for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
     uint32_t pa[4][4];
     acc_to_a(s, pa);
-    mma_rows_by_tile(o, pa, vt, kFaTransLd);
+    mma_tile<false>(o, pa, vs[buf], kFaLd<HD>);
+    cp_async_wait_all();  // block kb + 1 has landed, and (the barrier) nobody reads block kb now
+    __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -251,31 +286,39 @@ __device__ __forceinline__ void softmax_grad(float (&s)[8][4], const float (&dp)
 }
 
 template <int HD>
-__global__ void __launch_bounds__(kFaThreads) flash_dq_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                              const float* __restrict__ v, const float* __restrict__ dout,
-                                                              const float* __restrict__ lse, const float* __restrict__ D,
-                                                              FaDims d, float* __restrict__ dq) {
-  constexpr int KS = HD / 16, ND = HD / 8;
-  __shared__ __align__(16) __nv_bfloat16 ks[kFaBlock * kFaLd<HD>];
-  __shared__ __align__(16) __nv_bfloat16 kt[HD * kFaTransLd];
-  __shared__ __align__(16) __nv_bfloat16 vs[kFaBlock * kFaLd<HD>];
+__global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const __nv_bfloat16* __restrict__ q,
+                                                                 const __nv_bfloat16* __restrict__ k,
+                                                                 const __nv_bfloat16* __restrict__ v,
+                                                                 const __nv_bfloat16* __restrict__ dout,
+                                                                 const float* __restrict__ lse,
+                                                                 const float* __restrict__ D, FaDims d,
+                                                                 float* __restrict__ dq) {
+  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
+  __shared__ __align__(16) __nv_bfloat16 ks[2][kTile];
+  __shared__ __align__(16) __nv_bfloat16 vs[2][kTile];
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
-  const float* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const float* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const int key_blocks = min(d.T - 1, t0 + kFaBlock - 1) / kFaBlock + 1;
 
-  // Q and dO fragments, staged through the K and V tiles' memory
-  uint32_t qa[KS][4], da[KS][4];
-  load_tile<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, ks, nullptr);
-  load_tile<HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, vs, nullptr);
+  // Q and dO fragments, staged through buffer 1, while key block 0 lands in buffer 0
+  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, ks[1]);
+  load_tile_async<HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, vs[1]);
+  load_tile_async<HD>(kh, kv_stride, 0, d.S, ks[0]);
+  load_tile_async<HD>(vh, kv_stride, 0, d.S, vs[0]);
+  cp_async_commit();
+  cp_async_wait_all();
   __syncthreads();
+  uint32_t qa[KS][4], da[KS][4];
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    load_a(ks, kFaLd<HD>, warp_row, kk, qa[kk]);
-    load_a(vs, kFaLd<HD>, warp_row, kk, da[kk]);
+    load_a(ks[1], kFaLd<HD>, warp_row, kk, qa[kk]);
+    load_a(vs[1], kFaLd<HD>, warp_row, kk, da[kk]);
   }
+  __syncthreads();  // buffer 1 is free for key block 1
   int t[2];
   float row_lse[2], row_d[2];
 #pragma unroll
@@ -287,24 +330,26 @@ __global__ void __launch_bounds__(kFaThreads) flash_dq_kernel(const float* __res
   }
   float acc[ND][4];
   zero(acc);
-  const int last_key = min(d.T - 1, t0 + kFaBlock - 1);
-  for (int kb = 0; kb * kFaBlock <= last_key; ++kb) {
-    const int s0 = kb * kFaBlock;
-    __syncthreads();
-    load_tile<HD>(kh, kv_stride, s0, d.S, ks, kt);
-    load_tile<HD>(vh, kv_stride, s0, d.S, vs, nullptr);
-    __syncthreads();
+  for (int kb = 0; kb < key_blocks; ++kb) {
+    const int s0 = kb * kFaBlock, buf = kb & 1;
+    if (kb + 1 < key_blocks) {
+      load_tile_async<HD>(kh, kv_stride, s0 + kFaBlock, d.S, ks[buf ^ 1]);
+      load_tile_async<HD>(vh, kv_stride, s0 + kFaBlock, d.S, vs[buf ^ 1]);
+    }
+    cp_async_commit();
     float s[8][4], dp[8][4], p[8][4];
     zero(s);
     zero(dp);
-    mma_rows_by_tile(s, qa, ks, kFaLd<HD>);
-    mma_rows_by_tile(dp, da, vs, kFaLd<HD>);
+    mma_tile<true>(s, qa, ks[buf], kFaLd<HD>);
+    mma_tile<true>(dp, da, vs[buf], kFaLd<HD>);
     softmax_grad(
         s, dp, p, d.scale, [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; },
         [&](int, int e) { return row_lse[e >> 1]; }, [&](int, int e) { return row_d[e >> 1]; });
     uint32_t dsa[4][4];
     acc_to_a(s, dsa);
-    mma_rows_by_tile(acc, dsa, kt, kFaTransLd);
+    mma_tile<false>(acc, dsa, ks[buf], kFaLd<HD>);
+    cp_async_wait_all();
+    __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -315,94 +360,105 @@ __global__ void __launch_bounds__(kFaThreads) flash_dq_kernel(const float* __res
   }
 }
 
+// dK, dV of one q head's view of its kv head ([B, Hq, S, hd]; attention.cu sums each group's
+// heads in head order, as on the materialized path).
 template <int HD>
-__global__ void __launch_bounds__(kFaThreads) flash_dkv_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                               const float* __restrict__ v, const float* __restrict__ dout,
-                                                               const float* __restrict__ lse, const float* __restrict__ D,
-                                                               FaDims d, float* __restrict__ dk, float* __restrict__ dv) {
-  constexpr int KS = HD / 16, ND = HD / 8;
-  __shared__ __align__(16) __nv_bfloat16 qs[kFaBlock * kFaLd<HD>];
-  __shared__ __align__(16) __nv_bfloat16 qt[HD * kFaTransLd];
-  __shared__ __align__(16) __nv_bfloat16 dos[kFaBlock * kFaLd<HD>];
-  __shared__ __align__(16) __nv_bfloat16 dot[HD * kFaTransLd];
-  __shared__ float q_lse[kFaBlock], q_d[kFaBlock];
+__global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const __nv_bfloat16* __restrict__ q,
+                                                                  const __nv_bfloat16* __restrict__ k,
+                                                                  const __nv_bfloat16* __restrict__ v,
+                                                                  const __nv_bfloat16* __restrict__ dout,
+                                                                  const float* __restrict__ lse,
+                                                                  const float* __restrict__ D, FaDims d,
+                                                                  float* __restrict__ dk_heads,
+                                                                  float* __restrict__ dv_heads) {
+  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
+  __shared__ __align__(16) __nv_bfloat16 qs[2][kTile];
+  __shared__ __align__(16) __nv_bfloat16 dos[2][kTile];
+  __shared__ __align__(16) float q_lse[2][kFaBlock], q_d[2][kFaBlock];
   const int kb = blockIdx.x;  // the most work first: key block 0 sees every query block
-  const int hk = blockIdx.y, b = blockIdx.z, group = d.Hq / d.Hkv;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int s0 = kb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
+  const __nv_bfloat16* qh = q + (int64_t(b) * d.T * d.Hq + h) * HD;
+  const __nv_bfloat16* doh = dout + (int64_t(b) * d.T * d.Hq + h) * HD;
+  const float* lse_h = lse + (int64_t(b) * d.Hq + h) * d.T;
+  const float* d_h = D + (int64_t(b) * d.Hq + h) * d.T;
+  const int q_blocks = (d.T + kFaBlock - 1) / kFaBlock;
+  auto load_queries = [&](int qb, int buf) {
+    load_tile_async<HD>(qh, q_stride, qb * kFaBlock, d.T, qs[buf]);
+    load_tile_async<HD>(doh, q_stride, qb * kFaBlock, d.T, dos[buf]);
+    load_rows_async(lse_h, qb * kFaBlock, d.T, q_lse[buf]);
+    load_rows_async(d_h, qb * kFaBlock, d.T, q_d[buf]);
+  };
 
-  // K and V fragments of the warp's 16 keys, staged through the Q and dO tiles' memory
-  uint32_t ka[KS][4], va[KS][4];
-  load_tile<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, qs, nullptr);
-  load_tile<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, dos, nullptr);
+  // K and V fragments of the warp's 16 keys, staged through buffer 1, while query block kb lands
+  // in buffer 0
+  load_tile_async<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, qs[1]);
+  load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, dos[1]);
+  load_queries(kb, 0);
+  cp_async_commit();
+  cp_async_wait_all();
   __syncthreads();
+  uint32_t ka[KS][4], va[KS][4];
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk) {
-    load_a(qs, kFaLd<HD>, warp_row, kk, ka[kk]);
-    load_a(dos, kFaLd<HD>, warp_row, kk, va[kk]);
+    load_a(qs[1], kFaLd<HD>, warp_row, kk, ka[kk]);
+    load_a(dos[1], kFaLd<HD>, warp_row, kk, va[kk]);
   }
+  __syncthreads();  // buffer 1 is free for the next query block
   int key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) key[i] = s0 + warp_row + frag_row(i);
   float gk[ND][4], gv[ND][4];
   zero(gk);
   zero(gv);
-  const int q_blocks = (d.T + kFaBlock - 1) / kFaBlock;
-  for (int g = 0; g < group; ++g) {
-    const int h = hk * group + g;
-    const float* qh = q + (int64_t(b) * d.T * d.Hq + h) * HD;
-    const float* doh = dout + (int64_t(b) * d.T * d.Hq + h) * HD;
-    const int64_t row0 = (int64_t(b) * d.Hq + h) * d.T;
-    for (int qb = kb; qb < q_blocks; ++qb) {  // causal: queries at or after the block's first key
-      const int t0 = qb * kFaBlock;
-      __syncthreads();
-      load_tile<HD>(qh, q_stride, t0, d.T, qs, qt);
-      load_tile<HD>(doh, q_stride, t0, d.T, dos, dot);
-      for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) {
-        q_lse[i] = t0 + i < d.T ? lse[row0 + t0 + i] : 0.0f;
-        q_d[i] = t0 + i < d.T ? D[row0 + t0 + i] : 0.0f;
-      }
-      __syncthreads();
-      float s[8][4], dp[8][4], p[8][4];  // transposed: keys are rows, queries columns
-      zero(s);
-      zero(dp);
-      mma_rows_by_tile(s, ka, qs, kFaLd<HD>);
-      mma_rows_by_tile(dp, va, dos, kFaLd<HD>);
-      softmax_grad(
-          s, dp, p, d.scale,
-          [&](int n, int e) {
-            const int tq = t0 + frag_col(n, e);
-            return tq < d.T && key[e >> 1] <= tq;
-          },
-          [&](int n, int e) { return q_lse[frag_col(n, e)]; }, [&](int n, int e) { return q_d[frag_col(n, e)]; });
-      uint32_t pa[4][4], dsa[4][4];
-      acc_to_a(p, pa);
-      acc_to_a(s, dsa);
-      mma_rows_by_tile(gv, pa, dot, kFaTransLd);
-      mma_rows_by_tile(gk, dsa, qt, kFaTransLd);
-    }
+  for (int qb = kb; qb < q_blocks; ++qb) {  // causal: queries at or after the block's first key
+    const int t0 = qb * kFaBlock, buf = (qb - kb) & 1;
+    if (qb + 1 < q_blocks) load_queries(qb + 1, buf ^ 1);
+    cp_async_commit();
+    float s[8][4], dp[8][4], p[8][4];  // transposed: keys are rows, queries columns
+    zero(s);
+    zero(dp);
+    mma_tile<true>(s, ka, qs[buf], kFaLd<HD>);
+    mma_tile<true>(dp, va, dos[buf], kFaLd<HD>);
+    const float* bl = q_lse[buf];
+    const float* bd = q_d[buf];
+    softmax_grad(
+        s, dp, p, d.scale,
+        [&](int n, int e) {
+          const int tq = t0 + frag_col(n, e);
+          return tq < d.T && key[e >> 1] <= tq;
+        },
+        [&](int n, int e) { return bl[frag_col(n, e)]; }, [&](int n, int e) { return bd[frag_col(n, e)]; });
+    uint32_t pa[4][4], dsa[4][4];
+    acc_to_a(p, pa);
+    acc_to_a(s, dsa);
+    mma_tile<false>(gv, pa, dos[buf], kFaLd<HD>);
+    mma_tile<false>(gk, dsa, qs[buf], kFaLd<HD>);
+    cp_async_wait_all();
+    __syncthreads();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= d.S) continue;
-    const int64_t off = (int64_t(b) * d.S + key[i]) * kv_stride + int64_t(hk) * HD;
+    const int64_t off = ((int64_t(b) * d.Hq + h) * d.S + key[i]) * HD;
 #pragma unroll
     for (int n = 0; n < ND; ++n) {
-      *reinterpret_cast<float2*>(dk + off + frag_col(n, 0)) = make_float2(gk[n][2 * i], gk[n][2 * i + 1]);
-      *reinterpret_cast<float2*>(dv + off + frag_col(n, 0)) = make_float2(gv[n][2 * i], gv[n][2 * i + 1]);
+      *reinterpret_cast<float2*>(dk_heads + off + frag_col(n, 0)) = make_float2(gk[n][2 * i], gk[n][2 * i + 1]);
+      *reinterpret_cast<float2*>(dv_heads + off + frag_col(n, 0)) = make_float2(gv[n][2 * i], gv[n][2 * i + 1]);
     }
   }
 }
 
-bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0; }
-
-// The launch shape shared by the three kernels, or false when the fused path does not apply.
-bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_list<const Tensor*> all, FaDims& d,
+// The launch shape shared by the three kernels, or false when the fused path does not apply
+// (outputs are written in 8-byte pairs: fresh tensors, and the views the model passes, are
+// 16-byte aligned).
+bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_list<const Tensor*> outputs, FaDims& d,
              int& hd) {
   hd = int(q.size(3));
   if (hd != 32 && hd != 64) return false;
-  for (const Tensor* t : all)
-    if (!aligned16(*t)) return false;
+  for (const Tensor* t : outputs)
+    if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
   const int64_t B = q.size(0), T = q.size(1), S = k.size(1), Hq = q.size(2), Hkv = k.size(2);
   if (B > 65535 || Hq > 65535 || T > INT32_MAX / 2 || S > INT32_MAX / 2 || pos0 > INT32_MAX / 4) return false;
   d = FaDims{int(B), int(T), int(S), int(Hq), int(Hkv), int(pos0), float(1.0 / std::sqrt(double(hd)))};
@@ -411,47 +467,49 @@ bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_li
 
 unsigned blocks_of(int64_t n) { return unsigned((n + kFaBlock - 1) / kFaBlock); }
 
+// x rounded to BF16 (RNE) in the same [B, T, H, hd] layout: the kernels' operands, copied into
+// shared memory with cp.async.
+Tensor bf16_copy(const Tensor& x) {
+  Tensor y = Tensor::empty(x.shape(), DType::BF16, Device::CUDA);
+  convert(x, y);
+  return y;
+}
+
+const __nv_bfloat16* bf16_data(const Tensor& t) { return t.data<__nv_bfloat16>(); }
+
 }  // namespace
 
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
                              Tensor& lse) {
   FaDims d;
   int hd;
-  if (!fa_dims(q, k, pos0, {&q, &k, &v, &out}, d, hd)) return false;
+  if (!fa_dims(q, k, pos0, {&out}, d, hd)) return false;
   if (d.T == 0 || d.B == 0) return true;
+  const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v);
   const dim3 grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B));
-  if (hd == 32)
-    flash_forward_kernel<32><<<grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(), d,
-                                                                 out.data<float>(), lse.data<float>());
-  else
-    flash_forward_kernel<64><<<grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(), d,
-                                                                 out.data<float>(), lse.data<float>());
+  auto kernel = hd == 32 ? flash_forward_kernel<32> : flash_forward_kernel<64>;
+  kernel<<<grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(),
+                                            lse.data<float>());
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
 
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
-                              const Tensor& D, Tensor& dq, Tensor& dk, Tensor& dv) {
+                              const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads) {
   FaDims d;
   int hd;
-  if (!fa_dims(q, k, 0, {&dout, &q, &k, &v, &dq, &dk, &dv}, d, hd)) return false;
+  if (!fa_dims(q, k, 0, {&dq, &dk_heads, &dv_heads}, d, hd)) return false;
   if (d.T == 0 || d.B == 0) return true;
-  const dim3 q_grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B)), kv_grid(blocks_of(d.S), unsigned(d.Hkv), unsigned(d.B));
-  if (hd == 32) {
-    flash_dq_kernel<32><<<q_grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(),
-                                                             dout.data<float>(), lse.data<float>(), D.data<float>(), d,
-                                                             dq.data<float>());
-    flash_dkv_kernel<32><<<kv_grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(),
-                                                               dout.data<float>(), lse.data<float>(), D.data<float>(), d,
-                                                               dk.data<float>(), dv.data<float>());
-  } else {
-    flash_dq_kernel<64><<<q_grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(),
-                                                             dout.data<float>(), lse.data<float>(), D.data<float>(), d,
-                                                             dq.data<float>());
-    flash_dkv_kernel<64><<<kv_grid, kFaThreads, 0, stream()>>>(q.data<float>(), k.data<float>(), v.data<float>(),
-                                                               dout.data<float>(), lse.data<float>(), D.data<float>(), d,
-                                                               dk.data<float>(), dv.data<float>());
-  }
+  const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v), dob = bf16_copy(dout);
+  const dim3 q_grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B)), kv_grid(blocks_of(d.S), unsigned(d.Hq), unsigned(d.B));
+  auto dq_kernel = hd == 32 ? flash_dq_kernel<32> : flash_dq_kernel<64>;
+  auto dkv_kernel = hd == 32 ? flash_dkv_kernel<32> : flash_dkv_kernel<64>;
+  dq_kernel<<<q_grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), bf16_data(dob),
+                                                 lse.data<float>(), D.data<float>(), d, dq.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+  dkv_kernel<<<kv_grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), bf16_data(dob),
+                                                   lse.data<float>(), D.data<float>(), d, dk_heads.data<float>(),
+                                                   dv_heads.data<float>());
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
