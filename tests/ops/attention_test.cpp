@@ -39,15 +39,6 @@ Result forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0) 
   return r;
 }
 
-// Positions [t0, t1) of a [B, L, H, hd] tensor, copied.
-Tensor time_slice(const Tensor& x, int64_t t0, int64_t t1) {
-  const int64_t B = x.size(0), L = x.size(1), row = x.size(2) * x.size(3);
-  Tensor out = Tensor::empty({B, t1 - t0, x.size(2), x.size(3)}, x.dtype());
-  for (int64_t b = 0; b < B; ++b)
-    out.view(b * (t1 - t0) * row, {(t1 - t0) * row}).copy_from(x.view((b * L + t0) * row, {(t1 - t0) * row}));
-  return out;
-}
-
 // Naive reference: the full [T, S] score matrix, masked, softmax by rows, times V.
 void reference(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
                std::vector<double>& out, std::vector<double>& lse) {

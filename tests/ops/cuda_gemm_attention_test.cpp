@@ -16,6 +16,7 @@
 
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
+#include "ops/op_test_util.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
 #endif
@@ -239,15 +240,6 @@ TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {
   EXPECT_EQ(0, std::memcmp(one.data<float>(), all.data<float>() + 3 * T * Hq * hd, size_t(T * Hq * hd) * 4));
 }
 
-// The [B, t1 - t0, H, hd] rows t0 .. t1-1 of x [B, T, H, hd] (host tensors).
-Tensor time_rows(const Tensor& x, int64_t t0, int64_t t1) {
-  const int64_t B = x.size(0), L = x.size(1), row = x.size(2) * x.size(3);
-  Tensor out = Tensor::empty({B, t1 - t0, x.size(2), x.size(3)}, x.dtype());
-  for (int64_t b = 0; b < B; ++b)
-    out.view(b * (t1 - t0) * row, {(t1 - t0) * row}).copy_from(x.view((b * L + t0) * row, {(t1 - t0) * row}));
-  return out;
-}
-
 bool same_bits(const Tensor& a, const Tensor& b) {
   const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
   return x.shape() == y.shape() && std::memcmp(x.raw(), y.raw(), size_t(x.numel()) * 4) == 0;
@@ -291,8 +283,8 @@ TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
   const int64_t B = 2, T = 150, Hq = 4, Hkv = 1, hd = 64;
   const Tensor q = randn({B, T, Hq, hd}, 41), k = randn({B, T, Hkv, hd}, 42), v = randn({B, T, Hkv, hd}, 43);
   auto forward = [&](int64_t t0, int64_t t1, int64_t keys) {
-    const Tensor gq = time_rows(q, t0, t1).to(Device::CUDA), gk = time_rows(k, 0, keys).to(Device::CUDA),
-                 gv = time_rows(v, 0, keys).to(Device::CUDA);
+    const Tensor gq = optest::time_slice(q, t0, t1).to(Device::CUDA), gk = optest::time_slice(k, 0, keys).to(Device::CUDA),
+                 gv = optest::time_slice(v, 0, keys).to(Device::CUDA);
     Tensor out = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, t1 - t0}, DType::F32, Device::CUDA);
     ops::attention_forward(gq, gk, gv, t0, out, lse);
     return std::pair<Tensor, Tensor>{out.to(Device::CPU), lse.to(Device::CPU)};
@@ -300,12 +292,12 @@ TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
   const auto [full, full_lse] = forward(0, T, T);
   for (int64_t t : {0, 1, 63, 64, 65, 127, 149}) {
     const auto [o, l] = forward(t, t + 1, t + 1);
-    EXPECT_TRUE(same_bits(o, time_rows(full, t, t + 1))) << "decode t=" << t;
+    EXPECT_TRUE(same_bits(o, optest::time_slice(full, t, t + 1))) << "decode t=" << t;
     EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t, 1))) << "decode lse t=" << t;
   }
   for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
     const auto [o, l] = forward(t0, t1, T);  // keys past t1 exist and are masked
-    EXPECT_TRUE(same_bits(o, time_rows(full, t0, t1))) << "prefill " << t0;
+    EXPECT_TRUE(same_bits(o, optest::time_slice(full, t0, t1))) << "prefill " << t0;
     EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t0, t1 - t0))) << "prefill lse " << t0;
   }
 }

@@ -1,5 +1,5 @@
 // defines: test helpers for the layer ops: random tensors and routings, bitwise comparison, error-message
-//          expectations, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
+//          expectations, time_slice, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
 #pragma once
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -79,6 +79,15 @@ inline bool bitwise_equal_range(const Tensor& a, int64_t a_off, const Tensor& b,
   const int64_t es = dtype_size(a.dtype());
   return std::memcmp(static_cast<const char*>(a.raw()) + a_off * es,
                      static_cast<const char*>(b.raw()) + b_off * es, size_t(n * es)) == 0;
+}
+
+// Positions [t0, t1) of a host [B, L, H, hd] tensor, copied.
+inline Tensor time_slice(const Tensor& x, int64_t t0, int64_t t1) {
+  const int64_t B = x.size(0), L = x.size(1), row = x.size(2) * x.size(3);
+  Tensor out = Tensor::empty({B, t1 - t0, x.size(2), x.size(3)}, x.dtype());
+  for (int64_t b = 0; b < B; ++b)
+    out.view(b * (t1 - t0) * row, {(t1 - t0) * row}).copy_from(x.view((b * L + t0) * row, {(t1 - t0) * row}));
+  return out;
 }
 
 inline double max_rel_err(const Tensor& got, const std::vector<double>& want, double floor) {

@@ -169,9 +169,50 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// Row `half` of the thread's two rows (gid, gid + 8) of a 16 x 8N accumulator, divided by div,
+// into row (FP32, 8-byte aligned): two values per n-tile.
+template <int N>
+__device__ __forceinline__ void store_row(float* row, const float (&acc)[N][4], int half, float div = 1.0f) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+    *reinterpret_cast<float2*>(row + frag_col(n, 0)) = make_float2(acc[n][2 * half] / div, acc[n][2 * half + 1] / div);
+}
+
 struct FaDims {
   int B, T, S, Hq, Hkv, pos0;
   float scale;
+};
+
+// The K and V rows of one (sequence, kv head) as a stream of double-buffered 64-key tiles: key
+// block kb lives in buffer kb % 2, and next(kb) starts copying block kb + 1 into the other one
+// while block kb is multiplied (the forward and the dQ kernel walk the keys this way).
+template <int HD>
+struct KvTiles {
+  static constexpr int kTile = kFaBlock * kFaLd<HD>;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  int64_t stride;
+  int S, blocks;
+  __nv_bfloat16 (*ks)[kTile];
+  __nv_bfloat16 (*vs)[kTile];
+
+  __device__ KvTiles(const __nv_bfloat16* k_all, const __nv_bfloat16* v_all, const FaDims& d, int b, int hk,
+                     int last_key, __nv_bfloat16 (*ks_)[kTile], __nv_bfloat16 (*vs_)[kTile])
+      : k(k_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
+        v(v_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
+        stride(int64_t(d.Hkv) * HD),
+        S(d.S),
+        blocks(last_key / kFaBlock + 1),
+        ks(ks_),
+        vs(vs_) {}
+  __device__ void load(int kb) const {
+    load_tile_async<HD>(k, stride, kb * kFaBlock, S, ks[kb & 1]);
+    load_tile_async<HD>(v, stride, kb * kFaBlock, S, vs[kb & 1]);
+  }
+  __device__ void next(int kb) const {
+    if (kb + 1 < blocks) load(kb + 1);
+    cp_async_commit();
+  }
 };
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -188,15 +229,10 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
-  const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
-  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const int last_key = min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1));
-  const int key_blocks = last_key / kFaBlock + 1;
+  const KvTiles<HD> kv(k, v, d, b, hk, min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1)), ks, vs);
 
-  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, qs);
-  load_tile_async<HD>(kh, kv_stride, 0, d.S, ks[0]);
-  load_tile_async<HD>(vh, kv_stride, 0, d.S, vs[0]);
+  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
+  kv.load(0);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -210,13 +246,9 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
-  for (int kb = 0; kb < key_blocks; ++kb) {
+  for (int kb = 0; kb < kv.blocks; ++kb) {
     const int s0 = kb * kFaBlock, buf = kb & 1;
-    if (kb + 1 < key_blocks) {
-      load_tile_async<HD>(kh, kv_stride, s0 + kFaBlock, d.S, ks[buf ^ 1]);
-      load_tile_async<HD>(vh, kv_stride, s0 + kFaBlock, d.S, vs[buf ^ 1]);
-    }
-    cp_async_commit();
+    kv.next(kb);
     float s[8][4];
     zero(s);
     mma_tile<true>(s, qa, ks[buf], kFaLd<HD>);
@@ -259,15 +291,38 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
     const int t = t0 + warp_row + frag_row(i);
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
-    float* orow = out + (int64_t(b) * d.T + t) * q_stride + int64_t(h) * HD;
-#pragma unroll
-    for (int n = 0; n < ND; ++n)
-      *reinterpret_cast<float2*>(orow + frag_col(n, 0)) = make_float2(o[n][2 * i] / sum, o[n][2 * i + 1] / sum);
+    store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, sum);
     if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] + logf(sum);
   }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
+
+// The backward kernels' arguments: BF16 copies of Q, K, V, dO; the forward's lse and D =
+// rowsum(dO * O), both [B, Hq, T]; FP32 outputs dq [B, T, Hq, hd] and dk_heads, dv_heads
+// [B, Hq, S, hd].
+struct FaBackward {
+  const __nv_bfloat16 *q, *k, *v, *dout;
+  const float *lse, *D;
+  FaDims d;
+  float *dq, *dk_heads, *dv_heads;
+};
+
+// The backward kernels hold two operands of their 16 rows per warp in registers: once the copies
+// in flight have landed, the A fragments of tiles x and y (staged in a buffer the loop reuses:
+// the closing barrier frees it).
+template <int HD>
+__device__ __forceinline__ void staged_fragments(const __nv_bfloat16* x, const __nv_bfloat16* y, int warp_row,
+                                                 uint32_t (&xa)[HD / 16][4], uint32_t (&ya)[HD / 16][4]) {
+  cp_async_wait_all();
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    load_a(x, kFaLd<HD>, warp_row, kk, xa[kk]);
+    load_a(y, kFaLd<HD>, warp_row, kk, ya[kk]);
+  }
+  __syncthreads();
+}
 
 // dS = P (dP - D) * scale for an accumulator tile s (scores, unscaled) and dp, in place in s:
 // P = exp(s * scale - lse) where `visible`, else 0. lse_of / D_of give a fragment element's row
@@ -286,39 +341,27 @@ __device__ __forceinline__ void softmax_grad(float (&s)[8][4], const float (&dp)
 }
 
 template <int HD>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const __nv_bfloat16* __restrict__ q,
-                                                                 const __nv_bfloat16* __restrict__ k,
-                                                                 const __nv_bfloat16* __restrict__ v,
-                                                                 const __nv_bfloat16* __restrict__ dout,
-                                                                 const float* __restrict__ lse,
-                                                                 const float* __restrict__ D, FaDims d,
-                                                                 float* __restrict__ dq) {
+__global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackward a) {
+  const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
+  const float *lse = a.lse, *D = a.D;
+  const FaDims d = a.d;
+  float* dq = a.dq;
   constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
   __shared__ __align__(16) __nv_bfloat16 ks[2][kTile];
   __shared__ __align__(16) __nv_bfloat16 vs[2][kTile];
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
-  const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
-  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
-  const int key_blocks = min(d.T - 1, t0 + kFaBlock - 1) / kFaBlock + 1;
+  const int64_t q_stride = int64_t(d.Hq) * HD;
+  const KvTiles<HD> kv(k, v, d, b, hk, min(d.T - 1, t0 + kFaBlock - 1), ks, vs);
 
   // Q and dO fragments, staged through buffer 1, while key block 0 lands in buffer 0
   load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, ks[1]);
   load_tile_async<HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, vs[1]);
-  load_tile_async<HD>(kh, kv_stride, 0, d.S, ks[0]);
-  load_tile_async<HD>(vh, kv_stride, 0, d.S, vs[0]);
+  kv.load(0);
   cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
   uint32_t qa[KS][4], da[KS][4];
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    load_a(ks[1], kFaLd<HD>, warp_row, kk, qa[kk]);
-    load_a(vs[1], kFaLd<HD>, warp_row, kk, da[kk]);
-  }
-  __syncthreads();  // buffer 1 is free for key block 1
+  staged_fragments<HD>(ks[1], vs[1], warp_row, qa, da);
   int t[2];
   float row_lse[2], row_d[2];
 #pragma unroll
@@ -330,13 +373,9 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const __nv_bflo
   }
   float acc[ND][4];
   zero(acc);
-  for (int kb = 0; kb < key_blocks; ++kb) {
+  for (int kb = 0; kb < kv.blocks; ++kb) {
     const int s0 = kb * kFaBlock, buf = kb & 1;
-    if (kb + 1 < key_blocks) {
-      load_tile_async<HD>(kh, kv_stride, s0 + kFaBlock, d.S, ks[buf ^ 1]);
-      load_tile_async<HD>(vh, kv_stride, s0 + kFaBlock, d.S, vs[buf ^ 1]);
-    }
-    cp_async_commit();
+    kv.next(kb);
     float s[8][4], dp[8][4], p[8][4];
     zero(s);
     zero(dp);
@@ -354,23 +393,18 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const __nv_bflo
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (t[i] >= d.T) continue;
-    float* row = dq + (int64_t(b) * d.T + t[i]) * q_stride + int64_t(h) * HD;
-#pragma unroll
-    for (int n = 0; n < ND; ++n) *reinterpret_cast<float2*>(row + frag_col(n, 0)) = make_float2(acc[n][2 * i], acc[n][2 * i + 1]);
+    store_row(dq + (int64_t(b) * d.T + t[i]) * q_stride + int64_t(h) * HD, acc, i);
   }
 }
 
 // dK, dV of one q head's view of its kv head ([B, Hq, S, hd]; attention.cu sums each group's
 // heads in head order, as on the materialized path).
 template <int HD>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const __nv_bfloat16* __restrict__ q,
-                                                                  const __nv_bfloat16* __restrict__ k,
-                                                                  const __nv_bfloat16* __restrict__ v,
-                                                                  const __nv_bfloat16* __restrict__ dout,
-                                                                  const float* __restrict__ lse,
-                                                                  const float* __restrict__ D, FaDims d,
-                                                                  float* __restrict__ dk_heads,
-                                                                  float* __restrict__ dv_heads) {
+__global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackward a) {
+  const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
+  const float *lse = a.lse, *D = a.D;
+  const FaDims d = a.d;
+  float *dk_heads = a.dk_heads, *dv_heads = a.dv_heads;
   constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
   __shared__ __align__(16) __nv_bfloat16 qs[2][kTile];
   __shared__ __align__(16) __nv_bfloat16 dos[2][kTile];
@@ -397,15 +431,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const __nv_bfl
   load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, dos[1]);
   load_queries(kb, 0);
   cp_async_commit();
-  cp_async_wait_all();
-  __syncthreads();
   uint32_t ka[KS][4], va[KS][4];
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) {
-    load_a(qs[1], kFaLd<HD>, warp_row, kk, ka[kk]);
-    load_a(dos[1], kFaLd<HD>, warp_row, kk, va[kk]);
-  }
-  __syncthreads();  // buffer 1 is free for the next query block
+  staged_fragments<HD>(qs[1], dos[1], warp_row, ka, va);
   int key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) key[i] = s0 + warp_row + frag_row(i);
@@ -442,11 +469,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const __nv_bfl
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= d.S) continue;
     const int64_t off = ((int64_t(b) * d.Hq + h) * d.S + key[i]) * HD;
-#pragma unroll
-    for (int n = 0; n < ND; ++n) {
-      *reinterpret_cast<float2*>(dk_heads + off + frag_col(n, 0)) = make_float2(gk[n][2 * i], gk[n][2 * i + 1]);
-      *reinterpret_cast<float2*>(dv_heads + off + frag_col(n, 0)) = make_float2(gv[n][2 * i], gv[n][2 * i + 1]);
-    }
+    store_row(dk_heads + off, gk, i);
+    store_row(dv_heads + off, gv, i);
   }
 }
 
@@ -504,12 +528,12 @@ bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor&
   const dim3 q_grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B)), kv_grid(blocks_of(d.S), unsigned(d.Hq), unsigned(d.B));
   auto dq_kernel = hd == 32 ? flash_dq_kernel<32> : flash_dq_kernel<64>;
   auto dkv_kernel = hd == 32 ? flash_dkv_kernel<32> : flash_dkv_kernel<64>;
-  dq_kernel<<<q_grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), bf16_data(dob),
-                                                 lse.data<float>(), D.data<float>(), d, dq.data<float>());
+  const FaBackward args{bf16_data(qb),      bf16_data(kb),   bf16_data(vb),  bf16_data(dob),
+                        lse.data<float>(),  D.data<float>(), d,              dq.data<float>(),
+                        dk_heads.data<float>(), dv_heads.data<float>()};
+  dq_kernel<<<q_grid, kFaThreads, 0, stream()>>>(args);
   FOURBIT_LAUNCH_CHECK();
-  dkv_kernel<<<kv_grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), bf16_data(dob),
-                                                   lse.data<float>(), D.data<float>(), d, dk_heads.data<float>(),
-                                                   dv_heads.data<float>());
+  dkv_kernel<<<kv_grid, kFaThreads, 0, stream()>>>(args);
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
