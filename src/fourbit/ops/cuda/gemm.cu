@@ -545,7 +545,6 @@ struct Materialized {
   MatmulOperand op;
 };
 
-
 // Whether decode8 can decode q padded to k_eff into BF16: NVFP4 or MXFP8, 8-value units, aligned
 // codes (the output buffer must be 16-byte aligned too, which fresh allocations are).
 bool decodes_x8(const QTensor& q, int64_t k_eff) {
@@ -748,33 +747,9 @@ bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, in
 // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
 bool runs_f32(const Operand& a, const Operand& b) { return is_dense_f32(a) || is_dense_f32(b); }
 
-// C (+)= A . B^T with the operands materialized (or, when A and B are null, natively packed):
-// the sums, then the outer-scale epilogue.
-void run_gemm(const Operand& a, const Operand& b, const Materialized* A, const Materialized* B, Tensor& c,
-              bool accumulate) {
-  if (c.dtype() != DType::F32) fail("gemm: GPU output must be f32, got {}", c.str());
-  const int64_t M = a.rows(), N = b.rows();
-  expect_unsliced_scales(a);
-  expect_unsliced_scales(b);
-  const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
-  const bool scaled = sa.ptr || sb.ptr;
-  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
-  if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), t.out, M, N, t.beta))) {
-    const int64_t k_eff = std::max(padded_k(a), padded_k(b));
-    const bool f32 = runs_f32(a, b);
-    Materialized own_a, own_b;
-    if (!A) A = &(own_a = materialize(a, k_eff, f32));
-    if (!B) B = &(own_b = materialize(b, k_eff, f32));
-    // A Col-axis A (blocks along the tokens) is a weight gradient's dY^T: K runs over the batch.
-    const bool reduce_over_batch = a.q() && a.q()->axis == BlockAxis::Col;
-    matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta,
-              reduce_over_batch);
-  }
-  if (scaled) launch_scale_epilogue(t.tmp, sa, sb, EpilogueGroups{}, M, N, accumulate, c);
-}
-
-// The BF16 decodes gemm_batch collects: one per distinct (codes, rows, k_eff), launched together
-// per format.
+// The BF16 decodes of a GEMM call's operands (gemm: A and B; gemm_batch: every job's): one per
+// distinct (codes, rows, k_eff), launched together per format, so most GEMMs start after one
+// decode launch rather than two.
 class BatchDecoder {
  public:
   // The materialized operand (decoded now or later by run(); dense ones as materialize makes them).
@@ -803,6 +778,32 @@ class BatchDecoder {
   std::map<Format, std::vector<DecodeJob>> pending_;
 };
 
+// C (+)= A . B^T with the operands materialized (or, when A and B are null, natively packed):
+// the sums, then the outer-scale epilogue.
+void run_gemm(const Operand& a, const Operand& b, const Materialized* A, const Materialized* B, Tensor& c,
+              bool accumulate) {
+  if (c.dtype() != DType::F32) fail("gemm: GPU output must be f32, got {}", c.str());
+  const int64_t M = a.rows(), N = b.rows();
+  expect_unsliced_scales(a);
+  expect_unsliced_scales(b);
+  const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
+  const bool scaled = sa.ptr || sb.ptr;
+  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
+  if (!(a.q() && b.q() && run_native_block_scaled(*a.q(), *b.q(), t.out, M, N, t.beta))) {
+    const int64_t k_eff = std::max(padded_k(a), padded_k(b));
+    const bool f32 = runs_f32(a, b);
+    BatchDecoder dec;
+    if (!A) A = &dec.get(a, k_eff, f32);
+    if (!B) B = &dec.get(b, k_eff, f32);
+    dec.run();
+    // A Col-axis A (blocks along the tokens) is a weight gradient's dY^T: K runs over the batch.
+    const bool reduce_over_batch = a.q() && a.q()->axis == BlockAxis::Col;
+    matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta,
+              reduce_over_batch);
+  }
+  if (scaled) launch_scale_epilogue(t.tmp, sa, sb, EpilogueGroups{}, M, N, accumulate, c);
+}
+
 }  // namespace
 
 void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
@@ -828,7 +829,7 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
   return true;
 }
 
-// One decode of A and of every slice of B, then one cuBLASLt call per non-empty group (each with
+// One decode of A and of every slice of B (one launch when they share a format), then one cuBLASLt call per non-empty group (each with
 // the algorithm a single gemm of that shape would use, spread over the GPU lanes), then one
 // epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
 // three or four per group.
@@ -842,18 +843,19 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
   // B as one operand of G stacked groups: slice g starts b_slice elements after slice 0.
   Tensor b2;
-  Materialized B;
+  BatchDecoder dec;  // A and B decoded in one launch where their formats agree
+  MatmulOperand B;
   int64_t b_slice = 0;
   if (qb) {
-    B = materialize(Operand(*qb), k_eff, f32);
-    b_slice = N * B.op.ld;
+    B = dec.get(Operand(*qb), k_eff, f32).op;
+    b_slice = N * B.ld;
   } else if (!b.trans()) {
     b2 = b.dense()->reshape({G * N, K});
-    B = materialize(Operand(b2), k_eff, f32);
-    b_slice = N * B.op.ld;
+    B = dec.get(Operand(b2), k_eff, f32).op;
+    b_slice = N * B.ld;
   } else {  // [G, K, N]: used in place, so it must not need padding or a type conversion
     if (K != k_eff || (b.dense()->dtype() == DType::F32) != f32) return false;
-    B.op = MatmulOperand{b.dense()->raw(), true, N, 0};
+    B = MatmulOperand{b.dense()->raw(), true, N, 0};
     b_slice = K * N;
   }
   const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
@@ -862,7 +864,8 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
   const bool scaled = sa.ptr || sb.ptr;
   const SumTarget t = sum_target(scaled, M, N, c, accumulate);
-  const Materialized A = materialize(a, k_eff, f32);
+  const MatmulOperand A = dec.get(a, k_eff, f32).op;
+  dec.run();
   const size_t elem = f32 ? 4 : 2;
   {
     Lanes lanes(Device::CUDA, 4);
@@ -870,9 +873,9 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
       const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;
       if (rows == 0) continue;
       lanes.use(g);
-      MatmulOperand ag = A.op, bg = B.op;
-      ag.ptr = static_cast<const char*>(A.op.ptr) + size_t(r0 * A.op.ld) * elem;
-      bg.ptr = static_cast<const char*>(B.op.ptr) + size_t(g * b_slice) * elem;
+      MatmulOperand ag = A, bg = B;
+      ag.ptr = static_cast<const char*>(A.ptr) + size_t(r0 * A.ld) * elem;
+      bg.ptr = static_cast<const char*>(B.ptr) + size_t(g * b_slice) * elem;
       matmul_nt(ag, bg, t.out + r0 * N, N, 0, rows, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta);
     }
   }
