@@ -197,12 +197,12 @@ TEST(CudaGemm, RowsAreBatchInvariant) {
       << "split-K should change some bits: the invariance check would be vacuous";
 }
 
-// Three shapes: the fused kernels in one partial tile (T = 40, hd = 32) and over three tiles with
-// a partial last one (T = 130, hd = 64), and the materialized path's scalar fallbacks (hd = 6,
-// T = 37).
+// Four shapes: the fused kernels in one partial tile (T = 40, hd = 32), over three tiles with
+// a partial last one (T = 130, hd = 64) and at hd = 128 (T = 70), and the materialized path's
+// scalar fallbacks (hd = 6, T = 37).
 TEST(CudaAttention, ForwardBackwardMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const auto& [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {130, 64}, {37, 6}}) {
+  for (const auto& [T, hd] : {std::pair<int64_t, int64_t>{40, 32}, {130, 64}, {70, 128}, {37, 6}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd));
     const int64_t B = 2, Hq = 4, Hkv = 2;
     const Tensor q = randn({B, T, Hq, hd}, 8), k = randn({B, T, Hkv, hd}, 9), v = randn({B, T, Hkv, hd}, 10);
@@ -280,25 +280,28 @@ TEST(CudaAttention, SequenceBackwardAloneEqualsInBatch) {
 // blocks sit at absolute positions).
 TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t B = 2, T = 150, Hq = 4, Hkv = 1, hd = 64;
-  const Tensor q = randn({B, T, Hq, hd}, 41), k = randn({B, T, Hkv, hd}, 42), v = randn({B, T, Hkv, hd}, 43);
-  auto forward = [&](int64_t t0, int64_t t1, int64_t keys) {
-    const Tensor gq = optest::time_slice(q, t0, t1).to(Device::CUDA), gk = optest::time_slice(k, 0, keys).to(Device::CUDA),
-                 gv = optest::time_slice(v, 0, keys).to(Device::CUDA);
-    Tensor out = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, t1 - t0}, DType::F32, Device::CUDA);
-    ops::attention_forward(gq, gk, gv, t0, out, lse);
-    return std::pair<Tensor, Tensor>{out.to(Device::CPU), lse.to(Device::CPU)};
-  };
-  const auto [full, full_lse] = forward(0, T, T);
-  for (int64_t t : {0, 1, 63, 64, 65, 127, 149}) {
-    const auto [o, l] = forward(t, t + 1, t + 1);
-    EXPECT_TRUE(same_bits(o, optest::time_slice(full, t, t + 1))) << "decode t=" << t;
-    EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t, 1))) << "decode lse t=" << t;
-  }
-  for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
-    const auto [o, l] = forward(t0, t1, T);  // keys past t1 exist and are masked
-    EXPECT_TRUE(same_bits(o, optest::time_slice(full, t0, t1))) << "prefill " << t0;
-    EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t0, t1 - t0))) << "prefill lse " << t0;
+  for (const int64_t hd : {64, 128}) {
+    SCOPED_TRACE("hd=" + std::to_string(hd));
+    const int64_t B = 2, T = 150, Hq = 4, Hkv = 1;
+    const Tensor q = randn({B, T, Hq, hd}, 41), k = randn({B, T, Hkv, hd}, 42), v = randn({B, T, Hkv, hd}, 43);
+    auto forward = [&](int64_t t0, int64_t t1, int64_t keys) {
+      const Tensor gq = optest::time_slice(q, t0, t1).to(Device::CUDA), gk = optest::time_slice(k, 0, keys).to(Device::CUDA),
+                   gv = optest::time_slice(v, 0, keys).to(Device::CUDA);
+      Tensor out = Tensor::empty(gq.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, t1 - t0}, DType::F32, Device::CUDA);
+      ops::attention_forward(gq, gk, gv, t0, out, lse);
+      return std::pair<Tensor, Tensor>{out.to(Device::CPU), lse.to(Device::CPU)};
+    };
+    const auto [full, full_lse] = forward(0, T, T);
+    for (int64_t t : {0, 1, 63, 64, 65, 127, 149}) {
+      const auto [o, l] = forward(t, t + 1, t + 1);
+      EXPECT_TRUE(same_bits(o, optest::time_slice(full, t, t + 1))) << "decode t=" << t;
+      EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t, 1))) << "decode lse t=" << t;
+    }
+    for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{37, 101}, {64, 150}}) {
+      const auto [o, l] = forward(t0, t1, T);  // keys past t1 exist and are masked
+      EXPECT_TRUE(same_bits(o, optest::time_slice(full, t0, t1))) << "prefill " << t0;
+      EXPECT_TRUE(same_bits(l, lse_rows(full_lse, t0, t1 - t0))) << "prefill lse " << t0;
+    }
   }
 }
 
@@ -307,7 +310,7 @@ TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
 // attention; they differ in where P is rounded: unnormalized in the fused kernels).
 TEST(CudaAttention, FusedMatchesMaterialized) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const int64_t hd : {32, 64}) {
+  for (const int64_t hd : {32, 64, 128}) {
     SCOPED_TRACE("hd=" + std::to_string(hd));
     const int64_t B = 2, T = 320, Hq = 8, Hkv = 2;
     const Tensor q = randn({B, T, Hq, hd}, 51).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 52).to(Device::CUDA),
@@ -324,7 +327,7 @@ TEST(CudaAttention, FusedMatchesMaterialized) {
     ops::cuda::materialized_attention_forward(q, k, v, 0, out[1], lse[1]);
     EXPECT_LT(diff(out[0], out[1]), 1e-5);
     EXPECT_LT(diff(lse[0], lse[1]), 1e-7);
-    ops::attention_backward(dout, q, k, v, out[0], lse[0], dq[0], dk[0], dv[0]);  // fused (hd 32 / 64)
+    ops::attention_backward(dout, q, k, v, out[0], lse[0], dq[0], dk[0], dv[0]);  // fused (hd 32 / 64 / 128)
     ops::cuda::materialized_attention_backward(dout, q, k, v, out[1], lse[1], dq[1], dk[1], dv[1]);
     EXPECT_LT(diff(dq[0], dq[1]), 1e-4);
     EXPECT_LT(diff(dk[0], dk[1]), 1e-4);

@@ -1,7 +1,7 @@
 // defines: cuda::attention_forward, cuda::attention_backward, cuda::materialized_attention_forward,
 //          cuda::materialized_attention_backward
 // Causal grouped-query attention on the GPU. ops::attention_* run the fused kernels of
-// flash_attention.cu when they take the shape (hd 32 or 64), else the materialized path here:
+// flash_attention.cu when they take the shape (hd 32, 64 or 128), else the materialized path here:
 // three tensor-core GEMM stages with the scores in memory: S = Q K^T / sqrt(hd) (BF16 operands,
 // FP32 scores) -> masked softmax, one block per query row with a fixed reduction tree (P in BF16,
 // log-sum-exp in FP32) -> O = P V. Backward recomputes P from the saved log-sum-exp. Every GEMM

@@ -38,7 +38,7 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
 // The two GPU attention paths behind ops::attention_forward/backward (same arguments; the fused
 // backward takes D = rowsum(dout * out) [B, Hq, T] and writes per-q-head gradients dk_heads,
 // dv_heads [B, Hq, S, hd], which the caller sums over each group). The fused one (flash_attention.cu)
-// returns false for shapes it does not take (hd other than 32 or 64, unaligned tensors) and the
+// returns false for shapes it does not take (hd other than 32, 64 or 128; unaligned outputs) and the
 // materialized one (attention.cu: scores in memory, cuBLASLt GEMMs) runs instead. Both are here
 // for the tests and bench/gpu_attention, which compare them.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);

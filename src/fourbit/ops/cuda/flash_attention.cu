@@ -23,13 +23,14 @@
 // factor is exp(0) = 1 and their P is 0).
 //
 // Fragments come from row-major BF16 tiles in shared memory by ldmatrix (.trans where the tile
-// holds B itself rather than its transpose). Supported: hd 32 or 64 (registers: the dK/dV kernel
-// holds K, V and both gradients of 16 keys per warp) and 16-byte aligned outputs; for anything
-// else the entry points return false and attention.cu takes the materialized path.
+// holds B itself rather than its transpose), in dynamic shared memory (87 KB for the forward at
+// hd 128). Supported: hd 32, 64 or 128 and 16-byte aligned outputs; for anything else the entry
+// points return false and attention.cu takes the materialized path.
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -87,21 +88,46 @@ __device__ __forceinline__ void load_a(const __nv_bfloat16* tile, int ld, int r,
 // row-major BF16 tile y (stride ld) either as its transpose, y[n][k] (KMajor: S = Q K^T reads K
 // stored [key][d]), or as itself, y[k][n] (O = P V reads V stored [key][d]). One ldmatrix gives
 // the B fragments of two n-tiles: matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8).
+template <bool KMajor>
+__device__ __forceinline__ void load_b_pair(const __nv_bfloat16* y, int ld, int n, int k, uint32_t (&b)[4]) {
+  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
+  if constexpr (KMajor)
+    ldsm_x4<false>(b, y + (n * 8 + 8 * (m >> 1) + i) * ld + k * 16 + 8 * (m & 1));
+  else
+    ldsm_x4<true>(b, y + (k * 16 + 8 * (m & 1) + i) * ld + n * 8 + 8 * (m >> 1));
+}
+
 template <bool KMajor, int N, int K>
 __device__ __forceinline__ void mma_tile(float (&acc)[N][4], const uint32_t (&a)[K][4], const __nv_bfloat16* y, int ld) {
   static_assert(N % 2 == 0, "n-tiles come in pairs");
-  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
 #pragma unroll
   for (int n = 0; n < N; n += 2) {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       uint32_t b[4];
-      if constexpr (KMajor)
-        ldsm_x4<false>(b, y + (n * 8 + 8 * (m >> 1) + i) * ld + k * 16 + 8 * (m & 1));
-      else
-        ldsm_x4<true>(b, y + (k * 16 + 8 * (m & 1) + i) * ld + n * 8 + 8 * (m >> 1));
+      load_b_pair<KMajor>(y, ld, n, k, b);
       mma_bf16(acc[n], a[k], b[0], b[1]);
       mma_bf16(acc[n + 1], a[k], b[2], b[3]);
+    }
+  }
+}
+
+// The same product with A read from shared memory (rows warp_row .., stride lda) one k-step at a
+// time, for the kernel whose accumulators leave no registers for A's fragments.
+template <bool KMajor, int N, int K>
+__device__ __forceinline__ void mma_tile_smem_a(float (&acc)[N][4], const __nv_bfloat16* a_tile, int lda, int warp_row,
+                                                const __nv_bfloat16* y, int ld) {
+  static_assert(N % 2 == 0, "n-tiles come in pairs");
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    uint32_t a[4];
+    load_a(a_tile, lda, warp_row, k, a);
+#pragma unroll
+    for (int n = 0; n < N; n += 2) {
+      uint32_t b[4];
+      load_b_pair<KMajor>(y, ld, n, k, b);
+      mma_bf16(acc[n], a, b[0], b[1]);
+      mma_bf16(acc[n + 1], a, b[2], b[3]);
     }
   }
 }
@@ -223,9 +249,11 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
                                                                       const __nv_bfloat16* __restrict__ v, FaDims d,
                                                                       float* __restrict__ out, float* __restrict__ lse) {
   constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
-  __shared__ __align__(16) __nv_bfloat16 qs[kTile];
-  __shared__ __align__(16) __nv_bfloat16 ks[2][kTile];  // double-buffered: block kb + 1 loads
-  __shared__ __align__(16) __nv_bfloat16 vs[2][kTile];  // while block kb is multiplied
+  // Q, then K and V double-buffered: block kb + 1 loads while block kb is multiplied
+  extern __shared__ __align__(16) unsigned char fa_smem[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
+  auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + kTile);
+  auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + 3 * kTile);
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
@@ -308,9 +336,9 @@ struct FaBackward {
   float *dq, *dk_heads, *dv_heads;
 };
 
-// The backward kernels hold two operands of their 16 rows per warp in registers: once the copies
-// in flight have landed, the A fragments of tiles x and y (staged in a buffer the loop reuses:
-// the closing barrier frees it).
+// The dQ kernel holds Q and dO of its 16 rows per warp in registers: once the copies in flight
+// have landed, the A fragments of tiles x and y (staged in a buffer the loop reuses: the closing
+// barrier frees it).
 template <int HD>
 __device__ __forceinline__ void staged_fragments(const __nv_bfloat16* x, const __nv_bfloat16* y, int warp_row,
                                                  uint32_t (&xa)[HD / 16][4], uint32_t (&ya)[HD / 16][4]) {
@@ -347,8 +375,9 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
   const FaDims d = a.d;
   float* dq = a.dq;
   constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
-  __shared__ __align__(16) __nv_bfloat16 ks[2][kTile];
-  __shared__ __align__(16) __nv_bfloat16 vs[2][kTile];
+  extern __shared__ __align__(16) unsigned char fa_smem[];
+  auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem);
+  auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem + 2 * kTile * sizeof(__nv_bfloat16));
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
@@ -406,9 +435,15 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
   const FaDims d = a.d;
   float *dk_heads = a.dk_heads, *dv_heads = a.dv_heads;
   constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
-  __shared__ __align__(16) __nv_bfloat16 qs[2][kTile];
-  __shared__ __align__(16) __nv_bfloat16 dos[2][kTile];
-  __shared__ __align__(16) float q_lse[2][kFaBlock], q_d[2][kFaBlock];
+  // K and V of the CTA's keys (read a k-step at a time: the two gradients fill the registers),
+  // then Q and dO double-buffered, then the query blocks' lse and D
+  extern __shared__ __align__(16) unsigned char fa_smem[];
+  __nv_bfloat16* kt = reinterpret_cast<__nv_bfloat16*>(fa_smem);
+  __nv_bfloat16* vt = kt + kTile;
+  auto qs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(kt + 2 * kTile);
+  auto dos = reinterpret_cast<__nv_bfloat16(*)[kTile]>(kt + 4 * kTile);
+  auto q_lse = reinterpret_cast<float(*)[kFaBlock]>(kt + 6 * kTile);
+  auto q_d = q_lse + 2;
   const int kb = blockIdx.x;  // the most work first: key block 0 sees every query block
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int s0 = kb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
@@ -425,14 +460,12 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
     load_rows_async(d_h, qb * kFaBlock, d.T, q_d[buf]);
   };
 
-  // K and V fragments of the warp's 16 keys, staged through buffer 1, while query block kb lands
-  // in buffer 0
-  load_tile_async<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, qs[1]);
-  load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, dos[1]);
+  load_tile_async<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, kt);
+  load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
   load_queries(kb, 0);
   cp_async_commit();
-  uint32_t ka[KS][4], va[KS][4];
-  staged_fragments<HD>(qs[1], dos[1], warp_row, ka, va);
+  cp_async_wait_all();
+  __syncthreads();
   int key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) key[i] = s0 + warp_row + frag_row(i);
@@ -446,8 +479,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
     float s[8][4], dp[8][4], p[8][4];  // transposed: keys are rows, queries columns
     zero(s);
     zero(dp);
-    mma_tile<true>(s, ka, qs[buf], kFaLd<HD>);
-    mma_tile<true>(dp, va, dos[buf], kFaLd<HD>);
+    mma_tile_smem_a<true, 8, KS>(s, kt, kFaLd<HD>, warp_row, qs[buf], kFaLd<HD>);
+    mma_tile_smem_a<true, 8, KS>(dp, vt, kFaLd<HD>, warp_row, dos[buf], kFaLd<HD>);
     const float* bl = q_lse[buf];
     const float* bd = q_d[buf];
     softmax_grad(
@@ -480,7 +513,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
 bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_list<const Tensor*> outputs, FaDims& d,
              int& hd) {
   hd = int(q.size(3));
-  if (hd != 32 && hd != 64) return false;
+  if (hd != 32 && hd != 64 && hd != 128) return false;
   for (const Tensor* t : outputs)
     if (reinterpret_cast<uintptr_t>(t->raw()) % 16 != 0) return false;
   const int64_t B = q.size(0), T = q.size(1), S = k.size(1), Hq = q.size(2), Hkv = k.size(2);
@@ -501,6 +534,31 @@ Tensor bf16_copy(const Tensor& x) {
 
 const __nv_bfloat16* bf16_data(const Tensor& t) { return t.data<__nv_bfloat16>(); }
 
+size_t tile_bytes(int hd) { return size_t(kFaBlock) * size_t(hd + 8) * sizeof(__nv_bfloat16); }
+
+// `bytes` of dynamic shared memory for Kernel (the opt-in above 48 KB, once per kernel: the
+// static lives in each instantiation, i.e. each kernel).
+template <auto Kernel>
+size_t launchable(size_t bytes) {
+  static const bool allowed = [&] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    return true;
+  }();
+  (void)allowed;
+  return bytes;
+}
+
+// fn(std::integral_constant<int, hd>) for the head sizes the kernels are built for.
+template <typename Fn>
+void with_head_dim(int hd, Fn&& fn) {
+  switch (hd) {
+    case 32: fn(std::integral_constant<int, 32>{}); break;
+    case 64: fn(std::integral_constant<int, 64>{}); break;
+    case 128: fn(std::integral_constant<int, 128>{}); break;
+    default: fail("flash attention: no kernels for hd {}", hd);
+  }
+}
+
 }  // namespace
 
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
@@ -511,9 +569,12 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v);
   const dim3 grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B));
-  auto kernel = hd == 32 ? flash_forward_kernel<32> : flash_forward_kernel<64>;
-  kernel<<<grid, kFaThreads, 0, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(),
-                                            lse.data<float>());
+  with_head_dim(hd, [&](auto hd_c) {
+    constexpr int HD = decltype(hd_c)::value;
+    const size_t smem = launchable<flash_forward_kernel<HD>>(5 * tile_bytes(HD));
+    flash_forward_kernel<HD><<<grid, kFaThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
+                                                                    out.data<float>(), lse.data<float>());
+  });
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
@@ -526,14 +587,17 @@ bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor&
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v), dob = bf16_copy(dout);
   const dim3 q_grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B)), kv_grid(blocks_of(d.S), unsigned(d.Hq), unsigned(d.B));
-  auto dq_kernel = hd == 32 ? flash_dq_kernel<32> : flash_dq_kernel<64>;
-  auto dkv_kernel = hd == 32 ? flash_dkv_kernel<32> : flash_dkv_kernel<64>;
   const FaBackward args{bf16_data(qb),      bf16_data(kb),   bf16_data(vb),  bf16_data(dob),
                         lse.data<float>(),  D.data<float>(), d,              dq.data<float>(),
                         dk_heads.data<float>(), dv_heads.data<float>()};
-  dq_kernel<<<q_grid, kFaThreads, 0, stream()>>>(args);
-  FOURBIT_LAUNCH_CHECK();
-  dkv_kernel<<<kv_grid, kFaThreads, 0, stream()>>>(args);
+  with_head_dim(hd, [&](auto hd_c) {
+    constexpr int HD = decltype(hd_c)::value;
+    const size_t dq_smem = launchable<flash_dq_kernel<HD>>(4 * tile_bytes(HD));
+    flash_dq_kernel<HD><<<q_grid, kFaThreads, dq_smem, stream()>>>(args);
+    FOURBIT_LAUNCH_CHECK();
+    const size_t dkv_smem = launchable<flash_dkv_kernel<HD>>(6 * tile_bytes(HD) + 4 * kFaBlock * sizeof(float));
+    flash_dkv_kernel<HD><<<kv_grid, kFaThreads, dkv_smem, stream()>>>(args);
+  });
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
