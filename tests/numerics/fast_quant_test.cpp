@@ -378,6 +378,83 @@ TEST(FastQuantNvfp4, FourOverSixTiesKeepSix) {
   EXPECT_FALSE(bz.chose_four);
 }
 
+// fos_bounded's unclamped rounding (FosCandidate::code22<false>) gives the clamped one's value on
+// every float32 y_s (as the candidate's product with enc_s = 1) of magnitude below 7 * 2^-104,
+// both signs, so a block quantizer that sees only such values gives the same codes and errors
+// with or without the clamp; at 7 * 2^-104 (a tie, to 8) the clamp is needed.
+TEST(FastQuantNvfp4, FourOverSixUnclampedRoundingBelowSeven) {
+  const detail::FosCandidate c{1.0f, 0.0f, 0.0f};
+  const uint32_t end = bits_of(7.0f * 0x1p-104f);
+  constexpr int64_t kChunks = 256;
+  int64_t bad = 0, first_bad = -1;
+#pragma omp parallel for schedule(dynamic) reduction(+ : bad)
+  for (int64_t chunk = 0; chunk < kChunks; ++chunk) {
+    for (int64_t b = chunk * end / kChunks; b < (chunk + 1) * end / kChunks; ++b) {
+      for (uint32_t sign : {0u, 0x80000000u}) {
+        const float y = float_of(uint32_t(b) | sign);
+        if (bits_of(c.code22<false>(y)) != bits_of(c.code22<true>(y))) {
+          ++bad;
+#pragma omp critical
+          if (first_bad < 0 || b < first_bad) first_bad = b;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "first at bits 0x" << std::hex << first_bad;
+  EXPECT_NE(bits_of(c.code22<false>(7.0f * 0x1p-104f)), bits_of(c.code22<true>(7.0f * 0x1p-104f)));
+}
+
+// Four Over Six blocks with subnormal and small block scales (a block amax 2^-15 .. 2^-3 times
+// S_dec, on or off the grid), where fl(x * enc) reaches 6 .. 9 and fos_bounded decides: blocks on
+// both sides, and blocks whose largest scaled value lies in (6, 7) (the clamp-free range) or at 7
+// (the tie the clamp must take), against the generic quantizer, both metrics.
+template <ScaleMetric kMetric>
+int64_t compare_fos_bound_edges(uint32_t seed, int64_t* bounded, int64_t* in_six_seven, int64_t* at_seven) {
+  return compare_fos_cases<kMetric>(400000, seed, [&](int t, std::mt19937& g, std::normal_distribution<float>& nd,
+                                                      BlockCase& c) {
+    c.s_enc = t % 3 == 0 ? 1.0f : std::ldexp(1.0f, int(g() % 40) - 20);
+    c.s_dec = nvfp4_s_dec(c.s_enc);
+    // the largest value: random, or k/2 * 2^-8 (block scales 0 .. 11 * 2^-9 on or between the
+    // candidates' grids and their ties; k = 7: 7 * 2^-9 on the scale 2^-9)
+    const float unit = std::ldexp(1.0f, -8) * c.s_dec;
+    const float top = t % 2 ? float(1 + g() % 64) * 0.5f * unit : std::ldexp(0.5f + 0.5f * float(g() % 4096) / 4096.0f, -int(g() % 12) - 3) * c.s_dec;
+    for (int i = 0; i < 16; ++i) {
+      const float m = g() % 3 == 0 ? float(g() % 16) * 0.25f * unit : nd(g) * top * 0.4f;
+      c.x[i] = std::fabs(m) > top ? top : m;
+    }
+    c.x[g() % 16] = g() & 1 ? top : -top;
+    float a = 0.0f;
+    for (float v : c.x) a = max_abs_finite(a, v);
+    c.block_amax = a;
+    const FosGroup grp = fos_group(c.s_dec);
+    if (!grp.exact) return;
+    const FosBlockScales s = fos_block_scales(a, c.s_enc, grp);
+    const float y = mul_rn(a, std::fmax(s.c6.enc_s, s.c4.enc_s));
+    if (fos_bounded(a, s)) ++*bounded;
+    if (y > 6.0f * 0x1p-104f && y < 7.0f * 0x1p-104f) ++*in_six_seven;
+    if (y == 7.0f * 0x1p-104f) ++*at_seven;
+  });
+}
+
+TEST(FastQuantNvfp4, FourOverSixUnclampedOnlyWhereBounded) {
+  int64_t bounded = 0, in_six_seven = 0, at_seven = 0;
+  EXPECT_EQ(compare_fos_bound_edges<ScaleMetric::MSE>(91, &bounded, &in_six_seven, &at_seven), 0);
+  EXPECT_EQ(compare_fos_bound_edges<ScaleMetric::MAE>(92, &bounded, &in_six_seven, &at_seven), 0);
+  EXPECT_GT(bounded, 100000);
+  EXPECT_LT(bounded, 700000);  // both sides of the bound
+  EXPECT_GT(in_six_seven, 1000);
+  EXPECT_GT(at_seven, 100);
+  // One at 7: S_dec = 1, block scale 2^-9 (subnormal), enc = 2^9. The 4 candidate (2^-8) ties
+  // at the same errors, so 6 is kept and its code must be 7 (6), not the unclamped 8.
+  float x[16];
+  for (float& v : x) v = 7.0f * 0x1p-9f;
+  const FosBlockScales s = fos_block_scales(x[0], 1.0f, fos_group(1.0f));
+  EXPECT_FALSE(fos_bounded(x[0], s));
+  const Nvfp4Block want = nvfp4_quantize_block(x, 16, x[0], 1.0f, 1.0f, true, ScaleMetric::MSE, Rounding::RNE, 0, 0, 0);
+  EXPECT_EQ(nvfp4_quantize_block_fast<true>(x, x[0], 1.0f, 1.0f).packed, want.packed);
+  EXPECT_NE((fos_quantize_block<ScaleMetric::MSE, true>(x, s).packed), want.packed);
+}
+
 // ---- MXFP8 SR -----------------------------------------------------------------------------------
 
 template <int kExpBits>

@@ -1,7 +1,7 @@
 // defines: fma_rn, fabs_hd, max_abs_nan, e2m1_rne_magnitude, e2m1_magnitude_code,
 //          e2m1_decode_fast, Nvfp4DecodeWord, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
-//          FosBlockScales, fos_block_scales, fos_quantize_block, nvfp4_quantize_block_fast,
+//          FosBlockScales, fos_block_scales, fos_bounded, fos_quantize_block, nvfp4_quantize_block_fast,
 //          PhiloxKeys, philox_keys,
 //          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, byte_perm, E4m3SrWords,
 //          mxfp8_encode_rne_x2
@@ -240,11 +240,17 @@ FOURBIT_HD uint32_t nibble_in(uint32_t acc, float x) {
 //    range is [2^-36, 2^-14]).
 // A zero scale (sc_s = 0) makes every x_hat 0 whatever enc_s is (finite), as the generic codes 0
 // do: its codes are then not used, so enc_s need not be 0.
+// kClamp false (the caller checked fos_bounded: every |y_s| below 7 * 2^-104) drops the
+// saturation, one instruction an element and candidate: a |y_s| in (6, 7) * 2^-104 lies in the
+// binade of 4 * 2^-104, whose quantum 2 * 2^-104 rounds it to 6 * 2^-104 (less than half a quantum
+// away), as the clamp did; at 7 (a tie, to 8) and above the clamp is needed.
 struct FosCandidate {
   float enc_s, sc_s, sd;
+  template <bool kClamp = true>
   FOURBIT_HD float code22(float x) const {
-    const float a = fminf(fabs_hd(mul_rn(x, enc_s)), 6.0f * 0x1p-104f);
-    const float eps = fmaxf(float_of(bits_of(a) & 0x7f800000u), 0x1p-104f);
+    const float y = mul_rn(x, enc_s);
+    const float a = kClamp ? fminf(fabs_hd(y), 6.0f * 0x1p-104f) : fabs_hd(y);
+    const float eps = fmaxf(float_of(bits_of(kClamp ? a : y) & 0x7f800000u), 0x1p-104f);
     const float sum = fma_rn(eps, 4194304.0f, a);  // e * 2^22 + a, scaled: one rounding
     return fma_rn(sum, 0x1p-22f, -eps);
   }
@@ -273,6 +279,15 @@ FOURBIT_HD FosBlockScales fos_block_scales(float block_amax, float s_enc, const 
   return {{enc_s(sc6), mul_rn(sc6, 0x1p100f), g.sd}, {enc_s(sc4), mul_rn(sc4, 0x1p100f), g.sd}, sc6, sc4};
 }
 
+// Whether both candidates' scaled values fl(x * enc_s) stay below 7 * 2^-104 for every |x| <=
+// bound (block_amax: rounding is monotone), so fos_quantize_block may skip the saturation
+// (detail::FosCandidate::code22). Nearly every block: with a normal E4M3 scale fl(x * enc) is at
+// most ~6.4 (6 for the 6 candidate, ~4.3 for the 4 candidate, up to E4M3's rounding of s_b);
+// subnormal scales (blocks ~10^5 below the group's amax) round s_b down by up to a half.
+FOURBIT_HD bool fos_bounded(float bound, const FosBlockScales& s) {
+  return mul_rn(bound, fmaxf(s.c6.enc_s, s.c4.enc_s)) < 7.0f * 0x1p-104f;
+}
+
 // nvfp4_quantize_block(x, n, block_amax, s_enc, s_dec, true, kMetric, RNE, ...) for a block whose
 // values are all finite (x[n..16) = +0: the padding; zeros add nothing to the error sums and
 // encode as code 0, so the result does not depend on n), with s = fos_block_scales(block_amax,
@@ -283,16 +298,17 @@ FOURBIT_HD FosBlockScales fos_block_scales(float block_amax, float s_enc, const 
 // x's sign or is zero, and rounding is symmetric), so d^2 and |d| are the same floats, summed in
 // element order with the same float32 operations. Both candidates' magnitude codes are packed as
 // they are found (no values are kept for later, few registers live); the signs, common to both,
-// once, by funnel shifts. SASS (sm_90a, nvdisasm): 412 instructions a block (MSE): 12 per element
-// and candidate, ~1 per element for the signs, ~12 for the choice and the packing.
-template <ScaleMetric kMetric = ScaleMetric::MSE>
+// once, by funnel shifts. kBounded: the caller checked fos_bounded (no saturation clamp). SASS
+// (sm_90a, nvdisasm): 412 instructions a block (MSE): 12 per element and candidate (11 bounded),
+// ~1 per element for the signs, ~12 for the choice and the packing.
+template <ScaleMetric kMetric = ScaleMetric::MSE, bool kBounded = false>
 FOURBIT_HD Nvfp4Block fos_quantize_block(const float (&x)[16], const FosBlockScales& s) {
   const detail::FosCandidate c6 = s.c6, c4 = s.c4;
   uint32_t w6[2] = {0u, 0u}, w4[2] = {0u, 0u}, signs[2] = {0u, 0u};
   float err6 = 0.0f, err4 = 0.0f;  // NUMERICS 4/6: summed in element order
   FOURBIT_UNROLL
   for (int i = 0; i < 16; ++i) {
-    const float v6 = c6.code22(x[i]), v4 = c4.code22(x[i]);
+    const float v6 = c6.code22<!kBounded>(x[i]), v4 = c4.code22<!kBounded>(x[i]);
     const float d6 = sub_rn(fabs_hd(x[i]), c6.dequant(v6));
     const float d4 = sub_rn(fabs_hd(x[i]), c4.dequant(v4));
     // fl(0 + e) = e for the first term (e >= +0), so the sums start at it
@@ -340,7 +356,8 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block_fast(const float (&x)[16], float bloc
       for (int i = 0; i < 16; ++i) copy[i] = x[i];
       return nvfp4_quantize_block(copy, 16, block_amax, s_enc, s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
     }
-    return fos_quantize_block<kMetric>(x, fos_block_scales(block_amax, s_enc, g));
+    const FosBlockScales s = fos_block_scales(block_amax, s_enc, g);
+    return fos_bounded(block_amax, s) ? fos_quantize_block<kMetric, true>(x, s) : fos_quantize_block<kMetric>(x, s);
   }
 }
 

@@ -781,13 +781,21 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     for (int k = 0; k < kRuns; ++k) {
       const int blk = blk0 + k * kFastRunBlocks + lane;
       num::FosBlockScales scales{};
-      if constexpr (kFos) scales = num::fos_block_scales(amax[k], s_enc, grp);
+      bool bounded = false;  // every block of the warp's run: the unclamped quantizer (fos_bounded)
+      if constexpr (kFos) {
+        scales = num::fos_block_scales(amax[k], s_enc, grp);
+        bounded = __all_sync(0xffffffffu, num::fos_bounded(amax[k], scales));
+      }
       if (!live || blk >= p.nb) continue;
       const int n = min(B, cols - blk * B);
       num::Nvfp4Block out;
       if (!((nonfinite_blocks >> k) & 1u) && (!kFos || grp.exact)) {
-        if constexpr (kFos) out = num::fos_quantize_block<kMetric>(v[k], scales);
-        else out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
+        if constexpr (kFos) {
+          if (bounded) out = num::fos_quantize_block<kMetric, true>(v[k], scales);
+          else out = num::fos_quantize_block<kMetric, false>(v[k], scales);  // a run with a subnormal s_b
+        } else {
+          out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
+        }
       } else {
         float copy[B];
 #pragma unroll
