@@ -126,7 +126,7 @@ TEST(FastQuantNvfp4, FourOverSixGroupTableEqualsTheReciprocal) {
     for (uint32_t code = 1; code <= 0x7e; ++code) {
       const float sc = ue4m3_decode(code);
       const float want = mul_rn(nvfp4_enc_scale(uint8_t(code), s_dec), 0x1p-104f);
-      const float got = float_of(grp.lookup(bits_of(sc) >> 20) - (bits_of(sc) & 0x7f800000u));
+      const float got = grp.enc_s(sc);
       if ((bits_of(got) != bits_of(want) || nvfp4_enc_scale(uint8_t(code), s_dec) < 0x1p-22f) && ++bad <= 5)
         ADD_FAILURE() << "s_dec " << s_dec << " code 0x" << std::hex << code;
     }
@@ -578,6 +578,30 @@ TEST(FastQuantMxfp8, BytePermMovesTheSelectedBytes) {
     const uint32_t want = uint32_t(bytes[s & 7]) | uint32_t(bytes[(s >> 4) & 7]) << 8 |
                           uint32_t(bytes[(s >> 8) & 7]) << 16 | uint32_t(bytes[(s >> 12) & 7]) << 24;
     ASSERT_EQ(byte_perm(a, b, s), want) << std::hex << a << " " << b << " " << s;
+    // with bit 3 of a selector set: that byte's top bit replicated (prmt's sign mode)
+    const uint32_t t = s | 0x8888u;
+    uint32_t want_sign = 0;
+    for (int n = 0; n < 4; ++n) want_sign |= (((want >> (8 * n + 7)) & 1u) ? 0xffu : 0u) << (8 * n);
+    ASSERT_EQ(byte_perm_msb(a, b, t), want_sign) << std::hex << a << " " << b << " " << t;
+    ASSERT_EQ(byte_perm_msb(a, b, s), want) << std::hex << a << " " << b << " " << s;
+  }
+}
+
+// sign_word against the sign bits placed one by one: every pattern of the 8 signs (the only bits
+// it reads: byte 3's top bit of each input), over random other bits, zeros of both signs included.
+TEST(FastQuantNvfp4, SignWordPlacesEachSign) {
+  std::mt19937 g(63);
+  for (uint32_t pattern = 0; pattern < 256; ++pattern) {
+    for (int rep = 0; rep < 2000; ++rep) {
+      float x[8];
+      uint32_t want = 0;
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t rest = rep == 0 ? 0u : rep == 1 ? 0x7fffffffu : uint32_t(g()) & 0x7fffffffu;
+        x[i] = float_of(rest | (((pattern >> i) & 1u) << 31));
+        want |= ((pattern >> i) & 1u) << (4 * i + 3);
+      }
+      ASSERT_EQ(detail::sign_word(x) & 0x88888888u, want) << std::hex << pattern << " rep " << rep;
+    }
   }
 }
 

@@ -1,9 +1,9 @@
-// defines: fma_rn, fabs_hd, max_abs_nan, e2m1_rne_magnitude, e2m1_magnitude_code,
+// defines: fma_rn, fabs_hd, max_abs_nan, byte_perm, byte_perm_msb, e2m1_rne_magnitude, e2m1_magnitude_code,
 //          e2m1_decode_fast, Nvfp4DecodeWord, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
 //          FosBlockScales, fos_block_scales, fos_bounded, fos_quantize_block, nvfp4_quantize_block_fast,
 //          PhiloxKeys, philox_keys,
-//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, byte_perm, E4m3SrWords,
+//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, E4m3SrWords,
 //          mxfp8_encode_rne_x2
 // The GPU quantizers' inner loops, written for the instruction budget of a memory-bound kernel
 // (a few tens of instructions per element): float adds and compares instead of the integer
@@ -52,6 +52,36 @@ FOURBIT_HD float max_abs_nan(float acc, float x) {
 #else
   const float a = abs_bits(x);
   return (is_nan_bits(acc) || is_nan_bits(a)) ? float_of(0x7fc00000u) : (a > acc ? a : acc);
+#endif
+}
+
+// prmt.b32 (byte permute, default mode): byte n of the result is byte (s >> 4n) & 7 of the pair
+// (b:a), a's bytes numbered 0-3, or with bit 3 of its selector set that byte's top bit copied to
+// all 8 (PTX ISA, prmt). One PRMT on the device. byte_perm: selectors 0-7 (CUDA's __byte_perm,
+// which the compiler can fold; it reads 3 bits a selector); byte_perm_msb: any selectors.
+FOURBIT_HD uint32_t byte_perm_emulated(uint32_t a, uint32_t b, uint32_t s) {
+  const uint64_t ab = uint64_t(a) | (uint64_t(b) << 32);
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t sel = (s >> (4 * n)) & 15u, byte = uint32_t(ab >> (8 * (sel & 7u))) & 0xffu;
+    r |= (sel & 8u ? (byte & 0x80u ? 0xffu : 0u) : byte) << (8 * n);
+  }
+  return r;
+}
+FOURBIT_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, s);
+#else
+  return byte_perm_emulated(a, b, s & 0x7777u);
+#endif
+}
+FOURBIT_HD uint32_t byte_perm_msb(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+#else
+  return byte_perm_emulated(a, b, s);
 #endif
 }
 
@@ -169,7 +199,7 @@ struct FosGroup {
   float sd;  // S_dec * 2^26
   bool exact;
 #if defined(__CUDA_ARCH__)
-  uint32_t enc_bits;  // bits of R[lane % 8], plus 23 << 23
+  uint32_t enc_bits;  // entry lane % 8
   __device__ __forceinline__ uint32_t lookup(uint32_t k) const {
     return uint32_t(__shfl_sync(0xffffffffu, int(enc_bits), int(k), 8));  // lane (l & ~7) | (k & 7)
   }
@@ -177,6 +207,10 @@ struct FosGroup {
   uint32_t enc_bits[8];
   uint32_t lookup(uint32_t k) const { return enc_bits[k & 7u]; }
 #endif
+  // enc * 2^-104 for an E4M3 value sc (bits E << 23 | k << 20, nothing below; 0 for a zero
+  // scale, any finite enc_s will do there, see detail::FosCandidate). Entry k holds bits(R[k]) +
+  // (23 << 23) + (k << 20), so one subtraction of sc's bits takes off both E and k.
+  FOURBIT_HD float enc_s(float sc) const { return float_of(lookup(bits_of(sc) >> 20) - bits_of(sc)); }
 };
 
 FOURBIT_HD FosGroup fos_group(float s_dec) {
@@ -184,7 +218,8 @@ FOURBIT_HD FosGroup fos_group(float s_dec) {
   g.sd = mul_rn(s_dec, 0x1p26f);
   g.exact = s_dec >= 0x1p-100f && s_dec <= 0x1p13f;
   auto entry = [s_dec](uint32_t k) {
-    return bits_of(nvfp4_enc_scale_fast(1.0f + float(k) * 0.125f, s_dec)) + (23u << 23);
+    const float m = 1.0f + float(k) * 0.125f;  // bits: 127 << 23 | k << 20
+    return bits_of(nvfp4_enc_scale_fast(m, s_dec)) + (bits_of(m) - (127u << 23)) + (23u << 23);
   };
 #if defined(__CUDA_ARCH__)
   g.enc_bits = entry(threadIdx.x & 7u);  // lane % 8 (one-dimensional blocks)
@@ -216,14 +251,20 @@ FOURBIT_HD uint32_t code22_at(uint32_t c22, int i) {
   return s <= 22 ? c22 >> (22 - s) : c22 << (s - 22);
 }
 
-// (acc << 4) | the top nibble of x (its sign and three exponent bits): fed elements 7, 6, ..., 0
-// of a word, the sign of element i ends at bit 4i + 3 (one funnel shift each; the exponent bits
-// are masked off once per word).
-FOURBIT_HD uint32_t nibble_in(uint32_t acc, float x) {
+// The signs of elements 0..7 of x, element i's at bit 4i + 3 (with the nibble's other bits: callers
+// mask with 0x88888888), by byte moves: sign-replicated top bytes (0x00 or 0xFF) of elements 0, 2,
+// 4, 6 in e and of 1, 3, 5, 7 in o, byte k of the word taking e's low nibble and o's high one. Three
+// PRMTs a four elements and a LOP3 a word: 7 instructions where a funnel shift an element took 8.
+FOURBIT_HD uint32_t sign_word(const float* x) {
+  auto pair = [](float a, float b) { return byte_perm_msb(bits_of(a), bits_of(b), 0xfbfbu); };  // [a, b, a, b]
+  const uint32_t e = byte_perm(pair(x[0], x[2]), pair(x[4], x[6]), 0x5410u);
+  const uint32_t o = byte_perm(pair(x[1], x[3]), pair(x[5], x[7]), 0x5410u);
 #if defined(__CUDA_ARCH__)
-  return __funnelshift_l(bits_of(x), acc, 4);
+  uint32_t w;  // one LOP3 (the compiler, seeing the callers' mask, made it two)
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(e), "r"(o), "r"(0x0f0f0f0fu));
+  return w;
 #else
-  return (acc << 4) | (bits_of(x) >> 28);
+  return (e & 0x0f0f0f0fu) | (o & 0xf0f0f0f0u);
 #endif
 }
 
@@ -275,8 +316,7 @@ struct FosBlockScales {
 FOURBIT_HD FosBlockScales fos_block_scales(float block_amax, float s_enc, const FosGroup& g) {
   const float t = mul_rn(div6_rn(block_amax), s_enc);
   const float sc6 = ue4m3_rne_value(t), sc4 = ue4m3_rne_value(mul_rn(t, 1.5f));
-  auto enc_s = [&g](float sc) { return float_of(g.lookup(bits_of(sc) >> 20) - (bits_of(sc) & 0x7f800000u)); };
-  return {{enc_s(sc6), mul_rn(sc6, 0x1p100f), g.sd}, {enc_s(sc4), mul_rn(sc4, 0x1p100f), g.sd}, sc6, sc4};
+  return {{g.enc_s(sc6), mul_rn(sc6, 0x1p100f), g.sd}, {g.enc_s(sc4), mul_rn(sc4, 0x1p100f), g.sd}, sc6, sc4};
 }
 
 // Whether both candidates' scaled values fl(x * enc_s) stay below 7 * 2^-104 for every |x| <=
@@ -298,13 +338,13 @@ FOURBIT_HD bool fos_bounded(float bound, const FosBlockScales& s) {
 // x's sign or is zero, and rounding is symmetric), so d^2 and |d| are the same floats, summed in
 // element order with the same float32 operations. Both candidates' magnitude codes are packed as
 // they are found (no values are kept for later, few registers live); the signs, common to both,
-// once, by funnel shifts. kBounded: the caller checked fos_bounded (no saturation clamp). SASS
+// once, by byte moves (detail::sign_word). kBounded: the caller checked fos_bounded (no saturation clamp). SASS
 // (sm_90a, nvdisasm): 412 instructions a block (MSE): 12 per element and candidate (11 bounded),
 // ~1 per element for the signs, ~12 for the choice and the packing.
 template <ScaleMetric kMetric = ScaleMetric::MSE, bool kBounded = false>
 FOURBIT_HD Nvfp4Block fos_quantize_block(const float (&x)[16], const FosBlockScales& s) {
   const detail::FosCandidate c6 = s.c6, c4 = s.c4;
-  uint32_t w6[2] = {0u, 0u}, w4[2] = {0u, 0u}, signs[2] = {0u, 0u};
+  uint32_t w6[2] = {0u, 0u}, w4[2] = {0u, 0u}, signs[2];
   float err6 = 0.0f, err4 = 0.0f;  // NUMERICS 4/6: summed in element order
   FOURBIT_UNROLL
   for (int i = 0; i < 16; ++i) {
@@ -322,13 +362,13 @@ FOURBIT_HD Nvfp4Block fos_quantize_block(const float (&x)[16], const FosBlockSca
     w6[i / 8] += detail::code22_at(bits_of(v6), i);
     w4[i / 8] += detail::code22_at(bits_of(v4), i);
   }
-  FOURBIT_UNROLL
-  for (int i = 15; i >= 0; --i) signs[i / 8] = detail::nibble_in(signs[i / 8], x[i]);
+  signs[0] = detail::sign_word(x);
+  signs[1] = detail::sign_word(x + 8);
   const bool four = err4 < err6;  // NUMERICS: ties keep 6
   const uint32_t code = ue4m3_code_of(four ? s.sc4 : s.sc6);
-  if (code == 0) return {0, 0, four};  // NUMERICS: a zero scale stores all-zero codes
-  return {(four ? detail::words(w4) : detail::words(w6)) | (detail::words(signs) & 0x8888888888888888ull),
-          uint8_t(code), four};
+  const uint64_t packed =
+      (four ? detail::words(w4) : detail::words(w6)) | (detail::words(signs) & 0x8888888888888888ull);
+  return {code == 0 ? 0 : packed, uint8_t(code), four};  // NUMERICS: a zero scale stores all-zero codes
 }
 
 // nvfp4_quantize_block(x, n, block_amax, s_enc, s_dec, kFos, kMetric, RNE, ...) for a block whose
@@ -451,19 +491,6 @@ struct Mxfp8Sr {
 template <int kExpBits>
 FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd) {
   return Mxfp8Sr<kExpBits>::encode(x, x_scale, rnd);
-}
-
-// prmt.b32 (byte permute, default mode, selectors 0-7 only): byte n of the result is byte
-// (s >> 4n) & 7 of the pair (b:a), a's bytes numbered 0-3. One PRMT on the device.
-FOURBIT_HD uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t s) {
-#if defined(__CUDA_ARCH__)
-  return __byte_perm(a, b, s);
-#else
-  const uint64_t ab = uint64_t(a) | (uint64_t(b) << 32);
-  uint32_t r = 0;
-  for (int n = 0; n < 4; ++n) r |= uint32_t((ab >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
-  return r;
-#endif
 }
 
 // MXFP8 E4M3 stochastic rounding four codes at a time, for blocks whose RCEIL scale leaves every

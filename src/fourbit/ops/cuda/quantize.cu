@@ -731,11 +731,16 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     }
   };
 
-  unsigned values = 0, nonfinite = 0, blocks = 0, chose_four = 0;
+  unsigned nonfinite = 0, chose_four = 0;
   int64_t g = blockIdx.x;
   if (g < groups) prefetch(row, half(0));
   cp_async_commit();
-  for (int it = 0; g < groups; ++it, g += gridDim.x, row += row_step) {  // uniform over the CTA
+  const int64_t row0 = row;
+  unsigned lane_runs = 0;  // bit k: the lane's block of run k lies in the row
+#pragma unroll
+  for (int k = 0; k < kRuns; ++k) lane_runs |= unsigned(blk0 + k * kFastRunBlocks + lane < p.nb) << k;
+  int it = 0;
+  for (; g < groups; ++it, g += gridDim.x, row += row_step) {  // uniform over the CTA
     __syncwarp();  // every lane has read the half the next prefetch overwrites
     if (g + gridDim.x < groups) prefetch(row + row_step, half(it + 1));
     cp_async_commit();
@@ -776,6 +781,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     // and reads it, before the per-block branches); rows outside its exact range go generic.
     num::FosGroup grp{};
     if constexpr (kFos) grp = num::fos_group(s_dec);
+    // runs the fast quantizers do not take: a non-finite value, or a group outside FosGroup::exact
+    const unsigned generic_runs = nonfinite_blocks | (!kFos || grp.exact ? 0u : ~0u);
 
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) {
@@ -786,13 +793,18 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
         scales = num::fos_block_scales(amax[k], s_enc, grp);
         bounded = __all_sync(0xffffffffu, num::fos_bounded(amax[k], scales));
       }
-      if (!live || blk >= p.nb) continue;
+      if (!live || !((lane_runs >> k) & 1u)) continue;
       const int n = min(B, cols - blk * B);
       num::Nvfp4Block out;
-      if (!((nonfinite_blocks >> k) & 1u) && (!kFos || grp.exact)) {
-        if constexpr (kFos) {
-          if (bounded) out = num::fos_quantize_block<kMetric, true>(v[k], scales);
-          else out = num::fos_quantize_block<kMetric, false>(v[k], scales);  // a run with a subnormal s_b
+      if (!((generic_runs >> k) & 1u)) {
+        if constexpr (kFos) {  // (chose_four counted in each branch: one add where the choice is made)
+          if (bounded) {
+            out = num::fos_quantize_block<kMetric, true>(v[k], scales);
+            chose_four += unsigned(out.chose_four);
+          } else {
+            out = num::fos_quantize_block<kMetric, false>(v[k], scales);  // a run with a subnormal s_b
+            chose_four += unsigned(out.chose_four);
+          }
         } else {
           out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
         }
@@ -802,12 +814,22 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
         for (int i = 0; i < B; ++i) copy[i] = v[k][i];
         out = num::nvfp4_quantize_block(copy, n, amax[k], s_enc, s_dec, kFos, kMetric,
                                         num::Rounding::RNE, 0, 0, 0);
+        chose_four += unsigned(out.chose_four);
       }
       *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
       p.scales[row * p.nb + blk] = out.scale;
-      values += unsigned(n);
-      blocks += 1u;
-      chose_four += out.chose_four ? 1u : 0u;
+    }
+  }
+  // values and blocks follow from the live iterations (rows grow with it: the first ones), as a
+  // lane's blocks and their sizes are the same in every row
+  const unsigned live_its =
+      row0 < p.rows ? unsigned(min64(int64_t(it), (p.rows - row0 + row_step - 1) / row_step)) : 0u;
+  unsigned values = 0, blocks = 0;
+#pragma unroll
+  for (int k = 0; k < kRuns; ++k) {
+    if ((lane_runs >> k) & 1u) {
+      values += live_its * unsigned(min(B, cols - (blk0 + k * kFastRunBlocks + lane) * B));
+      blocks += live_its;
     }
   }
   flush_counts(p.report, values, nonfinite, blocks, chose_four);
