@@ -514,6 +514,27 @@ __device__ __forceinline__ void load_run(const float* row, int64_t cols, int64_t
   }
 }
 
+// The 16 values of block `lane` of a run at shared-window address a (from read_run_address): chunk
+// c at a ^ 16 c, as blocks are 64-byte aligned (the caller declares the buffer so) and the swizzle
+// XORs bits 4-5 of the address: one LOP3 a chunk, where read_run forms every address anew. offset:
+// a multiple of 64 (another run, another half), added after the XOR (the load's immediate).
+// Volatile, clobbering memory: the loads stay between the __syncwarp()s around them and are redone
+// for every row (the address repeats every other row).
+__device__ __forceinline__ uint32_t read_run_address(const float* buf) {
+  const int lane = threadIdx.x & 31;
+  uint32_t a = uint32_t(__cvta_generic_to_shared(buf + 16 * lane + 4 * stage_swizzle<16>(lane)));
+  asm("mov.b32 %0, %0;" : "+r"(a));  // opaque: kept in a register, not formed anew every row
+  return a;
+}
+__device__ __forceinline__ void read_run_at(uint32_t a, uint32_t offset, float (&v)[16]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v[4 * c]), "=f"(v[4 * c + 1]), "=f"(v[4 * c + 2]), "=f"(v[4 * c + 3])
+                 : "r"((a ^ (16u * c)) + offset)
+                 : "memory");
+}
+
 // The B values of block `lane` of a run in the warp's shared buffer.
 template <int B>
 __device__ __forceinline__ void read_run(const float* buf, float (&v)[B]) {
@@ -691,7 +712,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
   constexpr int B = num::kNvfp4Block;
   constexpr int kWarpFloats = kRuns * kFastRunBlocks * B;  // one warp's runs
-  extern __shared__ __align__(16) float stage[];            // [2][warps][kWarpFloats]
+  // [2][warps][kWarpFloats]; blocks 64-byte aligned in the shared window (read_run_at XORs bits 4-5)
+  extern __shared__ __align__(128) float stage[];
   __shared__ uint32_t team_amax[2][kNvfp4FastMaxWarps];
   const int warps = int(blockDim.x) / 32;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -736,6 +758,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   if (g < groups) prefetch(row, half(0));
   cp_async_commit();
   const int64_t row0 = row;
+  static_assert(B == 16, "read_run_at reads 16-value blocks");
+  const uint32_t read0 = read_run_address(half(0)), half_bytes = uint32_t(4 * warps * kWarpFloats);
   unsigned lane_runs = 0;  // bit k: the lane's block of run k lies in the row
 #pragma unroll
   for (int k = 0; k < kRuns; ++k) lane_runs |= unsigned(blk0 + k * kFastRunBlocks + lane < p.nb) << k;
@@ -748,7 +772,7 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     __syncwarp();  // the whole warp's copies of group g have landed
     float v[kRuns][B];
 #pragma unroll
-    for (int k = 0; k < kRuns; ++k) read_run<B>(half(it) + k * kFastRunBlocks * B, v[k]);
+    for (int k = 0; k < kRuns; ++k) read_run_at(read0 + (it & 1) * half_bytes, 4 * k * kFastRunBlocks * B, v[k]);
     const bool live = row < p.rows;
 
     // Block amaxes (max_abs_finite), non-finite counts, the row amax (bits: order-free, exact).
