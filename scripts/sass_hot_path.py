@@ -57,7 +57,7 @@ else:
         ('quantize.cu', 'finite_amax_counting(v[k], nonfinite)', None),
         ('quantize.cu', 'copy[i] = v[k][i]', None),
         ('quantize.cu', 'out = num::nvfp4_quantize_block(copy', None),
-        ('quantize.cu', 'prefetch_run<B>(b + k * kFastRunBlocks * B, xrow', None),
+        ('quantize.cu', 'prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow', None),
         'minifloat.h', 'nvfp4.h>24',
     ]
     # the clamped Four Over Six quantizer (runs holding a subnormal block scale, see fos_bounded):

@@ -520,11 +520,14 @@ __device__ __forceinline__ void load_run(const float* row, int64_t cols, int64_t
 // a multiple of 64 (another run, another half), added after the XOR (the load's immediate).
 // Volatile, clobbering memory: the loads stay between the __syncwarp()s around them and are redone
 // for every row (the address repeats every other row).
-__device__ __forceinline__ uint32_t read_run_address(const float* buf) {
-  const int lane = threadIdx.x & 31;
-  uint32_t a = uint32_t(__cvta_generic_to_shared(buf + 16 * lane + 4 * stage_swizzle<16>(lane)));
+__device__ __forceinline__ uint32_t shared_address(const float* q) {
+  uint32_t a = uint32_t(__cvta_generic_to_shared(q));
   asm("mov.b32 %0, %0;" : "+r"(a));  // opaque: kept in a register, not formed anew every row
   return a;
+}
+__device__ __forceinline__ uint32_t read_run_address(const float* buf) {
+  const int lane = threadIdx.x & 31;
+  return shared_address(buf + 16 * lane + 4 * stage_swizzle<16>(lane));
 }
 __device__ __forceinline__ void read_run_at(uint32_t a, uint32_t offset, float (&v)[16]) {
 #pragma unroll
@@ -650,10 +653,12 @@ __device__ __forceinline__ void mxfp8_sr_block(const float (&v)[32], float x_sca
 
 // Asynchronous 16-byte copies global -> shared (sm_80+), which keep the next row's loads in flight
 // while the current row is computed, without holding registers. src_bytes 0 fills zeros.
-__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
+__device__ __forceinline__ void cp_async16(uint32_t d, const float* src, int src_bytes) {  // d: shared window
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
                : "memory");
+}
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
+  cp_async16(uint32_t(__cvta_generic_to_shared(dst)), src, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -726,7 +731,7 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   // the group being quantized) so the loop does no division and no 64-bit multiply for it.
   const int64_t row_step = int64_t(gridDim.x) * rows_per_cta;
   int64_t row = int64_t(blockIdx.x) * rows_per_cta + warp / tw;
-  // This warp's part of stage half it & 1; prefetch(r, b) starts the copies of row r into b.
+  // This warp's part of stage half it & 1; prefetch(r, h) starts the copies of row r into half h.
   auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
   // A warp whose runs lie inside the row (every warp of rows that are a multiple of its span, as
   // 8192 columns) copies from one address per row: chunk j of run k is at src + 128 j + 512 k and
@@ -735,38 +740,47 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   const bool whole = (blk0 + kRuns * kFastRunBlocks) * B <= cols;  // uniform over the warp
   const uint32_t src0 = uint32_t(blk0 * B + 4 * lane);
   const int dst0 = B * (lane / 4) + 4 * ((lane % 4) ^ ((lane / 8) & 3));
-  auto prefetch = [&](int64_t r, float* b) {
+  static_assert(B == 16, "read_run_at reads 16-value blocks");
+  const uint32_t read0 = read_run_address(half(0)), half_bytes = uint32_t(4 * warps * kWarpFloats);
+  // The calls go down the rows in order (row0, + row_step, ...): the whole-run copies take their
+  // source from a running pointer (two adds a row, where forming it took a 64-bit multiply) and
+  // their destination from one shared-window address kept in a register.
+  const float* next_src = p.x + row * p.cols + src0;
+  int64_t src_step = row_step * p.cols;
+  asm("mov.b64 %0, %0;" : "+l"(src_step));  // opaque: formed once
+  const uint32_t write0 = shared_address(half(0) + dst0);
+  auto prefetch = [&](int64_t r, int h) {  // h: the stage half
     const bool live = r < p.rows;
-    const float* xrow = p.x + (live ? r : 0) * p.cols;
     if (whole) {
-      const float* src = opaque_ptr(xrow) + src0;
+      const float* src = live ? next_src : p.x + src0;
+      const uint32_t dst = write0 + uint32_t(h) * half_bytes;
 #pragma unroll
       for (int k = 0; k < kRuns; ++k)
 #pragma unroll
         for (int j = 0; j < B / 4; ++j)
-          cp_async16(b + dst0 + k * kFastRunBlocks * B + 8 * B * j, src + k * kFastRunBlocks * B + 128 * j,
+          cp_async16(dst + uint32_t(4 * (k * kFastRunBlocks * B + 8 * B * j)), src + k * kFastRunBlocks * B + 128 * j,
                      live ? 16 : 0);
+      next_src += src_step;
     } else {
+      const float* xrow = p.x + (live ? r : 0) * p.cols;
 #pragma unroll
       for (int k = 0; k < kRuns; ++k)
-        prefetch_run<B>(b + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
+        prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
     }
   };
 
   unsigned nonfinite = 0, chose_four = 0;
   int64_t g = blockIdx.x;
-  if (g < groups) prefetch(row, half(0));
+  if (g < groups) prefetch(row, 0);
   cp_async_commit();
   const int64_t row0 = row;
-  static_assert(B == 16, "read_run_at reads 16-value blocks");
-  const uint32_t read0 = read_run_address(half(0)), half_bytes = uint32_t(4 * warps * kWarpFloats);
   unsigned lane_runs = 0;  // bit k: the lane's block of run k lies in the row
 #pragma unroll
   for (int k = 0; k < kRuns; ++k) lane_runs |= unsigned(blk0 + k * kFastRunBlocks + lane < p.nb) << k;
   int it = 0;
   for (; g < groups; ++it, g += gridDim.x, row += row_step) {  // uniform over the CTA
     __syncwarp();  // every lane has read the half the next prefetch overwrites
-    if (g + gridDim.x < groups) prefetch(row + row_step, half(it + 1));
+    if (g + gridDim.x < groups) prefetch(row + row_step, (it + 1) & 1);
     cp_async_commit();
     cp_async_wait_all_but_newest();
     __syncwarp();  // the whole warp's copies of group g have landed
