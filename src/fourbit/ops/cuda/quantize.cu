@@ -778,7 +778,20 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
 #pragma unroll
   for (int k = 0; k < kRuns; ++k) lane_runs |= unsigned(blk0 + k * kFastRunBlocks + lane < p.nb) << k;
   int it = 0;
-  for (; g < groups; ++it, g += gridDim.x, row += row_step) {  // uniform over the CTA
+  // (the loop: uniform over the CTA) kRuns 2: the row's codes and scales as running pointers (the lane's first block; formed-once
+  // steps), where every row took two 64-bit multiplies; kRuns 1 (64 registers) has no room for them
+  uint8_t* codes_row = nullptr;
+  uint8_t* scales_row = nullptr;
+  int64_t codes_step = 0, scales_step = 0;
+  if constexpr (kRuns > 1) {
+    codes_row = p.codes + row * (p.padded_cols / 2) + (blk0 + lane) * 8;
+    scales_row = p.scales + row * p.nb + blk0 + lane;
+    codes_step = row_step * (p.padded_cols / 2);
+    scales_step = row_step * p.nb;
+    asm("mov.b64 %0, %0;" : "+l"(codes_step));
+    asm("mov.b64 %0, %0;" : "+l"(scales_step));
+  }
+  for (; g < groups; ++it, g += gridDim.x, row += row_step, codes_row += codes_step, scales_row += scales_step) {
     __syncwarp();  // every lane has read the half the next prefetch overwrites
     if (g + gridDim.x < groups) prefetch(row + row_step, (it + 1) & 1);
     cp_async_commit();
@@ -854,8 +867,13 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
                                         num::Rounding::RNE, 0, 0, 0);
         chose_four += unsigned(out.chose_four);
       }
-      *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
-      p.scales[row * p.nb + blk] = out.scale;
+      if constexpr (kRuns > 1) {
+        *reinterpret_cast<uint64_t*>(codes_row + k * kFastRunBlocks * 8) = out.packed;
+        scales_row[k * kFastRunBlocks] = out.scale;
+      } else {
+        *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
+        p.scales[row * p.nb + blk] = out.scale;
+      }
     }
   }
   // values and blocks follow from the live iterations (rows grow with it: the first ones), as a
