@@ -417,7 +417,8 @@ int64_t compare_fos_bound_edges(uint32_t seed, int64_t* bounded, int64_t* in_six
     // the largest value: random, or k/2 * 2^-8 (block scales 0 .. 11 * 2^-9 on or between the
     // candidates' grids and their ties; k = 7: 7 * 2^-9 on the scale 2^-9)
     const float unit = std::ldexp(1.0f, -8) * c.s_dec;
-    const float top = t % 2 ? float(1 + g() % 64) * 0.5f * unit : std::ldexp(0.5f + 0.5f * float(g() % 4096) / 4096.0f, -int(g() % 12) - 3) * c.s_dec;
+    const float top = t % 2 ? float(1 + g() % 64) * 0.5f * unit
+                            : std::ldexp(0.5f + 0.5f * float(g() % 4096) / 4096.0f, -int(g() % 12) - 3) * c.s_dec;
     for (int i = 0; i < 16; ++i) {
       const float m = g() % 3 == 0 ? float(g() % 16) * 0.25f * unit : nd(g) * top * 0.4f;
       c.x[i] = std::fabs(m) > top ? top : m;
@@ -450,7 +451,8 @@ TEST(FastQuantNvfp4, FourOverSixUnclampedOnlyWhereBounded) {
   for (float& v : x) v = 7.0f * 0x1p-9f;
   const FosBlockScales s = fos_block_scales(x[0], 1.0f, fos_group(1.0f));
   EXPECT_FALSE(fos_bounded(x[0], s));
-  const Nvfp4Block want = nvfp4_quantize_block(x, 16, x[0], 1.0f, 1.0f, true, ScaleMetric::MSE, Rounding::RNE, 0, 0, 0);
+  const Nvfp4Block want =
+      nvfp4_quantize_block(x, 16, x[0], 1.0f, 1.0f, true, ScaleMetric::MSE, Rounding::RNE, 0, 0, 0);
   EXPECT_EQ(nvfp4_quantize_block_fast<true>(x, x[0], 1.0f, 1.0f).packed, want.packed);
   EXPECT_NE((fos_quantize_block<ScaleMetric::MSE, true>(x, s).packed), want.packed);
 }

@@ -338,9 +338,9 @@ FOURBIT_HD bool fos_bounded(float bound, const FosBlockScales& s) {
 // x's sign or is zero, and rounding is symmetric), so d^2 and |d| are the same floats, summed in
 // element order with the same float32 operations. Both candidates' magnitude codes are packed as
 // they are found (no values are kept for later, few registers live); the signs, common to both,
-// once, by byte moves (detail::sign_word). kBounded: the caller checked fos_bounded (no saturation clamp). SASS
-// (sm_90a, nvdisasm): 412 instructions a block (MSE): 12 per element and candidate (11 bounded),
-// ~1 per element for the signs, ~12 for the choice and the packing.
+// once, by byte moves (detail::sign_word). kBounded: the caller checked fos_bounded (no saturation
+// clamp). SASS (sm_90a, nvdisasm, MSE): 11 instructions per element and candidate bounded (12 with
+// the clamp), 7 per 8 elements for the signs, ~10 a block for the choice and the packing.
 template <ScaleMetric kMetric = ScaleMetric::MSE, bool kBounded = false>
 FOURBIT_HD Nvfp4Block fos_quantize_block(const float (&x)[16], const FosBlockScales& s) {
   const detail::FosCandidate c6 = s.c6, c4 = s.c4;
@@ -397,7 +397,8 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block_fast(const float (&x)[16], float bloc
       return nvfp4_quantize_block(copy, 16, block_amax, s_enc, s_dec, true, kMetric, Rounding::RNE, 0, 0, 0);
     }
     const FosBlockScales s = fos_block_scales(block_amax, s_enc, g);
-    return fos_bounded(block_amax, s) ? fos_quantize_block<kMetric, true>(x, s) : fos_quantize_block<kMetric>(x, s);
+    return fos_bounded(block_amax, s) ? fos_quantize_block<kMetric, true>(x, s)
+                                      : fos_quantize_block<kMetric>(x, s);
   }
 }
 

@@ -42,15 +42,16 @@
 // ~45-55 instructions per element (H200: ~33e12 thread-instructions/s over ~0.6-0.66e12
 // elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
-// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 35.2 for the
-// bench's 8192-column rows, was 43.9), MXFP8 RNE ~6 (hardware pair conversion), MXFP8 SR ~35
-// (Philox ~18 of them: 70 operations a call shared by 4 elements; ~10.7 in SASS, where each
-// 32x32 -> 64-bit product is one IMAD.WIDE), requantize_transposed 32.4 in SASS (was 46.9;
-// decode ~7, SR encode ~6, Philox ~10.7; its bound is ~18, see the kernel). Measured on an
-// H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio to a device copy; bench/results/
-// h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS instructions per element (ncu: 82% of
-// issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (now); NVFP4 per-token RNE 0.98; MXFP8 row RNE
-// 1.01, SR 0.68, Col axis 0.62; requantize_transposed 0.18 at 46.9 SASS per element, 0.23 at 32.4.
+// sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 32.2 for the
+// bench's 8192-column rows, measured in SASS, not yet on a GPU; was 35.2, 43.9), MXFP8 RNE ~6
+// (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70 operations a call shared by 4
+// elements; ~10.7 in SASS, where each 32x32 -> 64-bit product is one IMAD.WIDE),
+// requantize_transposed 32.4 in SASS (was 46.9; decode ~7, SR encode ~6, Philox ~10.7; its bound
+// is ~18, see the kernel). Measured on an H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio
+// to a device copy; bench/results/h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS
+// instructions per element (ncu: 82% of issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (32.2 now,
+// not yet measured); NVFP4 per-token RNE 0.98; MXFP8 row RNE 1.01, SR 0.68, Col axis 0.62;
+// requantize_transposed 0.18 at 46.9 SASS per element, 0.23 at 32.4.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -703,14 +704,17 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int c
 // Instructions per element, SASS of the sm_90a build (nvdisasm -gi; one thread's hot path
 // through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
 // elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
-// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 35.2 (was 40.0,
-// 49.1 before that), MAE 33.2, RNE 20.3; kRuns 1: Four Over Six MSE 40.3 (was 43.9, 57.4), MAE
-// 38.3, RNE 24.8 (was 26.0). kRuns 2, 4/6 MSE, 1127 instructions per iteration, per element: the
-// block quantizer 25.7 (12 per element and candidate, signs ~1, the choice and packing ~0.7), its
-// scales 1.7 (fos_block_scales: no division); prefetch 1.9 (one address per row, immediate
-// offsets), staging reads and block amax 1.9, team max, S_enc, S_dec and the encode-scale table
-// 2.3, stores and counters 0.9. ~38 is what a 75%-of-copy rate allows (the tile kernel's generic
-// numerics: 90-200). kRuns 2 holds 16 warps per SM (128 registers), kRuns 1 32 (64 registers),
+// even run count, as 8192 columns, see launch_nvfp4_row_fast), measured in SASS, not yet on a
+// GPU: Four Over Six MSE 32.2 (was 35.2, 40.0, 49.1), MAE 30.2 (was 33.2), RNE 19.6 (was 20.3);
+// kRuns 1: Four Over Six MSE 36.6 (was 40.3, 43.9, 57.4), MAE 34.6 (was 38.3), RNE 23.4 (was
+// 24.8, 26.0). kRuns 2, 4/6 MSE, 1031 instructions per iteration, per element: the block
+// quantizer 23.4 (11 per element and candidate, no saturation clamp where the run's fos_bounded
+// vote holds; signs 7/8, the choice and packing ~0.6), its scales and the vote 1.9
+// (fos_block_scales: no division), block amax 1.0; the rest 6.0: prefetch (a running source
+// pointer, immediate offsets), staging reads (one lane address kept), team max, S_enc, S_dec and
+// the encode-scale table, stores (running row pointers) and counters (values and blocks once,
+// after the loop). ~38 is what a 75%-of-copy rate allows (the tile kernel's generic numerics:
+// 90-200). kRuns 2 holds 16 warps per SM (128 registers), kRuns 1 32 (64 registers),
 // both with 64 KiB of copies in flight per SM.
 template <int kRuns, bool kFos, num::ScaleMetric kMetric>
 __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
@@ -758,8 +762,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
       for (int k = 0; k < kRuns; ++k)
 #pragma unroll
         for (int j = 0; j < B / 4; ++j)
-          cp_async16(dst + uint32_t(4 * (k * kFastRunBlocks * B + 8 * B * j)), src + k * kFastRunBlocks * B + 128 * j,
-                     live ? 16 : 0);
+          cp_async16(dst + uint32_t(4 * (k * kFastRunBlocks * B + 8 * B * j)),
+                     src + k * kFastRunBlocks * B + 128 * j, live ? 16 : 0);
       next_src += src_step;
     } else {
       const float* xrow = p.x + (live ? r : 0) * p.cols;
@@ -778,8 +782,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
 #pragma unroll
   for (int k = 0; k < kRuns; ++k) lane_runs |= unsigned(blk0 + k * kFastRunBlocks + lane < p.nb) << k;
   int it = 0;
-  // (the loop: uniform over the CTA) kRuns 2: the row's codes and scales as running pointers (the lane's first block; formed-once
-  // steps), where every row took two 64-bit multiplies; kRuns 1 (64 registers) has no room for them
+  // kRuns 2: the row's codes and scales through running pointers (the lane's first block; steps
+  // formed once), where every row took two 64-bit multiplies; kRuns 1 (64 registers) has no room.
   uint8_t* codes_row = nullptr;
   uint8_t* scales_row = nullptr;
   int64_t codes_step = 0, scales_step = 0;
@@ -791,7 +795,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     asm("mov.b64 %0, %0;" : "+l"(codes_step));
     asm("mov.b64 %0, %0;" : "+l"(scales_step));
   }
-  for (; g < groups; ++it, g += gridDim.x, row += row_step, codes_row += codes_step, scales_row += scales_step) {
+  for (; g < groups;  // uniform over the CTA
+       ++it, g += gridDim.x, row += row_step, codes_row += codes_step, scales_row += scales_step) {
     __syncwarp();  // every lane has read the half the next prefetch overwrites
     if (g + gridDim.x < groups) prefetch(row + row_step, (it + 1) & 1);
     cp_async_commit();
@@ -799,7 +804,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     __syncwarp();  // the whole warp's copies of group g have landed
     float v[kRuns][B];
 #pragma unroll
-    for (int k = 0; k < kRuns; ++k) read_run_at(read0 + (it & 1) * half_bytes, 4 * k * kFastRunBlocks * B, v[k]);
+    for (int k = 0; k < kRuns; ++k)
+      read_run_at(read0 + (it & 1) * half_bytes, 4 * k * kFastRunBlocks * B, v[k]);
     const bool live = row < p.rows;
 
     // Block amaxes (max_abs_finite), non-finite counts, the row amax (bits: order-free, exact).
@@ -1597,7 +1603,7 @@ void launch_nvfp4_row_fast(const FastRowParams& f, int64_t groups, int threads, 
 // 8 warps of 2 runs), else one; as many warps as that needs (a team of up to 16: one CTA); rows
 // of up to 4 warps share a CTA (of at most 256 threads). Two runs spread the row's fixed work
 // (prefetch, staging, team max, S_enc, S_dec, the encode-scale table) over twice the elements:
-// Four Over Six, 8192 columns, 35.2 SASS instructions per element against 40.3 with one run (see
+// Four Over Six, 8192 columns, 32.2 SASS instructions per element against 36.6 with one run (see
 // nvfp4_row_fast_kernel), for 16 resident warps per SM instead of 32 (128 registers; the same
 // 64 KiB of copies in flight per SM). The RNE path, memory-bound already, keeps one run.
 void launch_nvfp4_row_fast(FastRowParams f, bool fos, num::ScaleMetric metric) {
