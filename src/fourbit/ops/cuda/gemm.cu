@@ -558,6 +558,8 @@ DecodeJob decode_job(const QTensor& q, int64_t k_eff, Tensor& out) {
           q.code_row_bytes(), k_eff, out.data<__nv_bfloat16>(), 0};
 }
 
+// op as a dense cuBLASLt operand: dense ones in place or converted/padded, block-scaled ones by the
+// generic decode (FP32, or BF16 where decode8 does not apply: BatchDecoder::get takes the rest).
 Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   Materialized m;
   const int64_t R = op.rows();
@@ -565,9 +567,7 @@ Materialized materialize(const Operand& op, int64_t k_eff, bool as_f32) {
   if (const QTensor* q = op.q()) {
     m.owned = Tensor::empty({R, k_eff}, as_f32 ? DType::F32 : DType::BF16, Device::CUDA);
     const unsigned g = grid_for(R * q->blocks_per_row(), 256);
-    if (!as_f32 && decodes_x8(*q, k_eff) && reinterpret_cast<uintptr_t>(m.owned.raw()) % 16 == 0)
-      launch_decodes_x8(q->fmt, {decode_job(*q, k_eff, m.owned)});
-    else if (as_f32)
+    if (as_f32)
       decode_blocks_kernel<float><<<g, 256, 0, stream()>>>(q->codes.data<uint8_t>(), q->block_scales.data<uint8_t>(), R,
                                               q->blocks_per_row(), q->code_row_bytes(), q->block(), int(q->fmt),
                                               k_eff, m.owned.data<float>());
