@@ -292,9 +292,10 @@ Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d) {
   return D;
 }
 
-// The materialized backward: scores, dP, P and dS in memory, five batched GEMMs.
+// The materialized backward: scores, dP, P and dS in memory, five batched GEMMs; dq, and dK, dV
+// per q head (dkh, dvh [B, Hq, S, hd]), as flash_attention_backward gives them.
 void materialized_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
-                           const Tensor& D, Tensor& dq, Tensor& dk, Tensor& dv) {
+                           const Tensor& D, Tensor& dq, Tensor& dkh, Tensor& dvh) {
   const Dims d = check_dims(q, k, v, "attention_backward");
   const int64_t BH = d.B * d.Hq;
   const float scale = float(1.0 / std::sqrt(double(d.hd)));
@@ -318,7 +319,6 @@ void materialized_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
         p.data<__nv_bfloat16>(), ds.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
   // dV_h[bh] = P^T dO: C[s, d] = sum_t P[t, s] dO[t, d]  (A = P stored [K=T, M=S], B = dO stored [K=T, N=hd])
-  Tensor dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{p.raw(), true, d.S, d.T * d.S}, MatmulOperand{doh.raw(), true, d.hd, d.T * d.hd},
             dvh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
   // dQ_h = dS K: C[t, d] = sum_s dS[t, s] K[s, d]  (B = K stored [K=S, N=hd])
@@ -326,10 +326,21 @@ void materialized_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
   matmul_nt(MatmulOperand{ds.raw(), false, d.S, d.T * d.S}, MatmulOperand{kh.raw(), true, d.hd, d.S * d.hd},
             dqh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
   // dK_h = dS^T Q: C[s, d] = sum_t dS[t, s] Q[t, d]
-  Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
   matmul_nt(MatmulOperand{ds.raw(), true, d.S, d.T * d.S}, MatmulOperand{qh.raw(), true, d.hd, d.T * d.hd},
             dkh.raw(), d.hd, d.S * d.hd, d.S, d.hd, d.T, int(BH), CUDA_R_16BF, 1.0f, 0.0f);
   launch_from_heads(dqh, d.B, d.T, d.Hq, d.hd, dq);
+}
+
+// Both paths' backward: D, then the fused kernels (when `fused` and they take the shape) or the
+// materialized path, then each group's per-head dK, dV summed in head order.
+void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+              const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool fused) {
+  const Dims d = check_dims(q, k, v, "attention_backward");
+  const Tensor D = rowdot(dout, out, d);
+  Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA),
+         dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
+  if (!(fused && flash_attention_backward(dout, q, k, v, lse, D, dq, dkh, dvh)))
+    materialized_backward(dout, q, k, v, lse, D, dq, dkh, dvh);
   launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
   launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
 }
@@ -367,20 +378,12 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   if (dout.shape() != q.shape() || out.shape() != q.shape() || dq.shape() != q.shape() || dk.shape() != k.shape() ||
       dv.shape() != v.shape())
     fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
-  const Tensor D = rowdot(dout, out, d);
-  Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA),
-         dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
-  if (!flash_attention_backward(dout, q, k, v, lse, D, dq, dkh, dvh)) {
-    materialized_backward(dout, q, k, v, lse, D, dq, dk, dv);
-    return;
-  }
-  launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
-  launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
+  backward(dout, q, k, v, out, lse, dq, dk, dv, true);
 }
 
 void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
-  materialized_backward(dout, q, k, v, lse, rowdot(dout, out, check_dims(q, k, v, "attention_backward")), dq, dk, dv);
+  backward(dout, q, k, v, out, lse, dq, dk, dv, false);
 }
 
 }  // namespace fourbit::ops::cuda
