@@ -97,11 +97,11 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
 std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
                                        GemmRole role, char side, const std::vector<ops::RngKey>& rngs,
                                        LayerClass cls, QuantLog* log) {
-  std::vector<Prepared> out(rngs.size());
+  std::vector<Prepared> out(offsets.size() - 1);
   const bool dense = spec.fmt == Format::F32 || spec.fmt == Format::BF16;
   std::vector<QTensor> qs;
   Prepared whole;
-  if (dense) whole = prepare(t, spec, role, side, rngs.empty() ? ops::RngKey{} : rngs[0], cls, nullptr);
+  if (dense) whole = prepare(t, spec, role, side, ops::RngKey{}, cls, nullptr);  // F32/BF16 draw no bits
   else qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), rngs);
   for (size_t e = 0; e < out.size(); ++e) {
     const int64_t b = offsets[e], end = offsets[e + 1];

@@ -37,6 +37,10 @@ bool wgrad_reuses_fwd(const LayerRecipe& r) {
   return !r.fprop.a.quantized() && !r.wgrad.b.quantized() && r.fprop.a.fmt == r.wgrad.b.fmt;
 }
 
+// Whether the weight gradient's input operand comes from the forward's saved one (requantized,
+// or reused as it is) rather than from the raw activations.
+bool wgrad_from_saved_fwd(const LayerRecipe& r) { return r.requant_saved_sr || wgrad_reuses_fwd(r); }
+
 int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 
 }  // namespace
@@ -97,7 +101,7 @@ struct ModelRunner {
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, int site) {
     LinearInput in;
     in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', rng(site), cls, log);
-    if (!r.requant_saved_sr && !wgrad_reuses_fwd(r))
+    if (!wgrad_from_saved_fwd(r))
       in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', rng(site + 1), cls, log);
     return in;
   }
@@ -282,7 +286,7 @@ struct ModelRunner {
     // then gather the packed rows into expert order.
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
-    const bool wgrad_from_fwd = r.requant_saved_sr || wgrad_reuses_fwd(r);
+    const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     Tensor xn_perm;
     if (r.fprop.a.quantized()) {
       const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
@@ -392,7 +396,7 @@ struct ModelRunner {
     const std::vector<Prepared> dyt =
         prepare_segments(dy_perm, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDy + 1), cls, log);
     const std::vector<Prepared> a_wgrad =
-        r.requant_saved_sr || wgrad_reuses_fwd(r)
+        wgrad_from_saved_fwd(r)
             ? wgrad_inputs(in.pa, {}, r, cls, kSiteMoeWgradA, plan.offsets)
             : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(kSiteMoeWgradA), cls,
                                log);
