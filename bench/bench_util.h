@@ -1,5 +1,5 @@
 // defines: median_seconds, BenchTable
-// Shared helpers for the CPU benchmarks: median wall time of repeated runs, and a table printer
+// Shared helpers for the benchmarks: median wall time of repeated runs, and a table printer
 // that also writes the rows as JSON (bench/results/). Ratios are always against a baseline
 // measured in the same process, because these machines are noisy.
 #pragma once

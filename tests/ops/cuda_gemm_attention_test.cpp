@@ -240,9 +240,10 @@ TEST(CudaAttention, SequenceAloneEqualsSequenceInBatch) {
   EXPECT_EQ(0, std::memcmp(one.data<float>(), all.data<float>() + 3 * T * Hq * hd, size_t(T * Hq * hd) * 4));
 }
 
+namespace {
+
 bool same_bits(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
-  return x.shape() == y.shape() && std::memcmp(x.raw(), y.raw(), size_t(x.numel()) * 4) == 0;
+  return a.shape() == b.shape() && optest::bitwise_equal(a.to(Device::CPU), b.to(Device::CPU));
 }
 
 // lse rows t0 .. t0+n-1 of every (b, h) of a [B, H, T] tensor, as [B, H, n].
@@ -253,6 +254,8 @@ Tensor lse_rows(const Tensor& lse, int64_t t0, int64_t n) {
   for (int64_t i = 0; i < BH; ++i) out.view(i * n, {n}).copy_from(h.view(i * T + t0, {n}));
   return out;
 }
+
+}  // namespace
 
 TEST(CudaAttention, SequenceBackwardAloneEqualsInBatch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";

@@ -1,4 +1,5 @@
-// defines: Prepared, prepare, prepare_segments, requantize_saved_segments, GemmSite, QuantLog, SrStreams
+// defines: Prepared, prepare, prepare_segments, requantize_saved, requantize_saved_segments, gemm, grouped_gemm,
+//          QuantLog, SrStreams
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,

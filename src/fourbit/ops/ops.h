@@ -114,7 +114,8 @@ struct GemmJob {
 // ops::gemm for every job, bit for bit. The jobs are independent: no output may overlap another
 // job's output or operands; an operand may appear in several jobs (a MoE layer's experts'
 // weight-gradient GEMMs, W1 and W3 sharing X). The CUDA backend decodes each distinct quantized
-// operand once, all of them in one launch per format, and spreads the GEMMs over the GPU lanes.
+// operand once (NVFP4/MXFP8 with K a multiple of 8: up to 32 of a format in one launch; others one
+// by one) and spreads the GEMMs over the GPU lanes.
 void gemm_batch(const std::vector<GemmJob>& jobs);
 
 // Whether GEMMs on `device` may take NVFP4 x NVFP4 and MXFP8 x MXFP8 operands packed, on
@@ -123,7 +124,7 @@ void gemm_batch(const std::vector<GemmJob>& jobs);
 // order.
 bool native_block_scaled_gemm(Device device);
 
-// Independent pieces of GPU work (one MoE expert's GEMMs and quantizations) run concurrently:
+// Independent pieces of GPU work (the CUDA gemm_batch's and grouped_gemm's GEMMs) run concurrently:
 // work issued after use(i) goes to lane i % n, the destructor joins every lane into the default
 // stream (device_memory.h). Each piece must write its own outputs; results are the same bits as
 // issuing the pieces one after the other. Does nothing on the CPU, or inside other lanes (the

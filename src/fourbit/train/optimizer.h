@@ -15,7 +15,8 @@ double lr_at(const TrainConfig& t, int64_t step);
 class Optimizer {
  public:
   Optimizer(ParamStore& params, const TrainConfig& t);
-  // Clips the gradients in place and updates the parameters; returns the pre-clip global norm.
+  // Updates the parameters with the gradients clipped inside the update (the gradient tensors are
+  // left as they are); returns the pre-clip global norm.
   double step(int64_t step_index);  // step_index: 0-based optimizer step
   Tensor& m() { return m_; }
   Tensor& v() { return v_; }

@@ -744,6 +744,10 @@ bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, in
   return true;
 }
 
+// Streams for the independent GEMMs of gemm_batch and grouped_gemm: a MoE layer's per-expert GEMMs
+// (~1000 rows each on gpu-small) fill a fraction of the H200's 132 SMs apiece, so four run at once.
+constexpr int kGemmLanes = 4;
+
 // FP32 when a dense FP32 operand is involved (fp32 recipe, router); BF16 tensor cores otherwise.
 bool runs_f32(const Operand& a, const Operand& b) { return is_dense_f32(a) || is_dense_f32(b); }
 
@@ -821,7 +825,7 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
     ops.emplace_back(&A, &dec.get(j.b, k_eff, f32));
   }
   dec.run();
-  Lanes lanes(Device::CUDA, 4);
+  Lanes lanes(Device::CUDA, kGemmLanes);
   for (size_t i = 0; i < jobs.size(); ++i) {
     lanes.use(int64_t(i));
     run_gemm(jobs[i].a, jobs[i].b, ops[i].first, ops[i].second, *jobs[i].c, jobs[i].accumulate);
@@ -868,7 +872,7 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   dec.run();
   const size_t elem = f32 ? 4 : 2;
   {
-    Lanes lanes(Device::CUDA, 4);
+    Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;
       if (rows == 0) continue;
