@@ -1,4 +1,4 @@
-// defines: fma_rn, fabs_hd, max_abs_nan, byte_perm, byte_perm_msb, e2m1_rne_magnitude, e2m1_magnitude_code,
+// defines: fma_rn, fabs_hd, max_abs_nan, byte_perm, byte_perm_msb, select_bits, e2m1_rne_magnitude, e2m1_magnitude_code,
 //          e2m1_decode_fast, Nvfp4DecodeWord, ue4m3_encode_fast, e4m3_decode_fast, ue4m3_decode_fast,
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
 //          FosBlockScales, fos_block_scales, fos_bounded, fos_quantize_block, nvfp4_quantize_block_fast,
@@ -82,6 +82,17 @@ FOURBIT_HD uint32_t byte_perm_msb(uint32_t a, uint32_t b, uint32_t s) {
   return r;
 #else
   return byte_perm_emulated(a, b, s);
+#endif
+}
+
+// (a & mask) | (b & ~mask): one LOP3 on the device (ptxas, seeing its callers' masks, made two).
+FOURBIT_HD uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint32_t w;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(a), "r"(b), "r"(mask));
+  return w;
+#else
+  return (a & mask) | (b & ~mask);
 #endif
 }
 
@@ -218,7 +229,8 @@ FOURBIT_HD FosGroup fos_group(float s_dec) {
   g.sd = mul_rn(s_dec, 0x1p26f);
   g.exact = s_dec >= 0x1p-100f && s_dec <= 0x1p13f;
   auto entry = [s_dec](uint32_t k) {
-    const float m = 1.0f + float(k) * 0.125f;  // bits: 127 << 23 | k << 20
+    const float m = 1.0f + float(k) * 0.125f;  // bits: 127 << 23 | k << 20 (taken from m: two fewer
+                                                // SASS instructions a row than k << 20)
     return bits_of(nvfp4_enc_scale_fast(m, s_dec)) + (bits_of(m) - (127u << 23)) + (23u << 23);
   };
 #if defined(__CUDA_ARCH__)
@@ -233,23 +245,18 @@ namespace detail {
 // Element i's E2M1 code at its place in a 32-bit word of 8 packed codes (element 2k in the low
 // nibble of byte k), in two parts: the magnitude code of a grid value v (v * 2^-126 holds it in
 // bits 22..24) and the sign bit, which is x's (the sign of x * enc, enc > 0, zeros included).
-FOURBIT_HD uint32_t e2m1_magnitude_at(float v, int i) {
-  const uint32_t c22 = bits_of(mul_rn(v, 0x1p-126f));
-  const int s = 4 * (i % 8);
-  return s <= 22 ? c22 >> (22 - s) : c22 << (s - 22);
-}
-FOURBIT_HD uint32_t e2m1_sign_at(float x, int i) {
-  const int s = 4 * (i % 8) + 3;
-  return (bits_of(x) >> (31 - s)) & (1u << s);
-}
-FOURBIT_HD uint64_t words(const uint32_t (&w)[2]) { return uint64_t(w[0]) | (uint64_t(w[1]) << 32); }
-
 // A magnitude code held at bits 22..24 (as e2m1_magnitude_code's product), moved to element i's
 // nibble of a word: the fields do not overlap, so callers add (one shift-and-add on the GPU).
 FOURBIT_HD uint32_t code22_at(uint32_t c22, int i) {
   const int s = 4 * (i % 8);
   return s <= 22 ? c22 >> (22 - s) : c22 << (s - 22);
 }
+FOURBIT_HD uint32_t e2m1_magnitude_at(float v, int i) { return code22_at(bits_of(mul_rn(v, 0x1p-126f)), i); }
+FOURBIT_HD uint32_t e2m1_sign_at(float x, int i) {
+  const int s = 4 * (i % 8) + 3;
+  return (bits_of(x) >> (31 - s)) & (1u << s);
+}
+FOURBIT_HD uint64_t words(const uint32_t (&w)[2]) { return uint64_t(w[0]) | (uint64_t(w[1]) << 32); }
 
 // The signs of elements 0..7 of x, element i's at bit 4i + 3 (with the nibble's other bits: callers
 // mask with 0x88888888), by byte moves: sign-replicated top bytes (0x00 or 0xFF) of elements 0, 2,
@@ -259,13 +266,7 @@ FOURBIT_HD uint32_t sign_word(const float* x) {
   auto pair = [](float a, float b) { return byte_perm_msb(bits_of(a), bits_of(b), 0xfbfbu); };  // [a, b, a, b]
   const uint32_t e = byte_perm(pair(x[0], x[2]), pair(x[4], x[6]), 0x5410u);
   const uint32_t o = byte_perm(pair(x[1], x[3]), pair(x[5], x[7]), 0x5410u);
-#if defined(__CUDA_ARCH__)
-  uint32_t w;  // one LOP3 (the compiler, seeing the callers' mask, made it two)
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(e), "r"(o), "r"(0x0f0f0f0fu));
-  return w;
-#else
-  return (e & 0x0f0f0f0fu) | (o & 0xf0f0f0f0u);
-#endif
+  return select_bits(0x0f0f0f0fu, e, o);
 }
 
 // One Four Over Six candidate (block scale sc, its encode scale enc, the group's S_dec), in a
@@ -511,7 +512,7 @@ FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd) {
 //  - the sign: bit 31 of x's bits. Byte moves (PRMT) gather the four z's and the four x's top
 //    bytes, one LOP3 merges them under the mask 0x7f7f7f7f.
 struct E4m3SrWords {
-  static constexpr uint32_t kNormalBits = 113u << 23;  // 2^-14: 2^-6 (E4M3's smallest normal) * 2^-8
+  static constexpr uint32_t kNormalBits = Mxfp8Sr<4>::kMinNormalBits - (8u << 23);  // E4M3's smallest normal * 2^-8
 
   static FOURBIT_HD float x_scale8(uint8_t scale) { return pow2f(119 - int(scale)); }
   static FOURBIT_HD uint32_t scaled(float x, float x_scale8) { return bits_of(mul_rn(fabs_hd(x), x_scale8)); }
@@ -523,13 +524,7 @@ struct E4m3SrWords {
                                   uint32_t xb1, uint32_t xb2, uint32_t xb3) {
     const uint32_t codes = byte_perm(byte_perm(z0, z1, 0x0073u), byte_perm(z2, z3, 0x7300u), 0x7610u);
     const uint32_t signs = byte_perm(byte_perm(xb0, xb1, 0x0073u), byte_perm(xb2, xb3, 0x7300u), 0x7610u);
-#if defined(__CUDA_ARCH__)
-    uint32_t w;  // (codes & 0x7f7f7f7f) | (signs & ~0x7f7f7f7f) as one LOP3 (ptxas made it two)
-    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(w) : "r"(codes), "r"(signs), "r"(0x7f7f7f7fu));
-    return w;
-#else
-    return (codes & 0x7f7f7f7fu) | (signs & 0x80808080u);
-#endif
+    return select_bits(0x7f7f7f7fu, codes, signs);
   }
 };
 
