@@ -28,15 +28,15 @@ src_dir = os.path.join(here, '..', 'src/fourbit')
 # Per kernel: mangled-name suffix, elements per counted path, loop (one iteration) or straight
 # (entry to EXIT), and the cold source: (file, first-line substring, last-line substring or None)
 # marks those lines (a one-line match, or the range from the first match to the next match of
-# the second); (file, line) pairs and "file>line" (every line past it) are also accepted.
+# the second); "file>marker" marks every line after the one holding marker, and a bare file name
+# the whole file.
 if args[1] == 'requantize_transposed':
     qcu = args[2] if len(args) > 2 else os.path.join(src_dir, 'ops/cuda/quantize.cu')
-    name = 'requantize_transposed_kernel'
     key, per, mode = 'requantize_transposed_kernelENS2_13RequantParams', 32, 'straight'
     cold_spec = [
         ('quantize.cu', 'for (int b = 0; b < 2; ++b) {  // unrolled: words stays', 'words[2 * b] = uint32_t(packed)'),
         ('quantize.cu', 'for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;', None),
-        ('quantize.cu', '} else {  // |S_dec| >= 2^120', 'num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);'),
+        ('quantize.cu', '} else {  // |S_dec| >= 2^120', 'num::nvfp4_dequant('),
         ('quantize.cu', 'a = finite_amax_counting(v, nonfinite);', 'Rounding::SR, p.seed'),
         ('quantize.cu', 'w[g] = mxfp8_sr_word<kExpBits, true>(y, g, r);', None),
         ('quantize.cu', '// a value below E4M3\'s smallest normal (rare)', 'mxfp8_sr_block<4>(x, num::pow2f(127'),
@@ -58,7 +58,7 @@ else:
         ('quantize.cu', 'copy[i] = v[k][i]', None),
         ('quantize.cu', 'out = num::nvfp4_quantize_block(copy', None),
         ('quantize.cu', 'prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow', None),
-        'minifloat.h', 'nvfp4.h>24',
+        'minifloat.h', 'nvfp4.h>// s_b = E4M3_rne_satfinite',
     ]
     # the clamped Four Over Six quantizer (runs holding a subnormal block scale, see fos_bounded):
     # ptxas gives most of its lines to the unclamped copy's, so it is told by its clamp at
@@ -87,8 +87,10 @@ cold_lines, cold_after, cold_files = set(), {}, set()
 for spec in cold_spec:
     if isinstance(spec, str):
         if '>' in spec:
-            f, ln = spec.split('>')
-            cold_after[f] = int(ln)
+            f, marker = spec.split('>', 1)
+            hits = [i for i, l in enumerate(lines_of(f)) if marker in l]
+            if not hits: raise SystemExit(f'cold marker not found in {f}: {marker!r}')
+            cold_after[f] = hits[0] + 1  # the marker's line number (1-based): the lines after it
         else:
             cold_files.add(spec)
         continue

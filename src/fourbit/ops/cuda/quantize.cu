@@ -16,7 +16,7 @@
 //    RHT, RNE or SR, float4-loadable input): register-resident, one pass; a warp loads runs of
 //    32 blocks with coalesced 16-byte loads, each lane then owns one block of each run and
 //    quantizes it with fast_quant.h (see the section comment).
-//  - quantize_tile_kernel (everything else; 256 threads a CTA): one CTA per storage tile (trows
+//  - quantize_tile_kernel (every other spec; 256 threads a CTA): one CTA per storage tile (trows
 //    x tcols, tcols a multiple of the block) staged in shared memory. Blocks are stored B+1
 //    floats apart, so "one thread owns a block" reads (the numerics read a block in element
 //    order) hit 32 different banks.
@@ -31,8 +31,12 @@
 //  - Other NVFP4 outer scales: an amax pre-pass (amax_segments_kernel over contiguous groups,
 //    or quantize_tile_kernel in amax mode behind an RHT or for column groups), then
 //    outer_scale_kernel, then the tile kernel (two reads of the input are unavoidable).
-//  - requantize_transposed_kernel: NVFP4 tile -> exact decode into shared memory, transposed ->
-//    MXFP8 E4M3 RCEIL + SR blocks along the old rows with fast_quant.h, in one kernel.
+//  - mxfp8_col_fast_kernel (MXFP8, Col axis, no RHT, up to kColSegsPerLaunch row segments with
+//    their own SR keys a launch: quantize and quantize_segments): the Col-axis counterpart of
+//    the row kernel; quantize_tile_kernel takes the remaining Col-axis specs.
+//  - requantize_transposed_kernel (requantize_segments_kernel: up to kReqSegsPerLaunch slices of
+//    one tensor a launch): NVFP4 tile -> exact decode into shared memory, transposed -> MXFP8
+//    E4M3 RCEIL + SR blocks along the old rows with fast_quant.h, in one kernel.
 //  - dequant_tile_kernel: decode a storage tile into shared memory, undo the RHT, write the
 //    logical layout with coalesced (float4) stores.
 // Where the time goes. The tile kernels with the generic numerics are instruction-bound (ncu on
@@ -669,7 +673,8 @@ __device__ __forceinline__ void cp_async_wait_all_but_newest() {
 }
 
 // load_run + the stores of stage_run in one: the loads go straight into the swizzled shared buffer
-// (same layout and lane assignment, columns past cols zero-filled); read_run then takes them out.
+// (same layout and lane assignment, columns past cols zero-filled); read_run (read_run_at for the
+// NVFP4 kernel) then takes them out.
 // Columns are 32-bit (rows of at most kFusedMaxCols) and the row pointer is formed once, opaque to
 // the compiler (which would otherwise redo the row's 64-bit offset arithmetic for every chunk): a
 // source address is then one wide multiply-add. A column past the row reads nothing (zero fill)
@@ -738,8 +743,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
   auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
   // A warp whose runs lie inside the row (every warp of rows that are a multiple of its span, as
   // 8192 columns) copies from one address per row: chunk j of run k is at src + 128 j + 512 k and
-  // lands at dst + 128 j + 512 k (the swizzle (b >> 1) & 3 of block b = lane / 4 + 8 j does not
-  // depend on j), so the copies take immediate offsets and no per-chunk bounds checks.
+  // lands at dst + 128 j + 512 k (the swizzle of block b = lane / 4 + 8 j does not depend on j),
+  // so the copies take immediate offsets and no per-chunk bounds checks.
   const bool whole = (blk0 + kRuns * kFastRunBlocks) * B <= cols;  // uniform over the warp
   const uint32_t src0 = uint32_t(blk0 * B + 4 * lane);
   const int dst0 = B * (lane / 4) + 4 * ((lane % 4) ^ ((lane / 8) & 3));
@@ -934,8 +939,8 @@ __device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlo
 
 // MXFP8 (E4M3 or E5M2; RCEIL or floor scales), RNE or SR, on the Row axis: one warp per run of
 // 32 blocks, each lane quantizing one block with mxfp8_fast_block (SR counter = padded storage
-// index, as the generic block quantizer draws them). Instructions per element (PTX): ~6 for RNE,
-// ~35 for SR (~18 of them Philox), against the ~50 a 75%-of-copy rate allows.
+// index, as the generic block quantizer draws them). Instructions per element: ~6 for RNE (PTX),
+// ~35 for SR (PTX; Philox ~10.7 of them in SASS), against the ~50 a 75%-of-copy rate allows.
 template <int kExpBits, bool kSR>
 __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastRowParams p) {
   constexpr int B = num::kMxBlock;
@@ -1306,12 +1311,12 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
 #pragma unroll
           for (int e = 0; e < 16; ++e) dst[(16 * b + e) * kReqRs] = d.at(words[2 * b + e / 8], e % 8);
         }
-      } else {  // |S_dec| >= 2^120: e2m1_decode_fast and the two products as written
+      } else {  // |S_dec| >= 2^120: nvfp4_dequant itself (a rolled loop: the selects keep words in registers)
         for (int b = 0; b < nblk; ++b) {
-          const float sc = num::ue4m3_decode_fast(p.dec.scales[row * p.dec.nb + blk0 + b]);
+          const uint8_t sb = p.dec.scales[row * p.dec.nb + blk0 + b];
           for (int e = 0; e < 16; ++e) {
             const uint32_t code = (b == 0 ? (e < 8 ? words[0] : words[1]) : (e < 8 ? words[2] : words[3])) >> (4 * (e % 8));
-            dst[(16 * b + e) * kReqRs] = num::mul_rn(num::mul_rn(num::e2m1_decode_fast(code), sc), s_dec);
+            dst[(16 * b + e) * kReqRs] = num::nvfp4_dequant(code & 0xFu, sb, s_dec);
           }
         }
       }
@@ -1637,8 +1642,8 @@ void launch_mxfp8_row_fast(FastRowParams f, bool e5m2, bool sr) {
   });
 }
 
-// The Col-axis MXFP8 kernel over row segments of x [*, cols] (x_rows[i] = the segment's first
-// row), kColSegsPerLaunch segments a launch. out[i] is segment i's QTensor (allocated).
+// The Col-axis MXFP8 kernel over row segments of x [*, cols] (segs[i].x_row0 = the segment's first
+// row), kColSegsPerLaunch segments a launch; segs[i].q is segment i's (allocated) QTensor.
 struct ColSegmentOut {
   int64_t x_row0, rows;  // the segment's rows of x
   const QTensor* q;      // its storage (one QTensor, or one slice's view)
