@@ -207,12 +207,6 @@ __device__ __forceinline__ void store_row(float* row, const float (&acc)[N][4], 
 struct FaDims {
   int B, T, S, Hq, Hkv, pos0;
   float scale;
-  // Element offsets of head h's rows in sequence b: of q, dO, O ([B, T, Hq, hd], row stride
-  // Hq * hd), of K, V ([B, S, Hkv, hd]), and of lse, D ([B, Hq, T]).
-  __device__ int64_t q_head(int b, int h, int hd) const { return (int64_t(b) * T * Hq + h) * hd; }
-  __device__ int64_t kv_head(int b, int hk, int hd) const { return (int64_t(b) * S * Hkv + hk) * hd; }
-  __device__ int64_t row_head(int b, int h) const { return (int64_t(b) * Hq + h) * T; }
-  __device__ int kv_head_of(int h) const { return h / (Hq / Hkv); }
 };
 
 // The K and V rows of one (sequence, kv head) as a stream of double-buffered 64-key tiles: key
@@ -230,8 +224,8 @@ struct KvTiles {
 
   __device__ KvTiles(const __nv_bfloat16* k_all, const __nv_bfloat16* v_all, const FaDims& d, int b, int hk,
                      int last_key, __nv_bfloat16 (*ks_)[kTile], __nv_bfloat16 (*vs_)[kTile])
-      : k(k_all + d.kv_head(b, hk, HD)),
-        v(v_all + d.kv_head(b, hk, HD)),
+      : k(k_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
+        v(v_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
         stride(int64_t(d.Hkv) * HD),
         S(d.S),
         blocks(last_key / kFaBlock + 1),
@@ -261,11 +255,11 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
   auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + kTile);
   auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + 3 * kTile);
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
-  const int h = blockIdx.y, b = blockIdx.z, hk = d.kv_head_of(h);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const KvTiles<HD> kv(k, v, d, b, hk, min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1)), ks, vs);
 
-  load_tile_async<HD>(q + d.q_head(b, h, HD), int64_t(d.Hq) * HD, t0, d.T, qs);
+  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
   kv.load(0);
   cp_async_commit();
   cp_async_wait_all();
@@ -325,8 +319,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
     const int t = t0 + warp_row + frag_row(i);
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
-    store_row(out + d.q_head(b, h, HD) + int64_t(t) * d.Hq * HD, o, i, sum);
-    if ((threadIdx.x & 3) == 0) lse[d.row_head(b, h) + t] = m[i] + logf(sum);
+    store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, sum);
+    if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] + logf(sum);
   }
 }
 
@@ -385,14 +379,14 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
   auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem);
   auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem + 2 * kTile * sizeof(__nv_bfloat16));
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int h = blockIdx.y, b = blockIdx.z, hk = d.kv_head_of(h);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD;
   const KvTiles<HD> kv(k, v, d, b, hk, min(d.T - 1, t0 + kFaBlock - 1), ks, vs);
 
   // Q and dO fragments, staged through buffer 1, while key block 0 lands in buffer 0
-  load_tile_async<HD>(q + d.q_head(b, h, HD), q_stride, t0, d.T, ks[1]);
-  load_tile_async<HD>(dout + d.q_head(b, h, HD), q_stride, t0, d.T, vs[1]);
+  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, ks[1]);
+  load_tile_async<HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, vs[1]);
   kv.load(0);
   cp_async_commit();
   uint32_t qa[KS][4], da[KS][4];
@@ -402,7 +396,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     t[i] = t0 + warp_row + frag_row(i);
-    const int64_t r = d.row_head(b, h) + min(t[i], d.T - 1);
+    const int64_t r = (int64_t(b) * d.Hq + h) * d.T + min(t[i], d.T - 1);
     row_lse[i] = lse[r];
     row_d[i] = D[r];
   }
@@ -428,7 +422,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (t[i] >= d.T) continue;
-    store_row(dq + d.q_head(b, h, HD) + t[i] * q_stride, acc, i);
+    store_row(dq + (int64_t(b) * d.T + t[i]) * q_stride + int64_t(h) * HD, acc, i);
   }
 }
 
@@ -451,13 +445,13 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
   auto q_lse = reinterpret_cast<float(*)[kFaBlock]>(kt + 6 * kTile);
   auto q_d = q_lse + 2;
   const int kb = blockIdx.x;  // the most work first: key block 0 sees every query block
-  const int h = blockIdx.y, b = blockIdx.z, hk = d.kv_head_of(h);
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int s0 = kb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
-  const __nv_bfloat16* qh = q + d.q_head(b, h, HD);
-  const __nv_bfloat16* doh = dout + d.q_head(b, h, HD);
-  const float* lse_h = lse + d.row_head(b, h);
-  const float* d_h = D + d.row_head(b, h);
+  const __nv_bfloat16* qh = q + (int64_t(b) * d.T * d.Hq + h) * HD;
+  const __nv_bfloat16* doh = dout + (int64_t(b) * d.T * d.Hq + h) * HD;
+  const float* lse_h = lse + (int64_t(b) * d.Hq + h) * d.T;
+  const float* d_h = D + (int64_t(b) * d.Hq + h) * d.T;
   const int q_blocks = (d.T + kFaBlock - 1) / kFaBlock;
   auto load_queries = [&](int qb, int buf) {
     load_tile_async<HD>(qh, q_stride, qb * kFaBlock, d.T, qs[buf]);
@@ -466,8 +460,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
     load_rows_async(d_h, qb * kFaBlock, d.T, q_d[buf]);
   };
 
-  load_tile_async<HD>(k + d.kv_head(b, hk, HD), kv_stride, s0, d.S, kt);
-  load_tile_async<HD>(v + d.kv_head(b, hk, HD), kv_stride, s0, d.S, vt);
+  load_tile_async<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, kt);
+  load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
   load_queries(kb, 0);
   cp_async_commit();
   cp_async_wait_all();
@@ -507,7 +501,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (key[i] >= d.S) continue;
-    const int64_t off = ((int64_t(b) * d.Hq + h) * d.S + key[i]) * HD;  // [B, Hq, S, hd]
+    const int64_t off = ((int64_t(b) * d.Hq + h) * d.S + key[i]) * HD;
     store_row(dk_heads + off, gk, i);
     store_row(dv_heads + off, gv, i);
   }
