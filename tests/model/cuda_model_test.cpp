@@ -1,9 +1,10 @@
-// defines: GPU model tests (skipped without a GPU): 50 steps of configs/tiny.toml on the GPU track
-// the CPU loss curve for every recipe (same first-step loss, curves within a few percent); two GPU
+// defines: GPU model tests (skipped without a GPU): 30 lockstep steps of configs/tiny.toml on the
+// GPU against the CPU for every recipe (the same loss on the same weights, no drift); two GPU
 // runs write byte-identical metrics; a sequence's logits on the GPU are bitwise the same alone
 // and inside a batch of 8 (every recipe with per-token activation scales).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -16,23 +17,13 @@
 #include "fourbit/model/model.h"
 #include "fourbit/train/trainer.h"
 #include "fourbit/tensor/device_memory.h"
+#include "model/lockstep.h"
 
 using namespace fourbit;
 
 namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
-
-std::vector<double> losses(const std::string& run_dir, const char* key) {
-  std::ifstream in(std::filesystem::path(run_dir) / "metrics.jsonl");
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.contains(key)) out.push_back(j[key].get<double>());
-  }
-  return out;
-}
 
 // configs/tiny.toml for `steps` steps of `recipe`, quiet; `root` (where the runs go) is emptied.
 PretrainOptions tiny_run(const std::string& recipe, int64_t steps, int64_t eval_every, const std::string& root) {
@@ -50,40 +41,22 @@ PretrainOptions tiny_run(const std::string& recipe, int64_t steps, int64_t eval_
 
 class CudaTraining : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(CudaTraining, FiftyStepsTrackTheCpuLossCurve) {
+// The GPU trains like the CPU, step by step (tests/model/lockstep.h: free-running curves of this
+// model are chaotic, so they are compared in lockstep). Each step's loss on the same weights
+// agrees to 2e-3 (measured on an H200: 1e-6 for fp32 up to 2e-4 for nvidia-nvfp4 at step 1), and
+// the drift, the loss the GPU's steps give up against the CPU's summed over 30 steps that cover
+// the warmup and the peak learning rate, stays within 0.5%, so a defect that costs 1% fails.
+TEST_P(CudaTraining, LockstepStepsDoNotDriftFromTheCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const std::string recipe = GetParam();
-  const std::string root = std::string(FOURBIT_TEST_DATA_DIR) + "/cuda_track_" + recipe;
-  PretrainOptions opt = tiny_run(recipe, 50, 25, root);
-  opt.device = Device::CPU;
-  opt.out_dir = root + "/cpu";
-  const TrainSummary cpu = pretrain(opt);
-  opt.device = Device::CUDA;
-  opt.out_dir = root + "/gpu";
-  const TrainSummary gpu = pretrain(opt);
-  const auto lc = losses(root + "/cpu", "loss"), lg = losses(root + "/gpu", "loss");
-  ASSERT_EQ(lc.size(), 50u);
-  ASSERT_EQ(lg.size(), 50u);
-  double mean = 0, worst = 0;
-  for (size_t i = 0; i < lc.size(); ++i) {
-    const double d = std::abs(lg[i] - lc[i]) / lc[i];
-    mean += d / double(lc.size());
-    worst = std::max(worst, d);
-  }
-  const double first = std::abs(lg[0] - lc[0]) / lc[0];
-  const double eval = std::abs(gpu.final_eval_loss - cpu.final_eval_loss) / cpu.final_eval_loss;
-  std::printf("%s: step-1 loss cpu %.6f gpu %.6f (rel %.2e); final train cpu %.4f gpu %.4f; final eval cpu %.4f "
-              "gpu %.4f (rel %.4f); per-step rel diff mean %.4f worst %.4f\n",
-              recipe.c_str(), lc[0], lg[0], first, cpu.final_train_loss, gpu.final_train_loss, cpu.final_eval_loss,
-              gpu.final_eval_loss, eval, mean, worst);
-  // Step 1 is one forward pass from the same weights on the same batch: only accumulation order
-  // and the BF16 attention core differ. After that, every routing decision that flips on a
-  // near-tie sends the two runs down different (equally good) paths, so the curves are compared
-  // as curves: measured on an H200 (2026-11-30) the final eval losses differed by 0.8-4.7% and
-  // the mean per-step difference stayed within a few percent.
-  EXPECT_LT(first, 2e-3);
-  EXPECT_LT(mean, 0.06);
-  EXPECT_LT(eval, 0.07);
+  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
+  const modeltest::LockstepDrift d = modeltest::lockstep_drift(cfg, recipe, Device::CUDA, cfg.train, 30);
+  double worst_delta = 0;
+  for (double x : d.delta) worst_delta = std::max(worst_delta, std::abs(x));
+  std::printf("%s: lockstep over %zu steps: worst step loss diff %.2e, drift %+.2e, worst step delta %.2e\n",
+              recipe.c_str(), d.delta.size(), d.worst_loss_rel(), d.drift(), worst_delta);
+  EXPECT_LT(d.worst_loss_rel(), 2e-3);
+  EXPECT_LT(std::abs(d.drift()), 5e-3);
 }
 
 // GPU training is deterministic: two runs from the same seed write byte-identical metrics (every
