@@ -8,7 +8,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 FOURBIT    := $(BUILD)/fourbit
 
-.PHONY: all deps build test test-asan demo bench convergence clean
+.PHONY: all deps build test test-asan demo bench convergence interop clean
 
 all: build
 
@@ -43,6 +43,13 @@ bench: build
 # against each other (about 12 minutes on 2 cores; not part of `make test`).
 convergence: build
 	@mkdir -p runs/convergence && scripts/convergence.sh $(BUILD)
+
+# fourbit against Hugging Face transformers: the hf export loads with no missing or unexpected
+# keys and gives fourbit's logits; a random transformers qwen2_moe imports and scores the same.
+# Installs torch (CPU) + transformers into a venv unless python3 already has them (not part of
+# `make test`; docs/export.md).
+interop: build
+	@scripts/interop.sh $(BUILD)
 
 clean:
 	rm -rf $(BUILD) $(BUILD_ASAN)

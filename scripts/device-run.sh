@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|all]... [pack]
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all]... [pack]
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -42,6 +42,14 @@ if has torch; then
   python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
     --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"
   log done
+fi
+if has interop; then
+  # fourbit against transformers (docs/export.md); fourbit scores on the GPU, transformers on the CPU
+  log interop
+  python3 tests/interop/interop_test.py --fourbit "$BUILD/fourbit" --device cuda --work "$OUT/interop-work" \
+    --log "$OUT/interop-h200.log" > "$OUT/interop.out" 2>&1; tail -4 "$OUT/interop-h200.log"
+  rm -rf "$OUT/interop-work"
+  log interop done
 fi
 if [ "${steps[${#steps[@]}-1]}" = pack ]; then
   (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz all.tgz)

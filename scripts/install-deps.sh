@@ -22,11 +22,12 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# Python test oracles: ml_dtypes is the independent reference for the scalar codecs.
+# Python test oracles: ml_dtypes is the independent reference for the scalar codecs; safetensors
+# reads fourbit's exports in tests/hf/modelopt_export_test.py.
 py=${PYTHON:-python3}
-if ! "$py" -c 'import ml_dtypes, numpy' 2>/dev/null; then
-  echo "install-deps: pip install ml_dtypes numpy"
-  "$py" -m pip install -q ml_dtypes numpy 2>/dev/null \
-    || "$py" -m pip install -q --break-system-packages ml_dtypes numpy
+if ! "$py" -c 'import ml_dtypes, numpy, safetensors' 2>/dev/null; then
+  echo "install-deps: pip install ml_dtypes numpy safetensors"
+  "$py" -m pip install -q ml_dtypes numpy safetensors 2>/dev/null \
+    || "$py" -m pip install -q --break-system-packages ml_dtypes numpy safetensors
 fi
 echo "install-deps: ok"

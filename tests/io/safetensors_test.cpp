@@ -113,6 +113,33 @@ TEST(Safetensors, ReadsAFileBuiltByteByByte) {
   EXPECT_EQ(f.get("w").data<float>()[1], -3.0f);
 }
 
+// Quantized checkpoints declare dtypes fourbit has no arithmetic type for: their bytes travel in a
+// tensor of the same element size, and the declared name survives a round trip.
+TEST(Safetensors, DeclaredByteDTypesRoundTrip) {
+  const std::string path = test_dir() + "/fp8.safetensors";
+  const Tensor codes = pattern({2, 4}, DType::U8, 3), scales = pattern({2}, DType::U8, 5);
+  const Tensor half = pattern({3}, DType::U16, 7), plain = pattern({4}, DType::U8, 9);
+  io::write_safetensors(path, {{"codes", codes}, {"scales", scales}, {"half", half}, {"plain", plain}}, {},
+                        {{"codes", "F8_E4M3"}, {"scales", "F8_E8M0"}, {"half", "F16"}});
+  const std::string header = read_raw(path).substr(8, 200);
+  EXPECT_NE(header.find(R"("codes":{"dtype":"F8_E4M3")"), std::string::npos) << header;
+  const io::SafetensorsFile f = io::read_safetensors(path);
+  EXPECT_EQ(f.dtype_names.at("codes"), "F8_E4M3");
+  EXPECT_EQ(f.dtype_names.at("scales"), "F8_E8M0");
+  EXPECT_EQ(f.dtype_names.at("half"), "F16");
+  EXPECT_EQ(f.dtype_names.at("plain"), "U8");
+  EXPECT_EQ(f.get("codes").dtype(), DType::U8);
+  EXPECT_EQ(f.get("half").dtype(), DType::U16);
+  EXPECT_EQ(std::memcmp(f.get("codes").raw(), codes.raw(), 8), 0);
+  // A declaration must fit the tensor's storage and name a tensor that is written.
+  EXPECT_MSG_HAS(error_of([&] { io::write_safetensors(path, {{"h", half}}, {}, {{"h", "F8_E4M3"}}); }),
+                 path, "tensor 'h' is u16, but dtype F8_E4M3 is stored as u8");
+  EXPECT_MSG_HAS(error_of([&] { io::write_safetensors(path, {{"c", codes}}, {}, {{"c", "F4"}}); }), path,
+                 "unknown dtype 'F4'");
+  EXPECT_MSG_HAS(error_of([&] { io::write_safetensors(path, {{"c", codes}}, {}, {{"x", "F8_E4M3"}}); }), path,
+                 "tensor 'x', which is not written");
+}
+
 TEST(Safetensors, BadFilesGiveClearErrorsNamingTheFileAndTensor) {
   const std::string dir = test_dir();
   const std::string ok_w = R"("w":{"dtype":"F32","shape":[4,8],"data_offsets":[0,128]})";

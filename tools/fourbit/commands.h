@@ -13,6 +13,9 @@ void add_recipes_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_plot_command(CLI::App& app);
 void add_summary_command(CLI::App& app);
+void add_export_command(CLI::App& app);
+void add_import_command(CLI::App& app);
+void add_score_command(CLI::App& app);
 
 // --device cpu|cuda|auto -> a Device; auto picks cuda when a GPU is visible.
 Device parse_device(const std::string& name);

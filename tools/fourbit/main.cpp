@@ -31,6 +31,9 @@ int main(int argc, char** argv) {
   fourbit::cli::add_plot_command(app);
   fourbit::cli::add_summary_command(app);
   fourbit::cli::add_quant_command(app);
+  fourbit::cli::add_export_command(app);
+  fourbit::cli::add_import_command(app);
+  fourbit::cli::add_score_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

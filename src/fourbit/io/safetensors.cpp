@@ -24,10 +24,12 @@ using Json = nlohmann::ordered_json;  // keeps the header's order, used to break
 constexpr std::string_view kMetadataKey = "__metadata__";
 
 struct DTypeName {
-  DType dtype;
+  DType dtype;  // how the values are stored in a fourbit tensor
   std::string_view name;
 };
-constexpr std::array<DTypeName, 9> kDTypeNames = {{
+// The first entry of each DType is the name it is written under by default; the later ones are
+// dtypes fourbit keeps as raw bytes of the same size (OFP8 codes, E8M0 scales, IEEE half).
+constexpr std::array<DTypeName, 13> kDTypeNames = {{
     {DType::F32, "F32"},
     {DType::F64, "F64"},
     {DType::BF16, "BF16"},
@@ -37,6 +39,10 @@ constexpr std::array<DTypeName, 9> kDTypeNames = {{
     {DType::I32, "I32"},
     {DType::I64, "I64"},
     {DType::U32, "U32"},
+    {DType::U8, "F8_E4M3"},
+    {DType::U8, "F8_E5M2"},
+    {DType::U8, "F8_E8M0"},
+    {DType::U16, "F16"},
 }};
 
 std::optional<DType> parse_dtype(std::string_view s) {
@@ -53,6 +59,7 @@ std::string dtype_list() {
 
 struct Entry {
   std::string name;
+  std::string dtype_name;
   DType dtype;
   Shape shape;
   uint64_t begin, end;
@@ -106,6 +113,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
   if (!dtype)
     fail("{}: unknown dtype '{}' (fourbit reads {})", at, dt.get<std::string>(), dtype_list());
   e.dtype = *dtype;
+  e.dtype_name = dt.get<std::string>();
 
   const Json& sh = v["shape"];
   if (!sh.is_array())
@@ -249,13 +257,15 @@ SafetensorsFile read_safetensors(const std::string& path) {
       f.read_at(data_start + e.begin, t.raw(), size_t(t.nbytes()),
                 fmt::format("tensor '{}'", e.name));
     out.tensors.emplace_back(e.name, std::move(t));
+    out.dtype_names[e.name] = e.dtype_name;
   }
   return out;
 }
 
 void write_safetensors(const std::string& path,
                        const std::vector<std::pair<std::string, Tensor>>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+                       const std::map<std::string, std::string>& metadata,
+                       const std::map<std::string, std::string>& dtype_names) {
   Json header = Json::object();
   if (!metadata.empty()) {
     Json meta = Json::object();
@@ -272,11 +282,22 @@ void write_safetensors(const std::string& path,
     if (!t.defined()) fail("{}: tensor '{}' is undefined", path, name);
     host.push_back(t.device() == Device::CPU ? t : t.to(Device::CPU));
     const uint64_t bytes = uint64_t(t.nbytes());
-    header[name] = Json{{"dtype", safetensors_dtype_name(t.dtype())},
+    std::string dtype = safetensors_dtype_name(t.dtype());
+    if (auto it = dtype_names.find(name); it != dtype_names.end()) {
+      const auto stored = parse_dtype(it->second);
+      if (!stored) fail("{}: tensor '{}': unknown dtype '{}' (fourbit writes {})", path, name, it->second, dtype_list());
+      if (*stored != t.dtype())
+        fail("{}: tensor '{}' is {}, but dtype {} is stored as {}", path, name, dtype_name(t.dtype()), it->second,
+             dtype_name(*stored));
+      dtype = it->second;
+    }
+    header[name] = Json{{"dtype", dtype},
                         {"shape", t.shape()},
                         {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
+  for (const auto& [name, _] : dtype_names)
+    if (!seen.count(name)) fail("{}: a dtype is declared for tensor '{}', which is not written", path, name);
   std::string text;
   try {
     text = header.dump();

@@ -1,4 +1,5 @@
-// defines: Model (model.h) — forward and backward of every block, written out
+// defines: Model (model.h) — forward and backward of every block, written out; the linears'
+//          forward weights and the recorded input amax
 #include "fourbit/model/model.h"
 
 #include <cmath>
@@ -81,6 +82,7 @@ struct ModelRunner {
   SrStreams sr;
   QuantLog* log;
   int64_t layer = 0;
+  bool record_amax = false;  // a training forward: keep the running input amax (Model::input_amax)
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
@@ -96,6 +98,17 @@ struct ModelRunner {
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
                   LayerClass cls) {
     return m.weight(w, name, role, spec, cls);
+  }
+
+  // Folds max |x| over each segment of an NVFP4 linear input into Model::input_amax()[key]
+  // (segments: the rows of x, or the entries offsets[g] .. offsets[g + 1] of `rows`).
+  void record_input_amax(const std::string& key, const Tensor& x, const LayerRecipe& r, int64_t segments = 1,
+                         const Tensor& rows = {}, const std::vector<int64_t>& offsets = {}) {
+    if (!record_amax || r.fprop.a.fmt != Format::NVFP4) return;
+    Tensor& amax = m.input_amax_[key];
+    if (!amax.defined()) amax = Tensor::zeros({segments}, DType::F32, m.device_);
+    const int64_t n = rows.defined() ? rows.size(0) : x.size(0);
+    ops::running_segment_amax(x, rows, offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
   }
 
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, int site) {
@@ -169,10 +182,12 @@ struct ModelRunner {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
     LinearInput x = prepare_input(xn, r, cls, site);
+    record_input_amax(w.name + ".x", xn, r);
     Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F}), y = act({N, D});
     gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls), h1);
     gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls), h3);
     ops::swiglu_forward(h1, h3, a);
+    record_input_amax(w.name + ".a", a, r);
     const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(site + 2), cls, log);
     gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) saved->x = std::move(x);
@@ -203,6 +218,7 @@ struct ModelRunner {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
     LinearInput x = prepare_input(xn, r, cls, kSiteAttnX);
+    record_input_amax(name + "x", xn, r);
     Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
     gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
     gemm(x.fwd, weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls), k);
@@ -215,6 +231,7 @@ struct ModelRunner {
     ops::attention_forward(q4, k4, v4, 0, o, lse);
     Tensor o2 = o.reshape({N, Hq * hd});
     LinearInput o_in = prepare_input(o2, r, cls, kSiteAttnO);
+    record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
     if (s) {
@@ -284,6 +301,7 @@ struct ModelRunner {
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
     // then gather the packed rows into expert order.
+    record_input_amax(name + "moe.x", xn, r, E, plan.token_of_slot, plan.offsets);
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
@@ -364,6 +382,7 @@ struct ModelRunner {
     grouped_gemm(x_perm, w1, plan.offsets, h1);
     grouped_gemm(x_perm, w3, plan.offsets, h3);
     ops::swiglu_forward(h1, h3, a);
+    record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
     Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeA), cls, log);
     grouped_gemm(pa, w2, plan.offsets, y);
@@ -537,6 +556,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   Tensor xf = run.act({N, D}), rstd_f = run.act({N});
   ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
   const LayerRecipe& rh = m.recipe().lm_head;
+  run.record_input_amax("lm_head.x", xf, rh);
   LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, kSiteLmHead)
                         : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.rng(kSiteLmHead),
                                               LayerClass::LmHead, nullptr), Prepared{}};
@@ -563,6 +583,7 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   if (T > cfg_.max_seq_len) fail("model forward: sequence length {} exceeds max_seq_len {}", T, cfg_.max_seq_len);
 
   ModelRunner run{*this, cfg_, sr, &quant_log_};
+  run.record_amax = for_backward;
   std::unique_ptr<Saved> s;
   if (for_backward) {
     s = std::make_unique<Saved>();
@@ -667,6 +688,92 @@ Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
   ModelRunner run{*this, cfg_, sr, nullptr};
   double aux = 0;
   return forward_logits(*this, run, tokens, nullptr, &aux);
+}
+
+// ---- the linears' forward weights and the recorded input amax ---------------------------------
+
+std::vector<LinearInfo> Model::linears() const {
+  const ModelWeights w = params_.weights();
+  std::vector<LinearInfo> out;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    const LayerWeights& lw = w.layers[size_t(l)];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    auto add = [&](const std::string& name, const Tensor& t, LayerClass cls) { out.push_back({p + name, t, cls, l}); };
+    add("attn.wq", lw.wq, LayerClass::Attention);
+    add("attn.wk", lw.wk, LayerClass::Attention);
+    add("attn.wv", lw.wv, LayerClass::Attention);
+    add("attn.wo", lw.wo, LayerClass::Attention);
+    if (cfg_.is_moe_layer(l)) {
+      add("moe.router", lw.router, LayerClass::Router);
+      add("moe.w1", lw.w1, LayerClass::Expert);
+      add("moe.w3", lw.w3, LayerClass::Expert);
+      add("moe.w2", lw.w2, LayerClass::Expert);
+      if (cfg_.n_shared_experts) {  // the shared expert runs in the experts' recipe class
+        add("moe.shared.w1", lw.sw1, LayerClass::Expert);
+        add("moe.shared.w3", lw.sw3, LayerClass::Expert);
+        add("moe.shared.w2", lw.sw2, LayerClass::Expert);
+      }
+    } else {
+      add("mlp.w1", lw.dw1, LayerClass::Dense);
+      add("mlp.w3", lw.dw3, LayerClass::Dense);
+      add("mlp.w2", lw.dw2, LayerClass::Dense);
+    }
+  }
+  out.push_back({"lm_head", w.lm_head, LayerClass::LmHead, cfg_.n_layers});
+  return out;
+}
+
+LinearInfo Model::linear(const std::string& name) const {
+  for (LinearInfo& li : linears())
+    if (li.name == name) return li;
+  fail("model: no linear layer named '{}'", name);
+}
+
+Prepared Model::forward_weight(const std::string& linear_name) {
+  // The same call (name, role, spec, class) as the forward's, so the same cache entry.
+  const LinearInfo li = linear(linear_name);
+  const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+  return weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls);
+}
+
+std::string Model::input_amax_key(const std::string& linear_name) {
+  if (linear_name == "lm_head") return "lm_head.x";
+  const size_t dot = linear_name.rfind('.');
+  if (dot == std::string::npos) return "";
+  const std::string block = linear_name.substr(0, dot), w = linear_name.substr(dot + 1);
+  if (w == "router") return "";
+  if (w == "wq" || w == "wk" || w == "wv") return block + ".x";
+  if (w == "wo") return block + ".o";
+  if (w == "w1" || w == "w3") return block + ".x";
+  if (w == "w2") return block + ".a";
+  return "";
+}
+
+nlohmann::json Model::input_amax_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [key, t] : input_amax_) {
+    const Tensor h = t.to(Device::CPU);
+    std::vector<float> v(h.data<float>(), h.data<float>() + h.numel());
+    j[key] = v;  // floats print in round-trip precision, so a checkpoint restores the same bits
+  }
+  return j;
+}
+
+void Model::load_input_amax(const nlohmann::json& j) {
+  if (!j.is_object()) fail("input_amax: expected an object of arrays, got {}", j.type_name());
+  std::map<std::string, Tensor> loaded;
+  for (const auto& [key, v] : j.items()) {
+    const int64_t expect = key.ends_with("moe.x") || key.ends_with("moe.a") ? cfg_.n_experts : 1;
+    if (!v.is_array() || int64_t(v.size()) != expect)
+      fail("input_amax: '{}' must hold {} number{}, got {}", key, expect, expect == 1 ? "" : "s", v.dump());
+    std::vector<float> vals;
+    for (const auto& x : v) {
+      if (!x.is_number() || !(x.get<double>() >= 0)) fail("input_amax: '{}' holds {}, not an amax >= 0", key, x.dump());
+      vals.push_back(x.get<float>());
+    }
+    loaded[key] = Tensor::from_host(vals.data(), {expect}, DType::F32, device_);
+  }
+  input_amax_ = std::move(loaded);
 }
 
 }  // namespace fourbit

@@ -1,4 +1,4 @@
-// defines: Model, ForwardStats, SavedBytes
+// defines: Model, ForwardStats, SavedBytes, LinearInfo
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -9,6 +9,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "fourbit/model/config.h"
 #include "fourbit/model/linear.h"
@@ -31,6 +33,15 @@ struct SavedBytes {
     for (const auto& [k, v] : by_category) t += v;
     return t;
   }
+};
+
+// A linear layer's weight as the model uses it: its parameter (the embedding for a tied LM
+// head), the recipe class it runs in and its layer (n_layers for the LM head).
+struct LinearInfo {
+  std::string name;  // "layers.3.moe.w1", "layers.0.attn.wq", "layers.1.mlp.w2", "lm_head", ...
+  Tensor weight;
+  LayerClass cls;
+  int64_t layer;
 };
 
 class Model {
@@ -62,6 +73,29 @@ class Model {
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
 
+  // Every linear layer (attention, routed and shared experts, dense FFN, router, LM head) in
+  // layout order, and one of them by name.
+  std::vector<LinearInfo> linears() const;
+  LinearInfo linear(const std::string& name) const;
+  // The fprop weight operand of a linear exactly as forward() prepares it (the cached one once
+  // forward has run): what the model computes with, for export and scoring.
+  Prepared forward_weight(const std::string& linear_name);
+  // The prepared weights forward() has cached since the last invalidate_weight_cache(), by
+  // "<linear>/<gemm role>" (tests check forward_weight against them).
+  const std::map<std::string, Prepared>& weight_cache() const { return weight_cache_; }
+
+  // Running max of |x| over the inputs of each NVFP4-quantized linear seen by training forwards
+  // (for_backward), per input: "layers.3.moe.x" (w1 and w3, one value per expert, over the
+  // tokens routed to it), "layers.3.moe.a" (w2, per expert), "layers.3.moe.shared.x"/".a",
+  // "layers.0.mlp.x"/".a", "layers.0.attn.x" (wq, wk, wv), "layers.0.attn.o" (wo),
+  // "lm_head.x" (F32 [1] unless per expert). The calibration-free input_scale of an NVFP4
+  // export; checkpoints carry it so a resumed run continues the max.
+  const std::map<std::string, Tensor>& input_amax() const { return input_amax_; }
+  nlohmann::json input_amax_json() const;  // {"layers.3.moe.x": [amax per expert], ...}
+  void load_input_amax(const nlohmann::json& j);  // fails naming a key whose size is wrong
+  // The input_amax key of a linear ("layers.3.moe.w3" -> "layers.3.moe.x"); "" for the router.
+  static std::string input_amax_key(const std::string& linear_name);
+
   struct Saved;  // activations kept for backward (model.cpp)
 
  private:
@@ -75,6 +109,7 @@ class Model {
   ParamStore params_;
   Tensor rope_;
   std::map<std::string, Prepared> weight_cache_;
+  std::map<std::string, Tensor> input_amax_;
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;
   QuantLog quant_log_;

@@ -242,6 +242,9 @@ void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_,
 void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
 double sum_squares(const Tensor& t) { FOURBIT_DISPATCH(t.device(), sum_squares, t); }
 void fill_(Tensor& t, double v) { FOURBIT_DISPATCH(t.device(), fill_, t, v); }
+void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector<int64_t>& offsets, Tensor& amax) {
+  FOURBIT_DISPATCH(x.device(), running_segment_amax, x, rows, offsets, amax);
+}
 
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   FOURBIT_DISPATCH(table.device(), embedding_forward, tokens, table, out);

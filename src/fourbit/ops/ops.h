@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, quantize_segments, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
-//          MoE permutation), adamw_step, Lanes and the small tensor utilities.
+//          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
@@ -147,6 +147,12 @@ void add_(Tensor& dst, const Tensor& src);             // dst += src
 void scale_(Tensor& t, double s);                      // t *= s
 double sum_squares(const Tensor& t);                   // fixed-order sum of t^2, as double
 void fill_(Tensor& t, double v);
+// amax[g] = max(amax[g], max |x[r, c]|) over the rows r of segment g: entries offsets[g] ..
+// offsets[g + 1] of `rows` (I32 row indices of x), or rows offsets[g] .. offsets[g + 1] of x
+// when `rows` is undefined. x: F32 [R, C]; amax: F32 [G] (G + 1 offsets) on x's device, values
+// >= 0. NaN/Inf are skipped (the quantizers report them). A max: exact in any order.
+void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector<int64_t>& offsets,
+                          Tensor& amax);
 
 // ---- layers (F32; the CPU backend also runs F64 for gradient checks) ----------------------------
 // tokens: I32 [N]; table [V, D]; out [N, D]. Backward accumulates into dtable, rows in token order.

@@ -1,10 +1,11 @@
 // defines: str_or_undef, expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
-//          expect_gather_args, expect_router_backward_args
+//          expect_gather_args, expect_router_backward_args, expect_segment_amax_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
 #pragma once
 #include <string>
+#include <vector>
 
 #include "fourbit/tensor/tensor.h"
 
@@ -86,6 +87,28 @@ inline GatherShape expect_gather_args(Device dev, const char* op, const Tensor& 
   expect_dims_on(dev, op, "token_of_slot", token_of_slot, DType::I32, {g.M}, "[M]");
   expect_dims_on(dev, op, "x_perm", x_perm, x.dtype(), {g.M, g.D}, "[M, D]");
   return g;
+}
+
+// running_segment_amax: x f32 [R, C], rows i32 [M] or undefined (then M = R), offsets G + 1
+// non-decreasing from 0 to M, amax f32 [G]. Row indices themselves are checked by the backend.
+// Returns M.
+inline int64_t expect_segment_amax_args(Device dev, const char* op, const Tensor& x, const Tensor& rows,
+                                        const std::vector<int64_t>& offsets, const Tensor& amax) {
+  if (!x.defined() || x.dim() != 2 || x.dtype() != DType::F32 || x.device() != dev)
+    fail("{}: x must be a 2-D f32 {} tensor [R, C], got {}{}", op, device_name(dev), str_or_undef(x),
+         x.defined() ? x.str() : "");
+  int64_t M = x.size(0);
+  if (rows.defined()) {
+    if (rows.dim() != 1) fail("{}: rows must be i32[M], got {}", op, rows.str());
+    M = rows.size(0);
+    expect_dims_on(dev, op, "rows", rows, DType::I32, {M}, "[M]");
+  }
+  if (offsets.size() < 2 || offsets.front() != 0 || offsets.back() != M)
+    fail("{}: offsets must run from 0 to M={} ({} given)", op, M, offsets.size());
+  for (size_t g = 0; g + 1 < offsets.size(); ++g)
+    if (offsets[g] > offsets[g + 1]) fail("{}: offsets decrease at segment {}", op, g);
+  expect_dims_on(dev, op, "amax", amax, DType::F32, {int64_t(offsets.size()) - 1}, "[G]");
+  return M;
 }
 
 }  // namespace fourbit::ops

@@ -89,6 +89,7 @@ TrainSummary pretrain(const PretrainOptions& opt) {
     if (st.step >= cfg.train.steps)
       fail("{}: the run is already at step {}; give a larger --steps to continue it", dir, st.step);
     load_checkpoint(dir, model.params(), &optim.m(), &optim.v());
+    if (st.extra.contains("input_amax")) model.load_input_amax(st.extra["input_amax"]);  // export's input_scale
     start_step = st.step;
     cfg.train.seed = st.seed;
   } else {
@@ -158,7 +159,8 @@ TrainSummary pretrain(const PretrainOptions& opt) {
     if (!opt.quiet) progress.step(step + 1, loss, secs > 0 ? double(tokens_done) / secs : 0.0);
     if ((t.checkpoint_every && (step + 1) % t.checkpoint_every == 0) || last) {
       CheckpointState cs{cfg, opt.recipe, step + 1, seed, (step + 1) * t.grad_accum * t.batch_size * t.seq_len,
-                         {{"loss", loss}, {"eval_loss", std::isfinite(last_eval) ? nlohmann::json(last_eval) : nlohmann::json()}}};
+                         {{"loss", loss}, {"eval_loss", std::isfinite(last_eval) ? nlohmann::json(last_eval) : nlohmann::json()},
+                          {"input_amax", model.input_amax_json()}}};
       save_checkpoint(opt.out_dir, model.params(), optim.m(), optim.v(), cs);
     }
   }

@@ -1,4 +1,4 @@
-// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::fill_
+// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::fill_, cpu::running_segment_amax
 // Elementwise utilities over F32, F64 and BF16 CPU tensors. BF16 values are decoded to float,
 // computed on, and encoded once with num::bf16_encode (RNE), so a BF16 result is the rounding of
 // the float result.
@@ -9,6 +9,7 @@
 
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/ops/tensor_checks.h"
 
 namespace fourbit::ops::cpu {
 namespace {
@@ -156,6 +157,32 @@ void fill_(Tensor& t, double v) {
   const DType dt = t.dtype();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) store(p, dt, i, v);
+}
+
+void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector<int64_t>& offsets, Tensor& amax) {
+  const char* op = "running_segment_amax";
+  const int64_t M = expect_segment_amax_args(Device::CPU, op, x, rows, offsets, amax);
+  const int64_t R = x.size(0), C = x.size(1);
+  const int32_t* idx = rows.defined() ? rows.data<int32_t>() : nullptr;
+  if (idx)
+    for (int64_t j = 0; j < M; ++j)
+      if (idx[j] < 0 || idx[j] >= R) fail("{}: rows[{}] = {} is outside [0, R={})", op, j, idx[j], R);
+  const float* xp = x.data<float>();
+  float* out = amax.data<float>();
+  const int64_t G = int64_t(offsets.size()) - 1;
+  // One segment per thread: a max needs no fixed order to be exact.
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t g = 0; g < G; ++g) {
+    float m = out[g];
+    for (int64_t j = offsets[size_t(g)]; j < offsets[size_t(g) + 1]; ++j) {
+      const float* row = xp + (idx ? int64_t(idx[j]) : j) * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const float a = std::fabs(row[c]);
+        if (std::isfinite(a) && a > m) m = a;
+      }
+    }
+    out[g] = m;
+  }
 }
 
 }  // namespace fourbit::ops::cpu

@@ -34,6 +34,7 @@ enum class IndexSite : int32_t {
   MoeCombineSlotOf,
   MoeCombineBackwardSlotOf,
   MoeCombineBackwardSharedSlot,  // two assignments write one slot (slot_of is not injective)
+  SegmentAmaxRows,
 };
 
 struct IndexError {
@@ -88,6 +89,7 @@ inline IndexError* index_error_record() {
     case IndexSite::MoeCombineSlotOf: op = "moe_combine", tensor = "slot_of", bound = "M"; break;
     case IndexSite::MoeCombineBackwardSlotOf:
     case IndexSite::MoeCombineBackwardSharedSlot: op = "moe_combine_backward", tensor = "slot_of", bound = "M"; break;
+    case IndexSite::SegmentAmaxRows: op = "running_segment_amax", tensor = "rows", bound = "R"; break;
   }
   const std::string at = e.cols > 1 ? fmt::format("[{}, {}]", e.pos / e.cols, e.pos % e.cols)
                                     : fmt::format("[{}]", e.pos);

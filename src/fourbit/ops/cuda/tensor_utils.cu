@@ -1,4 +1,5 @@
-// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::fill_
+// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::fill_,
+//          cuda::running_segment_amax
 // The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
 // BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
 // (RNE), so both backends give the same bits. The GPU backend holds F32 and BF16 only; F64
@@ -8,12 +9,18 @@
 // of kSumChunk elements and writes one double partial (fixed per-thread sums, fixed block tree),
 // then a single block adds the partials in a fixed tree. No atomics; the chunking depends only on
 // the element count, so the same tensor always gives the same bits.
+//
+// running_segment_amax needs no fixed order: a max is exact in any order, so each warp reduces a
+// row and folds it into its segment's value with an integer atomicMax on the float's bits (for
+// values >= 0 the bit patterns order like the floats).
+#include <cfloat>
 #include <cmath>
 
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
 
@@ -150,6 +157,46 @@ __global__ void __launch_bounds__(kFinalThreads)
   if (threadIdx.x == 0) out[0] = acc;
 }
 
+
+// Segments of one running_segment_amax launch, passed by value (offsets relative to the launch's
+// first entry): 256 segments cover any MoE layer's experts in one launch, more take several.
+constexpr int kAmaxSegments = 256;
+struct AmaxSegments {
+  int count;
+  int64_t off[kAmaxSegments + 1];
+};
+
+// One warp per entry j: the finite max |x| of its row, folded into its segment's amax.
+__global__ void __launch_bounds__(kThreads)
+    segment_amax_kernel(const float* __restrict__ x, int64_t R, int64_t C, const int32_t* __restrict__ rows,
+                        int64_t entry0, const AmaxSegments segs, float* __restrict__ amax, IndexError* err) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  const int64_t n = segs.off[segs.count];
+  for (int64_t j = blockIdx.x * int64_t(kThreads / 32) + threadIdx.x / 32; j < n; j += warps) {
+    const int64_t e = entry0 + j;
+    const int64_t r = rows ? int64_t(rows[e]) : e;
+    if (r < 0 || r >= R) {
+      if (lane == 0) record_index_error(err, IndexSite::SegmentAmaxRows, e, r, R, 1);
+      continue;
+    }
+    float m = 0.0f;
+    for (int64_t c = lane; c < C; c += 32) {
+      const float a = fabsf(x[r * C + c]);
+      if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
+    }
+    m = warp_max(m);
+    if (lane == 0) {
+      int g = 0;  // the last segment starting at or before j
+      for (int lo = 0, hi = segs.count - 1; lo < hi;) {
+        const int mid = (lo + hi + 1) / 2;
+        if (segs.off[mid] <= j) g = lo = mid; else hi = mid - 1;
+      }
+      atomicMax(reinterpret_cast<unsigned int*>(amax + g), __float_as_uint(m));
+    }
+  }
+}
+
 }  // namespace
 
 void convert(const Tensor& src, Tensor& dst) {
@@ -239,6 +286,23 @@ void fill_(Tensor& t, double v) {
     fill_kernel<uint16_t><<<grid_for(n, kThreads), kThreads, 0, stream()>>>(t.data<uint16_t>(),
                                                                num::bf16_encode_f64(v), n);
   FOURBIT_LAUNCH_CHECK();
+}
+
+void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector<int64_t>& offsets, Tensor& amax) {
+  const int64_t M = expect_segment_amax_args(Device::CUDA, "running_segment_amax", x, rows, offsets, amax);
+  const int64_t G = int64_t(offsets.size()) - 1, R = x.size(0), C = x.size(1);
+  if (M == 0 || C == 0) return;
+  for (int64_t g0 = 0; g0 < G; g0 += kAmaxSegments) {
+    AmaxSegments segs{};
+    segs.count = int(std::min<int64_t>(kAmaxSegments, G - g0));
+    for (int i = 0; i <= segs.count; ++i) segs.off[i] = offsets[size_t(g0 + i)] - offsets[size_t(g0)];
+    const int64_t n = segs.off[segs.count];
+    if (n == 0) continue;
+    segment_amax_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream()>>>(
+        x.data<float>(), R, C, rows.defined() ? rows.data<int32_t>() : nullptr, offsets[size_t(g0)], segs,
+        amax.data<float>() + g0, index_error_record());
+    FOURBIT_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace fourbit::ops::cuda
