@@ -1,5 +1,5 @@
 // defines: str_or_undef, expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
-//          expect_gather_args, expect_router_backward_args
+//          expect_gather_args, expect_scatter_args, expect_router_backward_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -85,6 +85,21 @@ inline GatherShape expect_gather_args(Device dev, const char* op, const Tensor& 
   const GatherShape g{x.size(0), x.size(1), token_of_slot.size(0)};
   expect_dims_on(dev, op, "token_of_slot", token_of_slot, DType::I32, {g.M}, "[M]");
   expect_dims_on(dev, op, "x_perm", x_perm, x.dtype(), {g.M, g.D}, "[M, D]");
+  return g;
+}
+
+// scatter_rows: x [M, D] (any dtype), dst_rows i32 [M], out [N, D] like x; the same shapes as a
+// gather with the roles of x and out swapped.
+inline GatherShape expect_scatter_args(Device dev, const char* op, const Tensor& x, const Tensor& dst_rows,
+                                       const Tensor& out) {
+  if (!out.defined() || out.dim() != 2 || out.device() != dev)
+    fail("{}: out must be a 2-D {} tensor [N, D], got {}", op, device_name(dev),
+         out.defined() ? out.str() : "an undefined tensor");
+  if (!dst_rows.defined() || dst_rows.dim() != 1)
+    fail("{}: dst_rows must be i32[M], got {}", op, dst_rows.defined() ? dst_rows.str() : "an undefined tensor");
+  const GatherShape g{out.size(0), out.size(1), dst_rows.size(0)};
+  expect_dims_on(dev, op, "dst_rows", dst_rows, DType::I32, {g.M}, "[M]");
+  expect_dims_on(dev, op, "x", x, out.dtype(), {g.M, g.D}, "[M, D]");
   return g;
 }
 
