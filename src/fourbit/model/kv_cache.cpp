@@ -1,6 +1,8 @@
 // defines: KvCache, KvStep (kv_cache.h)
 #include "fourbit/model/kv_cache.h"
 
+#include <cstdint>
+
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/error.h"
 
@@ -9,6 +11,8 @@ namespace fourbit {
 KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device)
     : slots_(slots), capacity_(capacity), kv_row_(c.n_kv_heads * c.hd()), dtype_(dtype), device_(device) {
   if (slots < 0 || capacity < 1) fail("kv cache: needs slots >= 0 and capacity >= 1, got {} and {}", slots, capacity);
+  if (slots * capacity > INT32_MAX)  // (slot, position) rows are indexed by i32
+    fail("kv cache: {} slots x {} positions exceed 2^31 rows", slots, capacity);
   if (capacity > c.max_seq_len)
     fail("kv cache: capacity {} exceeds the model's max_seq_len {}", capacity, c.max_seq_len);
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -26,19 +30,22 @@ int64_t KvCache::bytes() const {
 KvCache KvCache::gather_slots(const std::vector<int64_t>& src) const {
   KvCache out = *this;
   out.slots_ = int64_t(src.size());
+  // One index per (slot, position) row of Hkv * hd values rather than one per slot: a slot is
+  // capacity rows long, and the GPU copies a row per warp.
   std::vector<int32_t> idx;
+  idx.reserve(src.size() * size_t(capacity_));
   for (int64_t s : src) {
     if (s < 0 || s >= slots_) fail("kv cache: gather_slots: slot {} is outside [0, {})", s, slots_);
-    idx.push_back(int32_t(s));
+    for (int64_t p = 0; p < capacity_; ++p) idx.push_back(int32_t(s * capacity_ + p));
   }
-  const Tensor index = Tensor::from_host(idx.data(), {out.slots_}, DType::I32, device_);
-  const int64_t slot_values = capacity_ * kv_row_;
+  const int64_t rows = out.slots_ * capacity_;
+  const Tensor index = Tensor::from_host(idx.data(), {rows}, DType::I32, device_);
   for (size_t l = 0; l < k_.size(); ++l)
     for (auto [from, to] : {std::pair{&k_[l], &out.k_[l]}, std::pair{&v_[l], &out.v_[l]}}) {
       *to = Tensor::empty({out.slots_, from->size(1), from->size(2), from->size(3)}, dtype_, device_);
-      if (out.slots_ == 0) continue;
-      Tensor dst = to->reshape({out.slots_, slot_values});
-      ops::gather_rows(from->reshape({slots_, slot_values}), index, dst);
+      if (rows == 0) continue;
+      Tensor dst = to->reshape({rows, kv_row_});
+      ops::gather_rows(from->reshape({slots_ * capacity_, kv_row_}), index, dst);
     }
   return out;
 }
