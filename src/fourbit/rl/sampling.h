@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <span>
 
+#include "fourbit/train/tokenizer.h"
+
 namespace fourbit::rl {
 
 struct SamplingOptions {
@@ -15,7 +17,7 @@ struct SamplingOptions {
   int64_t top_k = 0;         // > 0: only the k most likely tokens (ties to the lower id); 0: all
   double top_p = 1.0;        // < 1: the smallest most-likely prefix with probability >= top_p; 1: all
   int64_t max_new = 64;      // tokens per completion at most (the stop token included)
-  int32_t stop_token = 258;  // data::kEos; -1: never stop before max_new or the context
+  int32_t stop_token = data::kEos;  // -1: never stop before max_new or the context
   uint64_t seed = 0;         // the random draws' key, with the step ...
   uint64_t step = 0;         // ... (an RL step; 0 for one-off generation), sequence id and position
   bool keep_logits = false;  // keep each sampled token's logits row (tests, diagnostics)
