@@ -18,7 +18,7 @@ if has build; then
   log build
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention fourbit_kprof > "$OUT/build.log" 2>&1 \
+  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention gpu_sampler fourbit_kprof > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   log build done
 fi
@@ -33,6 +33,9 @@ if has bench; then
   "$BUILD/bench/gpu_quant" --json "$OUT/gpu_quant.json" 2>&1 | tee "$OUT/gpu_quant.log" | tail -14
   log gpu_attention
   "$BUILD/bench/gpu_attention" --json "$OUT/gpu_attention.json" 2>&1 | tee "$OUT/gpu_attention.log" | tail -7
+  log gpu_sampler
+  "$BUILD/bench/gpu_sampler" --config configs/gpu-small.toml --device cuda --json "$OUT/gpu_sampler.json" 2>&1 \
+    | tee "$OUT/gpu_sampler.log" | tail -16
   log train_bench
   "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
     --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8

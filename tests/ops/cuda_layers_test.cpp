@@ -438,6 +438,26 @@ TEST(CudaLayers, RoutePlanEqualsCpuExactly) {
 
 // ---- gather / combine -----------------------------------------------------------------------------
 
+// The KV-cache write: the same rows land in the same places as on the CPU, for the 16-byte,
+// 4-byte and byte paths, and rows not written keep their bytes.
+TEST(CudaLayers, ScatterRowsMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t D : {64, 3, 13}) {
+    const DType dt = D == 13 ? DType::U8 : DType::F32;
+    const int64_t N = 700, M = 300;
+    std::vector<int32_t> dst(static_cast<size_t>(M));
+    for (int64_t s = 0; s < M; ++s) dst[size_t(s)] = int32_t((s * 7 + 3) % N);  // distinct: 7 and 700 coprime
+    const Tensor idx = int_tensor(dst, {M});
+    Tensor x = Tensor::empty({M, D}, dt), out_c = Tensor::empty({N, D}, dt);
+    for (int64_t i = 0; i < x.nbytes(); ++i) static_cast<uint8_t*>(x.raw())[i] = uint8_t(i * 31 + 7);
+    for (int64_t i = 0; i < out_c.nbytes(); ++i) static_cast<uint8_t*>(out_c.raw())[i] = uint8_t(i * 13 + 5);
+    Tensor out_g = gpu(out_c);
+    ops::scatter_rows(x, idx, out_c);
+    ops::scatter_rows(gpu(x), gpu(idx), out_g);
+    expect_bits(cfg("scatter_rows D=%lld", D), out_g, out_c);
+  }
+}
+
 TEST(CudaLayers, GatherAndCombineMatchCpuBitForBit) {
   SKIP_WITHOUT_GPU();
   struct Cfg { int64_t N, D, E, k; };

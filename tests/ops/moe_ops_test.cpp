@@ -145,6 +145,34 @@ TEST(MoeOps, GatherAndCombineOnRandomRoutings) {
   for (int64_t i = 0; i < N * D; ++i) ASSERT_EQ(dx.data<float>()[i], 2.0f * x.data<float>()[i]);
 }
 
+// scatter_rows writes row s to dst_rows[s] and leaves the other rows alone (the KV-cache write);
+// it takes any dtype and refuses repeated or out-of-range rows.
+TEST(MoeOps, ScatterRowsWritesOnlyItsRows) {
+  const int64_t N = 9, M = 4, D = 6;
+  const Tensor x = random_tensor({M, D}, DType::F32, 950);
+  Tensor out = random_tensor({N, D}, DType::F32, 951);
+  const Tensor before = out.clone();
+  const std::vector<int32_t> dst = {7, 0, 3, 8};
+  ops::scatter_rows(x, int_tensor(dst, {M}), out);
+  for (int64_t n = 0; n < N; ++n) {
+    const auto it = std::find(dst.begin(), dst.end(), int32_t(n));
+    if (it == dst.end()) EXPECT_TRUE(bitwise_equal_range(out, n * D, before, n * D, D)) << n;
+    else EXPECT_TRUE(bitwise_equal_range(out, n * D, x, (it - dst.begin()) * D, D)) << n;
+  }
+  std::vector<uint8_t> bytes = {1, 2, 3, 4, 5, 6};
+  Tensor ob = Tensor::zeros({3, 3}, DType::U8);
+  ops::scatter_rows(Tensor::from_host(bytes.data(), {2, 3}, DType::U8), int_tensor({2, 0}, {2}), ob);
+  EXPECT_EQ((std::vector<uint8_t>(ob.data<uint8_t>(), ob.data<uint8_t>() + 9)),
+            (std::vector<uint8_t>{4, 5, 6, 0, 0, 0, 1, 2, 3}));
+  expect_error([&] { ops::scatter_rows(x, int_tensor({1, 2, 1, 3}, {M}), out); },
+               "scatter_rows: dst_rows[2] = 1 repeats an earlier entry");
+  expect_error([&] { ops::scatter_rows(x, int_tensor({1, 2, 9, 3}, {M}), out); },
+               "scatter_rows: dst_rows[2] = 9 is outside [0, N=9)");
+  Tensor narrow = Tensor::empty({N, D - 1}, DType::F32);
+  expect_error([&] { ops::scatter_rows(x, int_tensor(dst, {M}), narrow); },
+               "scatter_rows: x must be f32[M, D]=[4, 5] cpu, got f32[4, 6] cpu");
+}
+
 TEST(MoeOps, GradCheckCombineAndGatherBackward) {
   const int64_t N = 6, E = 4, k = 2, D = 5;
   const Tensor idx = random_routing(N, E, k, 1000);

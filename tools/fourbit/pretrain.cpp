@@ -1,11 +1,10 @@
-// defines: add_pretrain_command, add_recipes_command, add_generate_command
-// `fourbit pretrain`, `fourbit recipes` and `fourbit generate`.
+// defines: add_pretrain_command, add_recipes_command
+// `fourbit pretrain` and `fourbit recipes`.
 #include <cstdio>
 #include <filesystem>
 
 #include <fmt/format.h>
 
-#include "fourbit/model/generate.h"
 #include "fourbit/model/recipe.h"
 #include "fourbit/train/checkpoint.h"
 #include "fourbit/train/data.h"
@@ -78,32 +77,6 @@ void add_recipes_command(CLI::App& app) {
       std::printf("%s\n", recipe_table(recipe_by_name(name), *layers).c_str());
     }
     if (!only->empty()) recipe_by_name(*only);
-  });
-}
-
-void add_generate_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("generate", "greedy samples from a trained run through the training forward");
-  struct Args {
-    std::string run, device = "auto";
-    std::vector<std::string> prompts;
-    int64_t max_new = 48;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--run", a->run, "run directory (its latest checkpoint)")->required();
-  cmd->add_option("--prompt", a->prompts, "prompt text (repeatable)")->required();
-  cmd->add_option("--max-new", a->max_new, "tokens to generate")->capture_default_str();
-  cmd->add_option("--device", a->device, "cpu, cuda or auto")->capture_default_str();
-  cmd->callback([a]() {
-    const std::string dir = latest_checkpoint(a->run);
-    const CheckpointState st = read_checkpoint_state(dir);
-    Model m(st.config.model, recipe_by_name(st.recipe), parse_device(a->device));
-    load_checkpoint(dir, m.params(), nullptr, nullptr);
-    for (const std::string& p : a->prompts) {
-      std::vector<int32_t> prompt = {data::kBos};
-      for (int32_t t : data::encode(p)) prompt.push_back(t);
-      const std::vector<int32_t> out = greedy_generate(m, prompt, a->max_new, data::kEos);
-      std::printf("  %s|%s\n", p.c_str(), data::decode(out).c_str());
-    }
   });
 }
 

@@ -212,8 +212,11 @@ struct ModelRunner {
   }
 
   // ---- attention block ----------------------------------------------------------------------
+  // With `kv` (the sampler), K/V go into the cache and the queries attend over it; otherwise over
+  // this batch's own K/V from position 0 (training).
   Tensor attention_forward(const Tensor& xn, const LayerWeights& w, const std::string& name,
-                           Model::Saved::Layer* s, const Tensor& positions, int64_t B, int64_t T) {
+                           Model::Saved::Layer* s, const Tensor& positions, int64_t B, int64_t T,
+                           const KvStep* kv = nullptr) {
     const LayerClass cls = LayerClass::Attention;
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
@@ -228,7 +231,8 @@ struct ModelRunner {
     ops::rope_forward(q3, positions, m.rope_);
     ops::rope_forward(k3, positions, m.rope_);
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T});
-    ops::attention_forward(q4, k4, v4, 0, o, lse);
+    if (kv) kv->attend(layer, q4, k, v, o, lse);
+    else ops::attention_forward(q4, k4, v4, 0, o, lse);
     Tensor o2 = o.reshape({N, Hq * hd});
     LinearInput o_in = prepare_input(o2, r, cls, kSiteAttnO);
     record_input_amax(name + "o", o2, r);
@@ -284,10 +288,11 @@ struct ModelRunner {
     ops::RoutePlan plan = ops::route_plan(topk_idx, E);
 
     // Load-balance loss (Switch): coef * E * sum_e f_e * P_e, with f_e the routed share
-    // (no gradient) and P_e the mean router probability.
+    // (no gradient) and P_e the mean router probability. Not asked for by the sampler (no
+    // aux_loss): its device-to-host copy would cost a synchronisation per layer and token.
     std::vector<double> frac(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
-    {
+    if (aux_loss) {
       const Tensor ph = probs.to(Device::CPU);
       double aux = 0;
       for (int64_t e = 0; e < E; ++e) {
@@ -511,13 +516,17 @@ double host_sum(const Tensor& t) {
   return s;
 }
 
-// The layer stack and LM head; with `s`, keeps what backward needs.
-Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::Saved* s, double* aux) {
+// The layer stack and LM head; with `s`, keeps what backward needs. With `kv` (the sampler's
+// cached forward) attention goes through the cache, no aux loss is computed (aux may be null) and
+// only the rows `logit_rows` (I32 indices into the B * T rows; undefined: all) reach the LM head.
+Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::Saved* s, double* aux,
+                      const KvStep* kv = nullptr, const Tensor& logit_rows = Tensor()) {
   const ModelConfig& cfg = m.config();
-  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, D = cfg.d_model, V = cfg.vocab_size;
+  const int64_t B = tokens.size(0), T = tokens.size(1), D = cfg.d_model, V = cfg.vocab_size;
+  int64_t N = B * T;
   const ModelWeights w = m.params().weights();
   ModelWeights g = m.params().grads();
-  const Tensor positions = positions_for(B, T, m.device());
+  const Tensor positions = kv ? kv->positions : positions_for(B, T, m.device());
   Tensor x = run.act({N, D});
   ops::embedding_forward(tokens.reshape({N}), w.embed, x);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
@@ -530,7 +539,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     Tensor xn = run.act({N, D}), rstd1 = run.act({N});
     ops::rmsnorm_forward(x, lw.attn_norm, float(cfg.norm_eps), xn, rstd1);
     Tensor x_mid = x.clone();
-    ops::add_(x_mid, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T));
+    ops::add_(x_mid, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv));
     // FFN block
     Tensor xn2 = run.act({N, D}), rstd2 = run.act({N});
     ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2);
@@ -551,6 +560,12 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
       sl->moe = cfg.is_moe_layer(l);
     }
     x = x_out;
+  }
+  if (logit_rows.defined()) {  // every op after the layer stack is per token: a subset of rows
+    N = logit_rows.size(0);
+    Tensor picked = run.act({N, D});
+    ops::gather_rows(x, logit_rows, picked);
+    x = picked;
   }
   run.layer = cfg.n_layers;
   Tensor xf = run.act({N, D}), rstd_f = run.act({N});
@@ -679,6 +694,28 @@ void Model::backward() {
     ops::add_(dx, dres);
   }
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
+}
+
+Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
+                             const std::vector<int32_t>& logit_rows) {
+  if (tokens.dtype() != DType::I32 || tokens.dim() != 2 || tokens.device() != device_)
+    fail("cached forward: tokens must be i32 [B, T] on the {}, got {}", device_name(device_), tokens.str());
+  if (tokens.size(1) != batch.T) fail("cached forward: tokens {} but the batch says T = {}", tokens.str(), batch.T);
+  if (cache.layers() != cfg_.n_layers || cache.device() != device_ || cache.dtype() != dtype_)
+    fail("cached forward: the cache ({} layers, {} {}) was not made for this model ({} layers, {} {})",
+         cache.layers(), dtype_name(cache.dtype()), device_name(cache.device()), cfg_.n_layers, dtype_name(dtype_),
+         device_name(device_));
+  const KvStep kv(cache, batch, cfg_.max_seq_len);
+  if (tokens.size(0) != batch.rows())
+    fail("cached forward: tokens {} but the batch has {} rows", tokens.str(), batch.rows());
+  Tensor rows;
+  if (!logit_rows.empty()) {
+    for (int32_t r : logit_rows)
+      if (r < 0 || r >= tokens.numel()) fail("cached forward: logit row {} is outside [0, {})", r, tokens.numel());
+    rows = Tensor::from_host(logit_rows.data(), {int64_t(logit_rows.size())}, DType::I32, device_);
+  }
+  ModelRunner run{*this, cfg_, sr, nullptr};
+  return forward_logits(*this, run, tokens, nullptr, nullptr, &kv, rows);
 }
 
 Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "fourbit/model/config.h"
+#include "fourbit/model/kv_cache.h"
 #include "fourbit/model/linear.h"
 #include "fourbit/model/params.h"
 #include "fourbit/model/recipe.h"
@@ -67,6 +68,14 @@ class Model {
 
   // Logits F32 [B*T, V] for tokens [B, T] (a full causal forward); no activations kept.
   Tensor logits(const Tensor& tokens, const SrStreams& sr);
+
+  // The sampler's forward (rl/sampler.h): tokens I32 [B, T] continue the sequences of cache slots
+  // 0..B-1 at the positions `batch` gives; their K/V are written into `cache`. The same blocks,
+  // cached weights and per-token quantization as forward(), so every row's logits are the bits of
+  // logits() on the whole sequence for the batch-invariant recipes (tests/rl/sampler_test.cpp).
+  // Returns logits F32 [R, V] of rows logit_rows (indices into the B * T rows; empty: all rows).
+  Tensor forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
+                        const std::vector<int32_t>& logit_rows = {});
 
   // Quantized weights are cached until the weights change: call after every optimizer step.
   void invalidate_weight_cache() { weight_cache_.clear(); }

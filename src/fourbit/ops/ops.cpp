@@ -316,6 +316,9 @@ void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
 QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
   FOURBIT_DISPATCH(x.device(), gather_rows, x, token_of_slot);
 }
+void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out) {
+  FOURBIT_DISPATCH(out.device(), scatter_rows, x, dst_rows, out);
+}
 void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx) {
   FOURBIT_DISPATCH(dx.device(), gather_rows_backward, dx_perm, slot_of, dx);
 }

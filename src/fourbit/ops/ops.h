@@ -217,6 +217,10 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts);
 // per-row outer scales travel together: tokens are dispatched already quantized).
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm);
 QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot);
+// out[dst_rows[s]] = x[s] for every row s of x [M, D] (any dtype; out [N, D] of the same dtype,
+// its other rows unchanged; dst_rows I32 [M], distinct, in [0, N)): the KV-cache write of the
+// sampler (model/kv_cache.h), each new token's K or V row to its (sequence, position) row.
+void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out);
 // dx[n] = sum over j in rank order of dx_perm[slot_of[n, j]] (no atomics: deterministic).
 void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx);
 // out[n] = sum over j in rank order of w[n, j] * y_perm[slot_of[n, j]]  (overwrites out).

@@ -1,5 +1,5 @@
 // defines: str_or_undef, expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
-//          expect_gather_args, expect_router_backward_args, expect_segment_amax_args
+//          expect_gather_args, expect_scatter_args, expect_router_backward_args, expect_segment_amax_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -109,6 +109,21 @@ inline int64_t expect_segment_amax_args(Device dev, const char* op, const Tensor
     if (offsets[g] > offsets[g + 1]) fail("{}: offsets decrease at segment {}", op, g);
   expect_dims_on(dev, op, "amax", amax, DType::F32, {int64_t(offsets.size()) - 1}, "[G]");
   return M;
+}
+
+// scatter_rows: x [M, D] (any dtype), dst_rows i32 [M], out [N, D] like x; the same shapes as a
+// gather with the roles of x and out swapped.
+inline GatherShape expect_scatter_args(Device dev, const char* op, const Tensor& x, const Tensor& dst_rows,
+                                       const Tensor& out) {
+  if (!out.defined() || out.dim() != 2 || out.device() != dev)
+    fail("{}: out must be a 2-D {} tensor [N, D], got {}", op, device_name(dev),
+         out.defined() ? out.str() : "an undefined tensor");
+  if (!dst_rows.defined() || dst_rows.dim() != 1)
+    fail("{}: dst_rows must be i32[M], got {}", op, dst_rows.defined() ? dst_rows.str() : "an undefined tensor");
+  const GatherShape g{out.size(0), out.size(1), dst_rows.size(0)};
+  expect_dims_on(dev, op, "dst_rows", dst_rows, DType::I32, {g.M}, "[M]");
+  expect_dims_on(dev, op, "x", x, out.dtype(), {g.M, g.D}, "[M, D]");
+  return g;
 }
 
 }  // namespace fourbit::ops

@@ -1,5 +1,6 @@
 // defines: cpu::router_topk, cpu::router_backward, cpu::route_plan, cpu::gather_rows (dense and
-//          QTensor), cpu::gather_rows_backward, cpu::moe_combine, cpu::moe_combine_backward
+//          QTensor), cpu::scatter_rows, cpu::gather_rows_backward, cpu::moe_combine,
+//          cpu::moe_combine_backward
 // The router and the token <-> expert-slot permutation. Every token row is computed by one
 // thread from its own k assignments in rank order, so results are deterministic and a token's
 // output never depends on the other tokens of the batch (DESIGN "Exactness": combine by rank,
@@ -230,6 +231,27 @@ void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
 #pragma omp parallel for schedule(static)
   for (int64_t s = 0; s < M; ++s)
     std::memcpy(dst + s * row_bytes, src + int64_t(tok[s]) * row_bytes, size_t(row_bytes));
+}
+
+void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out) {
+  const char* op = "scatter_rows";
+  const auto [N, D, M] = expect_scatter_args(Device::CPU, op, x, dst_rows, out);
+  check_range(op, "dst_rows", dst_rows, N, "N");
+  const int32_t* dst_idx = dst_rows.data<int32_t>();
+  // Two rows written to one place would make the result depend on the write order.
+  std::vector<bool> taken(size_t(N), false);
+  for (int64_t s = 0; s < M; ++s) {
+    if (taken[size_t(dst_idx[s])])
+      fail("{}: dst_rows[{}] = {} repeats an earlier entry: each output row takes one input row", op, s,
+           dst_idx[s]);
+    taken[size_t(dst_idx[s])] = true;
+  }
+  const int64_t row_bytes = D * dtype_size(x.dtype());
+  const char* src = static_cast<const char*>(x.raw());
+  char* dst = static_cast<char*>(out.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < M; ++s)
+    std::memcpy(dst + int64_t(dst_idx[s]) * row_bytes, src + s * row_bytes, size_t(row_bytes));
 }
 
 QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {

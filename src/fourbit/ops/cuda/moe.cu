@@ -1,5 +1,5 @@
 // defines: cuda::router_topk, cuda::router_backward, cuda::route_plan, cuda::gather_rows (dense
-//          and QTensor), cuda::gather_rows_backward, cuda::moe_combine,
+//          and QTensor), cuda::scatter_rows, cuda::gather_rows_backward, cuda::moe_combine,
 //          cuda::moe_combine_backward, cuda::stable_bucket_sort
 // The router and the token <-> expert-slot permutation on the GPU, following ops/cpu/moe.cpp:
 //  - router rows run one per warp, arithmetic in double rounded once per output, so a token's
@@ -348,6 +348,25 @@ void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t
   FOURBIT_LAUNCH_CHECK();
 }
 
+// The inverse copy: row s of x goes to out row dst_rows[s], one warp per input row. Rows are
+// distinct by contract (the CPU backend checks it); a repeated one would race.
+template <typename U>
+__global__ void __launch_bounds__(kRowThreads)
+    scatter_rows_kernel(const U* x, const int32_t* dst_rows, U* out, int64_t M, int64_t N, int64_t row_units,
+                        IndexError* err) {
+  const int lane = lane_id();
+  for (int64_t s = first_row_of_warp(); s < M; s += warp_row_stride()) {
+    const int32_t n = dst_rows[s];
+    if (n < 0 || n >= N) {  // recorded; nothing is written
+      if (lane == 0) record_index_error(err, IndexSite::ScatterRowsDstRows, s, n, N, 1);
+      continue;
+    }
+    const U* src = x + s * row_units;
+    U* o = out + int64_t(n) * row_units;
+    for (int64_t u = lane; u < row_units; u += 32) o[u] = src[u];
+  }
+}
+
 // True (and the first bad one recorded) when a slot of token n's k entries is outside [0, M).
 __device__ __forceinline__ bool bad_slots(const int32_t* slot_of, int64_t n, int64_t k, int64_t M,
                                           bool record, IndexSite site, IndexError* err) {
@@ -577,6 +596,27 @@ void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
   // A row copy is exact for every dtype, so this one kernel serves them all.
   gather_row_bytes(x.raw(), N, D * dtype_size(x.dtype()), token_of_slot.data<int32_t>(), M,
                    x_perm.raw());
+}
+
+void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out) {
+  const char* op = "scatter_rows";
+  const auto [N, D, M] = expect_scatter_args(Device::CUDA, op, x, dst_rows, out);
+  const int64_t row_bytes = D * dtype_size(x.dtype());
+  if (M == 0 || row_bytes == 0) return;
+  const unsigned grid = warp_row_grid(M);
+  IndexError* err = index_error_record();
+  const int32_t* idx = dst_rows.data<int32_t>();
+  if (row_bytes % 16 == 0 && aligned16(x.raw()) && aligned16(out.raw()))
+    scatter_rows_kernel<uint4><<<grid, kRowThreads, 0, stream()>>>(x.data<uint4>(), idx, out.data<uint4>(), M, N,
+                                                                    row_bytes / 16, err);
+  else if (row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(x.raw()) % 4 == 0 &&
+           reinterpret_cast<uintptr_t>(out.raw()) % 4 == 0)
+    scatter_rows_kernel<uint32_t><<<grid, kRowThreads, 0, stream()>>>(x.data<uint32_t>(), idx, out.data<uint32_t>(),
+                                                                       M, N, row_bytes / 4, err);
+  else
+    scatter_rows_kernel<uint8_t><<<grid, kRowThreads, 0, stream()>>>(x.data<uint8_t>(), idx, out.data<uint8_t>(), M,
+                                                                      N, row_bytes, err);
+  FOURBIT_LAUNCH_CHECK();
 }
 
 QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {

@@ -1,0 +1,126 @@
+// defines: the gpu_sampler benchmark (main)
+// Decode speed of the KV-cache sampler (rl/sampler.h) per recipe and batch size: B distinct
+// random prompts of P tokens, each sampled at temperature 1 with no stop token until its
+// sequence fills a cache of C positions (C - P + 1 new tokens: one from the prefill, the rest
+// from C - P decode steps), on seeded random weights of the config's model. Decode tokens/s
+// counts the tokens of the decode steps over their time (forwards, cache writes, the host-side
+// draws and log-probs); prefill is reported apart. Times are wall clock with the device
+// synchronised at each phase's end, so this runs on the CPU as well (--device cpu).
+// Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
+//                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
+//                    [--cache 512] [--json FILE]
+#include <cstdio>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.h"
+#include "fourbit/model/model.h"
+#include "fourbit/rl/sampler.h"
+#include "fourbit/tensor/device_memory.h"
+
+using namespace fourbit;
+
+namespace {
+
+std::string arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return argv[i + 1];
+  return fallback;
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::vector<rl::SampleRequest> random_prompts(int64_t B, int64_t P, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_int_distribution<int32_t> u(0, 255);
+  std::vector<rl::SampleRequest> out;
+  for (int64_t b = 0; b < B; ++b) {
+    rl::SampleRequest r;
+    r.sequence_id = uint64_t(b);
+    for (int64_t t = 0; t < P; ++t) r.prompt.push_back(u(g));
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string config_path = arg(argc, argv, "--config", "configs/gpu-small.toml");
+    const RunConfig cfg = load_config(config_path);
+    const std::string dev_name = arg(argc, argv, "--device", "auto");
+    const Device device = dev_name == "cpu" ? Device::CPU
+                          : dev_name == "cuda" || cuda_device_count() > 0 ? Device::CUDA
+                                                                          : Device::CPU;
+    if (device == Device::CUDA && cuda_device_count() == 0) fail("--device cuda: no CUDA device visible");
+    const int64_t P = std::stoll(arg(argc, argv, "--prompt", "16"));
+    int64_t C = std::stoll(arg(argc, argv, "--cache", "512"));
+    if (C > cfg.model.max_seq_len) {
+      std::printf("cache %lld > max_seq_len %lld of %s: using %lld\n", (long long)C, (long long)cfg.model.max_seq_len,
+                  config_path.c_str(), (long long)cfg.model.max_seq_len);
+      C = cfg.model.max_seq_len;
+    }
+    if (P < 1 || P >= C) fail("--prompt must be in [1, cache) = [1, {}), got {}", C, P);
+    std::vector<int64_t> batches;
+    for (const std::string& b : split(arg(argc, argv, "--batches", "1,16,64,256"))) batches.push_back(std::stoll(b));
+
+    bench::BenchTable table;
+    table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
+                             device_name(device), P, C);
+    table.columns = {"recipe", "batch", "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    table.meta = {
+        {"config", config_path}, {"device", device_name(device)}, {"prompt_tokens", P}, {"cache_positions", C}};
+    rl::SamplingOptions opt;
+    opt.temperature = 1.0;
+    opt.stop_token = -1;
+    opt.max_new = C - P + 1;
+    for (const std::string& recipe : split(arg(argc, argv, "--recipes", "bf16,mxfp8,nvfp4-fwd"))) {
+      Model model(cfg.model, recipe_by_name(recipe), device);
+      init_params(model.params(), cfg.model, 1234);
+      rl::Sampler sampler(model);
+      {  // warm-up: GEMM plans, weight quantization (cached for the whole run, as in one RL step)
+        rl::SamplingOptions w = opt;
+        w.max_new = 4;
+        sampler.sample(random_prompts(2, P, 1), w);
+      }
+      for (int64_t B : batches) {
+        sampler.reset_stats();
+        const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
+        const rl::SamplerStats& s = sampler.stats();
+        const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
+        const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
+        const double kv_mib = double(B) * double(C) * 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads *
+                                                                   cfg.model.hd()) * 4.0 / 1048576.0;
+        table.add({{"recipe", recipe},
+                   {"batch", B},
+                   {"decode_tok_per_s", double(decode_tokens) / decode_s},
+                   {"ms_per_step", 1e3 * decode_s / double(s.decode_forwards)},
+                   {"prefill_tok_per_s", double(s.prefill_tokens) / s.prefill_s},
+                   {"kv_cache_MiB", kv_mib},
+                   {"decode_steps", s.decode_forwards},
+                   {"sampled_tokens", s.sampled_tokens},
+                   {"decode_s", s.decode_s},
+                   {"choose_s", s.choose_s},
+                   {"prefill_s", s.prefill_s}});
+        std::printf("%s batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(), (long long)B,
+                    double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+        (void)out;
+      }
+    }
+    table.print();
+    table.write_json(bench::json_path_arg(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpu_sampler: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,95 @@
+// defines: KvCache, KvStep (kv_cache.h)
+#include "fourbit/model/kv_cache.h"
+
+#include <cstdint>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/error.h"
+
+namespace fourbit {
+
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device)
+    : slots_(slots), capacity_(capacity), kv_row_(c.n_kv_heads * c.hd()), dtype_(dtype), device_(device) {
+  if (slots < 0 || capacity < 1) fail("kv cache: needs slots >= 0 and capacity >= 1, got {} and {}", slots, capacity);
+  if (slots * capacity > INT32_MAX)  // (slot, position) rows are indexed by i32
+    fail("kv cache: {} slots x {} positions exceed 2^31 rows", slots, capacity);
+  if (capacity > c.max_seq_len)
+    fail("kv cache: capacity {} exceeds the model's max_seq_len {}", capacity, c.max_seq_len);
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    k_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, dtype, device));
+    v_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, dtype, device));
+  }
+}
+
+int64_t KvCache::bytes() const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l) b += k_[l].nbytes() + v_[l].nbytes();
+  return b;
+}
+
+KvCache KvCache::gather_slots(const std::vector<int64_t>& src) const {
+  KvCache out = *this;
+  out.slots_ = int64_t(src.size());
+  // One index per (slot, position) row of Hkv * hd values rather than one per slot: a slot is
+  // capacity rows long, and the GPU copies a row per warp.
+  std::vector<int32_t> idx;
+  idx.reserve(src.size() * size_t(capacity_));
+  for (int64_t s : src) {
+    if (s < 0 || s >= slots_) fail("kv cache: gather_slots: slot {} is outside [0, {})", s, slots_);
+    for (int64_t p = 0; p < capacity_; ++p) idx.push_back(int32_t(s * capacity_ + p));
+  }
+  const int64_t rows = out.slots_ * capacity_;
+  const Tensor index = Tensor::from_host(idx.data(), {rows}, DType::I32, device_);
+  for (size_t l = 0; l < k_.size(); ++l)
+    for (auto [from, to] : {std::pair{&k_[l], &out.k_[l]}, std::pair{&v_[l], &out.v_[l]}}) {
+      *to = Tensor::empty({out.slots_, from->size(1), from->size(2), from->size(3)}, dtype_, device_);
+      if (rows == 0) continue;
+      Tensor dst = to->reshape({rows, kv_row_});
+      ops::gather_rows(from->reshape({slots_ * capacity_, kv_row_}), index, dst);
+    }
+  return out;
+}
+
+KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len) : cache(c), batch(b) {
+  const int64_t B = batch.rows(), T = batch.T;
+  if (T < 1) fail("cached forward: T must be at least 1, got {}", T);
+  if (B != cache.slots())
+    fail("cached forward: the batch has {} rows but the cache {} slots (row b continues slot b)", B, cache.slots());
+  std::vector<int32_t> pos, dst;
+  pos.reserve(size_t(B * T));
+  dst.reserve(size_t(B * T));
+  int64_t next = 0;
+  for (const KvGroup& g : batch.groups) {
+    if (g.begin != next || g.end <= g.begin)
+      fail("cached forward: groups must cover rows 0..{} in order with none empty; a group spans [{}, {}) after row {}",
+           B, g.begin, g.end, next);
+    if (g.pos0 < 0 || g.pos0 + T > cache.capacity() || g.pos0 + T > max_seq_len)
+      fail("cached forward: positions {}..{} of rows [{}, {}) do not fit the cache capacity {} (max_seq_len {})",
+           g.pos0, g.pos0 + T - 1, g.begin, g.end, cache.capacity(), max_seq_len);
+    for (int64_t r = g.begin; r < g.end; ++r)
+      for (int64_t t = 0; t < T; ++t) {
+        pos.push_back(int32_t(g.pos0 + t));
+        dst.push_back(int32_t(r * cache.capacity() + g.pos0 + t));
+      }
+    next = g.end;
+  }
+  positions = Tensor::from_host(pos.data(), {B * T}, DType::I32, cache.device());
+  dst_rows = Tensor::from_host(dst.data(), {B * T}, DType::I32, cache.device());
+}
+
+void KvStep::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const {
+  const int64_t rows = cache.slots() * cache.capacity();
+  Tensor kc = cache.k_.at(size_t(layer)), vc = cache.v_.at(size_t(layer));
+  Tensor kc2 = kc.reshape({rows, cache.kv_row_}), vc2 = vc.reshape({rows, cache.kv_row_});
+  // The cache first, then attention reads this call's keys from it like every earlier one's.
+  ops::scatter_rows(k.reshape({k.numel() / cache.kv_row_, cache.kv_row_}), dst_rows, kc2);
+  ops::scatter_rows(v.reshape({v.numel() / cache.kv_row_, cache.kv_row_}), dst_rows, vc2);
+  for (const KvGroup& g : batch.groups) {
+    const Tensor qg = q.slice_rows(g.begin, g.end);
+    Tensor og = o.slice_rows(g.begin, g.end), lg = lse.slice_rows(g.begin, g.end);
+    // Keys pos0 + T .. S - 1 of these slots are never reached by a query of this call (causal).
+    ops::attention_forward(qg, kc.slice_rows(g.begin, g.end), vc.slice_rows(g.begin, g.end), g.pos0, og, lg);
+  }
+}
+
+}  // namespace fourbit

@@ -1,0 +1,77 @@
+// defines: KvGroup, KvBatch, KvCache, KvStep
+// The sampler's per-layer key/value cache and the layout of one cached forward call
+// (Model::forward_cached). A cache holds K and V of every layer for `slots` sequences of up to
+// `capacity` positions, as [slots, capacity, Hkv, hd] tensors: exactly the k/v layout
+// ops::attention_forward reads, so a run of slots is a view and the attention over a cache is the
+// training attention's own op (same key order, same 64-key blocks on the GPU): a cached token's
+// output row is the bits of the full forward's row for that position.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "fourbit/model/config.h"
+#include "fourbit/tensor/tensor.h"
+
+namespace fourbit {
+
+// Rows [begin, end) of a cached call's tokens [B, T] continue the sequences in cache slots
+// [begin, end), all at positions pos0 .. pos0 + T - 1 (ops::attention_forward takes one pos0 per
+// call, so sequences at different positions are different groups).
+struct KvGroup {
+  int64_t begin = 0, end = 0, pos0 = 0;
+};
+
+// One cached call: tokens [B, T] whose groups cover rows 0 .. B-1 in order. A prefill is one group
+// at pos0 0 (prompts right-padded to T: padding rows only write K/V at positions after the prompt,
+// which later tokens overwrite before any query can see them); a decode step has T = 1 and one
+// group per run of equal positions.
+struct KvBatch {
+  int64_t T = 1;
+  std::vector<KvGroup> groups;
+  int64_t rows() const { return groups.empty() ? 0 : groups.back().end; }
+};
+
+class KvCache {
+ public:
+  KvCache() = default;
+  // Zero-filled: the GPU kernels read whole 64-key tiles and mask the keys after a query, and
+  // a masked key must still be finite (0 * NaN would poison the sum).
+  KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device);
+
+  int64_t slots() const { return slots_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t layers() const { return int64_t(k_.size()); }
+  Device device() const { return device_; }
+  DType dtype() const { return dtype_; }
+  int64_t bytes() const;
+  const Tensor& k(int64_t layer) const { return k_.at(size_t(layer)); }
+  const Tensor& v(int64_t layer) const { return v_.at(size_t(layer)); }
+
+  // A new cache whose slot i holds slot src[i] of this one (every layer, every position): a
+  // prefilled prompt copied to its G samples, or finished sequences dropped.
+  KvCache gather_slots(const std::vector<int64_t>& src) const;
+
+ private:
+  friend struct KvStep;
+  int64_t slots_ = 0, capacity_ = 0, kv_row_ = 0;  // kv_row_: Hkv * hd values per position
+  DType dtype_ = DType::F32;
+  Device device_ = Device::CPU;
+  std::vector<Tensor> k_, v_;
+};
+
+// A checked KvBatch bound to a cache for one forward call: each row's position (for RoPE) and the
+// cache row its K/V go to, on the cache's device.
+struct KvStep {
+  KvStep(KvCache& cache, const KvBatch& batch, int64_t max_seq_len);
+  KvCache& cache;
+  KvBatch batch;
+  Tensor positions;  // I32 [B * T]
+  Tensor dst_rows;   // I32 [B * T]: slot * capacity + position, rows of a layer's cache as [slots * capacity, Hkv * hd]
+
+  // Writes this call's k, v rows ([B * T, Hkv * hd], after RoPE) into layer `layer` of the cache,
+  // then attention of q [B, T, Hq, hd] over the cache, one ops::attention_forward per group:
+  // o [B, T, Hq, hd], lse [B, Hq, T].
+  void attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const;
+};
+
+}  // namespace fourbit

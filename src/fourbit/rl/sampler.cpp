@@ -1,0 +1,198 @@
+// defines: finish_name, Sampler (sampler.h)
+#include "fourbit/rl/sampler.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <numeric>
+#include <set>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+#include "fourbit/tensor/error.h"
+
+namespace fourbit::rl {
+
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::Stop: return "stop";
+    case Finish::Length: return "length";
+    case Finish::Context: return "context";
+  }
+  return "?";
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Seconds since t0, after the device has finished what was issued (so GPU work is counted where
+// it was asked for, not at the next synchronisation).
+double seconds_since(Clock::time_point t0, Device device) {
+  if (device == Device::CUDA) device_synchronize();
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+Sampler::Sampler(Model& model, const SrStreams& sr) : model_(model), sr_(sr) {}
+
+std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& requests, const SamplingOptions& opt) {
+  const ModelConfig& cfg = model_.config();
+  const int64_t V = cfg.vocab_size;
+  const Device dev = model_.device();
+  check_sampling_options(opt, V);
+  if (model_.dtype() != DType::F32)
+    fail("sampler: runs f32 models (the f64 model is for gradient checks), got {}", dtype_name(model_.dtype()));
+
+  // ---- checks, before any work ----
+  std::vector<Completion> out(requests.size());
+  std::set<uint64_t> ids;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const SampleRequest& r = requests[i];
+    if (r.prompt.empty()) fail("sampler: request {} has an empty prompt", i);
+    if (int64_t(r.prompt.size()) > cfg.max_seq_len)
+      fail("sampler: request {}: a prompt of {} tokens does not fit the model's context (max_seq_len {})", i,
+           r.prompt.size(), cfg.max_seq_len);
+    for (size_t t = 0; t < r.prompt.size(); ++t)
+      if (r.prompt[t] < 0 || r.prompt[t] >= V)
+        fail("sampler: request {}: prompt token {} is {}, outside the vocabulary [0, {})", i, t, r.prompt[t], V);
+    if (!ids.insert(r.sequence_id).second)
+      fail("sampler: request {} repeats sequence id {}: ids key the random draws and must be distinct", i,
+           r.sequence_id);
+    out[i].sequence_id = r.sequence_id;
+  }
+  stats_.calls += 1;
+  stats_.sequences += int64_t(requests.size());
+  if (requests.empty() || opt.max_new == 0) return out;
+
+  // ---- distinct prompts, and the batch rows ordered by prompt length ----
+  std::map<std::vector<int32_t>, int64_t> index_of;
+  std::vector<const std::vector<int32_t>*> prompts;
+  std::vector<int64_t> prompt_of(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto [it, fresh] = index_of.try_emplace(requests[i].prompt, int64_t(prompts.size()));
+    if (fresh) prompts.push_back(&requests[i].prompt);
+    prompt_of[i] = it->second;
+  }
+  auto len = [&](size_t i) { return int64_t(requests[i].prompt.size()); };
+  std::vector<size_t> rows(requests.size());  // request of each batch row
+  std::iota(rows.begin(), rows.end(), size_t(0));
+  std::stable_sort(rows.begin(), rows.end(), [&](size_t a, size_t b) {
+    return len(a) != len(b) ? len(a) < len(b) : prompt_of[a] < prompt_of[b];
+  });
+  const int64_t U = int64_t(prompts.size());
+  int64_t L_max = 0;
+  for (const auto* p : prompts) L_max = std::max(L_max, int64_t(p->size()));
+  // Positions ever written: the prompt, then every sampled token but the last.
+  const int64_t capacity = std::min(cfg.max_seq_len, L_max + opt.max_new - 1);
+
+  // ---- prefill the distinct prompts, right-padded (padding rows write K/V only after their
+  // prompt's end, where the sequence's own tokens overwrite them before anything reads them) ----
+  auto t0 = Clock::now();
+  std::vector<int32_t> host(size_t(U * L_max), 0);
+  std::vector<int32_t> last_rows;
+  for (int64_t u = 0; u < U; ++u) {
+    std::copy(prompts[size_t(u)]->begin(), prompts[size_t(u)]->end(), host.begin() + u * L_max);
+    last_rows.push_back(int32_t(u * L_max + int64_t(prompts[size_t(u)]->size()) - 1));
+    stats_.prefill_tokens += int64_t(prompts[size_t(u)]->size());
+  }
+  std::vector<int64_t> slot_prompt;
+  std::vector<int32_t> slot_prompt32;
+  for (size_t r : rows) {
+    slot_prompt.push_back(prompt_of[r]);
+    slot_prompt32.push_back(int32_t(prompt_of[r]));
+  }
+  const int64_t A0 = int64_t(rows.size());
+  KvCache cache;
+  Tensor logits = Tensor::empty({A0, V}, DType::F32, dev);
+  {
+    KvCache prompt_cache(cfg, U, capacity, DType::F32, dev);
+    const Tensor prompt_tokens = Tensor::from_host(host.data(), {U, L_max}, DType::I32, dev);
+    const Tensor prompt_logits =
+        model_.forward_cached(prompt_tokens, KvBatch{L_max, {KvGroup{0, U, 0}}}, prompt_cache, sr_, last_rows);
+    // Every row starts from its prompt's cache and last logits row (copies: the same bits).
+    cache = prompt_cache.gather_slots(slot_prompt);
+    ops::gather_rows(prompt_logits, Tensor::from_host(slot_prompt32.data(), {A0}, DType::I32, dev), logits);
+  }
+  stats_.prefill_s += seconds_since(t0, dev);
+
+  while (true) {
+    // ---- the next token of every active row, and its policy log-prob ----
+    t0 = Clock::now();
+    const int64_t A = int64_t(rows.size());
+    const Tensor h = logits.to(Device::CPU);
+    std::vector<int32_t> next(static_cast<size_t>(A));
+    for (int64_t a = 0; a < A; ++a) {
+      Completion& c = out[rows[size_t(a)]];
+      const float* row = h.data<float>() + a * V;
+      const int64_t position = len(rows[size_t(a)]) + int64_t(c.tokens.size());
+      const TokenDraw d = draw_token(std::span<const float>(row, size_t(V)), opt, c.sequence_id, position);
+      next[size_t(a)] = d.token;
+      c.tokens.push_back(d.token);
+      c.sample_logprobs.push_back(d.sample_logprob);
+      if (opt.keep_logits) c.logits.insert(c.logits.end(), row, row + V);
+    }
+    // The trainer's per-token loss on this row and token, negated: the same op on the same bits.
+    const Tensor targets = Tensor::from_host(next.data(), {A}, DType::I32, dev);
+    Tensor losses = Tensor::empty({A}, DType::F32, dev);
+    ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
+    const Tensor lh = losses.to(Device::CPU);
+    std::vector<size_t> keep_rows;
+    std::vector<int64_t> keep_slots;
+    for (int64_t a = 0; a < A; ++a) {
+      const size_t r = rows[size_t(a)];
+      Completion& c = out[r];
+      c.logprobs.push_back(-lh.data<float>()[a]);
+      const int64_t n = int64_t(c.tokens.size());
+      if (next[size_t(a)] == opt.stop_token) c.finish = Finish::Stop;
+      else if (n == opt.max_new) c.finish = Finish::Length;
+      else if (len(r) + n > cfg.max_seq_len) c.finish = Finish::Context;  // no position left for it
+      else {
+        keep_rows.push_back(r);
+        keep_slots.push_back(a);
+      }
+    }
+    stats_.sampled_tokens += A;
+    stats_.choose_s += seconds_since(t0, dev);
+    if (keep_rows.empty()) break;
+
+    // ---- one decode forward over the unfinished rows ----
+    t0 = Clock::now();
+    if (int64_t(keep_rows.size()) < A) {
+      cache = cache.gather_slots(keep_slots);  // the finished leave (order kept: runs stay runs)
+      std::vector<int32_t> kept;
+      for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
+      next = std::move(kept);
+      rows = std::move(keep_rows);
+    }
+    const int64_t An = int64_t(rows.size());
+    KvBatch batch{1, {}};
+    for (int64_t a = 0; a < An; ++a) {
+      // the input is the token just drawn, at position prompt + tokens - 1
+      const int64_t pos = len(rows[size_t(a)]) + int64_t(out[rows[size_t(a)]].tokens.size()) - 1;
+      if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
+      else batch.groups.push_back(KvGroup{a, a + 1, pos});
+    }
+    const Tensor tokens = Tensor::from_host(next.data(), {An, 1}, DType::I32, dev);
+    logits = model_.forward_cached(tokens, batch, cache, sr_);
+    stats_.decode_forwards += 1;
+    stats_.decode_s += seconds_since(t0, dev);
+  }
+  return out;
+}
+
+std::vector<Completion> Sampler::sample_groups(const std::vector<std::vector<int32_t>>& prompts, int64_t group,
+                                               const SamplingOptions& opt) {
+  if (group < 2)
+    fail("sampler: a group needs at least 2 samples per prompt (the baseline is the group's mean reward), got {}",
+         group);
+  std::vector<SampleRequest> requests;
+  requests.reserve(prompts.size() * size_t(group));
+  for (size_t i = 0; i < prompts.size(); ++i)
+    for (int64_t g = 0; g < group; ++g)
+      requests.push_back(SampleRequest{prompts[i], uint64_t(i) * uint64_t(group) + uint64_t(g)});
+  return sample(requests, opt);
+}
+
+}  // namespace fourbit::rl

@@ -1,0 +1,84 @@
+// defines: SampleRequest, Finish, Completion, SamplerStats, Sampler
+// The KV-cache sampler: many sequences (B prompts x G samples, ragged prompt lengths) prefilled
+// and decoded together through Model::forward_cached, i.e. the training forward's blocks, cached
+// weights and per-token activation quantization, with a per-layer KV cache.
+//
+// "log-prob" here is always the policy's: log softmax of the model's logits at temperature 1 over
+// the whole vocabulary (no top-k/top-p), computed by ops::cross_entropy on the logits row exactly
+// as the trainer computes its per-token loss (log-prob = -loss). For the batch-invariant recipes
+// (fp32, bf16, mxfp8, nvfp4-fwd) it equals the trainer's forward on the full sequence bit for bit.
+// The probability a token was actually drawn with (temperature, truncation) is sample_logprob;
+// an RL step that samples at temperature 1 without truncation draws from the policy itself.
+//
+// Flow of sample(): identical prompts are prefilled once (one forward over the distinct prompts,
+// right-padded; logits only at each prompt's last token), their cache slots copied to every
+// sequence that starts from them, then one decode forward per new token over all unfinished
+// sequences. Sequences are ordered by prompt length, so the ones at equal positions form runs
+// (one attention call per run); finished sequences leave the batch and the cache at once.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "fourbit/model/model.h"
+#include "fourbit/rl/sampling.h"
+
+namespace fourbit::rl {
+
+struct SampleRequest {
+  std::vector<int32_t> prompt;  // token ids (e.g. <bos> text <sep>), at least one
+  uint64_t sequence_id = 0;     // keys the random draws with (seed, step, position); distinct in a call
+};
+
+enum class Finish : uint8_t {
+  Stop,     // sampled the stop token (the last token of `tokens`)
+  Length,   // max_new tokens
+  Context,  // the sequence reached the model's max_seq_len
+};
+const char* finish_name(Finish f);
+
+struct Completion {
+  uint64_t sequence_id = 0;
+  std::vector<int32_t> tokens;          // the sampled tokens, the stop token included
+  std::vector<float> logprobs;          // the policy's log-prob of each token (see above)
+  std::vector<double> sample_logprobs;  // log-prob under the distribution it was drawn from
+  std::vector<float> logits;            // keep_logits: [tokens.size(), V], row i gave token i
+  Finish finish = Finish::Length;
+};
+
+struct SamplerStats {
+  int64_t calls = 0;
+  int64_t sequences = 0;
+  int64_t prefill_tokens = 0;   // distinct prompts' tokens (without padding)
+  int64_t decode_forwards = 0;  // forward_cached calls with T = 1
+  int64_t sampled_tokens = 0;
+  double prefill_s = 0, decode_s = 0;  // forward passes (incl. the cache copies)
+  double choose_s = 0;                 // logits to the host, draws, log-probs
+};
+
+class Sampler {
+ public:
+  // sr: the streams the forward's quantizers use (forward quantizers of every recipe round to
+  // nearest, so they draw nothing; passed for the keys to match the trainer's).
+  explicit Sampler(Model& model, const SrStreams& sr = {});
+  void set_sr_streams(const SrStreams& sr) { sr_ = sr; }
+
+  // One completion per request, in request order. Fails (before any work) on an empty or
+  // out-of-vocabulary prompt, a prompt longer than max_seq_len, repeated sequence ids or bad
+  // options. A prompt of exactly max_seq_len tokens gets one token.
+  std::vector<Completion> sample(const std::vector<SampleRequest>& requests, const SamplingOptions& opt);
+
+  // The RL rollout shape: `group` (G >= 2, a group baseline needs two) samples of each prompt;
+  // result i * G + g is sample g of prompt i, with sequence id i * G + g.
+  std::vector<Completion> sample_groups(const std::vector<std::vector<int32_t>>& prompts, int64_t group,
+                                        const SamplingOptions& opt);
+
+  const SamplerStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = SamplerStats{}; }
+
+ private:
+  Model& model_;
+  SrStreams sr_;
+  SamplerStats stats_;
+};
+
+}  // namespace fourbit::rl

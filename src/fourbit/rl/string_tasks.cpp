@@ -1,0 +1,66 @@
+// defines: make_sort_task, make_reverse_task (tasks.h)
+// sort (the digits of a string in ascending order) and reverse (a lowercase word backwards).
+#include <algorithm>
+#include <fmt/format.h>
+
+#include "fourbit/rl/tasks.h"
+
+namespace fourbit::rl {
+namespace {
+
+bool all_in(std::string_view text, char lo, char hi) {
+  return std::all_of(text.begin(), text.end(), [&](char ch) { return ch >= lo && ch <= hi; });
+}
+
+class SortTask : public Task {
+ public:
+  std::string name() const override { return "sort"; }
+  std::string description() const override { return "sort DIGITS= for 3..8 digits -> the digits ascending"; }
+
+ protected:
+  Problem draw(const std::function<uint32_t()>& rand) const override {
+    const uint32_t n = 3 + draw_below(rand, 6);
+    std::string digits;
+    for (uint32_t i = 0; i < n; ++i) digits.push_back(char('0' + draw_below(rand, 10)));
+    Problem p;
+    p.prompt = fmt::format("sort {}=", digits);
+    std::sort(digits.begin(), digits.end());
+    p.answer = digits;
+    p.key = "sort:" + digits;  // the multiset: every order of the same digits falls together
+    return p;
+  }
+  std::string format_error(std::string_view text) const override {
+    if (text.empty()) return "empty answer";
+    return all_in(text, '0', '9') ? "" : "not a digit string";
+  }
+};
+
+class ReverseTask : public Task {
+ public:
+  std::string name() const override { return "reverse"; }
+  std::string description() const override { return "reverse WORD= for 3..8 lowercase letters -> the word backwards"; }
+
+ protected:
+  Problem draw(const std::function<uint32_t()>& rand) const override {
+    const uint32_t n = 3 + draw_below(rand, 6);
+    std::string word;
+    for (uint32_t i = 0; i < n; ++i) word.push_back(char('a' + draw_below(rand, 26)));
+    Problem p;
+    p.prompt = fmt::format("reverse {}=", word);
+    p.key = "reverse:" + word;
+    std::reverse(word.begin(), word.end());
+    p.answer = word;
+    return p;
+  }
+  std::string format_error(std::string_view text) const override {
+    if (text.empty()) return "empty answer";
+    return all_in(text, 'a', 'z') ? "" : "not a lowercase word";
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Task> make_sort_task() { return std::make_unique<SortTask>(); }
+std::unique_ptr<Task> make_reverse_task() { return std::make_unique<ReverseTask>(); }
+
+}  // namespace fourbit::rl
