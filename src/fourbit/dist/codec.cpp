@@ -20,9 +20,11 @@ namespace {
 
 bool on_cuda(const Tensor& t) { return t.device() == Device::CUDA; }
 
+#if !FOURBIT_HAS_CUDA
 [[noreturn]] void no_cuda(const char* op) {
   fail("{}: tensors are on a CUDA device but this fourbit was built without CUDA", op);
 }
+#endif
 
 void expect(const char* op, const char* name, const Tensor& t, DType dt, int64_t ndim, Device dev) {
   if (!t.defined()) fail("{}: {} is undefined", op, name);

@@ -163,10 +163,10 @@ __global__ void read_meta_kernel(const uint8_t* payload, int64_t m, int64_t row_
 
 // The CPU's left fold: acc = chunk 0, then acc = acc + chunk r, one rounding per add, in rank order.
 template <typename T>
-__global__ void fold_kernel(const T* chunks, int ranks, int64_t n, T* out) {
+__global__ void fold_kernel(const T* chunks, int ranks, int64_t n, int64_t stride, T* out) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     T acc = chunks[i];
-    for (int r = 1; r < ranks; ++r) acc = acc + chunks[int64_t(r) * n + i];
+    for (int r = 1; r < ranks; ++r) acc = acc + chunks[int64_t(r) * stride + i];
     out[i] = acc;
   }
 }
@@ -217,14 +217,14 @@ void read_meta(const uint8_t* payload, int64_t m, int64_t row_bytes, RowIndex ma
   FOURBIT_LAUNCH_CHECK();
 }
 
-void fold_rank_chunks(const void* chunks, int ranks, int64_t n, DType dtype, void* out, void* s) {
+void fold_rank_chunks(const void* chunks, int ranks, int64_t n, int64_t stride, DType dtype, void* out, void* s) {
   if (n == 0) return;
   cudaStream_t st = static_cast<cudaStream_t>(s);
   if (dtype == DType::F64)
-    fold_kernel<<<grid_for(n, kThreads), kThreads, 0, st>>>(static_cast<const double*>(chunks), ranks, n,
+    fold_kernel<<<grid_for(n, kThreads), kThreads, 0, st>>>(static_cast<const double*>(chunks), ranks, n, stride,
                                                              static_cast<double*>(out));
   else
-    fold_kernel<<<grid_for(n, kThreads), kThreads, 0, st>>>(static_cast<const float*>(chunks), ranks, n,
+    fold_kernel<<<grid_for(n, kThreads), kThreads, 0, st>>>(static_cast<const float*>(chunks), ranks, n, stride,
                                                              static_cast<float*>(out));
   FOURBIT_LAUNCH_CHECK();
 }

@@ -22,8 +22,9 @@ void decode_rows(const uint8_t* payload, int64_t m, RowIndex map, const RowCodec
 void unpack_rows(const uint8_t* payload, int64_t m, RowIndex map, const RowCodec& codec, QTensor& out);
 void read_meta(const uint8_t* payload, int64_t m, int64_t row_bytes, RowIndex map, int32_t* meta);
 
-// out[i] = ((chunks[0][i] + chunks[1][i]) + chunks[2][i]) + ... over `ranks` chunks of n values
-// laid out back to back (F32 or F64 by dtype): the fixed-order sum of the ordered all-reduce.
-void fold_rank_chunks(const void* chunks, int ranks, int64_t n, DType dtype, void* out, void* stream);
+// out[i] = ((chunk_0[i] + chunk_1[i]) + chunk_2[i]) + ... over `ranks` chunks of n values, chunk r
+// starting `stride` elements after chunk r - 1 (F32 or F64 by dtype), on `stream`: the fixed-order
+// sum of the NCCL communicator's all-reduce, the CPU's left fold.
+void fold_rank_chunks(const void* chunks, int ranks, int64_t n, int64_t stride, DType dtype, void* out, void* stream);
 
 }  // namespace fourbit::dist::cuda

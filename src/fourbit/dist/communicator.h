@@ -73,6 +73,10 @@ class Communicator {
   // must neither read nor write x until then. By default it completes at once.
   virtual void all_reduce_sum_start(Tensor& x) { all_reduce_sum(x); }
   virtual void wait_pending() {}
+  // Blocks the host until every collective this rank issued has completed, or throws DistError
+  // when the group failed meanwhile (before the host reads what a collective wrote to memory it
+  // can see). A no-op where collectives complete on the host (LocalGroup).
+  virtual void wait_host() {}
   // Every rank's x becomes root's x (same shape and dtype on every rank).
   virtual void broadcast(Tensor& x, int root) = 0;
   virtual void barrier() = 0;

@@ -353,6 +353,7 @@ std::vector<int64_t> all_to_all_counts(Communicator& comm, const std::vector<int
   const Tensor s = Tensor::from_host(send.data(), {int64_t(send.size())}, DType::I64, comm.device());
   Tensor r = Tensor::empty({int64_t(send.size())}, DType::I64, comm.device());
   comm.all_to_all_v(s, bytes, r, bytes);
+  comm.wait_host();
   const Tensor h = r.to(Device::CPU);
   std::memcpy(recv.data(), h.data<int64_t>(), recv.size() * sizeof(int64_t));
   return recv;
