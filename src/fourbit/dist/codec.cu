@@ -96,9 +96,7 @@ __global__ void decode_rows_kernel(const uint8_t* payload, int64_t m, RowIndex m
     if (c.fmt == Format::S2F6) {
       s2f6_payload_decode(reinterpret_cast<const int8_t*>(codes), scale, c.hadamard == 32, c.hadamard_signs, v);
     } else {
-      const num::MiniFloatSpec elem = mx_elem(c.fmt);
-#pragma unroll
-      for (int q = 0; q < 32; ++q) v[q] = num::mxfp8_decode(codes[q], scale, elem);
+      mxfp8_payload_decode(codes, scale, mx_elem(c.fmt), v);
     }
     float4* dst = reinterpret_cast<float4*>(orow + base);
 #pragma unroll

@@ -1,5 +1,5 @@
 // defines: kRowHeaderBytes, kPayloadChunk, RowMeta, RowCodec, RowIndex, write_row_header, read_row_header,
-//          s2f6_payload_encode, s2f6_payload_decode, mxfp8_payload_encode, encode_payload_chunk,
+//          s2f6_payload_encode, s2f6_payload_decode, mxfp8_payload_encode, mxfp8_payload_decode, encode_payload_chunk,
 //          decode_payload_chunk
 // One row of an expert-parallel payload, as bytes: the per-row codecs that dispatch and combine
 // put on the wire. Header-only FOURBIT_HD code over numerics/, so the CPU loops (codec.cpp) and the
@@ -181,6 +181,13 @@ FOURBIT_HD uint8_t mxfp8_payload_encode(const float* x, num::MiniFloatSpec elem,
   return scale;
 }
 
+// x_hat_i = elem(q_i) * 2^(E-127), exact; a NaN scale decodes to one NaN bit pattern on every
+// backend (0 * NaN would carry the platform's NaN). out: 32 values.
+FOURBIT_HD void mxfp8_payload_decode(const uint8_t* codes, uint8_t scale, num::MiniFloatSpec elem, float* out) {
+  for (int i = 0; i < 32; ++i)
+    out[i] = scale == num::kUe8m0Nan ? num::float_of(0x7fc00000u) : num::mxfp8_decode(codes[i], scale, elem);
+}
+
 FOURBIT_HD num::MiniFloatSpec mx_elem(Format f) {
   return f == Format::MXFP8_E5M2 ? num::e5m2_spec() : num::e4m3_spec();
 }
@@ -237,9 +244,10 @@ FOURBIT_HD void decode_payload_chunk(const RowCodec& codec, const uint8_t* row, 
     s2f6_payload_decode(reinterpret_cast<const int8_t*>(codes + base), scale, codec.hadamard == 32,
                         codec.hadamard_signs, v);
     for (int i = 0; i < n; ++i) out[base + i] = v[i];
-  } else {  // MXFP8
-    const num::MiniFloatSpec elem = mx_elem(codec.fmt);
-    for (int i = 0; i < n; ++i) out[base + i] = num::mxfp8_decode(codes[base + i], scale, elem);
+  } else {  // MXFP8 (a padded chunk's codes are there too: code_bytes() covers whole chunks)
+    float v[32];
+    mxfp8_payload_decode(codes + base, scale, mx_elem(codec.fmt), v);
+    for (int i = 0; i < n; ++i) out[base + i] = v[i];
   }
 }
 
