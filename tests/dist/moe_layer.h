@@ -126,14 +126,16 @@ inline MoeResult moe_layer(dist::ExpertParallel& ep, const MoeLayerSpec& s, cons
   grouped_gemm(pa, w2p, off, y);
 
   // ---- combine at the source ----
-  const Tensor y_slots = ep.combine(plan, y, s.codecs.combine);
+  Tensor y_received;  // kept for backward, as the model keeps it (8.25 bits a value for S2F6)
+  const Tensor y_slots = ep.combine(plan, y, s.codecs.combine, &y_received);
   MoeResult res;
   res.out = Tensor::empty({N, D}, DType::F32);
   ops::moe_combine(y_slots, route.slot_of, topk_w, res.out);
 
   // ==== backward ====
   Tensor dy_slots = Tensor::empty({N * K, D}, DType::F32), d_topk_w = Tensor::empty({N, K}, DType::F32);
-  ops::moe_combine_backward(dout, y_slots, route.slot_of, topk_w, dy_slots, d_topk_w);
+  ops::moe_combine_backward(dout, dist::decode_slots(y_received, s.codecs.combine), route.slot_of, topk_w, dy_slots,
+                            d_topk_w);
   const Tensor dy_rows = ep.dispatch_grad(plan, dy_slots, s.codecs.grad_dispatch);
 
   // The experts' dgrad weights: per expert, keyed by the step (no micro-batch) and the global expert.

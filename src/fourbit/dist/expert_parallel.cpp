@@ -217,17 +217,22 @@ ExpertRows ExpertParallel::dispatch(ExchangePlan& plan, const Tensor& x, const R
   return rows;
 }
 
-Tensor ExpertParallel::combine(const ExchangePlan& plan, const Tensor& y, const RowCodec& codec) {
+Tensor decode_slots(const Tensor& received, const RowCodec& codec) {
+  Tensor out = Tensor::empty({received.size(0), codec.cols}, DType::F32, received.device());
+  decode_rows(received, RowMap(), codec, out);
+  return out;
+}
+
+Tensor ExpertParallel::combine(const ExchangePlan& plan, const Tensor& y, const RowCodec& codec, Tensor* received) {
   if (!plan.recv_meta.defined()) fail("expert parallel combine: the plan has not dispatched yet");
   if (y.dim() != 2 || y.size(0) != plan.expert_rows())
     fail("expert parallel combine: y must hold the {} expert rows, got {}", plan.expert_rows(), y.str());
   // Each row goes back with the metadata it arrived with, which its source checks.
   const Tensor payload = encode_rows(y, plan.to_expert_rows, plan.recv_meta, codec);
   const Tensor recv = to_sources(plan, payload, codec.row_bytes());
-  Tensor out = Tensor::empty({plan.slots, codec.cols}, DType::F32, y.device());
-  decode_rows(recv, RowMap(), codec, out);
   if (verify_) verify_echo(read_meta(recv, RowMap(), plan.slots), plan.slot_meta, "combine");
-  return out;
+  if (received) *received = recv;
+  return decode_slots(recv, codec);
 }
 
 Tensor ExpertParallel::dispatch_grad(const ExchangePlan& plan, const Tensor& dy, const RowCodec& codec) {

@@ -1,4 +1,5 @@
-// defines: ExpertShard, MoeCodecs, moe_codecs, payload_rht_signs, ExchangePlan, ExpertRows, ExpertParallel
+// defines: ExpertShard, MoeCodecs, moe_codecs, payload_rht_signs, ExchangePlan, ExpertRows, decode_slots,
+//          ExpertParallel
 // Expert parallelism for one MoE layer over a Communicator (DESIGN "Expert parallelism"). Experts
 // are split over the ranks in contiguous blocks. Each rank routes its own tokens; its slots are
 // already sorted by expert (ops::route_plan), so the slots for one rank's experts are one
@@ -86,6 +87,10 @@ struct ExpertRows {
   bool is_quantized() const { return q.codes.defined(); }
 };
 
+// The rows of a payload combine() received, decoded again in slot order (bit for bit what
+// combine returned).
+Tensor decode_slots(const Tensor& received, const RowCodec& codec);
+
 class ExpertParallel {
  public:
   // comm: the expert-parallel group (size ep); n_experts must be a multiple of ep. verify_metadata:
@@ -108,8 +113,10 @@ class ExpertParallel {
 
   // Experts -> sources: y F32 [expert rows, D] (expert-major) encoded with codec, returned to the
   // sources, decoded into this rank's slot order: F32 [slots, D]. The forward's combine (expert
-  // outputs) and the backward's dX both take this path.
-  Tensor combine(const ExchangePlan& plan, const Tensor& y, const RowCodec& codec);
+  // outputs) and the backward's dX both take this path. With `received`, also the payload as it
+  // arrived (U8 [slots, row bytes]): the forward keeps it (8.25 bits a value for S2F6) and
+  // decode_slots gives the backward the same rows again (moe_combine_backward needs them).
+  Tensor combine(const ExchangePlan& plan, const Tensor& y, const RowCodec& codec, Tensor* received = nullptr);
 
   // Backward dispatch: dy F32 [slots, D] (this rank's slots) encoded with codec and sent to the
   // experts; returns the decoded rows, expert-major F32 [expert rows, D].
