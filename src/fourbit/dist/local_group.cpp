@@ -55,6 +55,7 @@ struct LocalGroup::State {
   std::vector<uint64_t> done_at;     // generation + 1 of the collective a rank last finished
   uint64_t gen = 0;
   int arrived = 0, done = 0;
+  int in_work = 0;  // ranks reading the deposited buffers right now
   bool working = false;
 
   State(int n, std::chrono::milliseconds t)
@@ -71,26 +72,32 @@ struct LocalGroup::State {
   }
 
   // Waits (lock held) until ready(); fails the group when a rank in waiting_for() has left or
-  // the deadline passes, and throws once the group has failed.
+  // the deadline passes, and throws once the group has failed. No rank leaves on a failure while
+  // another still reads the buffers deposited for the collective (in_work), so a failure never
+  // frees memory in use; at arrival a failure wins over readiness (no rank starts reading buffers
+  // whose owner may be leaving), at completion readiness wins (a finished collective stands).
   template <typename Ready, typename Missing>
-  void wait(std::unique_lock<std::mutex>& lk, int rank, const std::string& op, const char* phase, Ready ready,
-            Missing waiting_for) {
+  void wait(std::unique_lock<std::mutex>& lk, int rank, const std::string& op, const char* phase, bool ready_wins,
+            Ready ready, Missing waiting_for) {
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      if (health.failed()) throw_failed(rank, op);
-      if (ready()) return;
+      if ((ready_wins || !health.failed()) && ready()) return;
+      if (health.failed()) {
+        if (in_work == 0) throw_failed(rank, op);
+        cv.wait(lk);
+        continue;
+      }
       const std::vector<int> missing = waiting_for();
       for (int p : missing)
         if (left[size_t(p)]) {
           fail_locked(fmt::format("rank {} left the group (it returned or exited) while rank {} waited for it in {}",
                                   p, rank, op));
-          throw_failed(rank, op);
+          break;
         }
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !ready() && !health.failed()) {
+      if (health.failed()) continue;
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !ready() && !health.failed())
         fail_locked(fmt::format("rank {} timed out after {} s in {} ({}) waiting for rank(s) {}", rank,
                                 double(timeout.count()) / 1000.0, op, phase, rank_list(waiting_for())));
-        throw_failed(rank, op);
-      }
     }
   }
 
@@ -138,33 +145,35 @@ struct LocalGroup::State {
         if (arrived_at[size_t(p)] != g + 1) m.push_back(p);
       return m;
     };
-    wait(lk, rank, op, "arrival", [&] { return (working && gen == g) || gen != g; }, not_arrived);
+    wait(lk, rank, op, "arrival", false, [&] { return (working && gen == g) || gen != g; }, not_arrived);
     const std::vector<Slot>& all = slots;
+    ++in_work;
     lk.unlock();
     try {
       work(all);
-    } catch (const DistError&) {
-      throw;
     } catch (const std::exception& e) {
       lk.lock();
+      --in_work;
       fail_locked(fmt::format("rank {} failed in {}: {}", rank, op, e.what()));
+      cv.wait(lk, [&] { return in_work == 0; });  // peers may still read this rank's buffers
       throw_failed(rank, op);
     }
     lk.lock();
+    --in_work;
     done_at[size_t(rank)] = g + 1;
     if (++done == size) {
       ++gen;
       arrived = done = 0;
       working = false;
-      cv.notify_all();
     }
+    cv.notify_all();  // a new generation, or one fewer reader for a waiter on a failure
     auto not_done = [&] {
       std::vector<int> m;
       for (int p = 0; p < size; ++p)
         if (done_at[size_t(p)] != g + 1) m.push_back(p);
       return m;
     };
-    wait(lk, rank, op, "completion", [&] { return gen != g; }, not_done);
+    wait(lk, rank, op, "completion", true, [&] { return gen != g; }, not_done);
     Slot result = slots[size_t(rank)];
     lk.unlock();
     if (after) after(result);
