@@ -71,10 +71,12 @@ uint32_t payload_rht_signs(uint64_t seed, int64_t layer, bool grad) {
 // ---- ExpertParallel -------------------------------------------------------------------------------
 
 ExpertParallel::ExpertParallel(Communicator& comm, int64_t n_experts)
-    : ExpertParallel(comm, n_experts, comm.device() == Device::CPU || env_verify()) {}
+    : ExpertParallel(comm, n_experts, env_verify()) {
+  if (!env_verify()) verify_ = Verify::Auto;
+}
 
 ExpertParallel::ExpertParallel(Communicator& comm, int64_t n_experts, bool verify_metadata)
-    : comm_(comm), verify_(verify_metadata) {
+    : comm_(comm), verify_(verify_metadata ? Verify::Always : Verify::Never) {
   if (n_experts < 1 || n_experts % comm.size())
     fail("expert parallel: {} experts do not split evenly over ep = {} ranks (n_experts % ep must be 0)", n_experts,
          comm.size());
@@ -161,8 +163,12 @@ Tensor ExpertParallel::to_sources(const ExchangePlan& plan, const Tensor& payloa
 }
 
 // Rows of expert-major segment (e, s) must name local expert e and come in ascending token order.
+bool ExpertParallel::verifies(const Tensor& t) const {
+  return verify_ == Verify::Always || (verify_ == Verify::Auto && t.device() == Device::CPU);
+}
+
 void ExpertParallel::verify_arrival(const ExchangePlan& plan, const Tensor& recv_meta) const {
-  if (!verify_) return;
+  if (!verifies(recv_meta)) return;
   const Tensor got = recv_meta.to(Device::CPU);
   std::vector<int32_t> m(size_t(3 * plan.expert_rows()));
   for (int64_t i = 0; i < plan.expert_rows(); ++i)
@@ -181,7 +187,7 @@ void ExpertParallel::verify_arrival(const ExchangePlan& plan, const Tensor& recv
 }
 
 void ExpertParallel::verify_echo(const Tensor& got, const Tensor& expected, const char* what) const {
-  if (!verify_) return;
+  if (!verifies(got)) return;
   const int64_t bad = first_meta_mismatch(got, expected);
   if (bad >= 0) {
     const Tensor g = got.to(Device::CPU), e = expected.to(Device::CPU);
@@ -197,6 +203,19 @@ void ExpertParallel::verify_echo(const Tensor& got, const Tensor& expected, cons
 // ---- the four flows -----------------------------------------------------------------------------------
 
 ExpertRows ExpertParallel::dispatch(ExchangePlan& plan, const QTensor& x, const RowCodec& codec) {
+  // A group of one keeps its rows: gathering them by slot gives the bytes packing and unpacking
+  // would (QTensors whose rows carry their own scales; any other goes the long way, which checks it).
+  const bool own_scales = x.axis == BlockAxis::Row && x.slices == 1 && x.hadamard == 0 && !x.tile_2d &&
+                          codec.packs_qtensor() && x.fmt == codec.fmt && x.cols == codec.cols &&
+                          ((x.fmt == Format::NVFP4 && x.outer == OuterScale::PerRow) ||
+                           (x.fmt != Format::NVFP4 && x.outer == OuterScale::None));
+  if (shard_.ep == 1 && own_scales) {
+    check_codec(codec, "expert parallel dispatch");
+    plan.recv_meta = plan.slot_meta;
+    ExpertRows rows;
+    rows.q = ops::gather_rows(x, plan.token_of_slot);
+    return rows;
+  }
   const Tensor payload = pack_rows(x, RowMap::gather(plan.token_of_slot), plan.slot_meta, codec);
   const Tensor recv = to_experts(plan, payload, codec.row_bytes());
   plan.recv_meta = read_meta(recv, RowMap(), plan.expert_rows());
@@ -230,7 +249,7 @@ Tensor ExpertParallel::combine(const ExchangePlan& plan, const Tensor& y, const 
   // Each row goes back with the metadata it arrived with, which its source checks.
   const Tensor payload = encode_rows(y, plan.to_expert_rows, plan.recv_meta, codec);
   const Tensor recv = to_sources(plan, payload, codec.row_bytes());
-  if (verify_) verify_echo(read_meta(recv, RowMap(), plan.slots), plan.slot_meta, "combine");
+  if (verifies(recv)) verify_echo(read_meta(recv, RowMap(), plan.slots), plan.slot_meta, "combine");
   if (received) *received = recv;
   return decode_slots(recv, codec);
 }
@@ -241,7 +260,7 @@ Tensor ExpertParallel::dispatch_grad(const ExchangePlan& plan, const Tensor& dy,
     fail("expert parallel dispatch_grad: dy must hold this rank's {} slots, got {}", plan.slots, dy.str());
   const Tensor payload = encode_rows(dy, RowMap(), plan.slot_meta, codec);
   const Tensor recv = to_experts(plan, payload, codec.row_bytes());
-  if (verify_) verify_echo(read_meta(recv, RowMap(), plan.expert_rows()), plan.recv_meta, "dispatch_grad");
+  if (verifies(recv)) verify_echo(read_meta(recv, RowMap(), plan.expert_rows()), plan.recv_meta, "dispatch_grad");
   Tensor out = Tensor::empty({plan.expert_rows(), codec.cols}, DType::F32, dy.device());
   decode_rows(recv, plan.to_expert_rows, codec, out);
   return out;

@@ -93,9 +93,9 @@ Tensor decode_slots(const Tensor& received, const RowCodec& codec);
 
 class ExpertParallel {
  public:
-  // comm: the expert-parallel group (size ep); n_experts must be a multiple of ep. verify_metadata:
-  // check every received row's routing metadata (on the CPU always; on a GPU it costs a copy to
-  // the host per exchange, so by default only with FOURBIT_DIST_VERIFY=1).
+  // comm: the expert-parallel group (size ep); n_experts must be a multiple of ep. Every received
+  // row's routing metadata is checked: always for CPU tensors; for GPU tensors (a copy to the
+  // host per exchange) only with FOURBIT_DIST_VERIFY=1, or when verify_metadata says so.
   ExpertParallel(Communicator& comm, int64_t n_experts);
   ExpertParallel(Communicator& comm, int64_t n_experts, bool verify_metadata);
   const ExpertShard& shard() const { return shard_; }
@@ -107,7 +107,8 @@ class ExpertParallel {
 
   // Forward dispatch. x: this rank's N tokens as the fprop operand (a Row-axis NVFP4/MXFP8 QTensor
   // with one row per token, packed in slot order) or F32 rows [N, D] (encoded with codec). Returns
-  // this rank's experts' rows, expert-major; F32 rows come back decoded.
+  // this rank's experts' rows, expert-major; F32 rows come back decoded. A group of one skips
+  // packing a QTensor (it is lossless: the rows gathered by slot are the same bytes).
   ExpertRows dispatch(ExchangePlan& plan, const QTensor& x, const RowCodec& codec);
   ExpertRows dispatch(ExchangePlan& plan, const Tensor& x, const RowCodec& codec);
 
@@ -125,12 +126,13 @@ class ExpertParallel {
  private:
   Tensor to_experts(const ExchangePlan& plan, const Tensor& payload, int64_t row_bytes);
   Tensor to_sources(const ExchangePlan& plan, const Tensor& payload, int64_t row_bytes);
+  bool verifies(const Tensor& t) const;
   void verify_arrival(const ExchangePlan& plan, const Tensor& recv_meta) const;
   void verify_echo(const Tensor& got, const Tensor& expected, const char* what) const;
 
   Communicator& comm_;
   ExpertShard shard_;
-  bool verify_;
+  enum class Verify { Auto, Always, Never } verify_;
 };
 
 }  // namespace fourbit::dist
