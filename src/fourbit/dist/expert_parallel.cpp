@@ -37,12 +37,12 @@ MoeCodecs moe_codecs(const QuantSpec& fprop_a, const QuantSpec& dgrad_a, Format 
   else if (fprop_a.quantized()) c.dispatch.fmt = Format::BF16;
   else c.dispatch.fmt = dense_payload(fprop_a.fmt, "the expert fprop A");
 
-  // dY: MXFP8 rows are what the dgrad GEMM consumes (RNE, RCEIL, per 32 values: per row); other
-  // quantized dY specs (NVFP4 with SR and a tensor scale) are applied by the expert to BF16 rows.
+  // dY: MXFP8 rows (RNE, RCEIL, per 32 values: per row) are what the dgrad GEMM consumes; other
+  // quantized dY specs (SR, whose bits follow the element's place in the batch; NVFP4 with a
+  // tensor scale) are applied by the expert to BF16 rows.
   c.grad_dispatch.cols = d_model;
-  if (dgrad_a.fmt == Format::MXFP8_E4M3 || dgrad_a.fmt == Format::MXFP8_E5M2) {
-    if (dgrad_a.rounding != num::Rounding::RNE || dgrad_a.hadamard != 0)
-      fail("moe_codecs: an MXFP8 dY payload is RNE without RHT; the dgrad A spec asks otherwise");
+  const bool mx_dy = dgrad_a.fmt == Format::MXFP8_E4M3 || dgrad_a.fmt == Format::MXFP8_E5M2;
+  if (mx_dy && dgrad_a.rounding == num::Rounding::RNE && dgrad_a.hadamard == 0) {
     c.grad_dispatch.fmt = dgrad_a.fmt;
   } else if (dgrad_a.quantized()) {
     c.grad_dispatch.fmt = Format::BF16;

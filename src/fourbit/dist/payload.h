@@ -1,5 +1,5 @@
 // defines: kRowHeaderBytes, kPayloadChunk, RowMeta, RowCodec, RowIndex, write_row_header, read_row_header,
-//          s2f6_payload_encode, s2f6_payload_decode, mxfp8_payload_encode, mxfp8_payload_decode, encode_payload_chunk,
+//          chunk_amax, s2f6_payload_encode, s2f6_payload_decode, mxfp8_payload_encode, mxfp8_payload_decode, encode_payload_chunk,
 //          decode_payload_chunk
 // One row of an expert-parallel payload, as bytes: the per-row codecs that dispatch and combine
 // put on the wire. Header-only FOURBIT_HD code over numerics/, so the CPU loops (codec.cpp) and the
@@ -127,6 +127,19 @@ FOURBIT_HD float read_row_outer(const uint8_t* row) { return num::float_of(load_
 
 // ---- S2F6 (NUMERICS "S2F6 combine payload") -------------------------------------------------------
 
+// max |x_i| of a 32-value chunk, and whether every value is finite (the payload encoders turn a
+// chunk that is not into NaN instead of choosing a scale for it).
+FOURBIT_HD bool chunk_amax(const float* x, float* amax) {
+  bool finite = true;
+  float a = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    finite = finite && num::is_finite_bits(x[i]);
+    a = num::max_abs_finite(a, x[i]);
+  }
+  *amax = a;
+  return finite;
+}
+
 // y = RHT_32(x) (when rht), E = RCEIL scale of amax|y| for the S2F6 grid (127/64 max), q_i =
 // clamp(rne(y_i * 64 * 2^-(E-127)), -128, 127). x: 32 values, modified in place (the transform).
 // Stated choice beyond NUMERICS: S2F6 has no NaN, so a chunk in which any value (or any rotated
@@ -134,13 +147,8 @@ FOURBIT_HD float read_row_outer(const uint8_t* row) { return num::float_of(load_
 // never turns a non-finite value into a finite one, and the source's loss shows it.
 FOURBIT_HD uint8_t s2f6_payload_encode(float* x, bool rht, uint32_t signs, int8_t* q) {
   if (rht) num::rht_forward<32>(x, signs);
-  bool finite = true;
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) {
-    finite = finite && num::is_finite_bits(x[i]);
-    amax = num::max_abs_finite(amax, x[i]);
-  }
-  if (!finite) {
+  float amax;
+  if (!chunk_amax(x, &amax)) {
     for (int i = 0; i < 32; ++i) q[i] = 0;
     return num::kUe8m0Nan;
   }
@@ -166,13 +174,8 @@ FOURBIT_HD void s2f6_payload_decode(const int8_t* q, uint8_t scale, bool rht, ui
 // ops::quantize writes for a Row-axis MXFP8 spec. A block holding NaN/Inf gets the NaN scale and
 // zero codes (decodes to NaN), as the S2F6 payload does.
 FOURBIT_HD uint8_t mxfp8_payload_encode(const float* x, num::MiniFloatSpec elem, uint8_t* codes) {
-  bool finite = true;
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) {
-    finite = finite && num::is_finite_bits(x[i]);
-    amax = num::max_abs_finite(amax, x[i]);
-  }
-  if (!finite) {
+  float amax;
+  if (!chunk_amax(x, &amax)) {
     for (int i = 0; i < 32; ++i) codes[i] = 0;
     return num::kUe8m0Nan;
   }
