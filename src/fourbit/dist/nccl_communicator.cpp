@@ -247,8 +247,8 @@ class NcclCommunicator final : public Communicator {
       if (aborted_.load()) break;
       ncclCommGetAsyncError(comm_, &state);
     }
+    live_or_throw(op);  // an abort meanwhile: its cause, not the state it left
     if (state != ncclSuccess) fail(fmt::format("{}: {}", where(op), nccl_message(state, comm_)));
-    live_or_throw(op);
   }
 
   // Records the first failing call of a group (later ones return the same error).
