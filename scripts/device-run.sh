@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all]... [pack]
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|dist]... [pack]
+# `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -53,6 +54,47 @@ if has interop; then
     --log "$OUT/interop-h200.log" > "$OUT/interop.out" 2>&1; tail -4 "$OUT/interop-h200.log"
   rm -rf "$OUT/interop-work"
   log interop done
+fi
+if [[ " ${steps[*]} " == *" dist "* ]]; then
+  # Expert and data parallelism on the 2-GPU machine (nvidia-h200-x2; not part of `all`):
+  # docs/distributed.md "On the GPU machine" says what each line must show.
+  log dist build
+  nccl_root=${NCCL_ROOT:-$(python3 -c "import glob, os, sys
+for p in sys.path:
+    for f in glob.glob(os.path.join(p, 'nvidia', '**', 'libnccl.so*'), recursive=True): print(os.path.dirname(os.path.dirname(f))); sys.exit()")}
+  cmake -S . -B "$BUILD" -DFOURBIT_NCCL=ON ${nccl_root:+-DNCCL_ROOT=$nccl_root} >> "$OUT/cmake.log" 2>&1 \
+    || { tail -30 "$OUT/cmake.log"; exit 1; }
+  ninja -C "$BUILD" -j 16 fourbit_tests dist_check dist_exchange >> "$OUT/build.log" 2>&1 \
+    || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+  nvidia-smi topo -m > "$OUT/gpu_topo.txt" 2>&1
+  log dist gpu codec tests
+  (cd "$BUILD" && ctest --output-on-failure -R CudaDist > "$OUT/dist_tests.log" 2>&1); tail -3 "$OUT/dist_tests.log"
+  run2="torchrun --standalone --nproc-per-node 2 --no-python"
+  log dist_check
+  $run2 "$BUILD/bench/dist_check" --device cuda > "$OUT/dist_check.log" 2>&1; echo "exit $?" >> "$OUT/dist_check.log"
+  tail -6 "$OUT/dist_check.log"
+  # Failure drills with the launcher's variables set by hand (torchrun would kill the survivors
+  # itself and hide whether fourbit stops them): rank 1 exits, throws, or hangs after the first
+  # checks; rank 0 must stop with a message naming rank 1 (exit code 3) well inside the timeout.
+  for mode in exit throw hang; do
+    log "dist drill: rank 1 $mode"
+    port=$((29600 + RANDOM % 1000))
+    for r in 0 1; do
+      RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+        FOURBIT_DIST_TIMEOUT_S=30 timeout 120 "$BUILD/bench/dist_check" --device cuda --fail-rank 1 --fail-mode $mode \
+        > "$OUT/drill_${mode}_rank$r.log" 2>&1 &
+    done
+    wait
+    grep -h "stopped after\|injected" "$OUT"/drill_${mode}_rank*.log | cut -c1-240
+  done
+  log dist_exchange
+  $run2 "$BUILD/bench/dist_exchange" --device cuda --json "$OUT/dist_exchange_gpu_small.json" \
+    > "$OUT/dist_exchange.log" 2>&1; tail -14 "$OUT/dist_exchange.log"
+  $run2 "$BUILD/bench/dist_exchange" --device cuda --tokens 131072 --iters 10 --json "$OUT/dist_exchange_512mib.json" \
+    >> "$OUT/dist_exchange.log" 2>&1; tail -14 "$OUT/dist_exchange.log"
+  "$BUILD/bench/dist_exchange" --device cuda --json "$OUT/dist_exchange_1gpu.json" >> "$OUT/dist_exchange.log" 2>&1
+  tail -14 "$OUT/dist_exchange.log"
+  log dist done
 fi
 if [ "${steps[${#steps[@]}-1]}" = pack ]; then
   (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz all.tgz)

@@ -54,6 +54,7 @@ std::map<std::string, Section> sections(RunConfig& c) {
   ModelConfig& m = c.model;
   TrainConfig& t = c.train;
   DataConfig& d = c.data;
+  DistConfig& ds = c.dist;
   return {
       {"model",
        {{"vocab_size", field(m.vocab_size)}, {"d_model", field(m.d_model)},
@@ -78,6 +79,7 @@ std::map<std::string, Section> sections(RunConfig& c) {
       {"data",
        {{"source", field(d.source)}, {"arithmetic_fraction", field(d.arithmetic_fraction)},
         {"eval_fraction", field(d.eval_fraction)}}},
+      {"dist", {{"ep", field(ds.ep)}, {"dp", field(ds.dp)}}},
   };
 }
 
@@ -136,6 +138,11 @@ void validate_config(const RunConfig& c) {
     fail("{}: data.arithmetic_fraction must be in [0, 1]", p);
   if (!(c.data.eval_fraction > 0 && c.data.eval_fraction < 1))
     fail("{}: data.eval_fraction must be in (0, 1)", p);
+  positive("dist.ep", c.dist.ep);
+  positive("dist.dp", c.dist.dp);
+  if (m.n_experts % c.dist.ep)
+    fail("{}: dist.ep ({}) must divide model.n_experts ({}): every rank holds the same number of experts", p,
+         c.dist.ep, m.n_experts);
 }
 
 RunConfig parse_config(const std::string& text, const std::string& path) {
@@ -152,7 +159,7 @@ RunConfig parse_config(const std::string& text, const std::string& path) {
   for (const auto& [key, node] : root) {
     const std::string k(key.str());
     auto it = secs.find(k);
-    if (it == secs.end()) fail("{}: unknown section [{}] (expected [model], [train] or [data])", path, k);
+    if (it == secs.end()) fail("{}: unknown section [{}] (expected [model], [train], [data] or [dist])", path, k);
     if (!node.is_table()) fail("{}: '{}' must be a table ([{}])", path, k, k);
     for (const auto& [fkey, fnode] : *node.as_table()) {
       const std::string f(fkey.str());
@@ -189,6 +196,8 @@ RunConfig config_from_json(const nlohmann::json& j, const std::string& path) {
   c.path = path;
   auto secs = sections(c);
   for (auto& [sec, fields] : secs) {
+    // [dist] came later: run directories written before it have none and ran as one process
+    if (!j.contains(sec) && sec == "dist") continue;
     if (!j.contains(sec)) fail("{}: config has no '{}' section", path, sec);
     for (auto& [name, f] : fields) {
       if (!j[sec].contains(name)) fail("{}: config has no field '{}.{}'", path, sec, name);

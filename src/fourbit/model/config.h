@@ -1,7 +1,7 @@
-// defines: ModelConfig, TrainConfig, DataConfig, RunConfig, load_config, parse_config,
+// defines: ModelConfig, TrainConfig, DataConfig, DistConfig, RunConfig, load_config, parse_config,
 //          config_to_json
 // The TOML run configuration: [model] the architecture, [train] the optimisation, [data] where
-// tokens come from. Every field is checked: unknown fields, wrong types and out-of-range values
+// tokens come from, [dist] how the processes of a multi-GPU run share the work. Every field is checked: unknown fields, wrong types and out-of-range values
 // fail with the file, the field and what was expected.
 #pragma once
 #include <cstdint>
@@ -64,10 +64,19 @@ struct DataConfig {
   double eval_fraction = 0.05;       // text/tokens: held-out tail of the file
 };
 
+// Expert and data parallelism (docs/distributed.md): ep x dp processes, each with its own tokens;
+// rank r holds experts [(r % ep) E / ep, (r % ep + 1) E / ep). The launcher's process count is
+// checked against ep x dp at start (dist::check_topology); here only what the file alone decides.
+struct DistConfig {
+  int64_t ep = 1;  // expert-parallel ranks; must divide model.n_experts
+  int64_t dp = 1;  // data-parallel replicas of each expert shard
+};
+
 struct RunConfig {
   ModelConfig model;
   TrainConfig train;
   DataConfig data;
+  DistConfig dist;
   std::string path;  // where it was read from ("<embedded>" for defaults)
 };
 
