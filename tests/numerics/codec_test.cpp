@@ -1,3 +1,4 @@
+// defines: the scalar codec tests (E2M1, E4M3, E5M2, UE4M3, UE8M0, S2F6, BF16, E2M1 packing)
 // Exhaustive scalar codec tests against the format definitions of NUMERICS.md: every code's value
 // is computed here from its fields (reference_formats.h), never with fourbit's decoders; every
 // code round-trips; every midpoint rounds to the even code and its float32 neighbours to the
