@@ -59,6 +59,11 @@ class Model {
 
   // Quantized weights are cached until the weights change: call after every optimizer step.
   void invalidate_weight_cache() { weight_cache_.clear(); }
+  // The cached operand of weight `name` for a GEMM ("layers.1.moe.w1/fprop"), or null (tests).
+  const Prepared* cached_weight(const std::string& key) const {
+    const auto it = weight_cache_.find(key);
+    return it == weight_cache_.end() ? nullptr : &it->second;
+  }
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
 
@@ -66,8 +71,10 @@ class Model {
 
  private:
   friend struct ModelRunner;
+  // The weight operand for role under spec, cached until invalidate_weight_cache(); partner: the
+  // weight that shares its outer scale (an FFN's w1 and w3).
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
-                  LayerClass cls);
+                  LayerClass cls, const SrStreams& sr, const Tensor* partner);
   ModelConfig cfg_;
   const Recipe& recipe_;
   Device device_;
