@@ -9,8 +9,9 @@ namespace {
 
 // MXFP8 (E4M3 or E5M2; RCEIL or floor scales), RNE or SR, on the Row axis: one warp per run of
 // 32 blocks, each lane quantizing one block with mxfp8_fast_block (SR counter = padded storage
-// index, as the generic block quantizer draws them). Instructions per element: ~6 for RNE (PTX),
-// ~35 for SR (PTX; Philox ~10.7 of them in SASS), against the ~50 a 75%-of-copy rate allows.
+// index, as the generic block quantizer draws them). Instructions per element: ~6 for RNE (PTX);
+// SR 32.3 in SASS (scripts/sass_hot_path.py CUBIN mxfp8_row_sr 4: Philox 5.6 of them, one call
+// per 8 elements), against the ~50 a 75%-of-copy rate allows.
 template <int kExpBits, bool kSR>
 __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastRowParams p) {
   constexpr int B = num::kMxBlock;

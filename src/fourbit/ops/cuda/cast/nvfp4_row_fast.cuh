@@ -19,11 +19,11 @@ namespace {
 // Instructions per element, SASS of the sm_90a build (nvdisasm -gi; one thread's hot path
 // through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
 // elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
-// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 32.2 (was 35.2, 40.0, 49.1), MAE 30.2 (was 33.2), RNE 19.6 (was 20.3);
-// kRuns 1: Four Over Six MSE 36.6 (was 40.3, 43.9, 57.4), MAE 34.6 (was 38.3), RNE 23.4 (was
-// 24.8, 26.0). kRuns 2, 4/6 MSE, 1031 instructions per iteration, per element: the block
-// quantizer 23.4 (11 per element and candidate, no saturation clamp where the run's fos_bounded
-// vote holds; signs 7/8, the choice and packing ~0.6), its scales and the vote 1.9
+// even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 32.4, MAE 30.4,
+// RNE 19.8; kRuns 1: Four Over Six MSE 36.9, MAE 34.9, RNE 23.8. kRuns 2, 4/6 MSE, 1037
+// instructions per iteration, per element: the block quantizer 23.4 (11 per element and
+// candidate, no saturation clamp where the run's fos_bounded vote holds; signs 7/8, the choice
+// and packing ~0.6), its scales and the vote 1.9
 // (fos_block_scales: no division), block amax 1.0; the rest 6.0: prefetch (a running source
 // pointer, immediate offsets), staging reads (one lane address kept), team max, S_enc, S_dec and
 // the encode-scale table, stores (running row pointers) and counters (values and blocks once,

@@ -19,28 +19,26 @@ namespace {
 // block t % 8 of output row t / 8, reads its 32 values with eight 16-byte shared loads (blocks
 // kReqBlockStride floats apart: conflict-free), and quantizes them with RCEIL scales and
 // elementwise SR (E4m3SrWords; Mxfp8Sr for a block holding a value below E4M3's normals), one
-// Philox-4x32-10 call per four consecutive counters. A warp writes four output rows of 256
-// contiguous code bytes.
+// Philox-4x32-10 call per 8 consecutive counters (16 bits an element, NUMERICS). A warp writes
+// four output rows of 256 contiguous code bytes.
 //
 // Instructions (SASS, sm_90a, nvdisasm; scripts/sass_hot_path.py CUBIN requantize_transposed
 // [--by-function | --by-line]: one thread's path from entry to EXIT for a whole tile of finite
-// values, divided by its 32 elements): 32.4 per element (1037 a thread), was 46.9 (1501):
-//   Philox          10.7  (was 14.7) 64-bit products: one IMAD.WIDE each, not IMAD.HI + IMAD;
-//                         keys from the constant bank, not rematerialized per call
-//   exact decode    ~7    (was ~10)  4 bit moves + 2 FMUL + 1 STS (no multiply by 2^126; the
-//                         codes were a runtime-indexed array in local memory)
-//   SR encode       ~6    (was ~11.5) FMUL, VIADDMNMX (the wide-path test), SHF + LEA, 7/4 PRMT
-//                         and LOP3 to pack codes and signs, the signs' shared reload
+// values, divided by its 32 elements): 27.5 per element (880 a thread):
+//   Philox          5.7   one call per 8 elements; each 32x32 -> 64-bit product one IMAD.WIDE,
+//                         the keys from the constant bank (made on the host)
+//   exact decode    ~6    4 bit moves + 2 FMUL + 1 STS an element (Nvfp4DecodeWord: no multiply by
+//                         2^126, the codes in registers)
+//   SR encode       ~5    FMUL, VIADDMNMX (the wide-path test), PRMT (the element's 16 random bits
+//                         into place) + LEA, 7/4 PRMT and LOP3 to pack codes and signs, the signs'
+//                         shared reload
 //   amax, scale     ~1.5
-//   the rest        ~6    tile coordinates (32-bit now, was 64-bit divisions), addresses,
-//                         loads, shared loads, stores
+//   the rest        ~9    tile coordinates (32-bit divisions), addresses, loads, shared loads and
+//                         stores, the transposing stores
 // What bounds it: the kernel moves only ~1.6 bytes per element (0.56 in, 1.03 out), so 75% of an
 // H200 copy (~2.9 TB/s) is ~1.8e12 elements/s, which at ~33e12 thread-instructions/s leaves ~18
-// instructions per element; Philox alone is ~10 of them under the SR contract (10 rounds of two
-// 32x32 -> 64-bit products and two 3-way XORs per 4 elements), decode and encode ~13, so the
-// ceiling stays well below 0.75. It ran at 0.18 at 46.9 instructions (it was ~0.08 with the
-// generic numerics, ~200 instructions per element) and runs at 0.23 at 32.4 (H200, measured; less
-// than the count's ~0.26; not profiled: IMAD.WIDE's issue rate is the first suspect).
+// instructions per element; Philox is ~6 of them under the SR contract, decode and encode ~11, so
+// the ceiling stays below 0.75 (docs/cuda.md has the measured ratio).
 constexpr int kReqRows = 256;
 constexpr int kReqCols = 32;
 constexpr int kReqBlockStride = 36;  // floats between the output blocks of a tile row
