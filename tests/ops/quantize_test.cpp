@@ -281,6 +281,32 @@ Ref ref_mxfp8(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
   });
 }
 
+// OCP MX FP4 (docs/numerics.md "MXFP4"): E by RCEIL against 6 (or the OCP floor rule, E2M1's
+// largest exponent 2), q_i = E2M1(x_i * 2^-(E-127)), two codes a byte (element 2k in the low nibble).
+Ref ref_mxfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spec, ops::RngKey rng) {
+  const int64_t TR = L.total_rows(), C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
+  Ref out;
+  out.codes.assign(size_t(TR * PC / 2), 0);
+  out.scales.assign(size_t(TR * NB), 0);
+  for (int64_t r = 0; r < TR; ++r)
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t c0 = b * 32, n = std::min<int64_t>(32, C - c0);
+      float amax = 0.0f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[size_t(r * C + c0 + i)]));
+      const int e = spec.mx_rule == num::MxScaleRule::RCEIL ? rceil_exponent(amax, 6.0) : floor_exponent(amax, 2);
+      out.scales[size_t(r * NB + b)] = uint8_t(e);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = x[size_t(r * C + c0 + i)];
+        const float xs = float(std::ldexp(double(v), 127 - e));
+        EXPECT_EQ(double(xs), std::ldexp(double(v), 127 - e)) << "test data: scaled value not exact";
+        const uint32_t rnd = spec.rounding == Rounding::SR ? num::sr_bits(rng.seed, rng.stream, sr_index(r, c0 + i, PC)) : 0u;
+        const uint8_t q = num::e2m1_encode(xs, spec.rounding, rnd);
+        out.codes[size_t(r * PC / 2 + (c0 + i) / 2)] |= uint8_t(q << (4 * ((c0 + i) & 1)));
+      }
+    }
+  return out;
+}
+
 // NUMERICS "S2F6 combine payload" (the RHT, when the spec has one, is applied by the caller):
 // E by RCEIL against 127/64, q = clamp(rne(y * 64 * 2^-(E-127)), -128, 127).
 Ref ref_s2f6(const std::vector<float>& y, const Layout& L) {
@@ -317,6 +343,7 @@ Ref ref_quantize(const std::vector<float>& x_storage, const Layout& L, const Qua
     case Format::MXFP8_E4M3:
     case Format::MXFP8_E5M2: return ref_mxfp8(x_storage, L, spec, rng);
     case Format::S2F6: return ref_s2f6(x_storage, L);
+    case Format::MXFP4: return ref_mxfp4(x_storage, L, spec, rng);
     default: ADD_FAILURE() << "no reference for " << format_name(spec.fmt); return {};
   }
 }
@@ -330,7 +357,8 @@ std::vector<float> ref_decode_padded(const Ref& ref, const Layout& L, const Quan
   for (int64_t r = 0; r < TR; ++r)
     for (int64_t c = 0; c < PC; ++c) {
       const uint8_t sb = ref.scales[size_t(r * NB + c / B)];
-      const uint8_t byte = ref.codes[size_t(r * row_bytes + (spec.fmt == Format::NVFP4 ? c / 2 : c))];
+      const bool fp4 = spec.fmt == Format::NVFP4 || spec.fmt == Format::MXFP4;
+      const uint8_t byte = ref.codes[size_t(r * row_bytes + (fp4 ? c / 2 : c))];
       float v = 0;
       if (spec.fmt == Format::NVFP4) {
         const int64_t g = spec.outer == OuterScale::None ? -1 : spec.outer == OuterScale::Tensor ? 0
@@ -338,6 +366,8 @@ std::vector<float> ref_decode_padded(const Ref& ref, const Layout& L, const Quan
         const float sd = g < 0 ? 1.0f : ref.outer[size_t(g)];
         const float qs = num::e2m1_decode((byte >> (4 * (c & 1))) & 0xF) * num::e4m3_decode(sb);
         v = qs * sd;
+      } else if (spec.fmt == Format::MXFP4) {
+        v = float(std::ldexp(test::ref_decode(test::kRefE2M1, (byte >> (4 * (c & 1))) & 0xF), int(sb) - 127));
       } else if (spec.fmt == Format::S2F6) {
         v = float(std::ldexp(double(int8_t(byte)), int(sb) - 127 - 6));
       } else {
@@ -572,6 +602,26 @@ TEST(QuantizeFormula, Mxfp8) {
     s.hadamard = n;
     s.hadamard_signs = num::rht_signs(5, 5, n);
     check_against_reference(varied_data(d2, 12), d2, s);
+  }
+}
+
+// MXFP4 against the reference above: both scale rules, both roundings, both axes, 3-D inputs, the
+// RHTs that fit its 32-value blocks.
+TEST(QuantizeFormula, Mxfp4) {
+  const Dims d2{1, 40, 100}, d3{2, 16, 70};
+  for (num::MxScaleRule rule : {num::MxScaleRule::RCEIL, num::MxScaleRule::FLOOR})
+    for (Rounding rnd : {Rounding::RNE, Rounding::SR})
+      for (BlockAxis axis : {BlockAxis::Row, BlockAxis::Col}) {
+        QuantSpec s = mxfp8(Format::MXFP4, rule, rnd);
+        s.axis = axis;
+        check_against_reference(varied_data(d2, 13), d2, s);
+        check_against_reference(varied_data(d3, 14), d3, s);
+      }
+  for (int n : {16, 32}) {
+    QuantSpec s = mxfp8(Format::MXFP4, num::MxScaleRule::RCEIL, Rounding::SR);
+    s.hadamard = n;
+    s.hadamard_signs = num::rht_signs(6, 6, n);
+    check_against_reference(varied_data(d2, 15), d2, s);
   }
 }
 
