@@ -4,6 +4,7 @@
 // Usage: cpu_quant [--rows R --cols C] [--json FILE]
 #include <omp.h>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -47,8 +48,14 @@ int main(int argc, char** argv) {
       {"nvfp4 tensor rne", spec(Format::NVFP4, OuterScale::Tensor, false)},
       {"nvfp4 4/6 per-token", spec(Format::NVFP4, OuterScale::PerRow, true)},
       {"mxfp8-e4m3 row", spec(Format::MXFP8_E4M3, OuterScale::None, false)},
+      {"mxfp4 row", spec(Format::MXFP4, OuterScale::None, false)},
       {"s2f6", spec(Format::S2F6, OuterScale::None, false)},
   };
+  for (const Case& c : cases)  // every case is a spec the format registry accepts
+    if (const std::string err = validate(c.spec); !err.empty()) {
+      std::fprintf(stderr, "cpu_quant: case %s: %s\n", c.name.c_str(), err.c_str());
+      return 1;
+    }
   const QTensor nv = ops::quantize(x, cases[0].spec);
 
   bench::BenchTable table;
