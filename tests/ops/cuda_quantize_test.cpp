@@ -544,7 +544,7 @@ TEST(CudaQuantize, RejectsHostTensors) {
   const Tensor x = Tensor::zeros({4, 16}, DType::F32);
   QuantSpec s;
   s.fmt = Format::NVFP4;
-  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr), Error);
+  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr, nullptr), Error);
   const QTensor q = ops::quantize(x, s);
   EXPECT_THROW((void)ops::cuda::dequantize(q, true), Error);
   EXPECT_THROW((void)ops::cuda::requantize_transposed(q, kRequantTarget, {}), Error);
@@ -620,11 +620,11 @@ TEST(CudaQuantize, DispatchCasesReachEveryEntry) {
   }
   QTensor q;
   q.fmt = Format::NVFP4;
-  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, requantize_transposed_spec(q, kRequantTarget)),
+  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, ops::requantize_transposed_spec(q, kRequantTarget)),
                "requantize_transposed_kernel");
   QuantSpec e5 = kRequantTarget;
   e5.fmt = Format::MXFP8_E5M2;
-  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, requantize_transposed_spec(q, e5)), "dequantize_then_quantize");
+  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, ops::requantize_transposed_spec(q, e5)), "dequantize_then_quantize");
 }
 
 // The cases above on the GPU against the CPU, byte for byte: quantize (with the caller's group
