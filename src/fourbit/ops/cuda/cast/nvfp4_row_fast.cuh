@@ -20,7 +20,7 @@ namespace {
 // through one loop iteration, warps inside the row, every block finite, divided by the kRuns * 16
 // elements it quantizes; counted by scripts/sass_hot_path.py): kRuns 2 (Four Over Six rows of an
 // even run count, as 8192 columns, see launch_nvfp4_row_fast): Four Over Six MSE 32.4, MAE 30.4,
-// RNE 19.8; kRuns 1: Four Over Six MSE 36.9, MAE 34.9, RNE 23.8. kRuns 2, 4/6 MSE, 1037
+// RNE 19.7; kRuns 1: Four Over Six MSE 36.9, MAE 34.9, RNE 23.8. kRuns 2, 4/6 MSE, 1036
 // instructions per iteration, per element: the block quantizer 23.4 (11 per element and
 // candidate, no saturation clamp where the run's fos_bounded vote holds; signs 7/8, the choice
 // and packing ~0.6), its scales and the vote 1.9
