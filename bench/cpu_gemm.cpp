@@ -1,3 +1,4 @@
+// defines: the cpu_gemm benchmark (main)
 // The CPU GEMM (fixed reduction order, batch invariant) against OpenBLAS sgemm on the same
 // shapes in the same process: GFLOP/s and the ratio, on one thread and on all threads.
 // Shapes: the configs/tiny.toml training GEMMs (2048 tokens) and square sizes.

@@ -1,16 +1,24 @@
+// defines: the cpu_quant benchmark (main): CPU quantizers and requantize_transposed against memcpy
 // CPU quantizer throughput: GB/s of float32 input for each quantizer, on one core and on all
 // cores, next to a memcpy of the same bytes in the same run (the ratio is what to read).
 // Usage: cpu_quant [--rows R --cols C] [--json FILE]
 #include <omp.h>
 
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "fourbit/model/recipe.h"
 #include "fourbit/ops/ops.h"
 
 using namespace fourbit;
+
+namespace {
+// The backward's requantize target, as nvfp4-fwd's recipe gives it (MXFP8 E4M3, RCEIL, SR).
+const QuantSpec& kRequantTarget = recipe_by_name("nvfp4-fwd").expert.dgrad.b;
+}  // namespace
 
 int main(int argc, char** argv) {
   int64_t R = 4096, C = 4096;
@@ -40,8 +48,14 @@ int main(int argc, char** argv) {
       {"nvfp4 tensor rne", spec(Format::NVFP4, OuterScale::Tensor, false)},
       {"nvfp4 4/6 per-token", spec(Format::NVFP4, OuterScale::PerRow, true)},
       {"mxfp8-e4m3 row", spec(Format::MXFP8_E4M3, OuterScale::None, false)},
+      {"mxfp4 row", spec(Format::MXFP4, OuterScale::None, false)},
       {"s2f6", spec(Format::S2F6, OuterScale::None, false)},
   };
+  for (const Case& c : cases)  // every case is a spec the format registry accepts
+    if (const std::string err = validate(c.spec); !err.empty()) {
+      std::fprintf(stderr, "cpu_quant: case %s: %s\n", c.name.c_str(), err.c_str());
+      return 1;
+    }
   const QTensor nv = ops::quantize(x, cases[0].spec);
 
   bench::BenchTable table;
@@ -62,7 +76,7 @@ int main(int argc, char** argv) {
       table.add({{"quantizer", c.name}, {"threads", threads}, {"GB/s", gb / t}, {"memcpy GB/s", copy_gbs},
                  {"ratio to memcpy", gb / t / copy_gbs}});
     }
-    const double t_rq = bench::median_seconds([&] { (void)ops::requantize_transposed(nv, {1, 2}); }, 3);
+    const double t_rq = bench::median_seconds([&] { (void)ops::requantize_transposed(nv, kRequantTarget, {1, 2}); }, 3);
     table.add({{"quantizer", "requantize_transposed"}, {"threads", threads}, {"GB/s", gb / t_rq},
                {"memcpy GB/s", copy_gbs}, {"ratio to memcpy", gb / t_rq / copy_gbs}});
   }

@@ -19,10 +19,16 @@
 #include "bench/bench_util.h"
 #include "bench/gpu_bench_util.h"
 #include "fourbit/numerics/philox.h"
+#include "fourbit/model/recipe.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 
 using namespace fourbit;
+
+namespace {
+// The backward's requantize target, as nvfp4-fwd's recipe gives it (MXFP8 E4M3, RCEIL, SR).
+const QuantSpec& kRequantTarget = recipe_by_name("nvfp4-fwd").expert.dgrad.b;
+}  // namespace
 using bench::median_ms;
 
 namespace {
@@ -98,6 +104,9 @@ int main(int argc, char** argv) {
       {"mxfp8-e4m3 row", spec(Format::MXFP8_E4M3, BlockAxis::Row, OuterScale::None, false, Rounding::RNE)},
       {"mxfp8-e4m3 row sr", spec(Format::MXFP8_E4M3, BlockAxis::Row, OuterScale::None, false, Rounding::SR)},
       {"mxfp8-e4m3 col", spec(Format::MXFP8_E4M3, BlockAxis::Col, OuterScale::None, false, Rounding::RNE)},
+      {"mxfp8-e4m3 col sr", spec(Format::MXFP8_E4M3, BlockAxis::Col, OuterScale::None, false, Rounding::SR)},
+      {"mxfp8-e5m2 row sr", spec(Format::MXFP8_E5M2, BlockAxis::Row, OuterScale::None, false, Rounding::SR)},
+      {"mxfp4 row", spec(Format::MXFP4, BlockAxis::Row, OuterScale::None, false, Rounding::RNE)},
       {"s2f6", spec(Format::S2F6, BlockAxis::Row, OuterScale::None, false, Rounding::RNE)},
       {"s2f6 rht32", spec(Format::S2F6, BlockAxis::Row, OuterScale::None, false, Rounding::RNE, 32)},
   };
@@ -106,6 +115,12 @@ int main(int argc, char** argv) {
   table.name = fmt::format("GPU quantize throughput, {}x{} float32 ({:.0f} MiB), {}", R, C,
                            double(in_bytes) / (1 << 20), prop.name);
   table.columns = {"kernel", "ms", "GB/s", "ratio to D2D copy"};
+  for (const Case& c : cases) {  // every case is a spec the registry accepts
+    if (const std::string err = validate(c.spec); !err.empty()) {
+      std::fprintf(stderr, "gpu_quant: case %s: %s\n", c.name.c_str(), err.c_str());
+      return 1;
+    }
+  }
   auto add = [&](const std::string& name, double ms, int64_t bytes) {
     const double gbs = double(bytes) / (ms * 1e6);
     table.add({{"kernel", name}, {"ms", ms}, {"GB/s", gbs}, {"ratio to D2D copy", gbs / copy_gbs},
@@ -125,8 +140,8 @@ int main(int argc, char** argv) {
   // The backward's NVFP4 -> MXFP8 (transposed, SR) and the decoder, on a per-token NVFP4 tensor.
   const QTensor nv = ops::quantize(x, cases[1].spec, {1, 2});
   if (wanted("requantize_transposed")) {
-    const int64_t out_bytes = qbytes(ops::requantize_transposed(nv, {3, 4}));
-    const double ms = median_ms([&] { (void)ops::requantize_transposed(nv, {3, 4}); }, reps);
+    const int64_t out_bytes = qbytes(ops::requantize_transposed(nv, kRequantTarget, {3, 4}));
+    const double ms = median_ms([&] { (void)ops::requantize_transposed(nv, kRequantTarget, {3, 4}); }, reps);
     add("requantize_transposed", ms, qbytes(nv) + out_bytes);
   }
   if (wanted("dequantize nvfp4")) {

@@ -1,3 +1,4 @@
+// defines: the train_bench benchmark (main)
 // Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]

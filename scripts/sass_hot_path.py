@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
 """SASS instructions one thread issues on a kernel's hot path, read from `nvdisasm -gi` (line info
-with inline chains) of a cubin of quantize.cu, and where they come from (innermost source
-function). Hot path: cold blocks (a CALL, or mostly code of the rare paths named per kernel
+with inline chains) of a cubin of quantize.cu (which includes the kernels of ops/cuda/cast/), and
+where they come from (innermost source function; source files found by name in ops/cuda,
+ops/cuda/cast and numerics/). Hot path: cold blocks (a CALL, or mostly code of the rare paths named per kernel
 below) are never taken, a branch whose successors are both hot falls through (a guard's body),
 and an inner loop is left after one pass.
 
   nvcc <quantize.cu's flags from `ninja -t commands`> -cubin -o /tmp/q.cubin src/fourbit/ops/cuda/quantize.cu
-  scripts/sass_hot_path.py /tmp/q.cubin RUNS FOS METRIC [QUANTIZE_CU] [--trace] [--by-function]
+  scripts/sass_hot_path.py /tmp/q.cubin RUNS FOS METRIC [--trace] [--by-function]
       nvfp4_row_fast_kernel<RUNS, FOS, METRIC>: RUNS 1 or 2, FOS 0 or 1, METRIC 0 (MSE) or 1 (MAE);
       one iteration of the row-group loop, every block finite (no generic fallback, no
       non-finite recount), the division fast paths, the next group's prefetch taken.
-  scripts/sass_hot_path.py /tmp/q.cubin requantize_transposed [QUANTIZE_CU] [--trace] [--by-function] [--by-line]
+  scripts/sass_hot_path.py /tmp/q.cubin mxfp8_row_sr|mxfp8_col_sr EXP_BITS [--trace] [--by-function]
+      mxfp8_row_fast_kernel<EXP_BITS, SR> / mxfp8_col_fast_kernel<EXP_BITS, SR> (EXP_BITS 4: E4M3,
+      5: E5M2), entry to EXIT: one block of 32 finite values, none below the element's smallest
+      normal (the SR encode's general form is cold), no report. Per element = count / 32.
+  scripts/sass_hot_path.py /tmp/q.cubin requantize_transposed [--trace] [--by-function] [--by-line]
       requantize_transposed_kernel, entry to EXIT: a whole tile (two NVFP4 blocks a row in one
       16-byte load), every decoded value finite, no value below E4M3's smallest normal (the SR
       encode's general form is cold). A thread decodes 32 values and encodes 32: per element =
@@ -31,33 +36,47 @@ src_dir = os.path.join(here, '..', 'src/fourbit')
 # the second); "file>marker" marks every line after the one holding marker, and a bare file name
 # the whole file.
 if args[1] == 'requantize_transposed':
-    qcu = args[2] if len(args) > 2 else os.path.join(src_dir, 'ops/cuda/quantize.cu')
     key, per, mode = 'requantize_transposed_kernelENS2_13RequantParams', 32, 'straight'
+    RQ = 'requantize_transposed.cuh'
     cold_spec = [
-        ('quantize.cu', 'for (int b = 0; b < 2; ++b) {  // unrolled: words stays', 'words[2 * b] = uint32_t(packed)'),
-        ('quantize.cu', 'for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;', None),
-        ('quantize.cu', '} else {  // |S_dec| >= 2^120', 'num::nvfp4_dequant('),
-        ('quantize.cu', 'a = finite_amax_counting(v, nonfinite);', 'Rounding::SR, p.seed'),
-        ('quantize.cu', 'w[g] = mxfp8_sr_word<kExpBits, true>(y, g, r);', None),
-        ('quantize.cu', '// a value below E4M3\'s smallest normal (rare)', 'mxfp8_sr_block<4>(x, num::pow2f(127'),
-        ('quantize.cu', 'if (values) atomicAdd', 'if (chose_four) atomicAdd'),
+        (RQ, 'for (int b = 0; b < 2; ++b) {  // unrolled: words stays', 'words[2 * b] = uint32_t(packed)'),
+        (RQ, 'for (int jj = 0; jj < kReqCols; ++jj) dst[jj * kReqRs] = 0.0f;', None),
+        (RQ, '} else {  // |S_dec| >= 2^120', 'num::nvfp4_dequant('),
+        (RQ, 'a = finite_amax_counting(v, nonfinite);', 'Rounding::SR, p.seed'),
+        ('fast_common.cuh', 'w[q] = mxfp8_sr_word<kExpBits, true>(y, q, r);', None),
+        (RQ, '// a value below E4M3\'s smallest normal (rare)', 'mxfp8_sr_block<4>(x, num::pow2f(127'),
+        ('cast_common.cuh', 'if (values) atomicAdd', 'if (chose_four) atomicAdd'),
         ('fast_quant.h', 'static FOURBIT_HD uint32_t code_wide(', 'return code > uint32_t(kMaxCode)'),
         'minifloat.h', 'mxfp8.h',
     ]
     label = 'requantize_transposed_kernel'
     cold_sass = []
+elif args[1] in ('mxfp8_row_sr', 'mxfp8_col_sr'):
+    exp_bits = args[2]
+    kernel = 'mxfp8_row_fast_kernel' if args[1] == 'mxfp8_row_sr' else 'mxfp8_col_fast_kernel'
+    key, per, mode = f'{kernel}ILi{exp_bits}ELb1EE', 32, 'straight'
+    cold_spec = [
+        ('fast_common.cuh', 'a = finite_amax_counting(v, nonfinite);', 'index0, w);'),
+        ('fast_common.cuh', 'w[q] = mxfp8_sr_word<kExpBits, true>(y, q, r);', None),
+        ('fast_common.cuh', 'const uint8_t scale = num::mxfp8_quantize_block(copy, n, amax, elem, rule', None),
+        ('cast_common.cuh', 'values = __reduce_add_sync', 'if (chose_four) atomicAdd'),
+        ('fast_quant.h', 'static FOURBIT_HD uint32_t code_wide(', 'return code > uint32_t(kMaxCode)'),
+        ('mxfp8.h', 'FOURBIT_HD uint8_t mxfp8_quantize_block(', 'return scale;'),
+        'minifloat.h',
+    ]
+    label = f'{kernel}<{exp_bits}, SR>'
+    cold_sass = []
 else:
     runs, fos, metric = int(args[1]), args[2], args[3]
-    qcu = args[4] if len(args) > 4 else os.path.join(src_dir, 'ops/cuda/quantize.cu')
     key = f'nvfp4_row_fast_kernelILi{runs}ELb{fos}ELNS_3num11ScaleMetricE{metric}EEEvNS2_13FastRowParamsE'
     per, mode = 16 * runs, 'loop'
     # the non-finite recount, the generic fallback block, the prefetch of warps whose runs reach
     # past the row's end (the bench's rows are whole), the generic quantizer
     cold_spec = [
-        ('quantize.cu', 'finite_amax_counting(v[k], nonfinite)', None),
-        ('quantize.cu', 'copy[i] = v[k][i]', None),
-        ('quantize.cu', 'out = num::nvfp4_quantize_block(copy', None),
-        ('quantize.cu', 'prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow', None),
+        ('nvfp4_row_fast.cuh', 'finite_amax_counting(v[k], nonfinite)', None),
+        ('nvfp4_row_fast.cuh', 'copy[i] = v[k][i]', None),
+        ('nvfp4_row_fast.cuh', 'out = num::nvfp4_quantize_block(copy', None),
+        ('nvfp4_row_fast.cuh', 'prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow', None),
         'minifloat.h', 'nvfp4.h>// s_b = E4M3_rne_satfinite',
     ]
     # the clamped Four Over Six quantizer (runs holding a subnormal block scale, see fos_bounded):
@@ -78,10 +97,11 @@ for m in re.finditer(r'^\.text\.(\S+):', txt, re.M):
 if sec is None: raise SystemExit(f'no kernel named like {key} in {cubin}')
 
 sources = {}
-def lines_of(fname):
+def lines_of(fname):  # a source file by its base name, as nvdisasm's line info gives it
     if fname not in sources:
-        path = qcu if fname == 'quantize.cu' else os.path.join(src_dir, 'numerics', fname)
-        sources[fname] = open(path).read().split('\n') if os.path.exists(path) else []
+        dirs = [os.path.join(src_dir, d) for d in ('ops/cuda', 'ops/cuda/cast', 'numerics')]
+        path = next((os.path.join(d, fname) for d in dirs if os.path.exists(os.path.join(d, fname))), None)
+        sources[fname] = open(path).read().split('\n') if path else []
     return sources[fname]
 cold_lines, cold_after, cold_files = set(), {}, set()
 for spec in cold_spec:
@@ -177,6 +197,7 @@ while True:
     ss = succ(k)
     if not ss and mode == 'straight': break
     hot = [x for x in ss if not coldblk[x]]
+    if not hot and mode == 'straight' and re.search(r'\bEXIT\b', ins[e - 1][1]): break  # @P EXIT, then cold code
     if not hot: raise SystemExit(f'no hot successor of block {k}')
     nk = max(hot) if min(hot) <= k else hot[0]  # leave inner loops; else fall through
     seen[k] = seen.get(k, 0) + 1

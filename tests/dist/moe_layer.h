@@ -84,8 +84,10 @@ inline MoeResult moe_layer(dist::ExpertParallel& ep, const MoeLayerSpec& s, cons
   const LayerClass cls = LayerClass::Expert;
   const dist::ExpertShard& sh = ep.shard();
   const int64_t N = xn.size(0), E = s.E, K = s.K, D = s.D, F = s.F, L = sh.per_rank(), first = sh.first();
+  // The quantization point's stream: point `site` of expert `expert`, in source micro-batch `micro`.
   auto key = [&](int64_t micro, int site, int64_t expert) {
-    return SrStreams{s.seed, s.step, uint64_t(micro)}.key(0, site, expert);
+    return SrStreams{s.seed, s.step, uint64_t(micro)}.site("moe.site" + std::to_string(site) + "[" +
+                                                            std::to_string(expert) + "]");
   };
   const int64_t my_micro = micro_base + sh.rank;
 
@@ -105,7 +107,7 @@ inline MoeResult moe_layer(dist::ExpertParallel& ep, const MoeLayerSpec& s, cons
     if (!wgrad_from_saved_fwd(r)) x_rows = ops::dequantize(x_perm.q);
   } else {
     x_rows = ep.dispatch(plan, xn, s.codecs.dispatch).dense;
-    x_perm = prepare(x_rows, r.fprop.a, GemmRole::Fprop, 'a', ops::RngKey{}, cls, nullptr);
+    x_perm = prepare(x_rows, r.fprop.a, GemmRole::Fprop, 'a', QuantSite{}, cls, nullptr);
   }
 
   // ---- experts: rows expert-major ----
@@ -142,7 +144,7 @@ inline MoeResult moe_layer(dist::ExpertParallel& ep, const MoeLayerSpec& s, cons
   auto dgrad_weights = [&](const Tensor& wl, const Prepared& wfwd, int site) {
     std::vector<Prepared> out(static_cast<size_t>(L));
     for (int64_t e = 0; e < L; ++e) {
-      const ops::RngKey k = key(0, site, first + e);
+      const QuantSite k = key(0, site, first + e);
       out[size_t(e)] = r.requant_saved_sr
                            ? requantize_saved(wfwd.slice(e), r.dgrad.b, GemmRole::Dgrad, 'b', k, cls, nullptr)
                            : prepare(expert_slice(wl, e), r.dgrad.b, GemmRole::Dgrad, 'b', k, cls, nullptr);
@@ -151,7 +153,7 @@ inline MoeResult moe_layer(dist::ExpertParallel& ep, const MoeLayerSpec& s, cons
   };
   // Per-segment SR keys: segment (e, p) draws from source p's micro-batch and expert first + e.
   auto seg_keys = [&](int site) {
-    std::vector<ops::RngKey> keys;
+    std::vector<QuantSite> keys;
     for (int64_t sg = 0; sg + 1 < int64_t(seg.size()); ++sg)
       keys.push_back(key(micro_base + plan.segment_source(sg), site, plan.segment_expert(sg)));
     return keys;

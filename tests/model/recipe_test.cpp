@@ -6,6 +6,7 @@
 //          16x16 weight tiles, the RHT wgrad operands, the requantized nvfp4-fwd operands).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -84,7 +85,7 @@ TEST(Recipes, TablesDescribeEveryRecipe) {
   EXPECT_TRUE(contains(nv, "RHT-16")) << nv;
   EXPECT_TRUE(contains(nv, "SR")) << nv;
   EXPECT_FALSE(contains(recipe_table(recipe_by_name("mxfp8"), 12), "(last")) << "mxfp8 has no tail";
-  EXPECT_EQ(describe_spec(recipe_by_name("bf16").expert.fprop.a), "bf16");
+  EXPECT_EQ(describe(recipe_by_name("bf16").expert.fprop.a), "bf16");
 }
 
 // ---- (b) the formats each GEMM operand really runs in ------------------------------------------
@@ -233,7 +234,7 @@ void check_layer_recipe(const std::string& rname, const LayerRecipe& lr, LayerCl
   const int64_t M = 64, K = 96, N = 48, S = 4;
   const Tensor X = spread_tensor({M, K}, 1), W = spread_tensor({N, K}, 2), W3 = spread_tensor({S, N, K}, 3);
   const Tensor dY = spread_tensor({M, N}, 4);
-  auto key = [](uint64_t s) { return ops::RngKey{77, s}; };
+  auto key = [](uint64_t s) { return QuantSite{"test." + std::to_string(s), ops::RngKey{77, s}}; };
 
   // fprop: Y[M, N] = X . W^T (2-D weight, then each slice of a 3-D expert weight)
   const Prepared x = prepare(X, lr.fprop.a, GemmRole::Fprop, 'a', key(1), cls, nullptr);
@@ -296,4 +297,82 @@ TEST(RecipeGemm, PreparedGemmEqualsDequantizedGemm) {
   EXPECT_TRUE(nv.expert.fprop.b.tile_2d);
   EXPECT_EQ(nv.expert.fprop.a.outer, OuterScale::Tensor);
   EXPECT_EQ(nv.expert.wgrad.a.hadamard, 16);
+}
+
+// ---- (d) the recipe owns its specs; w1 and w3 share an outer scale ----------------------------
+
+// The requantize target is the recipe's dgrad.b / wgrad.b: a recipe whose fields say E5M2 (dgrad)
+// and RNE (wgrad) runs exactly that, and the log says so.
+TEST(Recipes, RequantizeTargetComesFromTheRecipe) {
+  const OmpThreads one_thread(1);
+  Recipe r = recipe_by_name("nvfp4-fwd");
+  r.name = "nvfp4-fwd-e5m2-dgrad";
+  r.expert.dgrad.b.fmt = Format::MXFP8_E5M2;
+  r.expert.wgrad.b.rounding = num::Rounding::RNE;
+  const ModelConfig c = tiny_moe_config(4, 32);
+  Model m(c, r, Device::CPU);
+  init_params(m.params(), c, 3);
+  m.quant_log().enabled = true;
+  m.quant_log().record_calls = true;
+  const Tensor tokens = random_tokens(2, 8, 5);
+  m.forward(tokens, shifted_targets(tokens, 258), SrStreams{9, 0, 0}, true);
+  m.backward();
+  EXPECT_GT(m.quant_log().counts.count("expert/dgrad/b/mxfp8-e5m2/requant"), 0u);
+  EXPECT_EQ(m.quant_log().counts.count("expert/dgrad/b/mxfp8-e4m3/requant"), 0u);
+  int wgrad_rne = 0;
+  for (const QuantLog::Call& call : m.quant_log().calls)
+    if (call.site.find("/wgrad/X^T") != std::string::npos && call.spec.find("mxfp8-e4m3") == 0)
+      wgrad_rne += call.spec.find("SR") == std::string::npos;
+  EXPECT_GT(wgrad_rne, 0) << "the wgrad target's RNE did not reach the requantization";
+  // A target the op cannot honour fails loudly instead of running something else.
+  r.expert.dgrad.b.mx_rule = num::MxScaleRule::FLOOR;
+  Model bad(c, r, Device::CPU);
+  init_params(bad.params(), c, 3);
+  bad.forward(tokens, shifted_targets(tokens, 258), SrStreams{9, 0, 0}, true);
+  EXPECT_THROW(bad.backward(), Error);
+}
+
+// NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group. After a step under nvfp4-fwd
+// (per-expert weight scales) and nvidia-nvfp4 (per-tensor), each layer's w1 and w3 operands carry
+// the same S_dec bytes, one per expert for the routed experts (and those differ between experts),
+// and S_dec is the joint amax's: the smaller of the two separate ones.
+TEST(Recipes, W1AndW3ShareOneOuterScale) {
+  const OmpThreads one_thread(1);
+  for (const char* name : {"nvfp4-fwd", "nvidia-nvfp4"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig c = tiny_moe_config(4, 32);
+    Model m(c, recipe_by_name(name), Device::CPU);
+    init_params(m.params(), c, 3);
+    const Tensor tokens = random_tokens(2, 8, 5);
+    m.forward(tokens, shifted_targets(tokens, 258), SrStreams{9, 0, 0}, true);
+    m.backward();
+    int pairs = 0;
+    for (const char* ffn : {"layers.1.moe.", "layers.1.moe.shared.", "layers.0.mlp."}) {
+      const auto i1 = m.weight_cache().find(std::string(ffn) + "w1/fprop");
+      const auto i3 = m.weight_cache().find(std::string(ffn) + "w3/fprop");
+      ASSERT_TRUE(i1 != m.weight_cache().end() && i3 != m.weight_cache().end()) << ffn;
+      const Prepared *w1 = &i1->second, *w3 = &i3->second;
+      if (!w1->is_quantized() || w1->q.outer == OuterScale::None) continue;  // nvfp4-fwd's dense FFN is MXFP8
+      ++pairs;
+      const Tensor& s1 = w1->q.outer_scales;
+      const Tensor& s3 = w3->q.outer_scales;
+      ASSERT_EQ(s1.numel(), s3.numel()) << ffn;
+      EXPECT_EQ(std::memcmp(s1.raw(), s3.raw(), size_t(s1.nbytes())), 0) << ffn << ": w1 and w3 scales differ";
+      if (std::string(ffn) == "layers.1.moe." && s1.numel() > 1) {
+        EXPECT_NE(s1.data<float>()[0], s1.data<float>()[1]) << "experts share one scale";
+      }
+      // the joint group's S_dec is the larger of the two separate ones (S_dec rises with amax)
+      const LayerWeights lw = m.params().weights().layers[std::string(ffn) == "layers.0.mlp." ? 0 : 1];
+      const bool routed = std::string(ffn) == "layers.1.moe.", shared = std::string(ffn) == "layers.1.moe.shared.";
+      const Tensor& t1 = routed ? lw.w1 : shared ? lw.sw1 : lw.dw1;
+      const Tensor& t3 = routed ? lw.w3 : shared ? lw.sw3 : lw.dw3;
+      const Recipe& rec = recipe_by_name(name);
+      const QuantSpec spec = (std::string(ffn) == "layers.0.mlp." ? rec.layer(LayerClass::Dense, 0, 4)
+                                                                  : rec.layer(LayerClass::Expert, 1, 4)).fprop.b;
+      const Tensor a1 = ops::quantize(t1, spec).outer_scales, a3 = ops::quantize(t3, spec).outer_scales;
+      for (int64_t g = 0; g < s1.numel(); ++g)
+        EXPECT_EQ(s1.data<float>()[g], std::max(a1.data<float>()[g], a3.data<float>()[g])) << ffn << " group " << g;
+    }
+    EXPECT_GE(pairs, 2);
+  }
 }

@@ -1,3 +1,4 @@
+// defines: the CodecOracle tests (scalar codecs against ml_dtypes)
 // Scalar codecs against the independent oracle ml_dtypes (tables from ml_dtypes_oracle.py):
 // every code decodes to ml_dtypes' value, every in-range float32 of the sample encodes to
 // ml_dtypes' code.

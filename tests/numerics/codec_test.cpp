@@ -1,3 +1,4 @@
+// defines: the scalar codec tests (E2M1, E4M3, E5M2, UE4M3, UE8M0, S2F6, BF16, E2M1 packing)
 // Exhaustive scalar codec tests against the format definitions of NUMERICS.md: every code's value
 // is computed here from its fields (reference_formats.h), never with fourbit's decoders; every
 // code round-trips; every midpoint rounds to the even code and its float32 neighbours to the
@@ -5,6 +6,7 @@
 // up; RCEIL scale choice against a brute-force search), S2F6, BF16 and the E2M1 nibble order.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +16,7 @@
 
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/numerics/minifloat.h"
+#include "fourbit/numerics/mxfp4.h"
 #include "fourbit/numerics/nvfp4.h"
 #include "fourbit/numerics/s2f6.h"
 #include "fourbit/numerics/ue8m0.h"
@@ -416,4 +419,34 @@ TEST(E2m1FastPath, EqualsGenericEncoderOnEveryFloatOfTheRoundingRange) {
   for (float x : {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, FLT_MAX, -FLT_MAX, FLT_MIN, 1e-45f})
     EXPECT_EQ(e2m1_encode_rne(x), uint8_t(minifloat_encode(e2m1_spec(), x))) << x;
   EXPECT_EQ(bad, 0);
+}
+
+// MXFP4 (numerics/mxfp4.h): every code at every scale decodes to E2M1(code) * 2^(scale - 127)
+// exactly (where that is a float) and encodes back to its code (-0 to 0x8); the RCEIL scale is the smallest E with
+// amax <= 6 * 2^(E-127), the floor scale floor(log2 amax) - 2, on random and boundary amaxes.
+TEST(Mxfp4Codec, EveryCodeAtEveryScaleRoundTrips) {
+  for (uint32_t scale = 0; scale <= 254; ++scale)
+    for (uint32_t code = 0; code < 16; ++code) {
+      const double want = std::ldexp(test::ref_decode(test::kRefE2M1, code), int(scale) - 127);
+      if (std::fabs(want) > double(FLT_MAX)) continue;  // 2 * 2^127 and up are not floats
+      const float v = mxfp4_decode(code, uint8_t(scale));
+      ASSERT_EQ(double(v), want) << "code " << code << " scale " << scale;
+      ASSERT_EQ(mxfp4_encode(v, uint8_t(scale)), code) << "code " << code << " scale " << scale;
+      ASSERT_EQ(mxfp4_encode(v, uint8_t(scale), Rounding::SR, 0xFFFFu), code) << "grid values never move under SR";
+    }
+}
+
+TEST(Mxfp4Codec, ScaleRulesPickTheirPower) {
+  std::mt19937 gen(9);
+  std::vector<float> amaxes = {6.0f, std::nextafter(6.0f, 7.0f), 3.0f, 1.0f, 12.0f, 1e-30f, 3e30f, 0x1p-140f};
+  for (int i = 0; i < 20000; ++i) amaxes.push_back(std::ldexp(float(gen() % 0xffffffu + 1) * 0x1p-24f, int(gen() % 200) - 100));
+  for (float a : amaxes) {
+    int e = 0;
+    while (e < 254 && !(double(a) <= 6.0 * std::ldexp(1.0, e - 127))) ++e;  // RCEIL by search
+    EXPECT_EQ(int(mxfp4_scale(a, MxScaleRule::RCEIL)), e) << a;
+    int f2;
+    std::frexp(double(a), &f2);  // a = m * 2^f2, m in [0.5, 1): floor(log2 a) = f2 - 1
+    EXPECT_EQ(int(mxfp4_scale(a, MxScaleRule::FLOOR)), std::clamp(f2 - 1 - 2, -127, 127) + 127) << a;
+  }
+  EXPECT_EQ(mxfp4_scale(0.0f, MxScaleRule::RCEIL), kUe8m0One);
 }

@@ -1,3 +1,4 @@
+// defines: the FastQuant* tests: numerics/fast_quant.h against the generic numerics
 // The GPU hot-path numerics (numerics/fast_quant.h) against the generic codecs and block
 // quantizers they replace, bit for bit: exhaustively over every float32 where the input range
 // allows (E2M1 rounding: all 2^31 magnitudes; E4M3 scale encoding: every float of the binades
@@ -487,7 +488,7 @@ int64_t compare_sr(int64_t count, uint32_t seed) {
     } else {
       scale = uint8_t(g() % 255);
     }
-    const uint32_t r = t % 7 == 0 ? 0u : t % 7 == 1 ? 0xffffffffu : uint32_t(g());
+    const uint32_t r = t % 7 == 0 ? 0u : t % 7 == 1 ? 0xffffu : uint32_t(g()) & 0xffffu;  // 16 SR bits
     const uint8_t want = uint8_t(minifloat_encode(f, x, 127 - int(scale), Rounding::SR, r));
     const uint8_t got = mxfp8_encode_sr_fast<kExpBits>(x, pow2f(127 - int(scale)), r);
     if (want != got && ++bad <= 5)
@@ -507,7 +508,7 @@ int64_t compare_wide(int64_t count, uint32_t seed) {
     uint32_t b;
     do b = uint32_t(g()) & 0x7fffffffu; while ((b & 0x7f800000u) == 0x7f800000u);
     if (t % 2) b = (b & 0x807fffffu) | ((100u + uint32_t(g() % 40)) << 23);  // near the target range
-    const uint32_t r = t % 5 == 0 ? 0xffffffffu : uint32_t(g());
+    const uint32_t r = t % 5 == 0 ? 0xffffu : uint32_t(g()) & 0xffffu;
     const uint32_t want = minifloat_encode(f, float_of(b), 0, Rounding::SR, r);
     if (Mxfp8Sr<kExpBits>::code_wide(b, r) != want && ++bad <= 5)
       ADD_FAILURE() << "u 0x" << std::hex << b << " rnd 0x" << r;
@@ -539,7 +540,7 @@ int64_t grid_sr(uint32_t seed) {
       if (!is_finite_bits(x0)) continue;
       for (float x : {x0, std::nextafter(x0, 0.0f), std::nextafter(x0, kInf), -x0}) {
         if (!is_finite_bits(x)) continue;
-        const uint32_t r = uint32_t(g());
+        const uint32_t r = uint32_t(g()) & 0xffffu;
         const uint8_t want = uint8_t(minifloat_encode(f, x, 127 - scale, Rounding::SR, r));
         if (mxfp8_encode_sr_fast<kExpBits>(x, pow2f(127 - scale), r) != want && ++bad <= 5)
           ADD_FAILURE() << "code 0x" << std::hex << code << " scale " << std::dec << scale << " x " << x;
@@ -637,14 +638,21 @@ int64_t compare_sr_words(int64_t count, uint32_t seed) {
     if (t % 5 == 0) amax = std::min(amax * float(1 + g() % 1000), 3.0e38f);  // headroom: any larger amax
     const uint8_t scale = ue8m0_scale_for_max(amax, kE4M3Max);
     const float xs8 = E4m3SrWords::x_scale8(scale);
-    uint32_t y8[4], r[4];
+    // The four draws from a Philox word pair as the kernel takes them: elements 0..3 of a call
+    // (random_at_8: the 16 bits moved to bits 8..23) or 4..7 (the call's other half).
+    const Philox4x32 call{{uint32_t(g()), uint32_t(g()), uint32_t(g()), uint32_t(g())}};
+    const int k0 = t % 2 ? 4 : 0;
+    uint32_t y8[4], r[4], r8[4];
     bool any_wide = false, want_wide = false;
     for (int e = 0; e < 4; ++e) {
       y8[e] = E4m3SrWords::scaled(x[e], xs8);
       any_wide |= E4m3SrWords::needs_wide(y8[e]);
       const float u = std::fabs(x[e]) * pow2f(127 - int(scale));
       want_wide |= u != 0.0f && u < 0x1p-6f && std::fabs(x[e]) * xs8 != 0.0f;
-      r[e] = t % 7 == 0 ? 0u : t % 7 == 1 ? 0xffffffffu : uint32_t(g());
+      r[e] = sr_bits_of(call, k0 + e);
+      r8[e] = E4m3SrWords::random_at_8(call, k0 + e);
+      if (t % 7 < 2) r[e] = t % 7 == 0 ? 0u : 0xffffu, r8[e] = r[e] << 8;  // the extreme draws
+      if (r8[e] != r[e] << 8 && ++bad <= 5) ADD_FAILURE() << "random_at_8 of element " << k0 + e;
     }
     if (any_wide != want_wide && ++bad <= 5) ADD_FAILURE() << "needs_wide at t = " << t;
     if (any_wide) {
@@ -653,8 +661,8 @@ int64_t compare_sr_words(int64_t count, uint32_t seed) {
     }
     ++words;
     const uint32_t w = E4m3SrWords::pack(
-        E4m3SrWords::code_at_24(y8[0], r[0]), E4m3SrWords::code_at_24(y8[1], r[1]),
-        E4m3SrWords::code_at_24(y8[2], r[2]), E4m3SrWords::code_at_24(y8[3], r[3]), bits_of(x[0]),
+        E4m3SrWords::code_at_24(y8[0], r8[0]), E4m3SrWords::code_at_24(y8[1], r8[1]),
+        E4m3SrWords::code_at_24(y8[2], r8[2]), E4m3SrWords::code_at_24(y8[3], r8[3]), bits_of(x[0]),
         bits_of(x[1]), bits_of(x[2]), bits_of(x[3]));
     for (int e = 0; e < 4; ++e) {
       const uint8_t want = uint8_t(minifloat_encode(e4m3_spec(), x[e], 127 - int(scale), Rounding::SR, r[e]));

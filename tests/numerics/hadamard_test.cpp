@@ -1,3 +1,4 @@
+// defines: the Hadamard tests
 // Hadamard transforms against the explicit Sylvester matrix H[i][j] = (-1)^popcount(i & j) / sqrt(n)
 // in double; the RHT round trip and norm preservation (NUMERICS "Random Hadamard transform").
 // Errors are measured relative to the vector norm: the float32 butterfly rounds each of its

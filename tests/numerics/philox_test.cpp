@@ -1,3 +1,4 @@
+// defines: the Philox tests: known answers, the counter layout of random_bits and sr_bits
 // Philox-4x32-10 against the published known-answer vectors and an independent implementation;
 // the (seed, stream, index) -> 32-bit draw mapping of random_bits and RandomBits; a uniformity
 // check of the draws.
@@ -94,6 +95,47 @@ TEST(Philox, RandomBitsReaderEqualsRandomBits) {
     ASSERT_EQ(r.at(i), random_bits(99, 5, i)) << i;
   }
   for (uint64_t i = 100; i-- > 0;) ASSERT_EQ(r.at(i), random_bits(99, 5, i)) << i;
+}
+
+// NUMERICS "Stochastic rounding": element i draws half i % 2 (the low half first) of word (i / 2) % 4
+// of the call for counter group i / 8; SrBits reads the same bits in any order.
+TEST(Philox, SrBitsLayout) {
+  const uint64_t seeds[] = {0, 0x123456789abcdef0ull};
+  const uint64_t streams[] = {3, 0xfedcba9876543210ull};
+  for (uint64_t seed : seeds)
+    for (uint64_t stream : streams)
+      for (uint64_t index : {0ull, 1ull, 2ull, 7ull, 8ull, 9ull, 1023ull, (1ull << 35) + 5, ~0ull}) {
+        const uint64_t g = index / 8;
+        const auto call = reference_philox({uint32_t(g), uint32_t(g >> 32), uint32_t(stream), uint32_t(stream >> 32)},
+                                           {uint32_t(seed), uint32_t(seed >> 32)});
+        const uint32_t want = (call[(index / 2) % 4] >> (16 * (index % 2))) & 0xFFFFu;
+        EXPECT_EQ(sr_bits(seed, stream, index), want) << seed << " " << stream << " " << index;
+      }
+  SrBits r(99, 5);
+  for (uint64_t i = 0; i < 4096; ++i) ASSERT_EQ(r.at(i), sr_bits(99, 5, i)) << i;
+  std::mt19937_64 gen(4);
+  for (int k = 0; k < 4096; ++k) {
+    const uint64_t i = k % 3 == 0 ? gen() : gen() % 64;
+    ASSERT_EQ(r.at(i), sr_bits(99, 5, i)) << i;
+  }
+}
+
+// The 16-bit draws: mean of N / 2^16 within ~7 sigma of 1/2, every bit a fair coin, and the two
+// halves of one word uncorrelated (the mean of their product is 1/4).
+TEST(Philox, SrBitsLookUniform) {
+  constexpr int kN = 1000000;
+  double sum = 0, prod = 0;
+  int64_t ones[16] = {};
+  for (int i = 0; i < kN; ++i) {
+    const uint32_t u = sr_bits(2026, 9, uint64_t(i));
+    ASSERT_LT(u, 65536u);
+    sum += double(u) / 65536.0;
+    for (int b = 0; b < 16; ++b) ones[b] += (u >> b) & 1u;
+    if (i % 2 == 1) prod += (double(sr_bits(2026, 9, uint64_t(i - 1))) / 65536.0) * (double(u) / 65536.0);
+  }
+  EXPECT_NEAR(sum / kN, 0.5, 0.002);
+  for (int b = 0; b < 16; ++b) EXPECT_NEAR(double(ones[b]) / kN, 0.5, 0.003) << "bit " << b;
+  EXPECT_NEAR(prod / (kN / 2), 0.25, 0.003);
 }
 
 // Mean of N uniform draws / 2^32: standard deviation sqrt(1/12 / N) = 2.9e-4 at N = 1e6, so the

@@ -1,4 +1,6 @@
-// Stochastic rounding (NUMERICS "Stochastic rounding"): results are one of the two neighbours, the
+// defines: the StochasticRounding tests
+// Stochastic rounding (NUMERICS "Stochastic rounding", 16 random bits an element): results are one
+// of the two neighbours, P(round up) counted over every draw, the
 // mean over N draws converges to x within 5 standard deviations of the mean of N Bernoulli draws
 // (and the error shrinks with N), representable values never move, draws are a pure function of
 // (seed, stream, index); MXFP8 with RCEIL scales never clips, so its SR is unbiased at the block
@@ -16,6 +18,7 @@
 #include "fourbit/numerics/minifloat.h"
 #include "fourbit/numerics/mxfp8.h"
 #include "fourbit/numerics/philox.h"
+#include "fourbit/numerics/round.h"
 #include "numerics/reference_formats.h"
 
 using namespace fourbit;
@@ -75,7 +78,7 @@ TEST(StochasticRounding, ResultsAreNeighboursAndTheMeanConverges) {
       int n = 0;
       for (int cp : kCheckpoints) {
         for (; n < cp; ++n) {
-          const float v = sr_encode_decode(t.spec, x, random_bits(/*seed=*/11, /*stream=*/k, n));
+          const float v = sr_encode_decode(t.spec, x, sr_bits(/*seed=*/11, /*stream=*/k, n));
           ASSERT_TRUE(v == float(nb.lo) || v == float(nb.hi))
               << t.ref.name << " x=" << x << " gave " << v << ", neighbours " << nb.lo << " " << nb.hi;
           sum += v;
@@ -104,31 +107,62 @@ TEST(StochasticRounding, RepresentableValuesNeverMove) {
     for (const auto& g : test::ref_grid(t.ref)) {
       for (double v : {g.value, -g.value}) {
         const uint32_t rne = minifloat_encode(t.spec, float(v));
-        for (uint32_t rnd : {0u, 1u, 0x7FFFFFFFu, 0x80000000u, 0xFFFFFFFFu})
+        for (uint32_t rnd : {0u, 1u, 0x7FFFu, 0x8000u, 0xFFFFu})
           ASSERT_EQ(minifloat_encode(t.spec, float(v), 0, Rounding::SR, rnd), rne)
               << t.ref.name << " " << v << " rnd " << rnd;
         for (uint64_t i = 0; i < 200; ++i)
-          ASSERT_EQ(minifloat_encode(t.spec, float(v), 0, Rounding::SR, random_bits(3, 4, i)), rne);
+          ASSERT_EQ(minifloat_encode(t.spec, float(v), 0, Rounding::SR, sr_bits(3, 4, i)), rne);
       }
     }
   }
 }
 
-// P(round up) is exactly rem / 2^shift: with 32 random bits the extreme draws 0 and 2^32 - 1 give
-// lo and hi for any x strictly between (the probability resolution is below one part in 2^22).
+// NUMERICS: 16 random bits per element. The extreme draws 0 and 2^16 - 1 give lo and hi for any x
+// strictly between whose P(round up) is at least 2^-16 (below that the remainder's top 16 bits
+// are 0 and the value rounds toward zero: the truncation the contract allows).
 TEST(StochasticRounding, ExtremeDrawsGiveTheTwoNeighbours) {
   for (const Target& t : targets()) {
     const auto grid = test::ref_grid(t.ref);
     for (float x : t.xs) {
       const Neighbours nb = neighbours(grid, x);
-      if (nb.lo == nb.hi || nb.p < 1e-6 || nb.p > 1 - 1e-6) continue;
+      if (nb.lo == nb.hi || nb.p < 0x1p-16 || nb.p > 1 - 0x1p-16) continue;
       EXPECT_EQ(double(sr_encode_decode(t.spec, x, 0u)), std::fabs(nb.lo) < std::fabs(nb.hi) ? nb.lo : nb.hi)
           << t.ref.name << " " << x;
-      EXPECT_EQ(double(sr_encode_decode(t.spec, x, 0xFFFFFFFFu)),
+      EXPECT_EQ(double(sr_encode_decode(t.spec, x, 0xFFFFu)),
                 std::fabs(nb.lo) < std::fabs(nb.hi) ? nb.hi : nb.lo)
           << t.ref.name << " " << x;
     }
   }
+}
+
+// The rule itself, over all 2^16 draws: at most 16 dropped bits round up for exactly rem * 2^(16 -
+// shift) draws (P(up) = rem / 2^shift), more dropped bits for exactly floor(rem / 2^(shift - 16))
+// draws (the remainder's top 16 bits: P(up) short of rem / 2^shift by less than 2^-16). Bits of
+// the draw above the 16th are ignored.
+TEST(StochasticRounding, SixteenBitRuleCountsEveryDraw) {
+  std::mt19937 gen(5);
+  for (int shift = 1; shift <= 39; ++shift)
+    for (int rep = 0; rep < 12; ++rep) {
+      uint32_t sig = (uint32_t(gen()) & 0xFFFFFFu) | 0x800000u;
+      if (rep == 0) sig = 0x800000u;  // remainder 0 for shifts up to 23
+      if (rep == 1) sig = 0xFFFFFFu;
+      const uint64_t rem = shift >= 32 ? sig : sig & ((1ull << shift) - 1);
+      const uint32_t down = shift >= 32 ? 0u : sig >> shift;
+      const uint64_t want_up = shift <= 16 ? rem << (16 - shift) : rem >> (shift - 16);
+      uint64_t up = 0;
+      for (uint32_t r = 0; r < 65536; ++r) {
+        const uint32_t n = shift_round_sr(sig, shift, r);
+        ASSERT_TRUE(n == down || n == down + 1) << "sig " << sig << " shift " << shift << " r " << r;
+        up += n - down;
+        if (r % 4099 == 0) {
+          ASSERT_EQ(shift_round_sr(sig, shift, r | (uint32_t(gen()) << 16)), n);
+        }
+      }
+      EXPECT_EQ(up, want_up) << "sig 0x" << std::hex << sig << std::dec << " shift " << shift;
+      const double bias = double(rem) / std::ldexp(1.0, shift) - double(up) / 65536.0;
+      EXPECT_GE(bias, 0.0);
+      EXPECT_LT(bias, 0x1p-16) << "shift " << shift;
+    }
 }
 
 TEST(StochasticRounding, ReproducibleFromSeedStreamIndex) {
@@ -136,14 +170,14 @@ TEST(StochasticRounding, ReproducibleFromSeedStreamIndex) {
   auto sequence = [&](uint64_t seed, uint64_t stream) {
     std::vector<uint32_t> codes;
     for (uint64_t i = 0; i < 1000; ++i)
-      codes.push_back(minifloat_encode(kE2M1, x, 0, Rounding::SR, random_bits(seed, stream, i)));
+      codes.push_back(minifloat_encode(kE2M1, x, 0, Rounding::SR, sr_bits(seed, stream, i)));
     return codes;
   };
   const auto a = sequence(42, 1);
   EXPECT_EQ(a, sequence(42, 1));
   // Any element recomputed alone gives the same code (no hidden sequential state).
   for (uint64_t i : {0, 1, 2, 3, 4, 517, 999})
-    EXPECT_EQ(a[i], minifloat_encode(kE2M1, x, 0, Rounding::SR, random_bits(42, 1, i)));
+    EXPECT_EQ(a[i], minifloat_encode(kE2M1, x, 0, Rounding::SR, sr_bits(42, 1, i)));
   auto differences = [&](const std::vector<uint32_t>& b) {
     int d = 0;
     for (size_t i = 0; i < a.size(); ++i) d += a[i] != b[i];

@@ -1,3 +1,4 @@
+// defines: the CPU attention tests
 // Causal GQA attention on the CPU: forward against an explicit softmax matrix, finite-difference
 // gradients (dq, dk, dv; GQA and MHA), the KV-cache contract (one-token decode and chunked prefill
 // give the training forward's bits), batch invariance and thread-count determinism.

@@ -14,11 +14,14 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/ops/ops.h"
+#include "fourbit/ops/quant_layout.h"
 #include "fourbit/tensor/device_memory.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -30,6 +33,15 @@ using num::Rounding;
 namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
+
+// nvfp4-fwd's backward target (the recipe's dgrad.b / wgrad.b): MXFP8 E4M3, RCEIL, SR.
+const QuantSpec kRequantTarget = [] {
+  QuantSpec s;
+  s.fmt = Format::MXFP8_E4M3;
+  s.outer = OuterScale::None;
+  s.rounding = num::Rounding::SR;
+  return s;
+}();
 
 struct Dims {
   int64_t slices, rows, cols;  // logical [slices,] rows x cols
@@ -104,55 +116,18 @@ std::vector<float> make_data(const Dims& d, Data kind, uint32_t seed) {
 
 // ---- specs ----------------------------------------------------------------------------------------
 
-std::string spec_str(const QuantSpec& s) {
-  const char* outer[] = {"none", "tensor", "per-row", "per-slice"};
-  std::string r = std::string(format_name(s.fmt)) + " axis=" + (s.axis == BlockAxis::Row ? "row" : "col") +
-                  (s.rounding == Rounding::SR ? " SR" : " RNE");
-  if (s.fmt == Format::NVFP4) r += std::string(" outer=") + outer[int(s.outer)];
-  if (s.four_over_six) r += s.metric == num::ScaleMetric::MSE ? " 4/6-mse" : " 4/6-mae";
-  if (s.tile_2d) r += " tile2d";
-  if (s.mx_rule == num::MxScaleRule::FLOOR) r += " floor";
-  if (s.hadamard) r += " rht" + std::to_string(s.hadamard);
-  return r;
-}
+std::string spec_str(const QuantSpec& s) { return describe(s); }
 
-// Every spec ops::quantize accepts for these dims (per-slice outer scales on 3-D inputs only).
+// Every spec ops::quantize accepts for these dims, from the format registry (per-slice outer
+// scales on 3-D inputs only), RHT signs: NVIDIA's mask for 16 points, a fixed word for 32.
 std::vector<QuantSpec> all_specs(const Dims& d) {
   std::vector<QuantSpec> out;
-  const Format formats[] = {Format::NVFP4, Format::MXFP8_E4M3, Format::MXFP8_E5M2, Format::S2F6};
-  for (Format f : formats)
-    for (BlockAxis axis : {BlockAxis::Row, BlockAxis::Col})
-      for (Rounding rnd : {Rounding::RNE, Rounding::SR})
-        for (int had : {0, 16, 32}) {
-          QuantSpec s;
-          s.fmt = f;
-          s.axis = axis;
-          s.rounding = rnd;
-          s.hadamard = had;
-          s.hadamard_signs = had == 16 ? num::kNvidiaRht16Signs : 0x9E3779B9u;
-          if (had > s.block()) continue;
-          if (f == Format::S2F6) {
-            if (rnd == Rounding::SR) continue;
-            out.push_back(s);
-          } else if (f != Format::NVFP4) {
-            for (auto rule : {num::MxScaleRule::RCEIL, num::MxScaleRule::FLOOR}) {
-              s.mx_rule = rule;
-              out.push_back(s);
-            }
-          } else {
-            for (OuterScale o : {OuterScale::None, OuterScale::Tensor, OuterScale::PerRow, OuterScale::PerSlice}) {
-              if (o == OuterScale::PerSlice && d.slices == 1) continue;
-              for (int fos = 0; fos < 3; ++fos)
-                for (bool tile : {false, true}) {
-                  s.outer = o;
-                  s.four_over_six = fos != 0;
-                  s.metric = fos == 2 ? num::ScaleMetric::MAE : num::ScaleMetric::MSE;
-                  s.tile_2d = tile;
-                  out.push_back(s);
-                }
-            }
-          }
-        }
+  for (Format f : quantized_formats())
+    for (QuantSpec s : every_spec(f)) {
+      if (s.outer == OuterScale::PerSlice && d.slices == 1) continue;
+      s.hadamard_signs = s.hadamard == 16 ? num::kNvidiaRht16Signs : s.hadamard == 32 ? 0x9E3779B9u : 0u;
+      out.push_back(s);
+    }
   return out;
 }
 
@@ -273,7 +248,7 @@ int check_specs(const std::vector<float>& host, const Dims& d, const std::vector
       }
       if (s.fmt == Format::NVFP4) {
         const ops::RngKey rq{rng.seed ^ 0xABCDu, rng.stream + 3};
-        ok = same_qtensor(ops::requantize_transposed(qc, rq), ops::requantize_transposed(qc_on_gpu, rq),
+        ok = same_qtensor(ops::requantize_transposed(qc, kRequantTarget, rq), ops::requantize_transposed(qc_on_gpu, kRequantTarget, rq),
                           what + " requantize_transposed") && ok;
       }
     }
@@ -351,7 +326,7 @@ TEST(CudaQuantize, LargeShapesMatchCpu) {
     s.hadamard_signs = num::kNvidiaRht16Signs;
     specs.push_back(s);
     s.hadamard = 0;
-    for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
+    for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2, Format::MXFP4}) {
       s.fmt = f;
       s.rounding = Rounding::RNE;
       specs.push_back(s);
@@ -382,7 +357,7 @@ TEST(CudaQuantize, FastRowPathsMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> specs;
   for (const QuantSpec& s : all_specs({1, 4, 64})) {
-    if (s.axis != BlockAxis::Row || s.hadamard != 0 || s.fmt == Format::S2F6) continue;
+    if (s.axis != BlockAxis::Row || s.hadamard != 0 || s.fmt == Format::S2F6 || s.fmt == Format::MXFP4) continue;
     if (s.fmt == Format::NVFP4 && (s.outer != OuterScale::PerRow || s.tile_2d)) continue;
     specs.push_back(s);
   }
@@ -469,7 +444,7 @@ TEST(CudaQuantize, RequantizeSegmentsMatchCpu) {
         const QTensor q_gpu = q_cpu.to(Device::CUDA);
         std::vector<ops::RngKey> keys;
         for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xBEEFu + seed, 5 * e + 1});
-        const std::vector<QTensor> got = ops::requantize_transposed_segments(q_gpu, offsets, keys);
+        const std::vector<QTensor> got = ops::requantize_transposed_segments(q_gpu, offsets, kRequantTarget, keys);
         ASSERT_EQ(got.size(), len.size());
         for (size_t e = 0; e < len.size(); ++e) {
           const std::string what = d.str() + " segment " + std::to_string(e);
@@ -477,7 +452,7 @@ TEST(CudaQuantize, RequantizeSegmentsMatchCpu) {
             EXPECT_FALSE(got[e].codes.defined()) << what;
             continue;
           }
-          const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q_cpu, offsets[e], offsets[e + 1]), keys[e]);
+          const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q_cpu, offsets[e], offsets[e + 1]), kRequantTarget, keys[e]);
           if (!same_qtensor(want, got[e], what)) return;
         }
       }
@@ -515,7 +490,7 @@ TEST(CudaQuantize, UnalignedInputsAndViewsMatchCpu) {
       const QTensor rg = ops::qtensor_rows(ops::qtensor_slice(qg, 0), 3, 41);
       same_floats(ops::dequantize(rc), ops::dequantize(rg), what + " rows dequantize");
       if (base.fmt == Format::NVFP4)
-        same_qtensor(ops::requantize_transposed(rc, {5, 6}), ops::requantize_transposed(rg, {5, 6}),
+        same_qtensor(ops::requantize_transposed(rc, kRequantTarget, {5, 6}), ops::requantize_transposed(rg, kRequantTarget, {5, 6}),
                      what + " rows requantize_transposed");
     }
   }
@@ -569,11 +544,136 @@ TEST(CudaQuantize, RejectsHostTensors) {
   const Tensor x = Tensor::zeros({4, 16}, DType::F32);
   QuantSpec s;
   s.fmt = Format::NVFP4;
-  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr), Error);
+  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr, nullptr), Error);
   const QTensor q = ops::quantize(x, s);
   EXPECT_THROW((void)ops::cuda::dequantize(q, true), Error);
-  EXPECT_THROW((void)ops::cuda::requantize_transposed(q, {}), Error);
+  EXPECT_THROW((void)ops::cuda::requantize_transposed(q, kRequantTarget, {}), Error);
   const Tensor xi = Tensor::zeros({4, 16}, DType::I32, Device::CUDA);
   EXPECT_THROW((void)ops::quantize(xi, s), Error);
+}
+#endif
+
+// ---- the dispatch lists ----------------------------------------------------------------------------
+
+#if FOURBIT_HAS_CUDA
+namespace {
+
+QuantSpec make_spec(Format f, BlockAxis axis, OuterScale outer, Rounding rnd, bool fos = false, int had = 0) {
+  QuantSpec s;
+  s.fmt = f;
+  s.axis = axis;
+  s.outer = format_info(f).fields & kFieldOuter ? outer : OuterScale::None;
+  s.rounding = rnd;
+  s.four_over_six = fos;
+  s.hadamard = had;
+  s.hadamard_signs = had == 16 ? num::kNvidiaRht16Signs : 0x2468ACE1u;
+  return s;
+}
+
+// One case per entry of every format's quantize list (quantize.cu), the entry it must take, and
+// whether the caller gives the group amax (the FFN's shared w1/w3 outer scale).
+struct DispatchCase {
+  Dims d;
+  QuantSpec spec;
+  bool group_amax;
+  const char* entry;
+};
+
+std::vector<DispatchCase> dispatch_cases() {
+  using F = Format;
+  const auto R = BlockAxis::Row, C = BlockAxis::Col;
+  return {
+      {{1, 64, 256}, make_spec(F::NVFP4, R, OuterScale::PerRow, Rounding::RNE, true), false, "nvfp4_row_fast_kernel"},
+      {{1, 33, 50}, make_spec(F::NVFP4, R, OuterScale::PerRow, Rounding::RNE), false, "nvfp4_tile_row_amax"},
+      {{1, 40, 96}, make_spec(F::NVFP4, R, OuterScale::PerRow, Rounding::SR, true), false, "nvfp4_tile_row_amax"},
+      {{1, 64, 256}, make_spec(F::NVFP4, R, OuterScale::Tensor, Rounding::RNE), false, "quantize_tile_kernel"},
+      {{3, 32, 64}, make_spec(F::NVFP4, C, OuterScale::PerSlice, Rounding::SR), true, "quantize_tile_kernel"},
+      {{1, 48, 64}, make_spec(F::NVFP4, R, OuterScale::PerRow, Rounding::RNE, true), true, "quantize_tile_kernel"},
+      {{2, 64, 96}, make_spec(F::MXFP8_E4M3, C, OuterScale::None, Rounding::SR), false, "mxfp8_col_fast_kernel"},
+      {{1, 64, 96}, make_spec(F::MXFP8_E5M2, R, OuterScale::None, Rounding::SR), false, "mxfp8_row_fast_kernel"},
+      {{1, 64, 96}, make_spec(F::MXFP8_E4M3, R, OuterScale::None, Rounding::SR, false, 32), false,
+       "quantize_tile_kernel"},
+      {{1, 40, 70}, make_spec(F::S2F6, R, OuterScale::None, Rounding::RNE, false, 32), false, "quantize_tile_kernel"},
+      {{1, 40, 96}, make_spec(F::MXFP4, R, OuterScale::None, Rounding::SR), false, "quantize_tile_kernel"},
+      {{2, 40, 70}, make_spec(F::MXFP4, C, OuterScale::None, Rounding::RNE, false, 16), false, "quantize_tile_kernel"},
+  };
+}
+
+}  // namespace
+
+// Host code only (no GPU needed): the cases take the entries they name, and together they reach
+// every entry of every format's list.
+TEST(CudaQuantize, DispatchCasesReachEveryEntry) {
+  std::set<std::pair<Format, std::string>> reached;
+  for (const DispatchCase& c : dispatch_cases()) {
+    const bool vec4 = c.d.cols % 4 == 0;  // fresh device allocations are 16-byte aligned
+    EXPECT_STREQ(ops::cuda::quantize_kernel_for(c.spec, c.d.slices, c.d.rows, c.d.cols, vec4, c.group_amax), c.entry)
+        << spec_str(c.spec) << " " << c.d.str();
+    reached.insert({c.spec.fmt == Format::MXFP8_E5M2 ? Format::MXFP8_E4M3 : c.spec.fmt, c.entry});
+  }
+  for (Format f : quantized_formats()) {
+    const Format list = f == Format::MXFP8_E5M2 ? Format::MXFP8_E4M3 : f;  // one list for both MXFP8 elements
+    const std::vector<std::string> names = ops::cuda::quantize_kernel_names(f);
+    ASSERT_FALSE(names.empty()) << format_name(f);
+    EXPECT_EQ(names.back(), "quantize_tile_kernel") << format_name(f) << ": the generic kernel goes last";
+    for (const std::string& n : names) EXPECT_TRUE(reached.count({list, n})) << format_name(f) << ": " << n << " is not reached";
+  }
+  QTensor q;
+  q.fmt = Format::NVFP4;
+  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, ops::requantize_transposed_spec(q, kRequantTarget)),
+               "requantize_transposed_kernel");
+  QuantSpec e5 = kRequantTarget;
+  e5.fmt = Format::MXFP8_E5M2;
+  EXPECT_STREQ(ops::cuda::requantize_kernel_for(q, ops::requantize_transposed_spec(q, e5)), "dequantize_then_quantize");
+}
+
+// The cases above on the GPU against the CPU, byte for byte: quantize (with the caller's group
+// amax where the case says so: the joint amax of two tensors, as an FFN's w1 and w3 share it, and
+// outer_amax itself), dequantize, and requantize_transposed to each target kind (the fused kernel
+// for E4M3 with SR, the dequantize-then-quantize composition for E5M2 and for RNE).
+TEST(CudaQuantize, DispatchEntriesMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  uint32_t seed = 1200;
+  for (const DispatchCase& c : dispatch_cases()) {
+    const std::string what = std::string(c.entry) + " " + spec_str(c.spec) + " " + c.d.str();
+    const auto host = make_data(c.d, Data::Varied, seed++);
+    if (!c.group_amax) {
+      check_specs(host, c.d, {c.spec}, "dispatch");
+      continue;
+    }
+    const auto other = make_data(c.d, Data::HeavyTailed, seed++);
+    const Tensor x_cpu = Tensor::from_host(host.data(), c.d.shape(), DType::F32);
+    const Tensor y_cpu = Tensor::from_host(other.data(), c.d.shape(), DType::F32);
+    const Tensor x_gpu = x_cpu.to(Device::CUDA), y_gpu = y_cpu.to(Device::CUDA);
+    const Tensor a_cpu = ops::outer_amax({x_cpu, y_cpu}, c.spec), a_gpu = ops::outer_amax({x_gpu, y_gpu}, c.spec);
+    if (!same_floats(a_cpu, a_gpu, what + " outer_amax")) continue;
+    const ops::RngKey rng{41, 43};
+    same_qtensor(ops::quantize(x_cpu, c.spec, rng, nullptr, &a_cpu), ops::quantize(x_gpu, c.spec, rng, nullptr, &a_gpu),
+                 what + " with a group amax");
+  }
+  // requantize_transposed to targets other than E4M3 with SR: the composition, on the GPU.
+  const Dims d{1, 70, 96};
+  const auto host = make_data(d, Data::Varied, seed++);
+  QuantSpec nv;
+  nv.fmt = Format::NVFP4;
+  nv.outer = OuterScale::PerRow;
+  nv.four_over_six = true;
+  const QTensor qc = ops::quantize(Tensor::from_host(host.data(), d.shape(), DType::F32), nv);
+  const QTensor qg = qc.to(Device::CUDA);
+  for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2})
+    for (Rounding rnd : {Rounding::RNE, Rounding::SR}) {
+      QuantSpec t = kRequantTarget;
+      t.fmt = f;
+      t.rounding = rnd;
+      const std::string what = "requantize_transposed to " + describe(t);
+      same_qtensor(ops::requantize_transposed(qc, t, {7, 8}), ops::requantize_transposed(qg, t, {7, 8}), what);
+      const std::vector<int64_t> offsets = {0, 31, 31, 70};
+      const std::vector<ops::RngKey> keys = {{1, 2}, {1, 3}, {1, 4}};
+      const auto got = ops::requantize_transposed_segments(qg, offsets, t, keys);
+      for (size_t e = 0; e < keys.size(); ++e)
+        if (offsets[e] < offsets[e + 1])
+          same_qtensor(ops::requantize_transposed(ops::qtensor_rows(qc, offsets[e], offsets[e + 1]), t, keys[e]), got[e],
+                       what + " segment " + std::to_string(e));
+    }
 }
 #endif

@@ -1,3 +1,4 @@
+// defines: the CPU layer op tests
 // The CPU layer ops of layers.cpp, tensor_utils.cpp and adamw.cpp: finite-difference gradient
 // checks in F64, forward checks against naive double references, batch invariance and thread-count
 // determinism (bitwise), AdamW against its formula, and the error messages of bad arguments.

@@ -1,3 +1,4 @@
+// defines: the CPU MoE permutation op tests
 // Router and MoE permutation ops on the CPU: top-k order and ties, finite-difference gradients
 // (router, moe_combine, gather_rows_backward), route_plan invariants on random routings, dense
 // and quantized gathers (exact bytes), and error messages.

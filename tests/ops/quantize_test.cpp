@@ -1,3 +1,5 @@
+// defines: the CPU quantizer tests (QuantizeFormula, FourOverSix, Tile2d, RequantizeTransposed,
+//          EffectiveBits, Layout, QuantizeSegments)
 // ops::quantize / dequantize / requantize_transposed on CPU tensors against the NUMERICS.md
 // formulas. The reference quantizers below are written from NUMERICS.md with only the scalar
 // codecs (e2m1/e4m3/e5m2 encode and decode) and float32 arithmetic; scale exponents are found by
@@ -31,6 +33,15 @@ using num::Rounding;
 namespace {
 
 // ---- helpers ------------------------------------------------------------------------------------
+
+// nvfp4-fwd's backward target (the recipe's dgrad.b / wgrad.b): MXFP8 E4M3, RCEIL, SR.
+const QuantSpec kRequantTarget = [] {
+  QuantSpec s;
+  s.fmt = Format::MXFP8_E4M3;
+  s.outer = OuterScale::None;
+  s.rounding = num::Rounding::SR;
+  return s;
+}();
 
 struct Dims {
   int64_t slices, rows, cols;  // logical [slices,] rows x cols
@@ -124,7 +135,7 @@ int floor_exponent(double amax, int emax_elem) {
 
 // ---- reference quantizers (storage layout: TR rows of C values, blocks along C) ----------------
 
-// SR draws random_bits(seed, stream, i) with i the element's index in the padded storage
+// SR draws sr_bits(seed, stream, i) with i the element's index in the padded storage
 // [total_rows, padded_cols] (ops.h RngKey: "storage element index").
 uint64_t sr_index(int64_t r, int64_t c, int64_t padded_cols) { return uint64_t(r * padded_cols + c); }
 
@@ -155,7 +166,8 @@ Ref ref_nvfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
   for (int64_t g = 0; g < ngroups; ++g) {
     const float six_emax = 6.0f * emax;
     float se = spec.outer == OuterScale::None ? 1.0f : six_emax / gamax[size_t(g)];
-    if (spec.outer != OuterScale::None && (gamax[size_t(g)] == 0.0f || !std::isfinite(se))) se = 1.0f;
+    if (spec.outer != OuterScale::None && gamax[size_t(g)] == 0.0f) se = 1.0f;
+    if (!std::isfinite(se)) se = FLT_MAX;  // an overflowing S_enc is capped (amended NUMERICS)
     s_enc[size_t(g)] = se;
     s_dec[size_t(g)] = 1.0f / se;
     if (spec.outer != OuterScale::None) out.outer.push_back(s_dec[size_t(g)]);
@@ -191,7 +203,9 @@ Ref ref_nvfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
       auto enc_of = [&](uint8_t s) {
         if (s == 0) return 0.0f;
         const float dec = num::e4m3_decode(s) * sd;
-        return 1.0f / dec;
+        // docs/numerics.md's stated choice: an overflowing reciprocal (groups whose S_enc is
+        // capped at FLT_MAX) is FLT_MAX, so zeros stay zero codes instead of 0 * Inf
+        return std::min(1.0f / dec, FLT_MAX);
       };
       // Block error of scale s under the metric: RNE codes, dequantized with the same S_dec.
       auto block_error = [&](uint8_t s) {
@@ -219,7 +233,7 @@ Ref ref_nvfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
       const float enc = enc_of(sb);
       for (int64_t i = 0; i < n; ++i) {
         const uint64_t idx = sr_index(r, c0 + i, NB * 16);
-        const uint32_t rnd = spec.rounding == Rounding::SR ? num::random_bits(rng.seed, rng.stream, idx) : 0u;
+        const uint32_t rnd = spec.rounding == Rounding::SR ? num::sr_bits(rng.seed, rng.stream, idx) : 0u;
         const uint8_t q = num::e2m1_encode(xb[i] * enc, spec.rounding, rnd);
         out.codes[size_t(r * row_bytes + (c0 + i) / 2)] |= uint8_t(q << (4 * ((c0 + i) & 1)));
       }
@@ -260,11 +274,37 @@ Ref ref_mxfp8(const std::vector<float>& x, const Layout& L, const QuantSpec& spe
       const float xs = float(std::ldexp(double(v), 127 - e));
       EXPECT_EQ(double(xs), std::ldexp(double(v), 127 - e)) << "test data: scaled value not exact";
       const uint64_t idx = sr_index(r, c0 + i, PC);
-      const uint32_t rnd = spec.rounding == Rounding::SR ? num::random_bits(rng.seed, rng.stream, idx) : 0u;
+      const uint32_t rnd = spec.rounding == Rounding::SR ? num::sr_bits(rng.seed, rng.stream, idx) : 0u;
       out.codes[size_t(r * PC + c0 + i)] =
           e4m3 ? num::e4m3_encode(xs, spec.rounding, rnd) : num::e5m2_encode(xs, spec.rounding, rnd);
     }
   });
+}
+
+// OCP MX FP4 (docs/numerics.md "MXFP4"): E by RCEIL against 6 (or the OCP floor rule, E2M1's
+// largest exponent 2), q_i = E2M1(x_i * 2^-(E-127)), two codes a byte (element 2k in the low nibble).
+Ref ref_mxfp4(const std::vector<float>& x, const Layout& L, const QuantSpec& spec, ops::RngKey rng) {
+  const int64_t TR = L.total_rows(), C = L.cols, NB = (C + 31) / 32, PC = NB * 32;
+  Ref out;
+  out.codes.assign(size_t(TR * PC / 2), 0);
+  out.scales.assign(size_t(TR * NB), 0);
+  for (int64_t r = 0; r < TR; ++r)
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t c0 = b * 32, n = std::min<int64_t>(32, C - c0);
+      float amax = 0.0f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[size_t(r * C + c0 + i)]));
+      const int e = spec.mx_rule == num::MxScaleRule::RCEIL ? rceil_exponent(amax, 6.0) : floor_exponent(amax, 2);
+      out.scales[size_t(r * NB + b)] = uint8_t(e);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = x[size_t(r * C + c0 + i)];
+        const float xs = float(std::ldexp(double(v), 127 - e));
+        EXPECT_EQ(double(xs), std::ldexp(double(v), 127 - e)) << "test data: scaled value not exact";
+        const uint32_t rnd = spec.rounding == Rounding::SR ? num::sr_bits(rng.seed, rng.stream, sr_index(r, c0 + i, PC)) : 0u;
+        const uint8_t q = num::e2m1_encode(xs, spec.rounding, rnd);
+        out.codes[size_t(r * PC / 2 + (c0 + i) / 2)] |= uint8_t(q << (4 * ((c0 + i) & 1)));
+      }
+    }
+  return out;
 }
 
 // NUMERICS "S2F6 combine payload" (the RHT, when the spec has one, is applied by the caller):
@@ -303,6 +343,7 @@ Ref ref_quantize(const std::vector<float>& x_storage, const Layout& L, const Qua
     case Format::MXFP8_E4M3:
     case Format::MXFP8_E5M2: return ref_mxfp8(x_storage, L, spec, rng);
     case Format::S2F6: return ref_s2f6(x_storage, L);
+    case Format::MXFP4: return ref_mxfp4(x_storage, L, spec, rng);
     default: ADD_FAILURE() << "no reference for " << format_name(spec.fmt); return {};
   }
 }
@@ -311,12 +352,13 @@ Ref ref_quantize(const std::vector<float>& x_storage, const Layout& L, const Qua
 // RHT; padding positions decode too, which an RHT over a partial chunk needs).
 std::vector<float> ref_decode_padded(const Ref& ref, const Layout& L, const QuantSpec& spec) {
   const int64_t TR = L.total_rows(), B = spec.block(), NB = (L.cols + B - 1) / B, PC = NB * B;
-  const int64_t row_bytes = PC * format_traits(spec.fmt).element_bits / 8;
+  const int64_t row_bytes = PC * format_info(spec.fmt).element_bits / 8;
   std::vector<float> y(static_cast<size_t>(TR * PC));
   for (int64_t r = 0; r < TR; ++r)
     for (int64_t c = 0; c < PC; ++c) {
       const uint8_t sb = ref.scales[size_t(r * NB + c / B)];
-      const uint8_t byte = ref.codes[size_t(r * row_bytes + (spec.fmt == Format::NVFP4 ? c / 2 : c))];
+      const bool fp4 = spec.fmt == Format::NVFP4 || spec.fmt == Format::MXFP4;
+      const uint8_t byte = ref.codes[size_t(r * row_bytes + (fp4 ? c / 2 : c))];
       float v = 0;
       if (spec.fmt == Format::NVFP4) {
         const int64_t g = spec.outer == OuterScale::None ? -1 : spec.outer == OuterScale::Tensor ? 0
@@ -324,6 +366,8 @@ std::vector<float> ref_decode_padded(const Ref& ref, const Layout& L, const Quan
         const float sd = g < 0 ? 1.0f : ref.outer[size_t(g)];
         const float qs = num::e2m1_decode((byte >> (4 * (c & 1))) & 0xF) * num::e4m3_decode(sb);
         v = qs * sd;
+      } else if (spec.fmt == Format::MXFP4) {
+        v = float(std::ldexp(test::ref_decode(test::kRefE2M1, (byte >> (4 * (c & 1))) & 0xF), int(sb) - 127));
       } else if (spec.fmt == Format::S2F6) {
         v = float(std::ldexp(double(int8_t(byte)), int(sb) - 127 - 6));
       } else {
@@ -467,6 +511,84 @@ TEST(QuantizeFormula, Nvfp4FourOverSixAndTiles) {
   }
 }
 
+// NUMERICS (amended): a group whose amax is so small that 6 * Emax / amax overflows gets S_enc =
+// FLT_MAX (TransformerEngine's rule) and still quantizes: its values decode to nonzero numbers
+// instead of flushing to zero. Rows of magnitudes 1e-38 .. 1e-36 (float32 subnormals included),
+// per-row and per-tensor scales, with and without Four Over Six, RNE and SR.
+TEST(QuantizeFormula, Nvfp4TinyGroupsCapTheOuterScale) {
+  const Dims d{1, 8, 64};
+  std::mt19937 gen(17);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(d.numel()));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = nd(gen) * float(std::ldexp(1.0, -122 - int(i / 64) % 5));
+  for (OuterScale outer : {OuterScale::PerRow, OuterScale::Tensor})
+    for (bool fos : {false, true})
+      for (Rounding rnd : {Rounding::RNE, Rounding::SR}) {
+        QuantSpec s = nvfp4(outer, rnd);
+        s.four_over_six = fos;
+        check_against_reference(x, d, s);
+        const QTensor q = ops::quantize(to_tensor(x, d), s, {1, 2});
+        for (float sd : host<float>(q.outer_scales)) EXPECT_EQ(sd, 1.0f / FLT_MAX);
+        const auto back = host<float>(ops::dequantize(q));
+        int64_t nonzero = 0;
+        for (float v : back) nonzero += v != 0.0f;
+        EXPECT_GT(nonzero, int64_t(x.size()) / 2) << "tiny groups flushed to zero";
+      }
+  EXPECT_EQ(num::nvfp4_s_enc(1e-37f, false), FLT_MAX);
+  EXPECT_EQ(num::nvfp4_s_enc(0.0f, false), 1.0f);
+  EXPECT_EQ(num::nvfp4_s_enc(std::numeric_limits<float>::infinity(), true), 1.0f);
+  EXPECT_EQ(num::nvfp4_s_enc(2688.0f, false), 1.0f);
+}
+
+// NVFP4 with SR (NVIDIA's gradients, per-tensor scale): over seeds the mean of the E2M1 codes'
+// values converges to the scaled input y = fl(x * enc_b) for every element with |y| <= 6, within
+// 5 sigma (Hoeffding, as for requantize_transposed). NUMERICS' stated exception: the E4M3 block
+// scale is rounded to nearest, so a block's largest values can scale to just above 6 and saturate
+// there; those elements are left out, and the data is checked to hold some (the exclusion is real).
+TEST(QuantizeFormula, Nvfp4SrIsUnbiasedBelowSaturation) {
+  const Dims d{1, 32, 64};
+  std::mt19937 gen(23);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(d.numel()));
+  for (float& v : x) v = nd(gen);
+  const QuantSpec s = nvfp4(OuterScale::Tensor, Rounding::SR);
+  const ScopedOmpThreads single(1);
+  constexpr int kSeeds = 400;
+  std::vector<double> sum(x.size(), 0.0), y(x.size());
+  std::vector<uint8_t> scales;
+  float s_dec = 0;
+  for (int seed = 0; seed < kSeeds; ++seed) {
+    const QTensor q = ops::quantize(to_tensor(x, d), s, {uint64_t(seed), 3});
+    const auto codes = host<uint8_t>(q.codes);
+    if (seed == 0) {
+      scales = host<uint8_t>(q.block_scales);
+      s_dec = host<float>(q.outer_scales)[0];
+    }
+    ASSERT_EQ(host<uint8_t>(q.block_scales), scales) << "block scales do not depend on the seed";
+    for (size_t i = 0; i < x.size(); ++i) sum[i] += num::e2m1_decode((codes[i / 2] >> (4 * (i % 2))) & 0xF);
+  }
+  int64_t saturated = 0, checked = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const uint8_t sb = scales[i / 16];
+    const float yi = num::mul_rn(x[i], num::nvfp4_enc_scale(sb, s_dec));
+    if (sb == 0) continue;
+    if (std::fabs(yi) > 6.0f) {
+      ++saturated;
+      EXPECT_EQ(sum[i] / kSeeds, yi > 0 ? 6.0 : -6.0) << "element " << i;
+      continue;
+    }
+    const auto nb = test::ref_neighbours(test::ref_grid(test::kRefE2M1), std::fabs(double(yi)));
+    const double spacing = nb.hi.value - nb.lo.value;
+    ASSERT_LE(std::fabs(sum[i] / kSeeds - double(yi)), 5 * spacing / std::sqrt(double(kSeeds)))
+        << "element " << i << " y " << yi;
+    ++checked;
+  }
+  std::printf("[ nvfp4 SR ] %lld elements unbiased, %lld saturated above 6 (left out)\n", (long long)checked,
+              (long long)saturated);
+  EXPECT_GT(saturated, 0) << "no element saturates: the stated exception is not exercised";
+  EXPECT_GT(checked, int64_t(x.size()) * 9 / 10);
+}
+
 TEST(QuantizeFormula, Mxfp8) {
   const Dims d2{1, 40, 100}, d3{2, 16, 70};
   for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2})
@@ -480,6 +602,26 @@ TEST(QuantizeFormula, Mxfp8) {
     s.hadamard = n;
     s.hadamard_signs = num::rht_signs(5, 5, n);
     check_against_reference(varied_data(d2, 12), d2, s);
+  }
+}
+
+// MXFP4 against the reference above: both scale rules, both roundings, both axes, 3-D inputs, the
+// RHTs that fit its 32-value blocks.
+TEST(QuantizeFormula, Mxfp4) {
+  const Dims d2{1, 40, 100}, d3{2, 16, 70};
+  for (num::MxScaleRule rule : {num::MxScaleRule::RCEIL, num::MxScaleRule::FLOOR})
+    for (Rounding rnd : {Rounding::RNE, Rounding::SR})
+      for (BlockAxis axis : {BlockAxis::Row, BlockAxis::Col}) {
+        QuantSpec s = mxfp8(Format::MXFP4, rule, rnd);
+        s.axis = axis;
+        check_against_reference(varied_data(d2, 13), d2, s);
+        check_against_reference(varied_data(d3, 14), d3, s);
+      }
+  for (int n : {16, 32}) {
+    QuantSpec s = mxfp8(Format::MXFP4, num::MxScaleRule::RCEIL, Rounding::SR);
+    s.hadamard = n;
+    s.hadamard_signs = num::rht_signs(6, 6, n);
+    check_against_reference(varied_data(d2, 15), d2, s);
   }
 }
 
@@ -626,7 +768,7 @@ TEST(RequantizeTransposed, LayoutAndBytes) {
   const Dims d{1, 48, 64};
   const auto x = varied_data(d, 30);
   const QTensor q = ops::quantize(to_tensor(x, d), nvfp4(OuterScale::Tensor));
-  const QTensor r = ops::requantize_transposed(q, {123, 7});
+  const QTensor r = ops::requantize_transposed(q, kRequantTarget, {123, 7});
   EXPECT_EQ(r.fmt, Format::MXFP8_E4M3);
   EXPECT_EQ(r.axis, BlockAxis::Col);
   EXPECT_EQ(r.rows, 64);
@@ -639,7 +781,7 @@ TEST(RequantizeTransposed, LayoutAndBytes) {
                              mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), {123, 7});
   expect_same(host<uint8_t>(r.codes), ref.codes, "codes", "requantize");
   expect_same(host<uint8_t>(r.block_scales), ref.scales, "scales", "requantize");
-  EXPECT_THROW(ops::requantize_transposed(ops::quantize(to_tensor(x, d), mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL)), {}),
+  EXPECT_THROW(ops::requantize_transposed(ops::quantize(to_tensor(x, d), mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL)), kRequantTarget, {}),
                Error);
 }
 
@@ -672,7 +814,7 @@ TEST(RequantizeTransposed, UnbiasedOverSeeds) {
   double mean_err_25 = 0;
   constexpr int kSeeds = 400;
   for (int seed = 0; seed < kSeeds; ++seed) {
-    const QTensor r = ops::requantize_transposed(q, {uint64_t(seed), 7});
+    const QTensor r = ops::requantize_transposed(q, kRequantTarget, {uint64_t(seed), 7});
     ASSERT_EQ(r.axis, BlockAxis::Col);
     ASSERT_EQ(r.fmt, Format::MXFP8_E4M3);
     ASSERT_EQ(r.rows, d.cols);
@@ -879,11 +1021,11 @@ TEST(Layout, SrIsReproducibleAndIndependentOfThreads) {
   std::vector<uint8_t> one, two;
   {
     const ScopedOmpThreads t1(1);
-    one = host<uint8_t>(ops::requantize_transposed(q, {5, 5}).codes);
+    one = host<uint8_t>(ops::requantize_transposed(q, kRequantTarget, {5, 5}).codes);
   }
   {
     const ScopedOmpThreads t2(2);
-    two = host<uint8_t>(ops::requantize_transposed(q, {5, 5}).codes);
+    two = host<uint8_t>(ops::requantize_transposed(q, kRequantTarget, {5, 5}).codes);
   }
   EXPECT_EQ(one, two);
 }
@@ -940,19 +1082,19 @@ TEST(QuantizeSegments, RequantizeEqualsEachSegmentsRequantize) {
   const QTensor q = ops::quantize(t, nvfp4(OuterScale::PerRow));
   const std::vector<int64_t> offsets = {0, 40, 40, 90};
   const std::vector<ops::RngKey> keys = {{3, 1}, {3, 2}, {3, 3}};
-  const std::vector<QTensor> got = ops::requantize_transposed_segments(q, offsets, keys);
+  const std::vector<QTensor> got = ops::requantize_transposed_segments(q, offsets, kRequantTarget, keys);
   ASSERT_EQ(got.size(), 3u);
   EXPECT_FALSE(got[1].codes.defined());
   for (size_t e : {size_t(0), size_t(2)}) {
-    const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q, offsets[e], offsets[e + 1]), keys[e]);
+    const QTensor want = ops::requantize_transposed(ops::qtensor_rows(q, offsets[e], offsets[e + 1]), kRequantTarget, keys[e]);
     EXPECT_EQ(host<uint8_t>(got[e].codes), host<uint8_t>(want.codes)) << e;
     EXPECT_EQ(host<uint8_t>(got[e].block_scales), host<uint8_t>(want.block_scales)) << e;
   }
   QuantSpec col = nvfp4(OuterScale::Tensor);
   col.axis = BlockAxis::Col;
-  EXPECT_THROW(ops::requantize_transposed_segments(ops::quantize(t, col), {0, 48}, {{1, 1}}), std::exception);
-  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 50, 91}, {{1, 1}, {1, 2}}), std::exception);
-  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 90}, {}), std::exception);
+  EXPECT_THROW(ops::requantize_transposed_segments(ops::quantize(t, col), {0, 48}, kRequantTarget, {{1, 1}}), std::exception);
+  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 50, 91}, kRequantTarget, {{1, 1}, {1, 2}}), std::exception);
+  EXPECT_THROW(ops::requantize_transposed_segments(q, {0, 90}, kRequantTarget, {}), std::exception);
 }
 
 // ---- non-finite input --------------------------------------------------------------------------

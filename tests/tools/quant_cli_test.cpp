@@ -1,3 +1,4 @@
+// defines: the QuantCli tests (`fourbit quant`)
 // `fourbit quant` end to end: the built CLI is run as a user would run it, its stdout and stderr
 // captured. The table and JSON report the figures; --out round-trips through read_safetensors to
 // exactly what ops::quantize / ops::dequantize give for the same input; every bad input ends in
@@ -71,7 +72,7 @@ void check_out_file(const std::string& dir, const Tensor& x, const std::string& 
   const int64_t R = x.size(0), C = x.size(1);
   const bool col = spec.axis == BlockAxis::Col;
   const int64_t sr = col ? C : R, sc = col ? R : C;  // storage rows / cols
-  const int64_t code_cols = spec.fmt == Format::NVFP4 ? sc / 2 : sc;
+  const int64_t code_cols = sc * format_info(spec.fmt).element_bits / 8;
 
   EXPECT_EQ(f.get("codes").shape(), (Shape{sr, code_cols}));
   EXPECT_EQ(f.get("block_scales").shape(), (Shape{sr, sc / spec.block()}));
@@ -195,6 +196,20 @@ TEST(QuantCli, OutFileMatchesTheLibrary) {
   check_out_file(dir, x, "--format mxfp8-e5m2 --scale-rule floor", mx5, 0,
                  {{"scale_rule", "floor"}});
 
+  QuantSpec m4;  // MXFP4: one registry row, and fourbit quant takes it
+  m4.fmt = Format::MXFP4;
+  m4.rounding = num::Rounding::SR;
+  m4.axis = BlockAxis::Col;
+  check_out_file(dir, x, "--format mxfp4 --rounding sr --block-axis col --seed 6", m4, 6,
+                 {{"format", "mxfp4"}, {"block_axis", "col"}, {"scale_rule", "rceil"}, {"rounding", "sr"}});
+  QuantSpec m4f;
+  m4f.fmt = Format::MXFP4;
+  m4f.mx_rule = num::MxScaleRule::FLOOR;
+  m4f.hadamard = 32;
+  m4f.hadamard_signs = num::rht_signs(2, 0x5248, 32);
+  check_out_file(dir, x, "--format mxfp4 --scale-rule floor --hadamard 32 --seed 2", m4f, 2,
+                 {{"scale_rule", "floor"}, {"hadamard", "32"}});
+
   QuantSpec s2;
   s2.fmt = Format::S2F6;
   s2.hadamard = 32;
@@ -211,7 +226,7 @@ TEST(QuantCli, CompareRunsTheStandardSetOneRowEach) {
       "nvfp4",         "nvfp4 per-row",     "nvfp4 4/6 mse per-row",
       "nvfp4 4/6 mae", "nvfp4 16x16 tiles", "nvfp4 SR",
       "mxfp8-e4m3",    "mxfp8-e5m2",        "mxfp8-e4m3 floor",
-      "s2f6",          "s2f6+RHT32"};
+      "mxfp4",         "s2f6",              "s2f6+RHT32"};
   const auto lines = lines_of(r.out);
   ASSERT_EQ(lines.size(), 2 + labels.size()) << r.out;
   for (size_t i = 0; i < labels.size(); ++i) {
@@ -283,6 +298,9 @@ TEST(QuantCli, BadInputGivesOneErrorLineAndNonZeroExit) {
       {gen + "--format mxfp8-e5m2 --tile-2d", {"--tile-2d"}},
       {gen + "--format s2f6 --outer row", {"--outer"}},
       {gen + "--format nvfp4 --scale-rule floor", {"--scale-rule"}},
+      {gen + "--format mxfp4 --outer row", {"--outer", "nvfp4 only", "mxfp4"}},
+      {gen + "--format mxfp4 --four-over-six mae", {"--four-over-six", "mxfp4"}},
+      {"--gen normal --rows 4 --cols 48 --format mxfp4", {"cols = 48", "32-value block"}},
       {gen + "--format s2f6 --rounding sr", {"--rounding sr", "s2f6"}},
       {gen + "--hadamard 32", {"--hadamard 32", "16-value blocks"}},
       {gen + "--compare --format nvfp4", {"--compare", "--format"}},

@@ -1,4 +1,8 @@
-// defines: the add_*_command functions, one per subcommand file, and shared CLI helpers.
+// defines: add_quant_command, add_pretrain_command, add_recipes_command, add_generate_command,
+//          add_plot_command, add_summary_command, parse_device
+// The subcommands' registration functions and the helpers they share. Where they live: quant.cpp
+// (quant), pretrain.cpp (pretrain, recipes, generate: one run's life), plot.cpp, summary.cpp;
+// parse_device in main.cpp.
 #pragma once
 #include <CLI/CLI.hpp>
 #include <string>

@@ -1,3 +1,4 @@
+// defines: main, parse_device
 // The `fourbit` command line: one subcommand per job. Every user error ends as one line
 // "fourbit: error: ..." on stderr and exit status 1.
 #include <CLI/CLI.hpp>

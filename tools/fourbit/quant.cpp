@@ -124,7 +124,8 @@ Input make_input(const QuantOptions& o) {
 
 // ---- quantizers ---------------------------------------------------------------------------------
 
-std::string describe(const QuantSpec& s) {
+// A table row's label: "nvfp4 per-row 4/6 mse SR+RHT16 col-blocks".
+std::string label_of(const QuantSpec& s) {
   std::string d(format_name(s.fmt));
   if (s.fmt == Format::NVFP4)
     d += s.outer == OuterScale::PerRow ? " per-row"
@@ -139,30 +140,36 @@ std::string describe(const QuantSpec& s) {
   return d;
 }
 
-// The flags as a QuantSpec. Flags that do not apply to the format are refused by name
-// (ops::quantize would refuse most of them too, but without saying which flag to drop).
+// The block formats that take a QuantSpec field, for messages: "mxfp8-e4m3, mxfp8-e5m2 and mxfp4".
+std::string formats_taking(SpecField field) {
+  std::vector<std::string> names;
+  for (Format f : quantized_formats())
+    if (format_info(f).fields & field) names.emplace_back(format_name(f));
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) out += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  return out;
+}
+
+// The flags as a QuantSpec. Flags that do not apply to the format (the registry's row says which
+// fields it takes) are refused by name; the registry's validate() checks the rest.
 QuantSpec spec_from_flags(const QuantOptions& o) {
   QuantSpec s;
   s.fmt = *parse_format(o.format);
-  const bool nvfp4 = s.fmt == Format::NVFP4;
-  const bool mxfp8 = s.fmt == Format::MXFP8_E4M3 || s.fmt == Format::MXFP8_E5M2;
-  if (!nvfp4 && o.was_given("--outer"))
-    fail("--outer applies to nvfp4 only; {} has no outer scale", o.format);
-  if (!nvfp4 && o.four_over_six != "off")
-    fail("--four-over-six applies to nvfp4 only, not {}", o.format);
-  if (!nvfp4 && o.tile_2d)
-    fail("--tile-2d (16x16 scale tiles) applies to nvfp4 only, not {}", o.format);
-  if (!mxfp8 && o.was_given("--scale-rule"))
-    fail("--scale-rule applies to mxfp8-e4m3 and mxfp8-e5m2 only, not {}", o.format);
-  if (s.fmt == Format::S2F6 && o.rounding == "sr")
-    fail("--rounding sr: s2f6 supports round-to-nearest-even only");
-  if (o.hadamard > s.block())
-    fail("--hadamard {} does not fit {}'s {}-value blocks", o.hadamard, o.format, s.block());
+  const FormatInfo& f = format_info(s.fmt);
+  auto refuse = [&](SpecField field, bool given, const char* flag) {
+    if (given && !(f.fields & field))
+      fail("{} applies to {} only, not {}", flag, formats_taking(field), o.format);
+  };
+  refuse(kFieldOuter, o.was_given("--outer"), "--outer");
+  refuse(kFieldFourOverSix, o.four_over_six != "off", "--four-over-six");
+  refuse(kFieldTile2d, o.tile_2d, "--tile-2d (16x16 scale tiles)");
+  refuse(kFieldMxRule, o.was_given("--scale-rule"), "--scale-rule");
+  if (o.rounding == "sr" && !f.sr) fail("--rounding sr: {} supports round-to-nearest-even only", o.format);
   s.axis = o.block_axis == "col" ? BlockAxis::Col : BlockAxis::Row;
-  s.outer = !nvfp4              ? OuterScale::None
-            : o.outer == "row"  ? OuterScale::PerRow
-            : o.outer == "none" ? OuterScale::None
-                                : OuterScale::Tensor;
+  s.outer = !(f.fields & kFieldOuter) ? OuterScale::None
+            : o.outer == "row"        ? OuterScale::PerRow
+            : o.outer == "none"       ? OuterScale::None
+                                      : OuterScale::Tensor;
   s.rounding = o.rounding == "sr" ? num::Rounding::SR : num::Rounding::RNE;
   s.four_over_six = o.four_over_six != "off";
   s.metric = o.four_over_six == "mae" ? num::ScaleMetric::MAE : num::ScaleMetric::MSE;
@@ -170,6 +177,10 @@ QuantSpec spec_from_flags(const QuantOptions& o) {
   s.hadamard = o.hadamard;
   s.hadamard_signs = rht_signs_for(o.hadamard, o.seed);
   s.tile_2d = o.tile_2d;
+  if (const std::string err = validate(s); !err.empty()) {
+    if (s.hadamard) fail("--hadamard {}: {}", s.hadamard, err);
+    fail("{}", err);
+  }
   return s;
 }
 
@@ -200,6 +211,7 @@ std::vector<NamedSpec> compare_set(BlockAxis axis, uint64_t seed) {
   set.push_back({"mxfp8-e5m2", make(Format::MXFP8_E5M2)});
   set.push_back({"mxfp8-e4m3 floor", make(Format::MXFP8_E4M3)});
   set.back().spec.mx_rule = num::MxScaleRule::FLOOR;
+  set.push_back({"mxfp4", make(Format::MXFP4)});
   set.push_back({"s2f6", make(Format::S2F6)});
   set.push_back({"s2f6+RHT32", make(Format::S2F6)});
   set.back().spec.hadamard = 32;
@@ -249,17 +261,17 @@ Json spec_json(const NamedSpec& q, uint64_t seed) {
             {"block_axis", s.axis == BlockAxis::Row ? "row" : "col"},
             {"rounding", s.rounding == num::Rounding::SR ? "sr" : "rne"},
             {"hadamard", s.hadamard}};
-  if (s.fmt == Format::NVFP4) {
+  const uint8_t fields = format_info(s.fmt).fields;  // the fields this format takes
+  if (fields & kFieldOuter)
     j["outer"] = s.outer == OuterScale::PerRow ? "row"
                  : s.outer == OuterScale::None ? "none"
                                                : "tensor";
+  if (fields & kFieldFourOverSix)
     j["four_over_six"] = !s.four_over_six                    ? "off"
                          : s.metric == num::ScaleMetric::MSE ? "mse"
                                                              : "mae";
-    j["tile_2d"] = s.tile_2d;
-  }
-  if (s.fmt == Format::MXFP8_E4M3 || s.fmt == Format::MXFP8_E5M2)
-    j["scale_rule"] = s.mx_rule == num::MxScaleRule::FLOOR ? "floor" : "rceil";
+  if (fields & kFieldTile2d) j["tile_2d"] = s.tile_2d;
+  if (fields & kFieldMxRule) j["scale_rule"] = s.mx_rule == num::MxScaleRule::FLOOR ? "floor" : "rceil";
   if (s.hadamard) j["hadamard_signs"] = fmt::format("{:#010x}", s.hadamard_signs);
   if (s.rounding == num::Rounding::SR) j["seed"] = seed;
   return j;
@@ -319,25 +331,10 @@ void write_result(const std::string& path, const Input& in, const Result& r, uin
   meta["input"] = in.description.dump();
   meta["storage"] = col ? "transposed" : "row-major";
   const std::string storage_shape = col ? "[cols, rows]" : "[rows, cols]";
-  switch (s.fmt) {
-    case Format::NVFP4:
-      meta["codes"] = "E2M1, two per byte, element 2k in the low nibble; storage " + storage_shape;
-      meta["block_scales"] = "UE4M3, one per 16 values";
-      meta["outer_scales"] = "F32 S_dec; x = E2M1(code) * UE4M3(block_scale) * S_dec";
-      break;
-    case Format::MXFP8_E4M3:
-    case Format::MXFP8_E5M2:
-      meta["codes"] = std::string(s.fmt == Format::MXFP8_E4M3 ? "E4M3" : "E5M2") +
-                      ", one per byte; storage " + storage_shape;
-      meta["block_scales"] = "UE8M0, one per 32 values; x = decode(code) * 2^(block_scale - 127)";
-      break;
-    case Format::S2F6:
-      meta["codes"] = "S2F6 int8 (value = code / 64), one per byte; storage " + storage_shape;
-      meta["block_scales"] = "UE8M0, one per 32 values; y = code / 64 * 2^(block_scale - 127)";
-      break;
-    default:
-      fail("--out: format {} has no layout", format_name(s.fmt));
-  }
+  const FormatInfo& f = format_info(s.fmt);  // the registry's byte layout
+  meta["codes"] = std::string(f.codes_layout) + "; storage " + storage_shape;
+  meta["block_scales"] = std::string(f.scales_layout);
+  if (r.q.outer_scales.defined()) meta["outer_scales"] = std::string(f.outer_layout);
   meta["dequantized"] = std::string("F32 [rows, cols] in the input's layout") +
                         (s.hadamard ? ", the inverse RHT applied" : "");
   io::write_safetensors(path, tensors, meta);
@@ -360,7 +357,7 @@ void run_quant(const QuantOptions& o) {
     quantizers = compare_set(o.block_axis == "col" ? BlockAxis::Col : BlockAxis::Row, o.seed);
   } else {
     const QuantSpec spec = spec_from_flags(o);
-    quantizers.push_back({describe(spec), spec});
+    quantizers.push_back({label_of(spec), spec});
   }
   const Input in = make_input(o);
   for (const NamedSpec& q : quantizers) check_whole_blocks(in, q);
@@ -433,8 +430,14 @@ void add_quant_command(CLI::App& app) {
       cmd->add_option("--cols", o->cols, "cols of the --gen matrix")->check(positive_validator());
   g["--seed"] = cmd->add_option("--seed", o->seed, "seed of --gen, of SR and of the RHT signs")
                     ->capture_default_str();
-  g["--format"] = cmd->add_option("--format", o->format, "element format")
-                      ->check(CLI::IsMember({"nvfp4", "mxfp8-e4m3", "mxfp8-e5m2", "s2f6"}))
+  std::vector<std::string> block_formats;  // the registry's quantized rows
+  std::string format_help = "block format:";
+  for (Format f : quantized_formats()) {
+    block_formats.emplace_back(format_name(f));
+    format_help += fmt::format("\n  {}: {}", format_name(f), format_info(f).summary);
+  }
+  g["--format"] = cmd->add_option("--format", o->format, format_help)
+                      ->check(CLI::IsMember(block_formats))
                       ->capture_default_str();
   g["--outer"] = cmd->add_option("--outer", o->outer,
                                  "nvfp4 FP32 outer scale: one per tensor, per row, or none")
@@ -450,7 +453,7 @@ void add_quant_command(CLI::App& app) {
           ->check(CLI::IsMember({"rne", "sr"}))
           ->capture_default_str();
   g["--scale-rule"] = cmd->add_option("--scale-rule", o->scale_rule,
-                                      "mxfp8 UE8M0 scale: round up (rceil) or OCP floor")
+                                      "MX UE8M0 scale: round up (rceil) or OCP floor")
                           ->check(CLI::IsMember({"rceil", "floor"}))
                           ->capture_default_str();
   g["--block-axis"] =

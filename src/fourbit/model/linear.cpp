@@ -1,4 +1,5 @@
-// defines: Prepared, prepare, prepare_segments, requantize_saved, requantize_saved_segments, QuantLog, SrStreams, gemm (linear.h)
+// defines: Prepared, SrStreams, QuantLog, prepare, shared_outer_amax, prepare_segments, requantize_saved,
+//          requantize_saved_segments, gemm, grouped_gemm (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <fmt/format.h>
@@ -36,9 +37,28 @@ void QuantLog::add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, b
                      format_name(s.fmt), requant ? "/requant" : "")] += 1;
 }
 
-ops::RngKey SrStreams::key(int64_t layer, int site, int64_t expert) const {
+namespace {
+uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+uint64_t hash_tensor(const Tensor& t, uint64_t h = 0xcbf29ce484222325ull) {
+  if (!t.defined()) return h;
+  const Tensor c = t.device() == Device::CPU ? t : t.to(Device::CPU);
+  return fnv1a64(c.raw(), size_t(c.nbytes()), h);
+}
+uint64_t hash_qtensor(const QTensor& q) {
+  return hash_tensor(q.outer_scales, hash_tensor(q.block_scales, hash_tensor(q.codes)));
+}
+void record(QuantLog* log, const QuantSite& site, const QuantSpec& spec, uint64_t input_hash) {
+  if (log && log->record_calls) log->calls.push_back({site.name, site.key, describe(spec), input_hash});
+}
+}  // namespace
+
+ops::RngKey SrStreams::key(std::string_view site_name) const {
   // Each field is folded in through the splitmix64 finaliser in turn, so no two fields share
-  // bits (packing them by shifts let step 256 collide with expert 1).
+  // bits (packing them by shifts lets one field's carry reach another's).
   auto mix = [](uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -46,9 +66,7 @@ ops::RngKey SrStreams::key(int64_t layer, int site, int64_t expert) const {
   };
   uint64_t z = mix(step + 0x5EED5EEDull);
   z = mix(z ^ micro);
-  z = mix(z ^ uint64_t(layer));
-  z = mix(z ^ uint64_t(site));
-  z = mix(z ^ uint64_t(expert));
+  z = mix(z ^ fnv1a64(site_name.data(), site_name.size()));
   return ops::RngKey{seed, z};
 }
 
@@ -74,11 +92,12 @@ void check_saved_nvfp4(const Prepared& saved) {
 }
 }  // namespace
 
-Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
-                 LayerClass cls, QuantLog* log) {
+Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax) {
   const BlockAxis axis = axis_for(role, side);
   Prepared p;
   if (log) log->add(cls, role, side, spec, false);
+  if (log && log->record_calls) record(log, site, spec, hash_tensor(t));
   switch (spec.fmt) {
     case Format::F32:
       p.dense = t;
@@ -90,23 +109,38 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       p.trans = axis == BlockAxis::Col;
       return p;
     }
-    default: p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), rng, nullptr); return p;
+    default:
+      p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), site.key, nullptr, group_amax);
+      return p;
   }
 }
 
+Tensor shared_outer_amax(const std::vector<Tensor>& ws, const QuantSpec& spec, GemmRole role) {
+  if (spec.fmt != Format::NVFP4 || spec.outer == OuterScale::None) return Tensor{};
+  QuantSpec s = spec;
+  s.axis = axis_for(role, 'b');
+  return ops::outer_amax(ws, s);
+}
+
 std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
-                                       GemmRole role, char side, const std::vector<ops::RngKey>& rngs,
+                                       GemmRole role, char side, const std::vector<QuantSite>& sites,
                                        LayerClass cls, QuantLog* log) {
   std::vector<Prepared> out(offsets.size() - 1);
   const bool dense = spec.fmt == Format::F32 || spec.fmt == Format::BF16;
   std::vector<QTensor> qs;
   Prepared whole;
-  if (dense) whole = prepare(t, spec, role, side, ops::RngKey{}, cls, nullptr);  // F32/BF16 draw no bits
-  else qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), rngs);
+  if (dense) {
+    whole = prepare(t, spec, role, side, QuantSite{}, cls, nullptr);  // F32/BF16 draw no bits
+  } else {
+    std::vector<ops::RngKey> keys;
+    for (const QuantSite& s : sites) keys.push_back(s.key);
+    qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), keys);
+  }
   for (size_t e = 0; e < out.size(); ++e) {
     const int64_t b = offsets[e], end = offsets[e + 1];
     if (b == end) continue;
     if (log) log->add(cls, role, side, spec, false);
+    if (log && log->record_calls) record(log, sites[e], spec, hash_tensor(t.slice_rows(b, end)));
     if (dense) {
       out[e] = whole;
       out[e].dense = whole.dense.slice_rows(b, end);
@@ -118,23 +152,28 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
 }
 
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
-                          ops::RngKey rng, LayerClass cls, QuantLog* log) {
+                          const QuantSite& site, LayerClass cls, QuantLog* log) {
   check_saved_nvfp4(saved);
   if (log) log->add(cls, role, side, spec, true);
+  if (log && log->record_calls) record(log, site, spec, hash_qtensor(saved.q));
   Prepared p;
-  p.q = ops::requantize_transposed(saved.q, rng);
+  p.q = ops::requantize_transposed(saved.q, spec, site.key);
   return p;
 }
 
 std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
                                                 const QuantSpec& spec, GemmRole role, char side,
-                                                const std::vector<ops::RngKey>& rngs, LayerClass cls, QuantLog* log) {
+                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log) {
   check_saved_nvfp4(saved);
-  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, rngs);
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : sites) keys.push_back(s.key);
+  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, spec, keys);
   std::vector<Prepared> out(qs.size());
   for (size_t e = 0; e < qs.size(); ++e) {
     if (!qs[e].codes.defined()) continue;
     if (log) log->add(cls, role, side, spec, true);
+    if (log && log->record_calls)
+      record(log, sites[e], spec, hash_qtensor(ops::qtensor_rows(saved.q, offsets[e], offsets[e + 1])));
     out[e].q = std::move(qs[e]);
   }
   return out;

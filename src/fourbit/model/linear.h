@@ -1,5 +1,5 @@
-// defines: Prepared, prepare, prepare_segments, requantize_saved, requantize_saved_segments, gemm, grouped_gemm,
-//          QuantLog, SrStreams
+// defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
+//          requantize_saved, requantize_saved_segments, gemm, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "fourbit/model/recipe.h"
@@ -29,45 +30,74 @@ struct Prepared {
   Prepared slice(int64_t s) const;
 };
 
+// One quantization point of the model: its stable name and the SR stream derived from it
+// (SrStreams::key). Names read "<weight or input group>/<gemm>/<operand>[<expert>]", e.g.
+// "layers.3.attn.wq/dgrad/dY", "layers.1.moe.w13/wgrad/X^T[5]", "lm_head/fprop/X"
+// (docs/model.md lists them).
+struct QuantSite {
+  std::string name;
+  ops::RngKey key;
+};
+
 // Which quantizer ran where, for tests and for `fourbit recipes --explain`: the key is
-// "<class>/<role>/<a|b>/<format>[/requant]", the value a count of calls.
+// "<class>/<role>/<a|b>/<format>[/requant]", the value a count of calls. With record_calls, also
+// every quantization call in order: its site, stream and a hash of its input (the stream test).
 struct QuantLog {
+  struct Call {
+    std::string site;
+    ops::RngKey key;
+    std::string spec;     // describe() of the spec it ran
+    uint64_t input_hash;  // FNV-1a of the input's bytes (a tensor's, or a saved QTensor's)
+  };
   std::map<std::string, int64_t> counts;
+  std::vector<Call> calls;
   bool enabled = false;
+  bool record_calls = false;
   void add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, bool requant);
 };
 
-// Deterministic stochastic-rounding streams: one stream per (step, micro-batch, layer, site,
-// expert), mixed so that nearby keys give unrelated Philox streams.
+// Deterministic stochastic-rounding streams. The stream of a quantization point is a function of
+// (step, micro-batch, the point's name): the name's FNV-1a 64-bit hash and the two counters,
+// each folded in through the splitmix64 finaliser, so that nearby steps and similar names give
+// unrelated Philox streams. The Philox key is the run's seed.
 struct SrStreams {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint64_t micro = 0;
-  ops::RngKey key(int64_t layer, int site, int64_t expert = 0) const;
+  ops::RngKey key(std::string_view site_name) const;
+  QuantSite site(std::string name) const {
+    const ops::RngKey k = key(name);
+    return QuantSite{std::move(name), k};
+  }
 };
 
 // Prepares t as operand `side` ('a' or 'b') of GEMM `role` under spec. t: F32 (F64 for dense
-// specs in gradient checks), 2-D, or 3-D [slices, R, C] for expert weights.
-Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, ops::RngKey rng,
-                 LayerClass cls, QuantLog* log);
+// specs in gradient checks), 2-D, or 3-D [slices, R, C] for expert weights. group_amax: the outer
+// scales' group amax to use (ops::quantize), for weights sharing one scale.
+Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr);
+
+// ops::outer_amax of the weights that share one outer scale under spec on role's block axis (an
+// FFN's w1 and w3), or an undefined tensor where spec has no outer scale.
+Tensor shared_outer_amax(const std::vector<Tensor>& ws, const QuantSpec& spec, GemmRole role);
 
 // prepare() of rows offsets[e] .. offsets[e + 1] of a 2-D t for every segment e (an expert's
-// tokens), with key rngs[e]; empty segments give an empty Prepared. Bit for bit the per-segment
+// tokens), at sites[e]; empty segments give an empty Prepared. Bit for bit the per-segment
 // calls, in one pass (ops::quantize_segments; a dense operand is converted once and sliced).
 std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
-                                       GemmRole role, char side, const std::vector<ops::RngKey>& rngs,
+                                       GemmRole role, char side, const std::vector<QuantSite>& sites,
                                        LayerClass cls, QuantLog* log);
 
 // The nvfp4-fwd backward operand: the saved NVFP4 operand, exactly dequantized, transposed and
-// stochastically rounded to MXFP8 E4M3 (ops::requantize_transposed).
+// re-quantized as spec says (the recipe's dgrad.b / wgrad.b: MXFP8 with SR; ops::requantize_transposed).
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
-                          ops::RngKey rng, LayerClass cls, QuantLog* log);
+                          const QuantSite& site, LayerClass cls, QuantLog* log);
 
 // requantize_saved of rows offsets[e] .. offsets[e + 1] of a saved Row-axis NVFP4 operand for
-// every segment e, with key rngs[e] (ops::requantize_transposed_segments: one pass on the GPU).
+// every segment e, at sites[e] (ops::requantize_transposed_segments: one pass on the GPU).
 std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
                                                 const QuantSpec& spec, GemmRole role, char side,
-                                                const std::vector<ops::RngKey>& rngs, LayerClass cls, QuantLog* log);
+                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log);
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);

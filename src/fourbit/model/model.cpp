@@ -12,16 +12,6 @@ namespace fourbit {
 
 namespace {
 
-// Sites number the quantization points of a layer, so each gets its own SR stream.
-enum Site : int {
-  kSiteAttnX = 1, kSiteAttnO = 3, kSiteAttnDqkv = 5, kSiteAttnDo = 7,
-  kSiteMoeX = 10, kSiteMoeA = 12, kSiteMoeDy = 14, kSiteMoeDh = 16, kSiteMoeWgradX = 18,
-  kSiteMoeWgradA = 20, kSiteMoeW = 22,
-  kSiteFfn = 30,     // dense FFN: kSiteFfn + 0..9
-  kSiteShared = 40,  // shared expert: kSiteShared + 0..9
-  kSiteRouter = 50, kSiteLmHead = 52,
-};
-
 // X as a layer's GEMMs consume it: the fprop operand, and the wgrad operand when it has to be
 // prepared in the forward pass from the high-precision X (quantized recipes that do not
 // re-quantize the saved forward operand).
@@ -86,18 +76,22 @@ struct ModelRunner {
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
-  ops::RngKey rng(int site, int64_t expert = 0) const { return sr.key(layer, site, expert); }
-  // rng(site, e) for every routed expert e.
-  std::vector<ops::RngKey> expert_keys(int site) const {
-    std::vector<ops::RngKey> keys;
-    for (int64_t e = 0; e < c.n_experts; ++e) keys.push_back(rng(site, e));
-    return keys;
+  // The quantization point `name` and its SR stream (linear.h QuantSite; docs/model.md lists the
+  // names): "<weight or input group>/<gemm>/<operand>", an input group naming the GEMMs that share
+  // one quantized input ("layers.3.attn.wqkv", "layers.1.moe.w13").
+  QuantSite site(const std::string& name) const { return sr.site(name); }
+  // site(name + "[e]") for every routed expert e: each expert's token range its own stream.
+  std::vector<QuantSite> expert_sites(const std::string& name) const {
+    std::vector<QuantSite> sites;
+    for (int64_t e = 0; e < c.n_experts; ++e) sites.push_back(site(name + "[" + std::to_string(e) + "]"));
+    return sites;
   }
   const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
 
+  // partner: the weight sharing w's outer scale (an FFN's w1 and w3, NUMERICS "NVFP4").
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
-                  LayerClass cls) {
-    return m.weight(w, name, role, spec, cls);
+                  LayerClass cls, const Tensor* partner = nullptr) {
+    return m.weight(w, name, role, spec, cls, sr, partner);
   }
 
   // Folds max |x| over each segment of an NVFP4 linear input into Model::input_amax()[key]
@@ -111,18 +105,21 @@ struct ModelRunner {
     ops::running_segment_amax(x, rows, offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
   }
 
-  LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, int site) {
+  // X of the GEMMs at `point` (a weight or an input group): point/fprop/X, and point/wgrad/X^T
+  // where the weight gradient's X is prepared from the high-precision X.
+  LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point) {
     LinearInput in;
-    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', rng(site), cls, log);
+    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log);
     if (!wgrad_from_saved_fwd(r))
-      in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', rng(site + 1), cls, log);
+      in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log);
     return in;
   }
 
-  // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments).
+  // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments); at_site: where a
+  // requantization draws its stream.
   Prepared wgrad_input(const Prepared& fwd, const Prepared& wgrad, const LayerRecipe& r,
-                       LayerClass cls, ops::RngKey key) {
-    if (r.requant_saved_sr) return requantize_saved(fwd, r.wgrad.b, GemmRole::Wgrad, 'b', key, cls, log);
+                       LayerClass cls, const QuantSite& at_site) {
+    if (r.requant_saved_sr) return requantize_saved(fwd, r.wgrad.b, GemmRole::Wgrad, 'b', at_site, cls, log);
     if (wgrad_reuses_fwd(r)) {
       if (log) log->add(cls, GemmRole::Wgrad, 'b', r.wgrad.b, false);
       Prepared p = fwd;
@@ -134,40 +131,42 @@ struct ModelRunner {
   }
 
   // wgrad_input for every expert's token range (rows offsets[e] .. offsets[e + 1] of the saved
-  // operands; wgrad: the per-expert saved forms, or empty), key rng(site, e); the requantized
+  // operands; wgrad: the per-expert saved forms, or empty) at point/wgrad/X^T[e]; the requantized
   // form in one pass.
   std::vector<Prepared> wgrad_inputs(const Prepared& fwd, const std::vector<Prepared>& wgrad, const LayerRecipe& r,
-                                     LayerClass cls, int site, const std::vector<int64_t>& offsets) {
+                                     LayerClass cls, const std::string& point, const std::vector<int64_t>& offsets) {
+    const std::vector<QuantSite> sites = expert_sites(point + "/wgrad/X^T");
     if (r.requant_saved_sr)
-      return requantize_saved_segments(fwd, offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(site), cls, log);
+      return requantize_saved_segments(fwd, offsets, r.wgrad.b, GemmRole::Wgrad, 'b', sites, cls, log);
     std::vector<Prepared> out(offsets.size() - 1);
     for (size_t e = 0; e < out.size(); ++e)
       if (offsets[e] < offsets[e + 1])
         out[e] = wgrad_input(fwd.rows(offsets[e], offsets[e + 1]), wgrad.empty() ? Prepared{} : wgrad[e], r, cls,
-                             rng(site, int64_t(e)));
+                             sites[e]);
     return out;
   }
 
   // W for dgrad: from the saved forward operand by SR (nvfp4-fwd) or prepared from the weights.
   Prepared dgrad_weight(const Tensor& w, const std::string& name, const LayerRecipe& r,
-                        LayerClass cls, int site) {
+                        LayerClass cls, const Tensor* partner = nullptr) {
     if (r.requant_saved_sr) {
-      const Prepared fwd = weight(w, name, GemmRole::Fprop, r.fprop.b, cls);
-      return requantize_saved(fwd, r.dgrad.b, GemmRole::Dgrad, 'b', rng(site), cls, log);
+      const Prepared fwd = weight(w, name, GemmRole::Fprop, r.fprop.b, cls, partner);
+      return requantize_saved(fwd, r.dgrad.b, GemmRole::Dgrad, 'b', site(name + "/dgrad/W"), cls, log);
     }
-    return weight(w, name, GemmRole::Dgrad, r.dgrad.b, cls);
+    return weight(w, name, GemmRole::Dgrad, r.dgrad.b, cls, partner);
   }
 
-  // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X.
+  // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X, at the sites name/dgrad/dY,
+  // name/dgrad/W, name/wgrad/dY^T and name/wgrad/X^T.
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
-                       const LayerRecipe& r, LayerClass cls, int site) {
+                       const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
     if (dx) {
-      const Prepared pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', rng(site), cls, log);
-      gemm(pdy, dgrad_weight(w, name, r, cls, site + 1), *dx, dx_accumulate);
+      const Prepared pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log);
+      gemm(pdy, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
     }
-    const Prepared pdy_t = prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', rng(site + 2), cls, log);
-    gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, rng(site + 3)), dw, true);
+    const Prepared pdy_t = prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', site(name + "/wgrad/dY^T"), cls, log);
+    gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, true);
   }
 
   // ---- SwiGLU FFN (dense layers and the shared expert) -------------------------------------
@@ -177,38 +176,37 @@ struct ModelRunner {
     std::string name;
   };
 
-  Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, int site,
-                     Model::Saved::Ffn* saved) {
+  Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, Model::Saved::Ffn* saved) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
-    LinearInput x = prepare_input(xn, r, cls, site);
+    LinearInput x = prepare_input(xn, r, cls, w.name + ".w13");
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F}), y = act({N, D});
-    gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls), h1);
-    gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls), h3);
+    gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+    gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     ops::swiglu_forward(h1, h3, a);
     record_input_amax(w.name + ".a", a, r);
-    const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(site + 2), cls, log);
+    const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
     gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) saved->x = std::move(x);
     return y;
   }
 
   // dxn (+)= the FFN's input gradient; weight gradients accumulate.
-  void ffn_backward(const Tensor& dy, const FfnRefs& w, LayerClass cls, int site,
-                    const Model::Saved::Ffn& saved, Tensor& dxn, bool dx_accumulate) {
+  void ffn_backward(const Tensor& dy, const FfnRefs& w, LayerClass cls, const Model::Saved::Ffn& saved, Tensor& dxn,
+                    bool dx_accumulate) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), F = w.w1.size(0);
     Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F});
-    gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls), h1);
-    gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls), h3);
+    gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+    gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     ops::swiglu_forward(h1, h3, a);
-    LinearInput a_in = prepare_input(a, r, cls, site + 2);  // same bits as the forward's
+    LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
     Tensor da = act({N, F}), dh1 = act({N, F}), dh3 = act({N, F});
-    linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, site + 4);
+    linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls);
     ops::swiglu_backward(da, h1, h3, dh1, dh3);
-    linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, site + 8);
-    linear_backward(dh3, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, site + 12);
+    linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3);
+    linear_backward(dh3, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, &w.w1);
   }
 
   // ---- attention block ----------------------------------------------------------------------
@@ -220,7 +218,7 @@ struct ModelRunner {
     const LayerClass cls = LayerClass::Attention;
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
-    LinearInput x = prepare_input(xn, r, cls, kSiteAttnX);
+    LinearInput x = prepare_input(xn, r, cls, name + "wqkv");
     record_input_amax(name + "x", xn, r);
     Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
     gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
@@ -234,7 +232,7 @@ struct ModelRunner {
     if (kv) kv->attend(layer, q4, k, v, o, lse);
     else ops::attention_forward(q4, k4, v4, 0, o, lse);
     Tensor o2 = o.reshape({N, Hq * hd});
-    LinearInput o_in = prepare_input(o2, r, cls, kSiteAttnO);
+    LinearInput o_in = prepare_input(o2, r, cls, name + "wo");
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
@@ -257,16 +255,16 @@ struct ModelRunner {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
     Tensor d_o = act({N, Hq * hd});
-    linear_backward(dy, s.attn_o, w.wo, name + "wo", g.wo, &d_o, false, r, cls, kSiteAttnDo);
+    linear_backward(dy, s.attn_o, w.wo, name + "wo", g.wo, &d_o, false, r, cls);
     Tensor dq = act(s.q.shape()), dk = act(s.k.shape()), dv = act(s.v.shape());
     ops::attention_backward(d_o.reshape(s.o.shape()), s.q, s.k, s.v, s.o, s.lse, dq, dk, dv);
     Tensor dq3 = dq.reshape({N, Hq, hd}), dk3 = dk.reshape({N, Hkv, hd});
     ops::rope_backward(dq3, positions, m.rope_);
     ops::rope_backward(dk3, positions, m.rope_);
     Tensor dq2 = dq.reshape({N, Hq * hd}), dk2 = dk.reshape({N, Hkv * hd}), dv2 = dv.reshape({N, Hkv * hd});
-    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls, kSiteAttnDqkv * 10);
-    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls, kSiteAttnDqkv * 10 + 4);
-    linear_backward(dv2, s.attn_x, w.wv, name + "wv", g.wv, &dxn, true, r, cls, kSiteAttnDqkv * 10 + 8);
+    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls);
+    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls);
+    linear_backward(dv2, s.attn_x, w.wv, name + "wv", g.wv, &dxn, true, r, cls);
   }
 
   // ---- MoE block ----------------------------------------------------------------------------
@@ -280,7 +278,7 @@ struct ModelRunner {
     const int64_t N = xn.size(0), D = c.d_model, E = c.n_experts, K = c.top_k;
 
     Tensor logits = act({N, E});
-    const Prepared px_router = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', rng(kSiteRouter),
+    const Prepared px_router = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.router/fprop/X"),
                                        LayerClass::Router, log);
     gemm(px_router, weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router), logits);
     Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
@@ -312,18 +310,18 @@ struct ModelRunner {
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     Tensor xn_perm;
     if (r.fprop.a.quantized()) {
-      const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
+      const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
       x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
     }
     if (!r.fprop.a.quantized() || !wgrad_from_fwd) {
       xn_perm = act({N * K, D});
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       if (!r.fprop.a.quantized())
-        x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeX), cls, log);
+        x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     }
     if (!wgrad_from_fwd)
       x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
-                                      expert_keys(kSiteMoeWgradX), cls, log);
+                                      expert_sites(name + "moe.w13/wgrad/X^T"), cls, log);
 
     Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, nullptr);
     Tensor out = act({N, D});
@@ -331,7 +329,7 @@ struct ModelRunner {
 
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      Tensor ys = ffn_forward(xn, sref, cls, kSiteShared, s ? &s->shared : nullptr);
+      Tensor ys = ffn_forward(xn, sref, cls, s ? &s->shared : nullptr);
       ops::add_(out, ys);
     }
     if (s) {
@@ -380,8 +378,8 @@ struct ModelRunner {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const int64_t F = c.d_expert, D = c.d_model;
-    const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls);
-    const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
+    const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act({rows, F}), y = act({rows, D});
     grouped_gemm(x_perm, w1, plan.offsets, h1);
@@ -389,7 +387,7 @@ struct ModelRunner {
     ops::swiglu_forward(h1, h3, a);
     record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
-    Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', rng(kSiteMoeA), cls, log);
+    Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     grouped_gemm(pa, w2, plan.offsets, y);
     if (inner) *inner = ExpertInner{h1, h3, a, std::move(pa)};
     return y;
@@ -410,36 +408,38 @@ struct ModelRunner {
     ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
 
     // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
-    const Prepared w2_dgrad = dgrad_weight(w.w2, name + "moe.w2", r, cls, kSiteMoeW);
-    const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, kSiteMoeW + 1);
-    const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, kSiteMoeW + 2);
-    const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDy), cls, log);
+    const Prepared w2_dgrad = dgrad_weight(w.w2, name + "moe.w2", r, cls);
+    const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, &w.w3);
+    const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, &w.w1);
+    const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w2/dgrad/dY"), cls, log);
     Tensor da = act({N * K, F});
     grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
     // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
     const std::vector<Prepared> dyt =
-        prepare_segments(dy_perm, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDy + 1), cls, log);
+        prepare_segments(dy_perm, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a',
+                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log);
     const std::vector<Prepared> a_wgrad =
         wgrad_from_saved_fwd(r)
-            ? wgrad_inputs(in.pa, {}, r, cls, kSiteMoeWgradA, plan.offsets)
-            : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b', expert_keys(kSiteMoeWgradA), cls,
-                               log);
+            ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
+            : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
+                               expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
     experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
     Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
 
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
-    const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh), cls, log);
-    const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', rng(kSiteMoeDh + 1), cls, log);
+    const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w1/dgrad/dY"), cls, log);
+    const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w3/dgrad/dY"), cls, log);
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
     const std::vector<Prepared> dh1t =
-        prepare_segments(dh1, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDh + 2), cls, log);
+        prepare_segments(dh1, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_sites(name + "moe.w1/wgrad/dY^T"),
+                         cls, log);
     const std::vector<Prepared> dh3t =
-        prepare_segments(dh3, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_keys(kSiteMoeDh + 3), cls, log);
-    const std::vector<Prepared> x_wgrad =
-        wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, kSiteMoeWgradX + 1, plan.offsets);
+        prepare_segments(dh3, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_sites(name + "moe.w3/wgrad/dY^T"),
+                         cls, log);
+    const std::vector<Prepared> x_wgrad = wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
     experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 
@@ -457,15 +457,16 @@ struct ModelRunner {
     Tensor d_logits = act({N, E});
     ops::router_backward(s.probs, s.topk_idx, s.topk_w, d_topk_w, d_probs, d_logits);
     LinearInput router_x;
-    router_x.fwd = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', rng(kSiteRouter), LayerClass::Router, log);
+    router_x.fwd = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.router/fprop/X"),
+                           LayerClass::Router, log);
     if (!wgrad_reuses_fwd(rr))
-      router_x.wgrad = prepare(xn, rr.wgrad.b, GemmRole::Wgrad, 'b', rng(kSiteRouter + 1), LayerClass::Router, log);
-    linear_backward(d_logits, router_x, w.router, name + "moe.router", g.router, &dxn, true, rr,
-                    LayerClass::Router, kSiteRouter + 2);
+      router_x.wgrad = prepare(xn, rr.wgrad.b, GemmRole::Wgrad, 'b', site(name + "moe.router/wgrad/X^T"),
+                               LayerClass::Router, log);
+    linear_backward(d_logits, router_x, w.router, name + "moe.router", g.router, &dxn, true, rr, LayerClass::Router);
 
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      ffn_backward(dy, sref, cls, kSiteShared, s.shared, dxn, true);
+      ffn_backward(dy, sref, cls, s.shared, dxn, true);
     }
   }
 };
@@ -485,16 +486,21 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Device device, DType 
 
 Model::~Model() = default;
 
-Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role,
-                       const QuantSpec& spec, LayerClass cls) {
-  // Weight operands are deterministic (RNE) functions of the weights: cached for the step.
+Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
+                       LayerClass cls, const SrStreams& sr, const Tensor* partner) {
+  // Weight operands are functions of the weights (RNE in every recipe): cached until the weights
+  // change, at the site name/role/W of the step that first prepares them.
   const std::string key = name + "/" + gemm_role_name(role);
   auto it = weight_cache_.find(key);
   if (it != weight_cache_.end()) {
     quant_log_.add(cls, role, 'b', spec, false);
     return it->second;
   }
-  Prepared p = prepare(w, spec, role, 'b', ops::RngKey{0, 0}, cls, &quant_log_);
+  // NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group (per expert for the routed
+  // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose
+  // gate and up projections serving engines fuse the same way).
+  const Tensor gamax = partner ? shared_outer_amax({w, *partner}, spec, role) : Tensor{};
+  Prepared p = prepare(w, spec, role, 'b', sr.site(key + "/W"), cls, &quant_log_, gamax.defined() ? &gamax : nullptr);
   weight_cache_.emplace(key, p);
   return p;
 }
@@ -548,7 +554,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
       f = run.moe_forward(xn2, lw, lg, name, sl, aux);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
-      f = run.ffn_forward(xn2, dref, LayerClass::Dense, kSiteFfn, sl ? &sl->dense : nullptr);
+      f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr);
     }
     Tensor x_out = x_mid.clone();
     ops::add_(x_out, f);
@@ -572,8 +578,8 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
   const LayerRecipe& rh = m.recipe().lm_head;
   run.record_input_amax("lm_head.x", xf, rh);
-  LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, kSiteLmHead)
-                        : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.rng(kSiteLmHead),
+  LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head")
+                        : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),
                                               LayerClass::LmHead, nullptr), Prepared{}};
   Tensor logits = Tensor::empty({N, V}, m.dtype(), m.device());
   gemm(xf_in.fwd, run.weight(w.lm_head, "lm_head", GemmRole::Fprop, rh.fprop.b, LayerClass::LmHead), logits);
@@ -664,7 +670,7 @@ void Model::backward() {
   run.layer = cfg_.n_layers;
   Tensor dxf = run.act({N, D});
   run.linear_backward(s->dlogits, s->xf, w.lm_head, "lm_head", g.lm_head, &dxf, false,
-                      recipe_.lm_head, LayerClass::LmHead, kSiteLmHead + 2);
+                      recipe_.lm_head, LayerClass::LmHead);
   Tensor dx = run.act({N, D});
   ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm);
 
@@ -682,7 +688,7 @@ void Model::backward() {
       run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
-      run.ffn_backward(dx, dref, LayerClass::Dense, kSiteFfn, sl.dense, dxn2, false);
+      run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false);
     }
     Tensor dres = run.act({N, D});
     ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dres, lg.ffn_norm);
@@ -770,7 +776,14 @@ Prepared Model::forward_weight(const std::string& linear_name) {
   // The same call (name, role, spec, class) as the forward's, so the same cache entry.
   const LinearInfo li = linear(linear_name);
   const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
-  return weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls);
+  // An FFN's w1 and w3 share one outer scale (NUMERICS "NVFP4"): the forward prepares each with
+  // the other as its partner, and so does this, in case the forward has not run since the weights
+  // last changed.
+  const bool gate = linear_name.ends_with(".w1"), up = linear_name.ends_with(".w3");
+  const std::string stem = linear_name.substr(0, linear_name.size() - 1);
+  const Tensor partner = gate ? linear(stem + "3").weight : up ? linear(stem + "1").weight : Tensor{};
+  return weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls, SrStreams{},
+                partner.defined() ? &partner : nullptr);
 }
 
 std::string Model::input_amax_key(const std::string& linear_name) {

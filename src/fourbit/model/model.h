@@ -109,8 +109,10 @@ class Model {
 
  private:
   friend struct ModelRunner;
+  // The weight operand for role under spec, cached until invalidate_weight_cache(); partner: the
+  // weight that shares its outer scale (an FFN's w1 and w3).
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
-                  LayerClass cls);
+                  LayerClass cls, const SrStreams& sr, const Tensor* partner);
   ModelConfig cfg_;
   const Recipe& recipe_;
   Device device_;

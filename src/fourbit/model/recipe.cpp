@@ -195,26 +195,6 @@ std::vector<std::string> recipe_names() {
   return out;
 }
 
-std::string describe_spec(const QuantSpec& s) {
-  if (!s.quantized()) return std::string(format_name(s.fmt));
-  std::string out = fmt::format("{} 1x{}", format_name(s.fmt), s.block());
-  if (s.fmt == Format::NVFP4) {
-    out += s.tile_2d ? " (16x16 tiles)" : "";
-    switch (s.outer) {
-      case OuterScale::None: break;
-      case OuterScale::Tensor: out += ", fp32 scale per tensor"; break;
-      case OuterScale::PerRow: out += ", fp32 scale per token"; break;
-      case OuterScale::PerSlice: out += ", fp32 scale per expert"; break;
-    }
-    if (s.four_over_six) out += s.metric == num::ScaleMetric::MSE ? ", 4/6 mse" : ", 4/6 mae";
-  } else if (s.fmt != Format::S2F6) {
-    out += s.mx_rule == num::MxScaleRule::RCEIL ? " rceil" : " floor";
-  }
-  if (s.rounding == num::Rounding::SR) out += ", SR";
-  if (s.hadamard) out += fmt::format(", RHT-{}", s.hadamard);
-  return out;
-}
-
 std::string recipe_table(const Recipe& r, int64_t n_layers) {
   const int64_t tail = r.tail_layers(n_layers);
   std::string out = fmt::format("recipe {}: {}\n", r.name, r.description);
@@ -225,10 +205,10 @@ std::string recipe_table(const Recipe& r, int64_t n_layers) {
     const char* a_name[3] = {"X", "dY", "dY^T"};
     const char* b_name[3] = {"W", "W", "X^T"};
     for (int i = 0; i < 3; ++i) {
-      std::string b = describe_spec(g[i]->b);
+      std::string b = describe(g[i]->b);
       if (lr.requant_saved_sr && i > 0) b = "saved nvfp4 -> requantize_transposed -> " + b;
       out += fmt::format("  {:<18} {:<6} {:<46} {}\n", cls, names[i],
-                         fmt::format("{}: {}", a_name[i], describe_spec(g[i]->a)),
+                         fmt::format("{}: {}", a_name[i], describe(g[i]->a)),
                          fmt::format("{}: {}", b_name[i], b));
     }
   };

@@ -1,5 +1,5 @@
-// defines: GemmRole, GemmRecipe, LayerRecipe, LayerClass, Recipe, recipe_by_name, recipe_names,
-//          describe_spec, recipe_table
+// defines: GemmRole, gemm_role_name, GemmRecipe, LayerRecipe, LayerClass, layer_class_name, Recipe,
+//          recipe_by_name, recipe_names, recipe_table
 // Precision recipes as data (STYLE: "recipes are data"). A recipe says, for each class of linear
 // layer and each of its three GEMMs, how each operand is quantized; model code asks for the spec
 // and never branches on a recipe's name. The named recipes are those of DESIGN.md.
@@ -47,8 +47,6 @@ struct Recipe {
 const Recipe& recipe_by_name(const std::string& name);  // fails listing the known names
 std::vector<std::string> recipe_names();
 
-// "nvfp4 1x16 ue4m3, fp32 scale per token, 4/6 mse" and friends.
-std::string describe_spec(const QuantSpec& s);
 // The `fourbit recipes` table for one recipe: layer class x GEMM x operand.
 std::string recipe_table(const Recipe& r, int64_t n_layers);
 

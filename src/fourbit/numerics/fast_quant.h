@@ -444,10 +444,11 @@ FOURBIT_HD Philox4x32 random_bits4_fast(const PhiloxKeys& keys, uint64_t stream,
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
-// MXFP8 stochastic rounding, minifloat_encode(elem, x, 127 - scale, SR, rnd) (= mxfp8_encode with
-// SR), for finite x, in two parts. The caller forms u = bits(|x| * x_scale), x_scale =
-// pow2f(127 - scale): that product is exact whenever it is a normal float, and below 2^-126 both
-// the generic encoder and these give a count of 0. kExpBits: 4 (E4M3) or 5 (E5M2).
+// MXFP8 stochastic rounding, minifloat_encode(elem, x, 127 - scale, SR, rnd16) (= mxfp8_encode
+// with SR; rnd16: the element's 16 random bits, sr_bits), for finite x, in two parts. The caller
+// forms u = bits(|x| * x_scale), x_scale = pow2f(127 - scale): that product is exact whenever it
+// is a normal float, and below 2^-126 both the generic encoder and these give a count of 0.
+// kExpBits: 4 (E4M3) or 5 (E5M2).
 template <int kExpBits>
 struct Mxfp8Sr {
   static constexpr int kMan = kExpBits == 4 ? 3 : 2;
@@ -455,18 +456,20 @@ struct Mxfp8Sr {
   static constexpr int kMaxCode = kExpBits == 4 ? 0x7e : 0x7b;
   static constexpr int kEminBiased = 1 - kBias + 127;  // the target's smallest normal, float32-biased
   static constexpr uint32_t kMinNormalBits = uint32_t(kEminBiased) << 23;
+  // The common form drops 23 - m > 16 bits: the random bits go in 7 - m bits above the bottom.
+  static constexpr int kRandomShift = 7 - kMan;
+  static_assert(23 - kMan > 16, "the common form truncates the remainder to its top 16 bits");
 
   // The general form, for every u. With u's biased exponent eb and significand sig (implicit bit
-  // included), the generic count is shift_round_sr(sig, shift, rnd), shift = 23 - m + max(eb,
-  // emin) - eb, which is the high word of floor(sig * 2^(32 - shift)) + rnd: the low bits of rnd
-  // that a right shift drops cannot carry into the kept ones.
-  static FOURBIT_HD uint32_t code_wide(uint32_t u, uint32_t rnd) {
+  // included), the generic count is shift_round_sr(sig, shift, rnd16), shift = 23 - m +
+  // max(eb, emin) - eb, which is the high half of floor(sig * 2^(16 - shift)) + rnd16 (round.h).
+  static FOURBIT_HD uint32_t code_wide(uint32_t u, uint32_t rnd16) {
     const int eb = int(u >> 23);
     const int eqb = eb > kEminBiased ? eb : kEminBiased;
     const uint32_t shift = uint32_t(23 - kMan + eqb - eb);
     const uint32_t sig = (u & 0x7fffffu) | 0x800000u;  // u below 2^-126: shift >= 120, count 0
-    const uint64_t wide = (uint64_t(sig) << 32) >> (shift < 63u ? shift : 63u);
-    const uint32_t n = uint32_t((wide + rnd) >> 32);
+    const uint64_t scaled = (uint64_t(sig) << 16) >> (shift < 63u ? shift : 63u);
+    const uint32_t n = uint32_t((scaled + rnd16) >> 16);
     const uint32_t code = (uint32_t(eqb - kEminBiased) << kMan) + n;
     return code > uint32_t(kMaxCode) ? uint32_t(kMaxCode) : code;
   }
@@ -475,40 +478,40 @@ struct Mxfp8Sr {
   static FOURBIT_HD bool needs_wide(uint32_t u) { return u - 1u < kMinNormalBits - 1u; }
 
   // The common form, for u = 0 or u at or above the smallest normal: the shift is 23 - m, so the
-  // random bits add straight onto float32's mantissa field and the kept bits, rebiased, are the
-  // code (a carry out of the mantissa lands on the next binade's code). u = 0 goes negative and
-  // is clamped to code 0.
-  static FOURBIT_HD uint32_t code_normal(uint32_t u, uint32_t rnd) {
-    const int c = int((u + (rnd >> (9 + kMan))) >> (23 - kMan)) - ((127 - kBias) << kMan);
+  // kept bits of u, rebiased, are the code (a carry out of the mantissa lands on the next
+  // binade's code), and the dropped 23 - m bits take rnd16 * 2^(7 - m): the carry into the kept
+  // bits happens exactly when their top 16 bits plus rnd16 reach 2^16, the truncated remainder
+  // of round.h's rule. u = 0 goes negative and is clamped to code 0.
+  static FOURBIT_HD uint32_t code_normal(uint32_t u, uint32_t rnd16) {
+    const int c = int((u + (rnd16 << kRandomShift)) >> (23 - kMan)) - ((127 - kBias) << kMan);
     return uint32_t(c < 0 ? 0 : c > kMaxCode ? kMaxCode : c);
   }
 
-  static FOURBIT_HD uint8_t encode(float x, float x_scale, uint32_t rnd) {
+  static FOURBIT_HD uint8_t encode(float x, float x_scale, uint32_t rnd16) {
     const uint32_t u = bits_of(mul_rn(fabs_hd(x), x_scale));
-    const uint32_t code = needs_wide(u) ? code_wide(u, rnd) : code_normal(u, rnd);
+    const uint32_t code = needs_wide(u) ? code_wide(u, rnd16) : code_normal(u, rnd16);
     return uint8_t(code | ((bits_of(x) >> 24) & 0x80u));
   }
 };
 
 template <int kExpBits>
-FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd) {
-  return Mxfp8Sr<kExpBits>::encode(x, x_scale, rnd);
+FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd16) {
+  return Mxfp8Sr<kExpBits>::encode(x, x_scale, rnd16);
 }
 
 // MXFP8 E4M3 stochastic rounding four codes at a time, for blocks whose RCEIL scale leaves every
 // value at most 448 (nothing clips, so no clamp) and none of them below E4M3's smallest normal
 // 2^-6 but zeros (needs_wide says which block is not one: it takes Mxfp8Sr). Equal to
-// Mxfp8Sr<4>::encode(x, pow2f(127 - scale), rnd) there, in 4.75 SASS instructions an element
-// (FMUL, SHF, LEA, 7 per 4 to pack) where Mxfp8Sr's common form with its sign, clamps and
-// packing took ~11:
+// Mxfp8Sr<4>::encode(x, pow2f(127 - scale), rnd16) there:
 //  - y8 = bits of |x| * 2^(119 - scale): Mxfp8Sr's u with 8 taken off its exponent field
 //    (exact: u is a normal float here, and so is u * 2^-8 >= 2^-14; a zero stays zero, and a
 //    value whose product underflows had u < 2^-126, where Mxfp8Sr's count is 0 too).
-//  - z = (y8 << 4) + (rnd >> 8): its bits 4..31 are bits 0..27 of y8 + (rnd >> 12) (the other
-//    4 bits cannot carry), so bits 24..30 are those of field = (y8 + (rnd >> 12)) >> 20.
-//    code_normal is ((u + (rnd >> 12)) >> 20) - 960 = field + 64 - 960 = field - 7 * 128, and
-//    the code is below 128: code = field mod 128, z's bits 24..30. No subtraction and no clamp
-//    (a zero's field is 0, where the clamp gave 0; 448 has no bits below to carry).
+//  - r8 = rnd16 << 8 (random_at_8: one byte move from the Philox word), z = (y8 << 4) + r8: its
+//    bits 4..31 are bits 0..27 of y8 + (rnd16 << 4), so bits 24..30 are those of field =
+//    (y8 + (rnd16 << 4)) >> 20. code_normal is ((u + (rnd16 << 4)) >> 20) - 960 = field + 64 -
+//    960 = field - 7 * 128, and the code is below 128: code = field mod 128, z's bits 24..30. No
+//    subtraction and no clamp (a zero's field is 0, where the clamp gave 0; 448 has no bits below
+//    to carry).
 //  - the sign: bit 31 of x's bits. Byte moves (PRMT) gather the four z's and the four x's top
 //    bytes, one LOP3 merges them under the mask 0x7f7f7f7f.
 struct E4m3SrWords {
@@ -518,7 +521,12 @@ struct E4m3SrWords {
   static FOURBIT_HD uint32_t scaled(float x, float x_scale8) { return bits_of(mul_rn(fabs_hd(x), x_scale8)); }
   // A nonzero y8 below the target's smallest normal.
   static FOURBIT_HD bool needs_wide(uint32_t y8) { return y8 - 1u < kNormalBits - 1u; }
-  static FOURBIT_HD uint32_t code_at_24(uint32_t y8, uint32_t rnd) { return (y8 << 4) + (rnd >> 8); }
+  // sr_bits_of(r, k) << 8: bytes 0 and 1 (k even) or 2 and 3 (k odd) of word k / 2 moved to bytes
+  // 1 and 2, zeros around them (selector nibble 4: byte 0 of the zero operand).
+  static FOURBIT_HD uint32_t random_at_8(const Philox4x32& r, int k) {
+    return byte_perm(r.v[(k >> 1) & 3], 0u, (k & 1) ? 0x4324u : 0x4104u);
+  }
+  static FOURBIT_HD uint32_t code_at_24(uint32_t y8, uint32_t r8) { return (y8 << 4) + r8; }
   // Codes of elements 0..3 (z: code_at_24, xb: the inputs' bits) as one word, element e in byte e.
   static FOURBIT_HD uint32_t pack(uint32_t z0, uint32_t z1, uint32_t z2, uint32_t z3, uint32_t xb0,
                                   uint32_t xb1, uint32_t xb2, uint32_t xb3) {

@@ -1,4 +1,4 @@
-// defines: hadamard_transform, rht_forward, rht_inverse, kNvidiaRht16Signs, rht_signs
+// defines: kNvidiaRht16Signs, hadamard_norm, hadamard_transform, rht_forward, rht_inverse, rht_signs
 // Random Hadamard transform on chunks of n = 16 or 32 values (NUMERICS "Random Hadamard
 // transform"): RHT(x) = (x . s) H_n / sqrt(n), inverse (y H_n / sqrt(n)) . s, with H_n the
 // Sylvester matrix H[i][j] = (-1)^popcount(i & j) (symmetric, H H = n I).

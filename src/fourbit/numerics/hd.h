@@ -1,4 +1,5 @@
-// defines: FOURBIT_HD, bits_of, float_of, pow2f, is_finite_bits, mul_rn, add_rn, sub_rn, div_rn, sqrt_rn
+// defines: FOURBIT_HD, FOURBIT_UNROLL, bits_of, float_of, is_finite_bits, is_nan_bits, pow2f, abs_bits,
+//          mul_rn, add_rn, sub_rn, div_rn, sqrt_rn, max_abs_finite
 // The host/device qualifier and the few bit-level helpers every codec needs. Everything in
 // numerics/ is header-only and compiled both by the host compiler and by nvcc, so one definition
 // of each rounding rule serves the CPU loops and the CUDA kernels (NUMERICS: "one scalar definition").
@@ -91,7 +92,7 @@ FOURBIT_HD float sqrt_rn(float a) {
 }
 
 // max that ignores neither operand's order: a NaN never wins (callers track non-finite inputs
-// separately, see QuantStatus), so the result depends only on the set of finite values.
+// separately: ops::QuantReport::nonfinite), so the result depends only on the set of finite values.
 FOURBIT_HD float max_abs_finite(float acc, float x) {
   float a = abs_bits(x);
   return (is_finite_bits(a) && a > acc) ? a : acc;

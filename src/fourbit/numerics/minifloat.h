@@ -1,6 +1,6 @@
-// defines: MiniFloatSpec, e2m1_spec, e4m3_spec, e5m2_spec, kE2M1, kE4M3, kE5M2, minifloat_encode,
-//          minifloat_decode, e2m1_encode, e2m1_encode_rne, e2m1_decode, e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode,
-//          ue4m3_encode, ue4m3_decode
+// defines: MiniFloatSpec, e2m1_spec, e4m3_spec, e5m2_spec, kE2M1, kE4M3, kE5M2, kE2M1Max, kE4M3Max,
+//          kE5M2Max, minifloat_encode, minifloat_decode, e2m1_encode, e2m1_encode_rne, e2m1_decode,
+//          e4m3_encode, e4m3_decode, e5m2_encode, e5m2_decode, ue4m3_encode, ue4m3_decode
 // Small sign-exponent-mantissa floats (NUMERICS "Scalar element formats"). One encoder serves all
 // of them: round-to-nearest-even or stochastic rounding, saturating to the largest finite value
 // ("satfinite": overflow and +-Inf never give NaN or Inf), -0.0 keeping its sign bit.
@@ -33,9 +33,11 @@ inline constexpr float kE4M3Max = 448.0f;
 inline constexpr float kE5M2Max = 57344.0f;
 
 // Encodes x * 2^exp_adjust (computed exactly, in the exponent, never as a float multiply) to the
-// format's code. `rnd` supplies the random bits when mode == SR. Returns sign | magnitude code.
+// format's code. `rnd` supplies the element's 16 random bits when mode == SR (sr_bits). Returns
+// sign | magnitude code.
 // NaN gives the format's NaN code, or 0 for formats without one: block quantizers detect
-// non-finite input before encoding and report it (QuantStatus), they never rely on this value.
+// non-finite input before encoding and report it (ops::QuantReport::nonfinite and the sticky
+// flag), they never rely on this value.
 FOURBIT_HD uint32_t minifloat_encode(MiniFloatSpec f, float x, int exp_adjust = 0,
                                      Rounding mode = Rounding::RNE, uint32_t rnd = 0) {
   const uint32_t sign = (bits_of(x) >> 31) << (f.exp_bits + f.man_bits);

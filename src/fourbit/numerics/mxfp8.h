@@ -42,13 +42,13 @@ FOURBIT_HD float mxfp8_decode(uint8_t code, uint8_t scale, MiniFloatSpec elem) {
 }
 
 // One block of n <= 32 values: picks the scale from block_amax, writes n codes, returns the scale.
-// SR bits: random_bits(seed, stream, index0 + i).
+// SR bits: sr_bits(seed, stream, index0 + i).
 FOURBIT_HD uint8_t mxfp8_quantize_block(const float* x, int n, float block_amax,
                                         MiniFloatSpec elem, MxScaleRule rule,
                                         Rounding rounding, uint64_t seed, uint64_t stream,
                                         uint64_t index0, uint8_t* codes) {
   const uint8_t scale = mxfp8_scale(block_amax, elem, rule);
-  RandomBits rnd(seed, stream);
+  SrBits rnd(seed, stream);
   for (int i = 0; i < n; ++i) {
     const uint32_t r = rounding == Rounding::SR ? rnd.at(index0 + uint64_t(i)) : 0u;
     codes[i] = mxfp8_encode(x[i], scale, elem, rounding, r);

@@ -1,9 +1,12 @@
 // defines: kNvfp4Block, ScaleMetric, nvfp4_s_enc, nvfp4_s_dec, nvfp4_block_scale,
 //          nvfp4_block_scale_4, nvfp4_enc_scale, nvfp4_dequant, Nvfp4Block, nvfp4_quantize_block
+//          (the block decoder over these products: formats.h nvfp4_decode_block)
 // NVFP4: E2M1 values in 1x16 blocks, one UE4M3 scale per block, one FP32 outer scale per group
 // (tensor, token row or expert slice). Every step below is the formula of NUMERICS "NVFP4",
 // in its order, each operation rounded to float32.
 #pragma once
+#include <cmath>
+
 #include "fourbit/numerics/minifloat.h"
 #include "fourbit/numerics/philox.h"
 
@@ -13,11 +16,14 @@ inline constexpr int kNvfp4Block = 16;
 enum class ScaleMetric : uint8_t { MSE = 0, MAE = 1 };
 
 // S_enc = fl(6 * Emax / amax_G), Emax = 448, or 256 under Four Over Six so the 1.5x candidate
-// still fits E4M3; 1 when amax_G is 0 or the quotient is not finite.
+// still fits E4M3; 1 when amax_G is 0 or not finite; FLT_MAX when the quotient overflows (amax_G
+// below ~8e-36: TransformerEngine's rule, so such a group still quantizes instead of flushing).
 FOURBIT_HD float nvfp4_s_enc(float amax_g, bool four_over_six) {
   const float six_emax = four_over_six ? 1536.0f : 2688.0f;  // 6*256, 6*448: exact
-  const float s = six_emax / amax_g;
-  return (amax_g == 0.0f || !is_finite_bits(s)) ? 1.0f : s;
+  // fminf takes +Inf (the overflow) to FLT_MAX and leaves every finite quotient; amax_G = 0 or
+  // Inf (quotient Inf or 0) and NaN take the first branch
+  const float s = fminf(six_emax / amax_g, 3.40282347e38f);
+  return (amax_g == 0.0f || !is_finite_bits(amax_g)) ? 1.0f : s;
 }
 FOURBIT_HD float nvfp4_s_dec(float s_enc) { return 1.0f / s_enc; }
 
@@ -53,7 +59,7 @@ struct Nvfp4Block {
 // Quantizes n <= 16 values x[0..n) (missing tail values count as zeros and get code 0).
 // block_amax is max |x| over the block, or over the 16x16 tile for 2D weight scales.
 // Four Over Six candidates are compared with RNE codes; the chosen scale is then used with
-// `rounding` (RNE or SR). SR bits: random_bits(seed, stream, index0 + i).
+// `rounding` (RNE or SR). SR bits: sr_bits(seed, stream, index0 + i).
 FOURBIT_HD Nvfp4Block nvfp4_quantize_block(const float* x, int n, float block_amax, float s_enc,
                                            float s_dec, bool four_over_six, ScaleMetric metric,
                                            Rounding rounding, uint64_t seed, uint64_t stream,
@@ -95,7 +101,7 @@ FOURBIT_HD Nvfp4Block nvfp4_quantize_block(const float* x, int n, float block_am
   }
   if (out.scale == 0) return out;  // NUMERICS: a zero scale stores all-zero codes
   const float enc = nvfp4_enc_scale(out.scale, s_dec);
-  RandomBits rnd(seed, stream);
+  SrBits rnd(seed, stream);
   for (int i = 0; i < m; ++i) {
     const uint32_t r = rounding == Rounding::SR ? rnd.at(index0 + uint64_t(i)) : 0u;
     const uint64_t code = e2m1_encode(mul_rn(x[i], enc), rounding, r);

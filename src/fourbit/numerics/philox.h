@@ -1,4 +1,4 @@
-// defines: Philox4x32, philox4x32_10, random_bits4, random_bits, RandomBits
+// defines: Philox4x32, philox4x32_10, random_bits4, random_bits, RandomBits, kSrPerCall, sr_bits_of, sr_bits, SrBits
 // Counter-based random numbers (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 // SC'11): Philox-4x32 with 10 rounds. A draw is a pure function of (seed, stream, index), so the
 // stochastic rounding of element i is the same on the CPU, on the GPU and under any thread layout
@@ -35,13 +35,14 @@ FOURBIT_HD Philox4x32 random_bits4(uint64_t seed, uint64_t stream, uint64_t grou
                        uint32_t(seed), uint32_t(seed >> 32));
 }
 
-// 32 random bits for element `index` of (seed, stream): word index % 4 of group index / 4.
+// A 32-bit word: word index % 4 of group index / 4 (RHT sign masks, the data generators; SR
+// draws sr_bits).
 FOURBIT_HD uint32_t random_bits(uint64_t seed, uint64_t stream, uint64_t index) {
   return random_bits4(seed, stream, index >> 2).v[index & 3];
 }
 
-// Sequential reader over one (seed, stream): at(i) == random_bits(seed, stream, i), computing each
-// Philox block once for runs of consecutive indices.
+// Sequential reader of 32-bit words over one (seed, stream) (the data generators' draws): at(i) ==
+// random_bits(seed, stream, i), computing each Philox block once for runs of consecutive indices.
 struct RandomBits {
   uint64_t seed, stream;
   uint64_t group = ~uint64_t(0);
@@ -53,6 +54,35 @@ struct RandomBits {
       words = random_bits4(seed, stream, group);
     }
     return words.v[index & 3];
+  }
+};
+
+// NUMERICS "Stochastic rounding": an SR element draws 16 bits, one Philox call serving 8
+// elements: element k of a call (k = index % 8) takes half k % 2 (the low half first) of word
+// k / 2. kSrPerCall elements per call; sr_bits_of(r, k) is element k's draw from call r.
+inline constexpr int kSrPerCall = 8;
+FOURBIT_HD uint32_t sr_bits_of(const Philox4x32& r, int k) {
+  return (r.v[(k >> 1) & 3] >> (16 * (k & 1))) & 0xFFFFu;
+}
+
+// The 16 SR bits of element `index` of (seed, stream): element index % 8 of call index / 8.
+FOURBIT_HD uint32_t sr_bits(uint64_t seed, uint64_t stream, uint64_t index) {
+  return sr_bits_of(random_bits4(seed, stream, index >> 3), int(index & 7));
+}
+
+// Sequential reader over one (seed, stream): at(i) == sr_bits(seed, stream, i), computing each
+// Philox call once for runs of consecutive indices.
+struct SrBits {
+  uint64_t seed, stream;
+  uint64_t group = ~uint64_t(0);
+  Philox4x32 words{{0, 0, 0, 0}};
+  FOURBIT_HD SrBits(uint64_t seed_, uint64_t stream_) : seed(seed_), stream(stream_) {}
+  FOURBIT_HD uint32_t at(uint64_t index) {
+    if ((index >> 3) != group) {
+      group = index >> 3;
+      words = random_bits4(seed, stream, group);
+    }
+    return sr_bits_of(words, int(index & 7));
   }
 };
 

@@ -1,4 +1,5 @@
-// defines: Rounding, SigExp, split_float, shift_round_rne, shift_round_sr
+// defines: Rounding, SigExp, split_float, clz32, split_normalized, shift_round_rne, shift_round_sr,
+//          shift_round
 // The one place where fourbit drops low-order bits. Every encoder (E2M1, E4M3, E5M2, S2F6, UE8M0
 // scale choice) reduces a float32 to an integer significand and a shift, then rounds here.
 // Integer arithmetic only, so host and device agree bit for bit by construction.
@@ -50,20 +51,20 @@ FOURBIT_HD uint32_t shift_round_rne(uint32_t sig, int shift) {
   return (sig + half_minus_one + ((sig >> shift) & 1u)) >> shift;
 }
 
-// Stochastic rounding of sig / 2^shift with 32 random bits (NUMERICS: "add a uniform random
-// integer below the kept least-significant bit, truncate"). For shift <= 32 the added integer is
-// the top `shift` bits of `rnd`, so P(round up) = rem / 2^shift exactly. For shift > 32 (a value
-// more than 2^9 times below the target's quantum: P(up) < 2^-8) the remainder is first truncated
-// to its 32 most significant bits, a bias below 2^-32 of one quantum.
-FOURBIT_HD uint32_t shift_round_sr(uint32_t sig, int shift, uint32_t rnd) {
+// Stochastic rounding of sig / 2^shift with 16 random bits (NUMERICS "Stochastic rounding": add
+// a uniform random integer below the kept least-significant bit, truncate). rnd16: the element's
+// 16 bits (sr_bits, philox.h; higher bits are ignored). The remainder's top 16 bits,
+// floor(sig * 2^(16 - shift)) mod 2^16, plus rnd16 carries into the kept bits with probability
+// remainder / 2^16: for shift <= 16 that floor is exact, so P(round up) = rem / 2^shift exactly;
+// for shift > 16 the remainder is truncated to its top 16 bits first (a bias below 2^-16 of one
+// quantum, toward zero). One formula for both: floor((floor(sig * 2^(16 - shift)) + rnd16) / 2^16)
+// = floor(sig / 2^shift) + carry (sig an integer, so flooring sig * 2^(16 - shift) first changes
+// no carry when shift <= 16).
+FOURBIT_HD uint32_t shift_round_sr(uint32_t sig, int shift, uint32_t rnd16) {
   if (shift <= 0) return sig;
-  if (shift <= 32) {
-    const uint64_t add = uint64_t(rnd) >> (32 - shift);
-    return uint32_t((uint64_t(sig) + add) >> shift);
-  }
-  if (shift >= 32 + 24) return 0;   // sig >> (shift-32) == 0: never rounds up
-  const uint64_t top = uint64_t(sig >> (shift - 32));
-  return uint32_t((top + rnd) >> 32);
+  if (shift >= 16 + 24) return 0;  // sig < 2^24: the top 16 remainder bits are 0, never rounds up
+  const uint64_t scaled = (uint64_t(sig) << 16) >> shift;
+  return uint32_t((scaled + (rnd16 & 0xFFFFu)) >> 16);
 }
 
 FOURBIT_HD uint32_t shift_round(uint32_t sig, int shift, Rounding mode, uint32_t rnd) {

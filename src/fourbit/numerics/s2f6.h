@@ -1,5 +1,5 @@
-// defines: kS2f6Block, s2f6_encode, s2f6_decode, s2f6_scale, s2f6_encode_scaled, s2f6_decode_scaled,
-//          s2f6_quantize_block
+// defines: kS2f6Block, kS2f6Max, round_to_int8_grid, s2f6_encode, s2f6_decode, s2f6_scale,
+//          s2f6_encode_scaled, s2f6_decode_scaled, s2f6_quantize_block
 // S2F6: two's-complement int8 read as s/64 (range -2 .. 127/64, step 1/64). As the expert-combine
 // payload it is block-scaled: 32 values share a UE8M0 scale chosen by RCEIL so nothing clips,
 // optionally after a 32-point RHT (NUMERICS "S2F6 combine payload").

@@ -1,4 +1,4 @@
-// defines: ue8m0_decode, ue8m0_encode, ue8m0_scale_for_max, ue8m0_scale_floor, kUe8m0One
+// defines: kUe8m0One, kUe8m0Nan, ue8m0_decode, ue8m0_encode, ue8m0_scale_for_max, ue8m0_scale_floor
 // UE8M0: an 8-bit biased exponent, value 2^(code-127), codes 0..254, 0xFF = NaN, no zero.
 // The MXFP8 and S2F6 scale rules (NUMERICS "MXFP8", "S2F6 combine payload") pick a code here.
 #pragma once
@@ -34,7 +34,7 @@ FOURBIT_HD uint8_t ue8m0_encode(float x) {
 
 // "RCEIL" (NUMERICS MXFP8 / S2F6): the smallest code E such that amax <= max_elem * 2^(E-127),
 // i.e. ceil(log2(amax / max_elem)) evaluated exactly (no float division or log), clamped to
-// [0, 254]; amax == 0 gives 127. max_elem = 1.f * 2^k must be a positive normal float.
+// [0, 254]; amax == 0 gives 127. max_elem: any positive normal float (448, 57344, 6, 127/64).
 // Rounding up guarantees |x| * 2^-(E-127) <= max_elem for every element: nothing clips, which
 // stochastic rounding needs.
 FOURBIT_HD uint8_t ue8m0_scale_for_max(float amax, float max_elem) {

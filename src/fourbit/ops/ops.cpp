@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/ops/quant_layout.h"
 #include "fourbit/tensor/device_memory.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -36,6 +37,18 @@ bool native_block_scaled_gemm(Device device) {
 #endif
 }
 
+// group_amax: F32 [groups of spec's outer scale over x] on x's device.
+void check_group_amax(const Tensor& x, const QuantSpec& spec, const Tensor& a) {
+  if (spec.fmt != Format::NVFP4 || spec.outer == OuterScale::None)
+    fail("quantize: a group amax was given but {} has no outer scale", describe(spec));
+  const QuantShape s = quant_shape(x, spec);
+  const int64_t groups = spec.outer == OuterScale::Tensor     ? 1
+                         : spec.outer == OuterScale::PerSlice ? s.slices
+                                                              : s.slices * (spec.axis == BlockAxis::Row ? s.rows : s.cols);
+  if (a.dtype() != DType::F32 || a.dim() != 1 || a.size(0) != groups || a.device() != x.device())
+    fail("quantize: group amax must be f32 [{}] on the input's device, got {}", groups, a.str());
+}
+
 // One switch per op on the device of its first tensor; a CUDA tensor in a CPU-only build fails
 // with a message instead of reaching a missing symbol.
 #if FOURBIT_HAS_CUDA
@@ -50,14 +63,25 @@ bool native_block_scaled_gemm(Device device) {
   } while (0)
 #endif
 
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report) {
-  FOURBIT_DISPATCH(x.device(), quantize, x, spec, rng, report);
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
+  if (group_amax) check_group_amax(x, spec, *group_amax);
+  FOURBIT_DISPATCH(x.device(), quantize, x, spec, rng, report, group_amax);
+}
+Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
+  if (xs.empty()) fail("outer_amax: no tensors");
+  for (const Tensor& x : xs) {
+    if (x.shape() != xs[0].shape() || x.device() != xs[0].device())
+      fail("outer_amax: tensors of one shape and device expected, got {} and {}", xs[0].str(), x.str());
+  }
+  if (spec.fmt != Format::NVFP4 || spec.outer == OuterScale::None)
+    fail("outer_amax: {} has no outer scale", describe(spec));
+  FOURBIT_DISPATCH(xs[0].device(), outer_amax, xs, spec);
 }
 Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   FOURBIT_DISPATCH(q.device(), dequantize, q, undo_hadamard);
 }
-QTensor requantize_transposed(const QTensor& q, RngKey rng) {
-  FOURBIT_DISPATCH(q.device(), requantize_transposed, q, rng);
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
+  FOURBIT_DISPATCH(q.device(), requantize_transposed, q, target, rng);
 }
 
 int64_t Operand::rows() const {
@@ -133,7 +157,7 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
 }
 
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
-                                                    const std::vector<RngKey>& rngs) {
+                                                    const QuantSpec& target, const std::vector<RngKey>& rngs) {
   if (q.slices != 1 || q.axis != BlockAxis::Row)
     fail("requantize_transposed_segments: q must be a single-slice Row-axis QTensor (slices {}, axis {})", q.slices,
          q.axis == BlockAxis::Row ? "row" : "col");
@@ -141,10 +165,10 @@ std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std:
   if (int64_t(rngs.size()) != G) fail("requantize_transposed_segments: {} keys for {} segments", rngs.size(), G);
   std::vector<QTensor> out;
 #if FOURBIT_HAS_CUDA
-  if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, rngs, out)) return out;
+  if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, target, rngs, out)) return out;
 #endif
   return per_segment(offsets, [&](int64_t r0, int64_t r1, size_t g) {
-    return requantize_transposed(qtensor_rows(q, r0, r1), rngs[g]);
+    return requantize_transposed(qtensor_rows(q, r0, r1), target, rngs[g]);
   });
 }
 

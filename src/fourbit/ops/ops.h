@@ -1,4 +1,4 @@
-// defines: RngKey, QuantReport, quantize, quantize_segments, dequantize, requantize_transposed,
+// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
@@ -15,7 +15,7 @@
 
 namespace fourbit::ops {
 
-// Where stochastic rounding draws its bits: random_bits(seed, stream, storage element index).
+// Where stochastic rounding draws its bits: sr_bits(seed, stream, storage element index).
 struct RngKey {
   uint64_t seed = 0;
   uint64_t stream = 0;
@@ -33,18 +33,28 @@ struct QuantReport {
 // ---- quantization (NUMERICS.md; layouts in docs/numerics.md) ----------------------------------
 // x: F32 [R, C] or [S, R, C] (S slices, e.g. experts). Blocks run along C for BlockAxis::Row and
 // along R for BlockAxis::Col (stored transposed). Sizes that are not a multiple of the block are
-// padded with zeros (code 0) to a whole block.
+// padded with zeros (code 0) to a whole block. group_amax (NVFP4 with an outer scale only): the
+// amax of each outer-scale group, F32 [groups] on x's device (outer_amax), used instead of x's own
+// (w1 and w3 of an expert share one outer scale: NUMERICS "NVFP4").
 QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng = {},
-                 QuantReport* report = nullptr);
+                 QuantReport* report = nullptr, const Tensor* group_amax = nullptr);
+
+// The amax of each outer-scale group of spec over all of xs (tensors of one shape): F32 [groups]
+// on their device, groups = 1 (Tensor), slices (PerSlice) or storage rows (PerRow), taken over
+// the values quantize would quantize (the rotated ones behind an RHT). spec: NVFP4 with an outer
+// scale. An expert's w1 and w3 together give their shared group amax.
+Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec);
 
 // Exact dequantization to F32 in the logical shape; undo_hadamard applies the inverse RHT
 // for QTensors quantized behind one (otherwise the values stay in the rotated basis, which is
 // what a GEMM of two rotated operands wants).
 Tensor dequantize(const QTensor& q, bool undo_hadamard = true);
 
-// NVFP4 -> exact dequantize -> transpose -> MXFP8 E4M3 (RCEIL, elementwise SR). The result is the
-// same logical tensor quantized along the other axis: blocks now run along the old rows.
-QTensor requantize_transposed(const QTensor& q, RngKey rng);
+// NVFP4 -> exact dequantize -> transpose -> MXFP8 as `target` says (the recipe's dgrad.b /
+// wgrad.b: E4M3 or E5M2, RCEIL scales, SR or RNE; requantize_transposed_spec checks it). The
+// result is the same logical tensor quantized along the other axis: blocks now run along the old
+// rows.
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng);
 
 // quantize(x.slice_rows(offsets[i], offsets[i + 1]), spec, rngs[i]) for every row segment i of a
 // 2-D x (G + 1 non-decreasing offsets from 0 to x's rows, G keys; an empty segment gives an empty
@@ -53,11 +63,11 @@ QTensor requantize_transposed(const QTensor& q, RngKey rng);
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
                                        const QuantSpec& spec, const std::vector<RngKey>& rngs);
 
-// requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), rngs[i]) for every row
-// segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an
+// requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i]) for every
+// row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an
 // empty segment gives an empty QTensor), bit for bit, in one pass on the GPU.
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
-                                                    const std::vector<RngKey>& rngs);
+                                                    const QuantSpec& target, const std::vector<RngKey>& rngs);
 
 // Sticky flag raised by any quantizer that met NaN/Inf; read-and-clear.
 bool nonfinite_seen(bool clear = true);

@@ -1,25 +1,18 @@
-// defines: quant_shape, alloc_qtensor (quant_layout.h)
+// defines: quant_shape, alloc_qtensor, requantize_transposed_spec (quant_layout.h)
 #include "fourbit/ops/quant_layout.h"
+
+#include <string>
 
 namespace fourbit::ops {
 
 QuantShape quant_shape(const Tensor& x, const QuantSpec& spec) {
-  if (!spec.quantized())
-    fail("quantize: format '{}' is not a block format (expected nvfp4, mxfp8-e4m3, mxfp8-e5m2 or s2f6)",
-         format_name(spec.fmt));
+  if (const std::string err = validate(spec); !err.empty()) {
+    std::string block_formats;
+    for (Format f : quantized_formats()) block_formats += (block_formats.empty() ? "" : ", ") + std::string(format_name(f));
+    fail("quantize: {} (block formats: {})", err, block_formats);
+  }
   if (x.dtype() != DType::F32) fail("quantize: input must be f32, got {}", x.str());
   if (x.dim() != 2 && x.dim() != 3) fail("quantize: input must be 2-D or 3-D, got {}", x.str());
-  if (spec.hadamard != 0 && spec.hadamard != 16 && spec.hadamard != 32)
-    fail("quantize: hadamard size must be 0, 16 or 32, got {}", spec.hadamard);
-  if (spec.hadamard > spec.block())
-    fail("quantize: a {}-point Hadamard transform does not fit {}'s {}-value blocks", spec.hadamard,
-         format_name(spec.fmt), spec.block());
-  if (spec.four_over_six && spec.fmt != Format::NVFP4)
-    fail("quantize: Four Over Six applies to nvfp4 only, not {}", format_name(spec.fmt));
-  if (spec.tile_2d && spec.fmt != Format::NVFP4)
-    fail("quantize: 16x16 tiles apply to nvfp4 only, not {}", format_name(spec.fmt));
-  if (spec.fmt == Format::S2F6 && spec.rounding == num::Rounding::SR)
-    fail("quantize: s2f6 supports round-to-nearest-even only");
   QuantShape s{1, x.size(-2), x.size(-1)};
   if (x.dim() == 3) s.slices = x.size(0);
   return s;
@@ -48,15 +41,19 @@ QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device)
   return q;
 }
 
-QuantSpec requantize_transposed_spec(const QTensor& q) {
+QuantSpec requantize_transposed_spec(const QTensor& q, const QuantSpec& target) {
   if (q.fmt != Format::NVFP4)
     fail("requantize_transposed: input must be nvfp4, got {}", format_name(q.fmt));
-  QuantSpec spec;
-  spec.fmt = Format::MXFP8_E4M3;
+  if (target.fmt != Format::MXFP8_E4M3 && target.fmt != Format::MXFP8_E5M2)
+    fail("requantize_transposed: the target must be mxfp8-e4m3 or mxfp8-e5m2, got {}", describe(target));
+  if (target.mx_rule != num::MxScaleRule::RCEIL)
+    fail("requantize_transposed: the target's scales must be RCEIL (no element clips, so SR stays unbiased), got {}",
+         describe(target));
+  if (target.hadamard != 0) fail("requantize_transposed: the target takes no RHT, got {}", describe(target));
+  QuantSpec spec = target;
   spec.outer = OuterScale::None;
   spec.axis = q.axis == BlockAxis::Row ? BlockAxis::Col : BlockAxis::Row;
-  spec.rounding = num::Rounding::SR;
-  spec.mx_rule = num::MxScaleRule::RCEIL;
+  if (const std::string err = validate(spec); !err.empty()) fail("requantize_transposed: {}", err);
   return spec;
 }
 

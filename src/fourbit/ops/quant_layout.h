@@ -11,15 +11,17 @@ struct QuantShape {
   int64_t slices, rows, cols;  // logical
 };
 
-// Validates x (F32, 2-D or 3-D, spec is a block format) and returns its logical dimensions.
+// Validates x (F32, 2-D or 3-D) and spec (the registry's validate) and returns x's logical
+// dimensions.
 QuantShape quant_shape(const Tensor& x, const QuantSpec& spec);
 
 // A QTensor for spec over logical [S,] R x C, buffers allocated on `device`, contents undefined.
 QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device);
 
-// The output spec of requantize_transposed for q (which must be NVFP4): MXFP8 E4M3 with RCEIL
-// scales and stochastic rounding, blocks along q's other axis.
-QuantSpec requantize_transposed_spec(const QTensor& q);
+// The output spec of requantize_transposed for q (which must be NVFP4): the recipe's target
+// (MXFP8 E4M3 or E5M2 with RCEIL scales, SR or RNE, no RHT; anything else fails), with no outer
+// scale and blocks along q's other axis.
+QuantSpec requantize_transposed_spec(const QTensor& q, const QuantSpec& target);
 
 // Where cuBLASLt's native block-scaled GEMMs (Blackwell: VEC16_UE4M3, VEC32_UE8M0) read the scale
 // of row r, block column c of an operand: the rows x blocks scale matrix is cut into 128 x 4

@@ -1,7 +1,8 @@
 // defines: QTensor
-// A block-quantized tensor (NVFP4, MXFP8 E4M3/E5M2, S2F6): packed codes, one scale byte per
-// block, FP32 outer scales (NVFP4), and what is needed to decode them. Byte layout (see
-// docs/numerics.md): storage is `slices` matrices of rows x cols with blocks running along cols.
+// A block-quantized tensor of any quantized format of the registry (numerics/formats.h): packed
+// codes, one scale byte per block, FP32 outer scales (NVFP4), and what is needed to decode them.
+// Byte layout (see docs/numerics.md): storage is `slices` matrices of rows x cols with blocks
+// running along cols.
 // A Col-axis QTensor stores each slice transposed, so its blocks are contiguous too.
 #pragma once
 #include <cstdint>
@@ -26,8 +27,8 @@ struct QTensor {
   Tensor block_scales;  // U8 [slices*rows, blocks_per_row()]
   Tensor outer_scales;  // F32 S_dec values: [1], [slices*rows] or [slices]; undefined for None
 
-  int block() const { return format_traits(fmt).block; }
-  int element_bits() const { return format_traits(fmt).element_bits; }
+  int block() const { return format_info(fmt).block; }
+  int element_bits() const { return format_info(fmt).element_bits; }
   int64_t blocks_per_row() const { return (cols + block() - 1) / block(); }
   int64_t padded_cols() const { return blocks_per_row() * block(); }
   int64_t code_row_bytes() const { return padded_cols() * element_bits() / 8; }

@@ -1,5 +1,5 @@
-// defines: cpu::quantize, cpu::dequantize, cpu::requantize_transposed
-// CPU loops over the numerics/ block quantizers. Rows are independent and handled by OpenMP
+// defines: cpu::quantize, cpu::outer_amax, cpu::dequantize, cpu::requantize_transposed
+// CPU loops over the format registry's block quantizers and decoders (numerics/formats.h). Rows are independent and handled by OpenMP
 // threads; every output byte is a pure function of the input, the spec and the RNG key, so the
 // thread count never changes a result.
 #include <algorithm>
@@ -74,69 +74,113 @@ int64_t count_nonfinite(const float* row, int64_t n) {
 
 }  // namespace
 
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report) {
-  const QuantShape shape = quant_shape(x, spec);
-  QTensor q = alloc_qtensor(spec, shape, Device::CPU);
+namespace {
+
+// x's storage rows (the transpose of each slice for the Col axis) and the block and row amaxes
+// of the values that get quantized (rotated behind an RHT); counts the non-finite inputs.
+struct Scanned {
+  std::vector<float> transposed;  // Col axis: x's slices transposed
+  const float* base = nullptr;
+  std::vector<float> block_amax, row_amax;
+  int64_t nonfinite = 0;
+};
+
+Scanned scan(const Tensor& x, const QuantSpec& spec, const QuantShape& shape, const QTensor& q) {
   const int64_t R = q.total_rows(), C = q.cols, PC = q.padded_cols(), NB = q.blocks_per_row();
   const int B = q.block();
-
-  std::vector<float> transposed;
-  const float* base = x.data<float>();
+  Scanned sc;
+  sc.base = x.data<float>();
   if (spec.axis == BlockAxis::Col) {
-    transposed.resize(size_t(x.numel()));
-    transpose_slices(base, transposed.data(), shape.slices, shape.rows, shape.cols);
-    base = transposed.data();
+    sc.transposed.resize(size_t(x.numel()));
+    transpose_slices(sc.base, sc.transposed.data(), shape.slices, shape.rows, shape.cols);
+    sc.base = sc.transposed.data();
   }
-  const RowSource src{base, C, PC, spec.hadamard, spec.hadamard_signs};
-
-  // Pass 1: block and row amax (of the rotated values, which are what gets quantized).
-  std::vector<float> block_amax(static_cast<size_t>(R * NB)), row_amax(static_cast<size_t>(R));
+  const RowSource src{sc.base, C, PC, spec.hadamard, spec.hadamard_signs};
+  sc.block_amax.resize(size_t(R * NB));
+  sc.row_amax.resize(size_t(R));
   int64_t nonfinite = 0;
 #pragma omp parallel reduction(+ : nonfinite)
   {
     std::vector<float> buf(static_cast<size_t>(PC));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
-      nonfinite += count_nonfinite(base + r * C, C);
+      nonfinite += count_nonfinite(sc.base + r * C, C);
       src.load(r, buf.data());
-      row_amax[size_t(r)] = scan_row(buf.data(), PC, B, &block_amax[size_t(r * NB)]);
+      sc.row_amax[size_t(r)] = scan_row(buf.data(), PC, B, &sc.block_amax[size_t(r * NB)]);
     }
   }
+  sc.nonfinite = nonfinite;
+  return sc;
+}
 
-  // Outer scales (NVFP4): amax over each group of rows, then S_enc / S_dec.
-  const bool nvfp4 = spec.fmt == Format::NVFP4;
-  std::vector<float> s_enc;
-  if (nvfp4) {
-    const int64_t rows_per_group = q.outer == OuterScale::Tensor   ? R
-                                   : q.outer == OuterScale::PerSlice ? q.rows
-                                                                     : 1;
-    const int64_t groups = R / rows_per_group;
-    s_enc.resize(size_t(groups));
-    for (int64_t g = 0; g < groups; ++g) {
-      float a = 0.0f;
-      for (int64_t r = g * rows_per_group; r < (g + 1) * rows_per_group; ++r)
-        a = std::max(a, row_amax[size_t(r)]);
-      s_enc[size_t(g)] = q.outer == OuterScale::None ? 1.0f : num::nvfp4_s_enc(a, spec.four_over_six);
-      if (q.outer != OuterScale::None) q.outer_scales.data<float>()[g] = num::nvfp4_s_dec(s_enc[size_t(g)]);
-    }
-    // NUMERICS: 16x16 tiles take one scale from the tile amax, replicated to each 1x16 slot.
-    if (spec.tile_2d) {
-      for (int64_t s = 0; s < q.slices; ++s)
-        for (int64_t r0 = 0; r0 < q.rows; r0 += 16)
-          for (int64_t b = 0; b < NB; ++b) {
-            const int64_t r_end = std::min(q.rows, r0 + 16);
-            float a = 0.0f;
-            for (int64_t r = r0; r < r_end; ++r) a = std::max(a, block_amax[size_t((s * q.rows + r) * NB + b)]);
-            for (int64_t r = r0; r < r_end; ++r) block_amax[size_t((s * q.rows + r) * NB + b)] = a;
-          }
+// Storage rows per outer-scale group of q (a tensor, a slice, a row).
+int64_t rows_per_group(const QTensor& q) {
+  return q.outer == OuterScale::Tensor ? q.total_rows() : q.outer == OuterScale::PerSlice ? q.rows : 1;
+}
+
+// The amax of each outer-scale group from the row amaxes.
+std::vector<float> group_amaxes(const QTensor& q, const std::vector<float>& row_amax) {
+  const int64_t per = rows_per_group(q), groups = q.total_rows() / std::max<int64_t>(per, 1);
+  std::vector<float> out(size_t(groups), 0.0f);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = g * per; r < (g + 1) * per; ++r) out[size_t(g)] = std::max(out[size_t(g)], row_amax[size_t(r)]);
+  return out;
+}
+
+}  // namespace
+
+Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
+  std::vector<float> joint;
+  for (const Tensor& x : xs) {
+    const QuantShape shape = quant_shape(x, spec);
+    const QTensor q = alloc_qtensor(spec, shape, Device::CPU);
+    const std::vector<float> a = group_amaxes(q, scan(x, spec, shape, q).row_amax);
+    if (joint.empty()) joint = a;
+    for (size_t g = 0; g < a.size(); ++g) joint[g] = std::max(joint[g], a[g]);
+  }
+  return Tensor::from_host(joint.data(), {int64_t(joint.size())}, DType::F32);
+}
+
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
+  const QuantShape shape = quant_shape(x, spec);
+  QTensor q = alloc_qtensor(spec, shape, Device::CPU);
+  const int64_t R = q.total_rows(), C = q.cols, PC = q.padded_cols(), NB = q.blocks_per_row();
+  const int B = q.block();
+  const FormatInfo& info = format_info(spec.fmt);
+
+  // Pass 1: block and row amax (of the rotated values, which are what gets quantized).
+  Scanned sc = scan(x, spec, shape, q);
+  const RowSource src{sc.base, C, PC, spec.hadamard, spec.hadamard_signs};
+  std::vector<float>& block_amax = sc.block_amax;
+
+  // Outer scales (NVFP4): amax over each group of rows (or the caller's), then S_enc / S_dec.
+  std::vector<float> s_enc(1, 1.0f);
+  if (q.outer != OuterScale::None) {
+    const std::vector<float> gamax =
+        group_amax ? std::vector<float>(group_amax->data<float>(), group_amax->data<float>() + group_amax->numel())
+                   : group_amaxes(q, sc.row_amax);
+    s_enc.resize(gamax.size());
+    for (size_t g = 0; g < gamax.size(); ++g) {
+      s_enc[g] = num::nvfp4_s_enc(gamax[g], spec.four_over_six);
+      q.outer_scales.data<float>()[g] = num::nvfp4_s_dec(s_enc[g]);
     }
   }
+  // NUMERICS: 16x16 tiles take one scale from the tile amax, replicated to each 1x16 slot.
+  if (spec.tile_2d) {
+    for (int64_t s = 0; s < q.slices; ++s)
+      for (int64_t r0 = 0; r0 < q.rows; r0 += 16)
+        for (int64_t b = 0; b < NB; ++b) {
+          const int64_t r_end = std::min(q.rows, r0 + 16);
+          float a = 0.0f;
+          for (int64_t r = r0; r < r_end; ++r) a = std::max(a, block_amax[size_t((s * q.rows + r) * NB + b)]);
+          for (int64_t r = r0; r < r_end; ++r) block_amax[size_t((s * q.rows + r) * NB + b)] = a;
+        }
+  }
 
-  // Pass 2: quantize every block.
+  // Pass 2: every block through the registry's block quantizer.
   uint8_t* codes = q.codes.data<uint8_t>();
   uint8_t* scales = q.block_scales.data<uint8_t>();
-  const int64_t row_bytes = q.code_row_bytes();
-  const num::MiniFloatSpec elem = spec.fmt == Format::MXFP8_E5M2 ? num::kE5M2 : num::kE4M3;
+  const int64_t row_bytes = q.code_row_bytes(), block_bytes = int64_t(B) * info.element_bits / 8;
   int64_t chose_four = 0;
 #pragma omp parallel reduction(+ : chose_four)
   {
@@ -144,50 +188,24 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; ++r) {
       src.load(r, buf.data());
-      uint8_t* row_codes = codes + r * row_bytes;
+      const int64_t g = q.outer_index(r);
+      const float se = g < 0 ? 1.0f : s_enc[size_t(g)];
       for (int64_t b = 0; b < NB; ++b) {
-        const float* xb = buf.data() + b * B;
         // Padding past C is zero; behind an RHT the rotated padding is not, so those blocks
         // encode all B values (the GEMM's reduction runs over the padded width).
         const int n = spec.hadamard ? B : int(std::min<int64_t>(B, C - b * B));
-        const float amax = block_amax[size_t(r * NB + b)];
-        const uint64_t index0 = uint64_t(r * PC + b * B);  // padded storage index (SR counter)
-        switch (spec.fmt) {
-          case Format::NVFP4: {
-            const int64_t g = q.outer_index(r) < 0 ? 0 : q.outer_index(r);
-            const float se = s_enc[size_t(g)];
-            const num::Nvfp4Block blk = num::nvfp4_quantize_block(
-                xb, n, amax, se, num::nvfp4_s_dec(se), spec.four_over_six, spec.metric,
-                spec.rounding, rng.seed, rng.stream, index0);
-            for (int k = 0; k < 8; ++k) row_codes[b * 8 + k] = uint8_t(blk.packed >> (8 * k));
-            scales[r * NB + b] = blk.scale;
-            chose_four += blk.chose_four ? 1 : 0;
-            break;
-          }
-          case Format::MXFP8_E4M3:
-          case Format::MXFP8_E5M2: {
-            uint8_t* out = row_codes + b * B;
-            scales[r * NB + b] = num::mxfp8_quantize_block(xb, n, amax, elem, spec.mx_rule,
-                                                           spec.rounding, rng.seed, rng.stream,
-                                                           index0, out);
-            std::fill(out + n, out + B, uint8_t(0));
-            break;
-          }
-          case Format::S2F6: {
-            int8_t* out = reinterpret_cast<int8_t*>(row_codes + b * B);
-            scales[r * NB + b] = num::s2f6_quantize_block(xb, n, amax, out);
-            std::fill(out + n, out + B, int8_t(0));
-            break;
-          }
-          default: fail("quantize: unsupported format {}", format_name(spec.fmt));
-        }
+        const BlockIn in{buf.data() + b * B, n, block_amax[size_t(r * NB + b)], se, rng.seed, rng.stream,
+                         uint64_t(r * PC + b * B)};  // padded storage index (SR counter)
+        bool four = false;
+        scales[r * NB + b] = info.quantize_block(in, spec, codes + r * row_bytes + b * block_bytes, &four);
+        chose_four += four ? 1 : 0;
       }
     }
   }
-  if (nonfinite) raise_nonfinite();
+  if (sc.nonfinite) raise_nonfinite();
   if (report) {
     report->values += shape.slices * shape.rows * shape.cols;
-    report->nonfinite += nonfinite;
+    report->nonfinite += sc.nonfinite;
     report->blocks += R * NB;
     report->blocks_chose_four += chose_four;
   }
@@ -214,9 +232,9 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   return out;
 }
 
-QTensor requantize_transposed(const QTensor& q, RngKey rng) {
-  const QuantSpec spec = requantize_transposed_spec(q);
-  return cpu::quantize(cpu::dequantize(q, true), spec, rng, nullptr);
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
+  const QuantSpec spec = requantize_transposed_spec(q, target);
+  return cpu::quantize(cpu::dequantize(q, true), spec, rng, nullptr, nullptr);
 }
 
 }  // namespace fourbit::ops::cpu

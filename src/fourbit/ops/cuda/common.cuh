@@ -1,4 +1,4 @@
-// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, grid_for, stream,
+// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, device_sm_count, grid_for, stream,
 //          cublas_handle, cublaslt_handle, check_cuda_tensor
 // What every CUDA source of the backend needs: error checks that name the call and the file,
 // launch sizing, the stream to launch on, and the process-wide cuBLAS handles.
@@ -7,6 +7,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "fourbit/tensor/device_memory.h"
@@ -32,7 +33,26 @@
 
 namespace fourbit::ops::cuda {
 
-inline unsigned grid_for(int64_t work_items, int threads_per_block, int64_t max_blocks = 132 * 32) {
+// Streaming multiprocessors of the current device (queried once per device: a hardware fact, not
+// a constant).
+inline int device_sm_count() {
+  static std::atomic<int> cached[64];
+  int dev = 0;
+  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
+  std::atomic<int>& c = cached[dev & 63];
+  int n = c.load(std::memory_order_relaxed);
+  if (n == 0) {
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    c.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Blocks for a grid-stride kernel over work_items: one per threads_per_block items, at most
+// max_blocks (by default 32 per SM of the device; a grid-stride loop gives the same results for
+// any grid).
+inline unsigned grid_for(int64_t work_items, int threads_per_block, int64_t max_blocks = 0) {
+  if (max_blocks <= 0) max_blocks = int64_t(device_sm_count()) * 32;
   int64_t blocks = (work_items + threads_per_block - 1) / threads_per_block;
   if (blocks < 1) blocks = 1;
   if (blocks > max_blocks) blocks = max_blocks;

@@ -1,11 +1,15 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, gemm_batch, quantize_segments,
-//          requantize_transposed_segments, flash_attention_forward, flash_attention_backward,
+//          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
+//          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.
 #pragma once
+#include <string>
+#include <vector>
+
 #include "fourbit/ops/ops.h"
 
 namespace fourbit::ops::cuda {
@@ -31,8 +35,9 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
                        const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
-// behind an RHT (the caller requantizes segment by segment).
-bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
+// where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than
+// E4M3 with SR): the caller requantizes segment by segment.
+bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets, const QuantSpec& target,
                                     const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
 
 // The two GPU attention paths behind ops::attention_forward/backward (same arguments; the fused
@@ -48,6 +53,16 @@ void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tens
                                     Tensor& lse);
 void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);
+
+// The quantize dispatch (quantize.cu): the name of the kernel a quantize call of spec over a
+// logical [slices,] rows x cols input takes (vec4: float4-loadable; group_amax: the caller gives
+// the outer scales' group amax), every entry of a format's list in order (the generic tile kernel
+// last), and the kernel requantize_transposed takes from q to the (checked) target spec. Host
+// code only, no device needed: the tests check that their cases reach every entry.
+const char* quantize_kernel_for(const QuantSpec& spec, int64_t slices, int64_t rows, int64_t cols, bool vec4,
+                                bool group_amax);
+std::vector<std::string> quantize_kernel_names(Format f);
+const char* requantize_kernel_for(const QTensor& q, const QuantSpec& spec);
 
 // Whether this GPU multiplies NVFP4/MXFP8 operands natively (block-scaled tensor cores, sm_100+).
 bool native_block_scaled_gemm();

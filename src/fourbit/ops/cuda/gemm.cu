@@ -238,8 +238,9 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
 
 namespace {
 
-// One thread per block of the operand: writes its B values (E2M1 x E4M3 for NVFP4, without the
-// outer scale; elem x 2^E for MXFP8; q x 2^(E-127-6) for S2F6) as T, and zeros up to k_eff.
+// One thread per block of the operand: writes its B values through the format registry's block
+// decoder (numerics/formats.h; NVFP4 without the outer scale: E2M1 x E4M3) as T, and zeros up to
+// k_eff.
 template <typename T>
 __global__ void decode_blocks_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
                                      int64_t rows, int64_t blocks_per_row, int64_t code_row_bytes,
@@ -250,19 +251,17 @@ __global__ void decode_blocks_kernel(const uint8_t* __restrict__ codes, const ui
     const uint8_t s = scales[i];
     const uint8_t* rc = codes + r * code_row_bytes;
     T* o = out + r * k_eff + b * block;
-    if (fmt == int(Format::NVFP4)) {
-      const float sv = num::ue4m3_decode(s);
-      for (int j = 0; j < block; j += 2) {
-        const uint8_t byte = rc[(b * block + j) / 2];
-        o[j] = T(num::e2m1_decode(byte & 0xF) * sv);
-        o[j + 1] = T(num::e2m1_decode(byte >> 4) * sv);
-      }
-    } else if (fmt == int(Format::S2F6)) {
-      for (int j = 0; j < block; ++j) o[j] = T(num::s2f6_decode_scaled(int8_t(rc[b * block + j]), s));
-    } else {
-      const num::MiniFloatSpec elem = fmt == int(Format::MXFP8_E5M2) ? num::e5m2_spec() : num::e4m3_spec();
-      for (int j = 0; j < block; ++j) o[j] = T(num::mxfp8_decode(rc[b * block + j], s, elem));
+    float v[32];
+    switch (Format(fmt)) {
+      case Format::NVFP4: num::nvfp4_decode_block(rc + b * block / 2, s, 1.0f, v); break;
+      case Format::MXFP4: num::mxfp4_decode_block(rc + b * block / 2, s, 1.0f, v); break;
+      case Format::S2F6: num::s2f6_decode_block(rc + b * block, s, 1.0f, v); break;
+      case Format::MXFP8_E5M2: num::mxfp8_decode_block<5>(rc + b * block, s, 1.0f, v); break;
+      default: num::mxfp8_decode_block<4>(rc + b * block, s, 1.0f, v); break;  // MXFP8_E4M3 (checked by the host)
     }
+#pragma unroll
+    for (int j = 0; j < 32; ++j)  // constant indices: v stays in registers
+      if (j < block) o[j] = T(v[j]);
     if (b == blocks_per_row - 1)
       for (int64_t j = (b + 1) * block; j < k_eff; ++j) out[r * k_eff + j] = T(0);
   }
