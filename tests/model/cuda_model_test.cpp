@@ -71,11 +71,12 @@ TEST_P(CudaTraining, FiftyStepsTrackTheCpuLossCurve) {
     worst = std::max(worst, d);
   }
   const double first = std::abs(lg[0] - lc[0]) / lc[0];
-  const double eval = std::abs(gpu.final_eval_loss - cpu.final_eval_loss) / cpu.final_eval_loss;
+  ASSERT_TRUE(cpu.final_eval_loss && gpu.final_eval_loss && cpu.final_train_loss && gpu.final_train_loss);
+  const double eval = std::abs(*gpu.final_eval_loss - *cpu.final_eval_loss) / *cpu.final_eval_loss;
   std::printf("%s: step-1 loss cpu %.6f gpu %.6f (rel %.2e); final train cpu %.4f gpu %.4f; final eval cpu %.4f "
               "gpu %.4f (rel %.4f); per-step rel diff mean %.4f worst %.4f\n",
-              recipe.c_str(), lc[0], lg[0], first, cpu.final_train_loss, gpu.final_train_loss, cpu.final_eval_loss,
-              gpu.final_eval_loss, eval, mean, worst);
+              recipe.c_str(), lc[0], lg[0], first, *cpu.final_train_loss, *gpu.final_train_loss, *cpu.final_eval_loss,
+              *gpu.final_eval_loss, eval, mean, worst);
   // Step 1 is one forward pass from the same weights on the same batch: only accumulation order
   // and the BF16 attention core differ. After that, every routing decision that flips on a
   // near-tie sends the two runs down different (equally good) paths, so the curves are compared
