@@ -1,6 +1,8 @@
-// defines: the add_*_command functions, one per subcommand file, and shared CLI helpers.
+// defines: the add_*_command functions, one per subcommand file, and shared CLI helpers
+//          (parse_device, add_threads_option, invocation, ExitStatus).
 #pragma once
 #include <CLI/CLI.hpp>
+#include <exception>
 #include <string>
 
 #include "fourbit/tensor/tensor.h"
@@ -16,5 +18,20 @@ void add_summary_command(CLI::App& app);
 
 // --device cpu|cuda|auto -> a Device; auto picks cuda when a GPU is visible.
 Device parse_device(const std::string& name);
+
+// --threads N on `cmd`: the CPU threads of the ops (default: OMP_NUM_THREADS, else one per
+// physical core). Applied when parsed, before the command runs.
+void add_threads_option(CLI::App* cmd);
+
+// The command line as typed (argv joined with spaces), for run records.
+const std::string& invocation();
+void set_invocation(int argc, char** argv);
+
+// Thrown by a command to end the process with `status` after printing its own lines (a run
+// stopped by SIGINT exits 130, by SIGTERM 143).
+struct ExitStatus : std::exception {
+  explicit ExitStatus(int s) : status(s) {}
+  int status;
+};
 
 }  // namespace fourbit::cli
