@@ -222,10 +222,6 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
     if (total != schedule.total_steps()) changed["train.steps"] = {schedule.total_steps(), total};
     schedule = schedule.with_length(start_step, total);
     source.restore(st.source);
-    const std::string aside = set_aside_checkpoints_after(opt.out_dir, start_step);
-    if (!aside.empty())
-      warn(fmt::format("the checkpoints after {} belong to the run's previous course; moved to {}",
-                       fs::path(resumed_from).filename().string(), aside));
   } else if (!opt.init_from.empty()) {
     CheckpointState st;
     std::vector<std::string> skipped;
@@ -250,9 +246,17 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   const TrainConfig& t = cfg.train;
   const uint64_t seed = t.seed;
   source.start(model, cfg);
+  for (const std::string& f : source.side_outputs())
+    if (f.empty() || f.find('/') != std::string::npos || f.rfind(".", 0) == 0 || f == "metrics.jsonl" ||
+        f == "config.json" || f == "summary.json")
+      fail("training source: side output '{}' must be a plain file name other than the run's own files", f);
 
   // The directory is claimed only now, when everything that can be checked has been.
   if (opt.resume) {
+    const std::string aside = set_aside_checkpoints_after(opt.out_dir, start_step);
+    if (!aside.empty())
+      warn(fmt::format("the checkpoints after {} belong to the run's previous course; moved to {}",
+                       fs::path(resumed_from).filename().string(), aside));
     nlohmann::json rec = record.json;
     if (!rec.contains("resumes")) rec["resumes"] = nlohmann::json::array();
     rec["resumes"].push_back({{"step", start_step},
@@ -291,8 +295,6 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   std::map<std::string, std::unique_ptr<JsonlLog>> side;
   std::map<std::string, JsonlLog*> side_ptrs;
   for (const std::string& f : source.side_outputs()) {
-    if (f.empty() || f.find('/') != std::string::npos || f == "metrics.jsonl" || f == "config.json")
-      fail("training source: side output '{}' must be a plain file name other than metrics.jsonl", f);
     side[f] = std::make_unique<JsonlLog>((fs::path(opt.out_dir) / f).string(), start_step);
     side_ptrs[f] = side[f].get();
   }
