@@ -306,6 +306,8 @@ TEST(RunsCli, ErrorsNameTheFlagOrFileTheyComeFrom) {
   EXPECT_HAS(err("pretrain --resume " + d.root + "/nothing"), d.root + "/nothing: no such run directory");
   EXPECT_HAS(err("pretrain --from-checkpoint step-3 --config " + cfg + " --out " + d.root + "/r"),
              "--from-checkpoint picks where a --resume continues");
+  EXPECT_HAS(err("pretrain --resume " + d.root + "/r --force"), "give only one of them");
+  EXPECT_HAS(err("pretrain --resume " + d.root + "/r --init " + d.root + "/q"), "cannot be combined with --resume");
   EXPECT_FALSE(fs::exists(d.root + "/r")) << "a refused command created its run directory";
   const CliRun ok = cli(d.root, "recipes --recipe mxfp8 --threads 1");
   EXPECT_EQ(ok.status, 0) << ok.err;

@@ -98,6 +98,8 @@ void add_pretrain_command(CLI::App& app) {
     if (resume) {
       if (!a->out.empty() && a->out != a->resume)
         fail("--resume DIR continues DIR; do not also give a different --out ({})", a->out);
+      if (a->force) fail("--force replaces a run and --resume continues one; give only one of them");
+      if (!a->init.empty()) fail("--init starts a new run from another run's weights; it cannot be combined with --resume");
       const RunRecord rec = read_run_record(a->resume);
       if (a->config_opt->count()) {
         cfg = load_config(a->config);
