@@ -7,6 +7,7 @@ BUILD=${1:-build}
 OUT=${CONVERGENCE_OUT:-runs/convergence}
 recipes=(fp32 bf16 mxfp8 nvfp4-fwd nvidia-nvfp4)
 for r in "${recipes[@]}"; do
+  rm -rf "${OUT:?}/$r"  # this script's own runs: replaced on every call
   "$BUILD/fourbit" pretrain --config configs/tiny.toml --recipe "$r" --device cpu --out "$OUT/$r" > "$OUT.$r.log" 2>&1 \
     || { echo "convergence: $r failed (see $OUT.$r.log)"; exit 1; }
 done

@@ -12,6 +12,8 @@ extra=()
 mkdir -p "$OUT"
 for recipe in nvfp4-fwd mxfp8; do
   echo "== training configs/tiny.toml with recipe $recipe (CPU) =="
+  # The demo's runs are its own to replace (fourbit refuses to write over a run otherwise).
+  rm -rf "${OUT:?}/$recipe"
   "$FB" pretrain --config configs/tiny.toml --recipe "$recipe" --device cpu --out "$OUT/$recipe" "${extra[@]}"
 done
 echo

@@ -23,7 +23,7 @@ TEST(DistConfig, ParsesAndValidates) {
   EXPECT_EQ(d.dist.dp, 1);
   using testutil::error_of;
   EXPECT_NE(error_of([] { parse_config(std::string(kModel) + "[dist]\nep = 3\n", "x.toml"); })
-                .find("x.toml: dist.ep (3) must divide model.n_experts (8)"),
+                .find("x.toml:4: dist.ep (3) must divide model.n_experts (8, x.toml:2)"),
             std::string::npos);
   EXPECT_NE(error_of([] { parse_config(std::string(kModel) + "[dist]\ndp = 0\n", "x.toml"); })
                 .find("dist.dp must be positive"),

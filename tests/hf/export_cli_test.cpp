@@ -165,7 +165,7 @@ TEST(ExportCli, ImportedRunIsAcceptedEverywhere) {
   // No training yet: no activation statistics for NVFP4 input scales.
   EXPECT_HAS(expect_one_error(run_cli(dir, "export --run '" + run + "' --format modelopt --out '" + dir + "/m0'")),
              "no activation statistics for 'model.layers.1.mlp.experts.0.gate_proj'");
-  expect_ok(run_cli(dir, "pretrain --config '" + run + "/config.toml' --resume '" + run + "' --steps 1 --device cpu"),
+  expect_ok(run_cli(dir, "pretrain --resume '" + run + "' --steps 1 --device cpu"),
             "pretrain --resume");
   EXPECT_TRUE(fs::is_directory(run + "/checkpoints/step-000001"));
   expect_ok(run_cli(dir, "export --run '" + run + "' --format modelopt --out '" + dir + "/m1'"), "export modelopt");

@@ -354,6 +354,30 @@ TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {
       expect_bits(cfg("cross_entropy dlogits row %lld alone vs in N=513", r), d1, host_row(dl_g, r));
     }
   }
+  {
+    // Per-token weights (RL advantages): the GPU's weighted gradient tracks the CPU's like the
+    // unweighted one; weights of 1 give the unweighted bits; the losses stay unweighted.
+    const int64_t N = 129, V = 260;
+    const Tensor logits = random_tensor({N, V}, DType::F32, 510, -8.0, 8.0);
+    Tensor tgt = random_ints({N}, 0, int32_t(V), 511);
+    for (int64_t n = 3; n < N; n += 7) tgt.data<int32_t>()[n] = -1;
+    const Tensor w = random_tensor({N}, DType::F32, 512, -2.0, 2.0);
+    std::vector<float> ones_v(size_t(N), 1.0f);
+    const Tensor ones = Tensor::from_host(ones_v.data(), {N}, DType::F32);
+    const float gs = 1.0f / float(N);
+    Tensor loss_c = Tensor::empty({N}, DType::F32), dl_c = Tensor::empty({N, V}, DType::F32);
+    ops::cross_entropy(logits, tgt, loss_c, &dl_c, gs, &w);
+    const Tensor lg = gpu(logits), tg = gpu(tgt), wg = gpu(w), og = gpu(ones);
+    Tensor loss_w = Tensor::empty({N}, DType::F32, Device::CUDA), dl_w = Tensor::empty({N, V}, DType::F32, Device::CUDA);
+    Tensor loss_p = Tensor::empty({N}, DType::F32, Device::CUDA), dl_p = Tensor::empty({N, V}, DType::F32, Device::CUDA);
+    Tensor loss_1 = Tensor::empty({N}, DType::F32, Device::CUDA), dl_1 = Tensor::empty({N, V}, DType::F32, Device::CUDA);
+    ops::cross_entropy(lg, tg, loss_w, &dl_w, gs, &wg);
+    ops::cross_entropy(lg, tg, loss_p, &dl_p, gs);
+    ops::cross_entropy(lg, tg, loss_1, &dl_1, gs, &og);
+    expect_close("cross_entropy weighted dlogits", dl_w, dl_c, kReductionTol);
+    expect_bits("cross_entropy weighted losses = unweighted", loss_w, loss_p);
+    expect_bits("cross_entropy weights of 1 = no weights (dlogits)", dl_1, dl_p);
+  }
   Tensor loss = Tensor::empty({4}, DType::F32, Device::CUDA);
   expect_error([&] {
     ops::cross_entropy(gpu(random_tensor({4, 260}, DType::F32, 502)),

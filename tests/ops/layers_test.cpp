@@ -288,6 +288,40 @@ TEST(CrossEntropyOps, GradCheckWithIgnoredRows) {
   report("cross_entropy dlogits", fd_check(logits, dlogits, {{&losses, &r}}, fwd));
 }
 
+// Per-token weights (the trainer's RL advantages, possibly negative): the gradient is of
+// grad_scale * sum(w * losses); the losses stay unweighted; weights of 1 give the unweighted bits.
+TEST(CrossEntropyOps, PerTokenWeights) {
+  const int64_t N = 6, V = 9;
+  const float gs = 0.3f;
+  Tensor logits = random_tensor({N, V}, DType::F64, 55, -3.0, 3.0);
+  Tensor tg = int_tensor({2, -1, 8, 0, 5, 1}, {N});
+  const std::vector<float> wv = {1.5f, 2.0f, -0.75f, 0.0f, 1.0f, 0.25f};
+  const Tensor w = Tensor::from_host(wv.data(), {N}, DType::F32);
+  Tensor losses = Tensor::empty({N}, DType::F64), dlogits = Tensor::empty({N, V}, DType::F64);
+  Tensor plain = Tensor::empty({N}, DType::F64);
+  ops::cross_entropy(logits, tg, losses, &dlogits, gs, &w);
+  ops::cross_entropy(logits, tg, plain, nullptr, gs);
+  EXPECT_TRUE(bitwise_equal_range(losses, 0, plain, 0, N)) << "weights must not change the losses";
+  Tensor r = Tensor::empty({N}, DType::F64);
+  for (int64_t n = 0; n < N; ++n) r.data<double>()[n] = double(gs) * double(wv[size_t(n)]);
+  auto fwd = [&] { ops::cross_entropy(logits, tg, losses, nullptr, gs, &w); };
+  report("cross_entropy weighted dlogits", fd_check(logits, dlogits, {{&losses, &r}}, fwd));
+  for (int64_t v = 0; v < V; ++v) EXPECT_EQ(at(dlogits, 3 * V + v), 0.0) << "weight 0: no gradient";
+
+  // All-ones weights: the same bits as no weights, in F32 as the trainer runs it.
+  Tensor l32 = random_tensor({N, V}, DType::F32, 56, -3.0, 3.0);
+  const std::vector<float> ones(size_t(N), 1.0f);
+  const Tensor w1 = Tensor::from_host(ones.data(), {N}, DType::F32);
+  Tensor oa = Tensor::empty({N}, DType::F32), ob = oa.clone();
+  Tensor ga = Tensor::empty({N, V}, DType::F32), gb = ga.clone();
+  ops::cross_entropy(l32, tg, oa, &ga, gs);
+  ops::cross_entropy(l32, tg, ob, &gb, gs, &w1);
+  EXPECT_TRUE(bitwise_equal_range(oa, 0, ob, 0, N));
+  EXPECT_TRUE(bitwise_equal_range(ga, 0, gb, 0, N * V));
+  Tensor bad = Tensor::empty({N + 1}, DType::F32);
+  expect_error([&] { ops::cross_entropy(l32, tg, oa, &ga, gs, &bad); }, "cross_entropy: weights must be f32[N]=[6]");
+}
+
 TEST(CrossEntropyOps, BatchInvariant) {
   const int64_t T = 13, V = 301;
   Tensor l8 = random_tensor({8 * T, V}, DType::F32, 52, -8.0, 8.0);

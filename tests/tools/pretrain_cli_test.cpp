@@ -1,12 +1,14 @@
 // defines: end-to-end tests of `fourbit pretrain`, `fourbit recipes` and `fourbit plot`: the built
 //          CLI (FOURBIT_CLI) is run as a user would, its exit status, stdout and stderr captured.
 //          Every user error (malformed TOML, unknown field or recipe, wrong type, empty or
-//          non-UTF-8 data, a truncated checkpoint, a loss that goes non-finite) ends in exactly one
-//          "fourbit: error:" line naming what is wrong and exit status 1, and leaves the
-//          checkpoints already on disk byte for byte as they were.
+//          non-UTF-8 data, a loss that goes non-finite, no loadable checkpoint) ends in exactly
+//          one "fourbit: error:" line naming what is wrong and exit status 1, and leaves the
+//          checkpoints already on disk byte for byte as they were; a truncated newest checkpoint
+//          is skipped with a warning and kept.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -16,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "fourbit/io/safetensors.h"
 #include "tools/cli_test_util.h"
 #include "model/model_test_util.h"
 
@@ -143,7 +146,11 @@ TEST(PretrainCli, NonUtf8TextDataIsNamed) {
   EXPECT_HAS(msg, "not valid UTF-8");
 }
 
-TEST(PretrainCli, TruncatedCheckpointFailsAndIsLeftAlone) {
+// A truncated newest checkpoint: the resume falls back to the previous one with a warning that
+// names the broken file, and moves the broken one aside byte for byte (it belongs to the run's
+// abandoned course); with no intact checkpoint left, one error names each failure and nothing
+// in the run changes.
+TEST(PretrainCli, TruncatedCheckpointFallsBackAndIsKept) {
   const std::string dir = fresh_test_dir("cli_tests");
   write_text(dir + "/ok.toml", good_config());
   const std::string run = dir + "/run";
@@ -152,32 +159,45 @@ TEST(PretrainCli, TruncatedCheckpointFailsAndIsLeftAlone) {
   const std::string model = run + "/checkpoints/step-000002/model.safetensors";
   ASSERT_TRUE(fs::exists(model));
   fs::resize_file(model, fs::file_size(model) / 2);
-  const auto before = snapshot(run + "/checkpoints");
-  const std::string msg = expect_one_error(
-      run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp4-fwd --device cpu --steps 4 --resume " + run));
-  EXPECT_HAS(msg, "step-000002/model.safetensors");
-  const auto after = snapshot(run + "/checkpoints");
-  EXPECT_EQ(names_of(after), names_of(before));
-  EXPECT_TRUE(after == before) << "the checkpoint directory changed";
+  const std::string truncated = file_bytes(model);
+  const CliRun r = run_cli(dir, "pretrain --device cpu --steps 4 --resume " + run);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_HAS(r.err, "warning: skipping a corrupt checkpoint: " + model);
+  EXPECT_HAS(r.err, "using step-000001");
+  bool kept = false;
+  for (const auto& e : fs::recursive_directory_iterator(run + "/checkpoints"))
+    if (e.path().filename() == "model.safetensors" && e.path().string().find("superseded-") != std::string::npos)
+      kept = kept || file_bytes(e.path().string()) == truncated;
+  EXPECT_TRUE(kept) << "the truncated checkpoint was not kept under checkpoints/superseded-*";
+
+  // Every checkpoint broken: an error naming each, the run left as it is.
+  std::vector<std::string> broken;
+  for (const auto& e : fs::directory_iterator(run + "/checkpoints"))
+    if (e.path().filename().string().rfind("step-", 0) == 0) broken.push_back(e.path().filename().string());
+  ASSERT_EQ(broken.size(), 3u) << "keep_last = 3";
+  for (const std::string& d : broken) fs::resize_file(run + "/checkpoints/" + d + "/model.safetensors", 100);
+  const auto before = snapshot(run);
+  const std::string msg = expect_one_error(run_cli(dir, "pretrain --device cpu --steps 8 --resume " + run));
+  EXPECT_HAS(msg, "no checkpoint can be loaded");
+  for (const std::string& d : broken) EXPECT_HAS(msg, d + "/model.safetensors");
+  EXPECT_TRUE(snapshot(run) == before) << "a failed resume changed the run";
 }
 
-// A run that diverges: two sane steps with a checkpoint after each, then a resume of the same
-// directory with a config whose learning rate is absurd (the resumed run takes [train] from the
-// config it is given; [model] must match the checkpoint's). The error names the cause and the
-// step; the checkpoints of steps 1 and 2 and `latest` are byte-identical afterwards and no
-// later checkpoint appears.
+// A run that diverges: a new run started (--init) from a sane run's weights with an absurd
+// learning rate. The error names the cause and the step; the sane run's checkpoints are
+// byte-identical afterwards and the new run has no checkpoint for the failing step.
 TEST(PretrainCli, NonFiniteLossStopsWithoutTouchingCheckpoints) {
   const std::string dir = fresh_test_dir("cli_tests");
   write_text(dir + "/ok.toml", good_config());
-  write_text(dir + "/diverge.toml", good_config("lr = 1e30\nmin_lr_ratio = 1.0\n", /*checkpoint_every=*/0));
+  write_text(dir + "/diverge.toml", good_config("lr = 1e30\nmin_lr_ratio = 1.0\n", /*checkpoint_every=*/1));
   const std::string run = dir + "/run";
   const CliRun first = run_cli(dir, "pretrain --config " + dir + "/ok.toml --recipe nvfp4-fwd --device cpu --out " + run);
   ASSERT_EQ(first.status, 0) << first.err;
   const auto before = snapshot(run + "/checkpoints");
   ASSERT_TRUE(before.count("step-000001/model.safetensors"));
   ASSERT_TRUE(before.count("step-000002/model.safetensors"));
-  const CliRun r =
-      run_cli(dir, "pretrain --config " + dir + "/diverge.toml --recipe nvfp4-fwd --device cpu --steps 8 --resume " + run);
+  const CliRun r = run_cli(dir, "pretrain --config " + dir + "/diverge.toml --recipe nvfp4-fwd --device cpu --steps 8 --init " +
+                                    run + " --out " + dir + "/diverged");
   const std::string msg = expect_one_error(r, /*alone=*/false);  // progress lines come first
   EXPECT_HAS(msg, "non-finite");
   EXPECT_HAS(msg, "step ");
@@ -185,6 +205,24 @@ TEST(PretrainCli, NonFiniteLossStopsWithoutTouchingCheckpoints) {
   const auto after = snapshot(run + "/checkpoints");
   EXPECT_EQ(names_of(after), names_of(before)) << "checkpoint files appeared or vanished";
   EXPECT_TRUE(after == before) << "an existing checkpoint changed";
+  // The diverged run keeps only finite checkpoints of the steps before the failure. They load;
+  // with weights grown by lr = 1e30 their forward may overflow, which the sampler reports as NaN
+  // logits (a model error, not a checkpoint error).
+  if (!fs::exists(dir + "/diverged/checkpoints")) return;
+  for (const auto& e : fs::directory_iterator(dir + "/diverged/checkpoints")) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step-", 0) != 0) continue;
+    for (const auto& [tname, t] : fourbit::io::read_safetensors((e.path() / "model.safetensors").string()).tensors) {
+      ASSERT_EQ(t.dtype(), fourbit::DType::F32) << name << ": " << tname;  // checkpoints hold FP32 masters
+      const float* p = t.data<float>();
+      int64_t bad = 0;
+      for (int64_t i = 0; i < t.numel(); ++i) bad += !std::isfinite(p[i]);
+      EXPECT_EQ(bad, 0) << name << ": " << tname << " holds non-finite weights";
+    }
+    const CliRun g = run_cli(dir, "generate --run " + e.path().string() + " --prompt x --max-new 1 --device cpu");
+    if (g.status != 0)
+      EXPECT_NE(g.err.find("sampling: the logits of sequence 0"), std::string::npos) << name << " is not a loadable checkpoint: " << g.err;
+  }
 }
 
 TEST(RecipesCli, ListsAllFiveRecipes) {

@@ -18,7 +18,7 @@ namespace fourbit::cli {
 void add_generate_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("generate", "sample from a trained run (KV-cache sampler on the training forward)");
   struct Args {
-    std::string run, device = "auto";
+    std::string run, checkpoint, device = "auto";
     std::vector<std::string> prompts;
     int64_t max_new = 48, n = 1, top_k = 0;
     double temperature = 0, top_p = 1;
@@ -26,7 +26,9 @@ void add_generate_command(CLI::App& app) {
     bool sep = false, logprobs = false;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("--run", a->run, "run directory (its latest checkpoint)")->required();
+  cmd->add_option("--run", a->run, "run directory (its newest valid checkpoint) or a checkpoint directory")
+      ->required();
+  cmd->add_option("--checkpoint", a->checkpoint, "which checkpoint of the run: step-N");
   cmd->add_option("--prompt", a->prompts, "prompt text, after <bos> (repeatable)")->required();
   cmd->add_option("--max-new", a->max_new, "tokens to generate at most (<eos> ends a sample earlier)")
       ->capture_default_str();
@@ -40,6 +42,7 @@ void add_generate_command(CLI::App& app) {
   cmd->add_flag("--sep", a->sep, "end each prompt with <sep>, the task format of SFT/RL models");
   cmd->add_flag("--logprobs", a->logprobs, "print each sample's summed log-prob (the policy's, temperature 1)");
   cmd->add_option("--device", a->device, "cpu, cuda or auto")->capture_default_str();
+  add_threads_option(cmd);
   cmd->callback([a]() {
     if (a->n < 1) fail("--n: expected at least 1 sample per prompt, got {}", a->n);
     if (a->n > 1 && a->temperature == 0)
@@ -54,10 +57,20 @@ void add_generate_command(CLI::App& app) {
     opt.stop_token = data::kEos;
     rl::check_sampling_options(opt, data::kVocabSize);  // option errors before loading anything
 
-    const std::string dir = latest_checkpoint(a->run);
-    const CheckpointState st = read_checkpoint_state(dir);
-    Model m(st.config.model, recipe_by_name(st.recipe), parse_device(a->device));
-    load_checkpoint(dir, m.params(), nullptr, nullptr);
+    const Device device = parse_device(a->device);
+    std::unique_ptr<Model> model;
+    std::vector<std::string> warnings;
+    load_first_valid_checkpoint(
+        a->run, a->checkpoint,
+        [&](const std::string& dir) {
+          const CheckpointState st = read_checkpoint_state(dir);
+          auto loaded = std::make_unique<Model>(st.config.model, recipe_by_name(st.recipe), device);
+          load_checkpoint(dir, loaded->params(), nullptr, nullptr);  // checksums; NaN weights refused
+          model = std::move(loaded);
+        },
+        &warnings);
+    for (const std::string& w : warnings) std::fprintf(stderr, "fourbit: %s\n", w.c_str());
+    Model& m = *model;
     std::vector<rl::SampleRequest> requests;
     for (size_t i = 0; i < a->prompts.size(); ++i) {
       std::vector<int32_t> prompt = {data::kBos};

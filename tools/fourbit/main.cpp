@@ -1,14 +1,21 @@
-// defines: main, parse_device
+// defines: main, parse_device, add_threads_option, invocation (commands.h)
 // The `fourbit` command line: one subcommand per job. Every user error ends as one line
 // "fourbit: error: ..." on stderr and exit status 1.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 
+#include "fourbit/ops/threads.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 #include "tools/fourbit/commands.h"
+#include "tools/fourbit/omp_env.h"
 
 namespace fourbit::cli {
+
+namespace {
+std::string g_invocation;
+}
 
 Device parse_device(const std::string& name) {
   if (name == "cpu") return Device::CPU;
@@ -21,9 +28,30 @@ Device parse_device(const std::string& name) {
   fail("--device: expected cpu, cuda or auto, got '{}'", name);
 }
 
+void add_threads_option(CLI::App* cmd) {
+  cmd->add_option_function<int>(
+         "--threads", [](const int& n) { set_threads(n); },
+         "CPU threads (default: OMP_NUM_THREADS, else one per physical core)")
+      ->type_name("N");
+}
+
+const std::string& invocation() { return g_invocation; }
+
+void set_invocation(int argc, char** argv) {
+  g_invocation.clear();
+  for (int i = 0; i < argc; ++i) {
+    if (i) g_invocation += ' ';
+    g_invocation += i == 0 ? "fourbit" : argv[i];
+  }
+}
+
 }  // namespace fourbit::cli
 
 int main(int argc, char** argv) {
+  // Before anything starts a thread: OpenMP's waiting policy is read once, at start-up.
+  fourbit::cli::prepare_openmp_environment(argc, argv);
+  fourbit::cli::set_invocation(argc, argv);
+  fourbit::set_threads(fourbit::default_threads());
   CLI::App app{"fourbit: MoE training with a native NVFP4 forward pass"};
   app.require_subcommand(1);
   fourbit::cli::add_pretrain_command(app);
@@ -45,6 +73,8 @@ int main(int argc, char** argv) {
     // one line, like every other user error (CLI11 would add "Run with --help" and its own code)
     std::fprintf(stderr, "fourbit: error: %s\n", e.what());
     return 1;
+  } catch (const fourbit::cli::ExitStatus& e) {
+    return e.status;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fourbit: error: %s\n", e.what());
     return 1;

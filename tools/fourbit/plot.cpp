@@ -2,6 +2,8 @@
 // `fourbit plot RUN_DIR... --out loss.png`: loss curves of several runs in one PNG. The drawing is
 // gnuplot's (installed by scripts/install-deps.sh); this command reads each run's metrics.jsonl,
 // writes the series beside the PNG (NAME.data/) with the gnuplot script, and runs it.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -88,12 +90,21 @@ void add_plot_command(CLI::App& app) {
   cmd->add_option("runs", *runs, "run directories")->required();
   cmd->add_option("--out", *out, "PNG to write")->capture_default_str();
   cmd->add_option("--title", *title, "plot title");
+  add_threads_option(cmd);
   cmd->callback([runs, out, title]() {
-    if (std::system("command -v gnuplot >/dev/null 2>&1") != 0)
-      fail("fourbit plot needs gnuplot (scripts/install-deps.sh installs gnuplot-nox)");
     const fs::path png = fs::absolute(*out);
     const fs::path data_dir = png.parent_path() / (png.stem().string() + ".data");
-    fs::create_directories(data_dir);
+    std::error_code ec;
+    if (png.filename().empty() || fs::is_directory(png, ec))
+      fail("--out {}: expected the name of a PNG file to write", *out);
+    if (!fs::is_directory(png.parent_path(), ec))
+      fail("--out {}: the directory {} does not exist", *out, png.parent_path().string());
+    fs::create_directories(data_dir, ec);
+    if (ec) fail("--out {}: cannot create {} for the plot's data: {}", *out, data_dir.string(), ec.message());
+    if (::access(png.parent_path().c_str(), W_OK) != 0)
+      fail("--out {}: the directory {} is not writable", *out, png.parent_path().string());
+    if (std::system("command -v gnuplot >/dev/null 2>&1") != 0)
+      fail("fourbit plot needs gnuplot (scripts/install-deps.sh installs gnuplot-nox)");
     std::vector<Series> series;
     for (size_t i = 0; i < runs->size(); ++i) series.push_back(read_run((*runs)[i], data_dir, int(i)));
     std::ostringstream gp;
@@ -122,7 +133,7 @@ void add_plot_command(CLI::App& app) {
     char buf[512];
     while (std::fgets(buf, sizeof buf, p)) msg += buf;
     const int rc = ::pclose(p);
-    if (rc != 0 || !fs::exists(png)) fail("gnuplot failed on {}: {}", script.string(), msg);
+    if (rc != 0 || !fs::exists(png)) fail("--out {}: gnuplot failed to write it (script {}): {}", *out, script.string(), msg);
     std::printf("wrote %s (%zu runs; data and script in %s)\n", png.string().c_str(), series.size(),
                 data_dir.string().c_str());
   });

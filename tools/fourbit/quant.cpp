@@ -477,6 +477,7 @@ void add_quant_command(CLI::App& app) {
   g["--device"] = cmd->add_option("--device", o->device, "where to quantize")
                       ->check(CLI::IsMember({"cpu", "cuda"}))
                       ->capture_default_str();
+  add_threads_option(cmd);
   cmd->callback([o] { run_quant(*o); });
 }
 

@@ -16,6 +16,7 @@
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/checkpoint.h"
+#include "fourbit/train/run_dir.h"
 
 namespace fourbit::hf {
 namespace fs = std::filesystem;
@@ -281,14 +282,23 @@ ImportSummary import_hf(const ImportOptions& o) {
   fs::create_directories(o.out_dir, ec);
   if (ec) fail("--out {}: cannot create directory: {}", o.out_dir, ec.message());
   const std::string source = fs::absolute(o.hf_dir).lexically_normal().string();
-  CheckpointState st{rc, o.recipe, 0, o.seed, 0, {{"imported_from", source}, {"hf_config", ck.hf_config}}};
+  CheckpointState st;
+  st.config = rc;
+  st.recipe = o.recipe;
+  st.seed = o.seed;
+  st.extra = {{"imported_from", source}, {"hf_config", ck.hf_config}};
   ImportSummary sum;
   sum.checkpoint_dir = save_checkpoint(o.out_dir, store, zeros, zeros, st);
-  // The run's config as pretrain writes it, and as TOML for `pretrain --config RUN/config.toml`.
+  // The run record as the training loop writes it: a pretraining run at step 0 that
+  // `pretrain --resume RUN` continues (on any data: it has no source record yet) and `--init RUN`
+  // starts from; the config again as TOML, to edit into a new run's config.
   io::write_file_atomic(rc.path, config_toml(rc));
-  const nlohmann::json run = {{"config", config_to_json(rc)}, {"recipe", o.recipe}, {"config_path", rc.path},
-                              {"device", "cpu"}, {"imported_from", source}};
-  io::write_file_atomic((fs::path(o.out_dir) / "config.json").string(), run.dump(2) + "\n");
+  const nlohmann::json run = {{"format", "fourbit-run-1"}, {"command", "pretrain"},
+                              {"config", config_to_json(rc)}, {"recipe", o.recipe},
+                              {"config_path", rc.path}, {"device", "cpu"},
+                              {"created", utc_time()}, {"imported_from", source},
+                              {"source", nullptr}, {"resumes", nlohmann::json::array()}};
+  write_run_record(o.out_dir, run);
   sum.config = rc.model;
   sum.params = store.numel();
   sum.notes = ck.notes;

@@ -43,8 +43,8 @@ struct ImportSummary {
 };
 ImportSummary import_hf(const ImportOptions& o);
 
-// A run config as TOML that load_config reads back to the same values (`fourbit pretrain
-// --config RUN/config.toml --resume RUN` continues an imported run).
+// A run config as TOML that load_config reads back to the same values (an imported run's
+// config.toml, to edit into the config of a run that starts from it with --init).
 std::string config_toml(const RunConfig& c);
 
 }  // namespace fourbit::hf

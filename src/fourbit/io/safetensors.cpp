@@ -187,6 +187,13 @@ SafetensorsFile read_safetensors(const std::string& path) {
   if (header_len == 0) fail("{}: header length is 0; expected a JSON object", path);
   std::string text(size_t(header_len), '\0');
   f.read_at(8, text.data(), text.size(), "the JSON header");
+  // The format pads the header with spaces only. The JSON parser would stop at a NUL byte and
+  // take what follows for nothing, so a damaged padding byte is caught here.
+  const size_t nul = text.find('\0');
+  if (nul != std::string::npos) fail("{}: the header holds a NUL byte at offset {}", path, 8 + nul);
+  const size_t close = text.find_last_of('}');
+  if (close != std::string::npos && text.find_first_not_of(' ', close + 1) != std::string::npos)
+    fail("{}: the header's padding after the JSON object holds bytes other than spaces", path);
 
   DuplicateKeyWatch watch;
   Json header;

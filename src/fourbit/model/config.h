@@ -1,11 +1,15 @@
 // defines: ModelConfig, TrainConfig, DataConfig, DistConfig, RunConfig, load_config, parse_config,
-//          config_to_json
+//          config_to_json, config_from_json, validate_config, apply_override, set_config_field,
+//          config_field_names
 // The TOML run configuration: [model] the architecture, [train] the optimisation, [data] where
-// tokens come from, [dist] how the processes of a multi-GPU run share the work. Every field is checked: unknown fields, wrong types and out-of-range values
-// fail with the file, the field and what was expected.
+// tokens come from, [dist] how the processes of a multi-GPU run share the work. Every field is
+// checked: unknown fields, wrong types and out-of-range values fail with where the value came
+// from (`file:line`, `--set section.key=value`, `--data`), the field and what was expected.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -53,7 +57,8 @@ struct TrainConfig {
   double grad_clip = 1.0;       // global L2 norm; 0 = off
   int64_t eval_every = 50;
   int64_t eval_batches = 4;
-  int64_t checkpoint_every = 0; // 0: only at the end
+  int64_t checkpoint_every = 100; // 0: only at the end (and when stopped by SIGINT/SIGTERM)
+  int64_t keep_last = 3;        // checkpoints kept (older ones are pruned); 0: keep all
   int64_t log_every = 10;
   uint64_t seed = 1234;
 };
@@ -78,13 +83,31 @@ struct RunConfig {
   DataConfig data;
   DistConfig dist;
   std::string path;  // where it was read from ("<embedded>" for defaults)
+  // Where each field that was set came from, for messages: "train.lr" -> "configs/tiny.toml:23",
+  // "--set train.lr=0.01", "--data". Fields left at their defaults have no entry.
+  std::map<std::string, std::string> origin;
+  // "ORIGIN" of `field` ("FILE:LINE", "--set ...") or, for a default, the config's path.
+  std::string where(const std::string& field) const;
 };
 
 RunConfig load_config(const std::string& path);
 RunConfig parse_config(const std::string& toml_text, const std::string& path_for_messages);
 nlohmann::json config_to_json(const RunConfig& c);
+// Fields added after a run record was written (train.keep_last) take their defaults when absent;
+// any other missing field is an error.
 RunConfig config_from_json(const nlohmann::json& j, const std::string& path_for_messages);
-// Checks the cross-field rules (heads divide, top_k <= experts, ...); load/parse call it.
+// Checks ranges and the cross-field rules (heads divide, top_k <= experts, ...); load/parse call
+// it. Messages start with the origin of the offending field.
 void validate_config(const RunConfig& c);
+
+// `--set section.key=value`: sets one field from text (integers, numbers, true/false, strings
+// with or without quotes) and records the origin "--set section.key=value". Errors name the
+// assignment and what was expected. Does not validate (call validate_config after all of them).
+void apply_override(RunConfig& c, const std::string& assignment);
+// Sets `field` ("section.key") from text, recording `origin` for it; errors start with `origin`.
+void set_config_field(RunConfig& c, const std::string& field, const std::string& value,
+                      const std::string& origin);
+// Every "section.key", in the order config_to_json writes them.
+std::vector<std::string> config_field_names();
 
 }  // namespace fourbit

@@ -595,11 +595,16 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
 }  // namespace
 
 ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
-                            bool for_backward, float loss_weight) {
+                            bool for_backward, float loss_weight, const Tensor& token_weights) {
   if (tokens.dim() != 2 || tokens.dtype() != DType::I32)
     fail("model forward: tokens must be i32 [B, T], got {}", tokens.str());
   if (targets.shape() != tokens.shape() || targets.dtype() != DType::I32)
     fail("model forward: targets must be i32 {} like tokens, got {}", shape_str(tokens.shape()), targets.str());
+  const bool weighted = token_weights.defined();
+  if (weighted && (token_weights.shape() != tokens.shape() || token_weights.dtype() != DType::F32 ||
+                   token_weights.device() != device_))
+    fail("model forward: token weights must be f32 {} on {} like tokens, got {}", shape_str(tokens.shape()),
+         device_name(device_), token_weights.str());
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, V = cfg_.vocab_size;
   if (T > cfg_.max_seq_len) fail("model forward: sequence length {} exceeds max_seq_len {}", T, cfg_.max_seq_len);
 
@@ -626,12 +631,24 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   Tensor dlogits;
   if (for_backward) dlogits = Tensor::empty({N, V}, dtype_, device_);
   const double grad_scale = n_valid ? double(loss_weight) / double(n_valid) : 0.0;
-  ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale);
+  const Tensor weights_flat = weighted ? token_weights.reshape({N}) : Tensor();
+  ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale,
+                     weighted ? &weights_flat : nullptr);
 
   ForwardStats st;
   st.tokens = n_valid;
-  st.loss = n_valid ? host_sum(losses) / double(n_valid) : 0.0;
+  if (weighted) {
+    const Tensor lh = losses.to(Device::CPU), wh = weights_flat.to(Device::CPU);
+    double sum = 0;
+    for (int64_t i = 0; i < N; ++i)
+      sum += double(wh.data<float>()[i]) *
+             (lh.dtype() == DType::F64 ? lh.data<double>()[i] : double(lh.data<float>()[i]));
+    st.loss = n_valid ? sum / double(n_valid) : 0.0;
+  } else {
+    st.loss = n_valid ? host_sum(losses) / double(n_valid) : 0.0;
+  }
   st.aux_loss = aux;
+  st.token_losses = losses;
 
   if (s) {
     saved_bytes_ = SavedBytes{};

@@ -21,9 +21,12 @@
 namespace fourbit {
 
 struct ForwardStats {
-  double loss = 0;      // mean cross-entropy over the target tokens (nats)
+  double loss = 0;      // mean cross-entropy over the target tokens (nats); with per-token
+                        // weights, sum(weight * CE) / tokens
   double aux_loss = 0;  // load-balance loss summed over MoE layers (already weighted)
-  int64_t tokens = 0;   // target tokens counted
+  int64_t tokens = 0;   // target tokens counted (targets != -1)
+  Tensor token_losses;  // F32/F64 [B*T] on the model's device: each position's unweighted
+                        // cross-entropy, -log p(target) (0 where the target is -1)
 };
 
 // Bytes kept between forward and backward, by what keeps them.
@@ -61,9 +64,12 @@ class Model {
 
   // tokens, targets: I32 [B, T] on the model's device (targets -1 = no loss). With
   // for_backward the activations are kept and the gradient of loss_weight * (CE + aux) is ready
-  // for backward(), which accumulates into params().flat_grad().
+  // for backward(), which accumulates into params().flat_grad(); CE is the mean over the targets.
+  // token_weights (optional F32 [B, T] on the model's device) weight each target's
+  // cross-entropy: the gradient is then of loss_weight * (sum_i w_i CE_i / tokens + aux), e.g.
+  // the advantages of a policy-gradient step. Without them the results are unchanged bits.
   ForwardStats forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
-                       bool for_backward, float loss_weight = 1.0f);
+                       bool for_backward, float loss_weight = 1.0f, const Tensor& token_weights = Tensor());
   void backward();
 
   // Logits F32 [B*T, V] for tokens [B, T] (a full causal forward); no activations kept.

@@ -319,8 +319,8 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   FOURBIT_DISPATCH(h1.device(), swiglu_backward, da, h1, h3, dh1, dh3);
 }
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale) {
-  FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale);
+                   double grad_scale, const Tensor* weights) {
+  FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale, weights);
 }
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx,
                  Tensor& topk_w) {

@@ -201,8 +201,12 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 // Softmax cross-entropy over logits [N, V] with targets I32 [N] (-1 = ignored). Writes the
 // per-row loss into losses [N] (0 for ignored rows) and, when dlogits is defined, the gradient
 // of grad_scale * sum(losses): (softmax - onehot) * grad_scale (0 rows for ignored targets).
+// With `weights` (F32 [N], on the logits' device) the gradient is of
+// grad_scale * sum(weights * losses): row n is scaled by grad_scale * weights[n] (weights may be
+// negative: RL advantages). The losses stay unweighted. Without weights the results are the
+// same bits as before weights existed.
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale);
+                   double grad_scale, const Tensor* weights = nullptr);
 
 // Router: probs = softmax(logits [N, E]); top-k by probability (ties: lower expert index first),
 // topk_idx I32 [N, k] in descending order, topk_w [N, k] = renormalised probabilities.

@@ -1,4 +1,4 @@
-// defines: MetricsLog, Progress (metrics.h)
+// defines: JsonlLog, Progress (metrics.h)
 #include "fourbit/train/metrics.h"
 
 #include <unistd.h>
@@ -15,8 +15,7 @@
 
 namespace fourbit {
 
-MetricsLog::MetricsLog(const std::string& run_dir, int64_t resume_step)
-    : path_((std::filesystem::path(run_dir) / "metrics.jsonl").string()) {
+JsonlLog::JsonlLog(const std::string& path, int64_t resume_step) : path_(path) {
   if (resume_step > 0 && std::filesystem::exists(path_)) {
     std::ifstream in(path_);
     std::string kept, line;
@@ -36,11 +35,11 @@ MetricsLog::MetricsLog(const std::string& run_dir, int64_t resume_step)
   if (!f_) fail("{}: cannot open for writing", path_);
 }
 
-MetricsLog::~MetricsLog() {
+JsonlLog::~JsonlLog() {
   if (f_) std::fclose(f_);
 }
 
-void MetricsLog::write(const nlohmann::json& line) {
+void JsonlLog::write(const nlohmann::json& line) {
   const std::string s = line.dump() + "\n";
   if (std::fwrite(s.data(), 1, s.size(), f_) != s.size() || std::fflush(f_) != 0)
     fail("{}: write failed", path_);

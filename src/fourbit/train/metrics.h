@@ -1,7 +1,8 @@
-// defines: MetricsLog, Progress
+// defines: JsonlLog, Progress
 // metrics.jsonl holds only what is a pure function of the seed (losses, learning rate, gradient
 // norm), so two runs of one seed write identical files; timings go to the terminal and to
-// summary.json. Progress draws a one-line bar on a terminal and plain lines otherwise.
+// summary.json. A training source's side outputs (samples.jsonl) are JSON-lines files of the same
+// kind. Progress draws a one-line bar on a terminal and plain lines otherwise.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -12,12 +13,15 @@
 
 namespace fourbit {
 
-class MetricsLog {
+// A JSON-lines file of a run, one object per line, each with the 1-based "step" that wrote it.
+class JsonlLog {
  public:
-  // Opens RUN/metrics.jsonl; when resuming at `resume_step`, keeps only the lines of steps up to
-  // it, so the file ends as an uninterrupted run's would.
-  MetricsLog(const std::string& run_dir, int64_t resume_step);
-  ~MetricsLog();
+  // Opens `path`; when resuming at `resume_step`, keeps only the lines of steps up to it (and
+  // drops a torn last line), so the file ends as an uninterrupted run's would.
+  JsonlLog(const std::string& path, int64_t resume_step);
+  ~JsonlLog();
+  JsonlLog(const JsonlLog&) = delete;
+  JsonlLog& operator=(const JsonlLog&) = delete;
   void write(const nlohmann::json& line);
   const std::string& path() const { return path_; }
 

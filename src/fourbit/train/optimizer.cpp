@@ -1,19 +1,91 @@
-// defines: lr_at, Optimizer (optimizer.h)
+// defines: lr_at, LrSchedule, Optimizer (optimizer.h)
 #include "fourbit/train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "fourbit/ops/ops.h"
+#include "fourbit/tensor/error.h"
 
 namespace fourbit {
+
+namespace {
+constexpr double kPi = 3.14159265358979323846;
+
+double lr_of_phase(const TrainConfig& t, double phase) {
+  const double cosine = 0.5 * (1.0 + std::cos(kPi * std::min(1.0, phase)));
+  return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
+}
+}  // namespace
 
 double lr_at(const TrainConfig& t, int64_t step) {
   if (step < t.warmup_steps) return t.lr * double(step + 1) / double(t.warmup_steps);
   const int64_t decay_steps = t.steps - t.warmup_steps;
   if (decay_steps <= 1) return t.lr;
   const double progress = double(step - t.warmup_steps) / double(decay_steps - 1);
-  const double cosine = 0.5 * (1.0 + std::cos(3.14159265358979323846 * std::min(1.0, progress)));
-  return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
+  return lr_of_phase(t, progress);
+}
+
+LrSchedule::LrSchedule(const TrainConfig& t) : LrSchedule(t, t.steps, {}) {}
+
+LrSchedule::LrSchedule(const TrainConfig& t, int64_t first_steps, std::vector<Change> changes)
+    : t_(t), first_steps_(first_steps), changes_(std::move(changes)) {
+  t_.steps = first_steps;
+  const int64_t w = t.warmup_steps;
+  pieces_.push_back({w, 0.0, first_steps});
+  int64_t last_at = 0;
+  for (const Change& c : changes_) {
+    if (c.at_step < last_at || c.steps <= c.at_step)
+      fail("LR schedule: change to {} steps at step {} must come after the previous change (step {}) and "
+           "leave steps to run", c.steps, c.at_step, last_at);
+    last_at = c.at_step;
+    const int64_t from = std::max(c.at_step, w);
+    pieces_.push_back({from, phase(from), c.steps});
+  }
+}
+
+double LrSchedule::phase(int64_t step) const {
+  const Piece* p = &pieces_.front();
+  for (const Piece& q : pieces_)
+    if (q.from <= step) p = &q;
+  const int64_t span = p->to - 1 - p->from;
+  if (span <= 0) return p->p0;
+  const double x = std::min(1.0, double(step - p->from) / double(span));
+  // The first piece is lr_at's own expression (p0 = 0), so a run without changes gets its bits.
+  return p == &pieces_.front() ? x : p->p0 + (1.0 - p->p0) * x;
+}
+
+double LrSchedule::lr(int64_t step) const {
+  if (changes_.empty()) return lr_at(t_, step);
+  if (step < t_.warmup_steps) return t_.lr * double(step + 1) / double(t_.warmup_steps);
+  return lr_of_phase(t_, phase(step));
+}
+
+LrSchedule LrSchedule::with_length(int64_t at_step, int64_t steps) const {
+  if (steps == total_steps()) return *this;
+  if (steps <= at_step)
+    fail("the run is at step {}; a new length of {} steps leaves nothing to train (give --steps > {})", at_step,
+         steps, at_step);
+  std::vector<Change> c = changes_;
+  c.push_back({at_step, steps});
+  return LrSchedule(t_, first_steps_, std::move(c));
+}
+
+nlohmann::json LrSchedule::to_json() const {
+  nlohmann::json changes = nlohmann::json::array();
+  for (const Change& c : changes_) changes.push_back({{"at_step", c.at_step}, {"steps", c.steps}});
+  return {{"steps", first_steps_}, {"changes", changes}};
+}
+
+LrSchedule LrSchedule::from_json(const TrainConfig& t, const nlohmann::json& j, const std::string& where) {
+  if (j.is_null()) return LrSchedule(t);
+  try {
+    std::vector<Change> changes;
+    for (const auto& c : j.at("changes")) changes.push_back({c.at("at_step").get<int64_t>(), c.at("steps").get<int64_t>()});
+    return LrSchedule(t, j.at("steps").get<int64_t>(), std::move(changes));
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: malformed LR schedule: {}", where, e.what());
+  }
 }
 
 Optimizer::Optimizer(ParamStore& params, const TrainConfig& t) : params_(params), t_(t) {
@@ -21,7 +93,9 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& t) : params_(params)
   v_ = Tensor::zeros({params.numel()}, params.flat().dtype(), params.flat().device());
 }
 
-double Optimizer::step(int64_t step_index) {
+double Optimizer::step(int64_t step_index) { return step(step_index, lr_at(t_, step_index)); }
+
+double Optimizer::step(int64_t step_index, double lr) {
   double sq = 0;
   for (const ParamInfo& p : params_.infos()) sq += ops::sum_squares(params_.view(params_.flat_grad(), p));
   const double norm = std::sqrt(sq);
@@ -29,7 +103,6 @@ double Optimizer::step(int64_t step_index) {
   // Clipping scales the gradient inside the update (the same float product as scaling it first,
   // without another pass over every gradient).
   const float clip = t_.grad_clip > 0 && norm > t_.grad_clip ? float(t_.grad_clip / norm) : 1.0f;
-  const double lr = lr_at(t_, step_index);
   for (const ParamInfo& p : params_.infos()) {
     Tensor w = params_.view(params_.flat(), p), g = params_.view(params_.flat_grad(), p);
     Tensor m = params_.view(m_, p), v = params_.view(v_, p);

@@ -1,49 +1,46 @@
-// defines: PretrainOptions, TrainSummary, pretrain, evaluate
-// The pretraining loop: micro-batches from a TokenSource, forward/backward through the Model,
-// AdamW with warmup + cosine, clipping and accumulation, eval loss every N steps, metrics.jsonl,
-// atomic checkpoints, resume that continues bit for bit, and a summary at the end. A non-finite
-// loss, gradient or quantizer input stops the run with an error before anything is saved.
+// defines: PretrainOptions, PretrainSource, pretrain, evaluate
+// Pretraining on the training loop (loop.h): micro-batch k of step s is batch s * grad_accum + k
+// of the data's train split, every target carries loss, and the eval loss is the mean
+// cross-entropy over train.eval_batches fixed batches of the eval split. The loop does the rest
+// (run directory, resume, signals, checkpoints, metrics, summary).
 #pragma once
-#include <map>
-#include <optional>
+#include <memory>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "fourbit/model/config.h"
 #include "fourbit/model/model.h"
-#include "fourbit/tensor/tensor.h"
+#include "fourbit/train/data.h"
+#include "fourbit/train/loop.h"
 
 namespace fourbit {
 
-struct PretrainOptions {
-  RunConfig config;
-  std::string recipe = "nvfp4-fwd";
-  std::string out_dir;                 // run directory (created); with resume, the resumed run's
-  bool resume = false;                 // continue out_dir from its latest checkpoint
-  std::optional<int64_t> steps;        // overrides train.steps
-  std::optional<uint64_t> seed;        // overrides train.seed
-  Device device = Device::CPU;
-  bool quiet = false;                  // no progress output (tests)
+using PretrainOptions = LoopOptions;
+
+class PretrainSource : public TrainingSource {
+ public:
+  PretrainSource() = default;
+  std::string describe() const override;
+  nlohmann::json record() const override { return {{"kind", "pretrain"}}; }
+  void start(Model& model, const RunConfig& config) override;
+  MicroBatch micro_batch(const StepContext& ctx, int64_t micro) override;
+  void evaluate(const StepContext& ctx, Model& model, nlohmann::json& line) override;
+  void summarize(nlohmann::json& summary) override;
+
+ private:
+  RunConfig cfg_;
+  std::unique_ptr<data::TokenSource> train_;
+  double unigram_entropy_ = 0;
 };
 
-struct TrainSummary {
-  std::string run_dir;
-  std::string recipe;
-  int64_t steps = 0;
-  double final_train_loss = 0;
-  double final_eval_loss = 0;
-  double unigram_entropy = 0;          // nats per token, of the training targets
-  double tokens_per_s = 0;
-  double wall_s = 0;
-  int64_t params = 0;
-  std::map<std::string, int64_t> saved_bytes;  // activation bytes kept for backward, per category
-  nlohmann::json to_json() const;
-};
+// The data source of a config, with its errors prefixed by where data.source came from
+// ("--data: data.source 'text:/tmp': /tmp: is a directory, expected a data file").
+std::unique_ptr<data::TokenSource> open_token_source(const RunConfig& cfg, data::Split split);
 
 TrainSummary pretrain(const PretrainOptions& opt);
 
-// Mean cross-entropy over `batches` fixed batches of the eval split.
+// Mean cross-entropy over batches 0 .. batches-1 (batches >= 1) of the eval split.
 double evaluate(Model& m, const RunConfig& cfg, int64_t batches, uint64_t seed);
 
 }  // namespace fourbit

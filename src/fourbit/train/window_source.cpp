@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <iterator>
+#include <filesystem>
+#include <limits>
 #include <vector>
 
+#include "fourbit/io/atomic_file.h"
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/batch_checks.h"
 #include "fourbit/train/sequence_rng.h"
@@ -14,10 +15,19 @@
 namespace fourbit::data {
 
 std::string read_data_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("{}: cannot open data file", path);
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) fail("{}: read error in data file", path);
+  // Directories and anything that is not a regular file (/dev/zero would be read until memory
+  // runs out) are refused by name before opening.
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(st)) fail("{}: cannot open data file", path);
+  if (std::filesystem::is_directory(st)) fail("{}: is a directory, expected a data file", path);
+  if (!std::filesystem::is_regular_file(st))
+    fail("{}: is not a regular file (a device, pipe or socket), expected a data file", path);
+  const io::InputFile f(path);
+  if (f.size() > uint64_t(std::numeric_limits<int64_t>::max() / 4))
+    fail("{}: data file of {} bytes is too large", path, f.size());
+  std::string bytes(size_t(f.size()), '\0');
+  f.read_at(0, bytes.data(), bytes.size(), "the data");
   return bytes;
 }
 

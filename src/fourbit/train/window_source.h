@@ -10,7 +10,8 @@
 
 namespace fourbit::data {
 
-// The whole file; fails "FILE: cannot open data file" when it cannot be read.
+// The whole file; fails naming the path when it is missing, a directory, not a regular file
+// (a device such as /dev/zero) or unreadable.
 std::string read_data_file(const std::string& path);
 
 // floor(total * (1 - eval_fraction)): the number of tokens of the train split.

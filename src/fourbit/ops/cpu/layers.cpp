@@ -183,10 +183,12 @@ void swiglu_backward_t(const T* da, const T* h1, const T* h3, T* dh1, T* dh3, in
 // ---- cross entropy ----------------------------------------------------------------------------
 
 template <typename T>
-void cross_entropy_t(const T* logits, const int32_t* tgt, T* losses, T* dlogits, double gs,
-                     int64_t N, int64_t V) {
+void cross_entropy_t(const T* logits, const int32_t* tgt, T* losses, T* dlogits, double grad_scale,
+                     const float* weights, int64_t N, int64_t V) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
+    // Without weights gs is grad_scale itself, so the unweighted path keeps its bits.
+    const double gs = weights ? grad_scale * double(weights[n]) : grad_scale;
     const T* x = logits + n * V;
     T* g = dlogits ? dlogits + n * V : nullptr;
     const int32_t t = tgt[n];
@@ -306,7 +308,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale) {
+                   double grad_scale, const Tensor* weights) {
   const char* op = "cross_entropy";
   const DType dt = expect_float(op, "logits", logits, 2, "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -315,11 +317,14 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   expect_dims(op, "losses", losses, dt, {N}, "[N]");
   const bool want_grad = dlogits && dlogits->defined();
   if (want_grad) expect_dims(op, "dlogits", *dlogits, dt, {N, V}, "[N, V]");
+  const bool weighted = weights && weights->defined();
+  if (weighted) expect_dims(op, "weights", *weights, DType::F32, {N}, "[N]");
   check_ids(op, "targets", targets.data<int32_t>(), N, V, "V", /*allow_ignore=*/true);
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
     cross_entropy_t(logits.data<T>(), targets.data<int32_t>(), losses.data<T>(),
-                    want_grad ? dlogits->data<T>() : nullptr, double(grad_scale), N, V);
+                    want_grad ? dlogits->data<T>() : nullptr, double(grad_scale),
+                    weighted ? weights->data<float>() : nullptr, N, V);
   });
 }
 

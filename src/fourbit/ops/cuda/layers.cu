@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(kEltThreads)
 // The row is read three times (max, sum, gradient); with 1024 threads a block, at most two rows
 // per SM are in flight (~34 MB for V = 32000 on an H200), so the second and third reads hit L2.
 __global__ void __launch_bounds__(kXentThreads)
-    cross_entropy_kernel(const float* logits, const int32_t* tgt, float* losses, float* dlogits,
-                         float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
+    cross_entropy_kernel(const float* logits, const int32_t* tgt, const float* weights, float* losses,
+                         float* dlogits, float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
   __shared__ float max_scratch[kXentThreads / 32];
   __shared__ double sum_scratch[kXentThreads / 32];
   const int64_t groups = (V + 3) / 4;
@@ -419,6 +419,8 @@ __global__ void __launch_bounds__(kXentThreads)
     const double lse = double(m) + log(l);
     if (threadIdx.x == 0) losses[n] = float(lse - double(x[t]));
     if (grad) {
+      // The row's weight folds into the scale (one float product); none: grad_scale, same bits.
+      const float scale = weights ? grad_scale * weights[n] : grad_scale;
       const float lse_hi = float(lse), lse_lo = float(lse - double(lse_hi));
       for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
         float v[4], out[4];
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(kXentThreads)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const float d = (v[c] - lse_hi) - lse_lo;
-          out[c] = (4 * g + c == t ? expm1f(d) : expf(d)) * grad_scale;
+          out[c] = (4 * g + c == t ? expm1f(d) : expf(d)) * scale;
         }
         store4(grad, 4 * g, V, vec, out);
       }
@@ -600,7 +602,7 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale) {
+                   double grad_scale, const Tensor* weights) {
   const char* op = "cross_entropy";
   expect_f32(op, "logits", logits, 2, "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -609,12 +611,14 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   expect_dims(op, "losses", losses, DType::F32, {N}, "[N]");
   const bool want_grad = dlogits && dlogits->defined();
   if (want_grad) expect_dims(op, "dlogits", *dlogits, DType::F32, {N, V}, "[N, V]");
+  const bool weighted = weights && weights->defined();
+  if (weighted) expect_dims(op, "weights", *weights, DType::F32, {N}, "[N]");
   if (N == 0) return;
   const bool vec = V % 4 == 0 && aligned16(logits.raw()) &&
                    (!want_grad || aligned16(dlogits->raw()));
   cross_entropy_kernel<<<grid_for(N, 1), kXentThreads, 0, stream()>>>(
-      logits.data<float>(), targets.data<int32_t>(), losses.data<float>(),
-      want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
+      logits.data<float>(), targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr,
+      losses.data<float>(), want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
       index_error_record());
   FOURBIT_LAUNCH_CHECK();
   check_index_errors();  // targets are user data: a bad one fails here, as on the CPU
