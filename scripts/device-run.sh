@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|dist]... [pack]
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist]... [pack]
+# `table` (not part of `all`): the recipes-against-fp32 table of gpu-small on .carry/text/en.txt
+# (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
@@ -25,7 +27,8 @@ if has build; then
 fi
 if has tests; then
   log gpu tests
-  (cd "$BUILD" && OMP_NUM_THREADS=8 ctest --output-on-failure -j 1 -R "${TESTS:-Cuda}" > "$OUT/gpu_tests.log" 2>&1)
+  # several at once: each test is small and deterministic whatever else shares the GPU
+  (cd "$BUILD" && OMP_NUM_THREADS=2 ctest --output-on-failure -j "${TEST_JOBS:-6}" -R "${TESTS:-Cuda}" > "$OUT/gpu_tests.log" 2>&1)
   grep -E "tests passed|Failed|FAILED|\*\*\*" "$OUT/gpu_tests.log" | tail -30
   log gpu tests done
 fi
@@ -54,6 +57,14 @@ if has interop; then
     --log "$OUT/interop-h200.log" > "$OUT/interop.out" 2>&1; tail -4 "$OUT/interop-h200.log"
   rm -rf "$OUT/interop-work"
   log interop done
+fi
+if [[ " ${steps[*]} " == *" table "* ]]; then
+  log "recipe table, seeds ${SEEDS:-1 2}"
+  scripts/recipe-table.sh "$BUILD" configs/gpu-small.toml .carry/text/en.txt "$OUT/recipe_table_gpu_small.json" \
+    --device cuda --steps 300 --seeds "${SEEDS:-1 2}" --parallel "${PARALLEL:-5}" --runs /dev/shm/recipe-table \
+    > "$OUT/recipe_table.log" 2>&1; tail -12 "$OUT/recipe_table.log"
+  for f in /dev/shm/recipe-table/*/metrics.jsonl; do cp "$f" "$OUT/$(basename "$(dirname "$f")").metrics.jsonl"; done
+  log recipe table done
 fi
 if [[ " ${steps[*]} " == *" dist "* ]]; then
   # Expert and data parallelism on the 2-GPU machine (nvidia-h200-x2; not part of `all`):

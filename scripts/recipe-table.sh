@@ -29,7 +29,7 @@ train() {  # recipe seed
   local dir="$RUNS/$1-s$2"
   rm -rf "$dir"
   "$BUILD/fourbit" pretrain --config "$CONFIG" --recipe "$1" --seed "$2" --data "text:$TEXT" \
-    --device "$DEVICE" ${STEPS:+--steps "$STEPS"} --out "$dir" > "$dir.log" 2>&1 \
+    --device "$DEVICE" ${STEPS:+--steps "$STEPS"} --set train.checkpoint_every=0 --out "$dir" > "$dir.log" 2>&1 \
     || { echo "recipe-table: $1 seed $2 failed:"; tail -5 "$dir.log"; return 1; }
   rm -rf "$dir/checkpoints"
 }
