@@ -470,7 +470,7 @@ TEST(CudaLayers, ScatterRowsMatchesCpu) {
     const DType dt = D == 13 ? DType::U8 : DType::F32;
     const int64_t N = 700, M = 300;
     std::vector<int32_t> dst(static_cast<size_t>(M));
-    for (int64_t s = 0; s < M; ++s) dst[size_t(s)] = int32_t((s * 7 + 3) % N);  // distinct: 7 and 700 coprime
+    for (int64_t s = 0; s < M; ++s) dst[size_t(s)] = int32_t((s * 9 + 3) % N);  // distinct: 9 and 700 are coprime
     const Tensor idx = int_tensor(dst, {M});
     Tensor x = Tensor::empty({M, D}, dt), out_c = Tensor::empty({N, D}, dt);
     for (int64_t i = 0; i < x.nbytes(); ++i) static_cast<uint8_t*>(x.raw())[i] = uint8_t(i * 31 + 7);
