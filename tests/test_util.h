@@ -1,4 +1,4 @@
-// defines: error_of — shared by the test suites' helper headers.
+// defines: error_of, EXPECT_HAS — shared by the test suites' helper headers.
 #pragma once
 #include <gtest/gtest.h>
 
@@ -6,6 +6,10 @@
 #include <string>
 
 #include "fourbit/tensor/error.h"
+
+// A failure unless the string `msg` contains `needle`; the message shows both.
+#define EXPECT_HAS(msg, needle) \
+  EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
 
 namespace fourbit::testutil {
 

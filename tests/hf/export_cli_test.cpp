@@ -30,8 +30,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 // 3 layers: dense, MoE with NVFP4 experts, MoE in nvfp4-fwd's MXFP8 tail; a shared expert; tied.
 const char* kConfig =
     "[model]\n"

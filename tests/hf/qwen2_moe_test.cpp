@@ -31,8 +31,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 // 3 layers: layer 0 dense, 1 MoE (NVFP4 experts under nvfp4-fwd), 2 MoE in the MXFP8 tail.
 ModelConfig three_layer_config() {
   ModelConfig c = tiny_moe_config(3, 32);

@@ -13,8 +13,6 @@
 using namespace fourbit;
 using fourbit::testutil::error_of;
 
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 TEST(ConfigOverride, SetsEveryKindOfField) {
   RunConfig c = parse_config("[train]\nlr = 0.01\n", "run.toml");
   apply_override(c, "train.lr=0.002");

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
+
 namespace fourbit::clitest {
 
 struct CliRun {
@@ -22,13 +24,14 @@ inline std::string slurp(const std::string& path) {
   return ss.str();
 }
 
-// Runs FOURBIT_CLI with `args` (shell syntax), capturing stdout/stderr in files under `dir`. One
-// OpenMP thread: the test models are tiny, and on a shared machine spinning threads make a run
-// far slower (results do not depend on the thread count).
-inline CliRun run_cli(const std::string& dir, const std::string& args) {
+// Runs FOURBIT_CLI with `args` (shell syntax) and extra environment assignments `env` (e.g.
+// "FOURBIT_TEST_RAISE=..."), capturing stdout/stderr in files under `dir`. One OpenMP thread: the
+// test models are tiny, and on a shared machine spinning threads make a run far slower (results
+// do not depend on the thread count).
+inline CliRun run_cli(const std::string& dir, const std::string& args, const std::string& env = "") {
   const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  const std::string cmd =
-      std::string("OMP_NUM_THREADS=1 '") + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
+  const std::string cmd = "OMP_NUM_THREADS=1 " + env + (env.empty() ? "" : " ") + "'" + FOURBIT_CLI + "' " + args +
+                          " >'" + out + "' 2>'" + err + "'";
   const int raw = std::system(cmd.c_str());
   CliRun r;
   r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;

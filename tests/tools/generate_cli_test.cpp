@@ -39,9 +39,6 @@ std::string one_error(const CliRun& r) {
   return lines.empty() ? "" : lines.back();
 }
 
-#define EXPECT_HAS(msg, needle) \
-  EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 }  // namespace
 
 TEST(GenerateCli, SamplesAreReproducibleAndErrorsAreClear) {

@@ -29,7 +29,6 @@ using namespace fourbit::clitest;
 
 namespace {
 
-
 void write_text(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(bytes.data(), std::streamsize(bytes.size()));
@@ -65,8 +64,6 @@ std::string expect_one_error(const CliRun& r, bool alone = true) {
   EXPECT_EQ(lines.back().rfind("fourbit: error:", 0), 0u) << "the error is not the last line:\n" << r.err;
   return lines.back();
 }
-
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
 
 // Every file under dir (relative path -> bytes).
 std::map<std::string, std::string> snapshot(const std::string& dir) {

@@ -32,8 +32,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 // 2 layers (1 dense, 1 MoE), 6 steps of 2 x 16 tokens: a run takes a fraction of a second.
 std::string config_text(const std::string& train_extra = "") {
   return "[model]\n"
@@ -55,19 +53,6 @@ struct Dir {
     return root + "/" + name;
   }
 };
-
-// Runs the CLI with extra environment assignments (e.g. FOURBIT_TEST_RAISE=...).
-CliRun cli(const std::string& dir, const std::string& args, const std::string& env = "") {
-  if (env.empty()) return run_cli(dir, args);
-  const std::string out = dir + "/stdout.txt", err = dir + "/stderr.txt";
-  const std::string cmd = "OMP_NUM_THREADS=1 " + env + " '" + FOURBIT_CLI + "' " + args + " >'" + out + "' 2>'" + err + "'";
-  const int raw = std::system(cmd.c_str());
-  CliRun r;
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
 
 std::map<std::string, std::string> snapshot(const std::string& dir) {
   std::map<std::string, std::string> out;
@@ -105,9 +90,9 @@ void expect_same_bytes(const std::string& a, const std::string& b, int64_t step,
 TEST(RunsCli, OutOntoAnExistingRunIsRefusedAndForceMovesItAside) {
   const Dir d;
   const std::string cfg = d.config(), run = d.root + "/run";
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
   const auto before = snapshot(run);
-  const std::string msg = last_error(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run));
+  const std::string msg = last_error(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run));
   EXPECT_HAS(msg, run + ": holds a fourbit run (pretrain nvfp4-fwd, newest checkpoint step-000006)");
   EXPECT_HAS(msg, "fourbit pretrain --resume " + run);
   EXPECT_HAS(msg, "--force");
@@ -115,10 +100,10 @@ TEST(RunsCli, OutOntoAnExistingRunIsRefusedAndForceMovesItAside) {
   // Not a run, but not empty either: refused too.
   fs::create_directories(d.root + "/other");
   std::ofstream(d.root + "/other/notes.txt") << "mine";
-  EXPECT_HAS(last_error(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/other")),
+  EXPECT_HAS(last_error(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/other")),
              "holds 1 entry and no fourbit run");
   // --force: the old run moves to RUN.old-<time>, whole; a new run takes its place.
-  const CliRun forced = cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 2 --force --out " + run);
+  const CliRun forced = run_cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 2 --force --out " + run);
   ASSERT_EQ(forced.status, 0) << forced.err;
   EXPECT_HAS(forced.err, "it was moved to " + run + ".old-");
   std::string old;
@@ -136,15 +121,15 @@ TEST(RunsCli, OutOntoAnExistingRunIsRefusedAndForceMovesItAside) {
 TEST(RunsCli, SigintDuringAStepThenResumeIsBitExact) {
   const Dir d;
   const std::string cfg = d.config();
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
   const std::string b = d.root + "/b";
-  const CliRun stopped = cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + b, "FOURBIT_TEST_RAISE=SIGINT:step:3");
+  const CliRun stopped = run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + b, "FOURBIT_TEST_RAISE=SIGINT:step:3");
   EXPECT_EQ(stopped.status, 130) << stopped.err;
   EXPECT_HAS(stopped.err, "stopped by SIGINT after step 3 of 6; checkpoint " + b + "/checkpoints/step-000003 written");
   EXPECT_HAS(stopped.err, "resume with: fourbit pretrain --resume " + b);
   EXPECT_FALSE(fs::exists(b + "/summary.json"));
   EXPECT_EQ(metrics(b).size(), 3u);
-  const CliRun resumed = cli(d.root, "pretrain --resume " + b + " --device cpu");
+  const CliRun resumed = run_cli(d.root, "pretrain --resume " + b + " --device cpu");
   ASSERT_EQ(resumed.status, 0) << resumed.err;
   expect_same_bytes(d.root + "/a", b, 6, "SIGINT at step 3, resumed");
   const auto rec = nlohmann::json::parse(file_bytes(b + "/config.json"));
@@ -157,10 +142,10 @@ TEST(RunsCli, SigintDuringAStepThenResumeIsBitExact) {
 TEST(RunsCli, SigtermDuringACheckpointWriteThenResumeIsBitExact) {
   const Dir d;
   const std::string cfg = d.config("c.toml", "checkpoint_every = 2\n");
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
   const std::string b = d.root + "/b";
   const CliRun stopped =
-      cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + b, "FOURBIT_TEST_RAISE=SIGTERM:checkpoint:2");
+      run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + b, "FOURBIT_TEST_RAISE=SIGTERM:checkpoint:2");
   EXPECT_EQ(stopped.status, 143) << stopped.err;
   EXPECT_HAS(stopped.err, "stopped by SIGTERM after step 2 of 6");
   for (const auto& e : fs::directory_iterator(b + "/checkpoints"))
@@ -168,7 +153,7 @@ TEST(RunsCli, SigtermDuringACheckpointWriteThenResumeIsBitExact) {
   ParamStore p(load_config(cfg).model, DType::F32, Device::CPU);
   Tensor m = Tensor::zeros({p.numel()}, DType::F32), v = m.clone();
   load_checkpoint(b + "/checkpoints/step-000002", p, &m, &v);  // whole and intact
-  ASSERT_EQ(cli(d.root, "pretrain --resume " + b + " --device cpu").status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --resume " + b + " --device cpu").status, 0);
   expect_same_bytes(d.root + "/a", b, 6, "SIGTERM in the step-2 checkpoint, resumed");
 }
 
@@ -177,7 +162,7 @@ TEST(RunsCli, SigtermDuringACheckpointWriteThenResumeIsBitExact) {
 TEST(RunsCli, ResumeMismatchesAreNamed) {
   const Dir d;
   const std::string cfg = d.config(), run = d.root + "/run";
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 3 --out " + run).status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 3 --out " + run).status, 0);
   {
     std::string wider = config_text();
     wider.replace(wider.find("batch_size = 2"), 14, "batch_size = 4");
@@ -196,12 +181,12 @@ TEST(RunsCli, ResumeMismatchesAreNamed) {
            {"--config " + d.root + "/wider.toml", "train.batch_size: the run has 2, " + d.root + "/wider.toml:15 gives 4"},
            {"--data text:" + d.root + "/text.txt", "data.source: the run has synthetic, --data gives text:" + d.root + "/text.txt"},
        }) {
-    const std::string msg = last_error(cli(d.root, "pretrain --device cpu --steps 6 --resume " + run + " " + c.args));
+    const std::string msg = last_error(run_cli(d.root, "pretrain --device cpu --steps 6 --resume " + run + " " + c.args));
     EXPECT_HAS(msg, c.want);
     EXPECT_TRUE(snapshot(run) == before) << c.args << " changed the run";
   }
   // Allowed changes are recorded in the resume entry.
-  ASSERT_EQ(cli(d.root, "pretrain --device cpu --steps 5 --set train.log_every=2 --resume " + run).status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --device cpu --steps 5 --set train.log_every=2 --resume " + run).status, 0);
   const auto rec = nlohmann::json::parse(file_bytes(run + "/config.json"));
   EXPECT_EQ(rec["resumes"][0]["changed"]["train.log_every"], nlohmann::json::array({1, 2}));
   EXPECT_EQ(rec["resumes"][0]["changed"]["train.steps"], nlohmann::json::array({3, 5}));
@@ -213,8 +198,8 @@ TEST(RunsCli, ResumeMismatchesAreNamed) {
 TEST(RunsCli, ExtendingStepsHasNoLearningRateJump) {
   const Dir d;
   const std::string cfg = d.config(), run = d.root + "/run";
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
-  ASSERT_EQ(cli(d.root, "pretrain --resume " + run + " --steps 12 --device cpu").status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --resume " + run + " --steps 12 --device cpu").status, 0);
   const auto m = metrics(run);
   ASSERT_EQ(m.size(), 12u);
   for (size_t i = 2; i < m.size(); ++i)
@@ -229,26 +214,26 @@ TEST(RunsCli, ExtendingStepsHasNoLearningRateJump) {
 TEST(RunsCli, FromCheckpointStaleTemporariesAndPruning) {
   const Dir d;
   const std::string cfg = d.config("c.toml", "checkpoint_every = 1\n"), run = d.root + "/run";
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
-  ASSERT_EQ(cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + d.root + "/a").status, 0);
+  ASSERT_EQ(run_cli(d.root, "pretrain --config " + cfg + " --device cpu --out " + run).status, 0);
   std::vector<std::string> kept;
   for (const auto& [s, dir] : list_checkpoints(run)) kept.push_back(fs::path(dir).filename().string());
   EXPECT_EQ(kept, (std::vector<std::string>{"step-000004", "step-000005", "step-000006"})) << "keep_last = 3";
   fs::create_directories(run + "/checkpoints/.step-000007.tmp-999999999");
-  const CliRun r = cli(d.root, "pretrain --resume " + run + " --from-checkpoint step-4 --device cpu");
+  const CliRun r = run_cli(d.root, "pretrain --resume " + run + " --from-checkpoint step-4 --device cpu");
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_HAS(r.err, "moved to " + run + "/checkpoints/superseded-");
   EXPECT_HAS(r.err, "removed 1 temporary file(s)");
   EXPECT_FALSE(fs::exists(run + "/checkpoints/.step-000007.tmp-999999999"));
   expect_same_bytes(d.root + "/a", run, 6, "resumed from step 4");
-  const std::string none = last_error(cli(d.root, "pretrain --resume " + run + " --from-checkpoint step-2 --steps 9"));
+  const std::string none = last_error(run_cli(d.root, "pretrain --resume " + run + " --from-checkpoint step-2 --steps 9"));
   EXPECT_HAS(none, "has no checkpoint step-000002 (it has: step-000004, step-000005, step-000006)");
 }
 
 TEST(RunsCli, UnmeasuredNumbersAreAbsentAndTheHeaderSaysWhatIsNvfp4) {
   const Dir d;
   const std::string cfg = d.config(), run = d.root + "/run";
-  const CliRun r = cli(d.root, "pretrain --config " + cfg + " --device cpu --set train.eval_batches=0 --out " + run);
+  const CliRun r = run_cli(d.root, "pretrain --config " + cfg + " --device cpu --set train.eval_batches=0 --out " + run);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_HAS(r.err, "nvfp4-fwd: 0 of 1 MoE layers in NVFP4 (1 in MXFP8-E4M3, the recipe's tail)");
   EXPECT_HAS(r.out, "final eval loss    - (not measured: train.eval_batches = 0)");
@@ -256,12 +241,12 @@ TEST(RunsCli, UnmeasuredNumbersAreAbsentAndTheHeaderSaysWhatIsNvfp4) {
   EXPECT_FALSE(sum.contains("final_eval_loss"));
   EXPECT_TRUE(sum.contains("final_train_loss"));
   for (const auto& line : metrics(run)) EXPECT_FALSE(line.contains("eval_loss")) << line.dump();
-  const CliRun summary = cli(d.root, "summary " + run);
+  const CliRun summary = run_cli(d.root, "summary " + run);
   ASSERT_EQ(summary.status, 0) << summary.err;
   EXPECT_EQ(summary.out.find("0.0000"), std::string::npos) << summary.out;
 
   const std::string zero = d.root + "/zero";
-  const CliRun z = cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 0 --out " + zero);
+  const CliRun z = run_cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 0 --out " + zero);
   ASSERT_EQ(z.status, 0) << z.err;
   EXPECT_HAS(z.out, "final train loss   - (no step ran)");
   EXPECT_HAS(z.out, "throughput         - (no step ran)");
@@ -271,14 +256,14 @@ TEST(RunsCli, UnmeasuredNumbersAreAbsentAndTheHeaderSaysWhatIsNvfp4) {
   EXPECT_TRUE(zs.contains("final_eval_loss")) << "the initial model was evaluated";
   EXPECT_TRUE(fs::exists(zero + "/checkpoints/step-000000/model.safetensors")) << "a 0-step run keeps its weights";
   // The mxfp8 recipe on a model whose MoE layers are all NVFP4 under nvfp4-fwd: said plainly.
-  const CliRun mx = cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 1 --recipe bf16 --out " + d.root + "/bf16");
+  const CliRun mx = run_cli(d.root, "pretrain --config " + cfg + " --device cpu --steps 1 --recipe bf16 --out " + d.root + "/bf16");
   EXPECT_HAS(mx.err, "bf16: 1 of 1 MoE layers in BF16");
 }
 
 TEST(RunsCli, ErrorsNameTheFlagOrFileTheyComeFrom) {
   const Dir d;
   const std::string cfg = d.config();
-  auto err = [&](const std::string& args) { return last_error(cli(d.root, args)); };
+  auto err = [&](const std::string& args) { return last_error(run_cli(d.root, args)); };
   EXPECT_HAS(err("pretrain --config " + cfg + " --device cpu --data text:/tmp --out " + d.root + "/r"),
              "--data: data.source 'text:/tmp': /tmp: is a directory, expected a data file");
   EXPECT_HAS(err("pretrain --config " + cfg + " --device cpu --data text:/dev/zero --out " + d.root + "/r"),
@@ -309,7 +294,7 @@ TEST(RunsCli, ErrorsNameTheFlagOrFileTheyComeFrom) {
   EXPECT_HAS(err("pretrain --resume " + d.root + "/r --force"), "give only one of them");
   EXPECT_HAS(err("pretrain --resume " + d.root + "/r --init " + d.root + "/q"), "cannot be combined with --resume");
   EXPECT_FALSE(fs::exists(d.root + "/r")) << "a refused command created its run directory";
-  const CliRun ok = cli(d.root, "recipes --recipe mxfp8 --threads 1");
+  const CliRun ok = run_cli(d.root, "recipes --recipe mxfp8 --threads 1");
   EXPECT_EQ(ok.status, 0) << ok.err;
 }
 
@@ -323,6 +308,6 @@ TEST(RunsCli, GenerateRefusesNonFiniteWeights) {
   p.flat().data<float>()[p.info("embed").offset + 3] = NAN;
   const Tensor zeros = Tensor::zeros({p.numel()}, DType::F32);
   save_checkpoint(d.root + "/nan", p, zeros, zeros, CheckpointState{cfg, "mxfp8", 1, 1, 0, nullptr, nullptr, nullptr});
-  const std::string msg = last_error(cli(d.root, "generate --run " + d.root + "/nan --prompt 12+3= --device cpu"));
+  const std::string msg = last_error(run_cli(d.root, "generate --run " + d.root + "/nan --prompt 12+3= --device cpu"));
   EXPECT_HAS(msg, "model.safetensors: tensor 'embed' holds a non-finite value (nan) at element 3");
 }

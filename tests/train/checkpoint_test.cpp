@@ -29,8 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-#define EXPECT_HAS(msg, needle) EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 struct Fixture {
   RunConfig cfg = [] {
     RunConfig c = tiny_run_config(2, 32);
