@@ -41,4 +41,4 @@ echo "== RL (group baseline, $RL_STEPS steps) on '$RL_TASK', sampling with the t
 echo
 echo "== greedy samples from the RL model =="
 "$FB" generate --run "$OUT/rl" --device cpu --max-new 12 --sep \
-  --prompt "sort 5281=" --prompt "sort 970314=" --prompt "reverse hello=" --prompt "47*8="
+  --prompt "sort 5281=" --prompt "sort 970314=" --prompt "sort 88213="
