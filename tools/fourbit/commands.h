@@ -1,14 +1,15 @@
 // defines: add_quant_command, add_pretrain_command, add_recipes_command, add_generate_command,
 //          add_plot_command, add_summary_command, add_export_command, add_import_command,
-//          add_score_command, parse_device, add_threads_option, invocation, ExitStatus
+//          add_score_command, add_sft_command, add_rl_command, config_of_run, parse_device, add_threads_option, invocation, ExitStatus
 // The subcommands' registration functions and the helpers they share. Where they live: quant.cpp
 // (quant), pretrain.cpp (pretrain, recipes), generate.cpp, plot.cpp, summary.cpp, export.cpp
-// (export, import, score); parse_device, add_threads_option and invocation in main.cpp.
+// (export, import, score), post_train.cpp (sft, rl); parse_device, add_threads_option and invocation in main.cpp.
 #pragma once
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <string>
 
+#include "fourbit/model/config.h"
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit::cli {
@@ -22,6 +23,13 @@ void add_summary_command(CLI::App& app);
 void add_export_command(CLI::App& app);
 void add_import_command(CLI::App& app);
 void add_score_command(CLI::App& app);
+void add_sft_command(CLI::App& app);
+void add_rl_command(CLI::App& app);
+
+// The config a --init run starts from when no --config is given: the one the weights of run (or
+// checkpoint) `init` came with (pretrain.cpp).
+RunConfig config_of_run(const std::string& init);
+
 
 // --device cpu|cuda|auto -> a Device; auto picks cuda when a GPU is visible.
 Device parse_device(const std::string& name);

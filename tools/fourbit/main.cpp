@@ -56,6 +56,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   fourbit::cli::add_pretrain_command(app);
   fourbit::cli::add_recipes_command(app);
+  fourbit::cli::add_sft_command(app);
+  fourbit::cli::add_rl_command(app);
   fourbit::cli::add_generate_command(app);
   fourbit::cli::add_plot_command(app);
   fourbit::cli::add_summary_command(app);

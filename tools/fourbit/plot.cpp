@@ -1,5 +1,7 @@
 // defines: add_plot_command
-// `fourbit plot RUN_DIR... --out loss.png`: loss curves of several runs in one PNG. The drawing is
+// `fourbit plot RUN_DIR... --out loss.png`: loss curves of several runs in one PNG; for RL runs
+// (metrics with `reward`) the mean reward per step and the greedy held-out accuracy (from the
+// initial policy's at step 0) instead. The drawing is
 // gnuplot's (installed by scripts/install-deps.sh); this command reads each run's metrics.jsonl,
 // writes the series beside the PNG (NAME.data/) with the gnuplot script, and runs it.
 #include <unistd.h>
@@ -26,6 +28,7 @@ struct Series {
   std::string label;
   std::string train_file, eval_file;
   int64_t n_train = 0, n_eval = 0;
+  bool rl = false;  // an RL run: train = reward, eval = eval_accuracy
 };
 
 std::string quote(const std::string& s) {
@@ -51,8 +54,8 @@ Series read_run(const std::string& run, const fs::path& data_dir, int index) {
     } catch (const nlohmann::json::exception&) {
     }
   }
-  std::string train, eval, line;
-  int64_t lineno = 0;
+  std::string train, eval, reward, accuracy, line;
+  int64_t lineno = 0, n_reward = 0, n_accuracy = 0;
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty()) continue;
@@ -71,6 +74,25 @@ Series read_run(const std::string& run, const fs::path& data_dir, int index) {
       eval += fmt::format("{} {}\n", j["step"].get<int64_t>(), j["eval_loss"].get<double>());
       ++s.n_eval;
     }
+    if (j.contains("reward")) {
+      reward += fmt::format("{} {}\n", j["step"].get<int64_t>(), j["reward"].get<double>());
+      ++n_reward;
+    }
+    if (j.contains("init_eval_accuracy")) {
+      accuracy += fmt::format("0 {}\n", j["init_eval_accuracy"].get<double>());
+      ++n_accuracy;
+    }
+    if (j.contains("eval_accuracy") && j["eval_accuracy"].is_number()) {
+      accuracy += fmt::format("{} {}\n", j["step"].get<int64_t>(), j["eval_accuracy"].get<double>());
+      ++n_accuracy;
+    }
+  }
+  if (n_reward) {
+    s.rl = true;
+    train = reward;
+    eval = accuracy;
+    s.n_train = n_reward;
+    s.n_eval = n_accuracy;
   }
   if (!s.n_train) fail("{}: no loss values to plot", metrics.string());
   s.train_file = (data_dir / fmt::format("run{}.train.dat", index)).string();
@@ -107,21 +129,28 @@ void add_plot_command(CLI::App& app) {
       fail("fourbit plot needs gnuplot (scripts/install-deps.sh installs gnuplot-nox)");
     std::vector<Series> series;
     for (size_t i = 0; i < runs->size(); ++i) series.push_back(read_run((*runs)[i], data_dir, int(i)));
+    const bool rl = series[0].rl;
+    for (const Series& s : series)
+      if (s.rl != rl)
+        fail("plot: {} and {} cannot share a plot: one is an RL run (reward, accuracy), the other is not (loss)",
+             series[0].label, s.label);
     std::ostringstream gp;
     gp << "set terminal pngcairo size 1100,650 font 'sans,11'\n"
        << "set output " << quote(png.string()) << "\n"
        << "set title " << quote(*title) << "\n"
-       << "set xlabel 'optimizer step'\nset ylabel 'cross-entropy (nats/token)'\n"
-       << "set grid\nset key top right\nset logscale y\n";
+       << "set xlabel 'optimizer step'\n"
+       << (rl ? "set ylabel 'mean reward / held-out accuracy'\nset yrange [0:1]\nset key bottom right\n"
+              : "set ylabel 'cross-entropy (nats/token)'\nset logscale y\nset key top right\n")
+       << "set grid\n";
     std::string plots;
     for (size_t i = 0; i < series.size(); ++i) {
       const Series& s = series[i];
       const int color = int(i) + 1;
       plots += fmt::format("{}{} using 1:2 with lines lw 1 lc {} dt 3 title {}", plots.empty() ? "" : ", ",
-                           quote(s.train_file), color, quote(s.label + " train"));
+                           quote(s.train_file), color, quote(s.label + (rl ? " reward" : " train")));
       if (s.n_eval)
         plots += fmt::format(", {} using 1:2 with linespoints lw 2 pt 7 ps 0.8 lc {} title {}",
-                             quote(s.eval_file), color, quote(s.label + " eval"));
+                             quote(s.eval_file), color, quote(s.label + (rl ? " held-out accuracy" : " eval")));
     }
     gp << "plot " << plots << "\n";
     const fs::path script = data_dir / "plot.gp";

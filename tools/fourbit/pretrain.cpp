@@ -1,4 +1,4 @@
-// defines: add_pretrain_command, add_recipes_command
+// defines: add_pretrain_command, add_recipes_command, config_of_run
 // `fourbit pretrain` and `fourbit recipes`.
 #include <csignal>
 #include <cstdio>
@@ -47,8 +47,10 @@ void print_summary(const TrainSummary& s, const RunConfig& cfg) {
   }
 }
 
+}  // namespace
+
 // The config a --init run starts from when no --config is given: the one its weights came with.
-RunConfig config_of_init(const std::string& init) {
+RunConfig config_of_run(const std::string& init) {
   if (std::filesystem::exists(std::filesystem::path(init) / "state.json")) {
     RunConfig c = read_checkpoint_state(init).config;
     c.path = init + "/state.json";
@@ -58,8 +60,6 @@ RunConfig config_of_init(const std::string& init) {
   r.config.path = r.path;
   return r.config;
 }
-
-}  // namespace
 
 void add_pretrain_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("pretrain", "train a MoE language model from a TOML config");
@@ -114,7 +114,7 @@ void add_pretrain_command(CLI::App& app) {
     } else {
       if (!a->from_checkpoint.empty()) fail("--from-checkpoint picks where a --resume continues; give --resume DIR too");
       if (!a->init.empty() && !a->config_opt->count()) {
-        cfg = config_of_init(a->init);
+        cfg = config_of_run(a->init);
         cfg.origin.clear();
       } else {
         cfg = load_config(a->config);

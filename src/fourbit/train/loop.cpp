@@ -331,6 +331,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
     ctx.lr = schedule.lr(step);
     source.before_step(ctx, model);
     model.params().zero_grad();
+    const auto fwd_bwd_t0 = std::chrono::steady_clock::now();
     const int64_t micro_batches = source.micro_batches(ctx);
     if (micro_batches < 1) fail("training source: step {} has {} micro-batches; expected at least 1", step + 1, micro_batches);
     double loss = 0, aux = 0;
@@ -341,6 +342,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
       const ForwardStats st = model.forward(b.tokens, b.targets, SrStreams{seed, uint64_t(step), uint64_t(micro)},
                                             true, share, b.weights);
       if (!std::isfinite(st.loss)) nonfinite(step + 1, "the training loss", st.loss);
+      source.micro_batch_done(ctx, micro, st);
       model.backward();
       loss += b.loss_weight ? st.loss * double(share) : st.loss / double(micro_batches);
       aux += b.loss_weight ? st.aux_loss * double(share) : st.aux_loss / double(micro_batches);
@@ -350,9 +352,12 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
     if (ops::nonfinite_seen(true))
       fail("step {}: NaN/Inf reached a quantizer (non-finite activations or gradients). Training "
            "stopped; no checkpoint was written for this step.", step + 1);
+    const auto optimizer_t0 = std::chrono::steady_clock::now();
+    ctx.fwd_bwd_s = std::chrono::duration<double>(optimizer_t0 - fwd_bwd_t0).count();
     const double gnorm = optim.step(step, ctx.lr);
     if (!std::isfinite(gnorm)) nonfinite(step + 1, "the gradient norm", gnorm);
     model.invalidate_weight_cache();
+    ctx.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_t0).count();
     last_loss = loss;
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"aux_loss", aux}, {"lr", ctx.lr}, {"grad_norm", gnorm}};
     source.after_step(ctx, model, line);

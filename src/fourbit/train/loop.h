@@ -14,7 +14,8 @@
 //
 //   before_step(ctx, model)                       the weights step s will update
 //   for micro in 0 .. micro_batches(ctx) - 1:
-//     micro_batch(ctx, micro) -> forward (loss_weight, per-token weights) -> backward
+//     micro_batch(ctx, micro) -> forward (loss_weight, per-token weights)
+//     micro_batch_done(ctx, micro, forward's stats) -> backward
 //   optimizer update (lr = the schedule's rate for s)
 //   after_step(ctx, model, line)                  add fields to the step's metrics line
 //   evaluate(ctx, model, line)                    every train.eval_every steps and the last
@@ -60,6 +61,9 @@ struct StepContext {
   double lr = 0;            // this step's learning rate
   const RunConfig* config = nullptr;
   Device device = Device::CPU;
+  // Seconds this step spent in forward + backward and in the optimizer update (set before
+  // after_step; the device is synchronised by the loss and the gradient norm the loop reads).
+  double fwd_bwd_s = 0, optimizer_s = 0;
   // Appends `line` (with "step": step + 1 set) to the side output `file`, one of the source's
   // side_outputs(). Only seed-determined content belongs there if runs are to be comparable.
   void write(const std::string& file, nlohmann::json line) const;
@@ -91,6 +95,13 @@ class TrainingSource {
   // How many micro-batches step ctx.step accumulates (default train.grad_accum).
   virtual int64_t micro_batches(const StepContext& ctx) const { return ctx.config->train.grad_accum; }
   virtual MicroBatch micro_batch(const StepContext& ctx, int64_t micro) = 0;
+  // After the training forward of micro-batch `micro`, before its backward: the forward's stats,
+  // with each position's cross-entropy (RL compares them with the sampler's log-probs).
+  virtual void micro_batch_done(const StepContext& ctx, int64_t micro, const ForwardStats& stats) {
+    (void)ctx;
+    (void)micro;
+    (void)stats;
+  }
   // After the optimizer update: extra fields for the step's metrics line (reward, lengths ...).
   virtual void after_step(const StepContext& ctx, Model& model, nlohmann::json& line) {
     (void)ctx;
