@@ -51,9 +51,6 @@ std::string one_error(const CliRun& r) {
   return lines.back();
 }
 
-#define EXPECT_HAS(msg, needle) \
-  EXPECT_NE((msg).find(needle), std::string::npos) << "'" << (msg) << "' lacks '" << (needle) << "'"
-
 std::map<std::string, std::string> snapshot(const std::string& dir) {
   std::map<std::string, std::string> out;
   for (const auto& e : fs::recursive_directory_iterator(dir))

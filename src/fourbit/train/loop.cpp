@@ -153,7 +153,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
     if (opt.command != record.command)
       fail("{}: is a `fourbit {}` run; continue it with `fourbit {} --resume {}`", opt.out_dir, record.command,
            record.command, opt.out_dir);
-    if (opt.seed && *opt.seed != record.config.train.seed) {
+    if (opt.seed) {  // --seed on a resume must be the run's own; any other value is a change
       cfg.train.seed = *opt.seed;
       cfg.origin["train.seed"] = "--seed";
     }
