@@ -121,11 +121,11 @@ class DecodeModel(nn.Module):
     def __init__(self, m: ModelShape, dtype, device, seed=1234, std=0.02):
         super().__init__()
         self.m = m
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)  # on the device: 0.6B draws are slow on a CPU
 
         def param(*shape, ones=False):
-            t = torch.ones(shape) if ones else torch.randn(shape, generator=g) * std
-            return nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+            t = torch.ones(shape, device=device) if ones else torch.randn(shape, generator=g, device=device) * std
+            return nn.Parameter(t.to(dtype), requires_grad=False)
 
         D, hd, E = m.d_model, m.hd, m.n_experts
         self.embed = param(m.vocab_size, D)
@@ -155,12 +155,10 @@ class DecodeModel(nn.Module):
         angle = torch.arange(m.max_seq_len, dtype=torch.float64)[:, None] * inv[None, :]
         self.register_buffer("rope_cos", angle.cos().float().to(device), persistent=False)
         self.register_buffer("rope_sin", angle.sin().float().to(device), persistent=False)
-        self.cache_batch = 0
 
     def setup_cache(self, B, C):
         """Allocates (zeroed) k and v caches [B, Hkv, C, hd] per layer, replacing earlier ones."""
         m = self.m
-        self.cache_batch, self.cache_len = B, C
         self.register_buffer("cache_positions", torch.arange(C, device=self.embed.device), persistent=False)
         for layer in self.layers:
             for name in ("k_cache", "v_cache"):
@@ -197,9 +195,17 @@ def swiglu(x, w13, w2):
     return (F.silu(gate) * up) @ w2.t()
 
 
-def attention_cached(model, layer, x, pos):
+def attention_mask(model, pos):
+    """[1, 1, T * G, C] bool for the folded queries of attention_cached: row t * G + g sees the
+    cache positions <= pos[t]."""
+    G = model.m.n_heads // model.m.n_kv_heads
+    visible = model.cache_positions[None, :] <= pos[:, None]  # [T, C]
+    return visible.repeat_interleave(G, dim=0)[None, None]
+
+
+def attention_cached(model, layer, x, pos, mask):
     """x [B, T, D] at positions pos [T] (a device tensor): writes k, v into the cache at pos and
-    attends over the whole cache, masking positions after each query's own."""
+    attends over the whole cache through mask (attention_mask(model, pos))."""
     m = model.m
     B, T, _ = x.shape
     H, Hkv, hd = m.n_heads, m.n_kv_heads, m.hd
@@ -215,8 +221,6 @@ def attention_cached(model, layer, x, pos):
     # of the cache and no reliance on enable_gqa, which the masked (efficient) SDPA kernels do not
     # all take (they would fall back to the math kernel). Query head h = kv * G + g.
     q = q.view(B, T, Hkv, G, hd).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, hd)
-    visible = model.cache_positions[None, :] <= pos[:, None]  # [T, C]
-    mask = visible.repeat_interleave(G, dim=0)[None, None]  # [1, 1, T * G, C], row t * G + g
     o = F.scaled_dot_product_attention(q, layer.k_cache, layer.v_cache, attn_mask=mask)
     o = o.view(B, Hkv, T, G, hd).permute(0, 2, 1, 3, 4).reshape(B, T, H * hd)
     return o @ layer.wo.t()
@@ -322,8 +326,9 @@ def forward_cached(model, tokens, pos, experts_impl):
     """tokens [B, T] at positions pos [T] -> logits [B, T, V] in fp32, caches written at pos."""
     m = model.m
     x = model.embed[tokens]
+    mask = attention_mask(model, pos)
     for layer in model.layers:
-        x = x + attention_cached(model, layer, rms_norm(x, layer.attn_norm, m.norm_eps), pos)
+        x = x + attention_cached(model, layer, rms_norm(x, layer.attn_norm, m.norm_eps), pos, mask)
         x = x + ffn(model, layer, rms_norm(x, layer.ffn_norm, m.norm_eps), experts_impl)
     head = model.embed if model.lm_head is None else model.lm_head
     return (rms_norm(x, model.final_norm, m.norm_eps) @ head.t()).float()
@@ -433,6 +438,14 @@ def mib(n_bytes):
     return n_bytes / 2**20
 
 
+def cudagraph_skips():
+    try:
+        from torch._dynamo.utils import counters
+        return counters["inductor"]["cudagraph_skips"]
+    except (ImportError, KeyError):
+        return 0
+
+
 def bench_batch(model, variant, B, P, C, experts_impl, device, warmup_steps, tune):
     """Times one prefill and the C - P decode steps that fill the cache, after a warm-up."""
     decode_step = make_decode_step(model, experts_impl)
@@ -471,6 +484,7 @@ def bench_batch(model, variant, B, P, C, experts_impl, device, warmup_steps, tun
 
     # warm-up: a prefill and enough steps to compile, record and replay the graph; they write the
     # cache at P.., which the timed run overwrites before any query can see it
+    skips_before = cudagraph_skips()
     t0 = time.perf_counter()
     prefill_into_outputs()
     decode(warmup_steps)
@@ -493,6 +507,10 @@ def bench_batch(model, variant, B, P, C, experts_impl, device, warmup_steps, tun
            "peak_MiB": mib(torch.cuda.max_memory_allocated()) if device.type == "cuda" else None,
            "decode_steps": steps, "sampled_tokens": B * (steps + 1), "decode_s": decode_s, "prefill_s": prefill_s,
            "warmup_s": warmup_s, "mean_logprob": out_logprobs.mean().item()}
+    if variant == "compiled":
+        # inductor falls back to plain launches (and says so in a log line) when it cannot graph
+        # a step; a count above 0 means the compiled row did not run as CUDA graphs
+        row["cudagraph_skips"] = cudagraph_skips() - skips_before
     if not math.isfinite(row["mean_logprob"]):
         raise RuntimeError(f"non-finite log-probs at batch {B}: the forward produced NaN/inf")
     return row
@@ -564,6 +582,7 @@ def main():
     if P + a.warmup_steps > C:
         sys.exit(f"torch_decode: --prompt + --warmup-steps ({P} + {a.warmup_steps}) must fit in the cache ({C})")
 
+    started = time.perf_counter()
     dtype = torch.bfloat16
     torch.manual_seed(1234)
     model = DecodeModel(m, dtype, device)
@@ -577,8 +596,10 @@ def main():
                 try:
                     rows.append(bench_batch(model, variant, B, P, C, impl, device, a.warmup_steps, a.tune))
                     r = rows[-1]
+                    skipped = r.get("cudagraph_skips", 0)
                     print(f"{variant} batch {B}: {r['decode_tok_per_s']:.0f} decode tokens/s "
-                          f"({r['ms_per_step']:.3f} ms/step, moe {impl})", flush=True)
+                          f"({r['ms_per_step']:.3f} ms/step, moe {impl})"
+                          + (f", cudagraphs skipped {skipped}x" if skipped else ""), flush=True)
                 except Exception as e:  # a variant that fails on this torch is reported, the rest go on
                     rows.append({"variant": variant, "batch": B, "experts_impl": impl,
                                  "error": f"{type(e).__name__}: {e}"[:4000]})
@@ -591,7 +612,8 @@ def main():
     res = {"name": title, "impl": "pytorch " + torch.__version__, "torch": torch.__version__, "gpu": gpu,
            "config": a.config, "device": device.type, "dtype": "bf16", "prompt_tokens": P, "cache_positions": C,
            "params": n_params, "moe": a.moe, "warmup_steps": a.warmup_steps, "tune": a.tune,
-           "prefill": "eager in both variants", "rows": rows}
+           "prefill": "eager in both variants", "elapsed_s": time.perf_counter() - started, "rows": rows}
+    print(f"elapsed {res['elapsed_s']:.1f} s (model init, warm-ups and compiles included)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
