@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
-# PyTorch peer, leaving logs and JSON in $OUT (the device tool brings $OUT back).
+# PyTorch peers (training step, sampler decode), leaving logs and JSON in $OUT (the device tool
+# brings $OUT back).
 # Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist]... [pack]
 # `table` (not part of `all`): the recipes-against-fp32 table of gpu-small on .carry/text/en.txt
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
@@ -48,6 +49,8 @@ if has torch; then
   log torch reference
   python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
     --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"
+  log torch decode
+  python3 bench/torch_decode.py --config configs/gpu-small.toml --json "$OUT/torch_decode.json" > "$OUT/torch_decode.log" 2>&1; tail -12 "$OUT/torch_decode.log"
   log done
 fi
 if has interop; then
