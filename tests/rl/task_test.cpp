@@ -60,7 +60,7 @@ void register_echo() {
 TEST(Tasks, RegistryKnowsTheBuiltinsAndRefusesUnknownNames) {
   const std::vector<std::string> names = rl::task_names();
   for (const std::string& n : kBuiltin) EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
-  expect_error([] { rl::make_task("division"); }, "unknown task 'division' (known: add, countdown, mul,");
+  expect_error([] { rl::make_task("division"); }, "unknown task 'division' (known: add, countdown, ");  // tests may register more
   expect_error([] { rl::register_task("add", [] { return rl::make_task("sub"); }); }, "a task named 'add' exists");
 }
 
