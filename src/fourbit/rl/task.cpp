@@ -68,7 +68,7 @@ bool parse_range(std::string_view text, int64_t& lo, int64_t& hi) {
   return number(text.substr(0, dash), lo) && number(text.substr(dash + 1), hi);
 }
 
-// "len=LO-HI (digits to sort, 2..20)" for each option, for error messages.
+// "len=LO-HI (digits to sort, 2..20, default 3-8)" for each option, for error messages.
 std::string options_help(const Task& t) {
   std::string out;
   for (const TaskOption& o : t.options())
