@@ -15,7 +15,7 @@ RL_STEPS=${RL_STEPS:-60}
 extra=()
 if [ -n "$STEPS" ]; then
   extra+=(--steps "$STEPS")
-  [ "$SFT_STEPS" -gt "$STEPS" ] && SFT_ARGS+=(--steps "$STEPS")
+  [ "$SFT_STEPS" -gt "$STEPS" ] && SFT_STEPS=$STEPS
   [ "$RL_STEPS" -gt "$STEPS" ] && RL_STEPS=$STEPS
 fi
 mkdir -p "$OUT"
@@ -33,7 +33,7 @@ echo
 echo
 echo "== SFT of the nvfp4-fwd model on the task '$RL_TASK' =="
 rm -rf "${OUT:?}/sft" "${OUT:?}/rl"
-"$FB" sft --init "$OUT/nvfp4-fwd" "${SFT_ARGS[@]}" --device cpu --out "$OUT/sft"
+"$FB" sft --init "$OUT/nvfp4-fwd" "${SFT_ARGS[@]}" --steps "$SFT_STEPS" --device cpu --out "$OUT/sft"
 echo
 echo "== RL (group baseline, $RL_STEPS steps) on '$RL_TASK', sampling with the training forward =="
 "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$RL_STEPS" --device cpu --out "$OUT/rl"
@@ -41,4 +41,4 @@ echo "== RL (group baseline, $RL_STEPS steps) on '$RL_TASK', sampling with the t
 echo
 echo "== greedy samples from the RL model =="
 "$FB" generate --run "$OUT/rl" --device cpu --max-new 12 --sep \
-  --prompt "sort 5281=" --prompt "sort 970314=" --prompt "sort 88213="
+  --prompt "sort 5281=" --prompt "sort 97031=" --prompt "sort 882="

@@ -38,7 +38,7 @@ if [ -z "$INIT" ]; then
   rm -rf "${OUT:?}/pretrain" "${OUT:?}/sft"
   echo "== the shared checkpoint: pretrain configs/tiny.toml (nvfp4-fwd), then SFT on $RL_TASK =="
   "$FB" pretrain --config configs/tiny.toml --recipe nvfp4-fwd --device "$DEVICE" --out "$OUT/pretrain"
-  "$FB" sft --init "$OUT/pretrain" "${SFT_ARGS[@]}" --device "$DEVICE" --out "$OUT/sft"
+  "$FB" sft --init "$OUT/pretrain" "${SFT_ARGS[@]}" --steps "$SFT_STEPS" --device "$DEVICE" --out "$OUT/sft"
   INIT="$OUT/sft"
 fi
 

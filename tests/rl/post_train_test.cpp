@@ -4,15 +4,18 @@
 //          (c) in RL the trainer's forward recomputes every sampled token's log-prob with the
 //          sampler's bits for fp32, bf16, mxfp8 and nvfp4-fwd (logprob_mismatch_tokens 0 on
 //          every step) and not for nvidia-nvfp4 (the negative control); (d) the same seed gives
-//          the same metrics and samples; (e) group advantages and the k3 estimator.
+//          the same metrics and samples; (e) group advantages and the k3 estimator; (f) a step
+//          without reward variance does not update, and RL's load-balance coefficient is its own.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "fourbit/rl/task_batch.h"
+#include "fourbit/train/checkpoint.h"
 #include "fourbit/train/tokenizer.h"
 #include "rl/post_train_util.h"
 #include "rl/rl_test_util.h"
@@ -194,6 +197,63 @@ TEST(Rl, SameSeedSameRunAndResumeIsBitExact) {
   for (const char* f : {"samples.jsonl", "checkpoints/step-000003/model.safetensors",
                         "checkpoints/step-000003/optim.safetensors"})
     EXPECT_TRUE(file_bytes(root + "/a/" + f) == file_bytes(root + "/d/" + f)) << f << " differs";
+}
+
+// A step whose every group has equal rewards carries no gradient once the load-balance term is
+// out of the loss (--aux-loss-coef 0, RL's default): it does not update, so weights and moments
+// stay the --init weights' bits. With the term in, the same steps move the weights.
+TEST(Rl, AStepWithoutSignalDoesNotUpdate) {
+  class NoReward : public FirstDigitTask {
+   public:
+    std::string name() const override { return "no_reward"; }
+
+   protected:
+    rl::Score check(const rl::Problem&, std::string_view) const override { return rl::Score{0, true, "never"}; }
+  };
+  const std::vector<std::string> names = rl::task_names();
+  if (std::find(names.begin(), names.end(), "no_reward") == names.end())
+    rl::register_task("no_reward", [] { return std::make_unique<NoReward>(); });
+  const OmpThreads one_thread(1);
+  const std::string root = fresh_test_dir("post_train");
+  run_sft(root + "/sft", "nvfp4-fwd", 6);
+  RunConfig cfg = post_config();
+  cfg.train.steps = 2;
+  const ModelConfig mc = cfg.model;
+  auto params_of = [&](const std::string& run, Tensor* m) {
+    ParamStore p(mc, DType::F32, Device::CPU);
+    Tensor v = m ? Tensor::zeros(m->shape(), DType::F32, Device::CPU) : Tensor();
+    load_checkpoint(latest_checkpoint(run), p, m, m ? &v : nullptr);
+    return p.flat().to(Device::CPU);
+  };
+  const Tensor init = params_of(root + "/sft", nullptr);
+  for (const double aux : {0.0, 0.01}) {
+    SCOPED_TRACE(aux);
+    const std::string dir = root + (aux > 0 ? "/rl-aux" : "/rl");
+    LoopOptions o = loop_options(cfg, dir, "nvfp4-fwd", "rl");
+    o.init_from = root + "/sft";
+    rl::RlOptions ro = rl_options();
+    ro.task = "no_reward";
+    ro.aux_loss_coef = aux;
+    rl::RlSource src(ro);
+    run_training(o, src);
+    for (const auto& l : metrics_lines(dir + "/metrics.jsonl")) {
+      EXPECT_EQ(l["zero_variance_groups"], ro.prompts);
+      EXPECT_EQ(l["updated"], aux > 0);
+      EXPECT_EQ(l["aux_loss"].get<double>() > 0, aux > 0);
+    }
+    EXPECT_EQ(nlohmann::json::parse(file_bytes(dir + "/config.json"))["config"]["model"]["aux_loss_coef"],
+              mc.aux_loss_coef)
+        << "the run's [model] stays the --init run's";
+    Tensor m = Tensor::zeros(init.shape(), DType::F32, Device::CPU);
+    const Tensor after = params_of(dir, &m);
+    const bool same = std::memcmp(init.data<float>(), after.data<float>(), size_t(init.numel()) * 4) == 0;
+    EXPECT_EQ(same, aux == 0);
+    double m_abs = 0;
+    for (int64_t i = 0; i < m.numel(); ++i) m_abs += std::abs(m.data<float>()[i]);
+    EXPECT_EQ(m_abs == 0, aux == 0) << "Adam's moments";
+  }
+  Model model(mc, recipe_by_name("fp32"), Device::CPU);
+  rltest::expect_error([&] { model.set_aux_loss_coef(-1); }, "expected a finite value >= 0, got -1");
 }
 
 TEST(Rl, GroupAdvantagesAndK3) {

@@ -2,7 +2,9 @@
 //          and seed dependent; train and eval never share a problem (nor its split key); every
 //          reference answer scores 1 and malformed answers score 0 with the reason; the
 //          countdown checker parses, evaluates and enforces "each number at most once"; unknown
-//          task names fail listing the known ones; the registry takes new tasks.
+//          task names fail listing the known ones; the registry takes new tasks; task options
+//          (`sort:len=3-5`) set ranges, round-trip through spec(), keep the split and fail
+//          helpfully.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +13,8 @@
 #include <set>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "fourbit/rl/countdown.h"
 #include "fourbit/rl/rollout.h"
@@ -31,12 +35,32 @@ std::vector<int32_t> completion(const std::string& text, bool eos = true) {
   return t;
 }
 
+// A task with no options, registered at run time (once per process).
+class Echo : public rl::Task {
+ public:
+  std::string name() const override { return "echo-test"; }
+  std::string description() const override { return "x= -> x"; }
+
+ protected:
+  rl::Problem draw(const std::function<uint32_t()>& rand) const override {
+    const std::string d(1, char('a' + rand() % 26));
+    return rl::Problem{d + "=", d, d};
+  }
+  std::string format_error(std::string_view) const override { return ""; }
+};
+
+void register_echo() {
+  const std::vector<std::string> names = rl::task_names();
+  if (std::find(names.begin(), names.end(), "echo-test") == names.end())
+    rl::register_task("echo-test", [] { return std::make_unique<Echo>(); });
+}
+
 }  // namespace
 
 TEST(Tasks, RegistryKnowsTheBuiltinsAndRefusesUnknownNames) {
   const std::vector<std::string> names = rl::task_names();
   for (const std::string& n : kBuiltin) EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
-  expect_error([] { rl::make_task("division"); }, "unknown task 'division' (known: add, countdown, mul,");
+  expect_error([] { rl::make_task("division"); }, "unknown task 'division' (known: add, countdown, ");  // tests may register more
   expect_error([] { rl::register_task("add", [] { return rl::make_task("sub"); }); }, "a task named 'add' exists");
 }
 
@@ -217,20 +241,68 @@ TEST(Countdown, CheckerEnforcesNumbersAndTarget) {
 
 // A task from outside the built-in list: registered at run time, made by name.
 TEST(Tasks, RegistryTakesNewTasks) {
-  class Echo : public rl::Task {
-   public:
-    std::string name() const override { return "echo-test"; }
-    std::string description() const override { return "x= -> x"; }
-
-   protected:
-    rl::Problem draw(const std::function<uint32_t()>& rand) const override {
-      const std::string d(1, char('a' + rand() % 26));
-      return rl::Problem{d + "=", d, d};
-    }
-    std::string format_error(std::string_view) const override { return ""; }
-  };
-  rl::register_task("echo-test", [] { return std::make_unique<Echo>(); });
+  register_echo();
   const auto t = rl::make_task("echo-test");
   const rl::Problem p = t->problem(1, rl::Split::Train, 0);
   EXPECT_EQ(t->score(p, rl::answer_tokens(p)).reward, 1.0);
+}
+
+// Options after the name: each task declares its own ranges; make_task parses and validates
+// them once; spec() gives the canonical text back (defaults left out) and description() the
+// values; the defaults draw exactly the problems of the plain name.
+TEST(TaskOptions, RangesSetTheDifficultyAndSpecRoundTrips) {
+  const auto sort = rl::make_task("sort:len=3-5");
+  EXPECT_EQ(sort->name(), "sort");
+  EXPECT_EQ(sort->spec(), "sort:len=3-5");
+  EXPECT_NE(sort->description().find("3..5 digits"), std::string::npos) << sort->description();
+  std::set<size_t> lengths;
+  for (const rl::Problem& p : rl::problems(*sort, 1, rl::Split::Train, 0, 300)) lengths.insert(p.answer.size());
+  EXPECT_EQ(lengths, (std::set<size_t>{3, 4, 5}));
+  EXPECT_EQ(rl::make_task("reverse:len=4")->problem(1, rl::Split::Eval, 7).answer.size(), 4u);
+  EXPECT_EQ(rl::make_task(sort->spec())->spec(), "sort:len=3-5");
+  EXPECT_EQ(rl::make_task("sort:len=3-8")->spec(), "sort");  // the default is the plain name
+  for (const std::string& n : kBuiltin) {
+    const auto plain = rl::make_task(n);
+    const auto& o = plain->options().at(0);
+    const auto same = rl::make_task(fmt::format("{}:{}={}-{}", n, o.key, o.default_lo, o.default_hi));
+    const auto a = rl::problems(*plain, 2, rl::Split::Train, 0, 50), b = rl::problems(*same, 2, rl::Split::Train, 0, 50);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].prompt, b[i].prompt) << n;
+  }
+  for (uint64_t i = 0; i < 200; ++i) {
+    int a = 0, b = 0;
+    const rl::Problem p = rl::make_task("add:digits=2")->problem(1, rl::Split::Train, i);
+    ASSERT_EQ(std::sscanf(p.prompt.c_str(), "%d+%d=", &a, &b), 2);
+    EXPECT_TRUE(std::max(a, b) >= 10 && std::max(a, b) <= 99) << p.prompt;
+    const rl::Problem m = rl::make_task("mul:digits=1")->problem(1, rl::Split::Train, i);
+    ASSERT_EQ(std::sscanf(m.prompt.c_str(), "%d*%d=", &a, &b), 2);
+    EXPECT_TRUE(b >= 1 && b <= 9) << m.prompt;
+  }
+}
+
+// An easier variant shares the split: no eval problem of sort:len=3-5 is a training problem of
+// sort, nor the other way round (the key is the operands, not the options).
+TEST(TaskOptions, VariantsKeepTheSplit) {
+  const auto easy = rl::make_task("sort:len=3-5"), full = rl::make_task("sort");
+  std::set<std::string> train;
+  for (const auto* t : {easy.get(), full.get()})
+    for (const rl::Problem& p : rl::problems(*t, 1, rl::Split::Train, 0, 2000)) train.insert(p.key);
+  for (const auto* t : {easy.get(), full.get()})
+    for (const rl::Problem& p : rl::problems(*t, 0, rl::Split::Eval, 0, 200))
+      EXPECT_EQ(train.count(p.key), 0u) << p.prompt;
+}
+
+TEST(TaskOptions, BadOptionsFailNamingWhatIsWrong) {
+  expect_error([] { rl::make_task("sort:length=3-5"); },
+               "task sort: unknown option 'length' (it takes len=LO-HI (digits to sort, 2..20, default 3-8))");
+  expect_error([] { rl::make_task("sort:len=5-3"); },
+               "task sort: len=5-3: expected LO-HI or one number, with 2 <= LO <= HI <= 20 (digits to sort)");
+  for (const char* bad : {"sort:len=1-4", "sort:len=3-21", "sort:len=x", "sort:len=3-", "sort:len=-3", "sort:len="})
+    expect_error([&] { rl::make_task(bad); }, "expected LO-HI or one number");
+  expect_error([] { rl::make_task("sort:len"); }, "task 'sort:len': option 'len' needs a value");
+  expect_error([] { rl::make_task("sort:len=3:len=4"); }, "option 'len' is given twice");
+  expect_error([] { rl::make_task("sort:"); }, "task 'sort:': expected sort:KEY=LO-HI");
+  expect_error([] { rl::make_task("division:len=3"); }, "unknown task 'division'");
+  expect_error([] { rl::make_task("add:digits=10"); }, "1 <= LO <= HI <= 9");
+  register_echo();
+  expect_error([] { rl::make_task("echo-test:len=3"); }, "task echo-test takes no options, got 'len=3'");
 }

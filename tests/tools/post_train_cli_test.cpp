@@ -118,4 +118,7 @@ TEST(PostTrainCli, BadInputIsOneErrorAndCreatesNothing) {
   EXPECT_HAS(m, "longer than the model's context (model.max_seq_len 16)");
   EXPECT_HAS(err("sft --init " + base.run + " --task sort"), "model.max_seq_len 16");
   EXPECT_HAS(err("rl --init " + base.run + " --task add --group 1"), "--group: expected at least 2 samples");
+  EXPECT_HAS(err("rl --init " + base.run + " --task sort:len=5-3"), "--task: task sort: len=5-3: expected LO-HI");
+  EXPECT_HAS(err("sft --init " + base.run + " --task add,sort:size=3"), "task sort: unknown option 'size'");
+  EXPECT_HAS(err("rl --init " + base.run + " --task add --aux-loss-coef -1"), "--aux-loss-coef: expected a finite");
 }

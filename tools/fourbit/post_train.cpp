@@ -143,7 +143,8 @@ void add_sft_command(CLI::App& app) {
     CLI::Option *tasks_opt = nullptr, *max_new_opt = nullptr;
   };
   auto a = std::make_shared<Args>();
-  a->tasks_opt = cmd->add_option("--task", a->tasks, "task or tasks, comma-separated (add, sub, mul, sort, reverse, countdown)");
+  a->tasks_opt = cmd->add_option("--task", a->tasks, "task or tasks, comma-separated (add, sub, mul, sort, reverse, countdown), each with options "
+                                 "as NAME:KEY=LO-HI, e.g. sort:len=3-5");
   a->max_new_opt = cmd->add_option("--max-new", a->max_new, "greedy evaluation: answer tokens at most (<eos> included)")
                        ->capture_default_str();
   add_run_options(cmd, *a, "the run (or checkpoint) whose weights SFT starts from (pretrain or sft)");
@@ -168,13 +169,13 @@ void add_rl_command(CLI::App& app) {
   struct Args : RunArgs {
     std::string task;
     int64_t prompts = 16, group = 8, max_new = 16;
-    double temperature = 1.0, kl_coef = 0;
+    double temperature = 1.0, kl_coef = 0, aux_loss_coef = 0;
     bool std_normalize = false;
     CLI::Option *task_opt = nullptr, *prompts_opt = nullptr, *group_opt = nullptr, *max_new_opt = nullptr,
-                *temperature_opt = nullptr, *kl_opt = nullptr, *std_opt = nullptr;
+                *temperature_opt = nullptr, *kl_opt = nullptr, *std_opt = nullptr, *aux_opt = nullptr;
   };
   auto a = std::make_shared<Args>();
-  a->task_opt = cmd->add_option("--task", a->task, "the task (add, sub, mul, sort, reverse, countdown)");
+  a->task_opt = cmd->add_option("--task", a->task, "the task (add, sub, mul, sort, reverse, countdown), with options as NAME:KEY=LO-HI, e.g. sort:len=3-5");
   a->prompts_opt = cmd->add_option("--prompts", a->prompts, "problems per step (P)")->capture_default_str();
   a->group_opt = cmd->add_option("--group", a->group, "samples per problem (G >= 2)")->capture_default_str();
   a->temperature_opt = cmd->add_option("--temperature", a->temperature, "sampling temperature (> 0)")->capture_default_str();
@@ -182,6 +183,9 @@ void add_rl_command(CLI::App& app) {
   a->std_opt = cmd->add_flag("--std-normalize", a->std_normalize, "divide advantages by the group's reward std");
   a->kl_opt = cmd->add_option("--kl-coef", a->kl_coef,
                               "log the k3 KL to the initial policy; > 0: also add coef * k3 to the loss");
+  a->aux_opt = cmd->add_option("--aux-loss-coef", a->aux_loss_coef,
+                               "MoE load-balance loss coefficient in RL's updates (instead of model.aux_loss_coef)")
+                   ->capture_default_str();
   add_run_options(cmd, *a, "the run (or checkpoint) whose weights RL starts from (sft or pretrain)");
   cmd->callback([a]() {
     RunRecord record;
@@ -201,6 +205,7 @@ void add_rl_command(CLI::App& app) {
     ro.max_new = given_or_recorded<int64_t>(a->max_new_opt, a->max_new, recorded, "max_new");
     ro.std_normalize = given_or_recorded<bool>(a->std_opt, a->std_normalize, recorded, "std_normalize");
     ro.eval_problems = given_or_recorded<int64_t>(a->eval_problems_opt, a->eval_problems, recorded, "eval_problems");
+    ro.aux_loss_coef = given_or_recorded<double>(a->aux_opt, a->aux_loss_coef, recorded, "aux_loss_coef");
     if (a->kl_opt->count()) ro.kl_coef = a->kl_coef;
     else if (recorded.is_object() && recorded.contains("kl_coef") && !recorded["kl_coef"].is_null())
       ro.kl_coef = recorded["kl_coef"].get<double>();

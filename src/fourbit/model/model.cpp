@@ -299,7 +299,7 @@ struct ModelRunner {
           pe += ph.dtype() == DType::F64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
         aux += frac[size_t(e)] * pe / double(N);
       }
-      *aux_loss += c.aux_loss_coef * double(E) * aux;
+      *aux_loss += m.aux_loss_coef_ * double(E) * aux;
     }
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
@@ -446,7 +446,7 @@ struct ModelRunner {
     // Router: through the top-k weights and the load-balance loss's d/dprobs.
     std::vector<double> dp_col(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e)
-      dp_col[size_t(e)] = double(loss_weight) * c.aux_loss_coef * double(E) * s.frac[size_t(e)] / double(N);
+      dp_col[size_t(e)] = double(loss_weight) * m.aux_loss_coef_ * double(E) * s.frac[size_t(e)] / double(N);
     Tensor d_probs_host = Tensor::empty({N, E}, m.dtype_, Device::CPU);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t e = 0; e < E; ++e) {
@@ -474,7 +474,12 @@ struct ModelRunner {
 // ------------------------------------------------------------------------------------------------
 
 Model::Model(const ModelConfig& cfg, const Recipe& recipe, Device device, DType dtype)
-    : cfg_(cfg), recipe_(recipe), device_(device), dtype_(dtype), params_(cfg, dtype, device) {
+    : cfg_(cfg),
+      recipe_(recipe),
+      device_(device),
+      dtype_(dtype),
+      params_(cfg, dtype, device),
+      aux_loss_coef_(cfg.aux_loss_coef) {
   if (dtype != DType::F32 && dtype != DType::F64) fail("model dtype must be f32 or f64");
   rope_ = ops::rope_table(cfg.max_seq_len, cfg.hd(), cfg.rope_theta, device);
   if (dtype == DType::F64) {
@@ -485,6 +490,11 @@ Model::Model(const ModelConfig& cfg, const Recipe& recipe, Device device, DType 
 }
 
 Model::~Model() = default;
+
+void Model::set_aux_loss_coef(double coef) {
+  if (!(coef >= 0 && std::isfinite(coef))) fail("load-balance loss coefficient: expected a finite value >= 0, got {}", coef);
+  aux_loss_coef_ = coef;
+}
 
 Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
                        LayerClass cls, const SrStreams& sr, const Tensor* partner) {

@@ -83,6 +83,12 @@ class Model {
   Tensor forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                         const std::vector<int32_t>& logit_rows = {});
 
+  // The load-balance loss's coefficient in forward() and backward(): the config's
+  // model.aux_loss_coef until set here. A training setting, not architecture: a source that wants
+  // another weight for it (RL) sets it without touching the [model] its checkpoints record.
+  double aux_loss_coef() const { return aux_loss_coef_; }
+  void set_aux_loss_coef(double coef);  // fails unless finite and >= 0
+
   // Quantized weights are cached until the weights change: call after every optimizer step.
   void invalidate_weight_cache() { weight_cache_.clear(); }
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
@@ -130,6 +136,7 @@ class Model {
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;
   QuantLog quant_log_;
+  double aux_loss_coef_;
 };
 
 }  // namespace fourbit

@@ -113,15 +113,18 @@ void parse_prompt(const std::string& prompt, std::vector<int64_t>& numbers, int6
 
 class CountdownTask : public Task {
  public:
+  CountdownTask() : numbers_(declare_option("numbers", "numbers given", 2, 6, 3, 4)) {}
   std::string name() const override { return "countdown"; }
   std::string description() const override {
-    return "cd N N N [N] to T= -> an expression with + - * ( ) using each number at most once, equal to T";
+    return fmt::format("cd N ... to T= with {}..{} numbers 1..20 -> an expression with + - * ( ) using each number "
+                       "at most once, equal to T", option(numbers_).lo, option(numbers_).hi);
   }
 
  protected:
   Problem draw(const std::function<uint32_t()>& rand) const override {
+    const TaskOption& numbers = option(numbers_);
     while (true) {
-      const uint32_t n = 3 + draw_below(rand, 2);
+      const uint32_t n = uint32_t(numbers.lo) + draw_below(rand, uint32_t(numbers.hi - numbers.lo + 1));
       std::vector<int64_t> nums;
       for (uint32_t i = 0; i < n; ++i) nums.push_back(1 + draw_below(rand, 20));
       // the answer: m of them (2..n) in a random order with random operators
@@ -159,6 +162,9 @@ class CountdownTask : public Task {
     return Score{0, true, err};
   }
   std::string format_error(std::string_view text) const override { return parse_countdown(text).error; }
+
+ private:
+  size_t numbers_;
 };
 
 }  // namespace

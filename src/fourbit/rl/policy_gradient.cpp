@@ -86,33 +86,38 @@ RlSource::RlSource(RlOptions opt) : opt_(std::move(opt)) {
   if (opt_.kl_coef && !(*opt_.kl_coef >= 0 && std::isfinite(*opt_.kl_coef)))
     fail("--kl-coef: expected a finite value >= 0, got {}", *opt_.kl_coef);
   if (opt_.eval_problems < 1) fail("--eval-problems: expected at least 1, got {}", opt_.eval_problems);
+  if (!(opt_.aux_loss_coef >= 0 && std::isfinite(opt_.aux_loss_coef)))
+    fail("--aux-loss-coef: expected a finite value >= 0, got {}", opt_.aux_loss_coef);
   task_ = make_task(opt_.task);
 }
 
 RlSource::~RlSource() = default;
 
 std::string RlSource::describe() const {
-  return fmt::format("rl on {}: {} problems x {} samples per step, temperature {}, max {} new tokens{}{}", opt_.task,
-                     opt_.prompts, opt_.group, opt_.temperature, opt_.max_new,
-                     opt_.std_normalize ? ", std-normalized advantages" : "",
+  return fmt::format("rl on {} ({}): {} problems x {} samples per step, temperature {}, max {} new tokens, "
+                     "load-balance loss coefficient {}{}{}",
+                     task_->spec(), task_->description(), opt_.prompts, opt_.group, opt_.temperature, opt_.max_new,
+                     opt_.aux_loss_coef, opt_.std_normalize ? ", std-normalized advantages" : "",
                      opt_.kl_coef ? fmt::format(", k3 KL coefficient {}", *opt_.kl_coef) : "");
 }
 
 nlohmann::json RlSource::record() const {
   return {{"kind", "rl"},
-          {"task", opt_.task},
+          {"task", task_->spec()},
           {"prompts", opt_.prompts},
           {"group", opt_.group},
           {"temperature", opt_.temperature},
           {"max_new", opt_.max_new},
           {"std_normalize", opt_.std_normalize},
           {"kl_coef", opt_.kl_coef ? nlohmann::json(*opt_.kl_coef) : nlohmann::json(nullptr)},
+          {"aux_loss_coef", opt_.aux_loss_coef},
           {"eval_problems", opt_.eval_problems},
           {"eval_seed", kEvalSeed}};
 }
 
 void RlSource::start(Model& model, const RunConfig& config) {
   cfg_ = config;
+  model.set_aux_loss_coef(opt_.aux_loss_coef);
   check_fits_context(*task_, cfg_.model, cfg_.train.seed, kEvalSeed, std::max<int64_t>(opt_.eval_problems, 256), false);
   if (opt_.kl_coef) {
     reference_ = std::make_unique<Model>(cfg_.model, model.recipe(), model.device());
@@ -174,6 +179,7 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
     for (int64_t g = 1; g < G; ++g) same = same && rewards[size_t(p * G + g)] == rewards[size_t(p * G)];
     zero_variance += same;
   }
+  has_signal_ = zero_variance < P;
   advantages_ = group_advantages(rewards, G, opt_.std_normalize);
 
   // ---- rows, micro-batches of train.batch_size rollouts ----
@@ -273,8 +279,17 @@ void RlSource::micro_batch_done(const StepContext& ctx, int64_t micro, const For
   }
 }
 
+bool RlSource::update_weights(const StepContext& ctx) const {
+  (void)ctx;
+  // With equal rewards in every group each advantage is 0, and so is the gradient unless a KL
+  // or load-balance term is in the loss: an optimizer step would only replay Adam's momentum
+  // (and weight decay) with no evidence behind it.
+  return has_signal_ || (opt_.kl_coef && *opt_.kl_coef > 0) || opt_.aux_loss_coef > 0;
+}
+
 void RlSource::after_step(const StepContext& ctx, Model& model, nlohmann::json& line) {
   for (const auto& [k, v] : fields_.items()) line[k] = v;
+  line["updated"] = update_weights(ctx);
   line["logprob_mismatch_max"] = mismatch_max_;
   line["logprob_mismatch_tokens"] = mismatch_tokens_;
   line["fwd_bwd_s"] = ctx.fwd_bwd_s;

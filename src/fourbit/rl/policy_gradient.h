@@ -11,6 +11,8 @@
 //                token-mean of -A * log pi over the step, one optimizer step per batch.
 //   forward      every completion token's log-prob recomputed by the training forward is
 //                compared with the sampler's, bit for bit (logprob_mismatch_*).
+//   update       skipped (weights and moments unchanged) when the loss has no gradient: every
+//                group's rewards equal, and no KL or load-balance term in the loss.
 //   after_step   metrics (docs/post-training.md lists them), every rollout to samples.jsonl.
 //   evaluate     greedy accuracy on the task's held-out problems (the same set for every seed).
 // Rollouts are a pure function of (seed, step, weights), so a resume continues bit for bit.
@@ -37,6 +39,10 @@ struct RlOptions {
   int64_t max_new = 16;        // completion tokens at most (<eos> included)
   bool std_normalize = false;  // divide advantages by the group's reward std
   std::optional<double> kl_coef;  // set: k3 KL to the initial policy logged; > 0: also in the loss
+  // The MoE load-balance loss's coefficient in RL's updates (Model::set_aux_loss_coef), in place
+  // of the config's model.aux_loss_coef. Default 0: the routing was balanced by pretraining, and
+  // with few rollouts carrying reward the balance term alone would steer Adam's full-size steps.
+  double aux_loss_coef = 0;
   int64_t eval_problems = 200;    // held-out problems per evaluation
   // Where the KL reference's weights come from: "" = the weights at start() (a new run's --init
   // weights); a checkpoint directory on resume (the run record's init checkpoint).
@@ -55,6 +61,7 @@ class RlSource : public TrainingSource {
   int64_t micro_batches(const StepContext& ctx) const override;
   MicroBatch micro_batch(const StepContext& ctx, int64_t micro) override;
   void micro_batch_done(const StepContext& ctx, int64_t micro, const ForwardStats& stats) override;
+  bool update_weights(const StepContext& ctx) const override;
   void after_step(const StepContext& ctx, Model& model, nlohmann::json& line) override;
   void evaluate(const StepContext& ctx, Model& model, nlohmann::json& line) override;
 
@@ -70,6 +77,7 @@ class RlSource : public TrainingSource {
   std::vector<MicroBatch> micro_;
   std::vector<std::vector<size_t>> micro_rows_;  // rollouts of each micro-batch
   nlohmann::json fields_;                        // metrics gathered before the update
+  bool has_signal_ = false;                      // some group's rewards differ
   double mismatch_max_ = 0;
   int64_t mismatch_tokens_ = 0;
   WeightCodes codes_;                            // NVFP4 codes of the weights the step started from

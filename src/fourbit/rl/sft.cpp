@@ -18,13 +18,15 @@ SftSource::SftSource(SftOptions opt) : opt_(std::move(opt)) {
 
 std::string SftSource::describe() const {
   std::string names;
-  for (const std::string& t : opt_.tasks) names += (names.empty() ? "" : ", ") + t;
+  for (const auto& t : tasks_) names += (names.empty() ? "" : "; ") + t->spec() + ": " + t->description();
   return fmt::format("sft on {} (train split; {} held-out problems per task)", names, opt_.eval_problems);
 }
 
 nlohmann::json SftSource::record() const {
+  std::vector<std::string> specs;
+  for (const auto& t : tasks_) specs.push_back(t->spec());
   return {{"kind", "sft"},
-          {"tasks", opt_.tasks},
+          {"tasks", specs},
           {"eval_problems", opt_.eval_problems},
           {"eval_max_new", opt_.eval_max_new},
           {"eval_seed", kEvalSeed}};
@@ -62,7 +64,7 @@ void evaluate_tasks(Model& model, const std::vector<const Task*>& tasks, int64_t
   int64_t loss_tokens = 0;
   for (const Task* task : tasks) {
     const EvalResult r = evaluate_greedy(sampler, *task, kEvalSeed, problems, max_new);
-    line["eval_accuracy_" + task->name()] = r.accuracy();
+    line["eval_accuracy_" + task->spec()] = r.accuracy();
     accuracy_sum += r.accuracy();
     // The reference answers' cross-entropy, in batches of 64 problems.
     const std::vector<Problem> ps = rl::problems(*task, kEvalSeed, Split::Eval, 0, problems);

@@ -42,7 +42,7 @@ class SftSource : public TrainingSource {
   RunConfig cfg_;
 };
 
-// Held-out fields of every task into `line`: eval_accuracy_<task> (greedy, exact answers),
+// Held-out fields of every task into `line`: eval_accuracy_<task spec> (greedy, exact answers),
 // eval_accuracy (their mean) and eval_loss (mean cross-entropy of the reference answers' tokens,
 // <eos> included, over all tasks' problems).
 void evaluate_tasks(Model& model, const std::vector<const Task*>& tasks, int64_t problems, int64_t max_new,

@@ -57,15 +57,16 @@ std::vector<std::string> task_list(const std::string& comma_separated, const std
   size_t begin = 0;
   while (true) {
     const size_t end = comma_separated.find(',', begin);
-    const std::string name = comma_separated.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    if (name.empty()) fail("{}: expected task names separated by commas, got '{}'", flag, comma_separated);
-    if (!seen.insert(name).second) fail("{}: task '{}' is named twice", flag, name);
+    const std::string given = comma_separated.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    if (given.empty()) fail("{}: expected task names separated by commas, got '{}'", flag, comma_separated);
+    std::string spec;
     try {
-      make_task(name);
+      spec = make_task(given)->spec();
     } catch (const Error& e) {
       fail("{}: {}", flag, e.what());
     }
-    out.push_back(name);
+    if (!seen.insert(spec).second) fail("{}: task '{}' is named twice", flag, spec);
+    out.push_back(spec);
     if (end == std::string::npos) break;
     begin = end + 1;
   }

@@ -27,8 +27,9 @@ TaskRow task_row(const Problem& p);
 // then carry them), also the per-token weights; padding and prompt positions get target -1.
 MicroBatch task_micro_batch(const std::vector<TaskRow>& rows);
 
-// "add,sort" -> {"add", "sort"}; fails on an empty or repeated name and on unknown tasks
-// (listing the known ones), before any work.
+// "add,sort:len=3-5" -> {"add", "sort:len=3-5"}, each in its canonical form (Task::spec: options
+// at their defaults left out); fails on an empty or repeated task, an unknown one (listing the
+// known ones) and a bad option, before any work.
 std::vector<std::string> task_list(const std::string& comma_separated, const std::string& flag);
 
 // Fails, naming the task and the longest case, when a problem among the first `count` of each

@@ -354,9 +354,10 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
            "stopped; no checkpoint was written for this step.", step + 1);
     const auto optimizer_t0 = std::chrono::steady_clock::now();
     ctx.fwd_bwd_s = std::chrono::duration<double>(optimizer_t0 - fwd_bwd_t0).count();
-    const double gnorm = optim.step(step, ctx.lr);
+    const bool update = source.update_weights(ctx);
+    const double gnorm = update ? optim.step(step, ctx.lr) : optim.grad_norm();
     if (!std::isfinite(gnorm)) nonfinite(step + 1, "the gradient norm", gnorm);
-    model.invalidate_weight_cache();
+    if (update) model.invalidate_weight_cache();
     ctx.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_t0).count();
     last_loss = loss;
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"aux_loss", aux}, {"lr", ctx.lr}, {"grad_norm", gnorm}};

@@ -16,7 +16,7 @@
 //   for micro in 0 .. micro_batches(ctx) - 1:
 //     micro_batch(ctx, micro) -> forward (loss_weight, per-token weights)
 //     micro_batch_done(ctx, micro, forward's stats) -> backward
-//   optimizer update (lr = the schedule's rate for s)
+//   optimizer update (lr = the schedule's rate for s), unless update_weights(ctx) says no
 //   after_step(ctx, model, line)                  add fields to the step's metrics line
 //   evaluate(ctx, model, line)                    every train.eval_every steps and the last
 //   metrics.jsonl gets `line`; a checkpoint when due, at the last step, or on a stop signal
@@ -101,6 +101,14 @@ class TrainingSource {
     (void)ctx;
     (void)micro;
     (void)stats;
+  }
+  // After the micro-batches, before the optimizer: whether this step updates the weights. false
+  // leaves weights and optimizer moments as they are (no momentum or weight-decay move either);
+  // the step is otherwise a step (metrics, evaluation, checkpoint). RL says no when the step's
+  // loss carries no gradient (every group's rewards equal, nothing else in the loss).
+  virtual bool update_weights(const StepContext& ctx) const {
+    (void)ctx;
+    return true;
   }
   // After the optimizer update: extra fields for the step's metrics line (reward, lengths ...).
   virtual void after_step(const StepContext& ctx, Model& model, nlohmann::json& line) {

@@ -95,10 +95,14 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& t) : params_(params)
 
 double Optimizer::step(int64_t step_index) { return step(step_index, lr_at(t_, step_index)); }
 
-double Optimizer::step(int64_t step_index, double lr) {
+double Optimizer::grad_norm() const {
   double sq = 0;
   for (const ParamInfo& p : params_.infos()) sq += ops::sum_squares(params_.view(params_.flat_grad(), p));
-  const double norm = std::sqrt(sq);
+  return std::sqrt(sq);
+}
+
+double Optimizer::step(int64_t step_index, double lr) {
+  const double norm = grad_norm();
   if (!std::isfinite(norm)) return norm;  // the trainer stops on a non-finite norm
   // Clipping scales the gradient inside the update (the same float product as scaling it first,
   // without another pass over every gradient).

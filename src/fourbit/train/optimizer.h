@@ -66,6 +66,8 @@ class Optimizer {
   // left as they are); returns the pre-clip global norm. The first form takes lr_at(t, step).
   double step(int64_t step_index);  // step_index: 0-based optimizer step
   double step(int64_t step_index, double lr);
+  // The global norm of the gradients (what step() returns, without updating).
+  double grad_norm() const;
   Tensor& m() { return m_; }
   Tensor& v() { return v_; }
 
