@@ -217,8 +217,9 @@ TEST(PretrainCli, NonFiniteLossStopsWithoutTouchingCheckpoints) {
       EXPECT_EQ(bad, 0) << name << ": " << tname << " holds non-finite weights";
     }
     const CliRun g = run_cli(dir, "generate --run " + e.path().string() + " --prompt x --max-new 1 --device cpu");
-    if (g.status != 0)
+    if (g.status != 0) {
       EXPECT_NE(g.err.find("sampling: the logits of sequence 0"), std::string::npos) << name << " is not a loadable checkpoint: " << g.err;
+    }
   }
 }
 
