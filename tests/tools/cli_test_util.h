@@ -1,9 +1,11 @@
-// defines: CliRun, run_cli, lines_of — running the built `fourbit` binary from a test.
+// defines: CliRun, run_cli, lines_of, snapshot — running the built `fourbit` binary from a test.
 #pragma once
 #include <sys/wait.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -44,6 +46,16 @@ inline std::vector<std::string> lines_of(const std::string& s) {
   std::vector<std::string> out;
   std::istringstream in(s);
   for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// Every file under dir (relative path -> bytes): compared before and after a command that must
+// leave a run untouched.
+inline std::map<std::string, std::string> snapshot(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = slurp(e.path().string());
   return out;
 }
 

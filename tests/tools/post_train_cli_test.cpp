@@ -51,13 +51,6 @@ std::string one_error(const CliRun& r) {
   return lines.back();
 }
 
-std::map<std::string, std::string> snapshot(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = file_bytes(e.path().string());
-  return out;
-}
-
 }  // namespace
 
 TEST(PostTrainCli, PretrainSftRlPipeline) {

@@ -65,14 +65,6 @@ std::string expect_one_error(const CliRun& r, bool alone = true) {
   return lines.back();
 }
 
-// Every file under dir (relative path -> bytes).
-std::map<std::string, std::string> snapshot(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = file_bytes(e.path().string());
-  return out;
-}
-
 std::vector<std::string> names_of(const std::map<std::string, std::string>& snap) {
   std::vector<std::string> out;
   for (const auto& [k, v] : snap) out.push_back(k);

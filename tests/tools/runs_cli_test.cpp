@@ -54,13 +54,6 @@ struct Dir {
   }
 };
 
-std::map<std::string, std::string> snapshot(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = file_bytes(e.path().string());
-  return out;
-}
-
 std::string last_error(const CliRun& r) {
   EXPECT_EQ(r.status, 1) << r.err;
   const auto lines = lines_of(r.err);
