@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fourbit/model/recipe.h"
 #include "fourbit/numerics/formats.h"
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/numerics/minifloat.h"
@@ -34,14 +35,8 @@ namespace {
 
 // ---- helpers ------------------------------------------------------------------------------------
 
-// nvfp4-fwd's backward target (the recipe's dgrad.b / wgrad.b): MXFP8 E4M3, RCEIL, SR.
-const QuantSpec kRequantTarget = [] {
-  QuantSpec s;
-  s.fmt = Format::MXFP8_E4M3;
-  s.outer = OuterScale::None;
-  s.rounding = num::Rounding::SR;
-  return s;
-}();
+// nvfp4-fwd's backward target, as the recipe states it (MXFP8 E4M3, RCEIL, SR).
+const QuantSpec kRequantTarget = recipe_by_name("nvfp4-fwd").expert.dgrad.b;
 
 struct Dims {
   int64_t slices, rows, cols;  // logical [slices,] rows x cols
