@@ -44,10 +44,6 @@ QuantSpec nvfp4(OuterScale outer, bool four_over_six, Rounding rnd = Rounding::R
   return s;
 }
 
-const LayerRecipe kF32 = uniform(dense_spec(Format::F32));
-const LayerRecipe kBf16 = uniform(dense_spec(Format::BF16));
-const LayerRecipe kMxfp8 = uniform(mxfp8());
-
 // DESIGN "The recipe": NVFP4 forward with per-token activation scales and Four Over Six,
 // per-expert weight scales; MXFP8 backward with the saved operands re-quantized by SR.
 LayerRecipe nvfp4_fwd_expert() {
@@ -78,7 +74,13 @@ LayerRecipe nvidia_nvfp4_layer(OuterScale weight_outer) {
   return r;
 }
 
+// Built on first use (all_recipes' function-local static), so a caller that runs during static
+// initialization — a namespace-scope constant in another file — sees the full tables; namespace-scope
+// LayerRecipe constants here would not be initialized yet in that case.
 std::vector<Recipe> build_recipes() {
+  const LayerRecipe kF32 = uniform(dense_spec(Format::F32));
+  const LayerRecipe kBf16 = uniform(dense_spec(Format::BF16));
+  const LayerRecipe kMxfp8 = uniform(mxfp8());
   std::vector<Recipe> out;
   {
     Recipe r;
