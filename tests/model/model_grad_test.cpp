@@ -2,8 +2,9 @@
 //          (CPU) runs forward + backward; the gradient of CE mean + load-balance loss against
 //          every parameter tensor (at least 4 elements each, plus ~200 random elements) is
 //          compared with central differences. Configurations: tied embeddings with a shared
-//          expert, untied embeddings, no shared expert, all-MoE with top-1; and a check that the
-//          F64 gradient carries no systematic FP32 rounding.
+//          expert, untied embeddings, no shared expert, all-MoE with top-1, signed per-token
+//          weights (RL's advantage-weighted loss); and a check that the F64 gradient carries no
+//          systematic FP32 rounding.
 // Routing is piecewise constant: a perturbation that flips a top-k decision makes the loss jump.
 // Such elements are detected (central differences at h and h/2 disagree) and skipped; at least
 // 95% of the sampled elements must be checked.
@@ -62,16 +63,27 @@ Tensor make_inputs(Model& m, const ModelConfig& cfg, uint64_t seed, Tensor* targ
   return tokens;
 }
 
-GradCheck run_grad_check(const ModelConfig& cfg, uint64_t seed, int random_elements = 200, bool print = true) {
+// RL's per-token weights: group advantages of both signs (and some zeros), one value per row's
+// completion as policy_gradient.cpp writes them, here varying along the row as a KL term makes them.
+Tensor signed_token_weights(int64_t B, int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> w(size_t(B * T));
+  for (float& x : w) x = float(int(rng() % 7) - 3) * 0.25f;  // -0.75 .. 0.75 in steps of 1/4
+  return Tensor::from_host(w.data(), {B, T}, DType::F32);
+}
+
+GradCheck run_grad_check(const ModelConfig& cfg, uint64_t seed, int random_elements = 200, bool print = true,
+                         bool signed_weights = false) {
   const OmpThreads one_thread(1);
   Model m(cfg, recipe_by_name("fp32"), Device::CPU, DType::F64);
   Tensor targets;
   const Tensor tokens = make_inputs(m, cfg, seed, &targets);
   const int64_t B = tokens.size(0), T = tokens.size(1);
   ParamStore& ps = m.params();
+  const Tensor weights = signed_weights ? signed_token_weights(B, T, seed + 3) : Tensor();
 
   ps.zero_grad();
-  const ForwardStats st0 = m.forward(tokens, targets, SrStreams{}, true, 1.0f);
+  const ForwardStats st0 = m.forward(tokens, targets, SrStreams{}, true, 1.0f, weights);
   m.backward();
   EXPECT_TRUE(std::isfinite(st0.loss));
   if (cfg.aux_loss_coef > 0) {
@@ -82,7 +94,7 @@ GradCheck run_grad_check(const ModelConfig& cfg, uint64_t seed, int random_eleme
 
   auto loss_at = [&]() {
     m.invalidate_weight_cache();
-    const ForwardStats st = m.forward(tokens, targets, SrStreams{}, false);
+    const ForwardStats st = m.forward(tokens, targets, SrStreams{}, false, 1.0f, weights);
     return st.loss + st.aux_loss;
   };
   // The unperturbed loss through the forward-only path equals the one backward differentiated.
@@ -192,6 +204,14 @@ TEST(ModelGrad, AllMoeLayersTop1) {
   c.dense_layers = 0;
   c.top_k = 1;
   run_grad_check(c, 14);
+}
+
+// The RL surrogate: cross-entropy weighted per token by signed advantages (the loss is
+// -sum(A * log p) / tokens), so the gradient must follow each weight's sign and size, through the
+// LM head, the experts and the router alike.
+TEST(ModelGrad, SignedTokenWeightsOfTheRlLoss) {
+  const ModelConfig c = grad_config();
+  run_grad_check(c, 16, 200, true, true);
 }
 
 // An F64 model exists for these checks, so its gradient should be F64-accurate. With 15 target
