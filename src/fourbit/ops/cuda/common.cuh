@@ -1,5 +1,5 @@
-// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, device_sm_count, grid_for, stream,
-//          cublas_handle, cublaslt_handle, check_cuda_tensor
+// defines: FOURBIT_CUDA_CHECK, FOURBIT_LAUNCH_CHECK, FOURBIT_CUBLAS_CHECK, device_attribute,
+//          device_sm_count, grid_for, stream, cublas_handle, cublaslt_handle, check_cuda_tensor
 // What every CUDA source of the backend needs: error checks that name the call and the file,
 // launch sizing, the stream to launch on, and the process-wide cuBLAS handles.
 #pragma once
@@ -33,20 +33,24 @@
 
 namespace fourbit::ops::cuda {
 
-// Streaming multiprocessors of the current device (queried once per device: a hardware fact, not
-// a constant).
-inline int device_sm_count() {
+// An attribute of the current device (a hardware fact, not a constant), queried once per device
+// and attribute.
+template <cudaDeviceAttr kAttr>
+inline int device_attribute() {
   static std::atomic<int> cached[64];
   int dev = 0;
   FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
   std::atomic<int>& c = cached[dev & 63];
   int n = c.load(std::memory_order_relaxed);
   if (n == 0) {
-    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, kAttr, dev));
     c.store(n, std::memory_order_relaxed);
   }
   return n;
 }
+
+// Streaming multiprocessors of the current device.
+inline int device_sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>(); }
 
 // Blocks for a grid-stride kernel over work_items: one per threads_per_block items, at most
 // max_blocks (by default 32 per SM of the device; a grid-stride loop gives the same results for

@@ -337,19 +337,8 @@ unsigned grid_of(int64_t ctas, const char* what) {
 }
 
 // Opts a kernel into more than 48 KB of dynamic shared memory (once per size it grows to).
-// The device's opt-in limit of dynamic shared memory per block (queried, cached per device).
-size_t max_smem_optin() {
-  static std::atomic<int> cached[64];
-  int dev = 0;
-  FOURBIT_CUDA_CHECK(cudaGetDevice(&dev));
-  std::atomic<int>& c = cached[dev & 63];
-  int n = c.load(std::memory_order_relaxed);
-  if (n == 0) {
-    FOURBIT_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    c.store(n, std::memory_order_relaxed);
-  }
-  return size_t(n);
-}
+// The device's opt-in limit of dynamic shared memory per block.
+size_t max_smem_optin() { return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()); }
 
 template <auto kernel>
 void allow_smem(size_t bytes) {
