@@ -90,6 +90,9 @@ doc = {
     "weight_codes_changed": [l.get("weight_codes_changed") for l in rl],
     "logprob_mismatch_tokens": [l["logprob_mismatch_tokens"] for l in rl],
     "step_s": [round(l["sample_s"] + l["reward_s"] + l["fwd_bwd_s"] + l["optimizer_s"], 3) for l in rl],
+    # where an RL step's time goes, summed over the run (the issue asks for the sampling share)
+    "time_split_s": {k: round(sum(l.get(k, 0.0) for l in rl), 2)
+                     for k in ("sample_s", "reward_s", "reference_s", "fwd_bwd_s", "optimizer_s")},
     "same_seed_same_metrics": same_metrics,
     "same_seed_same_samples": same_samples,
     "load_average_1min": {"min": min(loads), "max": max(loads), "mean": round(sum(loads) / len(loads), 2)},
@@ -112,6 +115,10 @@ with open(os.path.join(results, "rl_tiny.txt"), "w") as f:
         f.write(f"{l['step']:4d}  {l['reward']:6.3f}  {l['zero_variance_groups']:8d}  {str(l.get('updated', True)):>7}  "
                 f"{ev}  {l.get('weight_codes_changed', 0):13.4f}  {l['logprob_mismatch_tokens']:8d}  {s:6.2f}\n")
     f.write(f"\nlogprob_mismatch_tokens: {sum(doc['logprob_mismatch_tokens'])} over all steps\n")
+    split = doc["time_split_s"]
+    total = sum(split.values()) or 1.0
+    f.write("RL step time: " + ", ".join(f"{k[:-2]} {v:.1f} s ({100 * v / total:.0f}%)" for k, v in split.items() if v)
+            + "\n")
     f.write(f"same seed, RL phase twice ({len(lines('check-a'))} steps): metrics minus timing "
             f"{'equal' if same_metrics else 'DIFFER'}, samples.jsonl {'equal' if same_samples else 'DIFFER'}\n")
     la = doc["load_average_1min"]
