@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fourbit/numerics/fast_quant.h"
+#include "fourbit/numerics/formats.h"
 
 using namespace fourbit::num;
 
@@ -553,6 +554,96 @@ int64_t grid_sr(uint32_t seed) {
 TEST(FastQuantMxfp8, StochasticOnAndAroundEveryGridValue) {
   EXPECT_EQ(grid_sr<4>(31), 0);
   EXPECT_EQ(grid_sr<5>(32), 0);
+}
+
+// Mxfp8Rne's two forms on every scaled magnitude u that can give a code other than 0 or the
+// largest (the binades from a quarter of the smallest subnormal to twice the largest normal),
+// and on random u elsewhere; then the composed encoder on random x and scales, and on every
+// grid value, its neighbours and the midpoints between grid values (the ties) at every scale.
+template <int kExpBits>
+int64_t compare_rne_every_u() {
+  using Rne = Mxfp8Rne<kExpBits>;
+  const MiniFloatSpec f = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  const int64_t lo = int64_t(Mxfp8Sr<kExpBits>::kEminBiased - f.man_bits - 2) << 23;
+  const int64_t hi = int64_t(127 + f.bias + 2) << 23;
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad)
+  for (int64_t b = lo; b < hi; ++b) {
+    const uint32_t u = uint32_t(b);
+    const uint32_t got = Mxfp8Sr<kExpBits>::needs_wide(u) ? Rne::code_wide(u) : Rne::code_normal(u);
+    bad += got != minifloat_encode(f, float_of(u), 0, Rounding::RNE);
+  }
+  std::mt19937 g(61);
+  for (int t = 0; t < 2000000; ++t) {
+    const uint32_t u = uint32_t(g()) & 0x7fffffffu;
+    if (u > 0x7f800000u) continue;  // NaN
+    const uint32_t got = Mxfp8Sr<kExpBits>::needs_wide(u) ? Rne::code_wide(u) : Rne::code_normal(u);
+    if (got != minifloat_encode(f, float_of(u), 0, Rounding::RNE) && ++bad <= 5)
+      ADD_FAILURE() << "u 0x" << std::hex << u;
+  }
+  return bad;
+}
+
+template <int kExpBits>
+int64_t compare_rne_encode(uint32_t seed) {
+  const MiniFloatSpec f = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  auto check = [&](float x, int scale) {
+    const uint8_t want = uint8_t(minifloat_encode(f, x, 127 - scale, Rounding::RNE));
+    const uint8_t got = Mxfp8Rne<kExpBits>::encode(x, pow2f(127 - scale));
+    if (want == got) return int64_t(0);
+    ADD_FAILURE() << "x = " << x << " (0x" << std::hex << bits_of(x) << ") scale " << std::dec << scale;
+    return int64_t(1);
+  };
+  std::mt19937 g(seed);
+  std::normal_distribution<float> nd;
+  int64_t bad = 0;
+  for (int t = 0; t < 3000000 && bad < 5; ++t) {
+    float x;
+    do x = t % 3 == 0 ? std::ldexp(nd(g), int(g() % 280) - 150) : float_of(uint32_t(g()));
+    while (is_nan_bits(x));
+    bad += check(x, t % 2 ? int(ue8m0_scale_for_max(abs_bits(x), kExpBits == 4 ? kE4M3Max : kE5M2Max)) : int(g() % 255));
+  }
+  for (uint32_t code = 0; code <= f.max_mag_code && bad < 5; ++code) {
+    const float v = minifloat_decode(f, code), next = minifloat_decode(f, code + 1);  // code + 1: past the max, NaN/Inf
+    for (int scale = 0; scale < 255; ++scale) {
+      const float x0 = std::ldexp(v, scale - 127), mid = std::ldexp(0.5f * (v + next), scale - 127);
+      for (float x : {x0, std::nextafter(x0, 0.0f), std::nextafter(x0, kInf), -x0, mid, std::nextafter(mid, 0.0f),
+                      std::nextafter(mid, kInf), -mid})
+        if (!is_nan_bits(x)) bad += check(x, scale);
+    }
+  }
+  for (float x : {kInf, -kInf, FLT_MAX, -FLT_MAX, 0.0f, -0.0f, 1e-45f, -1e-45f, std::nanf(""), -std::nanf("")})
+    bad += check(x, 127) + check(x, 0);
+  return bad;
+}
+
+TEST(FastQuantMxfp8, RneFormsEqualTheGenericEncoderOnEveryScaledMagnitude) {
+  EXPECT_EQ(compare_rne_every_u<4>(), 0);
+  EXPECT_EQ(compare_rne_every_u<5>(), 0);
+}
+
+TEST(FastQuantMxfp8, RneEncoderEqualsTheGenericEncoder) {
+  EXPECT_EQ(compare_rne_encode<4>(71), 0);
+  EXPECT_EQ(compare_rne_encode<5>(72), 0);
+}
+
+// The CPU's MXFP8 block decoder (a table of the 256 element values) against mxfp8_decode for
+// every code at every scale, NaN scale included.
+TEST(FastQuantMxfp8, BlockDecodeTableEqualsTheGenericDecoder) {
+  for (int scale = 0; scale < 256; ++scale)
+    for (int base = 0; base < 256; base += kMxBlock) {
+      uint8_t codes[kMxBlock];
+      float out4[kMxBlock], out5[kMxBlock];
+      for (int i = 0; i < kMxBlock; ++i) codes[i] = uint8_t(base + i);
+      mxfp8_decode_block<4>(codes, uint8_t(scale), 1.0f, out4);
+      mxfp8_decode_block<5>(codes, uint8_t(scale), 1.0f, out5);
+      for (int i = 0; i < kMxBlock; ++i) {
+        // a NaN code or scale decodes to a NaN; its sign bit is not part of the contract
+        const auto same = [](float a, float b) { return std::isnan(a) ? bool(std::isnan(b)) : bits_of(a) == bits_of(b); };
+        ASSERT_TRUE(same(out4[i], mxfp8_decode(codes[i], uint8_t(scale), e4m3_spec()))) << base + i << " scale " << scale;
+        ASSERT_TRUE(same(out5[i], mxfp8_decode(codes[i], uint8_t(scale), e5m2_spec()))) << base + i << " scale " << scale;
+      }
+    }
 }
 
 TEST(FastQuantMxfp8, RnePairsEqualTheSingleEncoder) {

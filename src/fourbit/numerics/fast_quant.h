@@ -3,7 +3,7 @@
 //          nvfp4_enc_scale_fast, div6_rn, ue4m3_rne_value, ue4m3_code_of, FosGroup, fos_group,
 //          FosBlockScales, fos_block_scales, fos_bounded, fos_quantize_block, nvfp4_quantize_block_fast,
 //          PhiloxKeys, philox_keys,
-//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, E4m3SrWords,
+//          random_bits4_fast, Mxfp8Sr, mxfp8_encode_sr_fast, Mxfp8Rne, E4m3SrWords,
 //          mxfp8_encode_rne_x2
 // The GPU quantizers' inner loops, written for the instruction budget of a memory-bound kernel
 // (a few tens of instructions per element): float adds and compares instead of the integer
@@ -498,6 +498,36 @@ template <int kExpBits>
 FOURBIT_HD uint8_t mxfp8_encode_sr_fast(float x, float x_scale, uint32_t rnd16) {
   return Mxfp8Sr<kExpBits>::encode(x, x_scale, rnd16);
 }
+
+// MXFP8 round-to-nearest-even, minifloat_encode(elem, x, 127 - scale, RNE) (= mxfp8_encode), for
+// every x, from u = bits(|x| * x_scale) as Mxfp8Sr forms it: the CPU's block loop (the GPU
+// converts in hardware). At or above the smallest normal the kept bits of u are the code after
+// adding half a quantum less one plus the kept lsb (ties go to the even code; a carry lands on
+// the next binade's code); below it the count is sig shifted by more, rounded the same way, and
+// 0 once the shift reaches 25 (sig < 2^24 is then below half a quantum), so the shift is clamped
+// there rather than branched on. Both forms are computed and selected, as is the NaN code: no
+// branch on the value, and the loop over a block vectorizes.
+template <int kExpBits>
+struct Mxfp8Rne {
+  using Sr = Mxfp8Sr<kExpBits>;
+  static constexpr uint32_t kNanCode = kExpBits == 4 ? e4m3_spec().nan_code : e5m2_spec().nan_code;
+  static FOURBIT_HD uint32_t round_shift(uint32_t v, uint32_t shift) {
+    return (v + (1u << (shift - 1)) - 1u + ((v >> shift) & 1u)) >> shift;
+  }
+  static FOURBIT_HD uint32_t code_wide(uint32_t u) {  // u nonzero below the smallest normal
+    const uint32_t s = uint32_t(23 - Sr::kMan + Sr::kEminBiased) - (u >> 23);
+    return round_shift((u & 0x7fffffu) | 0x800000u, s < 25u ? s : 25u);
+  }
+  static FOURBIT_HD uint32_t code_normal(uint32_t u) {  // u = 0 or at or above the smallest normal
+    const int c = int(round_shift(u, 23 - Sr::kMan)) - ((127 - Sr::kBias) << Sr::kMan);
+    return uint32_t(c < 0 ? 0 : c > Sr::kMaxCode ? Sr::kMaxCode : c);
+  }
+  static FOURBIT_HD uint8_t encode(float x, float x_scale) {
+    const uint32_t u = bits_of(mul_rn(fabs_hd(x), x_scale));
+    const uint32_t code = is_nan_bits(x) ? kNanCode : Sr::needs_wide(u) ? code_wide(u) : code_normal(u);
+    return uint8_t(code | ((bits_of(x) >> 24) & 0x80u));
+  }
+};
 
 // MXFP8 E4M3 stochastic rounding four codes at a time, for blocks whose RCEIL scale leaves every
 // value at most 448 (nothing clips, so no clamp) and none of them below E4M3's smallest normal

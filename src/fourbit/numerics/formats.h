@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "fourbit/numerics/fast_quant.h"
 #include "fourbit/numerics/mxfp4.h"
 #include "fourbit/numerics/mxfp8.h"
 #include "fourbit/numerics/nvfp4.h"
@@ -108,17 +109,57 @@ FOURBIT_HD void nvfp4_decode_block(const uint8_t* codes, uint8_t scale, float s_
     out[i] = mul_rn(e2m1_decode((codes[i / 2] >> (4 * (i % 2))) & 0xFu) * sc, s_dec);
 }
 
+// The CPU's MXFP8 block: mxfp8_quantize_block's codes through fast_quant.h's integer forms
+// (Mxfp8Rne, Mxfp8Sr), which equal the generic encoder (Mxfp8Sr for every input but NaN: a NaN
+// element under SR, or a block whose scale is the NaN code, takes the generic encoder).
+template <int kExpBits>
+uint8_t mxfp8_block_bytes_fast(const BlockIn& in, const QuantSpec& s, uint8_t* codes) {
+  const MiniFloatSpec elem = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
+  const uint8_t scale = mxfp8_scale(in.amax, elem, s.mx_rule);
+  if (scale == kUe8m0Nan)
+    return mxfp8_quantize_block(in.x, in.n, in.amax, elem, s.mx_rule, s.rounding, in.seed, in.stream, in.index0,
+                                codes);
+  const float x_scale = pow2f(127 - int(scale));
+  if (s.rounding == Rounding::SR) {
+    SrBits rnd(in.seed, in.stream);
+    for (int i = 0; i < in.n; ++i) {
+      const uint32_t r = rnd.at(in.index0 + uint64_t(i));
+      codes[i] = is_nan_bits(in.x[i]) ? mxfp8_encode(in.x[i], scale, elem, Rounding::SR, r)
+                                      : Mxfp8Sr<kExpBits>::encode(in.x[i], x_scale, r);
+    }
+  } else {
+    for (int i = 0; i < in.n; ++i) codes[i] = Mxfp8Rne<kExpBits>::encode(in.x[i], x_scale);
+  }
+  return scale;
+}
 inline uint8_t mxfp8_block_bytes(const BlockIn& in, const QuantSpec& s, uint8_t* codes, bool* chose_four) {
   *chose_four = false;
-  const MiniFloatSpec elem = s.fmt == Format::MXFP8_E5M2 ? e5m2_spec() : e4m3_spec();
   for (int i = in.n; i < kMxBlock; ++i) codes[i] = 0;
-  return mxfp8_quantize_block(in.x, in.n, in.amax, elem, s.mx_rule, s.rounding, in.seed, in.stream, in.index0,
-                              codes);
+  return s.fmt == Format::MXFP8_E5M2 ? mxfp8_block_bytes_fast<5>(in, s, codes) : mxfp8_block_bytes_fast<4>(in, s, codes);
 }
+#if !defined(__CUDA_ARCH__)
+// The 256 values of the E4M3 (kExpBits 4) or E5M2 codes, minifloat_decode's floats computed once:
+// on the CPU a block decode is then a load and mxfp8_decode's multiply per element.
+template <int kExpBits>
+const float* minifloat_values() {
+  static const std::vector<float> values = [] {
+    std::vector<float> v(256);
+    for (uint32_t c = 0; c < 256; ++c) v[c] = minifloat_decode(kExpBits == 4 ? e4m3_spec() : e5m2_spec(), c);
+    return v;
+  }();
+  return values.data();
+}
+#endif
 template <int kExpBits>
 FOURBIT_HD void mxfp8_decode_block(const uint8_t* codes, uint8_t scale, float /*s_dec*/, float* out) {
+#if defined(__CUDA_ARCH__)
   const MiniFloatSpec elem = kExpBits == 4 ? e4m3_spec() : e5m2_spec();
   for (int i = 0; i < kMxBlock; ++i) out[i] = mxfp8_decode(codes[i], scale, elem);
+#else
+  const float* values = minifloat_values<kExpBits>();
+  const float sc = ue8m0_decode(scale);
+  for (int i = 0; i < kMxBlock; ++i) out[i] = values[codes[i]] * sc;  // = mxfp8_decode(codes[i], scale, elem)
+#endif
 }
 
 inline uint8_t mxfp4_block_bytes(const BlockIn& in, const QuantSpec& s, uint8_t* codes, bool* chose_four) {
