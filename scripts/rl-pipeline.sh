@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# The RL result of issue 13 on configs/tiny.toml, measured: pretrain (nvfp4-fwd, or --pretrain RUN
-# to reuse one) -> SFT -> RL with the settings of scripts/rl-settings.sh, greedy held-out accuracy
-# before and after RL, each phase's wall time, the machine's load while it ran, and a same-seed
-# check (the RL phase twice for --check-steps steps: equal metrics minus timing fields, equal
-# samples). Writes bench/results/rl_tiny.{json,txt} (or --results DIR).
+# The RL result of issue 13, measured: pretrain (nvfp4-fwd, or --pretrain RUN to reuse one) -> SFT
+# -> RL with the settings of scripts/rl-settings.sh (each replaceable from the environment), greedy
+# held-out accuracy before and after RL, each phase's wall time, where an RL step's time goes, the
+# machine's load while it ran, and a same-seed check (the RL phase twice for --check-steps steps:
+# equal metrics minus timing fields, equal samples). Writes bench/results/NAME.{json,txt}.
 #
-#   scripts/rl-tiny.sh [--build DIR] [--pretrain RUN] [--rl-steps N] [--threads N] [--check-steps N]
-#                      [--out DIR] [--results DIR]
+#   scripts/rl-pipeline.sh [--build DIR] [--config TOML] [--device cpu|cuda] [--pretrain RUN]
+#                          [--rl-steps N] [--threads N] [--check-steps N] [--out DIR]
+#                          [--results DIR] [--name NAME] [--prune]
+# Defaults: configs/tiny.toml on the CPU, NAME rl_tiny. --prune removes the RL runs' checkpoints
+# once the results are written (gpu-small's are 7.6 GB each). The gpu-small run on the H200:
+#   RL_TASK=sort SFT_STEPS=150 SFT_MAX_NEW=10 RL_MAX_NEW=10 RL_PROMPTS=64 RL_GROUP=16 \
+#   SFT_SET="train.lr=5e-4" RL_SET="train.batch_size=256 train.lr=3e-4" \
+#   scripts/rl-pipeline.sh --build build-dev --config configs/gpu-small.toml --device cuda \
+#     --name h200_rl_gpu_small --prune
 set -euo pipefail
 BUILD=build PRETRAIN="" RL_STEPS=100 THREADS=1 CHECK_STEPS=5 OUT=runs/rl-tiny RESULTS=bench/results
+CONFIG=configs/tiny.toml DEVICE=cpu NAME=rl_tiny PRUNE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
+    --config) CONFIG=$2; shift 2 ;;
+    --device) DEVICE=$2; shift 2 ;;
     --pretrain) PRETRAIN=$2; shift 2 ;;
     --rl-steps) RL_STEPS=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --check-steps) CHECK_STEPS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --results) RESULTS=$2; shift 2 ;;
-    *) echo "rl-tiny.sh: unknown argument $1" >&2; exit 2 ;;
+    --name) NAME=$2; shift 2 ;;
+    --prune) PRUNE=1; shift ;;
+    *) echo "rl-pipeline.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 FB="$BUILD/fourbit"
@@ -30,34 +42,42 @@ mkdir -p "$OUT" "$RESULTS"
 ( while :; do echo "$(date +%s) $(uptime)"; sleep 15; done ) > "$OUT/uptime.log" &
 UPTIME_PID=$!
 trap 'kill $UPTIME_PID 2>/dev/null || true' EXIT
-phase() {  # name command...: runs it, appends name, wall seconds and the command line
+phase() {  # name command...: runs it, appends name, wall seconds, exit status and the command line
   local name=$1; shift
-  local t0; t0=$(date +%s.%N)
-  "$@" > "$OUT/$name.log" 2>&1
-  printf '%s\t%.1f\t%s\n' "$name" "$(echo "$(date +%s.%N) - $t0" | bc)" "$*" >> "$OUT/phases.tsv"
+  local t0=$EPOCHREALTIME rc=0
+  "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$(awk "BEGIN { printf \"%.1f\", $EPOCHREALTIME - $t0 }")" "$rc" "$*" \
+    >> "$OUT/phases.tsv"
+  # a run stopped by SIGINT/SIGTERM (130/143) has written its checkpoint and metrics: keep going
+  # (a time limit stops the last phase, rl, this way); any other failure ends the pipeline
+  case $rc in 0|130|143) ;; *) tail -20 "$OUT/$name.log" >&2; exit "$rc" ;; esac
 }
 if [ -z "$PRETRAIN" ]; then
   rm -rf "${OUT:?}/pretrain"
-  phase pretrain "$FB" pretrain --config configs/tiny.toml --recipe nvfp4-fwd --device cpu --threads "$THREADS" \
-    --out "$OUT/pretrain"
+  phase pretrain "$FB" pretrain --config "$CONFIG" --recipe nvfp4-fwd --device "$DEVICE" --threads "$THREADS" \
+    --set train.checkpoint_every=0 --out "$OUT/pretrain"
   PRETRAIN="$OUT/pretrain"
 fi
 rm -rf "${OUT:?}/sft" "${OUT:?}/rl" "${OUT:?}/check-a" "${OUT:?}/check-b"
-phase sft "$FB" sft --init "$PRETRAIN" "${SFT_ARGS[@]}" --steps "$SFT_STEPS" --device cpu --threads "$THREADS" --out "$OUT/sft"
-phase rl "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$RL_STEPS" --device cpu --threads "$THREADS" --out "$OUT/rl"
+phase sft "$FB" sft --init "$PRETRAIN" "${SFT_ARGS[@]}" --steps "$SFT_STEPS" --device "$DEVICE" --threads "$THREADS" --out "$OUT/sft"
 for c in check-a check-b; do
-  phase "$c" "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$CHECK_STEPS" --device cpu \
+  phase "$c" "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$CHECK_STEPS" --device "$DEVICE" \
     --threads "$THREADS" --out "$OUT/$c"
 done
+# last, so that a time limit (SIGTERM to this run) stops only it
+phase rl "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$RL_STEPS" --device "$DEVICE" --threads "$THREADS" --out "$OUT/rl"
 kill $UPTIME_PID 2>/dev/null || true
+GPU=""
+[ "$DEVICE" = cuda ] && GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 
-python3 - "$OUT" "$RESULTS" "$PRETRAIN" <<'PY'
+python3 - "$OUT" "$RESULTS" "$PRETRAIN" "$NAME" "$CONFIG" "$DEVICE" "$GPU" <<'PY'
 import json, os, sys
-out, results, pretrain = sys.argv[1:]
+out, results, pretrain, name, config, device, gpu = sys.argv[1:]
 phases = []
 for line in open(os.path.join(out, "phases.tsv")):
-    name, wall, cmd = line.rstrip("\n").split("\t")
-    phases.append({"phase": name, "wall_s": float(wall), "command": "fourbit " + cmd.split("/fourbit ", 1)[-1]})
+    phase, wall, rc, cmd = line.rstrip("\n").split("\t")
+    phases.append({"phase": phase, "wall_s": float(wall), "exit": int(rc),
+                   "command": "fourbit " + cmd.split("/fourbit ", 1)[-1]})
 def lines(run, f="metrics.jsonl"):
     return [json.loads(l) for l in open(os.path.join(out, run, f)) if l.strip()]
 TIMING = {"sample_s", "reward_s", "reference_s", "fwd_bwd_s", "optimizer_s", "sampled_tokens_per_s"}
@@ -70,16 +90,19 @@ sft_eval = [l for l in lines("sft") if "eval_accuracy" in l]
 before = rl[0]["init_eval_accuracy"]
 acc = {0: before}
 acc.update({l["step"]: l["eval_accuracy"] for l in rl if "eval_accuracy" in l})
-after = rl[-1]["eval_accuracy"]
+after = acc[max(acc)]  # the last evaluation (a run stopped by a time limit may end between two)
 loads = [float(l.split("load average:")[1].split(",")[0]) for l in open(os.path.join(out, "uptime.log"))]
 cfg = json.load(open(os.path.join(out, "rl", "config.json")))
 doc = {
-    "bench": "rl_tiny",
+    "bench": name,
+    "config": config,
+    "device": device + (f" ({gpu})" if gpu else ""),
     "pretrain": pretrain,
     "phases": phases,
     "eval_problems": cfg["source"]["eval_problems"],
     "sft_eval_accuracy": {str(l["step"]): l["eval_accuracy"] for l in sft_eval},
     "accuracy_before_rl": before,
+    "rl_steps_done": rl[-1]["step"],
     "accuracy_after_rl": after,
     "gain_points": round((after - before) * 100, 1),
     "best_accuracy": max(acc.values()),
@@ -98,15 +121,18 @@ doc = {
     "load_average_1min": {"min": min(loads), "max": max(loads), "mean": round(sum(loads) / len(loads), 2)},
     "uptime_samples": [l.strip() for l in open(os.path.join(out, "uptime.log"))][:: max(1, len(loads) // 12)],
 }
-json.dump(doc, open(os.path.join(results, "rl_tiny.json"), "w"), indent=2)
-with open(os.path.join(results, "rl_tiny.txt"), "w") as f:
+json.dump(doc, open(os.path.join(results, name + ".json"), "w"), indent=2)
+with open(os.path.join(results, name + ".txt"), "w") as f:
     ok = doc["gain_points"] >= 25
-    f.write(f"RL on configs/tiny.toml (nvfp4-fwd), task {cfg['source']['task']}: greedy held-out accuracy "
+    f.write(f"RL on {config} (nvfp4-fwd, {doc['device']}), task {cfg['source']['task']}: greedy held-out accuracy "
             f"{before:.3f} -> {after:.3f} ({doc['gain_points']:+.1f} points; best {doc['best_accuracy']:.3f}) on "
-            f"{doc['eval_problems']} problems -- target (+25 points) {'MET' if ok else 'NOT met'}\n\n")
+            f"{doc['eval_problems']} problems after {doc['rl_steps_done']} RL steps "
+            f"({next(p['wall_s'] for p in phases if p['phase'] == 'rl'):.0f} s) -- target (+25 points) "
+            f"{'MET' if ok else 'NOT met'}\n\n")
     f.write(f"pretrain: {pretrain}\n")
     for p in phases:
-        f.write(f"  {p['phase']:8} {p['wall_s']:7.1f} s  {p['command']}\n")
+        stopped = f" (stopped by signal, exit {p['exit']})" if p["exit"] else ""
+        f.write(f"  {p['phase']:8} {p['wall_s']:7.1f} s  {p['command']}{stopped}\n")
     f.write(f"\nSFT held-out accuracy by step: {doc['sft_eval_accuracy']}\n\n")
     f.write("step  reward  zero_var  updated  eval_acc  codes_changed  mismatch  step_s\n")
     f.write(f"   0       -         -        -   {before:7.3f}\n")
@@ -124,5 +150,6 @@ with open(os.path.join(results, "rl_tiny.txt"), "w") as f:
     la = doc["load_average_1min"]
     f.write(f"machine: {os.cpu_count()} cores, 1-min load average {la['min']}..{la['max']} (mean {la['mean']}) "
             f"while the phases ran (uptime every 15 s in {out}/uptime.log)\n")
-print(open(os.path.join(results, "rl_tiny.txt")).read())
+print(open(os.path.join(results, name + ".txt")).read())
 PY
+if [ "$PRUNE" = 1 ]; then rm -rf "$OUT"/{rl,check-a,check-b}/checkpoints; fi
