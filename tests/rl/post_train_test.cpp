@@ -5,7 +5,8 @@
 //          sampler's bits for fp32, bf16, mxfp8 and nvfp4-fwd (logprob_mismatch_tokens 0 on
 //          every step) and not for nvidia-nvfp4 (the negative control); (d) the same seed gives
 //          the same metrics and samples; (e) group advantages and the k3 estimator; (f) a step
-//          without reward variance does not update, and RL's load-balance coefficient is its own.
+//          without reward variance does not update, and RL's load-balance coefficient is its own;
+//          (g) dynamic sampling trains on groups with differing rewards only.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "fourbit/rl/task_batch.h"
 #include "fourbit/train/checkpoint.h"
@@ -197,6 +199,76 @@ TEST(Rl, SameSeedSameRunAndResumeIsBitExact) {
   for (const char* f : {"samples.jsonl", "checkpoints/step-000003/model.safetensors",
                         "checkpoints/step-000003/optim.safetensors"})
     EXPECT_TRUE(file_bytes(root + "/a/" + f) == file_bytes(root + "/d/" + f)) << f << " differs";
+}
+
+// Dynamic sampling (sample_rounds R > 1): a step samples rounds of P problems until P groups have
+// differing rewards (or R rounds), trains on those groups only, and marks them in samples.jsonl;
+// its first round is the R = 1 step's rollouts (same problems, same sequence ids); the trainer
+// still recomputes every trained token's log-prob with the sampler's bits.
+TEST(Rl, DynamicSamplingTrainsOnTheGroupsWithASignal) {
+  const OmpThreads one_thread(1);
+  register_first_digit();
+  const std::string root = fresh_test_dir("post_train");
+  run_sft(root + "/sft", "nvfp4-fwd", 40);
+  RunConfig cfg = post_config();
+  cfg.train.steps = 3;
+  cfg.train.eval_every = 0;
+  const int64_t R = 3;
+  std::map<int64_t, std::vector<nlohmann::json>> by_step[2];
+  for (const int64_t rounds : {int64_t(1), R}) {
+    const std::string dir = root + (rounds == 1 ? "/plain" : "/dynamic");
+    LoopOptions o = loop_options(cfg, dir, "nvfp4-fwd", "rl");
+    o.init_from = root + "/sft";
+    rl::RlOptions ro = rl_options();
+    ro.sample_rounds = rounds;
+    rl::RlSource src(ro);
+    run_training(o, src);
+    for (const nlohmann::json& l : metrics_lines(dir + "/samples.jsonl"))
+      by_step[rounds > 1][l["step"].get<int64_t>()].push_back(l);
+    if (rounds == 1) continue;
+    const auto m = metrics_lines(dir + "/metrics.jsonl");
+    ASSERT_EQ(m.size(), 3u);
+    const int64_t P = ro.prompts, G = ro.group;
+    bool some_trained = false;
+    for (const nlohmann::json& line : m) {
+      SCOPED_TRACE(line.dump());
+      const std::vector<nlohmann::json>& s = by_step[1][line["step"].get<int64_t>()];
+      const int64_t drawn = line["sampled_groups"].get<int64_t>();
+      ASSERT_EQ(int64_t(s.size()), drawn * G);
+      ASSERT_EQ(drawn % P, 0);
+      int64_t informative = 0, trained = 0, informative_before_last_round = 0;
+      for (int64_t grp = 0; grp < drawn; ++grp) {
+        bool differ = false;
+        for (int64_t g = 1; g < G; ++g) differ |= s[size_t(grp * G + g)]["reward"] != s[size_t(grp * G)]["reward"];
+        for (int64_t g = 1; g < G; ++g)
+          ASSERT_EQ(s[size_t(grp * G + g)]["trained"], s[size_t(grp * G)]["trained"]) << "a group is trained whole";
+        const bool t = s[size_t(grp * G)]["trained"].get<bool>();
+        informative += differ;
+        if (grp < drawn - P) informative_before_last_round += differ;
+        trained += t;
+        if (informative > 0) {
+          EXPECT_TRUE(!t || differ) << "group " << grp << ": trained without a signal";
+        }
+      }
+      EXPECT_EQ(line["zero_variance_groups"].get<int64_t>(), drawn - informative);
+      EXPECT_EQ(trained, line["trained_groups"].get<int64_t>());
+      EXPECT_EQ(trained, informative > 0 ? std::min(informative, P) : P);
+      EXPECT_TRUE(drawn == P * R || informative >= P) << "stopped early without P groups";
+      EXPECT_LT(informative_before_last_round, P) << "sampled a round after P groups were found";
+      EXPECT_EQ(line["updated"].get<bool>(), informative > 0);
+      EXPECT_EQ(line["logprob_mismatch_tokens"], 0);
+      some_trained |= informative > 0 && drawn > P;
+    }
+    EXPECT_TRUE(some_trained) << "no step needed a second round: a weak test";
+  }
+  // Step 0 starts from the same weights: round 0 is the plain step's rollouts.
+  const std::vector<nlohmann::json>& plain = by_step[0][1], &dynamic = by_step[1][1];
+  ASSERT_GE(dynamic.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    nlohmann::json d = dynamic[i];
+    d.erase("trained");
+    EXPECT_EQ(d, plain[i]) << i;
+  }
 }
 
 // A step whose every group has equal rewards carries no gradient once the load-balance term is

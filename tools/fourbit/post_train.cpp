@@ -168,11 +168,12 @@ void add_rl_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("rl", "on-policy RL with a group baseline on a task with verifiable rewards");
   struct Args : RunArgs {
     std::string task;
-    int64_t prompts = 16, group = 8, max_new = 16;
+    int64_t prompts = 16, group = 8, max_new = 16, sample_rounds = 1;
     double temperature = 1.0, kl_coef = 0, aux_loss_coef = 0;
     bool std_normalize = false;
     CLI::Option *task_opt = nullptr, *prompts_opt = nullptr, *group_opt = nullptr, *max_new_opt = nullptr,
-                *temperature_opt = nullptr, *kl_opt = nullptr, *std_opt = nullptr, *aux_opt = nullptr;
+                *temperature_opt = nullptr, *kl_opt = nullptr, *std_opt = nullptr, *aux_opt = nullptr,
+                *rounds_opt = nullptr;
   };
   auto a = std::make_shared<Args>();
   a->task_opt = cmd->add_option("--task", a->task, "the task (add, sub, mul, sort, reverse, countdown), with options as NAME:KEY=LO-HI, e.g. sort:len=3-5");
@@ -181,6 +182,10 @@ void add_rl_command(CLI::App& app) {
   a->temperature_opt = cmd->add_option("--temperature", a->temperature, "sampling temperature (> 0)")->capture_default_str();
   a->max_new_opt = cmd->add_option("--max-new", a->max_new, "completion tokens at most (<eos> included)")->capture_default_str();
   a->std_opt = cmd->add_flag("--std-normalize", a->std_normalize, "divide advantages by the group's reward std");
+  a->rounds_opt = cmd->add_option("--sample-rounds", a->sample_rounds,
+                                  "dynamic sampling: up to R rounds of P problems per step until P groups have "
+                                  "differing rewards; train on those only (1: the P groups drawn)")
+                      ->capture_default_str();
   a->kl_opt = cmd->add_option("--kl-coef", a->kl_coef,
                               "log the k3 KL to the initial policy; > 0: also add coef * k3 to the loss");
   a->aux_opt = cmd->add_option("--aux-loss-coef", a->aux_loss_coef,
@@ -204,6 +209,7 @@ void add_rl_command(CLI::App& app) {
     ro.temperature = given_or_recorded<double>(a->temperature_opt, a->temperature, recorded, "temperature");
     ro.max_new = given_or_recorded<int64_t>(a->max_new_opt, a->max_new, recorded, "max_new");
     ro.std_normalize = given_or_recorded<bool>(a->std_opt, a->std_normalize, recorded, "std_normalize");
+    ro.sample_rounds = given_or_recorded<int64_t>(a->rounds_opt, a->sample_rounds, recorded, "sample_rounds");
     ro.eval_problems = given_or_recorded<int64_t>(a->eval_problems_opt, a->eval_problems, recorded, "eval_problems");
     ro.aux_loss_coef = given_or_recorded<double>(a->aux_opt, a->aux_loss_coef, recorded, "aux_loss_coef");
     if (a->kl_opt->count()) ro.kl_coef = a->kl_coef;

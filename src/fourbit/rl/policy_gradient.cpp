@@ -86,6 +86,9 @@ RlSource::RlSource(RlOptions opt) : opt_(std::move(opt)) {
   if (opt_.kl_coef && !(*opt_.kl_coef >= 0 && std::isfinite(*opt_.kl_coef)))
     fail("--kl-coef: expected a finite value >= 0, got {}", *opt_.kl_coef);
   if (opt_.eval_problems < 1) fail("--eval-problems: expected at least 1, got {}", opt_.eval_problems);
+  if (opt_.sample_rounds < 1)
+    fail("--sample-rounds: expected at least 1 round of {} problems per step, got {}", opt_.prompts,
+         opt_.sample_rounds);
   if (!(opt_.aux_loss_coef >= 0 && std::isfinite(opt_.aux_loss_coef)))
     fail("--aux-loss-coef: expected a finite value >= 0, got {}", opt_.aux_loss_coef);
   task_ = make_task(opt_.task);
@@ -95,9 +98,14 @@ RlSource::~RlSource() = default;
 
 std::string RlSource::describe() const {
   return fmt::format("rl on {} ({}): {} problems x {} samples per step, temperature {}, max {} new tokens, "
-                     "load-balance loss coefficient {}{}{}",
+                     "load-balance loss coefficient {}{}{}{}",
                      task_->spec(), task_->description(), opt_.prompts, opt_.group, opt_.temperature, opt_.max_new,
-                     opt_.aux_loss_coef, opt_.std_normalize ? ", std-normalized advantages" : "",
+                     opt_.aux_loss_coef,
+                     opt_.sample_rounds > 1
+                         ? fmt::format(", up to {} sampling rounds for {} groups with differing rewards",
+                                       opt_.sample_rounds, opt_.prompts)
+                         : "",
+                     opt_.std_normalize ? ", std-normalized advantages" : "",
                      opt_.kl_coef ? fmt::format(", k3 KL coefficient {}", *opt_.kl_coef) : "");
 }
 
@@ -109,6 +117,7 @@ nlohmann::json RlSource::record() const {
           {"temperature", opt_.temperature},
           {"max_new", opt_.max_new},
           {"std_normalize", opt_.std_normalize},
+          {"sample_rounds", opt_.sample_rounds},
           {"kl_coef", opt_.kl_coef ? nlohmann::json(*opt_.kl_coef) : nlohmann::json(nullptr)},
           {"aux_loss_coef", opt_.aux_loss_coef},
           {"eval_problems", opt_.eval_problems},
@@ -138,10 +147,11 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   mismatch_tokens_ = 0;
 
   // ---- sample G completions of P problems with the weights this step updates ----
-  const int64_t P = opt_.prompts, G = opt_.group;
-  problems_ = problems(*task_, ctx.seed, Split::Train, uint64_t(ctx.step * P), P);
-  std::vector<std::vector<int32_t>> prompts;
-  for (const Problem& p : problems_) prompts.push_back(prompt_tokens(p));
+  // Round r of step s draws problems (s * R + r) * P ... of the train split (s * P ... when
+  // R = 1) with sequence ids (r * P + i) * G + g, so every round's draws are new and a step's
+  // rollouts stay a pure function of (seed, step, weights). With R > 1 the rounds stop once P
+  // groups have differing rewards, and only those (the first P) are trained on.
+  const int64_t P = opt_.prompts, G = opt_.group, R = opt_.sample_rounds;
   SamplingOptions so;
   so.temperature = opt_.temperature;
   so.max_new = opt_.max_new;
@@ -149,37 +159,78 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   so.step = uint64_t(ctx.step);
   so.keep_logits = true;  // the entropy below
   Sampler sampler(model, SrStreams{ctx.seed, uint64_t(ctx.step), 0});
-  auto t0 = Clock::now();
-  std::vector<Completion> done = sampler.sample_groups(prompts, G, so);
-  const double sample_s = seconds_since(t0, dev);
-
-  t0 = Clock::now();
-  rollouts_.assign(done.size(), Rollout{});
-  std::vector<double> rewards(done.size());
-  for (size_t i = 0; i < done.size(); ++i) {
-    rollouts_[i].problem = int64_t(i) / G;
-    rollouts_[i].score = task_->score(problems_[size_t(rollouts_[i].problem)], done[i].tokens);
-    rewards[i] = rollouts_[i].score.reward;
+  drawn_problems_.clear();
+  drawn_.clear();
+  double sample_s = 0, reward_s = 0;
+  int64_t informative = 0, zero_variance = 0;
+  std::vector<char> group_informative;
+  for (int64_t r = 0; r < R && (r == 0 || informative < P); ++r) {
+    const std::vector<Problem> round = problems(*task_, ctx.seed, Split::Train, uint64_t((ctx.step * R + r) * P), P);
+    std::vector<SampleRequest> requests;
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        requests.push_back(SampleRequest{prompt_tokens(round[size_t(i)]), uint64_t((r * P + i) * G + g)});
+    auto t0 = Clock::now();
+    std::vector<Completion> done = sampler.sample(requests, so);
+    sample_s += seconds_since(t0, dev);
+    t0 = Clock::now();
+    const size_t first = drawn_.size();
+    for (size_t i = 0; i < done.size(); ++i) {
+      Rollout ro;
+      ro.problem = int64_t(drawn_problems_.size() + i / size_t(G));
+      ro.score = task_->score(round[i / size_t(G)], done[i].tokens);
+      ro.completion = std::move(done[i]);
+      drawn_.push_back(std::move(ro));
+    }
+    reward_s += seconds_since(t0, dev);
+    drawn_problems_.insert(drawn_problems_.end(), round.begin(), round.end());
+    for (int64_t p = 0; p < P; ++p) {
+      bool same = true;
+      const size_t at = first + size_t(p * G);
+      for (int64_t g = 1; g < G; ++g) same = same && drawn_[at + size_t(g)].score.reward == drawn_[at].score.reward;
+      zero_variance += same;
+      informative += !same;
+      group_informative.push_back(!same);
+    }
   }
-  const double reward_s = seconds_since(t0, dev);
 
+  // What the sampled rollouts say about the policy (all of them), then the groups trained on.
   const int64_t V = cfg_.model.vocab_size;
   double entropy_sum = 0, reward_sum = 0;
-  int64_t tokens = 0, zero_variance = 0;
-  for (size_t i = 0; i < done.size(); ++i) {
-    Completion& c = done[i];
+  int64_t tokens = 0;
+  for (Rollout& ro : drawn_) {
+    Completion& c = ro.completion;
     for (size_t t = 0; t < c.tokens.size(); ++t) entropy_sum += entropy_of(c.logits.data() + t * size_t(V), V);
     tokens += int64_t(c.tokens.size());
-    reward_sum += rewards[i];
+    reward_sum += ro.score.reward;
     c.logits = {};
-    rollouts_[i].completion = std::move(c);
   }
-  for (int64_t p = 0; p < P; ++p) {
-    bool same = true;
-    for (int64_t g = 1; g < G; ++g) same = same && rewards[size_t(p * G + g)] == rewards[size_t(p * G)];
-    zero_variance += same;
+  trained_.assign(drawn_.size(), R == 1);
+  if (R > 1) {
+    int64_t kept = 0;
+    for (size_t grp = 0; grp < group_informative.size() && kept < P; ++grp) {
+      if (!group_informative[grp]) continue;
+      for (int64_t g = 0; g < G; ++g) trained_[grp * size_t(G) + size_t(g)] = true;
+      ++kept;
+    }
+    // No group with a signal in any round: the first round goes through the trainer anyway (its
+    // log-prob check), with a zero gradient and no update.
+    if (kept == 0) std::fill(trained_.begin(), trained_.begin() + P * G, char(1));
   }
-  has_signal_ = zero_variance < P;
+  problems_.clear();
+  rollouts_.clear();
+  std::vector<double> rewards;
+  for (size_t i = 0; i < drawn_.size(); i += size_t(G)) {
+    if (!trained_[i]) continue;
+    problems_.push_back(drawn_problems_[size_t(drawn_[i].problem)]);
+    for (int64_t g = 0; g < G; ++g) {
+      Rollout ro = drawn_[i + size_t(g)];
+      ro.problem = int64_t(problems_.size()) - 1;
+      rewards.push_back(ro.score.reward);
+      rollouts_.push_back(std::move(ro));
+    }
+  }
+  has_signal_ = informative > 0;
   advantages_ = group_advantages(rewards, G, opt_.std_normalize);
 
   // ---- rows, micro-batches of train.batch_size rollouts ----
@@ -195,7 +246,7 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   // The initial policy's log-probs of the sampled tokens (k3 KL), from its training forward.
   double kl_sum = 0, reference_s = 0;
   if (reference_) {
-    t0 = Clock::now();
+    const auto t0 = Clock::now();
     for (const std::vector<size_t>& ids : micro_rows_) {
       std::vector<TaskRow> part;
       for (size_t i : ids) part.push_back(rows[i]);
@@ -221,6 +272,8 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   } else {
     for (size_t i = 0; i < rows.size(); ++i) rows[i].weights.assign(rollouts_[i].completion.tokens.size(), float(advantages_[i]));
   }
+  int64_t trained_tokens = 0;
+  for (const Rollout& r : rollouts_) trained_tokens += int64_t(r.completion.tokens.size());
   micro_.clear();
   for (const std::vector<size_t>& ids : micro_rows_) {
     std::vector<TaskRow> part;
@@ -230,16 +283,20 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
       n += int64_t(rollouts_[i].completion.tokens.size());
     }
     MicroBatch b = task_micro_batch(part);
-    b.loss_weight = float(double(n) / double(tokens));  // token-mean over the whole step
+    b.loss_weight = float(double(n) / double(trained_tokens));  // token-mean over the step's trained rollouts
     micro_.push_back(std::move(b));
   }
 
-  fields_["reward"] = reward_sum / double(rollouts_.size());
+  fields_["reward"] = reward_sum / double(drawn_.size());
   fields_["zero_variance_groups"] = zero_variance;
-  fields_["mean_length"] = double(tokens) / double(rollouts_.size());
+  if (R > 1) {
+    fields_["sampled_groups"] = int64_t(drawn_.size()) / G;
+    fields_["trained_groups"] = int64_t(rollouts_.size()) / G;
+  }
+  fields_["mean_length"] = double(tokens) / double(drawn_.size());
   fields_["entropy"] = entropy_sum / double(tokens);
   if (reference_) {
-    fields_["kl"] = kl_sum / double(tokens);
+    fields_["kl"] = trained_tokens ? kl_sum / double(trained_tokens) : 0.0;
     fields_["reference_s"] = reference_s;
   }
   fields_["sampled_tokens"] = tokens;
@@ -299,11 +356,15 @@ void RlSource::after_step(const StepContext& ctx, Model& model, nlohmann::json& 
   WeightCodes after = nvfp4_weight_codes(model);
   if (!after.empty()) line["weight_codes_changed"] = fraction_changed(codes_, after);
   codes_ = std::move(after);
-  for (const Rollout& r : rollouts_)
-    ctx.write("samples.jsonl", {{"prompt", problems_[size_t(r.problem)].prompt},
-                                {"completion", completion_text(r.completion.tokens)},
-                                {"reward", r.score.reward},
-                                {"finish", finish_name(r.completion.finish)}});
+  for (size_t i = 0; i < drawn_.size(); ++i) {
+    const Rollout& r = drawn_[i];
+    nlohmann::json s = {{"prompt", drawn_problems_[size_t(r.problem)].prompt},
+                        {"completion", completion_text(r.completion.tokens)},
+                        {"reward", r.score.reward},
+                        {"finish", finish_name(r.completion.finish)}};
+    if (opt_.sample_rounds > 1) s["trained"] = bool(trained_[i]);
+    ctx.write("samples.jsonl", s);
+  }
 }
 
 void RlSource::evaluate(const StepContext& ctx, Model& model, nlohmann::json& line) {

@@ -4,7 +4,9 @@
 //                samples of each through the sampler with the weights the step updates (the
 //                prepared weights the trainer's forward then reuses: quantized once per step),
 //                scored; advantage = reward - group mean (optionally / group std); rollouts cut
-//                into micro-batches of train.batch_size sequences.
+//                into micro-batches of train.batch_size sequences. With sample_rounds R > 1
+//                (dynamic sampling), rounds of P more problems until P groups have differing
+//                rewards, and only those are trained on.
 //   micro-batch  prompt + completion per row, targets on the completion, weight = advantage
 //                (+ kl_coef * (pi_ref / pi - 1), the gradient of k3 when it is in the loss),
 //                loss_weight = the micro-batch's share of the step's completion tokens: the
@@ -38,6 +40,10 @@ struct RlOptions {
   double temperature = 1.0;    // > 0; 1 samples the policy itself
   int64_t max_new = 16;        // completion tokens at most (<eos> included)
   bool std_normalize = false;  // divide advantages by the group's reward std
+  // Dynamic sampling: up to R rounds of P problems per step, stopping once P groups have
+  // differing rewards; only those P groups are trained on (groups whose rewards are all equal
+  // carry no gradient). 1: the P groups drawn, whatever their rewards.
+  int64_t sample_rounds = 1;
   std::optional<double> kl_coef;  // set: k3 KL to the initial policy logged; > 0: also in the loss
   // The MoE load-balance loss's coefficient in RL's updates (Model::set_aux_loss_coef), in place
   // of the config's model.aux_loss_coef. Default 0: the routing was balanced by pretraining, and
@@ -71,8 +77,11 @@ class RlSource : public TrainingSource {
   std::unique_ptr<Model> reference_;  // the initial policy, when kl_coef is set
   RunConfig cfg_;
   // The step at hand.
-  std::vector<Problem> problems_;
-  std::vector<Rollout> rollouts_;
+  std::vector<Problem> drawn_problems_;  // every round's problems
+  std::vector<Rollout> drawn_;           // G rollouts of each, .problem indexing drawn_problems_
+  std::vector<char> trained_;            // per drawn rollout: in the trainer's batch
+  std::vector<Problem> problems_;        // the trained groups' problems
+  std::vector<Rollout> rollouts_;        // the trained rollouts, .problem indexing problems_
   std::vector<double> advantages_;
   std::vector<MicroBatch> micro_;
   std::vector<std::vector<size_t>> micro_rows_;  // rollouts of each micro-batch
