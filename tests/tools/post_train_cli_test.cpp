@@ -114,4 +114,5 @@ TEST(PostTrainCli, BadInputIsOneErrorAndCreatesNothing) {
   EXPECT_HAS(err("rl --init " + base.run + " --task sort:len=5-3"), "--task: task sort: len=5-3: expected LO-HI");
   EXPECT_HAS(err("sft --init " + base.run + " --task add,sort:size=3"), "task sort: unknown option 'size'");
   EXPECT_HAS(err("rl --init " + base.run + " --task add --aux-loss-coef -1"), "--aux-loss-coef: expected a finite");
+  EXPECT_HAS(err("rl --init " + base.run + " --task add --sample-rounds 0"), "--sample-rounds: expected at least 1");
 }

@@ -110,18 +110,20 @@ std::string RlSource::describe() const {
 }
 
 nlohmann::json RlSource::record() const {
-  return {{"kind", "rl"},
-          {"task", task_->spec()},
-          {"prompts", opt_.prompts},
-          {"group", opt_.group},
-          {"temperature", opt_.temperature},
-          {"max_new", opt_.max_new},
-          {"std_normalize", opt_.std_normalize},
-          {"sample_rounds", opt_.sample_rounds},
-          {"kl_coef", opt_.kl_coef ? nlohmann::json(*opt_.kl_coef) : nlohmann::json(nullptr)},
-          {"aux_loss_coef", opt_.aux_loss_coef},
-          {"eval_problems", opt_.eval_problems},
-          {"eval_seed", kEvalSeed}};
+  nlohmann::json r = {{"kind", "rl"},
+                      {"task", task_->spec()},
+                      {"prompts", opt_.prompts},
+                      {"group", opt_.group},
+                      {"temperature", opt_.temperature},
+                      {"max_new", opt_.max_new},
+                      {"std_normalize", opt_.std_normalize},
+                      {"kl_coef", opt_.kl_coef ? nlohmann::json(*opt_.kl_coef) : nlohmann::json(nullptr)},
+                      {"aux_loss_coef", opt_.aux_loss_coef},
+                      {"eval_problems", opt_.eval_problems},
+                      {"eval_seed", kEvalSeed}};
+  // recorded only when on, so that runs from before the option resume unchanged
+  if (opt_.sample_rounds > 1) r["sample_rounds"] = opt_.sample_rounds;
+  return r;
 }
 
 void RlSource::start(Model& model, const RunConfig& config) {
