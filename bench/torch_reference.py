@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The peer for bench/train_bench: the same MoE transformer in PyTorch, bf16 training step.
+"""The peer for bench/train_bench: the same MoE transformer in PyTorch, bf16 training step,
+written the way a strong PyTorch user writes it today (torchtitan style).
 
 Reads the same TOML config (default configs/gpu-small.toml) and builds the same architecture:
 tied byte embedding, L blocks of RMSNorm -> causal GQA attention with rotate-half RoPE
@@ -8,8 +9,21 @@ with renormalised weights, SwiGLU experts, shared expert, load-balance loss; the
 dense_layers blocks use a dense SwiGLU FFN), final RMSNorm, LM head. FP32 master weights with
 bf16 autocast, fused AdamW. Tokens are random bytes (the step time does not depend on them).
 
-Usage: python3 bench/torch_reference.py [--config F] [--warmup 3] [--steps 10] [--json OUT]
-[--compile] prints tokens/s and writes JSON.
+Experts (--experts):
+  grouped  the (token, expert) rows sorted by expert, group ends computed on the device, and two
+           torch._grouped_mm calls (gate|up, down) over all experts: no host sync anywhere in the
+           step, static shapes, so torch.compile captures it whole and CUDA graphs can replay it.
+  loop     one GEMM per expert in a Python loop after reading the router counts back to the host
+           (a sync per layer): what this file did before, kept as the reference of --selftest.
+Modes (--mode): eager; compile (torch.compile); graphs (torch.compile(mode="reduce-overhead"):
+CUDA graphs over the compiled forward and backward).
+
+Usage: python3 bench/torch_reference.py [--config F] [--mode eager|compile|graphs]
+           [--experts grouped|loop] [--warmup 3] [--steps 10] [--json OUT]
+       python3 bench/torch_reference.py --selftest [--device cpu|cuda]
+--selftest: on a small config, grouped and loop give the same loss and gradients (fp32 where
+_grouped_mm runs in fp32, else bf16 with a bf16 tolerance), and on CUDA the grouped step runs
+with torch.cuda.set_sync_debug_mode("error") (a host sync would raise).
 """
 import argparse
 import json
@@ -77,14 +91,14 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, experts="grouped"):
         super().__init__()
         D, self.E, self.k, Fh = m["d_model"], m["n_experts"], m["top_k"], m["d_expert"]
         self.coef = m.get("aux_loss_coef", 0.01)
+        self.experts = experts
         self.router = nn.Linear(D, self.E, bias=False)
         s = 0.02
-        self.w1 = nn.Parameter(torch.randn(self.E, Fh, D) * s)
-        self.w3 = nn.Parameter(torch.randn(self.E, Fh, D) * s)
+        self.w13 = nn.Parameter(torch.randn(self.E, 2 * Fh, D) * s)  # gate rows, then up rows
         self.w2 = nn.Parameter(torch.randn(self.E, D, Fh) * s)
         self.shared = SwiGLU(D, m.get("d_shared", 0) or Fh) if m.get("n_shared_experts", 0) else None
 
@@ -92,39 +106,65 @@ class MoE(nn.Module):
         B, T, D = x.shape
         xt = x.reshape(-1, D)
         N = xt.shape[0]
-        with torch.autocast("cuda", enabled=False):
+        with torch.autocast(xt.device.type, enabled=False):
             probs = F.softmax(self.router(xt.float()), dim=-1)
         w, idx = probs.topk(self.k, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(xt.dtype)
         flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.E).tolist()  # one host sync per layer, as fourbit
-        tokens = order // self.k
-        xs = xt[tokens]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                xe = xs[start:start + c]
-                h = F.silu(xe @ self.w1[e].t().to(xe.dtype)) * (xe @ self.w3[e].t().to(xe.dtype))
-                ys[start:start + c] = h @ self.w2[e].t().to(xe.dtype)
-            start += c
+        order = flat.argsort(stable=True)  # rows grouped by expert
+        # per-expert counts with a static shape (bincount's depends on the data)
+        counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        xs = xt[order // self.k]
+        if self.experts == "grouped":
+            ys = grouped_swiglu(xs, counts, self.w13, self.w2)
+        else:
+            ys = loop_swiglu(xs, counts, self.w13, self.w2)
         out = torch.zeros_like(xt)
-        out.index_add_(0, tokens, ys * w.reshape(-1)[order, None])
-        frac = torch.bincount(flat, minlength=self.E).float() / (N * self.k)
+        out.index_add_(0, order // self.k, ys * w.reshape(-1)[order, None])
+        frac = counts.float() / (N * self.k)
         aux = self.coef * self.E * (frac * probs.mean(0)).sum()
         if self.shared is not None:
             out = out + self.shared(xt)
         return out.view(B, T, D), aux
 
 
+def compute_dtype(x):
+    """The dtype autocast would give a matmul of x (torch._grouped_mm is not on autocast's lists)."""
+    t = x.device.type
+    return torch.get_autocast_dtype(t) if torch.is_autocast_enabled(t) else x.dtype
+
+
+def grouped_swiglu(xs, counts, w13, w2):
+    """Rows xs [R, D] sorted by expert, counts [E] on the device: SwiGLU of each row by its expert."""
+    dt = compute_dtype(xs)
+    xs = xs.to(dt)
+    offs = counts.cumsum(0, dtype=torch.int32)  # group ends, on the device
+    h = torch._grouped_mm(xs, w13.to(dt).transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.to(dt).transpose(-2, -1), offs=offs)
+
+
+def loop_swiglu(xs, counts, w13, w2):
+    dt = compute_dtype(xs)
+    xs = xs.to(dt)
+    ys = torch.empty(xs.shape[0], w2.shape[1], dtype=dt, device=xs.device)
+    start = 0
+    for e, c in enumerate(counts.tolist()):  # a host sync per layer
+        if c:
+            gate, up = (xs[start:start + c] @ w13[e].t().to(dt)).chunk(2, dim=-1)
+            ys[start:start + c] = (F.silu(gate) * up) @ w2[e].t().to(dt)
+        start += c
+    return ys
+
+
 class Block(nn.Module):
-    def __init__(self, m, dense):
+    def __init__(self, m, dense, experts):
         super().__init__()
         eps = m.get("norm_eps", 1e-5)
         self.n1, self.n2 = RMSNorm(m["d_model"], eps), RMSNorm(m["d_model"], eps)
         self.attn = Attention(m)
-        self.ffn = SwiGLU(m["d_model"], m.get("d_dense", 0) or 4 * m["d_model"]) if dense else MoE(m)
+        self.ffn = SwiGLU(m["d_model"], m.get("d_dense", 0) or 4 * m["d_model"]) if dense else MoE(m, experts)
         self.dense = dense
 
     def forward(self, x, cos, sin):
@@ -136,11 +176,12 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, m):
+    def __init__(self, m, experts="grouped"):
         super().__init__()
         self.m = m
         self.embed = nn.Embedding(m["vocab_size"], m["d_model"])
-        self.blocks = nn.ModuleList(Block(m, l < m.get("dense_layers", 0)) for l in range(m["n_layers"]))
+        nn.init.normal_(self.embed.weight, std=0.02)  # tied with the LM head: N(0, 1) would give huge logits
+        self.blocks = nn.ModuleList(Block(m, l < m.get("dense_layers", 0), experts) for l in range(m["n_layers"]))
         self.norm = RMSNorm(m["d_model"], m.get("norm_eps", 1e-5))
 
     def forward(self, tokens, targets, cos, sin):
@@ -154,58 +195,154 @@ class Model(nn.Module):
         return loss + aux_total
 
 
+def make_step(model, opt, cos, sin, device, graphs=False):
+    def step(tokens, targets):
+        if graphs:  # a new iteration: the previous one's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=False)  # gradients keep their buffers (CUDA graphs replay into them)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(tokens, targets, cos, sin)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        return loss
+    return step
+
+
+def selftest(device):
+    """grouped == loop (loss and every gradient) on a small config, in fp32 and under bf16
+    autocast (the benchmark's setting); on CUDA the grouped step must not sync with the host."""
+    m = {"vocab_size": 260, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "n_experts": 4,
+         "top_k": 2, "d_expert": 32, "n_shared_experts": 1, "d_shared": 32, "dense_layers": 1, "d_dense": 128,
+         "rope_theta": 10000.0, "aux_loss_coef": 0.01}
+    B, T = 2, 16
+    ok = True
+    for label, autocast, tol in (("fp32", None, 1e-5), ("bf16 autocast", torch.bfloat16, 3e-2)):
+        dt = autocast or torch.float32
+        try:
+            torch._grouped_mm(torch.randn(4, 8, device=device, dtype=dt), torch.randn(2, 8, 8, device=device, dtype=dt),
+                              offs=torch.tensor([1, 4], device=device, dtype=torch.int32))
+        except (RuntimeError, NotImplementedError) as e:
+            print(f"selftest {label}: _grouped_mm does not run in {dt} on {device} "
+                  f"({str(e).splitlines()[0][:80]}); skipped")
+            continue
+        torch.manual_seed(1)
+        ref = Model(m, "loop").to(device)
+        grp = Model(m, "grouped").to(device)
+        grp.load_state_dict(ref.state_dict())
+        cos, sin = rope_tables(T, m["d_model"] // m["n_heads"], m["rope_theta"], device)
+        data = torch.randint(0, 256, (B, T + 1), device=device)
+        losses = []
+        for model in (ref, grp):
+            sync = device == "cuda" and model is grp
+            if sync:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast(device, dtype=dt, enabled=autocast is not None):
+                    loss = model(data[:, :-1], data[:, 1:], cos, sin)
+                loss.backward()
+            finally:
+                if sync:
+                    torch.cuda.set_sync_debug_mode("default")
+            losses.append(loss.detach().float().item())
+        worst = ("loss", abs(losses[0] - losses[1]) / max(abs(losses[0]), 1e-12))
+        for (name, a), (_, b) in zip(ref.named_parameters(), grp.named_parameters()):
+            ga, gb = a.grad.float(), b.grad.float()
+            err = ((ga - gb).norm() / ga.norm().clamp_min(1e-30)).item()
+            if err > worst[1]:
+                worst = (name, err)
+        good = worst[1] <= tol
+        ok &= good
+        print(f"selftest {label} on {device}: loss {losses[0]:.6f} (loop) vs {losses[1]:.6f} (grouped); "
+              f"worst relative difference {worst[1]:.2e} ({worst[0]}), tolerance {tol:g}: "
+              f"{'ok' if good else 'FAIL'}" + (", no host sync in the grouped step" if device == "cuda" else ""))
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/gpu-small.toml")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--mode", choices=["eager", "compile", "graphs"], default="eager")
+    ap.add_argument("--compile", action="store_true", help="the same as --mode compile")
+    ap.add_argument("--experts", choices=["grouped", "loop"], default="grouped")
     ap.add_argument("--json", default="")
+    ap.add_argument("--selftest", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
+    if a.selftest:
+        raise SystemExit(0 if selftest(a.device) else 1)
+    if a.compile:
+        a.mode = "compile"
     with open(a.config, "rb") as f:
         cfg = tomllib.load(f)
     m, t = cfg["model"], cfg["train"]
     torch.manual_seed(0)
-    dev = "cuda"
-    model = Model(m).to(dev)
-    if a.compile:
-        model = torch.compile(model)
+    dev = a.device
+    cuda = dev == "cuda"
+    if a.mode == "graphs" and not cuda:
+        raise SystemExit("--mode graphs: CUDA graphs need --device cuda")
+    model = Model(m, a.experts).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=t.get("lr", 1e-3), betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
+    if a.mode != "eager":
+        # fullgraph for grouped experts: a graph break (a host sync, a data-dependent shape) fails
+        # instead of hiding; the loop's count read-back is one by design
+        model = torch.compile(model, mode="reduce-overhead" if a.mode == "graphs" else None,
+                              fullgraph=a.experts == "grouped")
     B, T = t["batch_size"], t["seq_len"]
     hd = m.get("head_dim", 0) or m["d_model"] // m["n_heads"]
     cos, sin = rope_tables(T, hd, m.get("rope_theta", 10000.0), dev)
     data = torch.randint(0, 256, (a.warmup + a.steps, B, T + 1), device=dev)
+    step = make_step(model, opt, cos, sin, dev, graphs=a.mode == "graphs")
 
-    def step(i):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(data[i, :, :-1], data[i, :, 1:], cos, sin)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss
-
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for i in range(a.warmup):
-        step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+        step(data[i, :, :-1], data[i, :, 1:])
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(a.steps):
         t0 = time.perf_counter()
-        step(a.warmup + i)
-        torch.cuda.synchronize()
+        step(data[a.warmup + i, :, :-1], data[a.warmup + i, :, 1:])
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     ms = times[len(times) // 2]
-    res = {"impl": "pytorch " + torch.__version__ + (" compiled" if a.compile else " eager"),
-           "config": a.config, "step_ms": ms, "tokens_per_s": B * T / (ms / 1e3), "steps_ms": times,
-           "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+    flops = 6 * active_params(m) * B * T + attention_flops(m, B, T)
+    res = {"impl": f"pytorch {torch.__version__} {a.mode}, {a.experts} experts",
+           "config": a.config, "mode": a.mode, "experts": a.experts, "step_ms": ms,
+           "tokens_per_s": B * T / (ms / 1e3), "steps_ms": times,
+           "model_tflops_per_s": flops / (ms / 1e3) / 1e12,
+           "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
            "params": sum(p.numel() for p in model.parameters())}
     print(json.dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def active_params(m):
+    """Weights a token multiplies through (the routed experts it picks, not all of them), LM head included."""
+    D, L = m["d_model"], m["n_layers"]
+    hd = m.get("head_dim", 0) or D // m["n_heads"]
+    attn = D * hd * (2 * m["n_heads"] + 2 * m["n_kv_heads"])
+    dense = 3 * D * (m.get("d_dense", 0) or 4 * D)
+    moe = 3 * D * m["d_expert"] * m["top_k"] + D * m["n_experts"]
+    if m.get("n_shared_experts", 0):
+        moe += 3 * D * (m.get("d_shared", 0) or m["d_expert"])
+    nd = m.get("dense_layers", 0)
+    return L * attn + nd * dense + (L - nd) * moe + D * m["vocab_size"]
+
+
+def attention_flops(m, B, T):
+    """Causal attention's QK^T and PV, forward and backward (x3), half the T^2 square."""
+    D, L = m["d_model"], m["n_layers"]
+    hd = m.get("head_dim", 0) or D // m["n_heads"]
+    return 3 * L * 2 * 2 * B * m["n_heads"] * hd * T * T // 2
 
 
 if __name__ == "__main__":

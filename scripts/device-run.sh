@@ -47,8 +47,14 @@ if has bench; then
 fi
 if has torch; then
   log torch reference
-  python3 bench/torch_reference.py --config configs/gpu-small.toml --warmup 3 --steps 8 \
-    --json "$OUT/torch_ref.json" > "$OUT/torch_ref.log" 2>&1; tail -5 "$OUT/torch_ref.log"
+  # the strong peer of train_bench: grouped experts (no host sync), eager / compiled / CUDA graphs;
+  # --selftest first (grouped == the per-expert loop, and no host sync in the grouped step)
+  python3 bench/torch_reference.py --selftest --device cuda > "$OUT/torch_ref.log" 2>&1; tail -2 "$OUT/torch_ref.log"
+  for mode in eager compile graphs; do
+    python3 bench/torch_reference.py --config configs/gpu-small.toml --mode $mode --warmup 5 --steps 10 \
+      --json "$OUT/torch_ref_$mode.json" >> "$OUT/torch_ref.log" 2>&1
+    grep -h '"step_ms"\|"impl"' "$OUT/torch_ref_$mode.json" | tr -d '\n'; echo
+  done
   log torch decode
   python3 bench/torch_decode.py --config configs/gpu-small.toml --json "$OUT/torch_decode.json" > "$OUT/torch_decode.log" 2>&1; tail -12 "$OUT/torch_decode.log"
   log done

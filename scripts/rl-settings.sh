@@ -16,7 +16,7 @@ SFT_ARGS=(--task "$RL_TASK" --set train.batch_size=32 --set train.lr=3e-3
           --set train.warmup_steps=5 --eval-every "${SFT_EVAL_EVERY:-50}" --eval-problems 200
           --max-new "${SFT_MAX_NEW:-8}")
 RL_ARGS=(--task "$RL_TASK" --prompts "${RL_PROMPTS:-16}" --group "${RL_GROUP:-8}" --max-new "${RL_MAX_NEW:-7}"
-         --eval-every 10 --eval-problems 200
+         --sample-rounds "${RL_ROUNDS:-1}" --eval-every 10 --eval-problems 200
          --aux-loss-coef 0 --set train.batch_size=64 --set train.lr=1e-4 --set train.warmup_steps=10
          --set train.min_lr_ratio=1 --set train.weight_decay=0 --set train.checkpoint_every=0)
 for kv in ${SFT_SET:-}; do SFT_ARGS+=(--set "$kv"); done
