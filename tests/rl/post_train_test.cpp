@@ -153,11 +153,8 @@ TEST(Rl, SamplerLogprobsAreTheTrainersForInvariantRecipes) {
 // from the --init checkpoint) gives the same bytes again; another seed gives other samples.
 TEST(Rl, SameSeedSameRunAndResumeIsBitExact) {
   const OmpThreads one_thread(1);
-  register_first_digit();
   const std::string root = fresh_test_dir("post_train");
-  run_sft(root + "/sft", "nvfp4-fwd", 40);
-  RunConfig cfg = post_config();
-  cfg.train.steps = 3;
+  RunConfig cfg = sft_then_rl_config(root, 40, 3);
   cfg.train.eval_every = 2;
   cfg.train.checkpoint_every = 1;
   rl::RlOptions ro = rl_options();
@@ -207,11 +204,8 @@ TEST(Rl, SameSeedSameRunAndResumeIsBitExact) {
 // still recomputes every trained token's log-prob with the sampler's bits.
 TEST(Rl, DynamicSamplingTrainsOnTheGroupsWithASignal) {
   const OmpThreads one_thread(1);
-  register_first_digit();
   const std::string root = fresh_test_dir("post_train");
-  run_sft(root + "/sft", "nvfp4-fwd", 40);
-  RunConfig cfg = post_config();
-  cfg.train.steps = 3;
+  RunConfig cfg = sft_then_rl_config(root, 40, 3);
   cfg.train.eval_every = 0;
   const int64_t R = 3;
   std::map<int64_t, std::vector<nlohmann::json>> by_step[2];

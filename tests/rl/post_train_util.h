@@ -1,5 +1,5 @@
 // defines: post_config, FirstDigitTask, register_first_digit, sft_options, rl_options, run_sft,
-//          metrics_lines, without_timings (helpers for tests/rl's SFT and RL tests)
+//          sft_then_rl_config, metrics_lines, without_timings (helpers for tests/rl's SFT and RL tests)
 // A 3-layer MoE (dense, NVFP4 under nvfp4-fwd, the MXFP8 tail) small enough that a few SFT and RL steps take well under a second each: SFT
 // teaches it the answer format (digits then <eos>), and the `first_digit` task (reward 1 when
 // the answer's first digit is right) then gives groups with unequal rewards to learn from.
@@ -96,6 +96,16 @@ inline void run_sft(const std::string& dir, const std::string& recipe, int64_t s
   so.eval_max_new = 5;
   rl::SftSource src(so);
   run_training(loop_options(cfg, dir, recipe, "sft"), src);
+}
+
+// The RL tests' start: `first_digit` registered, an SFT run of `sft_steps` (nvfp4-fwd) under
+// root/sft, and the post_config() of a `steps`-step RL run on it.
+inline RunConfig sft_then_rl_config(const std::string& root, int64_t sft_steps, int64_t steps) {
+  register_first_digit();
+  run_sft(root + "/sft", "nvfp4-fwd", sft_steps);
+  RunConfig cfg = post_config();
+  cfg.train.steps = steps;
+  return cfg;
 }
 
 inline std::vector<nlohmann::json> metrics_lines(const std::string& path) {
