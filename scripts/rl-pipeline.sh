@@ -9,11 +9,13 @@
 #                          [--rl-steps N] [--threads N] [--check-steps N] [--out DIR]
 #                          [--results DIR] [--name NAME] [--prune]
 # Defaults: configs/tiny.toml on the CPU, NAME rl_tiny. --prune removes the RL runs' checkpoints
-# once the results are written (gpu-small's are 7.6 GB each). The gpu-small run on the H200:
-#   RL_TASK=sort SFT_STEPS=150 SFT_MAX_NEW=10 RL_MAX_NEW=10 RL_PROMPTS=64 RL_GROUP=16 \
-#   SFT_SET="train.lr=5e-4" RL_SET="train.batch_size=256 train.lr=3e-4" \
+# once the results are written (gpu-small's are 7.6 GB each). The gpu-small run on the H200
+# (bench/results/h200_rl_gpu_small.txt; RL stopped by a SIGTERM from the 10-minute call's clock,
+# which the pipeline accepts for its last phase; add RL_ROUNDS=4 for dynamic sampling):
+#   RL_TASK=sort SFT_STEPS=150 SFT_MAX_NEW=10 SFT_EVAL_EVERY=25 RL_MAX_NEW=10 RL_PROMPTS=64 RL_GROUP=16 \
+#   SFT_SET="train.lr=5e-4" RL_SET="train.batch_size=256" \
 #   scripts/rl-pipeline.sh --build build-dev --config configs/gpu-small.toml --device cuda \
-#     --name h200_rl_gpu_small --prune
+#     --rl-steps 1000 --out /dev/shm/rlp --name h200_rl_gpu_small --prune
 set -euo pipefail
 BUILD=build PRETRAIN="" RL_STEPS=100 THREADS=1 CHECK_STEPS=5 OUT=runs/rl-tiny RESULTS=bench/results
 CONFIG=configs/tiny.toml DEVICE=cpu NAME=rl_tiny PRUNE=0
