@@ -7,18 +7,19 @@
 #
 #   scripts/rl-pipeline.sh [--build DIR] [--config TOML] [--device cpu|cuda] [--pretrain RUN]
 #                          [--rl-steps N] [--threads N] [--check-steps N] [--out DIR]
-#                          [--results DIR] [--name NAME] [--prune]
+#                          [--results DIR] [--name NAME] [--prune] [--rl-time-limit SECONDS]
 # Defaults: configs/tiny.toml on the CPU, NAME rl_tiny. --prune removes the RL runs' checkpoints
-# once the results are written (gpu-small's are 7.6 GB each). The gpu-small run on the H200
-# (bench/results/h200_rl_gpu_small.txt; RL stopped by a SIGTERM from the 10-minute call's clock,
-# which the pipeline accepts for its last phase; add RL_ROUNDS=4 for dynamic sampling):
+# once the results are written (gpu-small's are 7.6 GB each). --rl-time-limit stops the RL phase
+# with SIGTERM after SECONDS (it writes a checkpoint and its metrics end at the last whole step).
+# The gpu-small run on the H200 (bench/results/h200_rl_gpu_small.txt; its RL phase was stopped the
+# same way by the device call's clock after ~272 s; add RL_ROUNDS=4 for dynamic sampling):
 #   RL_TASK=sort SFT_STEPS=150 SFT_MAX_NEW=10 SFT_EVAL_EVERY=25 RL_MAX_NEW=10 RL_PROMPTS=64 RL_GROUP=16 \
 #   SFT_SET="train.lr=5e-4" RL_SET="train.batch_size=256" \
 #   scripts/rl-pipeline.sh --build build-dev --config configs/gpu-small.toml --device cuda \
-#     --rl-steps 1000 --out /dev/shm/rlp --name h200_rl_gpu_small --prune
+#     --rl-steps 1000 --rl-time-limit 270 --out /dev/shm/rlp --name h200_rl_gpu_small --prune
 set -euo pipefail
 BUILD=build PRETRAIN="" RL_STEPS=100 THREADS=1 CHECK_STEPS=5 OUT=runs/rl-tiny RESULTS=bench/results
-CONFIG=configs/tiny.toml DEVICE=cpu NAME=rl_tiny PRUNE=0
+CONFIG=configs/tiny.toml DEVICE=cpu NAME=rl_tiny PRUNE=0 RL_TIME_LIMIT=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) BUILD=$2; shift 2 ;;
@@ -32,6 +33,7 @@ while [ $# -gt 0 ]; do
     --results) RESULTS=$2; shift 2 ;;
     --name) NAME=$2; shift 2 ;;
     --prune) PRUNE=1; shift ;;
+    --rl-time-limit) RL_TIME_LIMIT=$2; shift 2 ;;
     *) echo "rl-pipeline.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -67,7 +69,10 @@ for c in check-a check-b; do
     --threads "$THREADS" --out "$OUT/$c"
 done
 # last, so that a time limit (SIGTERM to this run) stops only it
-phase rl "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$RL_STEPS" --device "$DEVICE" --threads "$THREADS" --out "$OUT/rl"
+LIMIT=()
+[ "$RL_TIME_LIMIT" != 0 ] && LIMIT=(timeout --preserve-status --signal=TERM --kill-after=300 "$RL_TIME_LIMIT")
+phase rl "${LIMIT[@]}" "$FB" rl --init "$OUT/sft" "${RL_ARGS[@]}" --steps "$RL_STEPS" --device "$DEVICE" \
+  --threads "$THREADS" --out "$OUT/rl"
 kill $UPTIME_PID 2>/dev/null || true
 GPU=""
 [ "$DEVICE" = cuda ] && GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
