@@ -164,16 +164,14 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   drawn_problems_.clear();
   drawn_.clear();
   double sample_s = 0, reward_s = 0;
-  int64_t informative = 0, zero_variance = 0;
-  std::vector<char> group_informative;
+  int64_t informative = 0;
+  std::vector<char> group_informative;  // per drawn group: its rewards differ
   for (int64_t r = 0; r < R && (r == 0 || informative < P); ++r) {
     const std::vector<Problem> round = problems(*task_, ctx.seed, Split::Train, uint64_t((ctx.step * R + r) * P), P);
-    std::vector<SampleRequest> requests;
-    for (int64_t i = 0; i < P; ++i)
-      for (int64_t g = 0; g < G; ++g)
-        requests.push_back(SampleRequest{prompt_tokens(round[size_t(i)]), uint64_t((r * P + i) * G + g)});
+    std::vector<std::vector<int32_t>> prompts;
+    for (const Problem& p : round) prompts.push_back(prompt_tokens(p));
     auto t0 = Clock::now();
-    std::vector<Completion> done = sampler.sample(requests, so);
+    std::vector<Completion> done = sampler.sample_groups(prompts, G, so, uint64_t(r * P * G));
     sample_s += seconds_since(t0, dev);
     t0 = Clock::now();
     const size_t first = drawn_.size();
@@ -190,7 +188,6 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
       bool same = true;
       const size_t at = first + size_t(p * G);
       for (int64_t g = 1; g < G; ++g) same = same && drawn_[at + size_t(g)].score.reward == drawn_[at].score.reward;
-      zero_variance += same;
       informative += !same;
       group_informative.push_back(!same);
     }
@@ -290,7 +287,7 @@ void RlSource::before_step(const StepContext& ctx, Model& model) {
   }
 
   fields_["reward"] = reward_sum / double(drawn_.size());
-  fields_["zero_variance_groups"] = zero_variance;
+  fields_["zero_variance_groups"] = int64_t(group_informative.size()) - informative;
   if (R > 1) {
     fields_["sampled_groups"] = int64_t(drawn_.size()) / G;
     fields_["trained_groups"] = int64_t(rollouts_.size()) / G;

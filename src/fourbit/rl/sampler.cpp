@@ -183,7 +183,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
 }
 
 std::vector<Completion> Sampler::sample_groups(const std::vector<std::vector<int32_t>>& prompts, int64_t group,
-                                               const SamplingOptions& opt) {
+                                               const SamplingOptions& opt, uint64_t first_id) {
   if (group < 2)
     fail("sampler: a group needs at least 2 samples per prompt (the baseline is the group's mean reward), got {}",
          group);
@@ -191,7 +191,7 @@ std::vector<Completion> Sampler::sample_groups(const std::vector<std::vector<int
   requests.reserve(prompts.size() * size_t(group));
   for (size_t i = 0; i < prompts.size(); ++i)
     for (int64_t g = 0; g < group; ++g)
-      requests.push_back(SampleRequest{prompts[i], uint64_t(i) * uint64_t(group) + uint64_t(g)});
+      requests.push_back(SampleRequest{prompts[i], first_id + uint64_t(i) * uint64_t(group) + uint64_t(g)});
   return sample(requests, opt);
 }
 

@@ -68,9 +68,9 @@ class Sampler {
   std::vector<Completion> sample(const std::vector<SampleRequest>& requests, const SamplingOptions& opt);
 
   // The RL rollout shape: `group` (G >= 2, a group baseline needs two) samples of each prompt;
-  // result i * G + g is sample g of prompt i, with sequence id i * G + g.
+  // result i * G + g is sample g of prompt i, with sequence id first_id + i * G + g.
   std::vector<Completion> sample_groups(const std::vector<std::vector<int32_t>>& prompts, int64_t group,
-                                        const SamplingOptions& opt);
+                                        const SamplingOptions& opt, uint64_t first_id = 0);
 
   const SamplerStats& stats() const { return stats_; }
   void reset_stats() { stats_ = SamplerStats{}; }
