@@ -1,5 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, gemm_batch, quantize_segments,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
+//          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
@@ -24,6 +25,20 @@ bool take_nonfinite_flag(bool clear);
 // a conversion), and the caller runs one gemm per group.
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t n, int64_t k,
                   Tensor& c, bool accumulate);
+
+// C[M, N] (F32) (+)= for each group g: A[offsets[g] .. offsets[g+1], k_begin .. k_end) (BF16 [M, K])
+// . B[g][:, k_begin .. k_end)^T (BF16 [G, N, K]), with offsets an I32 CUDA tensor [G + 1] read on
+// the GPU: no host read-back, one launch for every group (grouped_mma.cu). Each output element is
+// summed over K in one fixed order whatever M and the grouping (no split-K), so a row's bits depend
+// only on its A row and its group's B. K, k_begin and k_end are multiples of 8 (k_end = -1: K);
+// the K range is for tests (a split-K negative control). Rows outside every group are left
+// untouched. Offsets outside [0, M] or decreasing are recorded and reported by the next
+// check_recorded_index_errors() (or the next MoE route plan), never read or written past.
+void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
+                       int64_t k_begin = 0, int64_t k_end = -1);
+
+// Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
+void check_recorded_index_errors();
 
 // ops::gemm_batch on CUDA operands (checked by the caller); false when it does not apply
 // (native block-scaled GEMMs), and the caller runs one gemm per job.

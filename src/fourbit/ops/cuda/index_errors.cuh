@@ -36,6 +36,8 @@ enum class IndexSite : int32_t {
   MoeCombineBackwardSharedSlot,  // two assignments write one slot (slot_of is not injective)
   SegmentAmaxRows,
   ScatterRowsDstRows,
+  GroupedGemmOffsets,            // outside [0, M]
+  GroupedGemmOffsetsDecreasing,  // below the one before it
 };
 
 struct IndexError {
@@ -92,6 +94,8 @@ inline IndexError* index_error_record() {
     case IndexSite::MoeCombineBackwardSlotOf:
     case IndexSite::MoeCombineBackwardSharedSlot: op = "moe_combine_backward", tensor = "slot_of", bound = "M"; break;
     case IndexSite::SegmentAmaxRows: op = "running_segment_amax", tensor = "rows", bound = "R"; break;
+    case IndexSite::GroupedGemmOffsets:
+    case IndexSite::GroupedGemmOffsetsDecreasing: op = "grouped_gemm_bf16", tensor = "offsets", bound = "M + 1"; break;
   }
   const std::string at = e.cols > 1 ? fmt::format("[{}, {}]", e.pos / e.cols, e.pos % e.cols)
                                     : fmt::format("[{}]", e.pos);
@@ -99,6 +103,9 @@ inline IndexError* index_error_record() {
     fail("{}: {}{} = {} is also the slot of another assignment: each slot belongs to one "
          "assignment",
          op, tensor, at, e.value);
+  if (IndexSite(e.site) == IndexSite::GroupedGemmOffsetsDecreasing)
+    fail("{}: {}{} = {} is below {}{} = {}: group offsets must not decrease", op, tensor, at, e.value, tensor,
+         fmt::format("[{}]", e.pos - 1), e.limit);
   fail("{}: {}{} = {} is outside [0, {}={}){} (found on the GPU)", op, tensor, at, e.value, bound,
        e.limit,
        IndexSite(e.site) == IndexSite::CrossEntropyTargets ? " and is not -1 (ignored)" : "");
