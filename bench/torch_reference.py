@@ -15,15 +15,18 @@ Experts (--experts):
            step, static shapes, so torch.compile captures it whole and CUDA graphs can replay it.
   loop     one GEMM per expert in a Python loop after reading the router counts back to the host
            (a sync per layer): what this file did before, kept as the reference of --selftest.
-Modes (--mode): eager; compile (torch.compile); graphs (torch.compile(mode="reduce-overhead"):
-CUDA graphs over the compiled forward and backward).
+Modes (--mode): eager; compile (torch.compile); graphs (the compiled model, and the whole step,
+forward + backward + clipping + fused AdamW with capturable=True, captured once in one CUDA graph
+with torch.cuda.graph and replayed: no host work per step at all; the grouped experts' static
+shapes and device-side group ends are what make the capture possible).
 
 Usage: python3 bench/torch_reference.py [--config F] [--mode eager|compile|graphs]
            [--experts grouped|loop] [--warmup 3] [--steps 10] [--json OUT]
        python3 bench/torch_reference.py --selftest [--device cpu|cuda]
 --selftest: on a small config, grouped and loop give the same loss and gradients (fp32 where
-_grouped_mm runs in fp32, else bf16 with a bf16 tolerance), and on CUDA the grouped step runs
-with torch.cuda.set_sync_debug_mode("error") (a host sync would raise).
+_grouped_mm runs in fp32, else bf16 with a bf16 tolerance), and on CUDA the grouped step under bf16
+autocast runs with torch.cuda.set_sync_debug_mode("error") (a host sync would raise). Not in fp32:
+on CUDA, torch 2.11's fp32 _grouped_mm is a fallback that reads the offsets on the host.
 """
 import argparse
 import json
@@ -195,11 +198,9 @@ class Model(nn.Module):
         return loss + aux_total
 
 
-def make_step(model, opt, cos, sin, device, graphs=False):
+def make_step(model, opt, cos, sin, device):
     def step(tokens, targets):
-        if graphs:  # a new iteration: the previous one's graph outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-        opt.zero_grad(set_to_none=False)  # gradients keep their buffers (CUDA graphs replay into them)
+        opt.zero_grad(set_to_none=False)  # gradients keep their buffers (a CUDA graph replays into them)
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(tokens, targets, cos, sin)
         loss.backward()
@@ -207,6 +208,32 @@ def make_step(model, opt, cos, sin, device, graphs=False):
         opt.step()
         return loss
     return step
+
+
+def graphed_step(step, shape, device, warmup_batches):
+    """The whole step captured in one CUDA graph: warm-up steps on a side stream (compilation,
+    gradient buffers, optimizer state, cuBLAS workspaces), then one capture; each call copies its
+    batch into the static inputs and replays."""
+    tokens = torch.zeros(shape, dtype=torch.long, device=device)
+    targets = torch.zeros(shape, dtype=torch.long, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x, y in warmup_batches:
+            tokens.copy_(x)
+            targets.copy_(y)
+            step(tokens, targets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(tokens, targets)
+
+    def run(x, y):
+        tokens.copy_(x)
+        targets.copy_(y)
+        graph.replay()
+        return loss
+    return run
 
 
 def selftest(device):
@@ -234,7 +261,7 @@ def selftest(device):
         data = torch.randint(0, 256, (B, T + 1), device=device)
         losses = []
         for model in (ref, grp):
-            sync = device == "cuda" and model is grp
+            sync = device == "cuda" and model is grp and autocast is not None
             if sync:
                 torch.cuda.set_sync_debug_mode("error")
             try:
@@ -255,7 +282,8 @@ def selftest(device):
         ok &= good
         print(f"selftest {label} on {device}: loss {losses[0]:.6f} (loop) vs {losses[1]:.6f} (grouped); "
               f"worst relative difference {worst[1]:.2e} ({worst[0]}), tolerance {tol:g}: "
-              f"{'ok' if good else 'FAIL'}" + (", no host sync in the grouped step" if device == "cuda" else ""))
+              f"{'ok' if good else 'FAIL'}" +
+              (", no host sync in the grouped step" if device == "cuda" and autocast is not None else ""))
     return ok
 
 
@@ -284,22 +312,28 @@ def main():
     if a.mode == "graphs" and not cuda:
         raise SystemExit("--mode graphs: CUDA graphs need --device cuda")
     model = Model(m, a.experts).to(dev)
+    if a.mode == "graphs" and a.experts != "grouped":
+        raise SystemExit("--mode graphs needs --experts grouped (the loop reads counts on the host)")
+    # capturable: the optimizer's step count stays on the GPU, so its step can be captured
     opt = torch.optim.AdamW(model.parameters(), lr=t.get("lr", 1e-3), betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=True)
+                            fused=True, capturable=a.mode == "graphs")
     if a.mode != "eager":
         # fullgraph for grouped experts: a graph break (a host sync, a data-dependent shape) fails
         # instead of hiding; the loop's count read-back is one by design
-        model = torch.compile(model, mode="reduce-overhead" if a.mode == "graphs" else None,
-                              fullgraph=a.experts == "grouped")
+        model = torch.compile(model, fullgraph=a.experts == "grouped")
     B, T = t["batch_size"], t["seq_len"]
     hd = m.get("head_dim", 0) or m["d_model"] // m["n_heads"]
     cos, sin = rope_tables(T, hd, m.get("rope_theta", 10000.0), dev)
     data = torch.randint(0, 256, (a.warmup + a.steps, B, T + 1), device=dev)
-    step = make_step(model, opt, cos, sin, dev, graphs=a.mode == "graphs")
+    step = make_step(model, opt, cos, sin, dev)
+    warm = [(data[i, :, :-1], data[i, :, 1:]) for i in range(a.warmup)]
+    if a.mode == "graphs":  # the warm-up steps run before the capture
+        step = graphed_step(step, (B, T), dev, warm)
+        warm = warm[:1]
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for i in range(a.warmup):
-        step(data[i, :, :-1], data[i, :, 1:])
+    for x, y in warm:
+        step(x, y)
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -22,7 +22,7 @@ if has build; then
   log build
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention gpu_sampler fourbit_kprof > "$OUT/build.log" 2>&1 \
+  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention gpu_sampler gpu_grouped_gemm fourbit_kprof > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   log build done
 fi
@@ -41,13 +41,16 @@ if has bench; then
   log gpu_sampler
   "$BUILD/bench/gpu_sampler" --config configs/gpu-small.toml --device cuda --json "$OUT/gpu_sampler.json" 2>&1 \
     | tee "$OUT/gpu_sampler.log" | tail -16
+  log gpu_grouped_gemm
+  "$BUILD/bench/gpu_grouped_gemm" --json "$OUT/gpu_grouped_gemm.json" 2>&1 | tee "$OUT/gpu_grouped_gemm.log" | tail -9
   log train_bench
   "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
     --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8
 fi
 if has torch; then
   log torch reference
-  # the strong peer of train_bench: grouped experts (no host sync), eager / compiled / CUDA graphs;
+  # the strong peer of train_bench: grouped experts (no host sync), eager / compiled / compiled and
+  # captured whole in one CUDA graph;
   # --selftest first (grouped == the per-expert loop, and no host sync in the grouped step)
   python3 bench/torch_reference.py --selftest --device cuda > "$OUT/torch_ref.log" 2>&1; tail -2 "$OUT/torch_ref.log"
   for mode in eager compile graphs; do
