@@ -88,7 +88,11 @@ int main(int argc, char** argv) {
     const Tensor a = random_bf16({M, c.K}, 1, 1.0f), b = random_bf16({G, c.N, c.K}, 2, 0.03f);
     Tensor out = Tensor::empty({M, c.N}, DType::F32, Device::CUDA), ref = out.clone(), dense = out.clone();
     auto grouped = [&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, out, false); };
-    auto per_expert = [&] { ops::grouped_gemm(ops::Operand(a), ops::Operand(b), off, ref, false); };
+    auto per_expert = [&] {  // the path before the grouped kernel: one cuBLASLt GEMM per expert on lanes
+      ops::cuda::set_grouped_kernel(false);
+      ops::grouped_gemm(ops::Operand(a), ops::Operand(b), off, ref, false);
+      ops::cuda::set_grouped_kernel(true);
+    };
     const Tensor b0 = b.view(0, {c.N, c.K});
     auto one_gemm = [&] { ops::gemm(ops::Operand(a), ops::Operand(b0), dense, false); };
     grouped();

@@ -2,7 +2,9 @@
 // Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
-//                    [--warmup 2] [--steps 5] [--json FILE]
+//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|per-expert|both] [--json FILE]
+// --expert-gemms (CUDA): the expert GEMMs through the grouped kernel (default), one cuBLASLt GEMM
+// per expert (the path before it), or each recipe under both, in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -15,6 +17,9 @@
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/train/data.h"
 #include "fourbit/train/optimizer.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
 
 using namespace fourbit;
 
@@ -68,57 +73,72 @@ int main(int argc, char** argv) {
                       ? std::vector<std::string>{"recipe", "step ms", "tokens/s", "TFLOP/s", "MFU vs 786",
                                                  "step / bf16", "saved MiB", "peak MiB"}
                       : std::vector<std::string>{"recipe", "step ms", "tokens/s", "step / bf16", "saved MiB"};
-  double bf16_ms = 0;
-  for (const std::string& name : recipes) {
-    Model model(cfg.model, recipe_by_name(name), device);
-    init_params(model.params(), cfg.model, t.seed);
-    Optimizer optim(model.params(), t);
-    std::vector<int32_t> tok(size_t(t.batch_size * t.seq_len)), tgt(tok.size());
-    auto run_step = [&](int64_t step) {
-      model.params().zero_grad();
-      for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-        src->batch(step * t.grad_accum + micro, t.batch_size, t.seq_len, tok.data(), tgt.data());
-        const Tensor tokens = Tensor::from_host(tok.data(), {t.batch_size, t.seq_len}, DType::I32, device);
-        const Tensor targets = Tensor::from_host(tgt.data(), {t.batch_size, t.seq_len}, DType::I32, device);
-        model.forward(tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true,
-                      1.0f / float(t.grad_accum));
-        model.backward();
-      }
-      optim.step(step);
-      model.invalidate_weight_cache();
-    };
-    for (int i = 0; i < warmup; ++i) run_step(i);
-    sync(device);
-    device_peak_bytes(true);
-    std::vector<double> ms;
-    for (int i = 0; i < steps; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      run_step(warmup + i);
+  const std::string expert_gemms = arg(argc, argv, "--expert-gemms", "grouped");
+  std::vector<std::string> variants;
+  if (expert_gemms == "both") variants = {"per-expert", "grouped"};
+  else if (expert_gemms == "grouped" || expert_gemms == "per-expert") variants = {expert_gemms};
+  else fail("train_bench: --expert-gemms must be grouped, per-expert or both, got '{}'", expert_gemms);
+  if (variants.size() > 1 || variants[0] != "grouped") {
+    if (device != Device::CUDA) fail("train_bench: --expert-gemms {} is for --device cuda", expert_gemms);
+    table.columns.insert(table.columns.begin() + 1, "expert GEMMs");
+  }
+  for (const std::string& variant : variants) {
+#if FOURBIT_HAS_CUDA
+    if (device == Device::CUDA) ops::cuda::set_grouped_kernel(variant == "grouped");
+#endif
+    double bf16_ms = 0;
+    for (const std::string& name : recipes) {
+      Model model(cfg.model, recipe_by_name(name), device);
+      init_params(model.params(), cfg.model, t.seed);
+      Optimizer optim(model.params(), t);
+      std::vector<int32_t> tok(size_t(t.batch_size * t.seq_len)), tgt(tok.size());
+      auto run_step = [&](int64_t step) {
+        model.params().zero_grad();
+        for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
+          src->batch(step * t.grad_accum + micro, t.batch_size, t.seq_len, tok.data(), tgt.data());
+          const Tensor tokens = Tensor::from_host(tok.data(), {t.batch_size, t.seq_len}, DType::I32, device);
+          const Tensor targets = Tensor::from_host(tgt.data(), {t.batch_size, t.seq_len}, DType::I32, device);
+          model.forward(tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true,
+                        1.0f / float(t.grad_accum));
+          model.backward();
+        }
+        optim.step(step);
+        model.invalidate_weight_cache();
+      };
+      for (int i = 0; i < warmup; ++i) run_step(i);
       sync(device);
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      device_peak_bytes(true);
+      std::vector<double> ms;
+      for (int i = 0; i < steps; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        run_step(warmup + i);
+        sync(device);
+        ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+      std::sort(ms.begin(), ms.end());
+      const double step_ms = ms[ms.size() / 2];
+      if (name == "bf16") bf16_ms = step_ms;
+      const double tps = double(tokens_per_step) / (step_ms / 1e3);
+      const double tflops = tps * flops_per_token / 1e12;
+      int64_t saved = 0;
+      nlohmann::json by;
+      for (const auto& [k, v] : model.saved_bytes().by_category) {
+        saved += v;
+        by[k] = double(v) / 1048576.0;
+      }
+      table.add({{"recipe", name},
+                 {"expert GEMMs", variant},
+                 {"step ms", step_ms},
+                 {"tokens/s", tps},
+                 {"TFLOP/s", tflops},
+                 {"MFU vs 786", tflops / 786.0},
+                 {"MFU vs 989", tflops / 989.0},
+                 {"step / bf16", bf16_ms > 0 ? step_ms / bf16_ms : 0.0},
+                 {"saved MiB", double(saved) / 1048576.0},
+                 {"saved MiB by category", by},
+                 {"peak MiB", double(device_peak_bytes(false)) / 1048576.0},
+                 {"step ms all", ms}});
     }
-    std::sort(ms.begin(), ms.end());
-    const double step_ms = ms[ms.size() / 2];
-    if (name == "bf16") bf16_ms = step_ms;
-    const double tps = double(tokens_per_step) / (step_ms / 1e3);
-    const double tflops = tps * flops_per_token / 1e12;
-    int64_t saved = 0;
-    nlohmann::json by;
-    for (const auto& [k, v] : model.saved_bytes().by_category) {
-      saved += v;
-      by[k] = double(v) / 1048576.0;
-    }
-    table.add({{"recipe", name},
-               {"step ms", step_ms},
-               {"tokens/s", tps},
-               {"TFLOP/s", tflops},
-               {"MFU vs 786", tflops / 786.0},
-               {"MFU vs 989", tflops / 989.0},
-               {"step / bf16", bf16_ms > 0 ? step_ms / bf16_ms : 0.0},
-               {"saved MiB", double(saved) / 1048576.0},
-               {"saved MiB by category", by},
-               {"peak MiB", double(device_peak_bytes(false)) / 1048576.0},
-               {"step ms all", ms}});
   }
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},

@@ -1,5 +1,5 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, grouped_gemm_bf16_rows, set_grouped_kernel,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
@@ -36,6 +36,22 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // check_recorded_index_errors() (or the next MoE route plan), never read or written past.
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin = 0, int64_t k_end = -1);
+
+// The same kernel with offsets known on the host (passed by value, offsets[0] = 0, M = offsets[G])
+// on raw BF16 operands: A rows lda elements apart, B's group g at b + g * b_stride with rows ldb
+// apart, C F32 rows ldc apart. false (nothing done) where it does not apply: more than 128 groups,
+// K, a leading dimension or b_stride not a multiple of 8, A or B not 16-byte aligned. ops::grouped_gemm
+// runs every BF16 (and decoded block-scaled) grouped GEMM through it, the sampler's and the
+// trainer's alike.
+bool grouped_gemm_bf16_rows(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride,
+                            const std::vector<int64_t>& offsets, int64_t n, int64_t k, float* c, int64_t ldc,
+                            bool accumulate);
+
+// Whether ops::grouped_gemm runs BF16 groups through the grouped kernel (the default) or one
+// cuBLASLt GEMM per group on lanes (the path before it), process-wide: for benchmarks that compare
+// the two in one process (train_bench --expert-gemms both). The two give different bits, so a
+// sampler and the trainer it must match never run under different settings.
+void set_grouped_kernel(bool on);
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();

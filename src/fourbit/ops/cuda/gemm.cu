@@ -1,4 +1,4 @@
-// defines: cuda::gemm, cuda::gemm_batch, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
+// defines: cuda::gemm, cuda::gemm_batch, cuda::set_grouped_kernel, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
 // GEMMs on Hopper. Block-scaled operands (NVFP4, MXFP8, S2F6) are decoded exactly into BF16 —
 // E2M1 x E4M3 has at most 6 significant bits and E4M3 x 2^E at most 4, so nothing rounds — and
 // multiplied on the BF16 tensor cores with FP32 accumulation (cuBLASLt). NVFP4 outer scales are
@@ -12,6 +12,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <climits>
 #include <map>
 #include <memory>
@@ -836,6 +837,12 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
 // the algorithm a single gemm of that shape would use, spread over the GPU lanes), then one
 // epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
 // three or four per group.
+namespace {
+std::atomic<bool> g_grouped_kernel{true};
+}  // namespace
+
+void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_relaxed); }
+
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
                   Tensor& c, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
@@ -870,7 +877,13 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   const MatmulOperand A = dec.get(a, k_eff, f32).op;
   dec.run();
   const size_t elem = f32 ? 4 : 2;
-  {
+  // BF16 operands (dense, or block-scaled ones decoded exactly): every group in one launch of the
+  // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
+  // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
+  const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans && !B.trans &&
+                          grouped_gemm_bf16_rows(A.ptr, A.ld, B.ptr, B.ld, b_slice, offsets, N, k_eff, t.out, N,
+                                                 t.beta != 0.0f);
+  if (!one_launch) {
     Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;

@@ -1,4 +1,4 @@
-// defines: cuda::grouped_gemm_bf16
+// defines: cuda::grouped_gemm_bf16, cuda::grouped_gemm_bf16_rows
 // The grouped BF16 GEMM of the MoE experts with device-side group offsets (issue 15's first
 // kernel): C[rows of group g] (+)= A[rows of group g] . B[g]^T for every g in one launch, with the
 // offsets read on the GPU, so no router count comes back to the host before the expert GEMMs.
@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -64,18 +65,21 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+constexpr int kMaxHostGroups = 128;
+
 struct GroupedArgs {
   const __nv_bfloat16* a;  // [M, lda], columns k_begin .. k_end used
-  const __nv_bfloat16* b;  // [G, N, ldb]
-  const int32_t* offsets;  // [G + 1] on the device
+  const __nv_bfloat16* b;  // G slices of [N, ldb], b_stride elements apart
+  const int32_t* offsets;  // [G + 1] on the device, or null: host_offsets below
   float* c;                // [M, ldc]
-  int64_t lda, ldb, ldc, m;
+  int64_t lda, ldb, b_stride, ldc, m;
   int n, k_begin, k_end, groups;
   bool accumulate;
   IndexError* err;
+  int32_t host_offsets[kMaxHostGroups + 1];  // offsets known on the host, passed by value
 };
 
-__global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(GroupedArgs p) {
+__global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_constant__ GroupedArgs p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
   __shared__ long long s_r0, s_r1;
@@ -85,7 +89,8 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(GroupedArgs p
     int tile = int(blockIdx.y), group = -1;
     long long r0 = 0, r1 = 0;
     for (int g = 0; g < p.groups && group < 0; ++g) {
-      long long lo = p.offsets[g], hi = p.offsets[g + 1];
+      long long lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
+      long long hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
       if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
       if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
       else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
@@ -108,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(GroupedArgs p
   if (s_group < 0) return;
   const long long r0 = s_r0, r1 = s_r1;
   const int n0 = int(blockIdx.x) * kBN;
-  const __nv_bfloat16* bg = p.b + (long long)s_group * p.n * p.ldb;
+  const __nv_bfloat16* bg = p.b + (long long)s_group * p.b_stride;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int wm = warp >> 2, wn = warp & 3;  // this warp's 64 x 32 block: rows wm*64, columns wn*32
@@ -209,7 +214,50 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(GroupedArgs p
   }
 }
 
+void launch(GroupedArgs& p, const char* op) {
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(grouped_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  p.err = index_error_record();
+  const int64_t row_tiles = (p.m + kBM - 1) / kBM + p.groups;
+  if (row_tiles > 65535) fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
+  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned(row_tiles));
+  grouped_bf16_kernel<<<grid, kThreads, kSmemBytes, stream()>>>(p);
+  FOURBIT_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+bool grouped_gemm_bf16_rows(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride,
+                            const std::vector<int64_t>& offsets, int64_t n, int64_t k, float* c, int64_t ldc,
+                            bool accumulate) {
+  const int64_t G = int64_t(offsets.size()) - 1, M = offsets.empty() ? 0 : offsets.back();
+  const auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
+  if (G < 1 || G > kMaxHostGroups || k % 8 != 0 || lda % 8 != 0 || ldb % 8 != 0 || b_stride % 8 != 0 ||
+      !aligned16(a) || !aligned16(b) || M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0)
+    return false;
+  if (M == 0 || n == 0) return true;
+  GroupedArgs p{};
+  p.a = static_cast<const __nv_bfloat16*>(a);
+  p.b = static_cast<const __nv_bfloat16*>(b);
+  p.offsets = nullptr;
+  for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
+  p.c = c;
+  p.lda = lda;
+  p.ldb = ldb;
+  p.b_stride = b_stride;
+  p.ldc = ldc;
+  p.m = M;
+  p.n = int(n);
+  p.k_begin = 0;
+  p.k_end = int(k);
+  p.groups = int(G);
+  p.accumulate = accumulate;
+  launch(p, "grouped_gemm");
+  return true;
+}
 
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin, int64_t k_end) {
@@ -232,11 +280,7 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
     fail("{}: K range [{}, {}) must lie in [0, {}] with multiples of 8 as bounds", op, k_begin, k_end, K);
   if (N > INT32_MAX || K > INT32_MAX || G > INT32_MAX / 2) fail("{}: N = {}, K = {} or G = {} too large", op, N, K, G);
   if (M == 0 || N == 0 || G == 0) return;
-  static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(grouped_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    return true;
-  }();
-  (void)attr;
+  if (M > INT32_MAX) fail("{}: M = {} rows exceed the I32 offsets' range", op, M);
   GroupedArgs p{};
   p.a = static_cast<const __nv_bfloat16*>(a.raw());
   p.b = static_cast<const __nv_bfloat16*>(b.raw());
@@ -244,6 +288,7 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   p.c = static_cast<float*>(c.raw());
   p.lda = K;
   p.ldb = K;
+  p.b_stride = N * K;
   p.ldc = N;
   p.m = M;
   p.n = int(N);
@@ -251,12 +296,7 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   p.k_end = int(k_end);
   p.groups = int(G);
   p.accumulate = accumulate;
-  p.err = index_error_record();
-  const int64_t row_tiles = (M + kBM - 1) / kBM + G;
-  if (row_tiles > 65535) fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, M, G);
-  const dim3 grid(unsigned((N + kBN - 1) / kBN), unsigned(row_tiles));
-  grouped_bf16_kernel<<<grid, kThreads, kSmemBytes, stream()>>>(p);
-  FOURBIT_LAUNCH_CHECK();
+  launch(p, op);
 }
 
 void check_recorded_index_errors() { check_index_errors(); }
