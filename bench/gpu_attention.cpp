@@ -22,6 +22,7 @@
 
 using namespace fourbit;
 using bench::median_ms;
+using bench::similarity_gap;
 
 namespace {
 
@@ -31,17 +32,6 @@ Tensor randn_cuda(const Shape& s, uint64_t seed) {
   std::vector<float> v(size_t(shape_numel(s)));
   for (auto& x : v) x = nd(g);
   return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
-}
-
-// 1 - 2<x,y> / (|x|^2 + |y|^2), as the tests measure it.
-double similarity_gap(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
-  double xy = 0, xx = 0, yy = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double p = x.data<float>()[i], q = y.data<float>()[i];
-    xy += p * q, xx += p * p, yy += q * q;
-  }
-  return xx + yy == 0 ? 0.0 : 1.0 - 2.0 * xy / (xx + yy);
 }
 
 }  // namespace

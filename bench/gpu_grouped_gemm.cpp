@@ -23,6 +23,7 @@
 
 using namespace fourbit;
 using bench::median_ms;
+using bench::similarity_gap;
 
 namespace {
 
@@ -34,16 +35,6 @@ Tensor random_bf16(const Shape& s, uint64_t seed, float scale) {
   Tensor out = Tensor::empty(s, DType::BF16, Device::CUDA);
   ops::convert(Tensor::from_host(v.data(), s, DType::F32, Device::CUDA), out);
   return out;
-}
-
-double similarity_gap(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
-  double xy = 0, xx = 0, yy = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double p = x.data<float>()[i], q = y.data<float>()[i];
-    xy += p * q, xx += p * p, yy += q * q;
-  }
-  return xx + yy == 0 ? 0.0 : 1.0 - 2.0 * xy / (xx + yy);
 }
 
 struct Case {

@@ -214,6 +214,25 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_
   }
 }
 
+GroupedArgs make_args(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride, float* c, int64_t ldc,
+                      int64_t m, int64_t n, int64_t k_begin, int64_t k_end, int64_t groups, bool accumulate) {
+  GroupedArgs p{};
+  p.a = static_cast<const __nv_bfloat16*>(a);
+  p.b = static_cast<const __nv_bfloat16*>(b);
+  p.c = c;
+  p.lda = lda;
+  p.ldb = ldb;
+  p.b_stride = b_stride;
+  p.ldc = ldc;
+  p.m = m;
+  p.n = int(n);
+  p.k_begin = int(k_begin);
+  p.k_end = int(k_end);
+  p.groups = int(groups);
+  p.accumulate = accumulate;
+  return p;
+}
+
 void launch(GroupedArgs& p, const char* op) {
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(grouped_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
@@ -239,22 +258,8 @@ bool grouped_gemm_bf16_rows(const void* a, int64_t lda, const void* b, int64_t l
       !aligned16(a) || !aligned16(b) || M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0)
     return false;
   if (M == 0 || n == 0) return true;
-  GroupedArgs p{};
-  p.a = static_cast<const __nv_bfloat16*>(a);
-  p.b = static_cast<const __nv_bfloat16*>(b);
-  p.offsets = nullptr;
+  GroupedArgs p = make_args(a, lda, b, ldb, b_stride, c, ldc, M, n, 0, k, G, accumulate);
   for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
-  p.c = c;
-  p.lda = lda;
-  p.ldb = ldb;
-  p.b_stride = b_stride;
-  p.ldc = ldc;
-  p.m = M;
-  p.n = int(n);
-  p.k_begin = 0;
-  p.k_end = int(k);
-  p.groups = int(G);
-  p.accumulate = accumulate;
   launch(p, "grouped_gemm");
   return true;
 }
@@ -281,21 +286,9 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   if (N > INT32_MAX || K > INT32_MAX || G > INT32_MAX / 2) fail("{}: N = {}, K = {} or G = {} too large", op, N, K, G);
   if (M == 0 || N == 0 || G == 0) return;
   if (M > INT32_MAX) fail("{}: M = {} rows exceed the I32 offsets' range", op, M);
-  GroupedArgs p{};
-  p.a = static_cast<const __nv_bfloat16*>(a.raw());
-  p.b = static_cast<const __nv_bfloat16*>(b.raw());
+  GroupedArgs p = make_args(a.raw(), K, b.raw(), K, N * K, static_cast<float*>(c.raw()), N, M, N, k_begin, k_end, G,
+                            accumulate);
   p.offsets = static_cast<const int32_t*>(offsets.raw());
-  p.c = static_cast<float*>(c.raw());
-  p.lda = K;
-  p.ldb = K;
-  p.b_stride = N * K;
-  p.ldc = N;
-  p.m = M;
-  p.n = int(N);
-  p.k_begin = int(k_begin);
-  p.k_end = int(k_end);
-  p.groups = int(G);
-  p.accumulate = accumulate;
   launch(p, op);
 }
 
