@@ -1,7 +1,7 @@
 // defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
 // of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), and malformed offsets or
-// shapes fail with a message naming what was expected. (The GPU's single-decode, lanes and
-// one-epilogue implementation is compared with the per-group loop in CudaGroupedGemm.*.)
+// shapes fail with a message naming what was expected. (The GPU's implementation, one decode, one
+// launch of the grouped kernel, one epilogue, is checked group by group in CudaGroupedGemm.*.)
 #include <gtest/gtest.h>
 
 #include <cstring>

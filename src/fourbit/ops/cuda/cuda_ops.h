@@ -20,9 +20,11 @@ namespace fourbit::ops::cuda {
 // The device-side sticky flag the quantize kernels raise on NaN/Inf input (synchronises).
 bool take_nonfinite_flag(bool clear);
 
-// ops::grouped_gemm on CUDA operands (checked by the caller; B's groups are n x k); false when it
-// does not apply (more than 128 groups, native block-scaled GEMMs, a transposed B that would need
-// a conversion), and the caller runs one gemm per group.
+// ops::grouped_gemm on CUDA operands (checked by the caller; B's groups are n x k): BF16 and decoded
+// block-scaled groups in one launch of grouped_gemm_bf16_rows, FP32 ones and a transposed dense B as
+// one cuBLASLt GEMM per group on lanes; false when it does not apply (more than 128 groups, native
+// block-scaled GEMMs, a transposed B that would need a conversion), and the caller runs one gemm
+// per group.
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t n, int64_t k,
                   Tensor& c, bool accumulate);
 
