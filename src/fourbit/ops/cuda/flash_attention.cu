@@ -34,6 +34,7 @@
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/mma.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -44,37 +45,9 @@ template <int HD>
 constexpr int kFaLd = HD + 8;  // BF16 row stride of a tile [64][hd]: +16 bytes, so the eight rows
                                 // an ldmatrix reads sit in different banks
 
-// C (16x8, FP32) += A (16x16, BF16, row) * B (16x8, BF16, col): PTX's m16n8k16 fragments, with
-// gid = lane / 4 and tig = lane % 4: a = {(gid, 2tig..), (gid+8, 2tig..), (gid, 2tig+8..),
-// (gid+8, 2tig+8..)}, b = {(k 2tig.., n gid), (k 2tig+8.., n gid)}, c = {(gid, 2tig), (gid, 2tig+1),
-// (gid+8, 2tig), (gid+8, 2tig+1)}. The lower k index of a pair sits in the low 16 bits.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// ldmatrix .x4: four 8x8 BF16 matrices, lane l giving the address of row l % 8 of matrix l / 8.
-// Plain, lane l receives (row l / 4, cols 2 (l % 4) ..) of each; .trans, (rows 2 (l % 4) .., col
-// l / 4), i.e. the transposed matrix's fragment.
-template <bool Trans>
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
-  const uint32_t addr = uint32_t(__cvta_generic_to_shared(p));
-  if constexpr (Trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
 }
 
 // The A fragments of k-step kk for the warp's rows r .. r+15 of a row-major tile (stride ld):
@@ -149,19 +122,6 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-// Asynchronous copies into shared memory (cp.async, Ampere+): `bytes` of src, or zeros when
-// !valid (src-size 0: nothing is read). Completed by cp_async_wait_all.
-template <int Bytes>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
-  const uint32_t addr = uint32_t(__cvta_generic_to_shared(dst));
-  if constexpr (Bytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // Starts copying rows r0 .. r0+63 of x (BF16, row r at x + r * stride, 16-byte aligned) into a
 // row-major tile (stride HD + 8); rows at or past `rows` become zeros.
 template <int HD>
@@ -171,13 +131,13 @@ __device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict_
   for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kFaThreads) {
     const int r = i / kChunks, c = (i % kChunks) * 8;
     const bool valid = r0 + r < rows;
-    cp_async<16>(tile + r * kFaLd<HD> + c, valid ? x + int64_t(r0 + r) * stride + c : x, valid);
+    cp_async16(tile + r * kFaLd<HD> + c, valid ? x + int64_t(r0 + r) * stride + c : x, valid ? 16 : 0);
   }
 }
 
 // Starts copying the 64 row values v[r0 ..] (zeros past `rows`) into shared memory.
 __device__ __forceinline__ void load_rows_async(const float* __restrict__ v, int r0, int rows, float* dst) {
-  for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) cp_async<4>(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows);
+  for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) cp_async4(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows ? 4 : 0);
 }
 
 // The thread's two rows of a 16-row warp tile: gid and gid + 8.
@@ -262,7 +222,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
   load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
   kv.load(0);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   uint32_t qa[KS][4];
 #pragma unroll
@@ -311,7 +271,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
     uint32_t pa[4][4];
     acc_to_a(s, pa);
     mma_tile<false>(o, pa, vs[buf], kFaLd<HD>);
-    cp_async_wait_all();  // block kb + 1 has landed, and (the barrier) nobody reads block kb now
+    cp_async_wait<0>();  // block kb + 1 has landed, and (the barrier) nobody reads block kb now
     __syncthreads();
   }
 #pragma unroll
@@ -342,7 +302,7 @@ struct FaBackward {
 template <int HD>
 __device__ __forceinline__ void staged_fragments(const __nv_bfloat16* x, const __nv_bfloat16* y, int warp_row,
                                                  uint32_t (&xa)[HD / 16][4], uint32_t (&ya)[HD / 16][4]) {
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
   for (int kk = 0; kk < HD / 16; ++kk) {
@@ -416,7 +376,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
     uint32_t dsa[4][4];
     acc_to_a(s, dsa);
     mma_tile<false>(acc, dsa, ks[buf], kFaLd<HD>);
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
   }
 #pragma unroll
@@ -464,7 +424,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
   load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
   load_queries(kb, 0);
   cp_async_commit();
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();
   int key[2];
 #pragma unroll
@@ -495,7 +455,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
     acc_to_a(s, dsa);
     mma_tile<false>(gv, pa, dos[buf], kFaLd<HD>);
     mma_tile<false>(gk, dsa, qs[buf], kFaLd<HD>);
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
   }
 #pragma unroll

@@ -26,6 +26,7 @@
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/index_errors.cuh"
+#include "fourbit/ops/cuda/mma.cuh"
 
 namespace fourbit::ops::cuda {
 
@@ -40,29 +41,6 @@ constexpr int kSmemBytes = kStages * kStageBytes;  // 64 KiB
 // row). The XOR spreads the 8 rows an ldmatrix phase reads over 8 distinct 16-byte bank groups.
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 constexpr int kMaxHostGroups = 128;
@@ -165,11 +143,11 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_
       uint32_t af[4][4], bf[4][2];
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
-        ldmatrix_x4(af[mi], sa + swizzle(wm * 64 + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        ldsm_x4<false>(af[mi], sa + swizzle(wm * 64 + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
       for (int nj = 0; nj < 2; ++nj) {
         uint32_t r[4];
-        ldmatrix_x4(r, sb + swizzle(wn * 32 + nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+        ldsm_x4<false>(r, sb + swizzle(wn * 32 + nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
         bf[nj * 2][0] = r[0];
         bf[nj * 2][1] = r[1];
         bf[nj * 2 + 1][0] = r[2];

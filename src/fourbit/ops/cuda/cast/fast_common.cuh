@@ -1,7 +1,7 @@
 // defines: kWarps, kFastRunBlocks, kNvfp4FastMaxWarps, FastRowParams, stage_swizzle, load_run,
 //          shared_address, read_run_address, read_run_at, read_run, stage_run,
 //          finite_amax_counting, mxfp8_generic_block, store_mx_codes, mxfp8_sr_word,
-//          mxfp8_sr_block, cp_async16, cp_async_commit, cp_async_wait_all_but_newest, opaque_ptr,
+//          mxfp8_sr_block, opaque_ptr,
 //          prefetch_run, mxfp8_fast_block, fast_row_input, fast_row_params, with_mxfp8_variant
 // What the register-resident kernels share (nvfp4_row_fast, mxfp8_row_fast, mxfp8_col_fast and
 // requantize_transposed): warp runs of 32 blocks staged through swizzled shared memory, the
@@ -9,6 +9,7 @@
 // blocks holding NaN/Inf).
 #pragma once
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
+#include "fourbit/ops/cuda/mma.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -212,22 +213,6 @@ __device__ __forceinline__ void mxfp8_sr_block(const float (&v)[32], float x_sca
         w[q] = mxfp8_sr_word<kExpBits, false>(y, q, r);
     }
   }
-}
-
-// Asynchronous 16-byte copies global -> shared (sm_80+), which keep the next row's loads in flight
-// while the current row is computed, without holding registers. src_bytes 0 fills zeros.
-__device__ __forceinline__ void cp_async16(uint32_t d, const float* src, int src_bytes) {  // d: shared window
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async16(float* dst, const float* src, int src_bytes) {
-  cp_async16(uint32_t(__cvta_generic_to_shared(dst)), src, src_bytes);
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all_but_newest() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
 }
 
 // load_run + the stores of stage_run in one: the loads go straight into the swizzled shared buffer

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     __syncwarp();  // every lane has read the half the next prefetch overwrites
     if (g + gridDim.x < groups) prefetch(row + row_step, (it + 1) & 1);
     cp_async_commit();
-    cp_async_wait_all_but_newest();
+    cp_async_wait<1>();
     __syncwarp();  // the whole warp's copies of group g have landed
     float v[kRuns][B];
 #pragma unroll
