@@ -2,9 +2,11 @@
 // Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
-//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|per-expert|both] [--json FILE]
-// --expert-gemms (CUDA): the expert GEMMs through the grouped kernel (default), one cuBLASLt GEMM
-// per expert (the path before it), or each recipe under both, in this process.
+//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|decode-path|per-expert|all] [--json FILE]
+// --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
+// dequantized inside it (default), the grouped kernel after a decode pass to BF16 copies and
+// before a scale epilogue (decode-path), one cuBLASLt GEMM per expert (per-expert), or each recipe
+// under all three, in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -75,16 +77,20 @@ int main(int argc, char** argv) {
                       : std::vector<std::string>{"recipe", "step ms", "tokens/s", "step / bf16", "saved MiB"};
   const std::string expert_gemms = arg(argc, argv, "--expert-gemms", "grouped");
   std::vector<std::string> variants;
-  if (expert_gemms == "both") variants = {"per-expert", "grouped"};
-  else if (expert_gemms == "grouped" || expert_gemms == "per-expert") variants = {expert_gemms};
-  else fail("train_bench: --expert-gemms must be grouped, per-expert or both, got '{}'", expert_gemms);
+  if (expert_gemms == "all") variants = {"per-expert", "decode-path", "grouped"};
+  else if (expert_gemms == "grouped" || expert_gemms == "decode-path" || expert_gemms == "per-expert")
+    variants = {expert_gemms};
+  else fail("train_bench: --expert-gemms must be grouped, decode-path, per-expert or all, got '{}'", expert_gemms);
   if (variants.size() > 1 || variants[0] != "grouped") {
     if (device != Device::CUDA) fail("train_bench: --expert-gemms {} is for --device cuda", expert_gemms);
     table.columns.insert(table.columns.begin() + 1, "expert GEMMs");
   }
   for (const std::string& variant : variants) {
 #if FOURBIT_HAS_CUDA
-    if (device == Device::CUDA) ops::cuda::set_grouped_kernel(variant == "grouped");
+    if (device == Device::CUDA) {
+      ops::cuda::set_grouped_kernel(variant != "per-expert");
+      ops::cuda::set_fused_dequant(variant == "grouped");
+    }
 #endif
     double bf16_ms = 0;
     for (const std::string& name : recipes) {

@@ -44,7 +44,7 @@ if has bench; then
   log gpu_grouped_gemm
   "$BUILD/bench/gpu_grouped_gemm" --json "$OUT/gpu_grouped_gemm.json" 2>&1 | tee "$OUT/gpu_grouped_gemm.log" | tail -9
   log train_bench
-  "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd --expert-gemms both \
+  "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd --expert-gemms all \
     --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8
 fi
 if has torch; then

@@ -1,5 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, grouped_gemm_bf16_rows, set_grouped_kernel,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, packed_operand,
+//          set_grouped_kernel,
+//          set_fused_dequant,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
@@ -39,21 +41,54 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin = 0, int64_t k_end = -1);
 
-// The same kernel with offsets known on the host (passed by value, offsets[0] = 0, M = offsets[G])
-// on raw BF16 operands: A rows lda elements apart, B's group g at b + g * b_stride with rows ldb
-// apart, C F32 rows ldc apart. false (nothing done) where it does not apply: more than 128 groups,
-// K, a leading dimension or b_stride not a multiple of 8, A or B not 16-byte aligned. ops::grouped_gemm
-// runs every BF16 (and decoded block-scaled) grouped GEMM through it, the sampler's and the
-// trainer's alike.
-bool grouped_gemm_bf16_rows(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride,
-                            const std::vector<int64_t>& offsets, int64_t n, int64_t k, float* c, int64_t ldc,
-                            bool accumulate);
+// One operand of grouped_gemm_rows: BF16 values or block-scaled codes (rows ld_bytes apart; B's
+// group g starts g * slice_bytes in), block scales (scale_ld bytes a row, B's group g at
+// g * scale_slice), NVFP4 outer scales (A: row m's at outer[m * outer_stride]; B: column n of group
+// g at outer[g * outer_group_stride + n * outer_stride]; null: none).
+struct GroupedOperand {
+  Format fmt = Format::BF16;
+  const void* data = nullptr;
+  int64_t ld_bytes = 0, slice_bytes = 0;
+  const uint8_t* block_scales = nullptr;
+  int64_t scale_ld = 0, scale_slice = 0;
+  const float* outer = nullptr;
+  int outer_stride = 0;
+  int64_t outer_group_stride = 0;
+  // BF16 rows ld elements apart, groups slice elements apart.
+  static GroupedOperand bf16(const void* data, int64_t ld, int64_t slice) {
+    GroupedOperand o;
+    o.data = data;
+    o.ld_bytes = 2 * ld;
+    o.slice_bytes = 2 * slice;
+    return o;
+  }
+};
+
+// The same kernel family with offsets known on the host (passed by value, offsets[0] = 0,
+// M = offsets[G]), C F32 rows ldc apart, K = k values (block-scaled: padded to whole blocks): BF16
+// x BF16, or NVFP4 x NVFP4 / MXFP8 x MXFP8 (one format for both) dequantized in the kernel with the
+// outer scales applied in its epilogue, NUMERICS' order (the bits of decoding to BF16, one BF16
+// GEMM and the scale epilogue). false (nothing done) where it does not apply: more than 128
+// groups, other formats or two different ones, K not a multiple of 8 (BF16) or 32, rows or slices
+// not 16-byte multiples, data not 16-byte aligned, block-scale rows or slices not 4-byte multiples.
+// ops::grouped_gemm runs every BF16 and block-scaled grouped GEMM through it, the sampler's and
+// the trainer's alike.
+bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
+                       int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
+
+// A block-scaled CUDA QTensor as grouped_gemm_rows reads it, packed (as B, its slices are the groups).
+GroupedOperand packed_operand(const QTensor& q);
 
 // Whether ops::grouped_gemm runs BF16 groups through the grouped kernel (the default) or one
 // cuBLASLt GEMM per group on lanes (the path before it), process-wide: for benchmarks that compare
 // the two in one process (train_bench --expert-gemms both). The two give different bits, so a
 // sampler and the trainer it must match never run under different settings.
 void set_grouped_kernel(bool on);
+
+// Whether block-scaled groups are dequantized inside the grouped kernel (the default) or decoded
+// to BF16 copies first, then summed by the same kernel and scaled by a separate epilogue (the
+// path before it): the same bits, so tests compare the two; benchmarks time them.
+void set_fused_dequant(bool on);
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();

@@ -1,4 +1,4 @@
-// defines: cuda::gemm, cuda::gemm_batch, cuda::set_grouped_kernel, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
+// defines: cuda::gemm, cuda::gemm_batch, cuda::grouped_gemm, cuda::set_grouped_kernel, cuda::set_fused_dequant, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
 // GEMMs on Hopper. Block-scaled operands (NVFP4, MXFP8, S2F6) are decoded exactly into BF16 —
 // E2M1 x E4M3 has at most 6 significant bits and E4M3 x 2^E at most 4, so nothing rounds — and
 // multiplied on the BF16 tensor cores with FP32 accumulation (cuBLASLt). NVFP4 outer scales are
@@ -23,6 +23,7 @@
 #include "fourbit/numerics/mxfp8.h"
 #include "fourbit/numerics/nvfp4.h"
 #include "fourbit/numerics/s2f6.h"
+#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/matmul.cuh"
@@ -271,10 +272,8 @@ __global__ void decode_blocks_kernel(const uint8_t* __restrict__ codes, const ui
 // The BF16 fast path for NVFP4 and MXFP8 operands (rows over blockIdx.y, 8-value units of a row
 // over the threads): one thread per 8 consecutive values of a row
 // (4 NVFP4 code bytes or 8 MXFP8 code bytes in one load, one 16-byte store of 8 BF16), so a warp
-// writes 512 contiguous bytes per store. Each value is the same float product as
-// decode_blocks_kernel's (exact: at most 6 significant bits for E2M1 x E4M3 and 4 for
-// E4M3/E5M2 x 2^E) converted once to BF16, so both kernels give the same bits; the table of byte
-// -> two E2M1 values lives in shared memory, the FP8 codes go through the hardware conversion.
+// writes 512 contiguous bytes per store, each value decoded by block_decode.cuh's decode8_bits —
+// the same float product as decode_blocks_kernel's, so both kernels give the same bits.
 // Columns from the last block's end up to k_eff are zeros.
 // Values c .. c+7 of row r as 8 BF16 (c < coded: inside the stored blocks).
 template <Format F>
@@ -282,47 +281,13 @@ __device__ __forceinline__ uint4 decode8(const uint8_t* __restrict__ codes, cons
                                          int64_t blocks_per_row, int64_t code_row_bytes, int64_t r, int64_t c,
                                          const float2* e2m1_pair) {
   constexpr int B = F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
-  float v[8];
-  if constexpr (F == Format::NVFP4) {
-    const float sv = num::ue4m3_decode(scales[r * blocks_per_row + c / B]);
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + r * code_row_bytes + c / 2);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 p = e2m1_pair[(w >> (8 * j)) & 0xFFu];
-      v[2 * j] = p.x * sv;
-      v[2 * j + 1] = p.y * sv;
-    }
-  } else {
-    const float sv = num::ue8m0_decode(scales[r * blocks_per_row + c / B]);
-    const uint2 w = *reinterpret_cast<const uint2*>(codes + r * code_row_bytes + c);
-    const uint32_t words[2] = {w.x, w.y};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const __nv_fp8x2_storage_t pair = __nv_fp8x2_storage_t(words[j / 2] >> (16 * (j % 2)));
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, F == Format::MXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-      const float2 f = __half22float2(__half2(h));
-      v[2 * j] = f.x * sv;
-      v[2 * j + 1] = f.y * sv;
-    }
-  }
-  uint4 packed;
-  uint32_t* pw = reinterpret_cast<uint32_t*>(&packed);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    pw[j] = *reinterpret_cast<const uint32_t*>(&b);
-  }
-  return packed;
-}
-
-// decode8's table of byte -> two E2M1 values (NVFP4 only), filled by the whole CTA.
-template <Format F>
-__device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
-  if constexpr (F == Format::NVFP4) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x)
-      e2m1_pair[i] = make_float2(num::e2m1_decode(i & 0xF), num::e2m1_decode(i >> 4));
-    __syncthreads();
-  }
+  const float sv = decode8_scale<F>(scales[r * blocks_per_row + c / B]);
+  uint2 w;
+  if constexpr (F == Format::NVFP4)
+    w = make_uint2(*reinterpret_cast<const uint32_t*>(codes + r * code_row_bytes + c / 2), 0u);
+  else
+    w = *reinterpret_cast<const uint2*>(codes + r * code_row_bytes + c);
+  return decode8_bits<F>(w, sv, e2m1_pair);
 }
 
 // BF16 decodes of one or several operands in one launch (gemm_batch: a MoE layer's weight-gradient
@@ -838,10 +803,28 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
 // epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
 // three or four per group.
 namespace {
-std::atomic<bool> g_grouped_kernel{true};
+std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true};
+
 }  // namespace
 
+GroupedOperand packed_operand(const QTensor& q) {
+  GroupedOperand o;
+  o.fmt = q.fmt;
+  o.data = q.codes.raw();
+  o.ld_bytes = q.code_row_bytes();
+  o.slice_bytes = q.rows * q.code_row_bytes();
+  o.block_scales = q.block_scales.data<uint8_t>();
+  o.scale_ld = q.blocks_per_row();
+  o.scale_slice = q.rows * q.blocks_per_row();
+  const OuterScales s = outer_scales_of(Operand(q));
+  o.outer = s.ptr;
+  o.outer_stride = s.stride;
+  o.outer_group_stride = s.group_stride;
+  return o;
+}
+
 void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_relaxed); }
+void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_relaxed); }
 
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
                   Tensor& c, bool accumulate) {
@@ -849,6 +832,13 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   if (G > kMaxEpilogueGroups || native_block_scaled_gemm()) return false;  // the caller loops
   expect_unsliced_scales(a);
   const QTensor* qb = b.q();
+  // Block-scaled A and B of one format: read packed by the grouped kernel, dequantized and scaled
+  // inside it (the bits of the decode path below).
+  if (a.q() && qb && g_grouped_kernel.load(std::memory_order_relaxed) &&
+      g_fused_dequant.load(std::memory_order_relaxed) && a.q()->padded_cols() == qb->padded_cols() && qb->rows == N &&
+      grouped_gemm_rows(packed_operand(*a.q()), packed_operand(*qb), offsets, N, qb->padded_cols(), c.data<float>(),
+                        N, accumulate))
+    return true;
   const int64_t k_eff = std::max(padded_k(a), qb ? qb->padded_cols() : K);
   const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
   // B as one operand of G stacked groups: slice g starts b_slice elements after slice 0.
@@ -881,8 +871,8 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
   // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
   const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans && !B.trans &&
-                          grouped_gemm_bf16_rows(A.ptr, A.ld, B.ptr, B.ld, b_slice, offsets, N, k_eff, t.out, N,
-                                                 t.beta != 0.0f);
+                          grouped_gemm_rows(GroupedOperand::bf16(A.ptr, A.ld, 0), GroupedOperand::bf16(B.ptr, B.ld, b_slice),
+                                            offsets, N, k_eff, t.out, N, t.beta != 0.0f);
   if (!one_launch) {
     Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {

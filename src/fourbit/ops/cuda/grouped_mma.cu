@@ -1,18 +1,25 @@
-// defines: cuda::grouped_gemm_bf16, cuda::grouped_gemm_bf16_rows
-// The grouped BF16 GEMM of the MoE experts with device-side group offsets (issue 15's first
-// kernel): C[rows of group g] (+)= A[rows of group g] . B[g]^T for every g in one launch, with the
-// offsets read on the GPU, so no router count comes back to the host before the expert GEMMs.
+// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16
+// The grouped GEMM of the MoE experts (issue 15's kernel family): C[rows of group g] (+)=
+// A[rows of group g] . B[g]^T for every g in one launch, on BF16 operands or on block-scaled ones
+// (NVFP4, MXFP8 E4M3/E5M2) read packed as they are stored and dequantized inside the kernel, with
+// NVFP4's outer scales applied in its epilogue. Offsets are read on the GPU (grouped_gemm_bf16)
+// or passed by value (grouped_gemm_rows): no router count has to come back to the host.
 //
-// Shape of the work. The grid has one CTA per (128-row tile of a group, 128-column tile of N);
-// the host cannot know the groups' sizes, so it launches ceil(M / 128) + G row tiles (the most a
+// Shape of the work. The grid has one CTA per (BM-row tile of a group, 128-column tile of N);
+// the host cannot know the groups' sizes, so it launches ceil(M / BM) + G row tiles (the most a
 // grouping of M rows into G groups can need) and each CTA finds its group by walking the offsets;
-// the CTAs left over return at once. A CTA is 8 warps (2 x 4), each computing a 64 x 32 block
-// with mma.sync m16n8k16 (BF16 in, FP32 accumulate), fed by a 4-stage cp.async pipeline of
-// 128 x 32 tiles in XOR-swizzled shared memory read with ldmatrix.
+// the CTAs left over return at once. BM is 128 for training shapes, 64 or 16 when the groups
+// hold few rows (the sampler's decode). A CTA is 8 warps computing with mma.sync m16n8k16 (BF16
+// in, FP32 accumulate), fed by a 4-stage cp.async pipeline of 32-wide K tiles. BF16 tiles are
+// copied into XOR-swizzled shared memory and read with ldmatrix; packed tiles (16 or 32 code bytes
+// a row and the word of block scales holding the tile's) are copied as they are, then decoded one
+// tile ahead into the same swizzled BF16 layout with block_decode.cuh, the decode of gemm.cu's
+// decode pass: the values and so the sums are those of decoding to BF16 first, without the BF16
+// copies in global memory and the separate epilogue pass.
 //
 // Batch invariance by construction: an output element is the FP32 sum of its K products taken in
 // one fixed order (32-wide K tiles in order, each a fixed sequence of two k16 MMAs), with no
-// split-K and nothing that depends on M, on the other rows of its tile or on the grouping. A row's
+// split-K and nothing that depends on M, BM, the other rows of its tile or the grouping. A row's
 // bits therefore depend only on its own A row and its group's B (tests/ops/cuda_grouped_bf16_test).
 //
 // Bad offsets (outside [0, M] or decreasing) never make a CTA read or write outside its tensors:
@@ -20,47 +27,149 @@
 // index-error record, reported at the next check_index_errors (index_errors.cuh).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
+#include "fourbit/numerics/hd.h"
 
 namespace fourbit::ops::cuda {
 
 namespace {
 
-constexpr int kBM = 128, kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
-constexpr int kTileBytes = 128 * kBK * 2;          // one 128 x 32 BF16 tile
-constexpr int kStageBytes = 2 * kTileBytes;        // A and B
-constexpr int kSmemBytes = kStages * kStageBytes;  // 64 KiB
+constexpr int kBN = 128, kBK = 32, kStages = 4, kThreads = 256;
 
-// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a 128 x 32 BF16 tile (64 bytes a
-// row). The XOR spreads the 8 rows an ldmatrix phase reads over 8 distinct 16-byte bank groups.
+// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a BF16 tile of 32 columns (64 bytes
+// a row). The XOR spreads the 8 rows an ldmatrix phase reads over 8 distinct 16-byte bank groups.
 __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
+// How an operand sits in memory and in a pipeline stage: BF16 tiles are copied as they are
+// (swizzled, read by ldmatrix); block-scaled ones are copied packed — a row's 32 codes of the
+// K tile (16 bytes NVFP4, 32 MXFP8) and the aligned 4-byte word of block scales holding the
+// tile's — and dequantized into a BF16 tile before the MMAs.
+template <Format F>
+struct Storage {
+  static constexpr bool kPacked = F != Format::BF16;
+  static constexpr int kBits = F == Format::BF16 ? 16 : F == Format::NVFP4 ? 4 : 8;
+  static constexpr int kRowBytes = kBK * kBits / 8;  // one row of a K tile
+  static constexpr int kChunks = kRowBytes / 16;
+};
+
+// Values per block scale of a block-scaled format.
+template <Format F>
+constexpr int block_values() {
+  return F == Format::NVFP4 ? num::kNvfp4Block : num::kMxBlock;
+}
+
 constexpr int kMaxHostGroups = 128;
 
+// One operand of the grouped GEMM: rows ld bytes apart (B: group g at slice_bytes * g), block
+// scales (block-scaled formats) scale_ld bytes a row, outer scales (NVFP4) applied in the
+// epilogue as NUMERICS "GEMMs" orders them.
+struct OperandArgs {
+  const unsigned char* data;
+  const uint8_t* scales;
+  const float* outer;      // null: none
+  int64_t ld, slice_bytes;  // bytes
+  int64_t scale_ld, scale_slice;
+  int outer_stride;             // 1: per row; 0: one value (per slice for B)
+  int64_t outer_group_stride;  // B: scales per slice (rows, 1 or 0)
+};
+
 struct GroupedArgs {
-  const __nv_bfloat16* a;  // [M, lda], columns k_begin .. k_end used
-  const __nv_bfloat16* b;  // G slices of [N, ldb], b_stride elements apart
+  OperandArgs a, b;
   const int32_t* offsets;  // [G + 1] on the device, or null: host_offsets below
   float* c;                // [M, ldc]
-  int64_t lda, ldb, b_stride, ldc, m;
-  int n, k_begin, k_end, groups;
+  int64_t ldc, m;
+  int n, k_begin, k_end, groups;  // K range in values
   bool accumulate;
   IndexError* err;
   int32_t host_offsets[kMaxHostGroups + 1];  // offsets known on the host, passed by value
 };
 
-__global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_constant__ GroupedArgs p) {
+// The CTA tile is BM x 128 with 8 warps: 2 x 4 warps of 64 (BM = 128) or 32 (BM = 64) x 32, or
+// 1 x 8 warps of 16 x 16 (BM = 16, the decode configuration). Whatever BM, an output element is
+// the same chain of m16n8k16 MMAs over K in order, so its bits do not depend on the tile.
+template <Format F, int BM>
+struct Shape {
+  using S = Storage<F>;
+  static constexpr int kWarpsM = BM >= 64 ? 2 : 1, kWarpsN = 8 / kWarpsM;
+  static constexpr int kWM = BM / kWarpsM, kWN = kBN / kWarpsN, kMI = kWM / 16, kNI = kWN / 8;
+  static constexpr int kATile = BM * S::kRowBytes, kBTile = kBN * S::kRowBytes;
+  static constexpr int kAScales = S::kPacked ? BM * 4 : 0, kBScales = S::kPacked ? kBN * 4 : 0;
+  static constexpr int kStageBytes = kATile + kBTile + kAScales + kBScales;
+  static constexpr int kDecoded = S::kPacked ? 2 * (BM + kBN) * 64 : 0;  // two BF16 A and B tiles
+  static constexpr int kSmemBytes = kStages * kStageBytes + kDecoded;
+  static_assert(kMI >= 1 && kNI % 2 == 0, "warp tile");
+};
+
+// Starts copying rows row0.. (R of them, those < rows_end valid) of K tile k0 of operand o into
+// the stage at `dst` (codes, then for block-scaled formats one scale word a row); rows past the
+// end and K past k_end are zero-filled (a zero adds nothing to a sum, so the padding cannot change
+// any element's bits; zero codes with a zero scale decode to zeros).
+template <Format F, int R>
+__device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
+                                          long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
+  using S = Storage<F>;
+  constexpr int kChunkValues = 128 / S::kBits;
+  for (int idx = int(threadIdx.x); idx < R * S::kChunks; idx += kThreads) {
+    const int row = idx / S::kChunks, chunk = idx % S::kChunks, k = k0 + chunk * kChunkValues;
+    const bool ok = k < k_end && row0 + row < rows_end;
+    const uint32_t d = S::kPacked ? dst + uint32_t(row * S::kRowBytes + chunk * 16) : dst + swizzle(row, chunk);
+    cp_async16(d, ok ? base + (row0 + row) * o.ld + (long long)k * S::kBits / 8 : base, ok ? 16 : 0);
+  }
+  if constexpr (S::kPacked) {
+    const uint32_t sdst = dst + uint32_t(R * S::kRowBytes);
+    const int word = (k0 / block_values<F>()) & ~3;
+    for (int row = int(threadIdx.x); row < R; row += kThreads) {
+      const bool ok = k0 < k_end && row0 + row < rows_end;
+      cp_async4(sdst + uint32_t(4 * row), ok ? scales + (row0 + row) * o.scale_ld + word : scales, ok ? 4 : 0);
+    }
+  }
+}
+
+// The packed K tile k0 of R rows at `src` into a swizzled BF16 tile at `dst`: a thread decodes 16
+// values (one NVFP4 block, half an MXFP8 one) of a row with block_decode.cuh's decode8_bits.
+template <Format F, int R>
+__device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
+                                                const float2* e2m1_pair) {
+  using S = Storage<F>;
+  const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in its row's word
+  for (int u = int(threadIdx.x); u < 2 * R; u += kThreads) {
+    const int row = u >> 1, half = u & 1;
+    const unsigned char* codes = src + row * S::kRowBytes + half * (S::kRowBytes / 2);
+    const uint8_t scale = src[R * S::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? half : 0)];
+    const float sv = decode8_scale<F>(scale);
+    uint4 lo, hi;
+    if constexpr (F == Format::NVFP4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(codes);
+      lo = decode8_bits<F>(make_uint2(w.x, 0u), sv, e2m1_pair);
+      hi = decode8_bits<F>(make_uint2(w.y, 0u), sv, e2m1_pair);
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(codes);
+      lo = decode8_bits<F>(make_uint2(w.x, w.y), sv, e2m1_pair);
+      hi = decode8_bits<F>(make_uint2(w.z, w.w), sv, e2m1_pair);
+    }
+    *reinterpret_cast<uint4*>(dst + swizzle(row, 2 * half)) = lo;
+    *reinterpret_cast<uint4*>(dst + swizzle(row, 2 * half + 1)) = hi;
+  }
+}
+
+template <Format F, int BM>
+__global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant__ GroupedArgs p) {
+  using S = Storage<F>;
+  using T = Shape<F, BM>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
   __shared__ long long s_r0, s_r1;
+  __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
   // ---- which group and rows this CTA computes (thread 0 walks the offsets) ----
   if (threadIdx.x == 0) {
@@ -74,10 +183,10 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_
       else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
       lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
       hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
-      const long long tiles = (hi - lo + kBM - 1) / kBM;
+      const long long tiles = (hi - lo + BM - 1) / BM;
       if (tile < tiles) {
         group = g;
-        r0 = lo + (long long)tile * kBM;
+        r0 = lo + (long long)tile * BM;
         r1 = hi;
       } else {
         tile -= int(tiles);
@@ -85,122 +194,193 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_bf16_kernel(const __grid_
     }
     s_group = group;
     s_r0 = r0;
-    s_r1 = r1 < r0 + kBM ? r1 : r0 + kBM;
+    s_r1 = r1 < r0 + BM ? r1 : r0 + BM;
   }
   __syncthreads();
   if (s_group < 0) return;
+  fill_e2m1_pairs<F>(e2m1_pair);
   const long long r0 = s_r0, r1 = s_r1;
-  const int n0 = int(blockIdx.x) * kBN;
-  const __nv_bfloat16* bg = p.b + (long long)s_group * p.b_stride;
+  const int group = s_group, n0 = int(blockIdx.x) * kBN;
+  const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
+  const uint8_t* bsg = S::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int wm = warp >> 2, wn = warp & 3;  // this warp's 64 x 32 block: rows wm*64, columns wn*32
-  const uint32_t sbase = uint32_t(__cvta_generic_to_shared(smem));
+  const int wm = warp / T::kWarpsN, wn = warp % T::kWarpsN;  // this warp's kWM x kWN block
+  const uint32_t sbase = smem_address(smem);
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
-  // One stage: the A tile (rows r0.., K columns k0..k0+31) and the B tile (columns n0.., same K),
-  // 512 16-byte chunks each, 2 per thread; chunks outside the rows, N or K are zero-filled (a
-  // zero adds nothing to a sum, so the padding cannot change any element's bits).
+  // One stage: the A tile (rows r0.., K columns k0..k0+31) and the B tile (columns n0.., same K).
   auto load_stage = [&](int stage, int kt) {
-    const uint32_t sa = sbase + uint32_t(stage * kStageBytes), sb = sa + kTileBytes;
+    const uint32_t st = sbase + uint32_t(stage * T::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int idx = tid + i * kThreads, row = idx >> 2, chunk = idx & 3, k = k0 + chunk * 8;
-      const bool k_ok = k < p.k_end;
-      const long long ar = r0 + row;
-      const bool a_ok = k_ok && ar < r1;
-      cp_async16(sa + swizzle(row, chunk), a_ok ? p.a + ar * p.lda + k : p.a, a_ok ? 16 : 0);
-      const int bn = n0 + row;
-      const bool b_ok = k_ok && bn < p.n;
-      cp_async16(sb + swizzle(row, chunk), b_ok ? bg + (long long)bn * p.ldb + k : p.b, b_ok ? 16 : 0);
-    }
+    load_tile<F, BM>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    load_tile<F, kBN>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + T::kATile + T::kAScales);
   };
 
-  float acc[4][4][4];
+  float acc[T::kMI][T::kNI][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < T::kMI; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < T::kNI; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
+  // The two k16 steps of a K tile, in order, on BF16 tiles at sa (BM rows) and sb (128 rows).
+  auto mma_tile = [&](uint32_t sa, uint32_t sb) {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kStages - 2>();  // tile kt has landed (for this thread's copies) ...
-    __syncthreads();               // ... for every thread's, and every warp is done with kt - 1
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) load_stage(next % kStages, next);
-    cp_async_commit();
-
-    const uint32_t sa = sbase + uint32_t((kt % kStages) * kStageBytes), sb = sa + kTileBytes;
+    for (int kk = 0; kk < 2; ++kk) {
+      uint32_t af[T::kMI][4], bf[T::kNI][2];
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {  // the two k16 steps of the tile, in order
-      uint32_t af[4][4], bf[4][2];
+      for (int mi = 0; mi < T::kMI; ++mi)
+        ldsm_x4<false>(af[mi], sa + swizzle(wm * T::kWM + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
-        ldsm_x4<false>(af[mi], sa + swizzle(wm * 64 + mi * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
+      for (int nj = 0; nj < T::kNI / 2; ++nj) {
         uint32_t r[4];
-        ldsm_x4<false>(r, sb + swizzle(wn * 32 + nj * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+        ldsm_x4<false>(r, sb + swizzle(wn * T::kWN + nj * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                       kk * 2 + ((lane >> 3) & 1)));
         bf[nj * 2][0] = r[0];
         bf[nj * 2][1] = r[1];
         bf[nj * 2 + 1][0] = r[2];
         bf[nj * 2 + 1][1] = r[3];
       }
 #pragma unroll
-      for (int mi = 0; mi < 4; ++mi)
+      for (int mi = 0; mi < T::kMI; ++mi)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) mma_bf16(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+        for (int ni = 0; ni < T::kNI; ++ni) mma_bf16(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  if constexpr (!S::kPacked) {
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();  // tile kt has landed (for this thread's copies) ...
+      __syncthreads();               // ... for every thread's, and every warp is done with kt - 1
+      const int next = kt + kStages - 1;
+      if (next < k_tiles) load_stage(next % kStages, next);
+      cp_async_commit();
+      const uint32_t sa = sbase + uint32_t((kt % kStages) * T::kStageBytes);
+      mma_tile(sa, sa + T::kATile);
+    }
+  } else {
+    // Packed stages are dequantized one tile ahead into two BF16 buffers: iteration kt decodes
+    // tile kt + 1 while its MMAs read tile kt, with one barrier between iterations.
+    unsigned char* decoded = smem + kStages * T::kStageBytes;
+    auto dequantize = [&](int kt) {
+      const unsigned char* st = smem + (kt % kStages) * T::kStageBytes;
+      unsigned char* d = decoded + (kt & 1) * (BM + kBN) * 64;
+      const int k0 = p.k_begin + kt * kBK;
+      dequantize_tile<F, BM>(st, k0, d, e2m1_pair);
+      dequantize_tile<F, kBN>(st + T::kATile + T::kAScales, k0, d + BM * 64, e2m1_pair);
+    };
+    cp_async_wait<kStages - 2>();  // tile 0 has landed
+    __syncthreads();
+    if (k_tiles > 0) dequantize(0);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 3>();  // tile kt + 1 has landed (for this thread's copies) ...
+      __syncthreads();  // ... for every thread's; tile kt is decoded; every warp is done with kt - 1
+      const int next = kt + kStages - 1;
+      if (next < k_tiles) load_stage(next % kStages, next);
+      cp_async_commit();
+      if (kt + 1 < k_tiles) dequantize(kt + 1);
+      const uint32_t d = smem_address(decoded + (kt & 1) * (BM + kBN) * 64);
+      mma_tile(d, d + BM * 64);
     }
   }
   cp_async_wait<0>();
 
-  // ---- epilogue: FP32 out (or added to C), rows of this group and columns < N only ----
+  // ---- epilogue: rows of this group and columns < N only, in NUMERICS' order: the FP32 sum
+  // times A's outer scale, times B's, then added to C when accumulating ----
+  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+  auto finish = [&](float v, long long row, int col, float* q) {
+    if (p.a.outer) v = num::mul_rn(v, p.a.outer[row * p.a.outer_stride]);
+    if (sbo) v = num::mul_rn(v, sbo[(long long)col * p.b.outer_stride]);
+    *q = p.accumulate ? num::add_rn(*q, v) : v;
+  };
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi) {
+  for (int mi = 0; mi < T::kMI; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const long long row = r0 + wm * 64 + mi * 16 + (lane >> 2) + half * 8;
+      const long long row = r0 + wm * T::kWM + mi * 16 + (lane >> 2) + half * 8;
       if (row >= r1) continue;
       float* crow = p.c + row * p.ldc;
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int col = n0 + wn * 32 + ni * 8 + (lane & 3) * 2;
-        float v0 = acc[mi][ni][half * 2], v1 = acc[mi][ni][half * 2 + 1];
-        if (col + 1 < p.n) {
-          float* q = crow + col;
-          if ((reinterpret_cast<uintptr_t>(q) & 7) == 0) {
-            float2 o = p.accumulate ? *reinterpret_cast<float2*>(q) : make_float2(0.0f, 0.0f);
-            o.x = p.accumulate ? o.x + v0 : v0;
-            o.y = p.accumulate ? o.y + v1 : v1;
-            *reinterpret_cast<float2*>(q) = o;
-          } else {
-            q[0] = p.accumulate ? q[0] + v0 : v0;
-            q[1] = p.accumulate ? q[1] + v1 : v1;
-          }
-        } else if (col < p.n) {
-          crow[col] = p.accumulate ? crow[col] + v0 : v0;
+      for (int ni = 0; ni < T::kNI; ++ni) {
+        const int col = n0 + wn * T::kWN + ni * 8 + (lane & 3) * 2;
+        const float v0 = acc[mi][ni][half * 2], v1 = acc[mi][ni][half * 2 + 1];
+        if (col + 1 < p.n && (reinterpret_cast<uintptr_t>(crow + col) & 7) == 0) {
+          float2 o = p.accumulate ? *reinterpret_cast<float2*>(crow + col) : make_float2(0.0f, 0.0f);
+          finish(v0, row, col, &o.x);
+          finish(v1, row, col + 1, &o.y);
+          *reinterpret_cast<float2*>(crow + col) = o;
+        } else {
+          if (col < p.n) finish(v0, row, col, crow + col);
+          if (col + 1 < p.n) finish(v1, row, col + 1, crow + col + 1);
         }
       }
     }
   }
 }
 
-GroupedArgs make_args(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride, float* c, int64_t ldc,
-                      int64_t m, int64_t n, int64_t k_begin, int64_t k_end, int64_t groups, bool accumulate) {
+template <Format F, int BM>
+void launch_shape(const GroupedArgs& p) {
+  using T = Shape<F, BM>;
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(grouped_kernel<F, BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned((p.m + BM - 1) / BM + p.groups));
+  grouped_kernel<F, BM><<<grid, kThreads, T::kSmemBytes, stream()>>>(p);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+// The row tile: 16 rows where the groups average at most 16 (decode), 64 up to 64, else 128.
+// Any choice gives the same bits (Shape).
+template <Format F>
+void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
+  if (rows_per_group <= 16) launch_shape<F, 16>(p);
+  else if (rows_per_group <= 64) launch_shape<F, 64>(p);
+  else launch_shape<F, 128>(p);
+}
+
+void launch(Format fmt, GroupedArgs& p, int64_t rows_per_group, const char* op) {
+  p.err = index_error_record();
+  const int64_t row_tiles = (p.m + 15) / 16 + p.groups;
+  if (row_tiles > 65535) fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
+  switch (fmt) {
+    case Format::BF16: launch_format<Format::BF16>(p, rows_per_group); break;
+    case Format::NVFP4: launch_format<Format::NVFP4>(p, rows_per_group); break;
+    case Format::MXFP8_E4M3: launch_format<Format::MXFP8_E4M3>(p, rows_per_group); break;
+    case Format::MXFP8_E5M2: launch_format<Format::MXFP8_E5M2>(p, rows_per_group); break;
+    default: fail("{}: no grouped kernel for {}", op, format_name(fmt));
+  }
+}
+
+OperandArgs operand_args(const GroupedOperand& o) {
+  OperandArgs a{};
+  a.data = static_cast<const unsigned char*>(o.data);
+  a.scales = o.block_scales;
+  a.outer = o.outer;
+  a.ld = o.ld_bytes;
+  a.slice_bytes = o.slice_bytes;
+  a.scale_ld = o.scale_ld;
+  a.scale_slice = o.scale_slice;
+  a.outer_stride = o.outer_stride;
+  a.outer_group_stride = o.outer_group_stride;
+  return a;
+}
+
+GroupedArgs make_args(const GroupedOperand& a, const GroupedOperand& b, float* c, int64_t ldc, int64_t m, int64_t n,
+                      int64_t k_begin, int64_t k_end, int64_t groups, bool accumulate) {
   GroupedArgs p{};
-  p.a = static_cast<const __nv_bfloat16*>(a);
-  p.b = static_cast<const __nv_bfloat16*>(b);
+  p.a = operand_args(a);
+  p.b = operand_args(b);
   p.c = c;
-  p.lda = lda;
-  p.ldb = ldb;
-  p.b_stride = b_stride;
   p.ldc = ldc;
   p.m = m;
   p.n = int(n);
@@ -211,34 +391,30 @@ GroupedArgs make_args(const void* a, int64_t lda, const void* b, int64_t ldb, in
   return p;
 }
 
-void launch(GroupedArgs& p, const char* op) {
-  static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(grouped_bf16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    return true;
-  }();
-  (void)attr;
-  p.err = index_error_record();
-  const int64_t row_tiles = (p.m + kBM - 1) / kBM + p.groups;
-  if (row_tiles > 65535) fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
-  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned(row_tiles));
-  grouped_bf16_kernel<<<grid, kThreads, kSmemBytes, stream()>>>(p);
-  FOURBIT_LAUNCH_CHECK();
-}
-
 }  // namespace
 
-bool grouped_gemm_bf16_rows(const void* a, int64_t lda, const void* b, int64_t ldb, int64_t b_stride,
-                            const std::vector<int64_t>& offsets, int64_t n, int64_t k, float* c, int64_t ldc,
-                            bool accumulate) {
+bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
+                       int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = offsets.empty() ? 0 : offsets.back();
-  const auto aligned16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) == 0; };
-  if (G < 1 || G > kMaxHostGroups || k % 8 != 0 || lda % 8 != 0 || ldb % 8 != 0 || b_stride % 8 != 0 ||
-      !aligned16(a) || !aligned16(b) || M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0)
+  const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
+  const auto fits = [&](const GroupedOperand& o) {
+    if (o.fmt != a.fmt || o.ld_bytes % 16 != 0 || o.slice_bytes % 16 != 0 || !aligned(o.data, 16)) return false;
+    if (o.fmt == Format::BF16) return true;
+    return o.scale_ld % 4 == 0 && o.scale_slice % 4 == 0 && aligned(o.block_scales, 4);
+  };
+  const bool formats = a.fmt == Format::BF16 || a.fmt == Format::NVFP4 || a.fmt == Format::MXFP8_E4M3 ||
+                       a.fmt == Format::MXFP8_E5M2;
+  if (G < 1 || G > kMaxHostGroups || !formats || !fits(a) || !fits(b) || k % (a.fmt == Format::BF16 ? 8 : 32) != 0 ||
+      M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0)
     return false;
   if (M == 0 || n == 0) return true;
-  GroupedArgs p = make_args(a, lda, b, ldb, b_stride, c, ldc, M, n, 0, k, G, accumulate);
-  for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
-  launch(p, "grouped_gemm");
+  GroupedArgs p = make_args(a, b, c, ldc, M, n, 0, k, G, accumulate);
+  int64_t filled = 0;
+  for (int64_t g = 0; g <= G; ++g) {
+    p.host_offsets[g] = int32_t(offsets[size_t(g)]);
+    if (g > 0 && offsets[size_t(g)] > offsets[size_t(g) - 1]) ++filled;
+  }
+  launch(a.fmt, p, (M + std::max<int64_t>(filled, 1) - 1) / std::max<int64_t>(filled, 1), "grouped_gemm");
   return true;
 }
 
@@ -264,10 +440,10 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   if (N > INT32_MAX || K > INT32_MAX || G > INT32_MAX / 2) fail("{}: N = {}, K = {} or G = {} too large", op, N, K, G);
   if (M == 0 || N == 0 || G == 0) return;
   if (M > INT32_MAX) fail("{}: M = {} rows exceed the I32 offsets' range", op, M);
-  GroupedArgs p = make_args(a.raw(), K, b.raw(), K, N * K, static_cast<float*>(c.raw()), N, M, N, k_begin, k_end, G,
-                            accumulate);
+  GroupedArgs p = make_args(GroupedOperand::bf16(a.raw(), K, 0), GroupedOperand::bf16(b.raw(), K, N * K), static_cast<float*>(c.raw()),
+                            N, M, N, k_begin, k_end, G, accumulate);
   p.offsets = static_cast<const int32_t*>(offsets.raw());
-  launch(p, op);
+  launch(Format::BF16, p, (M + G - 1) / G, op);
 }
 
 void check_recorded_index_errors() { check_index_errors(); }

@@ -1,0 +1,134 @@
+// defines: tests of the grouped kernel on packed block-scaled operands (cuda::grouped_gemm_rows
+// with NVFP4 / MXFP8 operands, dequantized and scaled inside the kernel; skipped without a GPU):
+// bit for bit the decode path it replaces (BF16 copies, the same kernel, the scale epilogue) for
+// every format and outer-scale kind the recipes use, with ragged and empty groups, N off the tile,
+// accumulate on and off; a row's bits the same between the training tile (M = 8192) and the
+// decode tiles (M = 1, 7, 64, 1000 rows of one group); shapes it does not take are declined.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+#include "test_util.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
+
+using namespace fourbit;
+
+#if FOURBIT_HAS_CUDA
+namespace {
+
+bool have_gpu() { return cuda_device_count() > 0; }
+
+Tensor randn_cuda(const Shape& s, uint64_t seed, float scale) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = nd(g) * scale;
+  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
+}
+
+QuantSpec spec(Format f, OuterScale outer) {
+  QuantSpec s;
+  s.fmt = f;
+  s.outer = f == Format::NVFP4 ? outer : OuterScale::None;
+  return s;
+}
+
+std::vector<uint8_t> bytes(const Tensor& t) {
+  const Tensor h = t.to(Device::CPU);
+  const auto* p = static_cast<const uint8_t*>(h.raw());
+  return {p, p + h.nbytes()};
+}
+
+struct Case {
+  const char* name;
+  Format fmt;
+  OuterScale a_outer, b_outer;
+};
+const std::vector<Case> kCases = {
+    {"nvfp4 per-row x per-slice (nvfp4-fwd)", Format::NVFP4, OuterScale::PerRow, OuterScale::PerSlice},
+    {"nvfp4 per-tensor x per-row", Format::NVFP4, OuterScale::Tensor, OuterScale::PerRow},
+    {"nvfp4 no outer scales", Format::NVFP4, OuterScale::None, OuterScale::None},
+    {"mxfp8 e4m3", Format::MXFP8_E4M3, OuterScale::None, OuterScale::None},
+    {"mxfp8 e5m2", Format::MXFP8_E5M2, OuterScale::None, OuterScale::None},
+};
+
+TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t M = 700, K = 384, N = 200, G = 6;  // N off the 128-column tile, 12 K tiles
+  const std::vector<int64_t> offsets{0, 150, 150, 420, 421, 421, 700};
+  const Tensor x = randn_cuda({M, K}, 41, 1.0f), w = randn_cuda({G, N, K}, 42, 0.05f);
+  for (const Case& c : kCases) {
+    const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+    for (bool acc : {false, true}) {
+      const Tensor init = randn_cuda({M, N}, 43, 1.0f);
+      Tensor fused = init.clone(), decoded = init.clone();
+      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
+                                               xq.padded_cols(), fused.data<float>(), N, acc))
+          << c.name;
+      ops::cuda::set_fused_dequant(false);
+      ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, decoded, acc);
+      ops::cuda::set_fused_dequant(true);
+      EXPECT_EQ(bytes(fused), bytes(decoded)) << c.name << " acc=" << acc;
+      // and ops::grouped_gemm takes the fused path by default
+      Tensor via_ops = init.clone();
+      ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, via_ops, acc);
+      EXPECT_EQ(bytes(via_ops), bytes(fused)) << c.name << " acc=" << acc;
+    }
+  }
+}
+
+// The decode configuration (16- and 64-row tiles, few rows of one expert) and the training one
+// (128-row tiles, every expert) give a row the same bits.
+TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t M = 8192, K = 256, N = 256, G = 16;
+  std::vector<int64_t> offsets(size_t(G) + 1);
+  for (int64_t g = 0; g <= G; ++g) offsets[size_t(g)] = g * M / G;  // 512 rows an expert
+  const Tensor x = randn_cuda({M, K}, 51, 1.0f), w = randn_cuda({G, N, K}, 52, 0.05f);
+  for (const Case& c : kCases) {
+    const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+    Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
+    ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
+                                             xq.padded_cols(), full.data<float>(), N, false));
+    const std::vector<uint8_t> want = bytes(full);
+    const int64_t g = 5, r0 = offsets[size_t(g)] + 3;  // rows of expert 5
+    for (int64_t rows : {1, 7, 64, 1000}) {
+      const int64_t end = std::min(r0 + rows, M);
+      // rows r0 .. end alone, those past expert 5's end going to expert 6 (a 1000-row tile spans two)
+      std::vector<int64_t> only(size_t(G) + 1, 0);
+      for (int64_t h = 0; h <= G; ++h)
+        only[size_t(h)] = std::clamp(offsets[size_t(h)], r0, end) - r0;
+      const QTensor part = ops::qtensor_rows(xq, r0, end);
+      Tensor out = Tensor::zeros({end - r0, N}, DType::F32, Device::CUDA);
+      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(part), ops::cuda::packed_operand(wq), only, N,
+                                               xq.padded_cols(), out.data<float>(), N, false));
+      const std::vector<uint8_t> got = bytes(out);
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size())) << c.name << " rows=" << rows;
+    }
+  }
+}
+
+TEST(CudaGroupedFused, DeclinesWhatItDoesNotTake) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Tensor x = randn_cuda({8, 96}, 61, 1.0f), w = randn_cuda({2, 16, 96}, 62, 1.0f);
+  Tensor c = Tensor::zeros({8, 16}, DType::F32, Device::CUDA);
+  const QTensor xq = ops::quantize(x, spec(Format::NVFP4, OuterScale::None));
+  const QTensor wq = ops::quantize(w, spec(Format::NVFP4, OuterScale::None));
+  const QTensor wm = ops::quantize(w, spec(Format::MXFP8_E4M3, OuterScale::None));
+  // K = 96 is not a multiple of 32 (and 6 NVFP4 scales a row are not whole words)
+  EXPECT_FALSE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), {0, 4, 8}, 16,
+                                            96, c.data<float>(), 16, false));
+  // two formats
+  EXPECT_FALSE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wm), {0, 4, 8}, 16,
+                                            96, c.data<float>(), 16, false));
+}
+
+}  // namespace
+#endif
