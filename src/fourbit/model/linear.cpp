@@ -1,4 +1,4 @@
-// defines: Prepared, SrStreams, QuantLog, prepare, shared_outer_amax, prepare_segments, requantize_saved,
+// defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
 //          requantize_saved_segments, gemm, grouped_gemm (linear.h)
 #include "fourbit/model/linear.h"
 
@@ -120,6 +120,16 @@ Tensor shared_outer_amax(const std::vector<Tensor>& ws, const QuantSpec& spec, G
   QuantSpec s = spec;
   s.axis = axis_for(role, 'b');
   return ops::outer_amax(ws, s);
+}
+
+Prepared reuse_dense(const Prepared& p, const Tensor& input, const QuantSpec& spec, GemmRole role, char side,
+                     const QuantSite& site, LayerClass cls, QuantLog* log) {
+  FOURBIT_CHECK(!p.is_quantized() && !spec.quantized(), "reuse_dense of a block-scaled operand");
+  if (log) log->add(cls, role, side, spec, false);
+  if (log && log->record_calls) record(log, site, spec, hash_tensor(input));
+  Prepared r = p;
+  r.trans = axis_for(role, side) == BlockAxis::Col;
+  return r;
 }
 
 std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,

@@ -88,6 +88,12 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
                                        GemmRole role, char side, const std::vector<QuantSite>& sites,
                                        LayerClass cls, QuantLog* log);
 
+// A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
+// tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with
+// record_calls, recorded at `site` like a prepared operand.
+Prepared reuse_dense(const Prepared& p, const Tensor& input, const QuantSpec& spec, GemmRole role, char side,
+                     const QuantSite& site, LayerClass cls, QuantLog* log);
+
 // The nvfp4-fwd backward operand: the saved NVFP4 operand, exactly dequantized, transposed and
 // re-quantized as spec says (the recipe's dgrad.b / wgrad.b: MXFP8 with SR; ops::requantize_transposed).
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,

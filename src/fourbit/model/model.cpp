@@ -161,12 +161,38 @@ struct ModelRunner {
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
                        const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
+    Prepared pdy;
     if (dx) {
-      const Prepared pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log);
+      pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log);
       gemm(pdy, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
     }
-    const Prepared pdy_t = prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', site(name + "/wgrad/dY^T"), cls, log);
+    const QuantSite dyt_site = site(name + "/wgrad/dY^T");
+    const Prepared pdy_t = dx && wgrad_dy_reuses_dgrad(r)
+                               ? reuse_dense(pdy, dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log)
+                               : prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log);
     gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, true);
+  }
+
+  // dY^T of the weight gradient from dgrad's dY where both are one dense format: nothing rounds
+  // differently, so the dgrad operand is read transposed.
+  static bool wgrad_dy_reuses_dgrad(const LayerRecipe& r) {
+    return !r.dgrad.a.quantized() && !r.wgrad.a.quantized() && r.dgrad.a.fmt == r.wgrad.a.fmt;
+  }
+  // The same for every expert's token range (otherwise prepare_segments, point/wgrad/dY^T[e]).
+  std::vector<Prepared> wgrad_dy_segments(const Tensor& dy, const Prepared& pdy, const std::vector<int64_t>& offsets,
+                                          const LayerRecipe& r, LayerClass cls, const std::string& point) {
+    const std::vector<QuantSite> sites = expert_sites(point + "/wgrad/dY^T");
+    if (!wgrad_dy_reuses_dgrad(r))
+      return prepare_segments(dy, offsets, r.wgrad.a, GemmRole::Wgrad, 'a', sites, cls, log);
+    std::vector<Prepared> out(offsets.size() - 1);
+    for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+      const int64_t b = offsets[e], end = offsets[e + 1];
+      if (b == end) continue;
+      Prepared rows = pdy;
+      rows.dense = pdy.dense.slice_rows(b, end);
+      out[e] = reuse_dense(rows, dy.slice_rows(b, end), r.wgrad.a, GemmRole::Wgrad, 'a', sites[e], cls, log);
+    }
+    return out;
   }
 
   // ---- SwiGLU FFN (dense layers and the shared expert) -------------------------------------
@@ -415,9 +441,7 @@ struct ModelRunner {
     Tensor da = act({N * K, F});
     grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
     // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
-    const std::vector<Prepared> dyt =
-        prepare_segments(dy_perm, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a',
-                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log);
+    const std::vector<Prepared> dyt = wgrad_dy_segments(dy_perm, pdy, plan.offsets, r, cls, name + "moe.w2");
     const std::vector<Prepared> a_wgrad =
         wgrad_from_saved_fwd(r)
             ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
@@ -433,12 +457,8 @@ struct ModelRunner {
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
-    const std::vector<Prepared> dh1t =
-        prepare_segments(dh1, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_sites(name + "moe.w1/wgrad/dY^T"),
-                         cls, log);
-    const std::vector<Prepared> dh3t =
-        prepare_segments(dh3, plan.offsets, r.wgrad.a, GemmRole::Wgrad, 'a', expert_sites(name + "moe.w3/wgrad/dY^T"),
-                         cls, log);
+    const std::vector<Prepared> dh1t = wgrad_dy_segments(dh1, pdh1, plan.offsets, r, cls, name + "moe.w1");
+    const std::vector<Prepared> dh3t = wgrad_dy_segments(dh3, pdh3, plan.offsets, r, cls, name + "moe.w3");
     const std::vector<Prepared> x_wgrad = wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
     experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
@@ -505,6 +525,18 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   if (it != weight_cache_.end()) {
     quant_log_.add(cls, role, 'b', spec, false);
     return it->second;
+  }
+  // A dense (BF16, FP32) dgrad weight is the forward's operand read transposed: the same rounding
+  // of the same weights, so it is not converted a second time.
+  if (role == GemmRole::Dgrad && !spec.quantized()) {
+    auto fwd = weight_cache_.find(name + "/" + gemm_role_name(GemmRole::Fprop));
+    if (fwd != weight_cache_.end() && !fwd->second.is_quantized() &&
+        fwd->second.dense.dtype() == (spec.fmt == Format::BF16 ? DType::BF16 : DType::F32)) {
+      quant_log_.add(cls, role, 'b', spec, false);
+      Prepared p = fwd->second;
+      p.trans = !p.trans;
+      return p;
+    }
   }
   // NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group (per expert for the routed
   // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose
