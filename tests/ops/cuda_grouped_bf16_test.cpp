@@ -3,7 +3,8 @@
 // (double) sum of the same BF16 products, with ragged and empty groups and N, K off the tile
 // sizes; accumulate mode bit for bit; rows outside every group untouched; a row's bits the same
 // whatever else is in the launch (M = 1, 7, 64, 1000 and 16384 rows, other groups around it),
-// with a split-K negative control that this comparison catches; bad offsets reported by name.
+// with a split-K negative control that this comparison catches; bad offsets reported by name. The
+// first three run each main loop: wgmma (Hopper) and the portable mma.sync.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,6 +25,16 @@ using namespace fourbit;
 namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
+
+// Runs the grouped kernel's wgmma (Hopper) or mma.sync main loop in its scope (on GPUs other than
+// Hopper both are the mma.sync one).
+struct MainLoop {
+  explicit MainLoop(bool wgmma) : trace(__FILE__, __LINE__, wgmma ? "wgmma main loop" : "mma.sync main loop") {
+    ops::cuda::set_grouped_wgmma(wgmma);
+  }
+  ~MainLoop() { ops::cuda::set_grouped_wgmma(true); }
+  testing::ScopedTrace trace;
+};
 
 // A BF16 CUDA tensor of N(0, scale^2) values, and its values as doubles on the host.
 struct Bf16 {
@@ -76,8 +87,8 @@ void expect_near_exact(const std::vector<float>& c, const Bf16& a, const Bf16& b
         }
         const double got = c[size_t(r * N + n)], tol = double(K + 2) * std::ldexp(1.0, -24) * mag + 1e-30;
         if (!(std::fabs(got - exact) <= tol) && bad++ < 5)
-          ADD_FAILURE() << what << ": row " << r << " col " << n << " group " << g << ": " << got << " vs exact " << exact
-                        << " (bound " << tol << ")";
+          ADD_FAILURE() << what << ": row " << r << " col " << n << " group " << g << ": " << got << " vs exact "
+                        << exact << " (bound " << tol << ")";
       }
   EXPECT_EQ(bad, 0) << what;
 }
@@ -86,45 +97,51 @@ void expect_near_exact(const std::vector<float>& c, const Bf16& a, const Bf16& b
 
 TEST(CudaGroupedBf16, MatchesTheExactSumWithRaggedAndEmptyGroups) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  struct Case {
-    int64_t M, N, K;
-    std::vector<int32_t> off;
-  };
-  const std::vector<Case> cases = {
-      {200, 40, 96, {0, 37, 37, 140, 141, 141, 200}},      // N, K below one tile; empty groups
-      {300, 136, 264, {0, 129, 129, 300}},                  // one column and 8 K past a tile
-      {1030, 256, 512, {0, 0, 128, 256, 1030, 1030}},       // whole tiles and a long group
-  };
-  for (const Case& c : cases) {
-    const int64_t G = int64_t(c.off.size()) - 1;
-    const Bf16 a = random_bf16({c.M, c.K}, 11, 1.0f), b = random_bf16({G, c.N, c.K}, 12, 0.05f);
-    Tensor out = filled(c.M, c.N, 0.0f);
-    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), out, false);
-    ops::cuda::check_recorded_index_errors();
-    expect_near_exact(host_floats(out), a, b, c.off, c.N, c.K, "grouped");
+  for (bool wgmma : {true, false}) {  // both main loops
+    const MainLoop loop(wgmma);
+    struct Case {
+      int64_t M, N, K;
+      std::vector<int32_t> off;
+    };
+    const std::vector<Case> cases = {
+        {200, 40, 96, {0, 37, 37, 140, 141, 141, 200}},      // N, K below one tile; empty groups
+        {300, 136, 264, {0, 129, 129, 300}},                  // one column and 8 K past a tile
+        {1030, 256, 512, {0, 0, 128, 256, 1030, 1030}},       // whole tiles and a long group
+    };
+    for (const Case& c : cases) {
+      const int64_t G = int64_t(c.off.size()) - 1;
+      const Bf16 a = random_bf16({c.M, c.K}, 11, 1.0f), b = random_bf16({G, c.N, c.K}, 12, 0.05f);
+      Tensor out = filled(c.M, c.N, 0.0f);
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), out, false);
+      ops::cuda::check_recorded_index_errors();
+      expect_near_exact(host_floats(out), a, b, c.off, c.N, c.K, "grouped");
+    }
   }
 }
 
 TEST(CudaGroupedBf16, AccumulatesBitForBitAndLeavesOtherRowsAlone) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t M = 50, N = 72, K = 64;
-  const std::vector<int32_t> off{10, 20, 20, 30};  // rows 0..9 and 30..49 belong to no group
-  const Bf16 a = random_bf16({M, K}, 21, 1.0f), b = random_bf16({3, N, K}, 22, 0.1f);
-  const Bf16 c0 = random_bf16({M, N}, 23, 1.0f);
-  Tensor c0f = Tensor::empty({M, N}, DType::F32, Device::CUDA);
-  ops::convert(c0.dev, c0f);
-  Tensor fresh = filled(M, N, 7.0f), acc = c0f.clone();
-  ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), fresh, false);
-  ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), acc, true);
-  const std::vector<float> f = host_floats(fresh), s = host_floats(acc), init = host_floats(c0f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t n = 0; n < N; ++n) {
-      const size_t i = size_t(r * N + n);
-      const bool in = r >= 10 && r < 30;
-      const float want_fresh = in ? f[i] : 7.0f, want_acc = in ? init[i] + f[i] : init[i];
-      ASSERT_EQ(f[i], want_fresh) << "row " << r << " col " << n;
-      ASSERT_EQ(0, std::memcmp(&s[i], &want_acc, sizeof(float))) << "row " << r << " col " << n;
-    }
+  for (bool wgmma : {true, false}) {  // both main loops
+    const MainLoop loop(wgmma);
+    const int64_t M = 50, N = 72, K = 64;
+    const std::vector<int32_t> off{10, 20, 20, 30};  // rows 0..9 and 30..49 belong to no group
+    const Bf16 a = random_bf16({M, K}, 21, 1.0f), b = random_bf16({3, N, K}, 22, 0.1f);
+    const Bf16 c0 = random_bf16({M, N}, 23, 1.0f);
+    Tensor c0f = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+    ops::convert(c0.dev, c0f);
+    Tensor fresh = filled(M, N, 7.0f), acc = c0f.clone();
+    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), fresh, false);
+    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), acc, true);
+    const std::vector<float> f = host_floats(fresh), s = host_floats(acc), init = host_floats(c0f);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        const size_t i = size_t(r * N + n);
+        const bool in = r >= 10 && r < 30;
+        const float want_fresh = in ? f[i] : 7.0f, want_acc = in ? init[i] + f[i] : init[i];
+        ASSERT_EQ(f[i], want_fresh) << "row " << r << " col " << n;
+        ASSERT_EQ(0, std::memcmp(&s[i], &want_acc, sizeof(float))) << "row " << r << " col " << n;
+      }
+  }
 }
 
 // The gpu-small expert shape (16 experts, 16384 routed rows, N = K = 1024): every row of the full
@@ -133,47 +150,51 @@ TEST(CudaGroupedBf16, AccumulatesBitForBitAndLeavesOtherRowsAlone) {
 // split in two halves summed afterwards (split-K) differs, so the comparison would catch it.
 TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t G = 16, N = 1024, K = 1024, M = 16384;
-  std::mt19937 rng(5);
-  std::vector<int32_t> off{0};
-  for (int64_t g = 0; g + 1 < G; ++g) off.push_back(off.back() + (g == 5 ? 1200 : int32_t(500 + rng() % 500)));
-  off.push_back(int32_t(M));  // the last group takes the rest (at least 1384 rows)
-  const Bf16 a = random_bf16({M, K}, 31, 1.0f), b = random_bf16({G, N, K}, 32, 0.03f);
-  Tensor full = filled(M, N, 0.0f);
-  ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), full, false);
-  const std::vector<float> fh = host_floats(full);
-  const int64_t g = 5, r0 = off[size_t(g)];
-  ASSERT_GE(off[size_t(g) + 1] - r0, 1000);
-  const Tensor bg = b.dev.view(g * N * K, {1, N, K});
-  for (int64_t m : {1, 7, 64, 1000}) {
-    // alone: a launch of m rows, one group
-    Tensor out = filled(m, N, 0.0f);
-    ops::cuda::grouped_gemm_bf16(a.dev.slice_rows(r0, r0 + m), bg, offsets_tensor({0, int32_t(m)}), out, false);
-    const std::vector<float> oh = host_floats(out);
-    EXPECT_EQ(0, std::memcmp(oh.data(), fh.data() + r0 * N, size_t(m * N) * sizeof(float))) << "alone, m = " << m;
-    // between other experts' rows: groups 2, 5, 9 over rows [0, 3), [3, 3 + m), [3 + m, 3 + m + 130)
-    const int64_t rows = 3 + m + 130;
-    Tensor a3 = Tensor::empty({rows, K}, DType::BF16, Device::CUDA);
-    a3.slice_rows(0, 3).copy_from(a.dev.slice_rows(0, 3));
-    a3.slice_rows(3, 3 + m).copy_from(a.dev.slice_rows(r0, r0 + m));
-    a3.slice_rows(3 + m, rows).copy_from(a.dev.slice_rows(200, 330));
-    Tensor b3 = Tensor::empty({3, N, K}, DType::BF16, Device::CUDA);
-    const int64_t experts[3] = {2, 5, 9};
-    for (int64_t i = 0; i < 3; ++i) b3.view(i * N * K, {N, K}).copy_from(b.dev.view(experts[i] * N * K, {N, K}));
-    Tensor out3 = filled(rows, N, 0.0f);
-    ops::cuda::grouped_gemm_bf16(a3, b3, offsets_tensor({0, 3, int32_t(3 + m), int32_t(rows)}), out3, false);
-    const std::vector<float> o3 = host_floats(out3);
-    EXPECT_EQ(0, std::memcmp(o3.data() + 3 * N, fh.data() + r0 * N, size_t(m * N) * sizeof(float))) << "among others, m = " << m;
+  for (bool wgmma : {true, false}) {  // both main loops
+    const MainLoop loop(wgmma);
+    const int64_t G = 16, N = 1024, K = 1024, M = 16384;
+    std::mt19937 rng(5);
+    std::vector<int32_t> off{0};
+    for (int64_t g = 0; g + 1 < G; ++g) off.push_back(off.back() + (g == 5 ? 1200 : int32_t(500 + rng() % 500)));
+    off.push_back(int32_t(M));  // the last group takes the rest (at least 1384 rows)
+    const Bf16 a = random_bf16({M, K}, 31, 1.0f), b = random_bf16({G, N, K}, 32, 0.03f);
+    Tensor full = filled(M, N, 0.0f);
+    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), full, false);
+    const std::vector<float> fh = host_floats(full);
+    const int64_t g = 5, r0 = off[size_t(g)];
+    ASSERT_GE(off[size_t(g) + 1] - r0, 1000);
+    const Tensor bg = b.dev.view(g * N * K, {1, N, K});
+    for (int64_t m : {1, 7, 64, 1000}) {
+      // alone: a launch of m rows, one group
+      Tensor out = filled(m, N, 0.0f);
+      ops::cuda::grouped_gemm_bf16(a.dev.slice_rows(r0, r0 + m), bg, offsets_tensor({0, int32_t(m)}), out, false);
+      const std::vector<float> oh = host_floats(out);
+      EXPECT_EQ(0, std::memcmp(oh.data(), fh.data() + r0 * N, size_t(m * N) * sizeof(float))) << "alone, m = " << m;
+      // between other experts' rows: groups 2, 5, 9 over rows [0, 3), [3, 3 + m), [3 + m, 3 + m + 130)
+      const int64_t rows = 3 + m + 130;
+      Tensor a3 = Tensor::empty({rows, K}, DType::BF16, Device::CUDA);
+      a3.slice_rows(0, 3).copy_from(a.dev.slice_rows(0, 3));
+      a3.slice_rows(3, 3 + m).copy_from(a.dev.slice_rows(r0, r0 + m));
+      a3.slice_rows(3 + m, rows).copy_from(a.dev.slice_rows(200, 330));
+      Tensor b3 = Tensor::empty({3, N, K}, DType::BF16, Device::CUDA);
+      const int64_t experts[3] = {2, 5, 9};
+      for (int64_t i = 0; i < 3; ++i) b3.view(i * N * K, {N, K}).copy_from(b.dev.view(experts[i] * N * K, {N, K}));
+      Tensor out3 = filled(rows, N, 0.0f);
+      ops::cuda::grouped_gemm_bf16(a3, b3, offsets_tensor({0, 3, int32_t(3 + m), int32_t(rows)}), out3, false);
+      const std::vector<float> o3 = host_floats(out3);
+      EXPECT_EQ(0, std::memcmp(o3.data() + 3 * N, fh.data() + r0 * N, size_t(m * N) * sizeof(float)))
+          << "among others, m = " << m;
+    }
+    ops::cuda::check_recorded_index_errors();
+    // the negative control: K in two halves, the second accumulated onto the first
+    Tensor split = filled(M, N, 0.0f);
+    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), split, false, 0, K / 2);
+    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), split, true, K / 2, K);
+    const std::vector<float> sh = host_floats(split);
+    int64_t differ = 0;
+    for (size_t i = 0; i < sh.size(); ++i) differ += std::memcmp(&sh[i], &fh[i], sizeof(float)) != 0;
+    EXPECT_GT(differ, 0) << "split-K gave the same bits: the invariance comparison could not see a changed order";
   }
-  ops::cuda::check_recorded_index_errors();
-  // the negative control: K in two halves, the second accumulated onto the first
-  Tensor split = filled(M, N, 0.0f);
-  ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), split, false, 0, K / 2);
-  ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), split, true, K / 2, K);
-  const std::vector<float> sh = host_floats(split);
-  int64_t differ = 0;
-  for (size_t i = 0; i < sh.size(); ++i) differ += std::memcmp(&sh[i], &fh[i], sizeof(float)) != 0;
-  EXPECT_GT(differ, 0) << "split-K gave the same bits: the invariance comparison could not see a changed order";
 }
 
 TEST(CudaGroupedBf16, BadOffsetsAreReportedByName) {
@@ -190,7 +211,9 @@ TEST(CudaGroupedBf16, BadOffsetsAreReportedByName) {
   // the record is cleared once reported
   ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor({0, 10, 20, 64}), out, false);
   ops::cuda::check_recorded_index_errors();
-  EXPECT_HAS(testutil::error_of([&] { ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor({0, 64}), out, false); }),
+  EXPECT_HAS(testutil::error_of([&] {
+               ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor({0, 64}), out, false);
+             }),
              "offsets must be an I32 [G + 1] = [4] tensor");
 }
 #endif

@@ -3,7 +3,8 @@
 // bit for bit the decode path it replaces (BF16 copies, the same kernel, the scale epilogue) for
 // every format and outer-scale kind the recipes use, with ragged and empty groups, N off the tile,
 // accumulate on and off; a row's bits the same between the training tile (M = 8192) and the
-// decode tiles (M = 1, 7, 64, 1000 rows of one group); shapes it does not take are declined.
+// decode tiles (M = 1, 7, 64, 1000 rows of one group); shapes it does not take are declined. Both
+// main loops (wgmma on Hopper, mma.sync) are run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +25,15 @@ using namespace fourbit;
 namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
+
+// Runs the grouped kernel's wgmma (Hopper) or mma.sync main loop in its scope.
+struct MainLoop {
+  explicit MainLoop(bool wgmma) : trace(__FILE__, __LINE__, wgmma ? "wgmma main loop" : "mma.sync main loop") {
+    ops::cuda::set_grouped_wgmma(wgmma);
+  }
+  ~MainLoop() { ops::cuda::set_grouped_wgmma(true); }
+  testing::ScopedTrace trace;
+};
 
 Tensor randn_cuda(const Shape& s, uint64_t seed, float scale) {
   std::mt19937_64 g(seed);
@@ -61,25 +71,28 @@ const std::vector<Case> kCases = {
 
 TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t M = 700, K = 384, N = 200, G = 6;  // N off the 128-column tile, 12 K tiles
-  const std::vector<int64_t> offsets{0, 150, 150, 420, 421, 421, 700};
-  const Tensor x = randn_cuda({M, K}, 41, 1.0f), w = randn_cuda({G, N, K}, 42, 0.05f);
-  for (const Case& c : kCases) {
-    const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
-    for (bool acc : {false, true}) {
-      const Tensor init = randn_cuda({M, N}, 43, 1.0f);
-      Tensor fused = init.clone(), decoded = init.clone();
-      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
-                                               xq.padded_cols(), fused.data<float>(), N, acc))
-          << c.name;
-      ops::cuda::set_fused_dequant(false);
-      ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, decoded, acc);
-      ops::cuda::set_fused_dequant(true);
-      EXPECT_EQ(bytes(fused), bytes(decoded)) << c.name << " acc=" << acc;
-      // and ops::grouped_gemm takes the fused path by default
-      Tensor via_ops = init.clone();
-      ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, via_ops, acc);
-      EXPECT_EQ(bytes(via_ops), bytes(fused)) << c.name << " acc=" << acc;
+  for (bool wgmma : {true, false}) {  // both main loops
+    const MainLoop loop(wgmma);
+    const int64_t M = 700, K = 384, N = 200, G = 6;  // N off the 128-column tile, 12 K tiles
+    const std::vector<int64_t> offsets{0, 150, 150, 420, 421, 421, 700};
+    const Tensor x = randn_cuda({M, K}, 41, 1.0f), w = randn_cuda({G, N, K}, 42, 0.05f);
+    for (const Case& c : kCases) {
+      const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+      for (bool acc : {false, true}) {
+        const Tensor init = randn_cuda({M, N}, 43, 1.0f);
+        Tensor fused = init.clone(), decoded = init.clone();
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets,
+                                                 N, xq.padded_cols(), fused.data<float>(), N, acc))
+            << c.name;
+        ops::cuda::set_fused_dequant(false);
+        ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, decoded, acc);
+        ops::cuda::set_fused_dequant(true);
+        EXPECT_EQ(bytes(fused), bytes(decoded)) << c.name << " acc=" << acc;
+        // and ops::grouped_gemm takes the fused path by default
+        Tensor via_ops = init.clone();
+        ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, via_ops, acc);
+        EXPECT_EQ(bytes(via_ops), bytes(fused)) << c.name << " acc=" << acc;
+      }
     }
   }
 }
@@ -88,29 +101,33 @@ TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
 // (128-row tiles, every expert) give a row the same bits.
 TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const int64_t M = 8192, K = 256, N = 256, G = 16;
-  std::vector<int64_t> offsets(size_t(G) + 1);
-  for (int64_t g = 0; g <= G; ++g) offsets[size_t(g)] = g * M / G;  // 512 rows an expert
-  const Tensor x = randn_cuda({M, K}, 51, 1.0f), w = randn_cuda({G, N, K}, 52, 0.05f);
-  for (const Case& c : kCases) {
-    const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
-    Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
-    ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
-                                             xq.padded_cols(), full.data<float>(), N, false));
-    const std::vector<uint8_t> want = bytes(full);
-    const int64_t g = 5, r0 = offsets[size_t(g)] + 3;  // rows of expert 5
-    for (int64_t rows : {1, 7, 64, 1000}) {
-      const int64_t end = std::min(r0 + rows, M);
-      // rows r0 .. end alone, those past expert 5's end going to expert 6 (a 1000-row tile spans two)
-      std::vector<int64_t> only(size_t(G) + 1, 0);
-      for (int64_t h = 0; h <= G; ++h)
-        only[size_t(h)] = std::clamp(offsets[size_t(h)], r0, end) - r0;
-      const QTensor part = ops::qtensor_rows(xq, r0, end);
-      Tensor out = Tensor::zeros({end - r0, N}, DType::F32, Device::CUDA);
-      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(part), ops::cuda::packed_operand(wq), only, N,
-                                               xq.padded_cols(), out.data<float>(), N, false));
-      const std::vector<uint8_t> got = bytes(out);
-      EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size())) << c.name << " rows=" << rows;
+  for (bool wgmma : {true, false}) {  // both main loops
+    const MainLoop loop(wgmma);
+    const int64_t M = 8192, K = 256, N = 256, G = 16;
+    std::vector<int64_t> offsets(size_t(G) + 1);
+    for (int64_t g = 0; g <= G; ++g) offsets[size_t(g)] = g * M / G;  // 512 rows an expert
+    const Tensor x = randn_cuda({M, K}, 51, 1.0f), w = randn_cuda({G, N, K}, 52, 0.05f);
+    for (const Case& c : kCases) {
+      const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+      Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
+      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
+                                               xq.padded_cols(), full.data<float>(), N, false));
+      const std::vector<uint8_t> want = bytes(full);
+      const int64_t g = 5, r0 = offsets[size_t(g)] + 3;  // rows of expert 5
+      for (int64_t rows : {1, 7, 64, 1000}) {
+        const int64_t end = std::min(r0 + rows, M);
+        // rows r0 .. end alone, those past expert 5's end going to expert 6 (a 1000-row tile spans two)
+        std::vector<int64_t> only(size_t(G) + 1, 0);
+        for (int64_t h = 0; h <= G; ++h)
+          only[size_t(h)] = std::clamp(offsets[size_t(h)], r0, end) - r0;
+        const QTensor part = ops::qtensor_rows(xq, r0, end);
+        Tensor out = Tensor::zeros({end - r0, N}, DType::F32, Device::CUDA);
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(part), ops::cuda::packed_operand(wq), only,
+                                                 N, xq.padded_cols(), out.data<float>(), N, false));
+        const std::vector<uint8_t> got = bytes(out);
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size()))
+            << c.name << " rows=" << rows;
+      }
     }
   }
 }

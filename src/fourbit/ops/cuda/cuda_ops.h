@@ -1,7 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, packed_operand,
 //          set_grouped_kernel,
-//          set_fused_dequant,
+//          set_fused_dequant, set_grouped_wgmma,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
@@ -89,6 +89,11 @@ void set_grouped_kernel(bool on);
 // to BF16 copies first, then summed by the same kernel and scaled by a separate epilogue (the
 // path before it): the same bits, so tests compare the two; benchmarks time them.
 void set_fused_dequant(bool on);
+
+// Whether the grouped kernel runs its Hopper main loop (wgmma, the default on compute capability
+// 9.x) or the portable mma.sync one, process-wide: for benchmarks and tests that compare the two.
+// They sum in different orders (different bits), so a sampler and its trainer share one setting.
+void set_grouped_wgmma(bool on);
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();

@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -162,6 +163,58 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0
   }
 }
 
+// The group and rows [r0, r1) of row tile blockIdx.y (tiles of bm rows, each group's in turn),
+// group -1 for the tiles past the last; bad offsets are clamped and recorded. Thread 0's work.
+__device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int& s_group, long long& s_r0,
+                                              long long& s_r1) {
+  int tile = int(blockIdx.y), group = -1;
+  long long r0 = 0, r1 = 0;
+  for (int g = 0; g < p.groups && group < 0; ++g) {
+    long long lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
+    long long hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
+    if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
+    if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
+    else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
+    lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
+    hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
+    const long long tiles = (hi - lo + bm - 1) / bm;
+    if (tile < tiles) {
+      group = g;
+      r0 = lo + (long long)tile * bm;
+      r1 = hi;
+    } else {
+      tile -= int(tiles);
+    }
+  }
+  s_group = group;
+  s_r0 = r0;
+  s_r1 = r1 < r0 + bm ? r1 : r0 + bm;
+}
+
+// The epilogue of one output element in NUMERICS' order: the FP32 sum times A's outer scale, times
+// B's (sbo: the group's), then added to C when accumulating.
+__device__ __forceinline__ float finish_value(const GroupedArgs& p, const float* sbo, float v, long long row, int col,
+                                              float c) {
+  if (p.a.outer) v = num::mul_rn(v, p.a.outer[row * p.a.outer_stride]);
+  if (sbo) v = num::mul_rn(v, sbo[(long long)col * p.b.outer_stride]);
+  return p.accumulate ? num::add_rn(c, v) : v;
+}
+
+// Two values of a row at columns col, col + 1 (those < N), 8-byte stores where aligned.
+__device__ __forceinline__ void store_pair(const GroupedArgs& p, const float* sbo, long long row, int col, float v0,
+                                           float v1) {
+  float* crow = p.c + row * p.ldc;
+  if (col + 1 < p.n && (reinterpret_cast<uintptr_t>(crow + col) & 7) == 0) {
+    float2 o = p.accumulate ? *reinterpret_cast<float2*>(crow + col) : make_float2(0.0f, 0.0f);
+    o.x = finish_value(p, sbo, v0, row, col, o.x);
+    o.y = finish_value(p, sbo, v1, row, col + 1, o.y);
+    *reinterpret_cast<float2*>(crow + col) = o;
+  } else {
+    if (col < p.n) crow[col] = finish_value(p, sbo, v0, row, col, p.accumulate ? crow[col] : 0.0f);
+    if (col + 1 < p.n) crow[col + 1] = finish_value(p, sbo, v1, row, col + 1, p.accumulate ? crow[col + 1] : 0.0f);
+  }
+}
+
 template <Format F, int BM>
 __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant__ GroupedArgs p) {
   using S = Storage<F>;
@@ -172,30 +225,7 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
   __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
   // ---- which group and rows this CTA computes (thread 0 walks the offsets) ----
-  if (threadIdx.x == 0) {
-    int tile = int(blockIdx.y), group = -1;
-    long long r0 = 0, r1 = 0;
-    for (int g = 0; g < p.groups && group < 0; ++g) {
-      long long lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
-      long long hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
-      if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
-      if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
-      else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
-      lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
-      hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
-      const long long tiles = (hi - lo + BM - 1) / BM;
-      if (tile < tiles) {
-        group = g;
-        r0 = lo + (long long)tile * BM;
-        r1 = hi;
-      } else {
-        tile -= int(tiles);
-      }
-    }
-    s_group = group;
-    s_r0 = r0;
-    s_r1 = r1 < r0 + BM ? r1 : r0 + BM;
-  }
+  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   fill_e2m1_pairs<F>(e2m1_pair);
@@ -295,35 +325,242 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
   // ---- epilogue: rows of this group and columns < N only, in NUMERICS' order: the FP32 sum
   // times A's outer scale, times B's, then added to C when accumulating ----
   const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
-  auto finish = [&](float v, long long row, int col, float* q) {
-    if (p.a.outer) v = num::mul_rn(v, p.a.outer[row * p.a.outer_stride]);
-    if (sbo) v = num::mul_rn(v, sbo[(long long)col * p.b.outer_stride]);
-    *q = p.accumulate ? num::add_rn(*q, v) : v;
-  };
 #pragma unroll
-  for (int mi = 0; mi < T::kMI; ++mi) {
+  for (int mi = 0; mi < T::kMI; ++mi)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const long long row = r0 + wm * T::kWM + mi * 16 + (lane >> 2) + half * 8;
       if (row >= r1) continue;
-      float* crow = p.c + row * p.ldc;
 #pragma unroll
-      for (int ni = 0; ni < T::kNI; ++ni) {
-        const int col = n0 + wn * T::kWN + ni * 8 + (lane & 3) * 2;
-        const float v0 = acc[mi][ni][half * 2], v1 = acc[mi][ni][half * 2 + 1];
-        if (col + 1 < p.n && (reinterpret_cast<uintptr_t>(crow + col) & 7) == 0) {
-          float2 o = p.accumulate ? *reinterpret_cast<float2*>(crow + col) : make_float2(0.0f, 0.0f);
-          finish(v0, row, col, &o.x);
-          finish(v1, row, col + 1, &o.y);
-          *reinterpret_cast<float2*>(crow + col) = o;
-        } else {
-          if (col < p.n) finish(v0, row, col, crow + col);
-          if (col + 1 < p.n) finish(v1, row, col + 1, crow + col + 1);
-        }
-      }
+      for (int ni = 0; ni < T::kNI; ++ni)
+        store_pair(p, sbo, row, n0 + wn * T::kWN + ni * 8 + (lane & 3) * 2, acc[mi][ni][half * 2],
+                   acc[mi][ni][half * 2 + 1]);
+    }
+}
+
+// ---- the Hopper main loop: wgmma on 64-wide K tiles ----------------------------------------------
+//
+// Two warpgroups (256 threads), each computing a 64 x 128 block with wgmma.m64n128k16 (BF16 in, FP32
+// accumulate) from shared memory: a BM x BN CTA tile of 128 x 128 (training; the warpgroups stacked
+// in M) or 64 x 256 (decode; side by side in N). Every output element is the same chain of
+// m64n128k16 steps over K in order in both shapes, so its bits depend neither on the tile nor on M.
+// Operands arrive by cp.async in a 4-stage pipeline of 64-wide K tiles, BF16 ones straight into
+// the 128-byte swizzle wgmma reads, block-scaled ones packed (codes, and the block-scale word of the
+// tile) and dequantized by the CTA into two swizzled BF16 buffers one tile ahead, while the tensor
+// cores work on the tile before.
+namespace hopper {
+
+constexpr int kBK = 64, kStages = 4;
+
+// Byte offset of 16-byte chunk c (0..7) of row r in a tile of 128-byte rows, 128-byte swizzle.
+__device__ __forceinline__ uint32_t sw128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+template <Format F>
+struct Tile {
+  static constexpr bool kPacked = F != Format::BF16;
+  static constexpr int kBits = F == Format::BF16 ? 16 : F == Format::NVFP4 ? 4 : 8;
+  static constexpr int kRowBytes = kBK * kBits / 8;  // one row of a K tile as stored: 128, 32 or 64
+  static constexpr int kChunks = kRowBytes / 16;
+};
+
+template <Format F, int WGM>
+struct Shape {
+  using T = Tile<F>;
+  static constexpr int kWGN = 2 / WGM, BM = 64 * WGM, BN = 128 * kWGN;
+  static constexpr int kATile = BM * T::kRowBytes, kBTile = BN * T::kRowBytes;
+  static constexpr int kAScales = T::kPacked ? BM * 4 : 0, kBScales = T::kPacked ? BN * 4 : 0;
+  static constexpr int kStageBytes = (kATile + kBTile + kAScales + kBScales + 1023) / 1024 * 1024;
+  static constexpr int kDecodedBytes = T::kPacked ? 2 * (BM + BN) * 128 : 0;  // two BF16 A and B tiles
+  static constexpr int kSmemBytes = kStages * kStageBytes + kDecodedBytes + 1024;  // + alignment slack
+};
+
+// Starts copying K tile k0 of R rows (row0.., those < rows_end valid) into the stage at dst: BF16
+// chunks to their swizzled place, packed codes as they are plus one block-scale word a row;
+// invalid rows and K past k_end are zero-filled.
+template <Format F, int R>
+__device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
+                                          long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
+  using T = Tile<F>;
+  constexpr int kChunkValues = 128 / T::kBits;
+#pragma unroll 4
+  for (int idx = int(threadIdx.x); idx < R * T::kChunks; idx += kThreads) {
+    const int row = idx / T::kChunks, chunk = idx % T::kChunks, k = k0 + chunk * kChunkValues;
+    const bool ok = k < k_end && row0 + row < rows_end;
+    const uint32_t d = T::kPacked ? dst + uint32_t(row * T::kRowBytes + chunk * 16) : dst + sw128(row, chunk);
+    cp_async16(d, ok ? base + (row0 + row) * o.ld + (long long)k * T::kBits / 8 : base, ok ? 16 : 0);
+  }
+  if constexpr (T::kPacked) {
+    const uint32_t sdst = dst + uint32_t(R * T::kRowBytes);
+    const int word = (k0 / block_values<F>()) & ~3;
+    for (int row = int(threadIdx.x); row < R; row += kThreads) {
+      const bool ok = k0 < k_end && row0 + row < rows_end;
+      cp_async4(sdst + uint32_t(4 * row), ok ? scales + (row0 + row) * o.scale_ld + word : scales, ok ? 4 : 0);
     }
   }
 }
+
+// The packed K tile k0 of R rows at src into the swizzled BF16 tile at dst: a thread decodes 16
+// values of a row at a time (one NVFP4 block, half an MXFP8 one) with decode8_bits.
+template <Format F, int R>
+__device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
+                                                const float2* e2m1_pair) {
+  using T = Tile<F>;
+  const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in its row's word
+#pragma unroll 2
+  for (int u = int(threadIdx.x); u < 4 * R; u += kThreads) {
+    const int row = u >> 2, q = u & 3;  // values 16 q .. 16 q + 15 of the row's 64
+    const unsigned char* codes = src + row * T::kRowBytes + q * (T::kRowBytes / 4);
+    const uint8_t scale = src[R * T::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? q : q >> 1)];
+    const float sv = decode8_scale<F>(scale);
+    uint4 lo, hi;
+    if constexpr (F == Format::NVFP4) {
+      const uint2 w = *reinterpret_cast<const uint2*>(codes);
+      lo = decode8_bits<F>(make_uint2(w.x, 0u), sv, e2m1_pair);
+      hi = decode8_bits<F>(make_uint2(w.y, 0u), sv, e2m1_pair);
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(codes);
+      lo = decode8_bits<F>(make_uint2(w.x, w.y), sv, e2m1_pair);
+      hi = decode8_bits<F>(make_uint2(w.z, w.w), sv, e2m1_pair);
+    }
+    *reinterpret_cast<uint4*>(dst + sw128(row, 2 * q)) = lo;
+    *reinterpret_cast<uint4*>(dst + sw128(row, 2 * q + 1)) = hi;
+  }
+}
+
+// Keeps the accumulators where the asynchronous wgmma writes them: the compiler may not move or
+// reuse these registers across this point.
+__device__ __forceinline__ void pin(float (&acc)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+template <Format F, int WGM>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
+  using T = Tile<F>;
+  using S = Shape<F, WGM>;
+  constexpr int BM = S::BM, BN = S::BN;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int s_group;
+  __shared__ long long s_r0, s_r1;
+  __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
+
+  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
+  __syncthreads();
+  if (s_group < 0) return;
+  fill_e2m1_pairs<F>(e2m1_pair);
+  const long long r0 = s_r0, r1 = s_r1;
+  const int group = s_group, n0 = int(blockIdx.x) * BN;
+  const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
+  const uint8_t* bsg = T::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
+
+  // 1024-byte aligned stages (the swizzle atoms wgmma's descriptors assume)
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (sbase - raw);
+  const int tid = int(threadIdx.x), wg = tid >> 7;
+  const int wm = wg / S::kWGN, wn = wg % S::kWGN;  // this warpgroup's 64 x 128 block
+  const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
+
+  auto load_stage = [&](int kt) {
+    const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
+    const int k0 = p.k_begin + kt * kBK;
+    hopper::load_tile<F, BM>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    hopper::load_tile<F, BN>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
+  };
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  // The four k16 steps of a K tile on BF16 tiles at sa (BM rows) and sb (BN rows), in order.
+  auto mma_tile = [&](uint32_t sa, uint32_t sb, bool first) {
+    const uint64_t da = wgmma_desc_sw128(sa + uint32_t(wm * 64 * 128)),
+                   db = wgmma_desc_sw128(sb + uint32_t(wn * 128 * 128));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk)  // +32 bytes: the next 16 K values (descriptor units of 16 bytes)
+      wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), first && kk == 0 ? 0 : 1);
+    wgmma_commit();
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+  if constexpr (!T::kPacked) {
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 2>();  // tile kt has landed (this thread's copies) ...
+      fence_proxy_async();           // ... visible to wgmma's proxy ...
+      __syncthreads();               // ... for every thread's; and every warpgroup is done with kt - 1
+      if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+      cp_async_commit();
+      const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
+      mma_tile(st, st + S::kATile, kt == 0);
+      wgmma_wait<0>();
+      pin(acc);
+    }
+  } else {
+    unsigned char* decoded = smem + kStages * S::kStageBytes;
+    auto dequantize = [&](int kt) {
+      const unsigned char* st = smem + (kt % kStages) * S::kStageBytes;
+      unsigned char* d = decoded + (kt & 1) * (BM + BN) * 128;
+      const int k0 = p.k_begin + kt * kBK;
+      hopper::dequantize_tile<F, BM>(st, k0, d, e2m1_pair);
+      hopper::dequantize_tile<F, BN>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
+    };
+    cp_async_wait<kStages - 2>();  // tile 0 has landed
+    __syncthreads();
+    if (k_tiles > 0) dequantize(0);
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 3>();  // tile kt + 1 has landed (this thread's copies)
+      fence_proxy_async();           // tile kt's decoded stores visible to wgmma's proxy
+      __syncthreads();  // every thread's; tile kt is decoded; every warpgroup is done with kt - 1
+      if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+      cp_async_commit();
+      const uint32_t d = sbase + uint32_t(kStages * S::kStageBytes + (kt & 1) * (BM + BN) * 128);
+      mma_tile(d, d + uint32_t(BM * 128), kt == 0);
+      if (kt + 1 < k_tiles) dequantize(kt + 1);  // into the other buffer, while the MMAs run
+      wgmma_wait<0>();
+      pin(acc);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: the accumulator layout of wgmma_m64n128k16 ----
+  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+  const int t = tid & 127, lane = tid & 31;
+  const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + wn * 128 + 2 * (lane & 3);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const long long row = r0 + row_base + 8 * half;
+    if (row >= r1) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+}
+
+template <Format F, int WGM>
+void launch_shape(const GroupedArgs& p) {
+  using S = Shape<F, WGM>;
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(wgmma_kernel<F, WGM>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
+  wgmma_kernel<F, WGM><<<grid, kThreads, S::kSmemBytes, stream()>>>(p);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+// 128 x 128 tiles for training shapes, 64 x 256 where the groups average at most 64 rows (decode):
+// the same bits either way.
+template <Format F>
+void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
+  if (rows_per_group <= 64) hopper::launch_shape<F, 1>(p);
+  else hopper::launch_shape<F, 2>(p);
+}
+
+}  // namespace hopper
 
 template <Format F, int BM>
 void launch_shape(const GroupedArgs& p) {
@@ -348,15 +585,41 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
   else launch_shape<F, 128>(p);
 }
 
+std::atomic<bool> g_wgmma{true};
+
+// Whether this device runs the wgmma kernels: compute capability 9.x and SASS built for it (the
+// build's 90a-real; a device reaching them through PTX JIT of the portable target would trap).
+bool hopper_device() {
+  static const bool yes = [] {
+    int dev = 0, major = 0;
+    cudaFuncAttributes attr{};
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&attr, hopper::wgmma_kernel<Format::BF16, 2>) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major == 9 && attr.binaryVersion == 90 && attr.ptxVersion >= 90;
+  }();
+  return yes;
+}
+
+template <Format F>
+void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
+  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device()) hopper::launch_format<F>(p, rows_per_group);
+  else launch_format<F>(p, rows_per_group);
+}
+
 void launch(Format fmt, GroupedArgs& p, int64_t rows_per_group, const char* op) {
   p.err = index_error_record();
   const int64_t row_tiles = (p.m + 15) / 16 + p.groups;
-  if (row_tiles > 65535) fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
+  if (row_tiles > 65535)
+    fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
   switch (fmt) {
-    case Format::BF16: launch_format<Format::BF16>(p, rows_per_group); break;
-    case Format::NVFP4: launch_format<Format::NVFP4>(p, rows_per_group); break;
-    case Format::MXFP8_E4M3: launch_format<Format::MXFP8_E4M3>(p, rows_per_group); break;
-    case Format::MXFP8_E5M2: launch_format<Format::MXFP8_E5M2>(p, rows_per_group); break;
+    case Format::BF16: launch_any<Format::BF16>(p, rows_per_group); break;
+    case Format::NVFP4: launch_any<Format::NVFP4>(p, rows_per_group); break;
+    case Format::MXFP8_E4M3: launch_any<Format::MXFP8_E4M3>(p, rows_per_group); break;
+    case Format::MXFP8_E5M2: launch_any<Format::MXFP8_E5M2>(p, rows_per_group); break;
     default: fail("{}: no grouped kernel for {}", op, format_name(fmt));
   }
 }
@@ -440,11 +703,13 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   if (N > INT32_MAX || K > INT32_MAX || G > INT32_MAX / 2) fail("{}: N = {}, K = {} or G = {} too large", op, N, K, G);
   if (M == 0 || N == 0 || G == 0) return;
   if (M > INT32_MAX) fail("{}: M = {} rows exceed the I32 offsets' range", op, M);
-  GroupedArgs p = make_args(GroupedOperand::bf16(a.raw(), K, 0), GroupedOperand::bf16(b.raw(), K, N * K), static_cast<float*>(c.raw()),
-                            N, M, N, k_begin, k_end, G, accumulate);
+  GroupedArgs p = make_args(GroupedOperand::bf16(a.raw(), K, 0), GroupedOperand::bf16(b.raw(), K, N * K),
+                            static_cast<float*>(c.raw()), N, M, N, k_begin, k_end, G, accumulate);
   p.offsets = static_cast<const int32_t*>(offsets.raw());
   launch(Format::BF16, p, (M + G - 1) / G, op);
 }
+
+void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void check_recorded_index_errors() { check_index_errors(); }
 
