@@ -340,14 +340,16 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
 
 // ---- the Hopper main loop: wgmma on 64-wide K tiles ----------------------------------------------
 //
-// Two warpgroups (256 threads), each computing a 64 x 128 block with wgmma.m64n128k16 (BF16 in, FP32
-// accumulate) from shared memory: a BM x BN CTA tile of 128 x 128 (training; the warpgroups stacked
-// in M) or 64 x 256 (decode; side by side in N). Every output element is the same chain of
-// m64n128k16 steps over K in order in both shapes, so its bits depend neither on the tile nor on M.
-// Operands arrive by cp.async in a 4-stage pipeline of 64-wide K tiles, BF16 ones straight into
-// the 128-byte swizzle wgmma reads, block-scaled ones packed (codes, and the block-scale word of the
-// tile) and dequantized by the CTA into two swizzled BF16 buffers one tile ahead, while the tensor
-// cores work on the tile before.
+// Warpgroups each computing a 64 x 128 block with wgmma.m64n128k16 (BF16 in, FP32 accumulate) from
+// shared memory: a CTA tile of 256 x 128 (training: four warpgroups stacked in M, 512 threads, so a
+// K tile's 48 KB feed 4 MFLOP) or 64 x 256 (decode: two side by side in N). Every output element is
+// the same chain of m64n128k16 steps over K in order in both shapes, so its bits depend neither on
+// the tile nor on M. Operands arrive by cp.async in a 4-stage pipeline of 64-wide K tiles. BF16
+// ones land in the 128-byte swizzle wgmma reads; the MMAs of a tile are issued before the copies of
+// a later one and left in flight across the next barrier (two tiles of copies ahead, one tile of
+// MMAs behind). Block-scaled ones arrive packed (codes, and the block-scale word of the tile) and
+// are dequantized by the CTA into two swizzled BF16 buffers one tile ahead, while the tensor cores
+// work on the tile before.
 namespace hopper {
 
 constexpr int kBK = 64, kStages = 4;
@@ -363,10 +365,10 @@ struct Tile {
   static constexpr int kChunks = kRowBytes / 16;
 };
 
-template <Format F, int WGM>
+template <Format F, int WGM, int WGN>
 struct Shape {
   using T = Tile<F>;
-  static constexpr int kWGN = 2 / WGM, BM = 64 * WGM, BN = 128 * kWGN;
+  static constexpr int kWGN = WGN, BM = 64 * WGM, BN = 128 * WGN, kThreads = 128 * WGM * WGN;
   static constexpr int kATile = BM * T::kRowBytes, kBTile = BN * T::kRowBytes;
   static constexpr int kAScales = T::kPacked ? BM * 4 : 0, kBScales = T::kPacked ? BN * 4 : 0;
   static constexpr int kStageBytes = (kATile + kBTile + kAScales + kBScales + 1023) / 1024 * 1024;
@@ -377,7 +379,7 @@ struct Shape {
 // Starts copying K tile k0 of R rows (row0.., those < rows_end valid) into the stage at dst: BF16
 // chunks to their swizzled place, packed codes as they are plus one block-scale word a row;
 // invalid rows and K past k_end are zero-filled.
-template <Format F, int R>
+template <Format F, int R, int kThreads>
 __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
                                           long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
   using T = Tile<F>;
@@ -401,7 +403,7 @@ __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned c
 
 // The packed K tile k0 of R rows at src into the swizzled BF16 tile at dst: a thread decodes 16
 // values of a row at a time (one NVFP4 block, half an MXFP8 one) with decode8_bits.
-template <Format F, int R>
+template <Format F, int R, int kThreads>
 __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
                                                 const float2* e2m1_pair) {
   using T = Tile<F>;
@@ -434,10 +436,11 @@ __device__ __forceinline__ void pin(float (&acc)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-template <Format F, int WGM>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
+template <Format F, int WGM, int WGN>
+__global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
   using T = Tile<F>;
-  using S = Shape<F, WGM>;
+  using S = Shape<F, WGM, WGN>;
+  constexpr int kThreads = S::kThreads;
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_group;
@@ -463,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   auto load_stage = [&](int kt) {
     const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
-    hopper::load_tile<F, BM>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
-    hopper::load_tile<F, BN>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
+    hopper::load_tile<F, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    hopper::load_tile<F, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
   };
   float acc[64];
 #pragma unroll
@@ -480,31 +483,41 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     wgmma_commit();
   };
 
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < k_tiles) load_stage(s);
-    cp_async_commit();
-  }
   if constexpr (!T::kPacked) {
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      cp_async_wait<kStages - 2>();  // tile kt has landed (this thread's copies) ...
-      fence_proxy_async();           // ... visible to wgmma's proxy ...
-      __syncthreads();               // ... for every thread's; and every warpgroup is done with kt - 1
-      if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+    // Tiles kt + 1, kt + 2 in flight while the MMAs of kt - 1 and kt run: the copies of tile
+    // kt + 2 go to the stage of kt - 2, whose MMAs every warpgroup has finished (wgmma_wait<1>
+    // before the barrier) by the time anyone issues them.
+#pragma unroll
+    for (int s = 0; s < kStages - 2; ++s) {
+      if (s < k_tiles) load_stage(s);
       cp_async_commit();
+    }
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<kStages - 3>();  // tile kt has landed (this thread's copies) ...
+      fence_proxy_async();           // ... visible to wgmma's proxy ...
+      __syncthreads();               // ... for every thread's; and the MMAs of kt - 2 are done
       const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
       mma_tile(st, st + S::kATile, kt == 0);
-      wgmma_wait<0>();
+      if (kt + kStages - 2 < k_tiles) load_stage(kt + kStages - 2);
+      cp_async_commit();
+      wgmma_wait<1>();  // the MMAs of kt - 1 are done (this warpgroup's)
       pin(acc);
     }
+    wgmma_wait<0>();
+    pin(acc);
   } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < k_tiles) load_stage(s);
+      cp_async_commit();
+    }
     unsigned char* decoded = smem + kStages * S::kStageBytes;
     auto dequantize = [&](int kt) {
       const unsigned char* st = smem + (kt % kStages) * S::kStageBytes;
       unsigned char* d = decoded + (kt & 1) * (BM + BN) * 128;
       const int k0 = p.k_begin + kt * kBK;
-      hopper::dequantize_tile<F, BM>(st, k0, d, e2m1_pair);
-      hopper::dequantize_tile<F, BN>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
+      hopper::dequantize_tile<F, BM, kThreads>(st, k0, d, e2m1_pair);
+      hopper::dequantize_tile<F, BN, kThreads>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
     };
     cp_async_wait<kStages - 2>();  // tile 0 has landed
     __syncthreads();
@@ -538,26 +551,26 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   }
 }
 
-template <Format F, int WGM>
+template <Format F, int WGM, int WGN>
 void launch_shape(const GroupedArgs& p) {
-  using S = Shape<F, WGM>;
+  using S = Shape<F, WGM, WGN>;
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(wgmma_kernel<F, WGM>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<F, WGM, WGN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
-  wgmma_kernel<F, WGM><<<grid, kThreads, S::kSmemBytes, stream()>>>(p);
+  wgmma_kernel<F, WGM, WGN><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
 
-// 128 x 128 tiles for training shapes, 64 x 256 where the groups average at most 64 rows (decode):
+// 256 x 128 tiles for training shapes, 64 x 256 where the groups average at most 64 rows (decode):
 // the same bits either way.
 template <Format F>
 void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
-  if (rows_per_group <= 64) hopper::launch_shape<F, 1>(p);
-  else hopper::launch_shape<F, 2>(p);
+  if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2>(p);
+  else hopper::launch_shape<F, 4, 1>(p);
 }
 
 }  // namespace hopper
@@ -595,7 +608,7 @@ bool hopper_device() {
     cudaFuncAttributes attr{};
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&attr, hopper::wgmma_kernel<Format::BF16, 2>) != cudaSuccess) {
+        cudaFuncGetAttributes(&attr, hopper::wgmma_kernel<Format::BF16, 4, 1>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
