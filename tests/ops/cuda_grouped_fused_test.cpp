@@ -17,6 +17,7 @@
 #include "test_util.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "ops/cuda_grouped_util.h"
 #endif
 
 using namespace fourbit;
@@ -26,14 +27,7 @@ namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
 
-// Runs the grouped kernel's wgmma (Hopper) or mma.sync main loop in its scope.
-struct MainLoop {
-  explicit MainLoop(bool wgmma) : trace(__FILE__, __LINE__, wgmma ? "wgmma main loop" : "mma.sync main loop") {
-    ops::cuda::set_grouped_wgmma(wgmma);
-  }
-  ~MainLoop() { ops::cuda::set_grouped_wgmma(true); }
-  testing::ScopedTrace trace;
-};
+using optest::MainLoop;
 
 Tensor randn_cuda(const Shape& s, uint64_t seed, float scale) {
   std::mt19937_64 g(seed);
