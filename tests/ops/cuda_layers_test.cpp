@@ -179,6 +179,22 @@ TEST(CudaLayers, SumSquaresIsDeterministicAndMatchesCpu) {
   }
 }
 
+// sum_squares_each on the GPU: every tensor's value bit for bit its own sum_squares (the optimizer's
+// gradient norm reads them in one synchronisation), empty tensors and BF16 included.
+TEST(CudaLayers, SumSquaresEachEqualsEachSumSquares) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Tensor> ts;
+  for (const int64_t n : {int64_t(1), int64_t(0), int64_t(16385), int64_t(1 << 20) + 3, int64_t(777)})
+    ts.push_back(gpu(random_tensor({n}, DType::F32, 90 + uint64_t(n), -2.0, 2.0)));
+  Tensor b = Tensor::empty({5000}, DType::BF16, Device::CUDA);
+  ops::convert(gpu(random_tensor({5000}, DType::F32, 99, -2.0, 2.0)), b);
+  ts.push_back(b);
+  ts.push_back(ts[3].view(1, {1000}));  // an unaligned view
+  const std::vector<double> each = ops::sum_squares_each(ts);
+  ASSERT_EQ(each.size(), ts.size());
+  for (size_t i = 0; i < ts.size(); ++i) EXPECT_EQ(each[i], ops::sum_squares(ts[i])) << "tensor " << i;
+}
+
 // ---- embedding ------------------------------------------------------------------------------------
 
 TEST(CudaLayers, EmbeddingMatchesCpuAndBackwardIsDeterministic) {

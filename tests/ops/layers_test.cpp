@@ -67,6 +67,15 @@ TEST(LayerUtils, AddScaleFillSumSquares) {
   EXPECT_NEAR(s1, naive, 1e-10 * naive);
   ops::fill_(c, 1.5);
   EXPECT_EQ(ops::sum_squares(c), 2.25 * double(c.numel()));
+  // sum_squares_each: each tensor's own sum_squares, empty tensors 0, order kept
+  const Tensor empty = Tensor::empty({0}, DType::F32);
+  const std::vector<double> each = ops::sum_squares_each({a, empty, c});
+  ASSERT_EQ(each.size(), 3u);
+  EXPECT_EQ(each[0], s1);
+  EXPECT_EQ(each[1], 0.0);
+  EXPECT_EQ(each[2], ops::sum_squares(c));
+  EXPECT_TRUE(ops::sum_squares_each({}).empty());
+  expect_error([&] { ops::sum_squares_each({a, Tensor()}); }, "sum_squares_each: tensor 1 is undefined");
   expect_error([&] { ops::add_(c, random_tensor({200, 300}, DType::F32, 4)); },
                "add_: src must match dst f32[300, 200] cpu");
 }

@@ -317,14 +317,16 @@ struct ModelRunner {
     std::vector<double> frac(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
     if (aux_loss) {
+      // P_e: each expert's probabilities summed over the tokens in token order (a pass over the
+      // rows in memory order, one running sum per expert).
       const Tensor ph = probs.to(Device::CPU);
+      std::vector<double> pe(static_cast<size_t>(E), 0.0);
+      const bool f64 = ph.dtype() == DType::F64;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e)
+          pe[size_t(e)] += f64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
       double aux = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        double pe = 0;
-        for (int64_t n = 0; n < N; ++n)
-          pe += ph.dtype() == DType::F64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
-        aux += frac[size_t(e)] * pe / double(N);
-      }
+      for (int64_t e = 0; e < E; ++e) aux += frac[size_t(e)] * pe[size_t(e)] / double(N);
       *aux_loss += m.aux_loss_coef_ * double(E) * aux;
     }
 

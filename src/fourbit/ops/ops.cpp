@@ -265,6 +265,15 @@ void convert(const Tensor& src, Tensor& dst) { FOURBIT_DISPATCH(src.device(), co
 void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_, dst, src); }
 void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
 double sum_squares(const Tensor& t) { FOURBIT_DISPATCH(t.device(), sum_squares, t); }
+std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
+  if (ts.empty()) return {};
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (!ts[i].defined()) fail("sum_squares_each: tensor {} is undefined", i);
+    if (ts[i].device() != ts[0].device())
+      fail("sum_squares_each: tensors on different devices ({} and {})", ts[0].str(), ts[i].str());
+  }
+  FOURBIT_DISPATCH(ts[0].device(), sum_squares_each, ts);
+}
 void fill_(Tensor& t, double v) { FOURBIT_DISPATCH(t.device(), fill_, t, v); }
 void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector<int64_t>& offsets, Tensor& amax) {
   FOURBIT_DISPATCH(x.device(), running_segment_amax, x, rows, offsets, amax);

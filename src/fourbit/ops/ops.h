@@ -159,6 +159,9 @@ void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <->
 void add_(Tensor& dst, const Tensor& src);             // dst += src
 void scale_(Tensor& t, double s);                      // t *= s
 double sum_squares(const Tensor& t);                   // fixed-order sum of t^2, as double
+// sum_squares of each tensor (one device, in order; the same bits each), with one host
+// synchronisation for all of them on the GPU instead of one each.
+std::vector<double> sum_squares_each(const std::vector<Tensor>& ts);
 void fill_(Tensor& t, double v);
 // amax[g] = max(amax[g], max |x[r, c]|) over the rows r of segment g: entries offsets[g] ..
 // offsets[g + 1] of `rows` (I32 row indices of x), or rows offsets[g] .. offsets[g + 1] of x

@@ -96,8 +96,12 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& t) : params_(params)
 double Optimizer::step(int64_t step_index) { return step(step_index, lr_at(t_, step_index)); }
 
 double Optimizer::grad_norm() const {
+  // Per parameter (fixed order and grouping, so every backend and thread count gives the same
+  // norm), read back in one synchronisation on the GPU.
+  std::vector<Tensor> grads;
+  for (const ParamInfo& p : params_.infos()) grads.push_back(params_.view(params_.flat_grad(), p));
   double sq = 0;
-  for (const ParamInfo& p : params_.infos()) sq += ops::sum_squares(params_.view(params_.flat_grad(), p));
+  for (double s : ops::sum_squares_each(grads)) sq += s;
   return std::sqrt(sq);
 }
 

@@ -1,4 +1,4 @@
-// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::fill_, cpu::running_segment_amax
+// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::sum_squares_each, cpu::fill_, cpu::running_segment_amax
 // Elementwise utilities over F32, F64 and BF16 CPU tensors. BF16 values are decoded to float,
 // computed on, and encoded once with num::bf16_encode (RNE), so a BF16 result is the rounding of
 // the float result.
@@ -148,6 +148,13 @@ double sum_squares(const Tensor& t) {
   double total = 0.0;
   for (double x : partial) total += x;
   return total;
+}
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
+  std::vector<double> out;
+  out.reserve(ts.size());
+  for (const Tensor& t : ts) out.push_back(sum_squares(t));
+  return out;
 }
 
 void fill_(Tensor& t, double v) {

@@ -1,4 +1,4 @@
-// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::fill_,
+// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
 //          cuda::running_segment_amax
 // The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
 // BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
@@ -254,25 +254,60 @@ void scale_(Tensor& t, double s) {
   FOURBIT_LAUNCH_CHECK();
 }
 
+namespace {
+int64_t sum_chunks(const Tensor& t) { return (t.numel() + kSumChunk - 1) / kSumChunk; }
+
+// t's chunk partials into partial[0 .. sum_chunks(t)), then their fixed-order total into *total.
+void launch_sum_squares(const Tensor& t, double* partial, double* total) {
+  const int64_t n = t.numel(), chunks = sum_chunks(t);
+  if (t.dtype() == DType::F32)
+    sum_squares_f32_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<float>(), n, aligned16(t.raw()),
+                                                                        partial);
+  else
+    sum_squares_bf16_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<uint16_t>(), n, partial);
+  FOURBIT_LAUNCH_CHECK();
+  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(partial, chunks, total);
+  FOURBIT_LAUNCH_CHECK();
+}
+}  // namespace
+
 double sum_squares(const Tensor& t) {
   expect_value("sum_squares", "t", t);
-  const int64_t n = t.numel();
-  if (n == 0) return 0.0;
-  const int64_t chunks = (n + kSumChunk - 1) / kSumChunk;
+  if (t.numel() == 0) return 0.0;
+  const int64_t chunks = sum_chunks(t);
   Tensor partial = Tensor::empty({chunks + 1}, DType::F64, Device::CUDA);  // + 1: the total
   double* p = partial.data<double>();
-  if (t.dtype() == DType::F32)
-    sum_squares_f32_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<float>(), n,
-                                                              aligned16(t.raw()), p);
-  else
-    sum_squares_bf16_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(t.data<uint16_t>(), n, p);
-  FOURBIT_LAUNCH_CHECK();
-  sum_partials_kernel<<<1, kFinalThreads, 0, stream()>>>(p, chunks, p + chunks);
-  FOURBIT_LAUNCH_CHECK();
+  launch_sum_squares(t, p, p + chunks);
   double total = 0.0;  // the host needs the value: this copy is the op's one synchronisation
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&total, p + chunks, sizeof total, cudaMemcpyDeviceToHost, stream()));
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
   return total;
+}
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
+  // One buffer: the totals [T], then every tensor's partials; each total by the kernels of
+  // sum_squares (the same bits), all copied back in one synchronisation.
+  const int64_t T = int64_t(ts.size());
+  int64_t chunks = 0;
+  for (const Tensor& t : ts) {
+    expect_value("sum_squares_each", "t", t);
+    chunks += sum_chunks(t);
+  }
+  std::vector<double> out(size_t(T), 0.0);
+  if (T == 0) return out;
+  Tensor buf = Tensor::empty({T + chunks}, DType::F64, Device::CUDA);
+  double* totals = buf.data<double>();
+  FOURBIT_CUDA_CHECK(cudaMemsetAsync(totals, 0, size_t(T) * sizeof(double), stream()));  // empty tensors: 0
+  double* partial = totals + T;
+  for (int64_t i = 0; i < T; ++i) {
+    const Tensor& t = ts[size_t(i)];
+    if (t.numel() == 0) continue;
+    launch_sum_squares(t, partial, totals + i);
+    partial += sum_chunks(t);
+  }
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.data(), totals, size_t(T) * sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  return out;
 }
 
 void fill_(Tensor& t, double v) {
