@@ -16,6 +16,8 @@
 #include "fourbit/tensor/device_memory.h"
 #include "test_util.h"
 #if FOURBIT_HAS_CUDA
+#include <cuda_runtime.h>
+
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "ops/cuda_grouped_util.h"
 #endif
@@ -188,6 +190,18 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
     for (size_t i = 0; i < sh.size(); ++i) differ += std::memcmp(&sh[i], &fh[i], sizeof(float)) != 0;
     EXPECT_GT(differ, 0) << "split-K gave the same bits: the invariance comparison could not see a changed order";
   }
+}
+
+// On a Hopper GPU the default build runs the wgmma loop (the tests above would otherwise compare
+// mma.sync with itself).
+TEST(CudaGroupedBf16, HopperRunsTheWgmmaLoop) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  int dev = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), cudaSuccess);
+  if (major != 9) GTEST_SKIP() << "not a Hopper GPU (compute capability " << major << ".x)";
+  EXPECT_TRUE(ops::cuda::grouped_wgmma_available())
+      << "compute capability 9.x but no sm_90a code: build with CMAKE_CUDA_ARCHITECTURES including 90a";
 }
 
 TEST(CudaGroupedBf16, BadOffsetsAreReportedByName) {

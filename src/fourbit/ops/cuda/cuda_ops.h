@@ -1,7 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, packed_operand,
 //          set_grouped_kernel,
-//          set_fused_dequant, set_grouped_wgmma,
+//          set_fused_dequant, set_grouped_wgmma, grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
@@ -94,6 +94,10 @@ void set_fused_dequant(bool on);
 // 9.x) or the portable mma.sync one, process-wide: for benchmarks and tests that compare the two.
 // They sum in different orders (different bits), so a sampler and its trainer share one setting.
 void set_grouped_wgmma(bool on);
+
+// Whether this device runs that Hopper loop at all: compute capability 9.x and a build with sm_90a
+// code (the default CMAKE_CUDA_ARCHITECTURES); elsewhere the grouped kernel is the mma.sync one.
+bool grouped_wgmma_available();
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();

@@ -600,19 +600,38 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
 
 std::atomic<bool> g_wgmma{true};
 
-// Whether this device runs the wgmma kernels: compute capability 9.x and SASS built for it (the
-// build's 90a-real; a device reaching them through PTX JIT of the portable target would trap).
+// Writes 1 where the code the device runs was compiled with sm_90a's features (wgmma), 0 where it
+// was not (a plain sm_90 build, or the portable PTX JIT-compiled): the wgmma wrappers trap there.
+__global__ void wgmma_probe_kernel(int* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+// Whether this device runs the wgmma loop: compute capability 9.x, and its code has sm_90a's
+// features (probed once, one synchronisation).
 bool hopper_device() {
   static const bool yes = [] {
     int dev = 0, major = 0;
-    cudaFuncAttributes attr{};
     if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&attr, hopper::wgmma_kernel<Format::BF16, 4, 1>) != cudaSuccess) {
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9) {
       cudaGetLastError();
       return false;
     }
-    return major == 9 && attr.binaryVersion == 90 && attr.ptxVersion >= 90;
+    int* flag = nullptr;
+    int host = 0;
+    bool ok = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+    if (ok) {
+      wgmma_probe_kernel<<<1, 1, 0, stream()>>>(flag);
+      ok = cudaGetLastError() == cudaSuccess &&
+           cudaMemcpyAsync(&host, flag, sizeof(int), cudaMemcpyDeviceToHost, stream()) == cudaSuccess &&
+           cudaStreamSynchronize(stream()) == cudaSuccess;
+      cudaFree(flag);
+    }
+    cudaGetLastError();
+    return ok && host == 1;
   }();
   return yes;
 }
@@ -723,6 +742,8 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 }
 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
+
+bool grouped_wgmma_available() { return hopper_device(); }
 
 void check_recorded_index_errors() { check_index_errors(); }
 
