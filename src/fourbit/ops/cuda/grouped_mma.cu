@@ -5,22 +5,27 @@
 // NVFP4's outer scales applied in its epilogue. Offsets are read on the GPU (grouped_gemm_bf16)
 // or passed by value (grouped_gemm_rows): no router count has to come back to the host.
 //
-// Shape of the work. The grid has one CTA per (BM-row tile of a group, 128-column tile of N);
-// the host cannot know the groups' sizes, so it launches ceil(M / BM) + G row tiles (the most a
+// Shape of the work. The grid has one CTA per (BM-row tile of a group, BN-column tile of N); the
+// host cannot know the groups' sizes, so it launches ceil(M / BM) + G row tiles (the most a
 // grouping of M rows into G groups can need) and each CTA finds its group by walking the offsets;
-// the CTAs left over return at once. BM is 128 for training shapes, 64 or 16 when the groups
-// hold few rows (the sampler's decode). A CTA is 8 warps computing with mma.sync m16n8k16 (BF16
-// in, FP32 accumulate), fed by a 4-stage cp.async pipeline of 32-wide K tiles. BF16 tiles are
-// copied into XOR-swizzled shared memory and read with ldmatrix; packed tiles (16 or 32 code bytes
-// a row and the word of block scales holding the tile's) are copied as they are, then decoded one
-// tile ahead into the same swizzled BF16 layout with block_decode.cuh, the decode of gemm.cu's
-// decode pass: the values and so the sums are those of decoding to BF16 first, without the BF16
-// copies in global memory and the separate epilogue pass.
+// the CTAs left over return at once. Two main loops, each with a tile for training shapes and one
+// for groups of few rows (the sampler's decode):
+//  - on Hopper (namespace hopper, below): wgmma.m64n128k16 from 128-byte-swizzled shared memory,
+//    256 x 128 or 64 x 256 tiles, 64-wide K tiles;
+//  - elsewhere (and set_grouped_wgmma(false)): 8 warps of mma.sync m16n8k16 reading XOR-swizzled
+//    shared memory with ldmatrix, 128 (64, 16) x 128 tiles, 32-wide K tiles.
+// Both feed BF16 tiles by a 4-stage cp.async pipeline; packed tiles (codes as stored and the word
+// of block scales holding the tile's) are copied as they are, then decoded one tile ahead into the
+// swizzled BF16 layout with block_decode.cuh, the decode of gemm.cu's decode pass: the values and
+// so the sums are those of decoding to BF16 first, without the BF16 copies in global memory and
+// the separate epilogue pass.
 //
-// Batch invariance by construction: an output element is the FP32 sum of its K products taken in
-// one fixed order (32-wide K tiles in order, each a fixed sequence of two k16 MMAs), with no
-// split-K and nothing that depends on M, BM, the other rows of its tile or the grouping. A row's
-// bits therefore depend only on its own A row and its group's B (tests/ops/cuda_grouped_bf16_test).
+// Batch invariance by construction: within a main loop an output element is the FP32 sum of its K
+// products taken in one fixed order (K tiles in order, each a fixed sequence of k16 MMAs of one
+// instruction shape), with no split-K and nothing that depends on M, the tile, the other rows of
+// its tile or the grouping. A row's bits therefore depend only on its own A row and its group's B
+// (tests/ops/cuda_grouped_bf16_test, cuda_grouped_fused_test). The two loops may differ from each
+// other; a process runs one of them for the sampler and the trainer alike.
 //
 // Bad offsets (outside [0, M] or decreasing) never make a CTA read or write outside its tensors:
 // each group's rows are clamped into [0, M], and the first bad offset is recorded in the device
