@@ -533,12 +533,8 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   if (role == GemmRole::Dgrad && !spec.quantized()) {
     auto fwd = weight_cache_.find(name + "/" + gemm_role_name(GemmRole::Fprop));
     if (fwd != weight_cache_.end() && !fwd->second.is_quantized() &&
-        fwd->second.dense.dtype() == (spec.fmt == Format::BF16 ? DType::BF16 : DType::F32)) {
-      quant_log_.add(cls, role, 'b', spec, false);
-      Prepared p = fwd->second;
-      p.trans = !p.trans;
-      return p;
-    }
+        fwd->second.dense.dtype() == (spec.fmt == Format::BF16 ? DType::BF16 : DType::F32))
+      return reuse_dense(fwd->second, w, spec, role, 'b', sr.site(key + "/W"), cls, &quant_log_);
   }
   // NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group (per expert for the routed
   // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose

@@ -1,5 +1,5 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, packed_operand,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          set_grouped_kernel,
 //          set_fused_dequant, set_grouped_wgmma, grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
@@ -75,6 +75,10 @@ struct GroupedOperand {
 // the trainer's alike.
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
                        int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
+
+// The rows a non-empty group holds on average (rounded up; 0 without rows): what the grouped kernel
+// picks its row tile by, and ops::grouped_gemm its path for block-scaled operands.
+int64_t grouped_rows_per_group(const std::vector<int64_t>& offsets);
 
 // A block-scaled CUDA QTensor as grouped_gemm_rows reads it, packed (as B, its slices are the groups).
 GroupedOperand packed_operand(const QTensor& q);

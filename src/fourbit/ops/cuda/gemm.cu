@@ -804,7 +804,6 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
 // three or four per group.
 namespace {
 std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true};
-
 }  // namespace
 
 GroupedOperand packed_operand(const QTensor& q) {
@@ -836,9 +835,7 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   // packed by the grouped kernel, dequantized and scaled inside it, the bits of the decode path
   // below. Measured on the H200 (bench/gpu_grouped_gemm): 1.2-1.4x the decode path at decode sizes,
   // 0.6x at training sizes, where the in-kernel decode outweighs the BF16 copies it saves.
-  int64_t filled = 0;
-  for (size_t g = 1; g < offsets.size(); ++g) filled += offsets[g] > offsets[g - 1];
-  const bool small_groups = a.rows() <= 64 * std::max<int64_t>(filled, 1);
+  const bool small_groups = grouped_rows_per_group(offsets) <= 64;
   if (a.q() && qb && small_groups && g_grouped_kernel.load(std::memory_order_relaxed) &&
       g_fused_dequant.load(std::memory_order_relaxed) && a.q()->padded_cols() == qb->padded_cols() && qb->rows == N &&
       grouped_gemm_rows(packed_operand(*a.q()), packed_operand(*qb), offsets, N, qb->padded_cols(), c.data<float>(),

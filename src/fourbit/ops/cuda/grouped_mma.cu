@@ -56,16 +56,23 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return uint32_t(row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
-// How an operand sits in memory and in a pipeline stage: BF16 tiles are copied as they are
-// (swizzled, read by ldmatrix); block-scaled ones are copied packed — a row's 32 codes of the
-// K tile (16 bytes NVFP4, 32 MXFP8) and the aligned 4-byte word of block scales holding the
-// tile's — and dequantized into a BF16 tile before the MMAs.
-template <Format F>
+// Byte offset of 16-byte chunk c (0..7) of row r in a BF16 tile of 64 columns (128-byte rows) in
+// the 128-byte swizzle wgmma's descriptors read.
+__device__ __forceinline__ uint32_t sw128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+// How an operand sits in memory and in a pipeline stage for K tiles of TK values (32: the mma.sync
+// loop, 64: the wgmma one): BF16 tiles are copied as they are, swizzled (swizzle or sw128);
+// block-scaled ones are copied packed — a row's TK codes of the K tile and the aligned 4-byte word
+// of block scales holding the tile's — and dequantized into a swizzled BF16 tile before the MMAs.
+template <Format F, int TK>
 struct Storage {
+  static_assert(TK == 32 || TK == 64, "K tile");
   static constexpr bool kPacked = F != Format::BF16;
   static constexpr int kBits = F == Format::BF16 ? 16 : F == Format::NVFP4 ? 4 : 8;
-  static constexpr int kRowBytes = kBK * kBits / 8;  // one row of a K tile
+  static constexpr int kRowBytes = TK * kBits / 8;  // one row of a K tile as stored
   static constexpr int kChunks = kRowBytes / 16;
+  // Chunk c of row r of the BF16 tile.
+  static __device__ __forceinline__ uint32_t bf16_offset(int r, int c) { return TK == 32 ? swizzle(r, c) : sw128(r, c); }
 };
 
 // Values per block scale of a block-scaled format.
@@ -105,7 +112,7 @@ struct GroupedArgs {
 // the same chain of m16n8k16 MMAs over K in order, so its bits do not depend on the tile.
 template <Format F, int BM>
 struct Shape {
-  using S = Storage<F>;
+  using S = Storage<F, kBK>;
   static constexpr int kWarpsM = BM >= 64 ? 2 : 1, kWarpsN = 8 / kWarpsM;
   static constexpr int kWM = BM / kWarpsM, kWN = kBN / kWarpsN, kMI = kWM / 16, kNI = kWN / 8;
   static constexpr int kATile = BM * S::kRowBytes, kBTile = kBN * S::kRowBytes;
@@ -116,42 +123,47 @@ struct Shape {
   static_assert(kMI >= 1 && kNI % 2 == 0, "warp tile");
 };
 
-// Starts copying rows row0.. (R of them, those < rows_end valid) of K tile k0 of operand o into
-// the stage at `dst` (codes, then for block-scaled formats one scale word a row); rows past the
-// end and K past k_end are zero-filled (a zero adds nothing to a sum, so the padding cannot change
-// any element's bits; zero codes with a zero scale decode to zeros).
-template <Format F, int R>
+// Starts copying rows row0.. (R of them, those < rows_end valid) of the TK-wide K tile at k0 of
+// operand o into the stage at `dst` (codes, then for block-scaled formats one scale word a row),
+// NT threads sharing the copies; rows past the end and K past k_end are zero-filled (a zero
+// adds nothing to a sum, so the padding cannot change any element's bits; zero codes with a zero
+// scale decode to zeros).
+template <Format F, int TK, int R, int NT>
 __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
                                           long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
-  using S = Storage<F>;
+  using S = Storage<F, TK>;
   constexpr int kChunkValues = 128 / S::kBits;
-  for (int idx = int(threadIdx.x); idx < R * S::kChunks; idx += kThreads) {
+#pragma unroll 4
+  for (int idx = int(threadIdx.x); idx < R * S::kChunks; idx += NT) {
     const int row = idx / S::kChunks, chunk = idx % S::kChunks, k = k0 + chunk * kChunkValues;
     const bool ok = k < k_end && row0 + row < rows_end;
-    const uint32_t d = S::kPacked ? dst + uint32_t(row * S::kRowBytes + chunk * 16) : dst + swizzle(row, chunk);
+    const uint32_t d = S::kPacked ? dst + uint32_t(row * S::kRowBytes + chunk * 16) : dst + S::bf16_offset(row, chunk);
     cp_async16(d, ok ? base + (row0 + row) * o.ld + (long long)k * S::kBits / 8 : base, ok ? 16 : 0);
   }
   if constexpr (S::kPacked) {
     const uint32_t sdst = dst + uint32_t(R * S::kRowBytes);
     const int word = (k0 / block_values<F>()) & ~3;
-    for (int row = int(threadIdx.x); row < R; row += kThreads) {
+    for (int row = int(threadIdx.x); row < R; row += NT) {
       const bool ok = k0 < k_end && row0 + row < rows_end;
       cp_async4(sdst + uint32_t(4 * row), ok ? scales + (row0 + row) * o.scale_ld + word : scales, ok ? 4 : 0);
     }
   }
 }
 
-// The packed K tile k0 of R rows at `src` into a swizzled BF16 tile at `dst`: a thread decodes 16
-// values (one NVFP4 block, half an MXFP8 one) of a row with block_decode.cuh's decode8_bits.
-template <Format F, int R>
+// The packed TK-wide K tile at k0 of R rows at `src` into the swizzled BF16 tile at `dst`: a thread
+// decodes 16 values of a row at a time (one NVFP4 block, half an MXFP8 one) with decode8_bits.
+template <Format F, int TK, int R, int NT>
 __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
                                                 const float2* e2m1_pair) {
-  using S = Storage<F>;
+  using S = Storage<F, TK>;
+  constexpr int kUnitShift = TK == 32 ? 1 : 2;               // 16-value units a row: 2 or 4
+  constexpr int kUnitBytes = S::kRowBytes >> kUnitShift;      // 8 NVFP4 code bytes, 16 MXFP8
   const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in its row's word
-  for (int u = int(threadIdx.x); u < 2 * R; u += kThreads) {
-    const int row = u >> 1, half = u & 1;
-    const unsigned char* codes = src + row * S::kRowBytes + half * (S::kRowBytes / 2);
-    const uint8_t scale = src[R * S::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? half : 0)];
+#pragma unroll 2
+  for (int u = int(threadIdx.x); u < (R << kUnitShift); u += NT) {
+    const int row = u >> kUnitShift, q = u & ((1 << kUnitShift) - 1);  // values 16 q .. 16 q + 15
+    const unsigned char* codes = src + row * S::kRowBytes + q * kUnitBytes;
+    const uint8_t scale = src[R * S::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? q : q >> 1)];
     const float sv = decode8_scale<F>(scale);
     uint4 lo, hi;
     if constexpr (F == Format::NVFP4) {
@@ -163,8 +175,8 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0
       lo = decode8_bits<F>(make_uint2(w.x, w.y), sv, e2m1_pair);
       hi = decode8_bits<F>(make_uint2(w.z, w.w), sv, e2m1_pair);
     }
-    *reinterpret_cast<uint4*>(dst + swizzle(row, 2 * half)) = lo;
-    *reinterpret_cast<uint4*>(dst + swizzle(row, 2 * half + 1)) = hi;
+    *reinterpret_cast<uint4*>(dst + S::bf16_offset(row, 2 * q)) = lo;
+    *reinterpret_cast<uint4*>(dst + S::bf16_offset(row, 2 * q + 1)) = hi;
   }
 }
 
@@ -222,7 +234,7 @@ __device__ __forceinline__ void store_pair(const GroupedArgs& p, const float* sb
 
 template <Format F, int BM>
 __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant__ GroupedArgs p) {
-  using S = Storage<F>;
+  using S = Storage<F, kBK>;
   using T = Shape<F, BM>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
@@ -248,8 +260,8 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
   auto load_stage = [&](int stage, int kt) {
     const uint32_t st = sbase + uint32_t(stage * T::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
-    load_tile<F, BM>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
-    load_tile<F, kBN>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + T::kATile + T::kAScales);
+    load_tile<F, kBK, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    load_tile<F, kBK, kBN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + T::kATile + T::kAScales);
   };
 
   float acc[T::kMI][T::kNI][4];
@@ -308,8 +320,8 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
       const unsigned char* st = smem + (kt % kStages) * T::kStageBytes;
       unsigned char* d = decoded + (kt & 1) * (BM + kBN) * 64;
       const int k0 = p.k_begin + kt * kBK;
-      dequantize_tile<F, BM>(st, k0, d, e2m1_pair);
-      dequantize_tile<F, kBN>(st + T::kATile + T::kAScales, k0, d + BM * 64, e2m1_pair);
+      dequantize_tile<F, kBK, BM, kThreads>(st, k0, d, e2m1_pair);
+      dequantize_tile<F, kBK, kBN, kThreads>(st + T::kATile + T::kAScales, k0, d + BM * 64, e2m1_pair);
     };
     cp_async_wait<kStages - 2>();  // tile 0 has landed
     __syncthreads();
@@ -359,16 +371,8 @@ namespace hopper {
 
 constexpr int kBK = 64, kStages = 4;
 
-// Byte offset of 16-byte chunk c (0..7) of row r in a tile of 128-byte rows, 128-byte swizzle.
-__device__ __forceinline__ uint32_t sw128(int r, int c) { return uint32_t(r * 128 + ((c ^ (r & 7)) << 4)); }
-
 template <Format F>
-struct Tile {
-  static constexpr bool kPacked = F != Format::BF16;
-  static constexpr int kBits = F == Format::BF16 ? 16 : F == Format::NVFP4 ? 4 : 8;
-  static constexpr int kRowBytes = kBK * kBits / 8;  // one row of a K tile as stored: 128, 32 or 64
-  static constexpr int kChunks = kRowBytes / 16;
-};
+using Tile = Storage<F, kBK>;
 
 template <Format F, int WGM, int WGN>
 struct Shape {
@@ -380,59 +384,6 @@ struct Shape {
   static constexpr int kDecodedBytes = T::kPacked ? 2 * (BM + BN) * 128 : 0;  // two BF16 A and B tiles
   static constexpr int kSmemBytes = kStages * kStageBytes + kDecodedBytes + 1024;  // + alignment slack
 };
-
-// Starts copying K tile k0 of R rows (row0.., those < rows_end valid) into the stage at dst: BF16
-// chunks to their swizzled place, packed codes as they are plus one block-scale word a row;
-// invalid rows and K past k_end are zero-filled.
-template <Format F, int R, int kThreads>
-__device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
-                                          long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
-  using T = Tile<F>;
-  constexpr int kChunkValues = 128 / T::kBits;
-#pragma unroll 4
-  for (int idx = int(threadIdx.x); idx < R * T::kChunks; idx += kThreads) {
-    const int row = idx / T::kChunks, chunk = idx % T::kChunks, k = k0 + chunk * kChunkValues;
-    const bool ok = k < k_end && row0 + row < rows_end;
-    const uint32_t d = T::kPacked ? dst + uint32_t(row * T::kRowBytes + chunk * 16) : dst + sw128(row, chunk);
-    cp_async16(d, ok ? base + (row0 + row) * o.ld + (long long)k * T::kBits / 8 : base, ok ? 16 : 0);
-  }
-  if constexpr (T::kPacked) {
-    const uint32_t sdst = dst + uint32_t(R * T::kRowBytes);
-    const int word = (k0 / block_values<F>()) & ~3;
-    for (int row = int(threadIdx.x); row < R; row += kThreads) {
-      const bool ok = k0 < k_end && row0 + row < rows_end;
-      cp_async4(sdst + uint32_t(4 * row), ok ? scales + (row0 + row) * o.scale_ld + word : scales, ok ? 4 : 0);
-    }
-  }
-}
-
-// The packed K tile k0 of R rows at src into the swizzled BF16 tile at dst: a thread decodes 16
-// values of a row at a time (one NVFP4 block, half an MXFP8 one) with decode8_bits.
-template <Format F, int R, int kThreads>
-__device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
-                                                const float2* e2m1_pair) {
-  using T = Tile<F>;
-  const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in its row's word
-#pragma unroll 2
-  for (int u = int(threadIdx.x); u < 4 * R; u += kThreads) {
-    const int row = u >> 2, q = u & 3;  // values 16 q .. 16 q + 15 of the row's 64
-    const unsigned char* codes = src + row * T::kRowBytes + q * (T::kRowBytes / 4);
-    const uint8_t scale = src[R * T::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? q : q >> 1)];
-    const float sv = decode8_scale<F>(scale);
-    uint4 lo, hi;
-    if constexpr (F == Format::NVFP4) {
-      const uint2 w = *reinterpret_cast<const uint2*>(codes);
-      lo = decode8_bits<F>(make_uint2(w.x, 0u), sv, e2m1_pair);
-      hi = decode8_bits<F>(make_uint2(w.y, 0u), sv, e2m1_pair);
-    } else {
-      const uint4 w = *reinterpret_cast<const uint4*>(codes);
-      lo = decode8_bits<F>(make_uint2(w.x, w.y), sv, e2m1_pair);
-      hi = decode8_bits<F>(make_uint2(w.z, w.w), sv, e2m1_pair);
-    }
-    *reinterpret_cast<uint4*>(dst + sw128(row, 2 * q)) = lo;
-    *reinterpret_cast<uint4*>(dst + sw128(row, 2 * q + 1)) = hi;
-  }
-}
 
 // Keeps the accumulators where the asynchronous wgmma writes them: the compiler may not move or
 // reuse these registers across this point.
@@ -471,8 +422,8 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   auto load_stage = [&](int kt) {
     const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
-    hopper::load_tile<F, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
-    hopper::load_tile<F, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
+    load_tile<F, kBK, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    load_tile<F, kBK, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
   };
   float acc[64];
 #pragma unroll
@@ -521,8 +472,8 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
       const unsigned char* st = smem + (kt % kStages) * S::kStageBytes;
       unsigned char* d = decoded + (kt & 1) * (BM + BN) * 128;
       const int k0 = p.k_begin + kt * kBK;
-      hopper::dequantize_tile<F, BM, kThreads>(st, k0, d, e2m1_pair);
-      hopper::dequantize_tile<F, BN, kThreads>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
+      dequantize_tile<F, kBK, BM, kThreads>(st, k0, d, e2m1_pair);
+      dequantize_tile<F, kBK, BN, kThreads>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
     };
     cp_async_wait<kStages - 2>();  // tile 0 has landed
     __syncthreads();
@@ -693,6 +644,13 @@ GroupedArgs make_args(const GroupedOperand& a, const GroupedOperand& b, float* c
 
 }  // namespace
 
+int64_t grouped_rows_per_group(const std::vector<int64_t>& offsets) {
+  int64_t filled = 0;
+  for (size_t g = 1; g < offsets.size(); ++g) filled += offsets[g] > offsets[g - 1];
+  const int64_t M = offsets.empty() ? 0 : offsets.back() - offsets.front();
+  return filled ? (M + filled - 1) / filled : 0;
+}
+
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
                        int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = offsets.empty() ? 0 : offsets.back();
@@ -709,12 +667,8 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
     return false;
   if (M == 0 || n == 0) return true;
   GroupedArgs p = make_args(a, b, c, ldc, M, n, 0, k, G, accumulate);
-  int64_t filled = 0;
-  for (int64_t g = 0; g <= G; ++g) {
-    p.host_offsets[g] = int32_t(offsets[size_t(g)]);
-    if (g > 0 && offsets[size_t(g)] > offsets[size_t(g) - 1]) ++filled;
-  }
-  launch(a.fmt, p, (M + std::max<int64_t>(filled, 1) - 1) / std::max<int64_t>(filled, 1), "grouped_gemm");
+  for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
+  launch(a.fmt, p, grouped_rows_per_group(offsets), "grouped_gemm");
   return true;
 }
 
