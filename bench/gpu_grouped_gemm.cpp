@@ -11,7 +11,10 @@
 // nvfp4-fwd recipe's outer scales, MXFP8 E4M3), dequantized in the kernel, against the decode path
 // it replaces (BF16 copies, the BF16 kernel, the scale epilogue; the same bits, checked here) and
 // against the BF16 kernel on the same shape, with the expert weights' read bandwidth at decode
-// sizes (B bytes / time, against the measured copy bandwidth of 4.1-4.3 TB/s).
+// sizes (B bytes / time, against the measured copy bandwidth of 4.1-4.3 TB/s). A third table runs
+// the experts' weight gradients (K over each expert's tokens) through the kernel's K-grouped form
+// (ops::gemm_batch_grouped) against per-expert cuBLASLt on lanes (ops::gemm_batch), on the bf16
+// recipe's token-major BF16 operands and on Col-axis MXFP8 ones.
 // Usage: gpu_grouped_gemm [--reps N] [--json FILE]
 #include <cuda_runtime.h>
 
@@ -200,12 +203,82 @@ int main(int argc, char** argv) {
                  {"same bits", same ? "yes" : "NO"}});
     }
   }
+  // The experts' weight gradients dW_e (+)= dY_e^T X_e: K runs over each expert's tokens.
+  bench::BenchTable wgrad;
+  wgrad.name = fmt::format("grouped weight gradients, K-grouped kernel vs per-expert cuBLASLt (median of {})", reps);
+  wgrad.columns = {"operands", "case", "GEMMs", "grouped ms", "grouped TFLOP/s", "per-expert ms", "dense cuBLAS ms",
+                   "vs per-expert", "grouped / dense speed", "gap"};
+  struct WgradCase {
+    std::string name;
+    std::vector<int64_t> rows;
+    int sets;  // 2: w1 and w3 sharing X, as the step runs them
+  };
+  for (const WgradCase& c : {WgradCase{"gpu-small w2, balanced", balanced(16384, 16), 1},
+                             WgradCase{"gpu-small w1 + w3, balanced", balanced(16384, 16), 2},
+                             WgradCase{"gpu-small w2, skewed", skewed, 1}}) {
+    const int64_t D = 1024, G = int64_t(c.rows.size());
+    std::vector<int64_t> off{0};
+    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const int64_t T = off.back();
+    const Tensor dy32 = random_f32({T, D}, 5, 1.0f), x32 = random_f32({T, D}, 6, 1.0f);
+    Tensor dy = Tensor::empty(dy32.shape(), DType::BF16, Device::CUDA), x = Tensor::empty(x32.shape(), DType::BF16, Device::CUDA);
+    ops::convert(dy32, dy);
+    ops::convert(x32, x);
+    QuantSpec col = block_spec(Format::MXFP8_E4M3, OuterScale::None);
+    col.axis = BlockAxis::Col;
+    const std::vector<QTensor> qdy = ops::quantize_segments(dy32, off, col, std::vector<ops::RngKey>(size_t(G))),
+                               qx = ops::quantize_segments(x32, off, col, std::vector<ops::RngKey>(size_t(G)));
+    std::vector<Tensor> dys, xs;
+    for (int64_t g = 0; g < G; ++g) {
+      dys.push_back(dy.slice_rows(off[size_t(g)], off[size_t(g) + 1]));
+      xs.push_back(x.slice_rows(off[size_t(g)], off[size_t(g) + 1]));
+    }
+    Tensor dense = Tensor::empty({D, D}, DType::F32, Device::CUDA);
+    auto one_gemm = [&] { ops::gemm(ops::Operand(dy, true), ops::Operand(x, true), dense, false); };
+    const double d_ms = median_ms(one_gemm, reps) * c.sets;
+    for (const bool mx : {false, true}) {
+      Tensor grad = Tensor::zeros({c.sets * G, D, D}, DType::F32, Device::CUDA), ref = grad.clone();
+      std::vector<Tensor> outs, refs;
+      std::vector<ops::GemmJob> jobs, ref_jobs;
+      for (int s = 0; s < c.sets; ++s)
+        for (int64_t g = 0; g < G; ++g) {
+          outs.push_back(grad.view((s * G + g) * D * D, {D, D}));
+          refs.push_back(ref.view((s * G + g) * D * D, {D, D}));
+        }
+      for (int s = 0; s < c.sets; ++s)
+        for (int64_t g = 0; g < G; ++g) {
+          const size_t i = size_t(s * G + g);
+          const ops::Operand a = mx ? ops::Operand(qdy[size_t(g)]) : ops::Operand(dys[size_t(g)], true);
+          const ops::Operand b = mx ? ops::Operand(qx[size_t(g)]) : ops::Operand(xs[size_t(g)], true);
+          jobs.push_back({a, b, &outs[i], true});
+          ref_jobs.push_back({a, b, &refs[i], true});
+        }
+      auto grouped = [&] { ops::gemm_batch_grouped(jobs); };
+      auto per_expert = [&] { ops::gemm_batch(ref_jobs); };
+      grouped();
+      per_expert();
+      device_synchronize();
+      const double gap = similarity_gap(grad, ref);
+      const double g_ms = median_ms(grouped, reps), p_ms = median_ms(per_expert, reps);
+      const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
+      wgrad.add({{"operands", mx ? "mxfp8 e4m3, Col axis (decoded)" : "bf16, token-major (transposed)"},
+                 {"case", c.name},
+                 {"GEMMs", c.sets * G},
+                 {"grouped ms", g_ms},
+                 {"grouped TFLOP/s", flop / (g_ms * 1e9)},
+                 {"per-expert ms", p_ms},
+                 {"dense cuBLAS ms", d_ms},
+                 {"vs per-expert", p_ms / g_ms},
+                 {"grouped / dense speed", d_ms / g_ms},
+                 {"gap", fmt::format("{:.1e}", gap)}});
+    }
+  }
   cudaDeviceProp prop{};
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   table.meta = {{"reps", reps},
                 {"device", prop.name},
-                {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 128x128 (64x256 for small groups) x 64 tiles, "
-                           "2 warpgroups, 4-stage cp.async; mma.sync m16n8k16 main loop for comparison"},
+                {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups (64x256 on 2 for "
+                           "small groups) x 64, 4-stage cp.async; mma.sync m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
   table.print();
@@ -214,5 +287,10 @@ int main(int argc, char** argv) {
   const std::string json = bench::json_path_arg(argc, argv);
   table.write_json(json);
   if (!json.empty()) block.write_json(json.substr(0, json.rfind('.')) + "_block.json");
+  wgrad.meta = table.meta;
+  wgrad.meta["note"] = "weight gradients accumulate into zeroed gradients, repeatedly while timed; mxfp8 times include "
+                       "the BF16 decodes both paths run; dense cuBLAS: one BF16 GEMM over all tokens (the same FLOPs)";
+  wgrad.print();
+  if (!json.empty()) wgrad.write_json(json.substr(0, json.rfind('.')) + "_wgrad.json");
   return 0;
 }

@@ -218,18 +218,25 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   }
 }
 
-void gemm_batch(const std::vector<GemmJob>& jobs) {
+namespace {
+void run_gemm_batch(const char* op, const std::vector<GemmJob>& jobs, bool grouped) {
   if (jobs.empty()) return;
   for (size_t j = 0; j < jobs.size(); ++j) {
-    if (!jobs[j].c) fail("gemm_batch: job {} has no output", j);
-    check_gemm_args("gemm_batch", jobs[j].a, jobs[j].b, *jobs[j].c);
-    if (jobs[j].c->device() != jobs[0].c->device()) fail("gemm_batch: jobs 0 and {} are on different devices", j);
+    if (!jobs[j].c) fail("{}: job {} has no output", op, j);
+    check_gemm_args(op, jobs[j].a, jobs[j].b, *jobs[j].c);
+    if (jobs[j].c->device() != jobs[0].c->device()) fail("{}: jobs 0 and {} are on different devices", op, j);
   }
 #if FOURBIT_HAS_CUDA
-  if (jobs[0].c->device() == Device::CUDA && cuda::gemm_batch(jobs)) return;
+  if (jobs[0].c->device() == Device::CUDA && cuda::gemm_batch(jobs, grouped)) return;
+#else
+  (void)grouped;
 #endif
   for (const GemmJob& j : jobs) gemm(j.a, j.b, *j.c, j.accumulate);
 }
+}  // namespace
+
+void gemm_batch(const std::vector<GemmJob>& jobs) { run_gemm_batch("gemm_batch", jobs, false); }
+void gemm_batch_grouped(const std::vector<GemmJob>& jobs) { run_gemm_batch("gemm_batch_grouped", jobs, true); }
 
 QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {
   FOURBIT_CHECK(q.slices == 1 && 0 <= begin && begin <= end && end <= q.rows,

@@ -1,5 +1,5 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, dequantize, requantize_transposed,
-//          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, grouped_gemm,
+//          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -131,6 +131,15 @@ struct GemmJob {
 // by one) and spreads the GEMMs over the GPU lanes.
 void gemm_batch(const std::vector<GemmJob>& jobs);
 
+// gemm_batch for jobs that may run as one grouped GEMM (a MoE layer's expert weight gradients, K
+// running over each expert's tokens): each job's output its own bits, deterministic and within
+// gemm's tolerance, but not necessarily gemm's bits. On the CPU, and on the GPU where it does not
+// apply, gemm_batch. On a Hopper GPU, jobs whose outputs share one F32 [m, n] shape and whose
+// operands are BF16 without outer scales (dense, or block-scaled ones decoded exactly), all
+// transposed dense operands or all read along K, run in one launch of the grouped kernel's
+// K-grouped form (cuda::grouped_gemm_k): every element one FP32 sum over K in a fixed order.
+void gemm_batch_grouped(const std::vector<GemmJob>& jobs);
+
 // Whether GEMMs on `device` may take NVFP4 x NVFP4 and MXFP8 x MXFP8 operands packed, on
 // block-scaled tensor cores (Blackwell, when cuBLASLt offers an algorithm for the shape), instead
 // of decoding them exactly to BF16 first (Hopper; the CPU). Same products, FP32 sums in another
@@ -217,8 +226,9 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
 // Router: probs = softmax(logits [N, E]); top-k by probability (ties: lower expert index first),
 // topk_idx I32 [N, k] in descending order, topk_w [N, k] = renormalised probabilities.
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w);
-// d_logits from d_topk_w [N, k] and an extra gradient on the probabilities d_probs [N, E]
-// (the load-balance loss's), through the renormalisation and the softmax.
+// d_logits from d_topk_w [N, k] and an extra gradient on the probabilities d_probs [N, E], or
+// [1, E] for one row every token shares (the load-balance loss's), through the renormalisation
+// and the softmax.
 void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
                      const Tensor& d_topk_w, const Tensor& d_probs, Tensor& d_logits);
 

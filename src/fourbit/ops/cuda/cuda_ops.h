@@ -1,5 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
+//          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel,
 //          set_fused_dequant, set_grouped_wgmma, grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
@@ -76,6 +77,26 @@ struct GroupedOperand {
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
                        int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
 
+// One GEMM of grouped_gemm_k: C (F32 [m, n], rows ldc apart) (+)= A . B^T over k values, A and B
+// BF16, K-major (A [m, k], B [n, k], rows lda / ldb elements apart) or MN-major (stored [k, m] and
+// [k, n], K rows lda / ldb elements apart).
+struct KGroupedProblem {
+  const void* a;
+  const void* b;
+  float* c;
+  int64_t lda, ldb, k;
+};
+// The grouped kernel's K-grouped form (a MoE layer's expert weight gradients, K running over each
+// expert's tokens): every problem, one output shape, all operands K-major or all MN-major, in one
+// launch (64 problems a launch) of a Hopper wgmma kernel with 256 x 128 tiles. An element is the
+// FP32 sum of its k products in a fixed order: deterministic, whatever the other problems (not
+// batch invariant: a weight gradient's K is the batch). k = 0: C = 0 (accumulate: C untouched).
+// false (nothing done) where it does not apply: not a Hopper device with the wgmma loop on
+// (set_grouped_wgmma), n or ldc odd, MN-major m or n not multiples of 8, K-major k not a multiple
+// of 8, lda / ldb not multiples of 8, operands not 16-byte or outputs not 8-byte aligned.
+bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems, int64_t m, int64_t n, int64_t ldc,
+                    bool accumulate);
+
 // The rows a non-empty group holds on average (rounded up; 0 without rows): what the grouped kernel
 // picks its row tile by, and ops::grouped_gemm its path for block-scaled operands.
 int64_t grouped_rows_per_group(const std::vector<int64_t>& offsets);
@@ -106,9 +127,9 @@ bool grouped_wgmma_available();
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();
 
-// ops::gemm_batch on CUDA operands (checked by the caller); false when it does not apply
-// (native block-scaled GEMMs), and the caller runs one gemm per job.
-bool gemm_batch(const std::vector<GemmJob>& jobs);
+// ops::gemm_batch (grouped: ops::gemm_batch_grouped) on CUDA operands (checked by the caller);
+// false when it does not apply (native block-scaled GEMMs), and the caller runs one gemm per job.
+bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped);
 
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.

@@ -779,7 +779,34 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
   run_gemm(a, b, nullptr, nullptr, c, accumulate);
 }
 
-bool gemm_batch(const std::vector<GemmJob>& jobs) {
+namespace {
+std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true};
+
+// gemm_batch_grouped's one launch: every job a BF16 GEMM without outer scales into a whole F32
+// [m, n] output of one shape, its operands (as materialized) all read along K or all transposed.
+bool run_k_grouped(const std::vector<GemmJob>& jobs,
+                   const std::vector<std::pair<const Materialized*, const Materialized*>>& ops) {
+  if (!g_grouped_kernel.load(std::memory_order_relaxed)) return false;
+  const Tensor& c0 = *jobs[0].c;
+  if (c0.dim() != 2) return false;
+  const int64_t m = c0.size(0), n = c0.size(1);
+  const bool mn = ops[0].first->op.trans;
+  std::vector<KGroupedProblem> problems;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const GemmJob& j = jobs[i];
+    const MatmulOperand &A = ops[i].first->op, &B = ops[i].second->op;
+    if (runs_f32(j.a, j.b) || outer_scales_of(j.a).ptr || outer_scales_of(j.b).ptr || j.c->dtype() != DType::F32 ||
+        j.c->dim() != 2 || j.c->size(0) != m || j.c->size(1) != n || A.trans != mn || B.trans != mn ||
+        j.accumulate != jobs[0].accumulate)
+      return false;
+    problems.push_back(KGroupedProblem{A.ptr, B.ptr, j.c->data<float>(), A.ld, B.ld,
+                                       std::max(padded_k(j.a), padded_k(j.b))});
+  }
+  return grouped_gemm_k(mn, problems, m, n, n, jobs[0].accumulate);
+}
+}  // namespace
+
+bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped) {
   if (native_block_scaled_gemm()) return false;
   BatchDecoder dec;
   std::vector<std::pair<const Materialized*, const Materialized*>> ops;
@@ -790,6 +817,7 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
     ops.emplace_back(&A, &dec.get(j.b, k_eff, f32));
   }
   dec.run();
+  if (grouped && run_k_grouped(jobs, ops)) return true;
   Lanes lanes(Device::CUDA, kGemmLanes);
   for (size_t i = 0; i < jobs.size(); ++i) {
     lanes.use(int64_t(i));
@@ -802,10 +830,6 @@ bool gemm_batch(const std::vector<GemmJob>& jobs) {
 // the algorithm a single gemm of that shape would use, spread over the GPU lanes), then one
 // epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
 // three or four per group.
-namespace {
-std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true};
-}  // namespace
-
 GroupedOperand packed_operand(const QTensor& q) {
   GroupedOperand o;
   o.fmt = q.fmt;

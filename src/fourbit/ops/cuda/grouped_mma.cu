@@ -1,4 +1,4 @@
-// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16
+// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16, cuda::grouped_gemm_k
 // The grouped GEMM of the MoE experts (issue 15's kernel family): C[rows of group g] (+)=
 // A[rows of group g] . B[g]^T for every g in one launch, on BF16 operands or on block-scaled ones
 // (NVFP4, MXFP8 E4M3/E5M2) read packed as they are stored and dequantized inside the kernel, with
@@ -105,6 +105,22 @@ struct GroupedArgs {
   bool accumulate;
   IndexError* err;
   int32_t host_offsets[kMaxHostGroups + 1];  // offsets known on the host, passed by value
+};
+
+// One problem of the K-grouped form (below): C (+)= A . B^T with K = k values.
+struct KProblemArgs {
+  const unsigned char* a;
+  const unsigned char* b;
+  float* c;
+  int64_t lda, ldb;  // bytes between rows (K rows where MN-major)
+  int k;
+};
+constexpr int kMaxKProblems = 64;  // a launch's; more run in several (kernel parameters < 4 KB)
+struct KGroupedArgs {
+  int m, n, count;
+  int64_t ldc;  // floats
+  bool accumulate;
+  KProblemArgs prob[kMaxKProblems];
 };
 
 // The CTA tile is BM x 128 with 8 warps: 2 x 4 warps of 64 (BM = 128) or 32 (BM = 64) x 32, or
@@ -392,6 +408,32 @@ __device__ __forceinline__ void pin(float (&acc)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// The BF16 pipeline of K tiles 0 .. k_tiles - 1: load_stage(kt) starts the copies of tile kt into
+// stage kt % kStages, mma_stage(kt) issues (and commits) its MMAs. Tiles kt + 1, kt + 2 are in
+// flight while the MMAs of kt - 1 and kt run: the copies of tile kt + 2 go to the stage of kt - 2,
+// whose MMAs every warpgroup has finished (wgmma_wait<1> before the barrier) by the time anyone
+// issues them.
+template <class Load, class Mma>
+__device__ __forceinline__ void bf16_pipeline(int k_tiles, float (&acc)[64], Load&& load_stage, Mma&& mma_stage) {
+#pragma unroll
+  for (int s = 0; s < kStages - 2; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kStages - 3>();  // tile kt has landed (this thread's copies) ...
+    fence_proxy_async();           // ... visible to wgmma's proxy ...
+    __syncthreads();               // ... for every thread's; and the MMAs of kt - 2 are done
+    mma_stage(kt);
+    if (kt + kStages - 2 < k_tiles) load_stage(kt + kStages - 2);
+    cp_async_commit();
+    wgmma_wait<1>();  // the MMAs of kt - 1 are done (this warpgroup's)
+    pin(acc);
+  }
+  wgmma_wait<0>();
+  pin(acc);
+}
+
 template <Format F, int WGM, int WGN>
 __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
   using T = Tile<F>;
@@ -440,27 +482,10 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   };
 
   if constexpr (!T::kPacked) {
-    // Tiles kt + 1, kt + 2 in flight while the MMAs of kt - 1 and kt run: the copies of tile
-    // kt + 2 go to the stage of kt - 2, whose MMAs every warpgroup has finished (wgmma_wait<1>
-    // before the barrier) by the time anyone issues them.
-#pragma unroll
-    for (int s = 0; s < kStages - 2; ++s) {
-      if (s < k_tiles) load_stage(s);
-      cp_async_commit();
-    }
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      cp_async_wait<kStages - 3>();  // tile kt has landed (this thread's copies) ...
-      fence_proxy_async();           // ... visible to wgmma's proxy ...
-      __syncthreads();               // ... for every thread's; and the MMAs of kt - 2 are done
+    bf16_pipeline(k_tiles, acc, load_stage, [&](int kt) {
       const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
       mma_tile(st, st + S::kATile, kt == 0);
-      if (kt + kStages - 2 < k_tiles) load_stage(kt + kStages - 2);
-      cp_async_commit();
-      wgmma_wait<1>();  // the MMAs of kt - 1 are done (this warpgroup's)
-      pin(acc);
-    }
-    wgmma_wait<0>();
-    pin(acc);
+    });
   } else {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -505,6 +530,120 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     for (int j = 0; j < 16; ++j)
       store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
+}
+
+// ---- the K-grouped form (weight gradients): C_j (+)= A_j . B_j^T, problem j's K its own ----------
+//
+// A MoE layer's expert weight gradients dW_e = dY_e^T X_e sum over each expert's tokens, so the
+// groups run along K and every problem has an output of its own. Up to kMaxKProblems problems of
+// one m x n output shape run in one launch, a CTA per (256 x 128 output tile, problem), with the
+// BF16 pipeline above. The operands are BF16, both K-major (A_j [m, k_j] and B_j [n, k_j] rows
+// lda / ldb bytes apart: block-scaled ones decoded) or both MN-major (A_j stored [k_j, m], B_j
+// [k_j, n]: the token-major dY and X as the forward and dgrad left them), which land in shared
+// memory as they are stored — 64-value panels of 64 K rows in the 128-byte swizzle — and are read
+// with the instruction's transpose. An element is the FP32 sum of its k_j products, K tiles in
+// order, each four k16 steps: deterministic, and independent of the other problems and of the tile.
+
+// Copies the 64-row K tile at k0 of an MN-major operand (K rows ld bytes apart), MN values
+// mn0 .. mn0 + R - 1 (those < mn_end; K rows < k_end), into R / 64 panels of 64 K rows x 128 bytes at
+// dst; what lies outside is zero-filled.
+template <int R, int NT>
+__device__ __forceinline__ void load_tile_mn(const unsigned char* base, int64_t ld, int mn0, int mn_end, int k0,
+                                             int k_end, uint32_t dst) {
+  constexpr int kChunksRow = R / 8;  // 16-byte chunks of a K row
+#pragma unroll 4
+  for (int idx = int(threadIdx.x); idx < kBK * kChunksRow; idx += NT) {
+    const int kr = idx / kChunksRow, c = idx % kChunksRow, mn = mn0 + 8 * c;
+    const bool ok = k0 + kr < k_end && mn < mn_end;
+    cp_async16(dst + uint32_t((c >> 3) * (kBK * 128)) + sw128(kr, c & 7),
+               ok ? base + (long long)(k0 + kr) * ld + (long long)mn * 2 : base, ok ? 16 : 0);
+  }
+}
+
+template <bool MN>
+__global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ KGroupedArgs p) {
+  using S = Shape<Format::BF16, 4, 1>;  // 256 x 128 tiles, four warpgroups stacked in M
+  constexpr int kThreads = S::kThreads, BM = S::BM, BN = S::BN, kPanel = kBK * 128;
+  const KProblemArgs& q = p.prob[blockIdx.z];
+  const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
+  const int tid = int(threadIdx.x), wm = tid >> 7, t = tid & 127, lane = tid & 31;
+  const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
+  auto store = [&](float (&acc)[64]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_base + 8 * half;
+      if (row >= p.m) continue;
+      float* crow = q.c + (long long)row * p.ldc;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = col_base + 8 * j;
+        if (col >= p.n) continue;  // n is even: col + 1 < n too
+        float2 v = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        if (p.accumulate) {
+          const float2 o = *reinterpret_cast<const float2*>(crow + col);
+          v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
+        }
+        *reinterpret_cast<float2*>(crow + col) = v;
+      }
+    }
+  };
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  if (q.k == 0) {  // no tokens: C = 0, or C unchanged
+    if (!p.accumulate) store(acc);
+    return;
+  }
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const int k_tiles = (q.k + kBK - 1) / kBK;
+  auto load_stage = [&](int kt) {
+    const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
+    const int k0 = kt * kBK;
+    if constexpr (MN) {
+      load_tile_mn<BM, kThreads>(q.a, q.lda, m0, p.m, k0, q.k, st);
+      load_tile_mn<BN, kThreads>(q.b, q.ldb, n0, p.n, k0, q.k, st + S::kATile);
+    } else {
+      OperandArgs oa{}, ob{};
+      oa.ld = q.lda;
+      ob.ld = q.ldb;
+      load_tile<Format::BF16, kBK, BM, kThreads>(oa, q.a, nullptr, m0, p.m, k0, q.k, st);
+      load_tile<Format::BF16, kBK, BN, kThreads>(ob, q.b, nullptr, n0, p.n, k0, q.k, st + S::kATile);
+    }
+  };
+  bf16_pipeline(k_tiles, acc, load_stage, [&](int kt) {
+    const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
+    wgmma_fence();
+    if constexpr (MN) {  // the next 16 K rows: +2048 bytes (descriptor units of 16 bytes)
+      const uint64_t da = wgmma_desc_sw128_mn(st + uint32_t(wm * kPanel), kPanel),
+                     db = wgmma_desc_sw128_mn(st + uint32_t(S::kATile), kPanel);
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16<1, 1>(acc, da + uint64_t(128 * kk), db + uint64_t(128 * kk), kt == 0 && kk == 0 ? 0 : 1);
+    } else {  // the next 16 K values: +32 bytes
+      const uint64_t da = wgmma_desc_sw128(st + uint32_t(wm * 64 * 128)), db = wgmma_desc_sw128(st + uint32_t(S::kATile));
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
+    }
+    wgmma_commit();
+  });
+  cp_async_wait<0>();
+  store(acc);
+}
+
+template <bool MN>
+void launch_wgrad(const KGroupedArgs& p) {
+  using S = Shape<Format::BF16, 4, 1>;
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(wgrad_kernel<MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM), unsigned(p.count));
+  wgrad_kernel<MN><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
+  FOURBIT_LAUNCH_CHECK();
 }
 
 template <Format F, int WGM, int WGN>
@@ -669,6 +808,34 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
   GroupedArgs p = make_args(a, b, c, ldc, M, n, 0, k, G, accumulate);
   for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
   launch(a.fmt, p, grouped_rows_per_group(offsets), "grouped_gemm");
+  return true;
+}
+
+bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems, int64_t m, int64_t n, int64_t ldc,
+                    bool accumulate) {
+  if (!g_wgmma.load(std::memory_order_relaxed) || !hopper_device()) return false;
+  const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
+  if (m < 1 || n < 1 || m > INT32_MAX || n > INT32_MAX || n % 2 != 0 || ldc % 2 != 0 || ldc < n) return false;
+  if (mn_major && (m % 8 != 0 || n % 8 != 0)) return false;
+  for (const KGroupedProblem& q : problems)
+    if (q.k < 0 || q.k > INT32_MAX || !aligned(q.a, 16) || !aligned(q.b, 16) || !aligned(q.c, 8) || q.lda % 8 != 0 ||
+        q.ldb % 8 != 0 || (!mn_major && q.k % 8 != 0))
+      return false;
+  for (size_t first = 0; first < problems.size(); first += kMaxKProblems) {
+    KGroupedArgs p{};
+    p.m = int(m);
+    p.n = int(n);
+    p.ldc = ldc;
+    p.accumulate = accumulate;
+    p.count = int(std::min(problems.size() - first, size_t(kMaxKProblems)));
+    for (int j = 0; j < p.count; ++j) {
+      const KGroupedProblem& q = problems[first + size_t(j)];
+      p.prob[j] = KProblemArgs{static_cast<const unsigned char*>(q.a), static_cast<const unsigned char*>(q.b), q.c,
+                               2 * q.lda, 2 * q.ldb, int(q.k)};
+    }
+    if (mn_major) hopper::launch_wgrad<true>(p);
+    else hopper::launch_wgrad<false>(p);
+  }
   return true;
 }
 

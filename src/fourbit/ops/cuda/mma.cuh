@@ -1,5 +1,6 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
-//          wgmma_desc_sw128, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait, wgmma_m64n128k16
+//          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
+//          wgmma_m64n128k16
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
 // resident casts in cast/): asynchronous global -> shared copies, ldmatrix, the BF16 mma.sync and
 // Hopper's warpgroup wgmma.
@@ -78,6 +79,16 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
   return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of an MN-major BF16 operand (read with the instruction's transpose flag) at shared
+// address addr (1024-byte aligned): K rows of 64 MN values (128 bytes) in the 128-byte swizzle,
+// 8-row K groups 1024 bytes apart (the stride offset) and 64-value MN panels panel_bytes apart (the
+// leading offset; the canonical MN-major layout of the PTX ISA's matrix descriptors). Adding 2048
+// bytes to addr moves to the next 16 K rows.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(uint32_t addr, uint32_t panel_bytes) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((panel_bytes & 0x3FFFFu) >> 4) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
 // Makes the thread's generic-proxy writes to shared memory (stores, cp.async) visible to the async
 // proxy that wgmma reads through; a barrier after it publishes them to the warpgroup.
 __device__ __forceinline__ void fence_proxy_async() {
@@ -103,17 +114,19 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // D (64 x 128 FP32, the warpgroup's 64 registers a thread) (+)= A (64 x 16 BF16) . B (128 x 16
-// BF16)^T, both K-major in 128-byte-swizzled shared memory (descriptors a, b); accumulate = 0
+// BF16)^T in 128-byte-swizzled shared memory (descriptors a, b), K-major, or MN-major where kTransA /
+// kTransB is 1 (wgmma_desc_sw128_mn); accumulate = 0
 // starts the sum (D = A . B). Asynchronous: wgmma_commit / wgmma_wait complete it. Thread t of the
 // warpgroup holds, for n8 block j, d[4j .. 4j+3] = (row r, col 8j + 2c), (r, 8j + 2c + 1),
 // (r + 8, 8j + 2c), (r + 8, 8j + 2c + 1) with r = 16 (t / 32) + (t % 32) / 4 and c = t % 4.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(accumulate));
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
   __trap();  // wgmma exists on sm_90a only; hosts dispatch here only on such devices

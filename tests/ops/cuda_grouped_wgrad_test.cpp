@@ -1,0 +1,196 @@
+// defines: tests of the grouped kernel's K-grouped form (cuda::grouped_gemm_k, behind
+// ops::gemm_batch_grouped: a MoE layer's expert weight gradients; skipped without a GPU): every
+// element within the FP32-summation error bound of the exact (double) sum of its BF16 products,
+// for transposed dense BF16 operands (the bf16 recipe's dY and X, token-major) and for Col-axis
+// MXFP8 ones (decoded, read along K), with one-token, tile-crossing and off-tile shapes, accumulate
+// on and off; on Hopper, gemm_batch_grouped is the one launch (its bits), a problem's bits do not
+// depend on the other problems of the launch, runs repeat bit for bit; empty problems and the
+// shapes it declines.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+#include "test_util.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
+
+using namespace fourbit;
+
+#if FOURBIT_HAS_CUDA
+namespace {
+
+bool have_gpu() { return cuda_device_count() > 0; }
+
+Tensor randn_cuda(const Shape& s, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = nd(g) * scale;
+  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
+}
+
+std::vector<double> host_doubles(const Tensor& t) {
+  Tensor f = t;
+  if (t.dtype() != DType::F32) {
+    f = Tensor::empty(t.shape(), DType::F32, t.device());
+    ops::convert(t, f);
+  }
+  const Tensor h = f.to(Device::CPU);
+  return {h.data<float>(), h.data<float>() + h.numel()};
+}
+
+std::vector<uint8_t> bytes(const Tensor& t) {
+  const Tensor h = t.to(Device::CPU);
+  const auto* p = static_cast<const uint8_t*>(h.raw());
+  return {p, p + h.nbytes()};
+}
+
+// Per-expert token ranges of one MoE layer's weight gradients: one token, a K tile and one, a few
+// hundred, more than a thousand.
+const std::vector<int64_t> kOffsets{0, 1, 66, 400, 1650, 1658};
+
+// grad[e] (before: init[e]) against init + the exact sum over expert e's tokens t of
+// a[t, r] * b[t, c] (a: [T, R], b: [T, C] token-major values): within (K + 3) 2^-24 times the sum
+// of the magnitudes (a K-term FP32 sum, then the accumulating add).
+void expect_near_exact(const std::vector<double>& grad, const std::vector<double>& init, const std::vector<double>& a,
+                       const std::vector<double>& b, const std::vector<int64_t>& off, int64_t R, int64_t C,
+                       const char* what) {
+  int bad = 0;
+  for (size_t e = 0; e + 1 < off.size(); ++e)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t i = (e * size_t(R) + size_t(r)) * size_t(C) + size_t(c);
+        double exact = init.empty() ? 0.0 : init[i], mag = std::fabs(exact);
+        for (int64_t t = off[e]; t < off[e + 1]; ++t) {
+          const double p = a[size_t(t * R + r)] * b[size_t(t * C + c)];
+          exact += p;
+          mag += std::fabs(p);
+        }
+        const double tol = double(off[e + 1] - off[e] + 3) * std::ldexp(1.0, -24) * mag + 1e-30;
+        if (!(std::fabs(grad[i] - exact) <= tol) && bad++ < 5)
+          ADD_FAILURE() << what << ": expert " << e << " [" << r << ", " << c << "] = " << grad[i] << ", exact " << exact
+                        << ", tolerance " << tol;
+      }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// Transposed BF16 operands as the bf16 recipe hands them over: dY [T, R] and X [T, C], expert e's
+// rows read transposed.
+TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t T = kOffsets.back(), R = 264, C = 136, E = int64_t(kOffsets.size()) - 1;
+  Tensor dy = Tensor::empty({T, R}, DType::BF16, Device::CUDA), x = Tensor::empty({T, C}, DType::BF16, Device::CUDA);
+  ops::convert(randn_cuda({T, R}, 1), dy);
+  ops::convert(randn_cuda({T, C}, 2), x);
+  const std::vector<double> hdy = host_doubles(dy), hx = host_doubles(x);
+  const Tensor init = randn_cuda({E, R, C}, 3, 4.0f);
+  std::vector<Tensor> dys, xs;
+  for (int64_t e = 0; e < E; ++e) {
+    dys.push_back(dy.slice_rows(kOffsets[size_t(e)], kOffsets[size_t(e) + 1]));
+    xs.push_back(x.slice_rows(kOffsets[size_t(e)], kOffsets[size_t(e) + 1]));
+  }
+  for (bool accumulate : {true, false}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    Tensor grad = init.clone();
+    std::vector<Tensor> outs;
+    for (int64_t e = 0; e < E; ++e) outs.push_back(grad.view(e * R * C, {R, C}));
+    std::vector<ops::GemmJob> jobs;
+    for (int64_t e = 0; e < E; ++e)
+      jobs.push_back({ops::Operand(dys[size_t(e)], true), ops::Operand(xs[size_t(e)], true), &outs[size_t(e)], accumulate});
+    ops::gemm_batch_grouped(jobs);
+    const std::vector<double> got = host_doubles(grad);
+    expect_near_exact(got, accumulate ? host_doubles(init) : std::vector<double>{}, hdy, hx, kOffsets, R, C,
+                      "bf16, transposed");
+
+    if (!ops::cuda::grouped_wgmma_available()) continue;
+    // gemm_batch_grouped ran the K-grouped kernel: its bits; run again, the same bits.
+    Tensor direct = init.clone();
+    std::vector<ops::cuda::KGroupedProblem> problems;
+    for (int64_t e = 0; e < E; ++e)
+      problems.push_back({dys[size_t(e)].raw(), xs[size_t(e)].raw(), direct.data<float>() + e * R * C, R, C,
+                          kOffsets[size_t(e) + 1] - kOffsets[size_t(e)]});
+    ASSERT_TRUE(ops::cuda::grouped_gemm_k(true, problems, R, C, C, accumulate));
+    EXPECT_EQ(bytes(direct), bytes(grad)) << "gemm_batch_grouped is not the K-grouped kernel";
+    Tensor again = init.clone();
+    for (auto& p : problems) p.c = again.data<float>() + (p.c - direct.data<float>());
+    ASSERT_TRUE(ops::cuda::grouped_gemm_k(true, problems, R, C, C, accumulate));
+    EXPECT_EQ(bytes(again), bytes(grad)) << "not deterministic";
+    // Each problem alone: the bits it gets among the others.
+    for (int64_t e = 0; e < E; ++e) {
+      Tensor alone = init.clone();
+      ops::cuda::KGroupedProblem p = problems[size_t(e)];
+      p.c = alone.data<float>() + e * R * C;
+      ASSERT_TRUE(ops::cuda::grouped_gemm_k(true, {p}, R, C, C, accumulate));
+      EXPECT_EQ(bytes(alone.view(e * R * C, {R, C})), bytes(grad.view(e * R * C, {R, C}))) << "expert " << e;
+    }
+  }
+}
+
+// Col-axis MXFP8 operands (the mxfp8 and nvfp4-fwd recipes' wgrad dY^T and X^T, blocks along the
+// tokens): decoded to BF16 copies read along K, K padded to whole blocks.
+TEST(CudaGroupedWgrad, MatchesTheExactSumOnDecodedMxfp8Operands) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t T = kOffsets.back(), R = 200, C = 72, E = int64_t(kOffsets.size()) - 1;
+  const Tensor dy = randn_cuda({T, R}, 4), x = randn_cuda({T, C}, 5);
+  for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
+    SCOPED_TRACE(format_name(f));
+    QuantSpec col;
+    col.fmt = f;
+    col.axis = BlockAxis::Col;
+    std::vector<QTensor> qdy, qx;
+    std::vector<double> hdy, hx;  // the decoded values, token-major like dy and x
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t b = kOffsets[size_t(e)], end = kOffsets[size_t(e) + 1];
+      qdy.push_back(ops::quantize(dy.slice_rows(b, end), col));
+      qx.push_back(ops::quantize(x.slice_rows(b, end), col));
+      for (double v : host_doubles(ops::dequantize(qdy.back()))) hdy.push_back(v);
+      for (double v : host_doubles(ops::dequantize(qx.back()))) hx.push_back(v);
+    }
+    ASSERT_EQ(hdy.size(), size_t(T * R));
+    ASSERT_EQ(hx.size(), size_t(T * C));
+    const Tensor init = randn_cuda({E, R, C}, 6, 4.0f);
+    Tensor grad = init.clone();
+    std::vector<Tensor> outs;
+    for (int64_t e = 0; e < E; ++e) outs.push_back(grad.view(e * R * C, {R, C}));
+    std::vector<ops::GemmJob> jobs;
+    for (int64_t e = 0; e < E; ++e)
+      jobs.push_back({ops::Operand(qdy[size_t(e)]), ops::Operand(qx[size_t(e)]), &outs[size_t(e)], true});
+    ops::gemm_batch_grouped(jobs);
+    expect_near_exact(host_doubles(grad), host_doubles(init), hdy, hx, kOffsets, R, C, "mxfp8, decoded");
+  }
+}
+
+TEST(CudaGroupedWgrad, EmptyProblemsAndWhatItDeclines) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  const int64_t R = 64, C = 32;
+  Tensor a = Tensor::empty({16, R}, DType::BF16, Device::CUDA), b = Tensor::empty({16, C}, DType::BF16, Device::CUDA);
+  ops::convert(randn_cuda({16, R}, 7), a);
+  ops::convert(randn_cuda({16, C}, 8), b);
+  const Tensor init = randn_cuda({R, C}, 9);
+  // No tokens: C = 0, or C untouched when accumulating.
+  Tensor c = init.clone();
+  ASSERT_TRUE(ops::cuda::grouped_gemm_k(true, {{a.raw(), b.raw(), c.data<float>(), R, C, 0}}, R, C, C, true));
+  EXPECT_EQ(bytes(c), bytes(init));
+  ASSERT_TRUE(ops::cuda::grouped_gemm_k(true, {{a.raw(), b.raw(), c.data<float>(), R, C, 0}}, R, C, C, false));
+  for (double v : host_doubles(c)) ASSERT_EQ(v, 0.0);
+  // Declined, nothing written: n odd; MN-major m not a multiple of 8; K-major k not a multiple of
+  // 8; a misaligned operand.
+  c = init.clone();
+  const auto* a8 = static_cast<const char*>(a.raw());
+  EXPECT_FALSE(ops::cuda::grouped_gemm_k(true, {{a.raw(), b.raw(), c.data<float>(), R, C, 16}}, R, C - 1, C, false));
+  EXPECT_FALSE(ops::cuda::grouped_gemm_k(true, {{a.raw(), b.raw(), c.data<float>(), R, C, 16}}, R - 4, C, C, false));
+  EXPECT_FALSE(ops::cuda::grouped_gemm_k(false, {{a.raw(), b.raw(), c.data<float>(), 16, 16, 12}}, R, C, C, false));
+  EXPECT_FALSE(ops::cuda::grouped_gemm_k(true, {{a8 + 2, b.raw(), c.data<float>(), R, C, 8}}, R, C, C, false));
+  device_synchronize();
+  EXPECT_EQ(bytes(c), bytes(init));
+}
+
+}  // namespace
+#endif
