@@ -438,6 +438,15 @@ TEST(CudaLayers, RouterMatchesCpuAndIsBatchInvariant) {
       ops::router_backward(p_c, i_c, w_c, dw, Tensor(), dl_c);
       ops::router_backward(gpu(p_c), gpu(i_c), gpu(w_c), gpu(dw), Tensor(), dl_g);
       expect_close("router_backward d_logits (no d_probs) " + name, dl_g, dl_c, kReductionTol);
+      // d_probs as one row every token shares: the bits of the row repeated
+      const Tensor dp1 = random_tensor({1, E}, DType::F32, 612);
+      Tensor dp_rep = Tensor::empty({N, E}, DType::F32);
+      for (int64_t n = 0; n < N; ++n)
+        std::memcpy(dp_rep.data<float>() + n * E, dp1.data<float>(), size_t(E) * sizeof(float));
+      Tensor dl_row = Tensor::empty({N, E}, DType::F32, Device::CUDA);
+      ops::router_backward(gpu(p_c), gpu(i_c), gpu(w_c), gpu(dw), gpu(dp1), dl_row);
+      ops::router_backward(gpu(p_c), gpu(i_c), gpu(w_c), gpu(dw), gpu(dp_rep), dl_g);
+      expect_bits("router_backward d_logits, [1, E] d_probs " + name, dl_row, dl_g);
 
       for (const int64_t r : {int64_t(0), int64_t(1), int64_t(511)}) {
         Tensor p1 = Tensor::empty({1, E}, DType::F32, Device::CUDA);

@@ -14,6 +14,7 @@
 
 #include "fourbit/ops/ops.h"
 #include "ops/op_test_util.h"
+#include "test_util.h"
 
 using namespace fourbit;
 using namespace fourbit::optest;
@@ -83,6 +84,18 @@ TEST(RouterOps, GradCheckThroughTopkAndProbs) {
   Tensor dl_w = Tensor::empty({N, E}, DType::F64);
   ops::router_backward(probs, idx, w, rw, Tensor(), dl_w);
   report("router d_logits (top-k weights only)", fd_check(logits, dl_w, {{&w, &rw}}, fwd));
+  // d_probs as one [1, E] row every token shares: the bits of that row repeated N times.
+  const Tensor row = random_tensor({1, E}, DType::F64, 703);
+  Tensor rep = Tensor::empty({N, E}, DType::F64);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t e = 0; e < E; ++e) rep.data<double>()[n * E + e] = row.data<double>()[e];
+  Tensor dl_row = Tensor::empty({N, E}, DType::F64), dl_rep = Tensor::empty({N, E}, DType::F64);
+  ops::router_backward(probs, idx, w, rw, row, dl_row);
+  ops::router_backward(probs, idx, w, rw, rep, dl_rep);
+  EXPECT_TRUE(bitwise_equal(dl_row, dl_rep));
+  EXPECT_NE(testutil::error_of([&] { ops::router_backward(probs, idx, w, rw, random_tensor({2, E}, DType::F64, 704), dl_row); })
+                .find("d_probs must be f64[N, E] or [1, E]"),
+            std::string::npos);
 }
 
 // ---- route plan -----------------------------------------------------------------------------------

@@ -185,7 +185,11 @@ namespace {
 void copy_raw(void* dst, Device dst_dev, const void* src, Device src_dev, int64_t bytes) {
   if (bytes <= 0) return;
   if (dst_dev == Device::CPU && src_dev == Device::CPU) std::memcpy(dst, src, size_t(bytes));
-  else copy_bytes(dst, dst_dev, src, src_dev, size_t(bytes));
+  else {
+    copy_bytes(dst, dst_dev, src, src_dev, size_t(bytes));
+    // a peer may reuse its buffer once this rank reports done: the copy must have happened
+    device_synchronize();
+  }
 }
 
 int64_t total(const std::vector<int64_t>& v) {

@@ -15,6 +15,10 @@ bool cuda_built();            // compiled with the CUDA backend
 int cuda_device_count();      // 0 when not built or no device is visible
 void* device_alloc(size_t bytes);
 void device_free(void* p, size_t bytes);
+// A copy on the current stream, ordered there like a kernel. GPU to host: the host waits for it
+// (it reads the bytes on return). Host to GPU: the bytes are taken on return (the host may reuse
+// its buffer; up to 1 MiB through pinned staging without waiting for the GPU, larger copies wait).
+// GPU to GPU: the host goes on.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes);
 void zero_bytes(void* p, Device dev, size_t bytes);
 void device_synchronize();

@@ -59,6 +59,59 @@ Lanes& lanes() {
   return *l;
 }
 
+// Host-to-GPU copies of up to kSlotBytes go through pinned staging slots, so the host need not
+// wait for the GPU: the bytes are copied into a slot at once (the caller may reuse its buffer on
+// return) and the GPU copies them from there in stream order. A slot is reused once an event
+// recorded behind its copy has fired, which waits only while kSlots copies are still queued. One
+// device: the slots' events belong to the device current when they were made.
+struct Staging {
+  static constexpr size_t kSlotBytes = size_t(1) << 20;
+  static constexpr int kSlots = 16;
+  std::mutex mu;
+  bool tried = false;
+  int device = -1;
+  char* host = nullptr;  // kSlots * kSlotBytes pinned bytes, or null: copies wait
+  cudaEvent_t done[kSlots] = {};
+  bool used[kSlots] = {};
+  int next = 0;
+};
+
+Staging& staging() {
+  static Staging* st = new Staging();  // pinned memory and events live for the process
+  return *st;
+}
+
+// The copy of `bytes` host bytes at src to dst on stream s through a staging slot; false (nothing
+// done) where there is none: too large, another device, or no pinned memory to be had.
+bool staged_upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
+  if (bytes > Staging::kSlotBytes) return false;
+  Staging& st = staging();
+  std::lock_guard<std::mutex> lock(st.mu);
+  int dev = -1;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (!st.tried) {
+    st.tried = true;
+    st.device = dev;
+    void* h = nullptr;
+    if (cudaHostAlloc(&h, Staging::kSlotBytes * Staging::kSlots, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    for (cudaEvent_t& e : st.done) FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    st.host = static_cast<char*>(h);
+  }
+  if (!st.host || dev != st.device) return false;
+  const int slot = st.next;
+  st.next = (st.next + 1) % Staging::kSlots;
+  if (st.used[slot]) FOURBIT_MEM_CHECK(cudaEventSynchronize(st.done[slot]));
+  char* h = st.host + size_t(slot) * Staging::kSlotBytes;
+  std::memcpy(h, src, bytes);
+  FOURBIT_MEM_CHECK(cudaMemcpyAsync(dst, h, bytes, cudaMemcpyHostToDevice, s));
+  FOURBIT_MEM_CHECK(cudaEventRecord(st.done[slot], s));
+  st.used[slot] = true;
+  return true;
+}
+
 cudaStream_t stream_now() {
   const Lanes& l = lanes();
   return l.current < 0 ? cudaStream_t(0) : l.streams[l.current];
@@ -143,8 +196,12 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
   const cudaStream_t s = stream_now();
+  // Host to GPU: through a pinned staging slot where one takes it, without waiting.
+  if (src_dev == Device::CPU && staged_upload(dst, src, bytes, s)) return;
   FOURBIT_MEM_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(dst_dev, src_dev), s));
-  FOURBIT_MEM_CHECK(cudaStreamSynchronize(s));
+  // GPU to GPU: stream-ordered like the kernels around it (the allocator's block reuse is ordered
+  // the same way), so no wait: a wait here idles the GPU until the host launches again.
+  if (dst_dev == Device::CPU || src_dev == Device::CPU) FOURBIT_MEM_CHECK(cudaStreamSynchronize(s));
 }
 
 void zero_bytes(void* p, Device dev, size_t bytes) {

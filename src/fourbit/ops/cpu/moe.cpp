@@ -70,14 +70,14 @@ void router_topk_t(const T* logits, int64_t k, T* probs, int32_t* idx, T* w, int
 // Then the softmax Jacobian: dlogit_e = p_e (dp_e - sum_f p_f dp_f).
 template <typename T>
 void router_backward_t(const T* probs, const int32_t* idx, const T* w, const T* dw, const T* dprobs,
-                       T* dlogits, int64_t N, int64_t E, int64_t k) {
+                       int64_t dprobs_stride, T* dlogits, int64_t N, int64_t E, int64_t k) {
 #pragma omp parallel
   {
     std::vector<double> dp(static_cast<size_t>(E));
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; ++n) {
       const T* p = probs + n * E;
-      for (int64_t e = 0; e < E; ++e) dp[size_t(e)] = dprobs ? double(dprobs[n * E + e]) : 0.0;
+      for (int64_t e = 0; e < E; ++e) dp[size_t(e)] = dprobs ? double(dprobs[n * dprobs_stride + e]) : 0.0;
       double S = 0.0, gw = 0.0;
       for (int64_t j = 0; j < k; ++j) {
         S += double(p[idx[n * k + j]]);
@@ -186,7 +186,7 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
     using T = decltype(tag);
     router_backward_t(probs.data<T>(), topk_idx.data<int32_t>(), topk_w.data<T>(),
                       d_topk_w.data<T>(), d_probs.defined() ? d_probs.data<T>() : nullptr,
-                      d_logits.data<T>(), N, E, k);
+                      d_probs.defined() && d_probs.size(0) == 1 ? 0 : E, d_logits.data<T>(), N, E, k);
   });
 }
 

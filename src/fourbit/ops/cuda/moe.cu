@@ -273,15 +273,15 @@ __device__ __forceinline__ double router_dp(const int32_t* idx, const float* dw,
 
 __global__ void __launch_bounds__(kRowThreads)
     router_backward_kernel(const float* probs, const int32_t* topk_idx, const float* topk_w,
-                           const float* d_topk_w, const float* d_probs, float* d_logits,
-                           int64_t N, int64_t E, int64_t k, IndexError* err) {
+                           const float* d_topk_w, const float* d_probs, int64_t d_probs_stride,
+                           float* d_logits, int64_t N, int64_t E, int64_t k, IndexError* err) {
   const int lane = lane_id();
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
     const float* p = probs + n * E;
     const int32_t* idx = topk_idx + n * k;
     const float* w = topk_w + n * k;
     const float* dw = d_topk_w + n * k;
-    const float* dpr = d_probs ? d_probs + n * E : nullptr;
+    const float* dpr = d_probs ? d_probs + n * d_probs_stride : nullptr;
     // Every lane reads the same k entries and computes the same S and gw.
     double S = 0.0, gw = 0.0;
     bool ok = true;
@@ -546,7 +546,7 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   router_backward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
       d_topk_w.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
-      d_logits.data<float>(), N, E, k, index_error_record());
+      d_probs.defined() && d_probs.size(0) == 1 ? 0 : E, d_logits.data<float>(), N, E, k, index_error_record());
   FOURBIT_LAUNCH_CHECK();
 }
 
