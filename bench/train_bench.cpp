@@ -2,11 +2,13 @@
 // Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
-//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|decode-path|per-expert|all] [--json FILE]
+//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|decode-path|per-expert|all]
+//                    [--keep-ffn off|on|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (default), the grouped kernel after a decode pass to BF16 copies and
 // before a scale epilogue (decode-path), one cuBLASLt GEMM per expert (per-expert), or each recipe
-// under all three, in this process.
+// under all three, in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
+// default) or kept from the forward (on: Model::set_keep_ffn_activations, the same bits), or both.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -85,7 +87,15 @@ int main(int argc, char** argv) {
     if (device != Device::CUDA) fail("train_bench: --expert-gemms {} is for --device cuda", expert_gemms);
     table.columns.insert(table.columns.begin() + 1, "expert GEMMs");
   }
-  for (const std::string& variant : variants) {
+  const std::string keep_arg = arg(argc, argv, "--keep-ffn", "off");
+  std::vector<bool> keeps;
+  if (keep_arg == "off") keeps = {false};
+  else if (keep_arg == "on") keeps = {true};
+  else if (keep_arg == "both") keeps = {false, true};
+  else fail("train_bench: --keep-ffn must be off, on or both, got '{}'", keep_arg);
+  if (keep_arg != "off") table.columns.insert(table.columns.begin() + 1, "FFN interiors");
+  for (const std::string& variant : variants)
+  for (const bool keep : keeps) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
@@ -95,6 +105,7 @@ int main(int argc, char** argv) {
     double bf16_ms = 0;
     for (const std::string& name : recipes) {
       Model model(cfg.model, recipe_by_name(name), device);
+      model.set_keep_ffn_activations(keep);
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
       std::vector<int32_t> tok(size_t(t.batch_size * t.seq_len)), tgt(tok.size());
@@ -134,6 +145,7 @@ int main(int argc, char** argv) {
       }
       table.add({{"recipe", name},
                  {"expert GEMMs", variant},
+                 {"FFN interiors", keep ? "kept" : "recomputed"},
                  {"step ms", step_ms},
                  {"tokens/s", tps},
                  {"TFLOP/s", tflops},

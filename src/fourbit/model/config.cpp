@@ -92,7 +92,7 @@ Field field(T& ref) {
 // Fields added after run records were first written: an older config.json or state.json lacks
 // them and gets the default.
 bool added_later(const std::string& section, const std::string& name) {
-  return section == "train" && name == "keep_last";
+  return section == "train" && (name == "keep_last" || name == "keep_ffn_activations");
 }
 
 std::map<std::string, Section> sections(RunConfig& c) {
@@ -120,7 +120,8 @@ std::map<std::string, Section> sections(RunConfig& c) {
         {"beta2", field(t.beta2)}, {"adam_eps", field(t.adam_eps)},
         {"grad_clip", field(t.grad_clip)}, {"eval_every", field(t.eval_every)},
         {"eval_batches", field(t.eval_batches)}, {"checkpoint_every", field(t.checkpoint_every)},
-        {"keep_last", field(t.keep_last)}, {"log_every", field(t.log_every)}, {"seed", field(t.seed)}}},
+        {"keep_last", field(t.keep_last)}, {"log_every", field(t.log_every)}, {"seed", field(t.seed)},
+        {"keep_ffn_activations", field(t.keep_ffn_activations)}}},
       {"data",
        {{"source", field(d.source)}, {"arithmetic_fraction", field(d.arithmetic_fraction)},
         {"eval_fraction", field(d.eval_fraction)}}},

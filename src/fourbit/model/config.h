@@ -61,6 +61,10 @@ struct TrainConfig {
   int64_t keep_last = 3;        // checkpoints kept (older ones are pruned); 0: keep all
   int64_t log_every = 10;
   uint64_t seed = 1234;
+  // Keep the FFNs' interiors (h1, h3; the routed experts' outputs) from forward to backward
+  // instead of recomputing them there: the same bits, a third less FFN GEMM work in the step, and
+  // two FP32 [tokens, d_ff] tensors more per FFN kept (Model::set_keep_ffn_activations).
+  bool keep_ffn_activations = false;
 };
 
 struct DataConfig {

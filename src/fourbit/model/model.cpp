@@ -37,8 +37,9 @@ int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 }  // namespace
 
 struct Model::Saved {
-  struct Ffn {  // dense FFN or shared expert: h1, h3 and a are recomputed in backward
+  struct Ffn {  // dense FFN or shared expert: a is recomputed in backward, h1 and h3 too unless kept
     LinearInput x;
+    Tensor h1, h3;  // kept (keep_ffn_activations) or undefined
   };
   struct Layer {
     Tensor x_in, rstd1;  // attention block input (residual stream) and its norm's rstd
@@ -52,6 +53,7 @@ struct Model::Saved {
     std::vector<double> frac;            // f_e: share of assignments routed to expert e
     Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
     std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
+    Tensor expert_h1, expert_h3, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
     Ffn shared, dense;
   };
   Tensor positions;
@@ -87,6 +89,36 @@ struct ModelRunner {
     return sites;
   }
   const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
+
+  // The MoE layers' load-balance loss terms of a forward asked for one: each layer's router
+  // probabilities and routed shares, read back and summed after the forward (one wait for the GPU
+  // then, instead of one in every MoE layer's forward).
+  struct PendingAux {
+    Tensor probs;
+    std::vector<double> frac;
+  };
+  std::vector<PendingAux> pending_aux{};
+  // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
+  // with f_e the routed share (no gradient) and P_e the mean router probability, each expert's
+  // probabilities summed over the tokens in token order (a pass over the rows in memory order,
+  // one running sum per expert).
+  double aux_loss_value() {
+    double total = 0;
+    for (const PendingAux& pa : pending_aux) {
+      const int64_t N = pa.probs.size(0), E = pa.probs.size(1);
+      const Tensor ph = pa.probs.to(Device::CPU);
+      std::vector<double> pe(static_cast<size_t>(E), 0.0);
+      const bool f64 = ph.dtype() == DType::F64;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t e = 0; e < E; ++e)
+          pe[size_t(e)] += f64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
+      double aux = 0;
+      for (int64_t e = 0; e < E; ++e) aux += pa.frac[size_t(e)] * pe[size_t(e)] / double(N);
+      total += m.aux_loss_coef_ * double(E) * aux;
+    }
+    pending_aux.clear();
+    return total;
+  }
 
   // partner: the weight sharing w's outer scale (an FFN's w1 and w3, NUMERICS "NVFP4").
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
@@ -214,7 +246,13 @@ struct ModelRunner {
     record_input_amax(w.name + ".a", a, r);
     const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
     gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
-    if (saved) saved->x = std::move(x);
+    if (saved) {
+      saved->x = std::move(x);
+      if (m.keep_ffn_) {
+        saved->h1 = h1;
+        saved->h3 = h3;
+      }
+    }
     return y;
   }
 
@@ -223,9 +261,13 @@ struct ModelRunner {
                     bool dx_accumulate) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), F = w.w1.size(0);
-    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F});
-    gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
-    gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
+    Tensor h1 = saved.h1, h3 = saved.h3, a = act({N, F});
+    if (!h1.defined()) {  // recomputed: the forward's GEMMs on its kept input, the same bits
+      h1 = act({N, F});
+      h3 = act({N, F});
+      gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+      gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
+    }
     ops::swiglu_forward(h1, h3, a);
     LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
     Tensor da = act({N, F}), dh1 = act({N, F}), dh3 = act({N, F});
@@ -297,7 +339,7 @@ struct ModelRunner {
   // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
   // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert.
   Tensor moe_forward(const Tensor& xn, const LayerWeights& w, LayerWeights& g, const std::string& name,
-                     Model::Saved::Layer* s, double* aux_loss) {
+                     Model::Saved::Layer* s, bool aux) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -311,24 +353,11 @@ struct ModelRunner {
     ops::router_topk(logits, K, probs, topk_idx, topk_w);
     ops::RoutePlan plan = ops::route_plan(topk_idx, E);
 
-    // Load-balance loss (Switch): coef * E * sum_e f_e * P_e, with f_e the routed share
-    // (no gradient) and P_e the mean router probability. Not asked for by the sampler (no
-    // aux_loss): its device-to-host copy would cost a synchronisation per layer and token.
+    // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
+    // term is summed after the forward.
     std::vector<double> frac(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
-    if (aux_loss) {
-      // P_e: each expert's probabilities summed over the tokens in token order (a pass over the
-      // rows in memory order, one running sum per expert).
-      const Tensor ph = probs.to(Device::CPU);
-      std::vector<double> pe(static_cast<size_t>(E), 0.0);
-      const bool f64 = ph.dtype() == DType::F64;
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t e = 0; e < E; ++e)
-          pe[size_t(e)] += f64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
-      double aux = 0;
-      for (int64_t e = 0; e < E; ++e) aux += frac[size_t(e)] * pe[size_t(e)] / double(N);
-      *aux_loss += m.aux_loss_coef_ * double(E) * aux;
-    }
+    if (aux) pending_aux.push_back({probs, frac});
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
     // then gather the packed rows into expert order.
@@ -351,7 +380,9 @@ struct ModelRunner {
       x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                       expert_sites(name + "moe.w13/wgrad/X^T"), cls, log);
 
-    Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, nullptr);
+    ExpertInner inner;
+    const bool keep = s && m.keep_ffn_;
+    Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, keep ? &inner : nullptr);
     Tensor out = act({N, D});
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out);
 
@@ -368,14 +399,20 @@ struct ModelRunner {
       s->frac = std::move(frac);
       s->x_perm = std::move(x_perm);
       s->x_perm_wgrad = std::move(x_perm_wgrad);
+      if (keep) {
+        s->expert_h1 = inner.h1;
+        s->expert_h3 = inner.h3;
+        s->expert_y = y_perm;
+      }
     }
     return out;
   }
 
   // The experts' weight gradients: grad[e] += a[e] . b[e]^T for every expert that received tokens
   // (grad: an [E, R, C] gradient; a, b: per-expert operands, empty for experts without tokens),
-  // every set's GEMMs in one ops::gemm_batch (each operand decoded once, the GEMMs on GPU lanes:
-  // a ~1000-token expert GEMM alone fills a quarter of an H200).
+  // every set's GEMMs in one ops::gemm_batch_grouped (each operand decoded once; on Hopper one
+  // launch of the grouped kernel's K-grouped form, elsewhere the GEMMs on GPU lanes: a ~1000-token
+  // expert GEMM alone fills a quarter of an H200).
   struct ExpertWgrad {
     const std::vector<Prepared>& a;
     const std::vector<Prepared>& b;
@@ -392,7 +429,7 @@ struct ModelRunner {
         outs.push_back(w.grad.view(int64_t(e) * R * C, {R, C}));
         jobs.push_back(ops::GemmJob{w.a[e].op(), w.b[e].op(), &outs.back(), true});
       }
-    ops::gemm_batch(jobs);
+    ops::gemm_batch_grouped(jobs);
   }
 
   // The routed experts over expert-sorted rows: y = (silu(x W1^T) * (x W3^T)) W2^T per expert.
@@ -431,7 +468,17 @@ struct ModelRunner {
     const ops::RoutePlan& plan = s.plan;
 
     ExpertInner in;
-    const Tensor y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
+    Tensor y_perm;
+    if (s.expert_y.defined()) {  // kept: only SwiGLU and w2's input are recomputed (the same bits)
+      y_perm = s.expert_y;
+      in.h1 = s.expert_h1;
+      in.h3 = s.expert_h3;
+      in.a = act({N * K, F});
+      ops::swiglu_forward(in.h1, in.h3, in.a);
+      in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+    } else {
+      y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
+    }
     Tensor dy_perm = act({N * K, D}), d_topk_w = act({N, K});
     ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
 
@@ -469,12 +516,12 @@ struct ModelRunner {
     std::vector<double> dp_col(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e)
       dp_col[size_t(e)] = double(loss_weight) * m.aux_loss_coef_ * double(E) * s.frac[size_t(e)] / double(N);
-    Tensor d_probs_host = Tensor::empty({N, E}, m.dtype_, Device::CPU);
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t e = 0; e < E; ++e) {
-        if (m.dtype_ == DType::F64) d_probs_host.data<double>()[n * E + e] = dp_col[size_t(e)];
-        else d_probs_host.data<float>()[n * E + e] = float(dp_col[size_t(e)]);
-      }
+    // one row every token shares: E values to upload
+    Tensor d_probs_host = Tensor::empty({1, E}, m.dtype_, Device::CPU);
+    for (int64_t e = 0; e < E; ++e) {
+      if (m.dtype_ == DType::F64) d_probs_host.data<double>()[e] = dp_col[size_t(e)];
+      else d_probs_host.data<float>()[e] = float(dp_col[size_t(e)]);
+    }
     const Tensor d_probs = d_probs_host.to(m.device_);
     Tensor d_logits = act({N, E});
     ops::router_backward(s.probs, s.topk_idx, s.topk_w, d_topk_w, d_probs, d_logits);
@@ -562,10 +609,11 @@ double host_sum(const Tensor& t) {
   return s;
 }
 
-// The layer stack and LM head; with `s`, keeps what backward needs. With `kv` (the sampler's
-// cached forward) attention goes through the cache, no aux loss is computed (aux may be null) and
-// only the rows `logit_rows` (I32 indices into the B * T rows; undefined: all) reach the LM head.
-Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::Saved* s, double* aux,
+// The layer stack and LM head; with `s`, keeps what backward needs; with `aux`, leaves the MoE
+// layers' load-balance terms in run (ModelRunner::aux_loss_value). With `kv` (the sampler's cached
+// forward) attention goes through the cache and only the rows `logit_rows` (I32 indices into the
+// B * T rows; undefined: all) reach the LM head.
+Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::Saved* s, bool aux,
                       const KvStep* kv = nullptr, const Tensor& logit_rows = Tensor()) {
   const ModelConfig& cfg = m.config();
   const int64_t B = tokens.size(0), T = tokens.size(1), D = cfg.d_model, V = cfg.vocab_size;
@@ -660,13 +708,13 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
     s->tokens = tokens;
     s->layers.resize(size_t(cfg_.n_layers));
   }
-  double aux = 0;
-  const Tensor logits = forward_logits(*this, run, tokens, s.get(), &aux);
-
-  // Cross-entropy; its gradient (of loss_weight * mean CE) is computed here, fused.
+  // The targets that count (before any GPU work is queued: reading them back waits for the GPU).
   const Tensor th = targets.to(Device::CPU);
   int64_t n_valid = 0;
   for (int64_t i = 0; i < N; ++i) n_valid += th.data<int32_t>()[i] >= 0 ? 1 : 0;
+  const Tensor logits = forward_logits(*this, run, tokens, s.get(), true);
+
+  // Cross-entropy; its gradient (of loss_weight * mean CE) is computed here, fused.
   Tensor losses = run.act({N});
   Tensor dlogits;
   if (for_backward) dlogits = Tensor::empty({N, V}, dtype_, device_);
@@ -687,7 +735,7 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   } else {
     st.loss = n_valid ? host_sum(losses) / double(n_valid) : 0.0;
   }
-  st.aux_loss = aux;
+  st.aux_loss = run.aux_loss_value();
   st.token_losses = losses;
 
   if (s) {
@@ -701,11 +749,12 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
       if (sl.moe) {
         by["router"] += tensor_bytes(sl.probs) + tensor_bytes(sl.topk_idx) + tensor_bytes(sl.topk_w) +
                         tensor_bytes(sl.plan.slot_of) + tensor_bytes(sl.plan.token_of_slot);
-        int64_t ex = sl.x_perm.bytes() + sl.shared.x.bytes();
+        int64_t ex = sl.x_perm.bytes() + sl.shared.x.bytes() + tensor_bytes(sl.expert_h1) + tensor_bytes(sl.expert_h3) +
+                     tensor_bytes(sl.expert_y) + tensor_bytes(sl.shared.h1) + tensor_bytes(sl.shared.h3);
         for (const Prepared& p : sl.x_perm_wgrad) ex += p.bytes();
         by["expert"] += ex;
       } else {
-        by["dense"] += sl.dense.x.bytes();
+        by["dense"] += sl.dense.x.bytes() + tensor_bytes(sl.dense.h1) + tensor_bytes(sl.dense.h3);
       }
     }
     by["residual"] += tensor_bytes(s->x_final) + tensor_bytes(s->rstd_f);
@@ -778,7 +827,7 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache
     rows = Tensor::from_host(logit_rows.data(), {int64_t(logit_rows.size())}, DType::I32, device_);
   }
   ModelRunner run{*this, cfg_, sr, nullptr};
-  return forward_logits(*this, run, tokens, nullptr, nullptr, &kv, rows);
+  return forward_logits(*this, run, tokens, nullptr, false, &kv, rows);
 }
 
 Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
@@ -786,8 +835,7 @@ Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
   if (tokens.size(1) > cfg_.max_seq_len)
     fail("logits: sequence length {} exceeds max_seq_len {}", tokens.size(1), cfg_.max_seq_len);
   ModelRunner run{*this, cfg_, sr, nullptr};
-  double aux = 0;
-  return forward_logits(*this, run, tokens, nullptr, &aux);
+  return forward_logits(*this, run, tokens, nullptr, false);
 }
 
 // ---- the linears' forward weights and the recorded input amax ---------------------------------

@@ -192,6 +192,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   const Recipe& recipe = recipe_by_name(opt.recipe);
 
   Model model(cfg.model, recipe, opt.device);
+  model.set_keep_ffn_activations(cfg.train.keep_ffn_activations);
   Optimizer optim(model.params(), cfg.train);
   LrSchedule schedule(cfg.train);
   int64_t start_step = 0;

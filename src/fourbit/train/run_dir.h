@@ -62,7 +62,7 @@ class RunLock {
 // checkpoint cadence. train.steps changes through the LR schedule (LrSchedule); the device may
 // change too. Every other difference is an error.
 inline const std::vector<std::string> kResumeChangeable = {"train.log_every", "train.checkpoint_every",
-                                                           "train.keep_last"};
+                                                           "train.keep_last", "train.keep_ffn_activations"};
 
 struct ConfigChange {
   std::string field;  // "train.lr"

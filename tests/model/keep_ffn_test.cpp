@@ -1,0 +1,78 @@
+// defines: tests of Model::set_keep_ffn_activations (train.keep_ffn_activations): keeping the FFNs'
+//          interiors from forward to backward gives the bits of recomputing them — loss,
+//          load-balance loss and every gradient — for every recipe, on the CPU and (when there is
+//          one) the GPU, and keeps exactly the h1, h3 (and routed experts' output) bytes more.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "fourbit/model/model.h"
+#include "fourbit/tensor/device_memory.h"
+#include "model/model_test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::modeltest;
+
+namespace {
+
+struct Pass {
+  ForwardStats st;
+  std::vector<float> grad;
+  SavedBytes saved;
+};
+
+Pass run(const ModelConfig& c, const std::string& recipe, Device dev, bool keep, const Tensor& tokens,
+         const Tensor& targets) {
+  Model m(c, recipe_by_name(recipe), dev);
+  m.set_keep_ffn_activations(keep);
+  init_params(m.params(), c, 3);
+  m.params().zero_grad();
+  Pass p;
+  // SR streams of step 5: the recipes that round stochastically draw the same bits both times
+  p.st = m.forward(tokens.to(dev), targets.to(dev), SrStreams{9, 5, 0}, true);
+  m.backward();
+  const Tensor g = m.params().flat_grad().to(Device::CPU);
+  p.grad.assign(g.data<float>(), g.data<float>() + g.numel());
+  p.saved = m.saved_bytes();
+  return p;
+}
+
+void expect_same(const ModelConfig& c, Device dev) {
+  const Tensor tokens = random_tokens(2, 12, 4);
+  const Tensor targets = shifted_targets(tokens, 258);
+  const int64_t N = 2 * 12, F = c.d_expert, Fs = c.shared_hidden(), Fd = c.dense_hidden();
+  const int64_t moe_layers = c.n_layers - c.dense_layers;
+  // Kept: h1, h3 of each dense FFN [N, Fd] and shared expert [N, Fs]; h1, h3 [N k, F] and the
+  // routed output [N k, D] of each MoE layer; FP32.
+  const int64_t extra_dense = c.dense_layers * 2 * N * Fd * 4;
+  const int64_t extra_expert = moe_layers * (2 * N * Fs + 2 * N * c.top_k * F + N * c.top_k * c.d_model) * 4;
+  for (const char* recipe : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) {
+    SCOPED_TRACE(recipe);
+    const Pass recompute = run(c, recipe, dev, false, tokens, targets);
+    const Pass keep = run(c, recipe, dev, true, tokens, targets);
+    EXPECT_EQ(recompute.st.loss, keep.st.loss);
+    EXPECT_EQ(recompute.st.aux_loss, keep.st.aux_loss);
+    ASSERT_EQ(recompute.grad.size(), keep.grad.size());
+    EXPECT_EQ(std::memcmp(recompute.grad.data(), keep.grad.data(), keep.grad.size() * 4), 0) << "gradients differ";
+    auto at = [](const SavedBytes& s, const char* k) {
+      const auto it = s.by_category.find(k);
+      return it == s.by_category.end() ? int64_t(0) : it->second;
+    };
+    EXPECT_EQ(at(keep.saved, "dense") - at(recompute.saved, "dense"), extra_dense);
+    EXPECT_EQ(at(keep.saved, "expert") - at(recompute.saved, "expert"), extra_expert);
+    EXPECT_EQ(keep.saved.total() - recompute.saved.total(), extra_dense + extra_expert);
+  }
+}
+
+}  // namespace
+
+TEST(KeepFfnActivations, SameBitsAsRecomputingOnTheCpu) {
+  const OmpThreads threads(2);
+  expect_same(tiny_moe_config(), Device::CPU);
+}
+
+TEST(CudaKeepFfnActivations, SameBitsAsRecomputing) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  expect_same(tiny_moe_config(3, 64), Device::CUDA);
+}
