@@ -4,7 +4,8 @@
 // sizes; accumulate mode bit for bit; rows outside every group untouched; a row's bits the same
 // whatever else is in the launch (M = 1, 7, 64, 1000 and 16384 rows, other groups around it),
 // with a split-K negative control that this comparison catches; bad offsets reported by name. The
-// first three run each main loop: wgmma (Hopper) and the portable mma.sync.
+// first three run each main loop: wgmma (Hopper) and the portable mma.sync; on Hopper the
+// training tile's TMA form equals its cp.async form bit for bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -189,6 +190,43 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
     int64_t differ = 0;
     for (size_t i = 0; i < sh.size(); ++i) differ += std::memcmp(&sh[i], &fh[i], sizeof(float)) != 0;
     EXPECT_GT(differ, 0) << "split-K gave the same bits: the invariance comparison could not see a changed order";
+  }
+}
+
+// The Hopper loop's training tile fed by TMA in two-CTA clusters (the default) gives the bits of the
+// same tile fed by cp.async: ragged and empty groups, one column tile (the cluster's second CTA
+// has no columns), a column tile and a part, K past a whole tile, accumulate on and off.
+TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  struct Case {
+    int64_t M, N, K;
+    std::vector<int32_t> off;
+  };
+  const std::vector<Case> cases = {
+      {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
+      {1030, 72, 512, {0, 0, 515, 1030}},
+      {16384, 1024, 1024, {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336,
+                           15000, 16384}},
+  };
+  for (const Case& c : cases) {
+    const int64_t G = int64_t(c.off.size()) - 1;
+    const Bf16 a = random_bf16({c.M, c.K}, 41, 1.0f), b = random_bf16({G, c.N, c.K}, 42, 0.05f);
+    const Bf16 c0 = random_bf16({c.M, c.N}, 43, 1.0f);
+    for (bool accumulate : {false, true}) {
+      Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
+      ops::convert(c0.dev, tma);
+      Tensor cp = tma.clone();
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+      ops::cuda::set_grouped_tma(false);
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
+      ops::cuda::set_grouped_tma(true);
+      ops::cuda::check_recorded_index_errors();
+      const std::vector<float> t = host_floats(tma), q = host_floats(cp);
+      EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
+          << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "");
+      if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+    }
   }
 }
 

@@ -30,6 +30,7 @@
 // Bad offsets (outside [0, M] or decreasing) never make a CTA read or write outside its tensors:
 // each group's rows are clamped into [0, M], and the first bad offset is recorded in the device
 // index-error record, reported at the next check_index_errors (index_errors.cuh).
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -646,6 +647,157 @@ void launch_wgrad(const KGroupedArgs& p) {
   FOURBIT_LAUNCH_CHECK();
 }
 
+// ---- the TMA form of the training tile (BF16 operands) -------------------------------------------
+//
+// The 256 x 128 BF16 tile of wgmma_kernel fed by TMA instead of cp.async from every thread, in
+// clusters of two CTAs on neighbouring column tiles that share their A tile: each CTA loads half
+// of it and multicasts that half into both, so a pair reads A from L2 once (a third less L2 -> SM
+// traffic, what bounds the cp.async loop). One producer thread issues the copies into a 4-stage
+// ring; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
+// an "empty" one the releases of the 8 consumer warpgroups of the pair, after which the stage may
+// be overwritten in either CTA. The four consumer warpgroups run the same m64n128k16 chain over
+// the same 64-wide K tiles as wgmma_kernel, so every element gets wgmma_kernel's bits.
+struct TmaParams {
+  CUtensorMap a, b;  // A [M, K] and B [G N, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
+  GroupedArgs g;
+};
+
+constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kTmaThreads, 1)
+    tma_kernel(const __grid_constant__ TmaParams tp) {
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+  constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
+  const GroupedArgs& p = tp.g;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int s_group;
+  __shared__ long long s_r0, s_r1;
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+
+  // Both CTAs of a cluster share blockIdx.y, so they find the same group and leave together.
+  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
+  __syncthreads();
+  if (s_group < 0) return;
+  const long long r0 = s_r0, r1 = s_r1;
+  const int group = s_group, n0 = int(blockIdx.x) * BN, tid = int(threadIdx.x);
+  const uint32_t rank = cluster_ctarank();
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, 2 * kTmaConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
+  const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
+
+  if (tid >= 128 * kTmaConsumers) {  // the producer warp: one thread issues every copy
+    if (tid == 128 * kTmaConsumers) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int st = kt % kStages, round = kt / kStages;
+        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+        const int k0 = p.k_begin + kt * kBK;
+        tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(r0) + int(rank) * (BM / 2), bar, uint16_t(3));
+        tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, group * p.n + n0, bar);
+      }
+    }
+    __syncwarp();
+  } else {
+    const int wm = tid >> 7;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int st = kt % kStages;
+      mbarrier_wait(full0 + 8u * st, uint32_t(kt / kStages) & 1u);
+      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+      const uint64_t da = wgmma_desc_sw128(stage + uint32_t(wm * 64 * 128)),
+                     db = wgmma_desc_sw128(stage + uint32_t(S::kATile));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
+      wgmma_commit();
+      wgmma_wait<1>();  // the MMAs of kt - 1 are done: release its stage in both CTAs
+      pin(acc);
+      if (kt > 0 && (tid & 127) == 0) {
+        const uint32_t bar = empty0 + 8u * uint32_t((kt - 1) % kStages);
+        mbarrier_arrive_cluster(bar, 0);
+        mbarrier_arrive_cluster(bar, 1);
+      }
+    }
+    wgmma_wait<0>();
+    pin(acc);
+    // ---- epilogue: wgmma_kernel's ----
+    const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+    const int t = tid & 127, lane = tid & 31;
+    const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const long long row = r0 + row_base + 8 * half;
+      if (row >= r1) continue;
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+  }
+  cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
+}
+
+// cuTensorMapEncodeTiled from the driver (no link against libcuda), or null.
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return EncodeTiled(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A BF16 [rows, cols] operand with rows ld bytes apart as a TMA map of 64 x box_rows boxes in the
+// 128-byte swizzle, zeros outside.
+bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t ld, uint32_t box_rows) {
+  const EncodeTiled fn = encode_tiled();
+  if (!fn || rows == 0 || cols == 0) return false;
+  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {ld};
+  const cuuint32_t box[2] = {uint32_t(kBK), box_rows}, elem[2] = {1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The TMA form for BF16 groups of the training tile; false where it does not apply (B's slices not
+// back to back, no driver entry point), and the caller runs wgmma_kernel.
+bool launch_tma(const GroupedArgs& p) {
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+  if (p.b.slice_bytes != int64_t(p.n) * p.b.ld) return false;
+  TmaParams tp{};
+  tp.g = p;
+  if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2) ||
+      !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld), S::BN))
+    return false;
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const unsigned col_tiles = unsigned((p.n + S::BN - 1) / S::BN);
+  const dim3 grid((col_tiles + 1) / 2 * 2, unsigned((p.m + S::BM - 1) / S::BM + p.groups));
+  tma_kernel<<<grid, kTmaThreads, S::kSmemBytes, stream()>>>(tp);
+  FOURBIT_LAUNCH_CHECK();
+  return true;
+}
+
 template <Format F, int WGM, int WGN>
 void launch_shape(const GroupedArgs& p) {
   using S = Shape<F, WGM, WGN>;
@@ -663,9 +815,9 @@ void launch_shape(const GroupedArgs& p) {
 // 256 x 128 tiles for training shapes, 64 x 256 where the groups average at most 64 rows (decode):
 // the same bits either way.
 template <Format F>
-void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
+void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
   if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2>(p);
-  else hopper::launch_shape<F, 4, 1>(p);
+  else if (!(F == Format::BF16 && tma && launch_tma(p))) hopper::launch_shape<F, 4, 1>(p);
 }
 
 }  // namespace hopper
@@ -693,7 +845,7 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
   else launch_shape<F, 128>(p);
 }
 
-std::atomic<bool> g_wgmma{true};
+std::atomic<bool> g_wgmma{true}, g_tma{true};
 
 // Writes 1 where the code the device runs was compiled with sm_90a's features (wgmma), 0 where it
 // was not (a plain sm_90 build, or the portable PTX JIT-compiled): the wgmma wrappers trap there.
@@ -733,7 +885,8 @@ bool hopper_device() {
 
 template <Format F>
 void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
-  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device()) hopper::launch_format<F>(p, rows_per_group);
+  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device())
+    hopper::launch_format<F>(p, rows_per_group, g_tma.load(std::memory_order_relaxed));
   else launch_format<F>(p, rows_per_group);
 }
 
@@ -868,6 +1021,8 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 }
 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
+
+void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
 
 bool grouped_wgmma_available() { return hopper_device(); }
 

@@ -1,10 +1,12 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
-//          wgmma_m64n128k16
+//          wgmma_m64n128k16, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
+//          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d,
+//          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
 // resident casts in cast/): asynchronous global -> shared copies, ldmatrix, the BF16 mma.sync and
 // Hopper's warpgroup wgmma.
-// Each wraps one instruction; the kernels own their tiling and swizzles.
+// Each wraps one instruction (or a wait loop on one); the kernels own their tiling and swizzles.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -130,6 +132,103 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
   __trap();  // wgmma exists on sm_90a only; hosts dispatch here only on such devices
+#endif
+}
+
+// ---- mbarriers, clusters and TMA (sm_90a): the grouped kernel's TMA main loop -----------------
+// An mbarrier is a 64-bit shared-memory object counting arrivals and (tx) bytes in phases; a
+// phase completes when its arrivals and its expected bytes are all in, and its parity flips.
+
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+#else
+  (void)bar, (void)arrivals;
+  __trap();
+#endif
+}
+// Makes the initialisations visible to the cluster (before the cluster barrier that publishes them).
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival that also expects `bytes` more of asynchronous copies in the current phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#else
+  (void)bar, (void)bytes;
+  __trap();
+#endif
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar, (void)parity;
+  __trap();
+#endif
+}
+// One arrival (release, cluster scope) on the mbarrier at CTA-relative address bar of cluster CTA
+// `cta` (this one or a peer).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t cta) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+#else
+  (void)bar, (void)cta;
+  __trap();
+#endif
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+// Every thread of every CTA of the cluster (all threads of each warp) arrives, then waits.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// TMA: the box at (c0 = innermost element, c1 = row) of the tensor map `map` (a __grid_constant__
+// parameter) into shared memory at dst, completing `bar`'s expected bytes; multicast: into dst
+// (and its mbarrier at bar) of every cluster CTA in cta_mask.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* map, int c0, int c1, uint32_t bar,
+                                                      uint16_t cta_mask) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)bar, (void)cta_mask;
+  __trap();
 #endif
 }
 
