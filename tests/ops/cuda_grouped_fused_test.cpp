@@ -27,27 +27,15 @@ namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
 
+using optest::bytes;
 using optest::MainLoop;
-
-Tensor randn_cuda(const Shape& s, uint64_t seed, float scale) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(size_t(shape_numel(s)));
-  for (auto& x : v) x = nd(g) * scale;
-  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
-}
+using optest::randn_cuda;
 
 QuantSpec spec(Format f, OuterScale outer) {
   QuantSpec s;
   s.fmt = f;
   s.outer = f == Format::NVFP4 ? outer : OuterScale::None;
   return s;
-}
-
-std::vector<uint8_t> bytes(const Tensor& t) {
-  const Tensor h = t.to(Device::CPU);
-  const auto* p = static_cast<const uint8_t*>(h.raw());
-  return {p, p + h.nbytes()};
 }
 
 struct Case {

@@ -1,11 +1,32 @@
-// defines: MainLoop
+// defines: MainLoop, randn_cuda, bytes
 // What the grouped-kernel tests share (CUDA builds only).
 #pragma once
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <random>
+#include <vector>
+
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/tensor/tensor.h"
 
 namespace fourbit::optest {
+
+// An F32 CUDA tensor of N(0, scale^2) values from seed.
+inline Tensor randn_cuda(const Shape& s, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = nd(g) * scale;
+  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
+}
+
+// A tensor's bytes, on the host.
+inline std::vector<uint8_t> bytes(const Tensor& t) {
+  const Tensor h = t.to(Device::CPU);
+  const auto* p = static_cast<const uint8_t*>(h.raw());
+  return {p, p + h.nbytes()};
+}
 
 // Runs the grouped kernel's wgmma (Hopper) or mma.sync main loop in its scope (on GPUs other than
 // Hopper both are the mma.sync one), naming it in failures.

@@ -18,6 +18,7 @@
 #include "test_util.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "ops/cuda_grouped_util.h"
 #endif
 
 using namespace fourbit;
@@ -27,13 +28,8 @@ namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
 
-Tensor randn_cuda(const Shape& s, uint64_t seed, float scale = 1.0f) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(size_t(shape_numel(s)));
-  for (auto& x : v) x = nd(g) * scale;
-  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
-}
+using optest::bytes;
+using optest::randn_cuda;
 
 std::vector<double> host_doubles(const Tensor& t) {
   Tensor f = t;
@@ -43,12 +39,6 @@ std::vector<double> host_doubles(const Tensor& t) {
   }
   const Tensor h = f.to(Device::CPU);
   return {h.data<float>(), h.data<float>() + h.numel()};
-}
-
-std::vector<uint8_t> bytes(const Tensor& t) {
-  const Tensor h = t.to(Device::CPU);
-  const auto* p = static_cast<const uint8_t*>(h.raw());
-  return {p, p + h.nbytes()};
 }
 
 // Per-expert token ranges of one MoE layer's weight gradients: one token, a K tile and one, a few

@@ -409,6 +409,24 @@ __device__ __forceinline__ void pin(float (&acc)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// The epilogue of warpgroup wm's 64 x 128 block of a row-grouped tile (wgmma_m64n128k16's
+// accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns
+// < N only, in NUMERICS' order (store_pair).
+__device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[64], int wm, int col0,
+                                            long long r0, long long r1) {
+  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
+  const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = col0 + 2 * (lane & 3);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const long long row = r0 + row_base + 8 * half;
+    if (row >= r1) continue;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+}
+
 // The BF16 pipeline of K tiles 0 .. k_tiles - 1: load_stage(kt) starts the copies of tile kt into
 // stage kt % kStages, mma_stage(kt) issues (and commits) its MMAs. Tiles kt + 1, kt + 2 are in
 // flight while the MMAs of kt - 1 and kt run: the copies of tile kt + 2 go to the stage of kt - 2,
@@ -518,19 +536,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     }
   }
   cp_async_wait<0>();
-
-  // ---- epilogue: the accumulator layout of wgmma_m64n128k16 ----
-  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
-  const int t = tid & 127, lane = tid & 31;
-  const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + wn * 128 + 2 * (lane & 3);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const long long row = r0 + row_base + 8 * half;
-    if (row >= r1) continue;
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-  }
+  store_block(p, group, acc, wm, n0 + wn * 128, r0, r1);
 }
 
 // ---- the K-grouped form (weight gradients): C_j (+)= A_j . B_j^T, problem j's K its own ----------
@@ -732,18 +738,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kTmaThreads, 1)
     }
     wgmma_wait<0>();
     pin(acc);
-    // ---- epilogue: wgmma_kernel's ----
-    const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
-    const int t = tid & 127, lane = tid & 31;
-    const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const long long row = r0 + row_base + 8 * half;
-      if (row >= r1) continue;
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-    }
+    store_block(p, group, acc, wm, n0, r0, r1);
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
 }
