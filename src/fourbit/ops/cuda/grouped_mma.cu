@@ -670,7 +670,7 @@ struct TmaParams {
 
 constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
 
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kTmaThreads, 1)
+__global__ void __launch_bounds__(kTmaThreads, 1)
     tma_kernel(const __grid_constant__ TmaParams tp) {
   using S = Shape<Format::BF16, kTmaConsumers, 1>;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
@@ -788,8 +788,21 @@ bool launch_tma(const GroupedArgs& p) {
   (void)attr;
   const unsigned col_tiles = unsigned((p.n + S::BN - 1) / S::BN);
   const dim3 grid((col_tiles + 1) / 2 * 2, unsigned((p.m + S::BM - 1) / S::BM + p.groups));
-  tma_kernel<<<grid, kTmaThreads, S::kSmemBytes, stream()>>>(tp);
-  FOURBIT_LAUNCH_CHECK();
+  // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
+  // would not compile for the portable compute_80 code)
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = S::kSmemBytes;
+  cfg.stream = stream();
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 2;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster;
+  cfg.numAttrs = 1;
+  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel, tp));
   return true;
 }
 
