@@ -217,7 +217,9 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
       Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
       ops::convert(c0.dev, tma);
       Tensor cp = tma.clone();
+      const int64_t launches = ops::cuda::grouped_tma_launches();
       ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+      EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
       ops::cuda::set_grouped_tma(false);
       ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
       ops::cuda::set_grouped_tma(true);

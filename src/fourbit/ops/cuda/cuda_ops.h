@@ -2,7 +2,8 @@
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, grouped_wgmma_available,
+//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, grouped_tma_launches,
+//          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
@@ -124,6 +125,8 @@ void set_grouped_wgmma(bool on);
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
 // same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
+// How many launches took the TMA form so far in this process (tests check that it ran).
+int64_t grouped_tma_launches();
 
 // Whether this device runs that Hopper loop at all: compute capability 9.x and a build with sm_90a
 // code (the default CMAKE_CUDA_ARCHITECTURES); elsewhere the grouped kernel is the mma.sync one.

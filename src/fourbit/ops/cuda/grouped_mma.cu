@@ -771,6 +771,8 @@ bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, ui
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+std::atomic<int64_t> g_tma_launches{0};
+
 // The TMA form for BF16 groups of the training tile; false where it does not apply (B's slices not
 // back to back, no driver entry point), and the caller runs wgmma_kernel.
 bool launch_tma(const GroupedArgs& p) {
@@ -802,7 +804,13 @@ bool launch_tma(const GroupedArgs& p) {
   cluster[0].val.clusterDim.z = 1;
   cfg.attrs = cluster;
   cfg.numAttrs = 1;
-  FOURBIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, tma_kernel, tp));
+  // A cluster launch the device refuses (a configuration error, reported at once) leaves the
+  // tile to the cp.async form.
+  if (cudaLaunchKernelEx(&cfg, tma_kernel, tp) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  g_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -1031,6 +1039,8 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
+
+int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
 bool grouped_wgmma_available() { return hopper_device(); }
 
