@@ -14,7 +14,10 @@
 // sizes (B bytes / time, against the measured copy bandwidth of 4.1-4.3 TB/s). A third table runs
 // the experts' weight gradients (K over each expert's tokens) through the kernel's K-grouped form
 // (ops::gemm_batch_grouped) against per-expert cuBLASLt on lanes (ops::gemm_batch), on the bf16
-// recipe's token-major BF16 operands and on Col-axis MXFP8 ones.
+// recipe's token-major BF16 operands and on Col-axis MXFP8 ones. A fourth runs the bf16 recipe's
+// expert input gradients dX = dY . W_e, the forward's [E, K, N] weights read MN-major in place by
+// the grouped kernel (ops::grouped_gemm with a transposed B), against per-expert cuBLASLt on lanes
+// and against the grouped kernel on a K-major copy of the weights (the same bits, checked).
 // Usage: gpu_grouped_gemm [--reps N] [--json FILE]
 #include <cuda_runtime.h>
 
@@ -107,7 +110,8 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "cp.async ms", "mma.sync ms", "gap", "mma.sync gap"};
+                   "grouped / dense speed", "vs per-expert", "TMA 128-row ms", "cp.async ms", "mma.sync ms", "gap",
+                   "mma.sync gap"};
   for (const Case& c : cases) {
     const int64_t G = int64_t(c.rows.size());
     std::vector<int64_t> off{0};
@@ -147,6 +151,13 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma(true);
     };
     const double c_ms = median_ms(cp_async, reps);
+    Tensor pair_out = out.clone();
+    auto pair = [&] {  // the TMA form's 128 x 128 tile, two CTAs an SM
+      ops::cuda::set_grouped_tma_rows(128);
+      ops::cuda::grouped_gemm_bf16(a, b, offsets, pair_out, false);
+      ops::cuda::set_grouped_tma(true);
+    };
+    const double t_ms = median_ms(pair, reps);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -156,6 +167,7 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
+               {"TMA 128-row ms", t_ms},
                {"cp.async ms", c_ms},
                {"mma.sync ms", m_ms},
                {"gap", fmt::format("{:.1e}", gap)},
@@ -281,13 +293,71 @@ int main(int argc, char** argv) {
                  {"gap", fmt::format("{:.1e}", gap)}});
     }
   }
+  // The experts' input gradients dX_e = dY_e . W_e with W_e the forward's [K, N] slice (w2: K = D,
+  // N = F; w1|w3 fused: K = 2F, N = D).
+  bench::BenchTable dgrad;
+  dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
+  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "TMA 128-row ms",
+                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
+  for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
+                        Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
+                        Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
+    const int64_t G = int64_t(c.rows.size());
+    std::vector<int64_t> off{0};
+    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const int64_t M = off.back();
+    const Tensor dy = random_bf16({M, c.K}, 7, 1.0f), w = random_bf16({G, c.K, c.N}, 8, 0.03f);
+    const Tensor wh = w.to(Device::CPU);  // W_e^T, K-major: the same BF16 values transposed
+    std::vector<uint16_t> t(size_t(wh.numel()));
+    const auto* wv = static_cast<const uint16_t*>(wh.raw());
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k = 0; k < c.K; ++k)
+        for (int64_t n = 0; n < c.N; ++n) t[size_t((g * c.N + n) * c.K + k)] = wv[(g * c.K + k) * c.N + n];
+    const Tensor wk = Tensor::from_host(t.data(), {G, c.N, c.K}, DType::BF16, Device::CUDA);
+    Tensor out = Tensor::empty({M, c.N}, DType::F32, Device::CUDA), ref = out.clone(), kout = out.clone(),
+           dense = out.clone();
+    auto grouped = [&] { ops::grouped_gemm(ops::Operand(dy), ops::Operand(w, true), off, out); };
+    auto kmajor = [&] { ops::grouped_gemm(ops::Operand(dy), ops::Operand(wk), off, kout); };
+    auto per_expert = [&] {
+      ops::cuda::set_grouped_kernel(false);
+      ops::grouped_gemm(ops::Operand(dy), ops::Operand(w, true), off, ref);
+      ops::cuda::set_grouped_kernel(true);
+    };
+    const Tensor w0 = w.view(0, {c.K, c.N});
+    auto one_gemm = [&] { ops::gemm(ops::Operand(dy), ops::Operand(w0, true), dense, false); };
+    grouped();
+    kmajor();
+    per_expert();
+    device_synchronize();
+    const bool same = same_bits(out, kout);
+    const double gap = similarity_gap(out, ref);
+    const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
+                 d_ms = median_ms(one_gemm, reps);
+    ops::cuda::set_grouped_tma_rows(128);
+    const double t_ms = median_ms(grouped, reps);
+    ops::cuda::set_grouped_tma(true);
+    const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
+    dgrad.add({{"case", c.name},
+               {"M", M},
+               {"grouped ms", g_ms},
+               {"grouped TFLOP/s", flop / (g_ms * 1e9)},
+               {"per-expert ms", p_ms},
+               {"K-major copy ms", k_ms},
+               {"TMA 128-row ms", t_ms},
+               {"dense cuBLAS ms", d_ms},
+               {"vs per-expert", p_ms / g_ms},
+               {"grouped / dense speed", d_ms / g_ms},
+               {"same bits as K-major", same ? "yes" : "NO"},
+               {"gap", fmt::format("{:.1e}", gap)}});
+  }
   cudaDeviceProp prop{};
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   table.meta = {{"reps", reps},
                 {"device", prop.name},
                 {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
-                           "2-CTA clusters multicasting A (cp.async ms: fed by cp.async), 64x256 on 2 for small groups, "
-                           "x 64, 4 stages; mma.sync m16n8k16 main loop for comparison"},
+                           "2-CTA clusters multicasting A (TMA 128-row ms: 128x128 tiles on 2, 3 stages, 2 CTAs an SM; "
+                           "cp.async ms: fed by cp.async), 64x256 on 2 for small groups, x 64, 4 stages; mma.sync "
+                           "m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
   table.print();
@@ -301,5 +371,8 @@ int main(int argc, char** argv) {
                        "the BF16 decodes both paths run; dense cuBLAS: one BF16 GEMM over all tokens (the same FLOPs)";
   wgrad.print();
   if (!json.empty()) wgrad.write_json(json.substr(0, json.rfind('.')) + "_wgrad.json");
+  dgrad.meta = table.meta;
+  dgrad.print();
+  if (!json.empty()) dgrad.write_json(json.substr(0, json.rfind('.')) + "_dgrad.json");
   return 0;
 }

@@ -2,12 +2,13 @@
 // Training-step throughput per recipe: tokens/s, model-FLOPs utilisation, step time relative to
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
-//                    [--warmup 2] [--steps 5] [--expert-gemms grouped|decode-path|per-expert|all]
+//                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
-// dequantized inside it (default), the grouped kernel after a decode pass to BF16 copies and
-// before a scale epilogue (decode-path), one cuBLASLt GEMM per expert (per-expert), or each recipe
-// under all three, in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
+// dequantized inside it (grouped, the default; grouped-128: with the 128-row tile of its TMA form
+// on BF16 groups), the grouped kernel after a decode pass to BF16 copies and before a scale
+// epilogue (decode-path), one cuBLASLt GEMM per expert (per-expert); several, or all (the first
+// three), run each recipe under each in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
 // default) or kept from the forward (on: Model::set_keep_ffn_activations, the same bits), or both.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
@@ -80,9 +81,16 @@ int main(int argc, char** argv) {
   const std::string expert_gemms = arg(argc, argv, "--expert-gemms", "grouped");
   std::vector<std::string> variants;
   if (expert_gemms == "all") variants = {"per-expert", "decode-path", "grouped"};
-  else if (expert_gemms == "grouped" || expert_gemms == "decode-path" || expert_gemms == "per-expert")
-    variants = {expert_gemms};
-  else fail("train_bench: --expert-gemms must be grouped, decode-path, per-expert or all, got '{}'", expert_gemms);
+  else {
+    std::stringstream list(expert_gemms);
+    for (std::string v; std::getline(list, v, ',');) {
+      if (v != "grouped" && v != "grouped-128" && v != "decode-path" && v != "per-expert")
+        fail("train_bench: --expert-gemms takes grouped, grouped-128, decode-path, per-expert (comma-separated) or "
+             "all, got '{}'", v);
+      variants.push_back(v);
+    }
+  }
+  if (variants.empty()) fail("train_bench: --expert-gemms names no variant");
   if (variants.size() > 1 || variants[0] != "grouped") {
     if (device != Device::CUDA) fail("train_bench: --expert-gemms {} is for --device cuda", expert_gemms);
     table.columns.insert(table.columns.begin() + 1, "expert GEMMs");
@@ -99,7 +107,8 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
-      ops::cuda::set_fused_dequant(variant == "grouped");
+      ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-128");
+      ops::cuda::set_grouped_tma_rows(variant == "grouped-128" ? 128 : 256);
     }
 #endif
     double bf16_ms = 0;

@@ -5,7 +5,8 @@
 // whatever else is in the launch (M = 1, 7, 64, 1000 and 16384 rows, other groups around it),
 // with a split-K negative control that this comparison catches; bad offsets reported by name. The
 // first three run each main loop: wgmma (Hopper) and the portable mma.sync; on Hopper the
-// training tile's TMA form equals its cp.async form bit for bit.
+// training tile's TMA form equals its cp.async form bit for bit, and a B read MN-major in place
+// (a dgrad's forward weight) the bits of its K-major copy.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -30,6 +31,7 @@ namespace {
 
 bool have_gpu() { return cuda_device_count() > 0; }
 
+using optest::bytes;
 using optest::MainLoop;
 
 // A BF16 CUDA tensor of N(0, scale^2) values, and its values as doubles on the host.
@@ -213,22 +215,85 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
     const int64_t G = int64_t(c.off.size()) - 1;
     const Bf16 a = random_bf16({c.M, c.K}, 41, 1.0f), b = random_bf16({G, c.N, c.K}, 42, 0.05f);
     const Bf16 c0 = random_bf16({c.M, c.N}, 43, 1.0f);
-    for (bool accumulate : {false, true}) {
-      Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
-      ops::convert(c0.dev, tma);
-      Tensor cp = tma.clone();
-      const int64_t launches = ops::cuda::grouped_tma_launches();
-      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
-      EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
-      ops::cuda::set_grouped_tma(false);
-      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
-      ops::cuda::set_grouped_tma(true);
-      ops::cuda::check_recorded_index_errors();
-      const std::vector<float> t = host_floats(tma), q = host_floats(cp);
-      EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
-          << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "");
-      if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
-    }
+    for (bool accumulate : {false, true})
+      for (int rows : {256, 128}) {  // the TMA form's two tiles
+        Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
+        ops::convert(c0.dev, tma);
+        Tensor cp = tma.clone();
+        const int64_t launches = ops::cuda::grouped_tma_launches();
+        ops::cuda::set_grouped_tma_rows(rows);
+        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
+        ops::cuda::set_grouped_tma(false);
+        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
+        ops::cuda::set_grouped_tma(true);
+        ops::cuda::check_recorded_index_errors();
+        const std::vector<float> t = host_floats(tma), q = host_floats(cp);
+        EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
+            << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "") << ", TMA tile of "
+            << rows << " rows";
+        if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+      }
+  }
+}
+
+// B read MN-major in place (each group stored [K, N]: a dgrad's forward weight) gives the bits of
+// its K-major copy, in the TMA form, the cp.async form and the decode tile: ragged and empty
+// groups, one group, N and K off the tiles (K rows past a group's K are zeros, not the next
+// group's), accumulate on and off; and ops::grouped_gemm takes a transposed dense B this way.
+TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  struct Case {
+    int64_t M, N, K;
+    std::vector<int32_t> off;
+  };
+  const std::vector<Case> cases = {
+      {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
+      {1030, 72, 520, {0, 0, 515, 1030}},
+      {500, 128, 200, {0, 500}},
+      {40, 256, 1024, {0, 3, 3, 20, 40}},  // the decode tile (at most 64 rows a group)
+      {16384, 1024, 1024, {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336,
+                           15000, 16384}},
+  };
+  for (const Case& c : cases) {
+    const int64_t G = int64_t(c.off.size()) - 1, M = c.M, N = c.N, K = c.K;
+    const Bf16 a = random_bf16({M, K}, 51, 1.0f), b = random_bf16({G, N, K}, 52, 0.05f);
+    std::vector<float> t(size_t(G * K * N));  // b's values stored [G, K, N]
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k) t[size_t((g * K + k) * N + n)] = float(b.host[size_t((g * N + n) * K + k)]);
+    Tensor bt = Tensor::empty({G, K, N}, DType::BF16, Device::CUDA);
+    ops::convert(Tensor::from_host(t.data(), {G, K, N}, DType::F32, Device::CUDA), bt);
+    const Bf16 c0 = random_bf16({M, N}, 53, 1.0f);
+    std::vector<int64_t> off(c.off.begin(), c.off.end());
+    const auto ga = ops::cuda::GroupedOperand::bf16(a.dev.raw(), K, 0);
+    auto gt = ops::cuda::GroupedOperand::bf16(bt.raw(), N, K * N);
+    gt.trans = true;
+    const bool training_tile = ops::cuda::grouped_rows_per_group(off) > 64;
+    for (bool accumulate : {false, true})
+      for (int tma : {256, 128, 0}) {  // the TMA form's two tiles, the cp.async form
+        SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << (accumulate ? ", accumulate" : "")
+                                        << ", TMA rows " << tma);
+        Tensor kmajor = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+        ops::convert(c0.dev, kmajor);
+        Tensor mnmajor = kmajor.clone();
+        ops::cuda::set_grouped_tma_rows(tma);
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, ops::cuda::GroupedOperand::bf16(b.dev.raw(), K, N * K), off, N, K,
+                                                 kmajor.data<float>(), N, accumulate));
+        const int64_t launches = ops::cuda::grouped_tma_launches();
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, gt, off, N, K, mnmajor.data<float>(), N, accumulate));
+        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + (tma > 0 && training_tile ? 1 : 0));
+        ops::cuda::set_grouped_tma(true);
+        ops::cuda::check_recorded_index_errors();
+        const std::vector<float> x = host_floats(kmajor), y = host_floats(mnmajor);
+        EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));
+        if (!accumulate && M < 5000) expect_near_exact(y, a, b, c.off, N, K, "MN-major B");
+      }
+    Tensor via_t = Tensor::empty({M, N}, DType::F32, Device::CUDA), via_k = via_t.clone();
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(bt, true), off, via_t);
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b.dev), off, via_k);
+    EXPECT_EQ(bytes(via_t), bytes(via_k)) << "ops::grouped_gemm, transposed dense B, M " << M;
   }
 }
 

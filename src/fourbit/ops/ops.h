@@ -111,10 +111,12 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false
 // b: a QTensor of G slices, a dense [G, N, K] tensor or a dense [G * N, K] one; a: a Row-axis
 // QTensor or a dense [M, K] tensor; offsets: G + 1 non-decreasing values from 0 to M. A group's
 // rows get the bits they get when it is the only group with rows, whatever M (the sampler and the
-// trainer rely on it). On the CPU, and on the GPU for FP32 operands or a transposed dense B, that
-// is bit for bit one gemm per group; on the GPU, BF16 and block-scaled operands are decoded once
-// and every group runs in one launch of the grouped kernel (cuda/grouped_mma.cu: its own fixed K
-// order, within the GEMM tolerance of gemm), and NVFP4 outer scales are applied in one pass.
+// trainer rely on it). On the CPU, and on the GPU for FP32 operands (or a transposed dense BF16 B
+// off Hopper), that is bit for bit one gemm per group; on the GPU, BF16 and block-scaled operands
+// are decoded once and every group runs in one launch of the grouped kernel (cuda/grouped_mma.cu:
+// its own fixed K order, within the GEMM tolerance of gemm; a transposed BF16 B, a dgrad's forward
+// weight, read in place with the bits of its untransposed copy), and NVFP4 outer scales are
+// applied in one pass.
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate = false);
 

@@ -2,7 +2,7 @@
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, grouped_tma_launches,
+//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tma_rows, grouped_tma_launches,
 //          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
@@ -56,6 +56,9 @@ struct GroupedOperand {
   const float* outer = nullptr;
   int outer_stride = 0;
   int64_t outer_group_stride = 0;
+  // B only, BF16 (Hopper): MN-major, each group stored [K, N] with K rows ld_bytes apart (a dgrad's
+  // forward weight, read in place)
+  bool trans = false;
   // BF16 rows ld elements apart, groups slice elements apart.
   static GroupedOperand bf16(const void* data, int64_t ld, int64_t slice) {
     GroupedOperand o;
@@ -72,8 +75,9 @@ struct GroupedOperand {
 // outer scales applied in its epilogue, NUMERICS' order (the bits of decoding to BF16, one BF16
 // GEMM and the scale epilogue). false (nothing done) where it does not apply: more than 128
 // groups, other formats or two different ones, K not a multiple of 8 (BF16) or 32, rows or slices
-// not 16-byte multiples, data not 16-byte aligned, block-scale rows or slices not 4-byte multiples.
-// ops::grouped_gemm runs every BF16 and block-scaled grouped GEMM through it, the sampler's and
+// not 16-byte multiples, data not 16-byte aligned, block-scale rows or slices not 4-byte multiples,
+// an MN-major B (b.trans) other than BF16 on a Hopper GPU's wgmma loop, or with N not a multiple
+// of 8 (it gives the bits of its K-major copy). ops::grouped_gemm runs every BF16 and block-scaled grouped GEMM through it, the sampler's and
 // the trainer's alike.
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
                        int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
@@ -123,8 +127,12 @@ void set_grouped_wgmma(bool on);
 
 // Whether the Hopper loop's training tile on BF16 groups is fed by TMA in two-CTA clusters that
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
-// same bits, for tests and benchmarks that compare the two.
+// same bits, for tests and benchmarks that compare the two. set_grouped_tma(true) is the default
+// tile of the TMA form (256 rows).
 void set_grouped_tma(bool on);
+// The same with the TMA form's tile chosen: 256 rows (four consumer warpgroups, one CTA an SM),
+// 128 (two, two CTAs an SM), or 0 (the cp.async form); the same bits whichever.
+void set_grouped_tma_rows(int rows);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
 

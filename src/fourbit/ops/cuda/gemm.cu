@@ -896,9 +896,13 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   // BF16 operands (dense, or block-scaled ones decoded exactly): every group in one launch of the
   // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
   // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
-  const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans && !B.trans &&
-                          grouped_gemm_rows(GroupedOperand::bf16(A.ptr, A.ld, 0), GroupedOperand::bf16(B.ptr, B.ld, b_slice),
-                                            offsets, N, k_eff, t.out, N, t.beta != 0.0f);
+  // A transposed dense B ([G, K, N], the forward's weight of a dgrad) is read MN-major in place
+  // where the kernel can (Hopper), otherwise it goes to cuBLASLt group by group.
+  GroupedOperand gb = GroupedOperand::bf16(B.ptr, B.ld, b_slice);
+  gb.trans = B.trans;
+  const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
+                          grouped_gemm_rows(GroupedOperand::bf16(A.ptr, A.ld, 0), gb, offsets, N, k_eff, t.out, N,
+                                            t.beta != 0.0f);
   if (!one_launch) {
     Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {

@@ -95,6 +95,7 @@ struct OperandArgs {
   int64_t scale_ld, scale_slice;
   int outer_stride;             // 1: per row; 0: one value (per slice for B)
   int64_t outer_group_stride;  // B: scales per slice (rows, 1 or 0)
+  bool trans;                  // B only, BF16: group g stored [K, N], K rows ld bytes apart
 };
 
 struct GroupedArgs {
@@ -387,6 +388,7 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
 namespace hopper {
 
 constexpr int kBK = 64, kStages = 4;
+constexpr int kPanel = kBK * 128;  // bytes of an MN-major panel: 64 K rows of 64 values
 
 template <Format F>
 using Tile = Storage<F, kBK>;
@@ -453,10 +455,30 @@ __device__ __forceinline__ void bf16_pipeline(int k_tiles, float (&acc)[64], Loa
   pin(acc);
 }
 
-template <Format F, int WGM, int WGN>
+// Copies the 64-row K tile at k0 of an MN-major operand (K rows ld bytes apart), MN values
+// mn0 .. mn0 + R - 1 (those < mn_end; K rows < k_end), into R / 64 panels of 64 K rows x 128 bytes
+// (kPanel) at dst; what lies outside is zero-filled.
+template <int R, int NT>
+__device__ __forceinline__ void load_tile_mn(const unsigned char* base, int64_t ld, int mn0, int mn_end, int k0,
+                                             int k_end, uint32_t dst) {
+  constexpr int kChunksRow = R / 8;  // 16-byte chunks of a K row
+#pragma unroll 4
+  for (int idx = int(threadIdx.x); idx < kBK * kChunksRow; idx += NT) {
+    const int kr = idx / kChunksRow, c = idx % kChunksRow, mn = mn0 + 8 * c;
+    const bool ok = k0 + kr < k_end && mn < mn_end;
+    cp_async16(dst + uint32_t((c >> 3) * kPanel) + sw128(kr, c & 7),
+               ok ? base + (long long)(k0 + kr) * ld + (long long)mn * 2 : base, ok ? 16 : 0);
+  }
+}
+
+// BT: B (BF16) is read MN-major, each group stored [K, N] (the forward's weight of a dgrad): its
+// tile lands as stored in kPanel panels (load_tile_mn) and the MMAs read it with the instruction's
+// transpose, the same products in the same order as from a K-major copy of it.
+template <Format F, int WGM, int WGN, bool BT>
 __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
   using T = Tile<F>;
   using S = Shape<F, WGM, WGN>;
+  static_assert(!BT || F == Format::BF16, "MN-major B is BF16");
   constexpr int kThreads = S::kThreads;
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ unsigned char smem_raw[];
@@ -484,19 +506,27 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
     load_tile<F, kBK, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
-    load_tile<F, kBK, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
+    if constexpr (BT) load_tile_mn<BN, kThreads>(bg, p.b.ld, n0, p.n, k0, p.k_end, st + S::kATile);
+    else load_tile<F, kBK, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
   };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
   // The four k16 steps of a K tile on BF16 tiles at sa (BM rows) and sb (BN rows), in order.
   auto mma_tile = [&](uint32_t sa, uint32_t sb, bool first) {
-    const uint64_t da = wgmma_desc_sw128(sa + uint32_t(wm * 64 * 128)),
-                   db = wgmma_desc_sw128(sb + uint32_t(wn * 128 * 128));
+    const uint64_t da = wgmma_desc_sw128(sa + uint32_t(wm * 64 * 128));
     wgmma_fence();
+    if constexpr (BT) {  // B: the next 16 K rows are 2048 bytes on (descriptor units of 16 bytes)
+      const uint64_t db = wgmma_desc_sw128_mn(sb + uint32_t(wn * 2 * kPanel), kPanel);
 #pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk)  // +32 bytes: the next 16 K values (descriptor units of 16 bytes)
-      wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), first && kk == 0 ? 0 : 1);
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16<0, 1>(acc, da + uint64_t(2 * kk), db + uint64_t(128 * kk), first && kk == 0 ? 0 : 1);
+    } else {  // +32 bytes: the next 16 K values
+      const uint64_t db = wgmma_desc_sw128(sb + uint32_t(wn * 128 * 128));
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), first && kk == 0 ? 0 : 1);
+    }
     wgmma_commit();
   };
 
@@ -551,26 +581,10 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
 // with the instruction's transpose. An element is the FP32 sum of its k_j products, K tiles in
 // order, each four k16 steps: deterministic, and independent of the other problems and of the tile.
 
-// Copies the 64-row K tile at k0 of an MN-major operand (K rows ld bytes apart), MN values
-// mn0 .. mn0 + R - 1 (those < mn_end; K rows < k_end), into R / 64 panels of 64 K rows x 128 bytes at
-// dst; what lies outside is zero-filled.
-template <int R, int NT>
-__device__ __forceinline__ void load_tile_mn(const unsigned char* base, int64_t ld, int mn0, int mn_end, int k0,
-                                             int k_end, uint32_t dst) {
-  constexpr int kChunksRow = R / 8;  // 16-byte chunks of a K row
-#pragma unroll 4
-  for (int idx = int(threadIdx.x); idx < kBK * kChunksRow; idx += NT) {
-    const int kr = idx / kChunksRow, c = idx % kChunksRow, mn = mn0 + 8 * c;
-    const bool ok = k0 + kr < k_end && mn < mn_end;
-    cp_async16(dst + uint32_t((c >> 3) * (kBK * 128)) + sw128(kr, c & 7),
-               ok ? base + (long long)(k0 + kr) * ld + (long long)mn * 2 : base, ok ? 16 : 0);
-  }
-}
-
 template <bool MN>
 __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ KGroupedArgs p) {
   using S = Shape<Format::BF16, 4, 1>;  // 256 x 128 tiles, four warpgroups stacked in M
-  constexpr int kThreads = S::kThreads, BM = S::BM, BN = S::BN, kPanel = kBK * 128;
+  constexpr int kThreads = S::kThreads, BM = S::BM, BN = S::BN;
   const KProblemArgs& q = p.prob[blockIdx.z];
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
   const int tid = int(threadIdx.x), wm = tid >> 7, t = tid & 127, lane = tid & 31;
@@ -655,24 +669,40 @@ void launch_wgrad(const KGroupedArgs& p) {
 
 // ---- the TMA form of the training tile (BF16 operands) -------------------------------------------
 //
-// The 256 x 128 BF16 tile of wgmma_kernel fed by TMA instead of cp.async from every thread, in
+// The BF16 training tile of wgmma_kernel fed by TMA instead of cp.async from every thread, in
 // clusters of two CTAs on neighbouring column tiles that share their A tile: each CTA loads half
 // of it and multicasts that half into both, so a pair reads A from L2 once (a third less L2 -> SM
-// traffic, what bounds the cp.async loop). One producer thread issues the copies into a 4-stage
-// ring; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
-// an "empty" one the releases of the 8 consumer warpgroups of the pair, after which the stage may
-// be overwritten in either CTA. The four consumer warpgroups run the same m64n128k16 chain over
-// the same 64-wide K tiles as wgmma_kernel, so every element gets wgmma_kernel's bits.
+// traffic, what bounds the cp.async loop). One producer thread issues the copies into a ring of
+// stages; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
+// an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
+// overwritten in either CTA. Two tiles (TmaTile): 256 x 128 (four consumer warpgroups, 4 stages,
+// one CTA an SM) and 128 x 128 (two, 3 stages, two CTAs an SM, so one CTA's prologue and epilogue
+// run under the other's MMAs). The consumer warpgroups run the same m64n128k16 chain over the same
+// 64-wide K tiles as wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
+// read MN-major as wgmma_kernel's BT form reads it, two boxes of 64 N values x 64 K rows of a
+// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
 struct TmaParams {
-  CUtensorMap a, b;  // A [M, K] and B [G N, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
+  CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
+  CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
   GroupedArgs g;
 };
 
-constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
+template <int kConsumersT, int kStagesT>
+struct TmaTile {
+  static constexpr int kConsumers = kConsumersT, kStages = kStagesT;
+  static constexpr int BM = 64 * kConsumers, BN = 128, kATile = BM * 128, kBTile = BN * 128;  // 64 K values a row
+  static constexpr int kStageBytes = kATile + kBTile;  // a multiple of 1024
+  static constexpr int kThreads = 128 * kConsumers + 32;  // + the producer warp
+  static constexpr int kBlocksPerSm = kConsumers == 2 ? 2 : 1;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
+};
+using TmaWide = TmaTile<4, 4>;
+using TmaPair = TmaTile<2, 3>;
 
-__global__ void __launch_bounds__(kTmaThreads, 1)
-    tma_kernel(const __grid_constant__ TmaParams tp) {
-  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+template <bool BT, class TT>
+__global__ void __launch_bounds__(TT::kThreads, TT::kBlocksPerSm) tma_kernel(const __grid_constant__ TmaParams tp) {
+  using S = TT;
+  constexpr int kTmaConsumers = TT::kConsumers, kStages = TT::kStages;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
@@ -708,7 +738,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
         const int k0 = p.k_begin + kt * kBK;
         tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(r0) + int(rank) * (BM / 2), bar, uint16_t(3));
-        tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, group * p.n + n0, bar);
+        if constexpr (BT) {
+          tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, group, bar);
+          tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, group, bar);
+        } else {
+          tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, group * p.n + n0, bar);
+        }
       }
     }
     __syncwarp();
@@ -721,12 +756,19 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const int st = kt % kStages;
       mbarrier_wait(full0 + 8u * st, uint32_t(kt / kStages) & 1u);
       const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
-      const uint64_t da = wgmma_desc_sw128(stage + uint32_t(wm * 64 * 128)),
-                     db = wgmma_desc_sw128(stage + uint32_t(S::kATile));
+      const uint64_t da = wgmma_desc_sw128(stage + uint32_t(wm * 64 * 128));
       wgmma_fence();
+      if constexpr (BT) {
+        const uint64_t db = wgmma_desc_sw128_mn(stage + uint32_t(S::kATile), kPanel);
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16<0, 1>(acc, da + uint64_t(2 * kk), db + uint64_t(128 * kk), kt == 0 && kk == 0 ? 0 : 1);
+      } else {
+        const uint64_t db = wgmma_desc_sw128(stage + uint32_t(S::kATile));
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
+      }
       wgmma_commit();
       wgmma_wait<1>();  // the MMAs of kt - 1 are done: release its stage in both CTAs
       pin(acc);
@@ -760,13 +802,16 @@ EncodeTiled encode_tiled() {
 }
 
 // A BF16 [rows, cols] operand with rows ld bytes apart as a TMA map of 64 x box_rows boxes in the
-// 128-byte swizzle, zeros outside.
-bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t ld, uint32_t box_rows) {
+// 128-byte swizzle, zeros outside; with slice_bytes > 0, a 3-D map [slices][rows][cols] with
+// slices slice_bytes apart and boxes of one slice.
+bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t ld, uint32_t box_rows,
+              uint64_t slices = 1, uint64_t slice_bytes = 0) {
   const EncodeTiled fn = encode_tiled();
-  if (!fn || rows == 0 || cols == 0) return false;
-  const cuuint64_t dims[2] = {cols, rows}, strides[1] = {ld};
-  const cuuint32_t box[2] = {uint32_t(kBK), box_rows}, elem[2] = {1, 1};
-  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+  if (!fn || rows == 0 || cols == 0 || slices == 0) return false;
+  const uint32_t rank = slice_bytes > 0 ? 3 : 2;
+  const cuuint64_t dims[3] = {cols, rows, slices}, strides[2] = {ld, slice_bytes};
+  const cuuint32_t box[3] = {uint32_t(kBK), box_rows, 1}, elem[3] = {1, 1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box, elem,
             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -775,16 +820,25 @@ std::atomic<int64_t> g_tma_launches{0};
 
 // The TMA form for BF16 groups of the training tile; false where it does not apply (B's slices not
 // back to back, no driver entry point), and the caller runs wgmma_kernel.
+template <bool BT, class TT>
 bool launch_tma(const GroupedArgs& p) {
-  using S = Shape<Format::BF16, kTmaConsumers, 1>;
-  if (p.b.slice_bytes != int64_t(p.n) * p.b.ld) return false;
+  using S = TT;
   TmaParams tp{};
   tp.g = p;
-  if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2) ||
-      !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld), S::BN))
-    return false;
+  if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
+  if constexpr (BT) {
+    const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
+    if (slice <= 0 || !bf16_map(tp.b, p.b.data, uint64_t(p.n), uint64_t(p.k_end), uint64_t(p.b.ld), 64,
+                                uint64_t(p.groups), uint64_t(slice)))
+      return false;
+  } else {
+    if (p.b.slice_bytes != int64_t(p.n) * p.b.ld ||
+        !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld), S::BN))
+      return false;
+  }
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(tma_kernel<BT, TT>, cudaFuncAttributeMaxDynamicSharedMemorySize, TT::kSmemBytes));
     return true;
   }();
   (void)attr;
@@ -794,8 +848,8 @@ bool launch_tma(const GroupedArgs& p) {
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(kTmaThreads);
-  cfg.dynamicSmemBytes = S::kSmemBytes;
+  cfg.blockDim = dim3(TT::kThreads);
+  cfg.dynamicSmemBytes = TT::kSmemBytes;
   cfg.stream = stream();
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -806,7 +860,7 @@ bool launch_tma(const GroupedArgs& p) {
   cfg.numAttrs = 1;
   // A cluster launch the device refuses (a configuration error, reported at once) leaves the
   // tile to the cp.async form.
-  if (cudaLaunchKernelEx(&cfg, tma_kernel, tp) != cudaSuccess) {
+  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT, TT>, tp) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
@@ -814,26 +868,31 @@ bool launch_tma(const GroupedArgs& p) {
   return true;
 }
 
-template <Format F, int WGM, int WGN>
+template <Format F, int WGM, int WGN, bool BT>
 void launch_shape(const GroupedArgs& p) {
   using S = Shape<F, WGM, WGN>;
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<F, WGM, WGN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            S::kSmemBytes));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<F, WGM, WGN, BT>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
-  wgmma_kernel<F, WGM, WGN><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
+  wgmma_kernel<F, WGM, WGN, BT><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
 
-// 256 x 128 tiles for training shapes, 64 x 256 where the groups average at most 64 rows (decode):
-// the same bits either way.
-template <Format F>
-void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
-  if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2>(p);
-  else if (!(F == Format::BF16 && tma && launch_tma(p))) hopper::launch_shape<F, 4, 1>(p);
+// 256 x 128 tiles for training shapes (BF16: the TMA form, tma_rows 256 or 128 rows), 64 x 256
+// where the groups average at most 64 rows (decode): the same bits either way, and for an MN-major
+// B the bits of its K-major copy.
+template <Format F, bool BT>
+void launch_format(const GroupedArgs& p, int64_t rows_per_group, int tma_rows) {
+  if (rows_per_group <= 64) return hopper::launch_shape<F, 1, 2, BT>(p);
+  if constexpr (F == Format::BF16) {
+    if (tma_rows == 256 && launch_tma<BT, TmaWide>(p)) return;
+    if (tma_rows == 128 && launch_tma<BT, TmaPair>(p)) return;
+  }
+  hopper::launch_shape<F, 4, 1, BT>(p);
 }
 
 }  // namespace hopper
@@ -861,7 +920,8 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
   else launch_shape<F, 128>(p);
 }
 
-std::atomic<bool> g_wgmma{true}, g_tma{true};
+std::atomic<bool> g_wgmma{true};
+std::atomic<int> g_tma_rows{256};  // the TMA form's tile rows, 0: the cp.async form
 
 // Writes 1 where the code the device runs was compiled with sm_90a's features (wgmma), 0 where it
 // was not (a plain sm_90 build, or the portable PTX JIT-compiled): the wgmma wrappers trap there.
@@ -899,10 +959,14 @@ bool hopper_device() {
   return yes;
 }
 
+// An MN-major B (BF16 only, accepted on Hopper only: grouped_gemm_rows) runs the wgmma loop's BT form.
 template <Format F>
 void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
-  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device())
-    hopper::launch_format<F>(p, rows_per_group, g_tma.load(std::memory_order_relaxed));
+  const int tma = g_tma_rows.load(std::memory_order_relaxed);
+  if constexpr (F == Format::BF16) {
+    if (p.b.trans) return hopper::launch_format<F, true>(p, rows_per_group, tma);
+  }
+  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device()) hopper::launch_format<F, false>(p, rows_per_group, tma);
   else launch_format<F>(p, rows_per_group);
 }
 
@@ -931,6 +995,7 @@ OperandArgs operand_args(const GroupedOperand& o) {
   a.scale_slice = o.scale_slice;
   a.outer_stride = o.outer_stride;
   a.outer_group_stride = o.outer_group_stride;
+  a.trans = o.trans;
   return a;
 }
 
@@ -971,7 +1036,11 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
   const bool formats = a.fmt == Format::BF16 || a.fmt == Format::NVFP4 || a.fmt == Format::MXFP8_E4M3 ||
                        a.fmt == Format::MXFP8_E5M2;
   if (G < 1 || G > kMaxHostGroups || !formats || !fits(a) || !fits(b) || k % (a.fmt == Format::BF16 ? 8 : 32) != 0 ||
-      M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0)
+      M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0 || a.trans)
+    return false;
+  // An MN-major B: BF16 on the wgmma loop only, whole 16-byte chunks of N
+  if (b.trans && (b.fmt != Format::BF16 || n % 8 != 0 || b.ld_bytes < 2 * n || !g_wgmma.load(std::memory_order_relaxed) ||
+                  !hopper_device()))
     return false;
   if (M == 0 || n == 0) return true;
   GroupedArgs p = make_args(a, b, c, ldc, M, n, 0, k, G, accumulate);
@@ -1038,7 +1107,12 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
-void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
+void set_grouped_tma(bool on) { g_tma_rows.store(on ? 256 : 0, std::memory_order_relaxed); }
+
+void set_grouped_tma_rows(int rows) {
+  if (rows != 0 && rows != 128 && rows != 256) fail("set_grouped_tma_rows: {} rows (0, 128 or 256)", rows);
+  g_tma_rows.store(rows, std::memory_order_relaxed);
+}
 
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 

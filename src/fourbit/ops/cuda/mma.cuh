@@ -1,7 +1,7 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
 //          wgmma_m64n128k16, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
-//          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d,
+//          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
 // resident casts in cast/): asynchronous global -> shared copies, ldmatrix, the BF16 mma.sync and
@@ -215,6 +215,19 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
       : "memory");
 #else
   (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
+  __trap();
+#endif
+}
+// The same for a 3-D map: the box at (c0, c1, c2), c2 outermost.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+#else
+  (void)dst, (void)map, (void)c0, (void)c1, (void)c2, (void)bar;
   __trap();
 #endif
 }
