@@ -110,8 +110,7 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "TMA 128-row ms", "cp.async ms", "mma.sync ms", "gap",
-                   "mma.sync gap"};
+                   "grouped / dense speed", "vs per-expert", "cp.async ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     const int64_t G = int64_t(c.rows.size());
     std::vector<int64_t> off{0};
@@ -151,13 +150,6 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma(true);
     };
     const double c_ms = median_ms(cp_async, reps);
-    Tensor pair_out = out.clone();
-    auto pair = [&] {  // the TMA form's 128 x 128 tile, two CTAs an SM
-      ops::cuda::set_grouped_tma_rows(128);
-      ops::cuda::grouped_gemm_bf16(a, b, offsets, pair_out, false);
-      ops::cuda::set_grouped_tma(true);
-    };
-    const double t_ms = median_ms(pair, reps);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -167,7 +159,6 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
-               {"TMA 128-row ms", t_ms},
                {"cp.async ms", c_ms},
                {"mma.sync ms", m_ms},
                {"gap", fmt::format("{:.1e}", gap)},
@@ -297,8 +288,8 @@ int main(int argc, char** argv) {
   // N = F; w1|w3 fused: K = 2F, N = D).
   bench::BenchTable dgrad;
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
-  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "TMA 128-row ms",
-                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
+  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "dense cuBLAS ms",
+                   "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -333,9 +324,6 @@ int main(int argc, char** argv) {
     const double gap = similarity_gap(out, ref);
     const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
                  d_ms = median_ms(one_gemm, reps);
-    ops::cuda::set_grouped_tma_rows(128);
-    const double t_ms = median_ms(grouped, reps);
-    ops::cuda::set_grouped_tma(true);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     dgrad.add({{"case", c.name},
                {"M", M},
@@ -343,7 +331,6 @@ int main(int argc, char** argv) {
                {"grouped TFLOP/s", flop / (g_ms * 1e9)},
                {"per-expert ms", p_ms},
                {"K-major copy ms", k_ms},
-               {"TMA 128-row ms", t_ms},
                {"dense cuBLAS ms", d_ms},
                {"vs per-expert", p_ms / g_ms},
                {"grouped / dense speed", d_ms / g_ms},
@@ -355,9 +342,8 @@ int main(int argc, char** argv) {
   table.meta = {{"reps", reps},
                 {"device", prop.name},
                 {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
-                           "2-CTA clusters multicasting A (TMA 128-row ms: 128x128 tiles on 2, 3 stages, 2 CTAs an SM; "
-                           "cp.async ms: fed by cp.async), 64x256 on 2 for small groups, x 64, 4 stages; mma.sync "
-                           "m16n8k16 main loop for comparison"},
+                           "2-CTA clusters multicasting A (cp.async ms: fed by cp.async), 64x256 on 2 for small groups, "
+                           "x 64, 4 stages; mma.sync m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
   table.print();

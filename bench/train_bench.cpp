@@ -5,10 +5,11 @@
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
-// dequantized inside it (grouped, the default; grouped-128: with the 128-row tile of its TMA form
-// on BF16 groups), the grouped kernel after a decode pass to BF16 copies and before a scale
-// epilogue (decode-path), one cuBLASLt GEMM per expert (per-expert); several, or all (the first
-// three), run each recipe under each in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
+// dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
+// dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
+// pass to BF16 copies and before a scale epilogue (decode-path), one cuBLASLt GEMM per expert
+// (per-expert); several (comma-separated, repeats allowed), or all (per-expert, decode-path,
+// grouped), run each recipe under each in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
 // default) or kept from the forward (on: Model::set_keep_ffn_activations, the same bits), or both.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
@@ -84,9 +85,9 @@ int main(int argc, char** argv) {
   else {
     std::stringstream list(expert_gemms);
     for (std::string v; std::getline(list, v, ',');) {
-      if (v != "grouped" && v != "grouped-128" && v != "decode-path" && v != "per-expert")
-        fail("train_bench: --expert-gemms takes grouped, grouped-128, decode-path, per-expert (comma-separated) or "
-             "all, got '{}'", v);
+      if (v != "grouped" && v != "grouped-lanes-dgrad" && v != "decode-path" && v != "per-expert")
+        fail("train_bench: --expert-gemms takes grouped, grouped-lanes-dgrad, decode-path, per-expert "
+             "(comma-separated) or all, got '{}'", v);
       variants.push_back(v);
     }
   }
@@ -107,8 +108,8 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
-      ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-128");
-      ops::cuda::set_grouped_tma_rows(variant == "grouped-128" ? 128 : 256);
+      ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
+      ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
     }
 #endif
     double bf16_ms = 0;

@@ -1,8 +1,8 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k,
-//          set_grouped_kernel,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tma_rows, grouped_tma_launches,
+//          set_grouped_kernel, set_grouped_transposed_b,
+//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, grouped_tma_launches,
 //          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
@@ -114,6 +114,10 @@ GroupedOperand packed_operand(const QTensor& q);
 // the two in one process (train_bench --expert-gemms both). The two give different bits, so a
 // sampler and the trainer it must match never run under different settings.
 void set_grouped_kernel(bool on);
+// Whether a transposed dense B (the bf16 recipe's expert dgrad weights) goes through the grouped
+// kernel read MN-major (the default, on Hopper) or to cuBLASLt group by group on lanes, with
+// set_grouped_kernel on: a backward-only choice (the sampler never meets it), for benchmarks.
+void set_grouped_transposed_b(bool on);
 
 // Whether block-scaled groups are dequantized inside the grouped kernel (the default) or decoded
 // to BF16 copies first, then summed by the same kernel and scaled by a separate epilogue (the
@@ -127,12 +131,8 @@ void set_grouped_wgmma(bool on);
 
 // Whether the Hopper loop's training tile on BF16 groups is fed by TMA in two-CTA clusters that
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
-// same bits, for tests and benchmarks that compare the two. set_grouped_tma(true) is the default
-// tile of the TMA form (256 rows).
+// same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
-// The same with the TMA form's tile chosen: 256 rows (four consumer warpgroups, one CTA an SM),
-// 128 (two, two CTAs an SM), or 0 (the cp.async form); the same bits whichever.
-void set_grouped_tma_rows(int rows);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
 

@@ -780,7 +780,7 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate) {
 }
 
 namespace {
-std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true};
+std::atomic<bool> g_grouped_kernel{true}, g_fused_dequant{true}, g_grouped_transposed_b{true};
 
 // gemm_batch_grouped's one launch: every job a BF16 GEMM without outer scales into a whole F32
 // [m, n] output of one shape, its operands (as materialized) all read along K or all transposed.
@@ -847,6 +847,8 @@ GroupedOperand packed_operand(const QTensor& q) {
 }
 
 void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_relaxed); }
+
+void set_grouped_transposed_b(bool on) { g_grouped_transposed_b.store(on, std::memory_order_relaxed); }
 void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_relaxed); }
 
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
@@ -901,6 +903,7 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   GroupedOperand gb = GroupedOperand::bf16(B.ptr, B.ld, b_slice);
   gb.trans = B.trans;
   const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
+                          (!B.trans || g_grouped_transposed_b.load(std::memory_order_relaxed)) &&
                           grouped_gemm_rows(GroupedOperand::bf16(A.ptr, A.ld, 0), gb, offsets, N, k_eff, t.out, N,
                                             t.beta != 0.0f);
   if (!one_launch) {

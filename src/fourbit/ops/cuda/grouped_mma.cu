@@ -675,10 +675,11 @@ void launch_wgrad(const KGroupedArgs& p) {
 // traffic, what bounds the cp.async loop). One producer thread issues the copies into a ring of
 // stages; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
 // an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
-// overwritten in either CTA. Two tiles (TmaTile): 256 x 128 (four consumer warpgroups, 4 stages,
-// one CTA an SM) and 128 x 128 (two, 3 stages, two CTAs an SM, so one CTA's prologue and epilogue
-// run under the other's MMAs). The consumer warpgroups run the same m64n128k16 chain over the same
-// 64-wide K tiles as wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
+// overwritten in either CTA. The tile is 256 x 128 on four consumer warpgroups with 4 stages, one
+// CTA an SM (a 128 x 128 tile on two, with two CTAs an SM to run one's prologue and epilogue under
+// the other's MMAs, was slower at every shape measured: bench/results/h200_gpu_grouped_gemm.json).
+// The consumer warpgroups run the same m64n128k16 chain over the same 64-wide K tiles as
+// wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
 // read MN-major as wgmma_kernel's BT form reads it, two boxes of 64 N values x 64 K rows of a
 // 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
 struct TmaParams {
@@ -693,14 +694,12 @@ struct TmaTile {
   static constexpr int BM = 64 * kConsumers, BN = 128, kATile = BM * 128, kBTile = BN * 128;  // 64 K values a row
   static constexpr int kStageBytes = kATile + kBTile;  // a multiple of 1024
   static constexpr int kThreads = 128 * kConsumers + 32;  // + the producer warp
-  static constexpr int kBlocksPerSm = kConsumers == 2 ? 2 : 1;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
 };
 using TmaWide = TmaTile<4, 4>;
-using TmaPair = TmaTile<2, 3>;
 
 template <bool BT, class TT>
-__global__ void __launch_bounds__(TT::kThreads, TT::kBlocksPerSm) tma_kernel(const __grid_constant__ TmaParams tp) {
+__global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
   using S = TT;
   constexpr int kTmaConsumers = TT::kConsumers, kStages = TT::kStages;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
@@ -882,17 +881,13 @@ void launch_shape(const GroupedArgs& p) {
   FOURBIT_LAUNCH_CHECK();
 }
 
-// 256 x 128 tiles for training shapes (BF16: the TMA form, tma_rows 256 or 128 rows), 64 x 256
-// where the groups average at most 64 rows (decode): the same bits either way, and for an MN-major
-// B the bits of its K-major copy.
+// 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`), 64 x 256 where the groups
+// average at most 64 rows (decode): the same bits either way, and for an MN-major B the bits of
+// its K-major copy.
 template <Format F, bool BT>
-void launch_format(const GroupedArgs& p, int64_t rows_per_group, int tma_rows) {
-  if (rows_per_group <= 64) return hopper::launch_shape<F, 1, 2, BT>(p);
-  if constexpr (F == Format::BF16) {
-    if (tma_rows == 256 && launch_tma<BT, TmaWide>(p)) return;
-    if (tma_rows == 128 && launch_tma<BT, TmaPair>(p)) return;
-  }
-  hopper::launch_shape<F, 4, 1, BT>(p);
+void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
+  if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2, BT>(p);
+  else if (!(F == Format::BF16 && tma && launch_tma<BT, TmaWide>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
 }
 
 }  // namespace hopper
@@ -920,8 +915,7 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
   else launch_shape<F, 128>(p);
 }
 
-std::atomic<bool> g_wgmma{true};
-std::atomic<int> g_tma_rows{256};  // the TMA form's tile rows, 0: the cp.async form
+std::atomic<bool> g_wgmma{true}, g_tma{true};
 
 // Writes 1 where the code the device runs was compiled with sm_90a's features (wgmma), 0 where it
 // was not (a plain sm_90 build, or the portable PTX JIT-compiled): the wgmma wrappers trap there.
@@ -962,7 +956,7 @@ bool hopper_device() {
 // An MN-major B (BF16 only, accepted on Hopper only: grouped_gemm_rows) runs the wgmma loop's BT form.
 template <Format F>
 void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
-  const int tma = g_tma_rows.load(std::memory_order_relaxed);
+  const bool tma = g_tma.load(std::memory_order_relaxed);
   if constexpr (F == Format::BF16) {
     if (p.b.trans) return hopper::launch_format<F, true>(p, rows_per_group, tma);
   }
@@ -1107,12 +1101,7 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
-void set_grouped_tma(bool on) { g_tma_rows.store(on ? 256 : 0, std::memory_order_relaxed); }
-
-void set_grouped_tma_rows(int rows) {
-  if (rows != 0 && rows != 128 && rows != 256) fail("set_grouped_tma_rows: {} rows (0, 128 or 256)", rows);
-  g_tma_rows.store(rows, std::memory_order_relaxed);
-}
+void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
 
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
