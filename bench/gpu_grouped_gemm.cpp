@@ -110,8 +110,7 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "128x256 tile ms", "cp.async ms", "mma.sync ms", "gap",
-                   "mma.sync gap"};
+                   "grouped / dense speed", "vs per-expert", "cp.async ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     const int64_t G = int64_t(c.rows.size());
     std::vector<int64_t> off{0};
@@ -151,13 +150,6 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma(true);
     };
     const double c_ms = median_ms(cp_async, reps);
-    Tensor flat_out = out.clone();
-    auto flat = [&] {  // the TMA form's 128 x 256 tile (two warpgroups of m64n256k16)
-      ops::cuda::set_grouped_tma_tile(256);
-      ops::cuda::grouped_gemm_bf16(a, b, offsets, flat_out, false);
-      ops::cuda::set_grouped_tma_tile(128);
-    };
-    const double f_ms = median_ms(flat, reps);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -167,7 +159,6 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
-               {"128x256 tile ms", f_ms},
                {"cp.async ms", c_ms},
                {"mma.sync ms", m_ms},
                {"gap", fmt::format("{:.1e}", gap)},
@@ -297,8 +288,8 @@ int main(int argc, char** argv) {
   // N = F; w1|w3 fused: K = 2F, N = D).
   bench::BenchTable dgrad;
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
-  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "128x256 tile ms",
-                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
+  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "dense cuBLAS ms",
+                   "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -333,9 +324,6 @@ int main(int argc, char** argv) {
     const double gap = similarity_gap(out, ref);
     const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
                  d_ms = median_ms(one_gemm, reps);
-    ops::cuda::set_grouped_tma_tile(256);
-    const double f_ms = median_ms(grouped, reps);
-    ops::cuda::set_grouped_tma_tile(128);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     dgrad.add({{"case", c.name},
                {"M", M},
@@ -343,7 +331,6 @@ int main(int argc, char** argv) {
                {"grouped TFLOP/s", flop / (g_ms * 1e9)},
                {"per-expert ms", p_ms},
                {"K-major copy ms", k_ms},
-               {"128x256 tile ms", f_ms},
                {"dense cuBLAS ms", d_ms},
                {"vs per-expert", p_ms / g_ms},
                {"grouped / dense speed", d_ms / g_ms},

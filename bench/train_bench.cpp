@@ -6,8 +6,7 @@
 //                    [--keep-ffn off|on|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
-// dgrad, a transposed weight, on cuBLASLt an expert at a time; grouped-n256: the TMA form's 128 x 256
-// tile of m64n256k16 on BF16 groups), the grouped kernel after a decode
+// dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
 // pass to BF16 copies and before a scale epilogue (decode-path), one cuBLASLt GEMM per expert
 // (per-expert); several (comma-separated, repeats allowed), or all (per-expert, decode-path,
 // grouped), run each recipe under each in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
@@ -86,9 +85,8 @@ int main(int argc, char** argv) {
   else {
     std::stringstream list(expert_gemms);
     for (std::string v; std::getline(list, v, ',');) {
-      if (v != "grouped" && v != "grouped-lanes-dgrad" && v != "grouped-n256" && v != "decode-path" &&
-          v != "per-expert")
-        fail("train_bench: --expert-gemms takes grouped, grouped-lanes-dgrad, grouped-n256, decode-path, per-expert "
+      if (v != "grouped" && v != "grouped-lanes-dgrad" && v != "decode-path" && v != "per-expert")
+        fail("train_bench: --expert-gemms takes grouped, grouped-lanes-dgrad, decode-path, per-expert "
              "(comma-separated) or all, got '{}'", v);
       variants.push_back(v);
     }
@@ -110,8 +108,7 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
-      ops::cuda::set_fused_dequant(variant.rfind("grouped", 0) == 0);
-      ops::cuda::set_grouped_tma_tile(variant == "grouped-n256" ? 256 : 128);
+      ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
       ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
     }
 #endif

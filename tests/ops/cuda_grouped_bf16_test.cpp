@@ -215,26 +215,22 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
     const int64_t G = int64_t(c.off.size()) - 1;
     const Bf16 a = random_bf16({c.M, c.K}, 41, 1.0f), b = random_bf16({G, c.N, c.K}, 42, 0.05f);
     const Bf16 c0 = random_bf16({c.M, c.N}, 43, 1.0f);
-    for (bool accumulate : {false, true})
-      for (int tile : {128, 256}) {  // 256 x 128 (m64n128k16) and 128 x 256 (m64n256k16)
-        Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
-        ops::convert(c0.dev, tma);
-        Tensor cp = tma.clone();
-        const int64_t launches = ops::cuda::grouped_tma_launches();
-        ops::cuda::set_grouped_tma_tile(tile);
-        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
-        ops::cuda::set_grouped_tma_tile(128);
-        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
-        ops::cuda::set_grouped_tma(false);
-        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
-        ops::cuda::set_grouped_tma(true);
-        ops::cuda::check_recorded_index_errors();
-        const std::vector<float> t = host_floats(tma), q = host_floats(cp);
-        EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
-            << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "") << ", TMA tile "
-            << tile << " columns wide";
-        if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
-      }
+    for (bool accumulate : {false, true}) {
+      Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
+      ops::convert(c0.dev, tma);
+      Tensor cp = tma.clone();
+      const int64_t launches = ops::cuda::grouped_tma_launches();
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+      EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
+      ops::cuda::set_grouped_tma(false);
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
+      ops::cuda::set_grouped_tma(true);
+      ops::cuda::check_recorded_index_errors();
+      const std::vector<float> t = host_floats(tma), q = host_floats(cp);
+      EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
+          << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "");
+      if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+    }
   }
 }
 
@@ -273,21 +269,19 @@ TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
     gt.trans = true;
     const bool training_tile = ops::cuda::grouped_rows_per_group(off) > 64;
     for (bool accumulate : {false, true})
-      for (int tma : {128, 256, 0}) {  // the TMA form's two tiles (columns wide), the cp.async form
+      for (bool tma : {true, false}) {
         SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << (accumulate ? ", accumulate" : "")
-                                        << ", TMA tile " << tma);
+                                        << (tma ? ", TMA" : ", cp.async"));
         Tensor kmajor = Tensor::empty({M, N}, DType::F32, Device::CUDA);
         ops::convert(c0.dev, kmajor);
         Tensor mnmajor = kmajor.clone();
-        ops::cuda::set_grouped_tma(tma > 0);
-        if (tma > 0) ops::cuda::set_grouped_tma_tile(tma);
+        ops::cuda::set_grouped_tma(tma);
         ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, ops::cuda::GroupedOperand::bf16(b.dev.raw(), K, N * K), off, N, K,
                                                  kmajor.data<float>(), N, accumulate));
         const int64_t launches = ops::cuda::grouped_tma_launches();
         ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, gt, off, N, K, mnmajor.data<float>(), N, accumulate));
-        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + (tma > 0 && training_tile ? 1 : 0));
+        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + (tma && training_tile ? 1 : 0));
         ops::cuda::set_grouped_tma(true);
-        ops::cuda::set_grouped_tma_tile(128);
         ops::cuda::check_recorded_index_errors();
         const std::vector<float> x = host_floats(kmajor), y = host_floats(mnmajor);
         EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));

@@ -406,17 +406,15 @@ struct Shape {
 
 // Keeps the accumulators where the asynchronous wgmma writes them: the compiler may not move or
 // reuse these registers across this point.
-template <int NA>
-__device__ __forceinline__ void pin(float (&acc)[NA]) {
+__device__ __forceinline__ void pin(float (&acc)[64]) {
 #pragma unroll
-  for (int i = 0; i < NA; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// The epilogue of warpgroup wm's 64 x (2 NA) block of a row-grouped tile (wgmma_m64n128k16's or
-// m64n256k16's accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1)
-// and columns < N only, in NUMERICS' order (store_pair).
-template <int NA>
-__device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[NA], int wm, int col0,
+// The epilogue of warpgroup wm's 64 x 128 block of a row-grouped tile (wgmma_m64n128k16's
+// accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns
+// < N only, in NUMERICS' order (store_pair).
+__device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[64], int wm, int col0,
                                             long long r0, long long r1) {
   const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
   const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
@@ -426,7 +424,7 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
     const long long row = r0 + row_base + 8 * half;
     if (row >= r1) continue;
 #pragma unroll
-    for (int j = 0; j < NA / 4; ++j)
+    for (int j = 0; j < 16; ++j)
       store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
   }
 }
@@ -678,8 +676,10 @@ void launch_wgrad(const KGroupedArgs& p) {
 // stages; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
 // an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
 // overwritten in either CTA. The tile is 256 x 128 on four consumer warpgroups with 4 stages, one
-// CTA an SM (a 128 x 128 tile on two, with two CTAs an SM to run one's prologue and epilogue under
-// the other's MMAs, was slower at every shape measured: bench/results/h200_gpu_grouped_gemm.json).
+// CTA an SM. Two others measured slower at every shape and were removed: 128 x 128 on two, two
+// CTAs an SM so that one's prologue and epilogue run under the other's MMAs
+// (bench/results/h200_gpu_grouped_gemm.json, "TMA 128-row ms"), and 128 x 256 on two warpgroups of
+// m64n256k16, which gives the same bits (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms").
 // The consumer warpgroups run the same m64n128k16 chain over the same 64-wide K tiles as
 // wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
 // read MN-major as wgmma_kernel's BT form reads it, two boxes of 64 N values x 64 K rows of a
@@ -690,18 +690,15 @@ struct TmaParams {
   GroupedArgs g;
 };
 
-template <int kConsumersT, int BNT, int kStagesT>
+template <int kConsumersT, int kStagesT>
 struct TmaTile {
   static constexpr int kConsumers = kConsumersT, kStages = kStagesT;
-  static constexpr int BM = 64 * kConsumers, BN = BNT, kATile = BM * 128, kBTile = BN * 128;  // 64 K values a row
-  static constexpr int kAcc = BN / 2;  // accumulators a thread: a warpgroup's 64 x BN block
+  static constexpr int BM = 64 * kConsumers, BN = 128, kATile = BM * 128, kBTile = BN * 128;  // 64 K values a row
   static constexpr int kStageBytes = kATile + kBTile;  // a multiple of 1024
   static constexpr int kThreads = 128 * kConsumers + 32;  // + the producer warp
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
-  static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
 };
-using TmaWide = TmaTile<4, 128, 4>;  // 256 x 128: four warpgroups of m64n128k16
-using TmaFlat = TmaTile<2, 256, 4>;  // 128 x 256: two of m64n256k16
+using TmaWide = TmaTile<4, 4>;
 
 template <bool BT, class TT>
 __global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
@@ -743,9 +740,8 @@ __global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_const
         const int k0 = p.k_begin + kt * kBK;
         tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(r0) + int(rank) * (BM / 2), bar, uint16_t(3));
         if constexpr (BT) {
-#pragma unroll
-          for (int h = 0; h < BN / 64; ++h)
-            tma_load_3d(stage + uint32_t(S::kATile + h * kPanel), &tp.b, n0 + 64 * h, k0, group, bar);
+          tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, group, bar);
+          tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, group, bar);
         } else {
           tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, group * p.n + n0, bar);
         }
@@ -754,24 +750,25 @@ __global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_const
     __syncwarp();
   } else {
     const int wm = tid >> 7;
-    float acc[S::kAcc];
+    float acc[64];
 #pragma unroll
-    for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.0f;
-    // the k16 step: +32 bytes of a K-major B, +2048 (16 K rows) of an MN-major one; descriptor units of 16 bytes
-    constexpr uint64_t kBStep = BT ? 128 : 2;
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < k_tiles; ++kt) {
       const int st = kt % kStages;
       mbarrier_wait(full0 + 8u * st, uint32_t(kt / kStages) & 1u);
       const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
       const uint64_t da = wgmma_desc_sw128(stage + uint32_t(wm * 64 * 128));
-      const uint64_t db = BT ? wgmma_desc_sw128_mn(stage + uint32_t(S::kATile), kPanel)
-                             : wgmma_desc_sw128(stage + uint32_t(S::kATile));
       wgmma_fence();
+      if constexpr (BT) {
+        const uint64_t db = wgmma_desc_sw128_mn(stage + uint32_t(S::kATile), kPanel);
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const int accumulate = kt == 0 && kk == 0 ? 0 : 1;
-        if constexpr (BN == 256) wgmma_m64n256k16<0, BT>(acc, da + uint64_t(2 * kk), db + kBStep * kk, accumulate);
-        else wgmma_m64n128k16<0, BT>(acc, da + uint64_t(2 * kk), db + kBStep * kk, accumulate);
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16<0, 1>(acc, da + uint64_t(2 * kk), db + uint64_t(128 * kk), kt == 0 && kk == 0 ? 0 : 1);
+      } else {
+        const uint64_t db = wgmma_desc_sw128(stage + uint32_t(S::kATile));
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
       }
       wgmma_commit();
       wgmma_wait<1>();  // the MMAs of kt - 1 are done: release its stage in both CTAs
@@ -890,10 +887,9 @@ void launch_shape(const GroupedArgs& p) {
 // average at most 64 rows (decode): the same bits either way, and for an MN-major B the bits of
 // its K-major copy.
 template <Format F, bool BT>
-void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma, int tma_n) {
-  if (rows_per_group <= 64) return hopper::launch_shape<F, 1, 2, BT>(p);
-  if (F == Format::BF16 && tma && (tma_n == 256 ? launch_tma<BT, TmaFlat>(p) : launch_tma<BT, TmaWide>(p))) return;
-  hopper::launch_shape<F, 4, 1, BT>(p);
+void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
+  if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2, BT>(p);
+  else if (!(F == Format::BF16 && tma && launch_tma<BT, TmaWide>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
 }
 
 }  // namespace hopper
@@ -922,7 +918,6 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group) {
 }
 
 std::atomic<bool> g_wgmma{true}, g_tma{true};
-std::atomic<int> g_tma_n{128};
 
 // Writes 1 where the code the device runs was compiled with sm_90a's features (wgmma), 0 where it
 // was not (a plain sm_90 build, or the portable PTX JIT-compiled): the wgmma wrappers trap there.
@@ -964,11 +959,10 @@ bool hopper_device() {
 template <Format F>
 void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
   const bool tma = g_tma.load(std::memory_order_relaxed);
-  const int tma_n = g_tma_n.load(std::memory_order_relaxed);
   if constexpr (F == Format::BF16) {
-    if (p.b.trans) return hopper::launch_format<F, true>(p, rows_per_group, tma, tma_n);
+    if (p.b.trans) return hopper::launch_format<F, true>(p, rows_per_group, tma);
   }
-  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device()) hopper::launch_format<F, false>(p, rows_per_group, tma, tma_n);
+  if (g_wgmma.load(std::memory_order_relaxed) && hopper_device()) hopper::launch_format<F, false>(p, rows_per_group, tma);
   else launch_format<F>(p, rows_per_group);
 }
 
@@ -1110,11 +1104,6 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
-
-void set_grouped_tma_tile(int n) {
-  if (n != 128 && n != 256) fail("set_grouped_tma_tile: the TMA form's tile is 128 or 256 columns wide, got {}", n);
-  g_tma_n.store(n, std::memory_order_relaxed);
-}
 
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
