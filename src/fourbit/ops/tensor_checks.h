@@ -67,9 +67,10 @@ inline int64_t expect_router_backward_args(Device dev, const char* op, DType dt,
   expect_dims_on(dev, op, "topk_w", topk_w, dt, {N, k}, "[N, k]");
   expect_dims_on(dev, op, "d_topk_w", d_topk_w, dt, {N, k}, "[N, k]");
   // d_probs: one row per token, or one row for every token (the load-balance loss's gradient)
-  if (d_probs.defined() && !(d_probs.dim() == 2 && d_probs.size(0) == 1 && d_probs.size(1) == E))
-    expect_dims_on(dev, op, "d_probs", d_probs, dt, {N, E}, "[N, E] or [1, E]");
-  if (d_probs.defined()) expect_dims_on(dev, op, "d_probs", d_probs, dt, d_probs.shape(), "[N, E] or [1, E]");
+  if (d_probs.defined()) {
+    const bool one_row = d_probs.dim() == 2 && d_probs.size(0) == 1 && d_probs.size(1) == E;
+    expect_dims_on(dev, op, "d_probs", d_probs, dt, one_row ? Shape{1, E} : Shape{N, E}, "[N, E] or [1, E]");
+  }
   expect_dims_on(dev, op, "d_logits", d_logits, dt, {N, E}, "[N, E]");
   return k;
 }
