@@ -91,6 +91,16 @@ void expect_near_exact(const std::vector<float>& c, const Bf16& a, const Bf16& b
   EXPECT_EQ(bad, 0) << what;
 }
 
+// A grouped GEMM's shape: M rows in groups at offsets `off`, N columns, K.
+struct GroupedCase {
+  int64_t M, N, K;
+  std::vector<int32_t> off;
+};
+// gpu-small's expert shape: 16 experts of ragged sizes over 16384 rows.
+const GroupedCase kSixteenExperts = {
+    16384, 1024, 1024,
+    {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336, 15000, 16384}};
+
 }  // namespace
 
 TEST(CudaGroupedBf16, MatchesTheExactSumWithRaggedAndEmptyGroups) {
@@ -201,17 +211,12 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
 TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
-  struct Case {
-    int64_t M, N, K;
-    std::vector<int32_t> off;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<GroupedCase> cases = {
       {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
       {1030, 72, 512, {0, 0, 515, 1030}},
-      {16384, 1024, 1024, {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336,
-                           15000, 16384}},
+      kSixteenExperts,
   };
-  for (const Case& c : cases) {
+  for (const GroupedCase& c : cases) {
     const int64_t G = int64_t(c.off.size()) - 1;
     const Bf16 a = random_bf16({c.M, c.K}, 41, 1.0f), b = random_bf16({G, c.N, c.K}, 42, 0.05f);
     const Bf16 c0 = random_bf16({c.M, c.N}, 43, 1.0f);
@@ -241,19 +246,14 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
 TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
-  struct Case {
-    int64_t M, N, K;
-    std::vector<int32_t> off;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<GroupedCase> cases = {
       {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
       {1030, 72, 520, {0, 0, 515, 1030}},
       {500, 128, 200, {0, 500}},
       {40, 256, 1024, {0, 3, 3, 20, 40}},  // the decode tile (at most 64 rows a group)
-      {16384, 1024, 1024, {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336,
-                           15000, 16384}},
+      kSixteenExperts,
   };
-  for (const Case& c : cases) {
+  for (const GroupedCase& c : cases) {
     const int64_t G = int64_t(c.off.size()) - 1, M = c.M, N = c.N, K = c.K;
     const Bf16 a = random_bf16({M, K}, 51, 1.0f), b = random_bf16({G, N, K}, 52, 0.05f);
     std::vector<float> t(size_t(G * K * N));  // b's values stored [G, K, N]
