@@ -819,8 +819,9 @@ bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, ui
 
 std::atomic<int64_t> g_tma_launches{0};
 
-// The TMA form for BF16 groups of the training tile; false where it does not apply (B's slices not
-// back to back, no driver entry point), and the caller runs wgmma_kernel.
+// The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
+// slices not back to back, a map the driver will not encode, no driver entry point), and the
+// caller runs wgmma_kernel.
 template <bool BT, class TT>
 bool launch_tma(const GroupedArgs& p) {
   using S = TT;
