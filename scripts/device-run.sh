@@ -2,10 +2,13 @@
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peers (training step, sampler decode), leaving logs and JSON in $OUT (the device tool
 # brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist]... [pack]
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist|ncu]... [pack]
 # `table` (not part of `all`): the recipes-against-fp32 table of gpu-small on .carry/text/en.txt
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
+# `ncu` (not part of `all`): Nsight Compute's full section set on the grouped kernel's first TMA-form
+# launches in gpu_grouped_gemm (gpu-small's expert shape); it reads hardware counters on the
+# Firecracker runtime only (the device library's KINDS.md), with the clocks left alone.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -118,6 +121,15 @@ for p in sys.path:
   "$BUILD/bench/dist_exchange" --device cuda --json "$OUT/dist_exchange_1gpu.json" >> "$OUT/dist_exchange.log" 2>&1
   tail -14 "$OUT/dist_exchange.log"
   log dist done
+fi
+if [[ " ${steps[*]} " == *" ncu "* ]]; then
+  log ncu
+  ncu --clock-control none --kernel-name regex:tma_kernel --launch-count "${NCU_LAUNCHES:-2}" --set full \
+    -o "$OUT/ncu_grouped" "$BUILD/bench/gpu_grouped_gemm" --reps 1 > "$OUT/ncu.log" 2>&1; tail -3 "$OUT/ncu.log"
+  ncu --import "$OUT/ncu_grouped.ncu-rep" --page details > "$OUT/ncu_grouped.txt" 2>&1
+  grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Stall" \
+    "$OUT/ncu_grouped.txt" | head -30
+  log ncu done
 fi
 if [ "${steps[${#steps[@]}-1]}" = pack ]; then
   (cd "$OUT" && tar czf /tmp/all.tgz . && find . -mindepth 1 -delete && mv /tmp/all.tgz all.tgz)
