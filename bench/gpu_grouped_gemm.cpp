@@ -71,6 +71,12 @@ struct Case {
   std::vector<int64_t> rows;  // per group
 };
 
+// Group offsets 0, r0, r0 + r1, ... of groups of `rows` rows.
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& rows) {
+  std::vector<int64_t> off{0};
+  for (int64_t r : rows) off.push_back(off.back() + r);
+  return off;
+}
 std::vector<int64_t> balanced(int64_t M, int64_t G) { return std::vector<int64_t>(size_t(G), M / G); }
 
 }  // namespace
@@ -113,8 +119,7 @@ int main(int argc, char** argv) {
                    "grouped / dense speed", "vs per-expert", "cp.async ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     const int64_t G = int64_t(c.rows.size());
-    std::vector<int64_t> off{0};
-    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t M = off.back();
     std::vector<int32_t> off32(off.begin(), off.end());
     const Tensor offsets = Tensor::from_host(off32.data(), {G + 1}, DType::I32, Device::CUDA);
@@ -170,8 +175,7 @@ int main(int argc, char** argv) {
                    "vs bf16 kernel", "fused / dense bf16 speed", "B GB/s", "same bits"};
   for (const Case& c : block_cases) {
     const int64_t G = int64_t(c.rows.size());
-    std::vector<int64_t> off{0};
-    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t M = off.back();
     const Tensor a = random_f32({M, c.K}, 3, 1.0f), b = random_f32({G, c.N, c.K}, 4, 0.03f);
     Tensor a16 = Tensor::empty(a.shape(), DType::BF16, Device::CUDA), b16 = Tensor::empty(b.shape(), DType::BF16, Device::CUDA);
@@ -228,8 +232,7 @@ int main(int argc, char** argv) {
                              WgradCase{"gpu-small w1 + w3, balanced", balanced(16384, 16), 2},
                              WgradCase{"gpu-small w2, skewed", skewed, 1}}) {
     const int64_t D = 1024, G = int64_t(c.rows.size());
-    std::vector<int64_t> off{0};
-    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t T = off.back();
     const Tensor dy32 = random_f32({T, D}, 5, 1.0f), x32 = random_f32({T, D}, 6, 1.0f);
     Tensor dy = Tensor::empty(dy32.shape(), DType::BF16, Device::CUDA), x = Tensor::empty(x32.shape(), DType::BF16, Device::CUDA);
@@ -294,8 +297,7 @@ int main(int argc, char** argv) {
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
     const int64_t G = int64_t(c.rows.size());
-    std::vector<int64_t> off{0};
-    for (int64_t r : c.rows) off.push_back(off.back() + r);
+    const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t M = off.back();
     const Tensor dy = random_bf16({M, c.K}, 7, 1.0f), w = random_bf16({G, c.K, c.N}, 8, 0.03f);
     const Tensor wh = w.to(Device::CPU);  // W_e^T, K-major: the same BF16 values transposed

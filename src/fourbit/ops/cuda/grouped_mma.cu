@@ -411,6 +411,23 @@ __device__ __forceinline__ void pin(float (&acc)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
+// The MMAs of one 64-wide K tile, its four k16 steps in order, committed as one group: A's tile at
+// shared address a (64 rows), B's at b (128 rows), each K-major (128-byte rows in the 128-byte
+// swizzle) or MN-major where TA / TB (kPanel panels of 64 K rows, read with wgmma's transpose).
+// A k16 step is 32 bytes on in a K-major tile, 2048 (16 K rows) in an MN-major one; descriptors
+// count 16-byte units. first: the tile starts the sum.
+template <bool TA, bool TB>
+__device__ __forceinline__ void mma_k_tile(float (&acc)[64], uint32_t a, uint32_t b, bool first) {
+  const uint64_t da = TA ? wgmma_desc_sw128_mn(a, kPanel) : wgmma_desc_sw128(a);
+  const uint64_t db = TB ? wgmma_desc_sw128_mn(b, kPanel) : wgmma_desc_sw128(b);
+  constexpr uint64_t kStepA = TA ? 128 : 2, kStepB = TB ? 128 : 2;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk)
+    wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+  wgmma_commit();
+}
+
 // The epilogue of warpgroup wm's 64 x 128 block of a row-grouped tile (wgmma_m64n128k16's
 // accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns
 // < N only, in NUMERICS' order (store_pair).
@@ -512,22 +529,10 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  // The four k16 steps of a K tile on BF16 tiles at sa (BM rows) and sb (BN rows), in order.
+  // A K tile on BF16 tiles at sa (BM rows) and sb (BN rows): this warpgroup's 64 rows of A and 128
+  // columns of B (16 KB on in either layout: 128 K-major rows, or two MN-major panels).
   auto mma_tile = [&](uint32_t sa, uint32_t sb, bool first) {
-    const uint64_t da = wgmma_desc_sw128(sa + uint32_t(wm * 64 * 128));
-    wgmma_fence();
-    if constexpr (BT) {  // B: the next 16 K rows are 2048 bytes on (descriptor units of 16 bytes)
-      const uint64_t db = wgmma_desc_sw128_mn(sb + uint32_t(wn * 2 * kPanel), kPanel);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16<0, 1>(acc, da + uint64_t(2 * kk), db + uint64_t(128 * kk), first && kk == 0 ? 0 : 1);
-    } else {  // +32 bytes: the next 16 K values
-      const uint64_t db = wgmma_desc_sw128(sb + uint32_t(wn * 128 * 128));
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), first && kk == 0 ? 0 : 1);
-    }
-    wgmma_commit();
+    mma_k_tile<false, BT>(acc, sa + uint32_t(wm * 64 * 128), sb + uint32_t(wn * 128 * 128), first);
   };
 
   if constexpr (!T::kPacked) {
@@ -634,20 +639,8 @@ __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ K
   };
   bf16_pipeline(k_tiles, acc, load_stage, [&](int kt) {
     const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
-    wgmma_fence();
-    if constexpr (MN) {  // the next 16 K rows: +2048 bytes (descriptor units of 16 bytes)
-      const uint64_t da = wgmma_desc_sw128_mn(st + uint32_t(wm * kPanel), kPanel),
-                     db = wgmma_desc_sw128_mn(st + uint32_t(S::kATile), kPanel);
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16<1, 1>(acc, da + uint64_t(128 * kk), db + uint64_t(128 * kk), kt == 0 && kk == 0 ? 0 : 1);
-    } else {  // the next 16 K values: +32 bytes
-      const uint64_t da = wgmma_desc_sw128(st + uint32_t(wm * 64 * 128)), db = wgmma_desc_sw128(st + uint32_t(S::kATile));
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
-    }
-    wgmma_commit();
+    // this warpgroup's 64 rows of A: 8 KB on (64 K-major rows, or one MN-major panel)
+    mma_k_tile<MN, MN>(acc, st + uint32_t(wm * 64 * 128), st + uint32_t(S::kATile), kt == 0);
   });
   cp_async_wait<0>();
   store(acc);
@@ -690,20 +683,11 @@ struct TmaParams {
   GroupedArgs g;
 };
 
-template <int kConsumersT, int kStagesT>
-struct TmaTile {
-  static constexpr int kConsumers = kConsumersT, kStages = kStagesT;
-  static constexpr int BM = 64 * kConsumers, BN = 128, kATile = BM * 128, kBTile = BN * 128;  // 64 K values a row
-  static constexpr int kStageBytes = kATile + kBTile;  // a multiple of 1024
-  static constexpr int kThreads = 128 * kConsumers + 32;  // + the producer warp
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
-};
-using TmaWide = TmaTile<4, 4>;
+constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
 
-template <bool BT, class TT>
-__global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
-  using S = TT;
-  constexpr int kTmaConsumers = TT::kConsumers, kStages = TT::kStages;
+template <bool BT>
+__global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
@@ -757,20 +741,7 @@ __global__ void __launch_bounds__(TT::kThreads, 1) tma_kernel(const __grid_const
       const int st = kt % kStages;
       mbarrier_wait(full0 + 8u * st, uint32_t(kt / kStages) & 1u);
       const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
-      const uint64_t da = wgmma_desc_sw128(stage + uint32_t(wm * 64 * 128));
-      wgmma_fence();
-      if constexpr (BT) {
-        const uint64_t db = wgmma_desc_sw128_mn(stage + uint32_t(S::kATile), kPanel);
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n128k16<0, 1>(acc, da + uint64_t(2 * kk), db + uint64_t(128 * kk), kt == 0 && kk == 0 ? 0 : 1);
-      } else {
-        const uint64_t db = wgmma_desc_sw128(stage + uint32_t(S::kATile));
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_m64n128k16(acc, da + uint64_t(2 * kk), db + uint64_t(2 * kk), kt == 0 && kk == 0 ? 0 : 1);
-      }
-      wgmma_commit();
+      mma_k_tile<false, BT>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
       wgmma_wait<1>();  // the MMAs of kt - 1 are done: release its stage in both CTAs
       pin(acc);
       if (kt > 0 && (tid & 127) == 0) {
@@ -822,9 +793,9 @@ std::atomic<int64_t> g_tma_launches{0};
 // The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
 // slices not back to back, a map the driver will not encode, no driver entry point), and the
 // caller runs wgmma_kernel.
-template <bool BT, class TT>
+template <bool BT>
 bool launch_tma(const GroupedArgs& p) {
-  using S = TT;
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
   TmaParams tp{};
   tp.g = p;
   if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
@@ -840,7 +811,7 @@ bool launch_tma(const GroupedArgs& p) {
   }
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_kernel<BT, TT>, cudaFuncAttributeMaxDynamicSharedMemorySize, TT::kSmemBytes));
+        cudaFuncSetAttribute(tma_kernel<BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
@@ -850,8 +821,8 @@ bool launch_tma(const GroupedArgs& p) {
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(TT::kThreads);
-  cfg.dynamicSmemBytes = TT::kSmemBytes;
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream();
   cudaLaunchAttribute cluster[1];
   cluster[0].id = cudaLaunchAttributeClusterDimension;
@@ -862,7 +833,7 @@ bool launch_tma(const GroupedArgs& p) {
   cfg.numAttrs = 1;
   // A cluster launch the device refuses (a configuration error, reported at once) leaves the
   // tile to the cp.async form.
-  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT, TT>, tp) != cudaSuccess) {
+  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT>, tp) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
@@ -890,7 +861,7 @@ void launch_shape(const GroupedArgs& p) {
 template <Format F, bool BT>
 void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
   if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2, BT>(p);
-  else if (!(F == Format::BF16 && tma && launch_tma<BT, TmaWide>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
+  else if (!(F == Format::BF16 && tma && launch_tma<BT>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
 }
 
 }  // namespace hopper
