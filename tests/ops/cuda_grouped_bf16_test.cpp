@@ -206,14 +206,16 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
 }
 
 // The Hopper loop's training tile fed by TMA in two-CTA clusters (the default) gives the bits of the
-// same tile fed by cp.async: ragged and empty groups, one column tile (the cluster's second CTA
-// has no columns), a column tile and a part, K past a whole tile, accumulate on and off.
+// same tile fed by cp.async, in every tile order (bands of column pairs, the last band narrower,
+// or launch order): ragged and empty groups, one column tile (the cluster's second CTA has no
+// columns), a column tile and a part, K past a whole tile, accumulate on and off.
 TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   const std::vector<GroupedCase> cases = {
       {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
       {1030, 72, 512, {0, 0, 515, 1030}},
+      {1500, 2200, 200, {0, 300, 300, 1100, 1500}},  // 9 column pairs: bands of 8 + 1, or 3 x 3
       kSixteenExperts,
   };
   for (const GroupedCase& c : cases) {
@@ -221,20 +223,26 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
     const Bf16 a = random_bf16({c.M, c.K}, 41, 1.0f), b = random_bf16({G, c.N, c.K}, 42, 0.05f);
     const Bf16 c0 = random_bf16({c.M, c.N}, 43, 1.0f);
     for (bool accumulate : {false, true}) {
-      Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
-      ops::convert(c0.dev, tma);
-      Tensor cp = tma.clone();
-      const int64_t launches = ops::cuda::grouped_tma_launches();
-      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
-      EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
+      Tensor cp = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
+      ops::convert(c0.dev, cp);
       ops::cuda::set_grouped_tma(false);
       ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
       ops::cuda::set_grouped_tma(true);
-      ops::cuda::check_recorded_index_errors();
-      const std::vector<float> t = host_floats(tma), q = host_floats(cp);
-      EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
-          << "M " << c.M << " N " << c.N << " K " << c.K << (accumulate ? ", accumulate" : "");
-      if (!accumulate && c.M < 5000) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+      const std::vector<float> q = host_floats(cp);
+      for (int band : {8, 0, 3}) {  // the default tile order, launch order, narrower bands
+        Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
+        ops::convert(c0.dev, tma);
+        const int64_t launches = ops::cuda::grouped_tma_launches();
+        ops::cuda::set_grouped_tile_band(band);
+        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+        ops::cuda::set_grouped_tile_band(8);
+        EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
+        ops::cuda::check_recorded_index_errors();
+        const std::vector<float> t = host_floats(tma);
+        EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
+            << "M " << c.M << " N " << c.N << " K " << c.K << ", band " << band << (accumulate ? ", accumulate" : "");
+        if (!accumulate && c.M < 5000 && band == 8) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+      }
     }
   }
 }

@@ -2,7 +2,8 @@
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel, set_grouped_transposed_b,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, grouped_tma_launches,
+//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
+//          grouped_tma_launches,
 //          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
@@ -133,6 +134,10 @@ void set_grouped_wgmma(bool on);
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
 // same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
+// The TMA form's tile order: its two-CTA clusters walk bands of `pairs` column-tile pairs, row tiles
+// fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
+// The same bits in any order; for benchmarks.
+void set_grouped_tile_band(int pairs);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
 

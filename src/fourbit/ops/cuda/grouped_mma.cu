@@ -198,32 +198,50 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0
   }
 }
 
-// The group and rows [r0, r1) of row tile blockIdx.y (tiles of bm rows, each group's in turn),
-// group -1 for the tiles past the last; bad offsets are clamped and recorded. Thread 0's work.
-__device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int& s_group, long long& s_r0,
+// The group and rows [r0, r1) of row tile `tile` (tiles of bm rows, each group's in turn), group -1
+// for the tiles past the last; bad offsets are clamped and recorded. Warp 0's work: its lanes read
+// 32 groups' offsets at once and a prefix sum of their tile counts finds the group, where one
+// thread walking the offsets would wait on one dependent load after another (up to G of them, the
+// rest of the CTA stalled at the barrier behind it).
+__device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int tile, int& s_group, long long& s_r0,
                                               long long& s_r1) {
-  int tile = int(blockIdx.y), group = -1;
-  long long r0 = 0, r1 = 0;
-  for (int g = 0; g < p.groups && group < 0; ++g) {
-    long long lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
-    long long hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
-    if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
-    if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
-    else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
-    lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
-    hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
-    const long long tiles = (hi - lo + bm - 1) / bm;
-    if (tile < tiles) {
-      group = g;
-      r0 = lo + (long long)tile * bm;
-      r1 = hi;
-    } else {
-      tile -= int(tiles);
+  const int lane = int(threadIdx.x) & 31;
+  for (int base = 0; base < p.groups; base += 32) {
+    const int g = base + lane;
+    long long lo = 0, hi = 0;
+    int tiles = 0;
+    if (g < p.groups) {
+      lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
+      hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
+      if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
+      if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
+      else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
+      lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
+      hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
+      tiles = int((hi - lo + bm - 1) / bm);
     }
+    int upto = tiles;  // tiles of groups base .. g
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, upto, d);
+      if (lane >= d) upto += v;
+    }
+    const unsigned hit = __ballot_sync(0xffffffffu, g < p.groups && tile < upto);
+    if (hit) {  // the first group whose tiles reach past `tile` holds it
+      if (lane == __ffs(hit) - 1) {
+        const long long r0 = lo + (long long)(tile - (upto - tiles)) * bm;
+        s_group = g;
+        s_r0 = r0;
+        s_r1 = hi < r0 + bm ? hi : r0 + bm;
+      }
+      return;
+    }
+    tile -= __shfl_sync(0xffffffffu, upto, 31);
   }
-  s_group = group;
-  s_r0 = r0;
-  s_r1 = r1 < r0 + bm ? r1 : r0 + bm;
+  if (lane == 0) {
+    s_group = -1;
+    s_r0 = s_r1 = 0;
+  }
 }
 
 // The epilogue of one output element in NUMERICS' order: the FP32 sum times A's outer scale, times
@@ -259,8 +277,8 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
   __shared__ long long s_r0, s_r1;
   __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
-  // ---- which group and rows this CTA computes (thread 0 walks the offsets) ----
-  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
+  // ---- which group and rows this CTA computes (warp 0 reads the offsets) ----
+  if (threadIdx.x < 32) find_row_tile(p, BM, int(blockIdx.y), s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   fill_e2m1_pairs<F>(e2m1_pair);
@@ -503,7 +521,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   __shared__ long long s_r0, s_r1;
   __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
-  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
+  if (threadIdx.x < 32) find_row_tile(p, BM, int(blockIdx.y), s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   fill_e2m1_pairs<F>(e2m1_pair);
@@ -681,6 +699,7 @@ struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
   GroupedArgs g;
+  int band_pairs;  // the tile order: column pairs a band (0: a row tile's columns, then the next)
 };
 
 constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
@@ -695,13 +714,27 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   __shared__ long long s_r0, s_r1;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
-  // Both CTAs of a cluster share blockIdx.y, so they find the same group and leave together.
-  if (threadIdx.x == 0) find_row_tile(p, BM, s_group, s_r0, s_r1);
+  // The tile: clusters (pairs of neighbouring column tiles, the pair's rank the low bit of
+  // blockIdx.x) in launch order walk bands of tp.band_pairs column pairs, row tiles fastest
+  // inside a band, so that the CTAs resident at once cover a near-square block of C and share
+  // both operands in L2; walking all the column tiles of a row tile first (band_pairs 0) reads
+  // the whole of B once per wave of CTAs, from HBM where B is larger than L2. Both CTAs of a
+  // cluster get the same row tile, so they find the same group and leave together.
+  const uint32_t rank = cluster_ctarank();
+  const int pairs = int(gridDim.x) / 2, rows = int(gridDim.y);
+  const int cluster = int(blockIdx.y) * pairs + int(blockIdx.x) / 2;
+  int row_tile = int(blockIdx.y), pair = int(blockIdx.x) / 2;
+  if (tp.band_pairs > 0 && tp.band_pairs < pairs) {
+    const int band = cluster / (tp.band_pairs * rows), first = band * tp.band_pairs;
+    const int width = min(tp.band_pairs, pairs - first), in_band = cluster - first * rows;
+    row_tile = in_band / width;
+    pair = first + in_band % width;
+  }
+  if (threadIdx.x < 32) find_row_tile(p, BM, row_tile, s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   const long long r0 = s_r0, r1 = s_r1;
-  const int group = s_group, n0 = int(blockIdx.x) * BN, tid = int(threadIdx.x);
-  const uint32_t rank = cluster_ctarank();
+  const int group = s_group, n0 = (2 * pair + int(rank)) * BN, tid = int(threadIdx.x);
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
   if (tid == 0) {
@@ -789,6 +822,10 @@ bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, ui
 }
 
 std::atomic<int64_t> g_tma_launches{0};
+// The TMA form's tile order (TmaParams::band_pairs): 8 pairs, 16 column tiles of 128, make the 132
+// CTAs resident at once ~8 row tiles x 16 column tiles, whose A (8 x 256 rows) and B (16 x 128
+// rows) are about as large.
+std::atomic<int> g_tile_band{8};
 
 // The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
 // slices not back to back, a map the driver will not encode, no driver entry point), and the
@@ -798,6 +835,7 @@ bool launch_tma(const GroupedArgs& p) {
   using S = Shape<Format::BF16, kTmaConsumers, 1>;
   TmaParams tp{};
   tp.g = p;
+  tp.band_pairs = g_tile_band.load(std::memory_order_relaxed);
   if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
   if constexpr (BT) {
     const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
@@ -1076,6 +1114,8 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
+
+void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pairs), std::memory_order_relaxed); }
 
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 

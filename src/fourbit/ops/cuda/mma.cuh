@@ -176,13 +176,16 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   __trap();
 #endif
 }
-// One arrival (release, cluster scope) on the mbarrier at CTA-relative address bar of cluster CTA
-// `cta` (this one or a peer).
+// One arrival on the mbarrier at CTA-relative address bar of cluster CTA `cta` (this one or a
+// peer), with the instruction's default CTA-scope release. It releases a stage whose only reads
+// were wgmma's, complete at the wgmma wait before it, to TMA writes: nothing the thread wrote
+// needs ordering at cluster scope, and .release.cluster costs a memory barrier (MEMBAR) an arrival
+// that stalls the arriving warp, and so its warpgroup's next MMAs, every K tile.
 __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t cta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(cta)
       : "memory");
 #else
