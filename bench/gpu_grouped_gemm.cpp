@@ -116,7 +116,8 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "cp.async ms", "launch-order ms", "mma.sync ms", "gap",
+                   "grouped / dense speed", "vs per-expert", "cp.async ms", "launch-order ms", "a cluster a tile ms",
+                   "mma.sync ms", "gap",
                    "mma.sync gap"};
   for (const Case& c : cases) {
     const int64_t G = int64_t(c.rows.size());
@@ -162,6 +163,12 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tile_band(8);
     };
     const double l_ms = median_ms(launch_order, reps);
+    auto cluster_a_tile = [&] {  // the TMA form launching a cluster a tile instead of persistent clusters
+      ops::cuda::set_grouped_tma_persistent(false);
+      ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false);
+      ops::cuda::set_grouped_tma_persistent(true);
+    };
+    const double t_ms = median_ms(cluster_a_tile, reps);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -173,6 +180,7 @@ int main(int argc, char** argv) {
                {"vs per-expert", p_ms / g_ms},
                {"cp.async ms", c_ms},
                {"launch-order ms", l_ms},
+               {"a cluster a tile ms", t_ms},
                {"mma.sync ms", m_ms},
                {"gap", fmt::format("{:.1e}", gap)},
                {"mma.sync gap", fmt::format("{:.1e}", gap_portable)}});
@@ -352,8 +360,9 @@ int main(int argc, char** argv) {
   table.meta = {{"reps", reps},
                 {"device", prop.name},
                 {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
-                           "2-CTA clusters multicasting A, tiles in bands of 8 column pairs (cp.async ms: fed by cp.async; "
-                           "launch-order ms: TMA, a row tile's columns before the next's), 64x256 on 2 for small groups, "
+                           "2-CTA clusters multicasting A, persistent, tiles in bands of 8 column pairs (cp.async ms: fed "
+                           "by cp.async; launch-order ms: TMA, a row tile's columns before the next's; a cluster a tile "
+                           "ms: TMA, not persistent), 64x256 on 2 for small groups, "
                            "x 64, 4 stages; mma.sync m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "fourbit/ops/ops.h"
@@ -206,8 +207,9 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
 }
 
 // The Hopper loop's training tile fed by TMA in two-CTA clusters (the default) gives the bits of the
-// same tile fed by cp.async, in every tile order (bands of column pairs, the last band narrower,
-// or launch order): ragged and empty groups, one column tile (the cluster's second CTA has no
+// same tile fed by cp.async, persistent (more tiles than clusters, slots past the last row tile
+// between bands) or a cluster a tile, in every tile order (bands of column pairs, the last band
+// narrower, or launch order): ragged and empty groups, one column tile (the cluster's second CTA has no
 // columns), a column tile and a part, K past a whole tile, accumulate on and off.
 TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -229,19 +231,24 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
       ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), cp, accumulate);
       ops::cuda::set_grouped_tma(true);
       const std::vector<float> q = host_floats(cp);
-      for (int band : {8, 0, 3}) {  // the default tile order, launch order, narrower bands
+      // the default (persistent, bands of 8 pairs), launch order, narrower bands, a cluster a tile
+      const std::vector<std::pair<bool, int>> forms = {{true, 8}, {true, 0}, {true, 3}, {false, 8}};
+      for (const auto& [persistent, band] : forms) {
         Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
         ops::convert(c0.dev, tma);
         const int64_t launches = ops::cuda::grouped_tma_launches();
         ops::cuda::set_grouped_tile_band(band);
+        ops::cuda::set_grouped_tma_persistent(persistent);
         ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
         ops::cuda::set_grouped_tile_band(8);
+        ops::cuda::set_grouped_tma_persistent(true);
         EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
         ops::cuda::check_recorded_index_errors();
         const std::vector<float> t = host_floats(tma);
         EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
-            << "M " << c.M << " N " << c.N << " K " << c.K << ", band " << band << (accumulate ? ", accumulate" : "");
-        if (!accumulate && c.M < 5000 && band == 8) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
+            << "M " << c.M << " N " << c.N << " K " << c.K << ", band " << band
+            << (persistent ? ", persistent" : ", a cluster a tile") << (accumulate ? ", accumulate" : "");
+        if (!accumulate && c.M < 5000 && band == 8 && persistent) expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
       }
     }
   }

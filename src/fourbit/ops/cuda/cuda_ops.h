@@ -3,6 +3,7 @@
 //          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
+//          set_grouped_tma_persistent,
 //          grouped_tma_launches,
 //          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
@@ -138,6 +139,10 @@ void set_grouped_tma(bool on);
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
 // The same bits in any order; for benchmarks.
 void set_grouped_tile_band(int pairs);
+// Whether the TMA form is persistent (the default: as many clusters as fit on the device at once,
+// each looping over its tiles with one ring of stages) or launches a cluster a tile. The same bits;
+// for tests and benchmarks.
+void set_grouped_tma_persistent(bool on);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
 

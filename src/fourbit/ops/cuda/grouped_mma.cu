@@ -198,13 +198,17 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0
   }
 }
 
-// The group and rows [r0, r1) of row tile `tile` (tiles of bm rows, each group's in turn), group -1
-// for the tiles past the last; bad offsets are clamped and recorded. Warp 0's work: its lanes read
-// 32 groups' offsets at once and a prefix sum of their tile counts finds the group, where one
-// thread walking the offsets would wait on one dependent load after another (up to G of them, the
-// rest of the CTA stalled at the barrier behind it).
-__device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int tile, int& s_group, long long& s_r0,
-                                              long long& s_r1) {
+// A row tile: its group (-1 for the tiles past the last) and rows [r0, r1).
+struct RowTile {
+  int group;
+  long long r0, r1;
+};
+
+// Row tile `tile` (tiles of bm rows, each group's in turn); bad offsets are clamped and recorded.
+// Warp-collective, the same answer in every lane: the lanes read 32 groups' offsets at once and a
+// prefix sum of their tile counts finds the group, where one thread walking the offsets would
+// wait on one dependent load after another (up to G of them).
+__device__ __forceinline__ RowTile row_tile_of(const GroupedArgs& p, int bm, int tile) {
   const int lane = int(threadIdx.x) & 31;
   for (int base = 0; base < p.groups; base += 32) {
     const int g = base + lane;
@@ -228,19 +232,28 @@ __device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int 
     }
     const unsigned hit = __ballot_sync(0xffffffffu, g < p.groups && tile < upto);
     if (hit) {  // the first group whose tiles reach past `tile` holds it
-      if (lane == __ffs(hit) - 1) {
-        const long long r0 = lo + (long long)(tile - (upto - tiles)) * bm;
-        s_group = g;
-        s_r0 = r0;
-        s_r1 = hi < r0 + bm ? hi : r0 + bm;
-      }
-      return;
+      const int src = __ffs(hit) - 1;
+      const long long r0 = lo + (long long)(tile - (upto - tiles)) * bm;
+      RowTile t;
+      t.group = base + src;
+      t.r0 = __shfl_sync(0xffffffffu, r0, src);
+      t.r1 = __shfl_sync(0xffffffffu, hi < r0 + bm ? hi : r0 + bm, src);
+      return t;
     }
     tile -= __shfl_sync(0xffffffffu, upto, 31);
   }
-  if (lane == 0) {
-    s_group = -1;
-    s_r0 = s_r1 = 0;
+  return RowTile{-1, 0, 0};
+}
+
+// The row tile of blockIdx.y into shared memory, for the kernels whose CTA computes one tile: warp
+// 0's work, before a barrier.
+__device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int& s_group, long long& s_r0,
+                                              long long& s_r1) {
+  const RowTile t = row_tile_of(p, bm, int(blockIdx.y));
+  if ((threadIdx.x & 31) == 0) {
+    s_group = t.group;
+    s_r0 = t.r0;
+    s_r1 = t.r1;
   }
 }
 
@@ -278,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
   __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
   // ---- which group and rows this CTA computes (warp 0 reads the offsets) ----
-  if (threadIdx.x < 32) find_row_tile(p, BM, int(blockIdx.y), s_group, s_r0, s_r1);
+  if (threadIdx.x < 32) find_row_tile(p, BM, s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   fill_e2m1_pairs<F>(e2m1_pair);
@@ -521,7 +534,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   __shared__ long long s_r0, s_r1;
   __shared__ float2 e2m1_pair[F == Format::NVFP4 ? 256 : 1];
 
-  if (threadIdx.x < 32) find_row_tile(p, BM, int(blockIdx.y), s_group, s_r0, s_r1);
+  if (threadIdx.x < 32) find_row_tile(p, BM, s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
   fill_e2m1_pairs<F>(e2m1_pair);
@@ -686,9 +699,12 @@ void launch_wgrad(const KGroupedArgs& p) {
 // traffic, what bounds the cp.async loop). One producer thread issues the copies into a ring of
 // stages; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
 // an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
-// overwritten in either CTA. The tile is 256 x 128 on four consumer warpgroups with 4 stages, one
-// CTA an SM. Two others measured slower at every shape and were removed: 128 x 128 on two, two
-// CTAs an SM so that one's prologue and epilogue run under the other's MMAs
+// overwritten in either CTA. The consumers release a stage with a CTA-scope arrival: a cluster-scope
+// release costs a MEMBAR.GPU per K tile in every warpgroup, which held the loop at ~0.6 of
+// cuBLASLt (h200_gpu_grouped_gemm_cta_release.json has the times without it). The tile is
+// 256 x 128 on four consumer warpgroups with 4 stages, one CTA an SM. Two others measured slower
+// at every shape (while the arrivals still had that barrier) and were removed: 128 x 128 on two,
+// two CTAs an SM so that one's prologue and epilogue run under the other's MMAs
 // (bench/results/h200_gpu_grouped_gemm.json, "TMA 128-row ms"), and 128 x 256 on two warpgroups of
 // m64n256k16, which gives the same bits (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms").
 // The consumer warpgroups run the same m64n128k16 chain over the same 64-wide K tiles as
@@ -699,42 +715,44 @@ struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
   GroupedArgs g;
-  int band_pairs;  // the tile order: column pairs a band (0: a row tile's columns, then the next)
+  int pairs, rows;  // the grid of cluster tiles: pairs of column tiles x row tiles (and slots past them)
+  int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
 };
 
 constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
 
+// Cluster tile c (of pairs x rows) in the tile order: clusters in turn walk bands of band_pairs
+// column pairs, row tiles fastest inside a band, so that the tiles in flight at once cover a
+// near-square block of C and share both operands in L2; walking all the column tiles of a row
+// tile first (band_pairs 0) reads the whole of B once per 66 tiles, from HBM where B is larger
+// than L2.
+__device__ __forceinline__ void tma_tile_of(const TmaParams& tp, int c, int& row_tile, int& pair) {
+  row_tile = c / tp.pairs;
+  pair = c % tp.pairs;
+  if (tp.band_pairs > 0 && tp.band_pairs < tp.pairs) {
+    const int band = c / (tp.band_pairs * tp.rows), first = band * tp.band_pairs;
+    const int width = min(tp.band_pairs, tp.pairs - first), in_band = c - first * tp.rows;
+    row_tile = in_band / width;
+    pair = first + in_band % width;
+  }
+}
+
+// Persistent: cluster i of the grid's n computes cluster tiles i, i + n, i + 2n, ... (both CTAs
+// the same row tile, neighbouring column tiles), and the K tiles of all of them run through one
+// ring of stages, so the producer loads the next tile's first stages while the consumers store
+// the last one's results, and a CTA's setup (barriers, cluster sync) is paid once. Every warp finds
+// each tile's group itself (row_tile_of); the slots past the last row tile are skipped by all.
 template <bool BT>
 __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
   using S = Shape<Format::BF16, kTmaConsumers, 1>;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int s_group;
-  __shared__ long long s_r0, s_r1;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
-  // The tile: clusters (pairs of neighbouring column tiles, the pair's rank the low bit of
-  // blockIdx.x) in launch order walk bands of tp.band_pairs column pairs, row tiles fastest
-  // inside a band, so that the CTAs resident at once cover a near-square block of C and share
-  // both operands in L2; walking all the column tiles of a row tile first (band_pairs 0) reads
-  // the whole of B once per wave of CTAs, from HBM where B is larger than L2. Both CTAs of a
-  // cluster get the same row tile, so they find the same group and leave together.
   const uint32_t rank = cluster_ctarank();
-  const int pairs = int(gridDim.x) / 2, rows = int(gridDim.y);
-  const int cluster = int(blockIdx.y) * pairs + int(blockIdx.x) / 2;
-  int row_tile = int(blockIdx.y), pair = int(blockIdx.x) / 2;
-  if (tp.band_pairs > 0 && tp.band_pairs < pairs) {
-    const int band = cluster / (tp.band_pairs * rows), first = band * tp.band_pairs;
-    const int width = min(tp.band_pairs, pairs - first), in_band = cluster - first * rows;
-    row_tile = in_band / width;
-    pair = first + in_band % width;
-  }
-  if (threadIdx.x < 32) find_row_tile(p, BM, row_tile, s_group, s_r0, s_r1);
-  __syncthreads();
-  if (s_group < 0) return;
-  const long long r0 = s_r0, r1 = s_r1;
-  const int group = s_group, n0 = (2 * pair + int(rank)) * BN, tid = int(threadIdx.x);
+  const int tid = int(threadIdx.x), cluster = int(blockIdx.x) / 2, clusters = int(gridDim.x) / 2;
+  const int tiles = tp.pairs * tp.rows;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
   if (tid == 0) {
@@ -748,44 +766,65 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
   if (tid >= 128 * kTmaConsumers) {  // the producer warp: one thread issues every copy
-    if (tid == 128 * kTmaConsumers) {
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        const int st = kt % kStages, round = kt / kStages;
-        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
-        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
-        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
-        const int k0 = p.k_begin + kt * kBK;
-        tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(r0) + int(rank) * (BM / 2), bar, uint16_t(3));
-        if constexpr (BT) {
-          tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, group, bar);
-          tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, group, bar);
-        } else {
-          tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, group * p.n + n0, bar);
+    int it = 0;                      // K tiles through the ring so far
+    for (int c = cluster; c < tiles; c += clusters) {
+      int row_tile, pair;
+      tma_tile_of(tp, c, row_tile, pair);
+      const RowTile t = row_tile_of(p, BM, row_tile);
+      if (t.group < 0) continue;
+      const int n0 = (2 * pair + int(rank)) * BN;
+      if (tid == 128 * kTmaConsumers) {
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int st = it % kStages, round = it / kStages;
+          if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
+          const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+          mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+          const int k0 = p.k_begin + kt * kBK;
+          tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(t.r0) + int(rank) * (BM / 2), bar,
+                                uint16_t(3));
+          if constexpr (BT) {
+            tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, t.group, bar);
+            tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, t.group, bar);
+          } else {
+            tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
+          }
         }
       }
+      __syncwarp();
     }
-    __syncwarp();
   } else {
     const int wm = tid >> 7;
-    float acc[64];
+    int it = 0;
+    for (int c = cluster; c < tiles; c += clusters) {
+      int row_tile, pair;
+      tma_tile_of(tp, c, row_tile, pair);
+      const RowTile t = row_tile_of(p, BM, row_tile);
+      if (t.group < 0) continue;
+      float acc[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int st = kt % kStages;
-      mbarrier_wait(full0 + 8u * st, uint32_t(kt / kStages) & 1u);
-      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
-      mma_k_tile<false, BT>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
-      wgmma_wait<1>();  // the MMAs of kt - 1 are done: release its stage in both CTAs
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % kStages;
+        mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+        mma_k_tile<false, BT>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
+        wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage in both CTAs
+        pin(acc);
+        if (kt > 0 && (tid & 127) == 0) {
+          const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
+          mbarrier_arrive_cluster(bar, 0);
+          mbarrier_arrive_cluster(bar, 1);
+        }
+      }
+      wgmma_wait<0>();
       pin(acc);
-      if (kt > 0 && (tid & 127) == 0) {
-        const uint32_t bar = empty0 + 8u * uint32_t((kt - 1) % kStages);
+      if (k_tiles > 0 && (tid & 127) == 0) {  // the tile's last stage, before its results are stored
+        const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
+      store_block(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
-    wgmma_wait<0>();
-    pin(acc);
-    store_block(p, group, acc, wm, n0, r0, r1);
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
 }
@@ -826,6 +865,7 @@ std::atomic<int64_t> g_tma_launches{0};
 // CTAs resident at once ~8 row tiles x 16 column tiles, whose A (8 x 256 rows) and B (16 x 128
 // rows) are about as large.
 std::atomic<int> g_tile_band{8};
+std::atomic<bool> g_tma_persistent{true};
 
 // The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
 // slices not back to back, a map the driver will not encode, no driver entry point), and the
@@ -853,12 +893,12 @@ bool launch_tma(const GroupedArgs& p) {
     return true;
   }();
   (void)attr;
-  const unsigned col_tiles = unsigned((p.n + S::BN - 1) / S::BN);
-  const dim3 grid((col_tiles + 1) / 2 * 2, unsigned((p.m + S::BM - 1) / S::BM + p.groups));
+  tp.pairs = int((p.n + 2 * S::BN - 1) / (2 * S::BN));
+  tp.rows = int((p.m + S::BM - 1) / S::BM + p.groups);
+  const int tiles = tp.pairs * tp.rows;
   // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
   cfg.blockDim = dim3(kTmaThreads);
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream();
@@ -869,6 +909,19 @@ bool launch_tma(const GroupedArgs& p) {
   cluster[0].val.clusterDim.z = 1;
   cfg.attrs = cluster;
   cfg.numAttrs = 1;
+  // as many clusters as fit on the device at once (one CTA an SM), or one a tile when not persistent
+  static const int resident = [&cfg] {
+    cudaLaunchConfig_t probe = cfg;
+    probe.gridDim = dim3(2 * 1024);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<BT>, &probe) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = std::max(1, device_sm_count() / 2);
+    }
+    return n;
+  }();
+  const int clusters = g_tma_persistent.load(std::memory_order_relaxed) ? std::min(tiles, resident) : tiles;
+  cfg.gridDim = dim3(unsigned(2 * clusters));
   // A cluster launch the device refuses (a configuration error, reported at once) leaves the
   // tile to the cp.async form.
   if (cudaLaunchKernelEx(&cfg, tma_kernel<BT>, tp) != cudaSuccess) {
@@ -1114,6 +1167,8 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
+
+void set_grouped_tma_persistent(bool on) { hopper::g_tma_persistent.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pairs), std::memory_order_relaxed); }
 
