@@ -7,8 +7,9 @@
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
 # `ncu` (not part of `all`): Nsight Compute's full section set on the grouped kernel's first TMA-form
-# launches in gpu_grouped_gemm (gpu-small's expert shape); it reads hardware counters on the
-# Firecracker runtime only (the device library's KINDS.md), with the clocks left alone.
+# launches in gpu_grouped_gemm (gpu-small's expert shape), its details page and its source view
+# (stall samples per SASS instruction); it reads hardware counters on the Firecracker runtime only
+# (the device library's KINDS.md), with the clocks left alone.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -127,6 +128,8 @@ if [[ " ${steps[*]} " == *" ncu "* ]]; then
   ncu --clock-control none --kernel-name regex:tma_kernel --launch-count "${NCU_LAUNCHES:-2}" --set full \
     -o "$OUT/ncu_grouped" "$BUILD/bench/gpu_grouped_gemm" --reps 1 > "$OUT/ncu.log" 2>&1; tail -3 "$OUT/ncu.log"
   ncu --import "$OUT/ncu_grouped.ncu-rep" --page details > "$OUT/ncu_grouped.txt" 2>&1
+  # stall samples per SASS instruction (CSV): where the warps wait, line by line
+  ncu --import "$OUT/ncu_grouped.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_grouped_sass.csv" 2>&1
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Stall" \
     "$OUT/ncu_grouped.txt" | head -30
   log ncu done

@@ -7,8 +7,9 @@
 //
 // Shape of the work. The grid has one CTA per (BM-row tile of a group, BN-column tile of N); the
 // host cannot know the groups' sizes, so it launches ceil(M / BM) + G row tiles (the most a
-// grouping of M rows into G groups can need) and each CTA finds its group by walking the offsets;
-// the CTAs left over return at once. Two main loops, each with a tile for training shapes and one
+// grouping of M rows into G groups can need) and each CTA finds its group from the offsets
+// (row_tile_of, a warp's prefix sum); the CTAs left over return at once. The TMA form is
+// persistent over the same tiles instead (below). Two main loops, each with a tile for training shapes and one
 // for groups of few rows (the sampler's decode):
 //  - on Hopper (namespace hopper, below): wgmma.m64n128k16 from 128-byte-swizzled shared memory,
 //    256 x 128 or 64 x 256 tiles, 64-wide K tiles;
