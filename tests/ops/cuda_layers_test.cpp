@@ -190,6 +190,7 @@ TEST(CudaLayers, SumSquaresEachEqualsEachSumSquares) {
   ops::convert(gpu(random_tensor({5000}, DType::F32, 99, -2.0, 2.0)), b);
   ts.push_back(b);
   ts.push_back(ts[3].view(1, {1000}));  // an unaligned view
+  ts.push_back(Tensor::empty({0}, DType::F32, Device::CUDA));  // an empty one last (its total: 0)
   const std::vector<double> each = ops::sum_squares_each(ts);
   ASSERT_EQ(each.size(), ts.size());
   for (size_t i = 0; i < ts.size(); ++i) EXPECT_EQ(each[i], ops::sum_squares(ts[i])) << "tensor " << i;
@@ -330,6 +331,66 @@ TEST(CudaLayers, SwigluMatchesCpu) {
     ops::swiglu_backward(gpu(da), h1g, h3g, d1g, d3g);
     expect_close(name + " backward dh1", d1g, d1c, kElementwiseTol);
     expect_close(name + " backward dh3", d3g, d3c, kElementwiseTol);
+  }
+}
+
+// ---- BF16 outputs (ops.h): the GEMM operand written by its producer -------------------------------
+
+// An op writing a BF16 output gives the bits of convert() of its F32 output, on aligned tensors
+// (8-byte stores) and on views one element off (element stores), for lengths off the groups of 4.
+TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
+  SKIP_WITHOUT_GPU();
+  auto converted = [](const Tensor& f32) {
+    Tensor b = Tensor::empty(f32.shape(), DType::BF16, Device::CUDA);
+    ops::convert(f32, b);
+    return b;
+  };
+  // A [R, C] BF16 view starting one element into a larger allocation (not 8-byte aligned).
+  auto offset_bf16 = [](int64_t R, int64_t C) {
+    Tensor big = Tensor::empty({R * C + 1}, DType::BF16, Device::CUDA);
+    return big.view(1, {R, C});
+  };
+  for (const bool shifted : {false, true}) {
+    for (const int64_t D : {int64_t(1024), int64_t(96), int64_t(13)}) {
+      const int64_t N = 77;
+      const std::string name = cfg("N=%lld D=%lld shifted=%lld", N, D, shifted ? 1 : 0);
+      auto out16 = [&](int64_t R, int64_t C) {
+        return shifted ? offset_bf16(R, C) : Tensor::empty({R, C}, DType::BF16, Device::CUDA);
+      };
+      const Tensor x = gpu(random_tensor({N, D}, DType::F32, 900 + uint64_t(D), -2.0, 2.0));
+      const Tensor w = gpu(random_tensor({D}, DType::F32, 901, 0.5, 1.5));
+      Tensor y = Tensor::empty({N, D}, DType::F32, Device::CUDA), r = Tensor::empty({N}, DType::F32, Device::CUDA);
+      Tensor y16 = out16(N, D), r2 = Tensor::empty({N}, DType::F32, Device::CUDA);
+      ops::rmsnorm_forward(x, w, 1e-5f, y, r);
+      ops::rmsnorm_forward(x, w, 1e-5f, y16, r2);
+      expect_bits("rmsnorm y bf16 " + name, y16, converted(y));
+      expect_bits("rmsnorm rstd with a bf16 y " + name, r2, r);
+
+      const Tensor h1 = gpu(random_tensor({N, D}, DType::F32, 902, -8.0, 8.0));
+      const Tensor h3 = gpu(random_tensor({N, D}, DType::F32, 903, -2.0, 2.0));
+      const Tensor da = gpu(random_tensor({N, D}, DType::F32, 904));
+      Tensor a = Tensor::empty({N, D}, DType::F32, Device::CUDA), a16 = out16(N, D);
+      ops::swiglu_forward(h1, h3, a);
+      ops::swiglu_forward(h1, h3, a16);
+      expect_bits("swiglu a bf16 " + name, a16, converted(a));
+      Tensor d1 = Tensor::empty({N, D}, DType::F32, Device::CUDA), d3 = Tensor::empty({N, D}, DType::F32, Device::CUDA);
+      Tensor d1_16 = out16(N, D), d3_16 = out16(N, D);
+      ops::swiglu_backward(da, h1, h3, d1, d3);
+      ops::swiglu_backward(da, h1, h3, d1_16, d3_16);
+      expect_bits("swiglu dh1 bf16 " + name, d1_16, converted(d1));
+      expect_bits("swiglu dh3 bf16 " + name, d3_16, converted(d3));
+
+      const int64_t k = 2, M = N * k;
+      const ops::RoutePlan plan = ops::route_plan(gpu(random_routing(N, 8, k, 905)), 8);
+      const Tensor dout = gpu(random_tensor({N, D}, DType::F32, 906)), yp = gpu(random_tensor({M, D}, DType::F32, 907));
+      const Tensor tw = gpu(random_tensor({N, k}, DType::F32, 908, 0.0, 1.0));
+      Tensor dyp = Tensor::empty({M, D}, DType::F32, Device::CUDA), dw = Tensor::empty({N, k}, DType::F32, Device::CUDA);
+      Tensor dyp16 = out16(M, D), dw2 = Tensor::empty({N, k}, DType::F32, Device::CUDA);
+      ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp, dw);
+      ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp16, dw2);
+      expect_bits("moe_combine_backward dy_perm bf16 " + name, dyp16, converted(dyp));
+      expect_bits("moe_combine_backward dw with a bf16 dy_perm " + name, dw2, dw);
+    }
   }
 }
 

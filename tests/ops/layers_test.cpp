@@ -249,6 +249,64 @@ TEST(SwigluOps, GradCheck) {
                "swiglu_forward: h3 must be f64[like h1]=[4, 6] cpu, got f64[4, 5] cpu");
 }
 
+// ---- BF16 outputs (ops.h) --------------------------------------------------------------------------
+
+namespace {
+// Every element of the BF16 tensor `got` is the RNE encoding of the F32 tensor's element.
+void expect_encoded(const char* what, const Tensor& got, const Tensor& f32) {
+  ASSERT_EQ(got.dtype(), DType::BF16) << what;
+  ASSERT_EQ(got.shape(), f32.shape()) << what;
+  int64_t differ = 0;
+  for (int64_t i = 0; i < f32.numel(); ++i)
+    differ += got.data<uint16_t>()[i] != num::bf16_encode(f32.data<float>()[i]) ? 1 : 0;
+  EXPECT_EQ(differ, 0) << what << ": " << differ << " of " << f32.numel() << " elements";
+}
+Tensor bf16_like(const Tensor& t) { return Tensor::empty(t.shape(), DType::BF16); }
+}  // namespace
+
+TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
+  const Tensor x = random_tensor({37, 24}, DType::F32, 70, -3.0, 3.0), w = random_tensor({24}, DType::F32, 71);
+  Tensor y = Tensor::empty({37, 24}, DType::F32), r = Tensor::empty({37}, DType::F32);
+  Tensor y16 = bf16_like(y), r16 = Tensor::empty({37}, DType::F32);
+  ops::rmsnorm_forward(x, w, 1e-5f, y, r);
+  ops::rmsnorm_forward(x, w, 1e-5f, y16, r16);
+  expect_encoded("rmsnorm y", y16, y);
+  EXPECT_TRUE(bitwise_equal(r16, r)) << "rstd stays f32";
+
+  const Tensor h1 = random_tensor({5, 33}, DType::F32, 72, -8.0, 8.0), h3 = random_tensor({5, 33}, DType::F32, 73);
+  const Tensor da = random_tensor({5, 33}, DType::F32, 74);
+  Tensor a = Tensor::empty({5, 33}, DType::F32), a16 = bf16_like(a);
+  ops::swiglu_forward(h1, h3, a);
+  ops::swiglu_forward(h1, h3, a16);
+  expect_encoded("swiglu a", a16, a);
+  Tensor d1 = Tensor::empty({5, 33}, DType::F32), d3 = d1.clone(), d1_16 = bf16_like(d1), d3_16 = bf16_like(d1);
+  ops::swiglu_backward(da, h1, h3, d1, d3);
+  ops::swiglu_backward(da, h1, h3, d1_16, d3_16);
+  expect_encoded("swiglu dh1", d1_16, d1);
+  expect_encoded("swiglu dh3", d3_16, d3);
+
+  const int64_t N = 29, D = 20, k = 2, M = N * k;
+  const ops::RoutePlan plan = ops::route_plan(random_routing(N, 4, k, 75), 4);
+  const Tensor dout = random_tensor({N, D}, DType::F32, 76), yp = random_tensor({M, D}, DType::F32, 77);
+  const Tensor tw = random_tensor({N, k}, DType::F32, 78, 0.0, 1.0);
+  Tensor dyp = Tensor::empty({M, D}, DType::F32), dw = Tensor::empty({N, k}, DType::F32);
+  Tensor dyp16 = bf16_like(dyp), dw2 = dw.clone();
+  ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp, dw);
+  ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp16, dw2);
+  expect_encoded("moe_combine_backward dy_perm", dyp16, dyp);
+  EXPECT_TRUE(bitwise_equal(dw2, dw)) << "dw stays f32";
+
+  // Only F32 inputs may write BF16, and only an output may be BF16.
+  const Tensor h64 = random_tensor({5, 33}, DType::F64, 79);
+  expect_error([&] { ops::swiglu_forward(h64, h64, a16); },
+               "swiglu_forward: a must be f64[like h1]=[5, 33] cpu, got bf16[5, 33] cpu");
+  Tensor a64 = Tensor::empty({5, 33}, DType::F64);
+  expect_error([&] { ops::swiglu_forward(h1, h3, a64); },
+               "swiglu_forward: a must be f32 or bf16[like h1]=[5, 33] cpu, got f64[5, 33] cpu");
+  expect_error([&] { ops::swiglu_backward(da, h1, h3, d1_16, d3); },
+               "swiglu_backward: dh3 must be bf16[like dh1]=[5, 33] cpu, got f32[5, 33] cpu");
+}
+
 // ---- cross entropy --------------------------------------------------------------------------------
 
 TEST(CrossEntropyOps, ForwardMatchesReference) {

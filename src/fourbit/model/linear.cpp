@@ -104,8 +104,13 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       p.trans = axis == BlockAxis::Col;
       return p;
     case Format::BF16: {
-      p.dense = Tensor::empty(t.shape(), DType::BF16, t.device());
-      ops::convert(t, p.dense);
+      // A producer that already wrote the BF16 operand (ops.h "BF16 outputs") hands it over as it is.
+      if (t.dtype() == DType::BF16) {
+        p.dense = t;
+      } else {
+        p.dense = Tensor::empty(t.shape(), DType::BF16, t.device());
+        ops::convert(t, p.dense);
+      }
       p.trans = axis == BlockAxis::Col;
       return p;
     }

@@ -78,6 +78,20 @@ struct ModelRunner {
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
+  // Activations that only GEMMs read as BF16 operands are written as BF16 by their producer (ops.h
+  // "BF16 outputs": the bits the operand's conversion gave, one pass instead of two). A linear
+  // input: read by fprop as A and, unless the weight gradient reuses the forward's operand, by wgrad
+  // as X^T.
+  static bool bf16_input(const LayerRecipe& r) {
+    return r.fprop.a.fmt == Format::BF16 && (wgrad_from_saved_fwd(r) || r.wgrad.b.fmt == Format::BF16);
+  }
+  // A linear's output gradient dY: read by dgrad as A and by wgrad as dY^T.
+  static bool bf16_grad(const LayerRecipe& r) {
+    return r.dgrad.a.fmt == Format::BF16 && r.wgrad.a.fmt == Format::BF16;
+  }
+  Tensor act_bf16_if(bool bf16, const Shape& s) const {
+    return bf16 && m.dtype_ == DType::F32 ? Tensor::empty(s, DType::BF16, m.device_) : act(s);
+  }
   // The quantization point `name` and its SR stream (linear.h QuantSite; docs/model.md lists the
   // names): "<weight or input group>/<gemm>/<operand>", an input group naming the GEMMs that share
   // one quantized input ("layers.3.attn.wqkv", "layers.1.moe.w13").
@@ -239,7 +253,7 @@ struct ModelRunner {
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
     LinearInput x = prepare_input(xn, r, cls, w.name + ".w13");
     record_input_amax(w.name + ".x", xn, r);
-    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act({N, F}), y = act({N, D});
+    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
     gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     ops::swiglu_forward(h1, h3, a);
@@ -261,7 +275,7 @@ struct ModelRunner {
                     bool dx_accumulate) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), F = w.w1.size(0);
-    Tensor h1 = saved.h1, h3 = saved.h3, a = act({N, F});
+    Tensor h1 = saved.h1, h3 = saved.h3, a = act_bf16_if(bf16_input(r), {N, F});
     if (!h1.defined()) {  // recomputed: the forward's GEMMs on its kept input, the same bits
       h1 = act({N, F});
       h3 = act({N, F});
@@ -270,7 +284,7 @@ struct ModelRunner {
     }
     ops::swiglu_forward(h1, h3, a);
     LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
-    Tensor da = act({N, F}), dh1 = act({N, F}), dh3 = act({N, F});
+    Tensor da = act({N, F}), dh1 = act_bf16_if(bf16_grad(r), {N, F}), dh3 = act_bf16_if(bf16_grad(r), {N, F});
     linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls);
     ops::swiglu_backward(da, h1, h3, dh1, dh3);
     linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3);
@@ -366,11 +380,20 @@ struct ModelRunner {
     std::vector<Prepared> x_perm_wgrad;
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     Tensor xn_perm;
+    // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
+    const bool bf16_x = bf16_input(r) && m.dtype_ == DType::F32;
+    Tensor xn16;
     if (r.fprop.a.quantized()) {
       const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
       x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
     }
-    if (!r.fprop.a.quantized() || !wgrad_from_fwd) {
+    if (bf16_x) {
+      xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
+      ops::convert(xn, xn16);
+      xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
+      ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
+      x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
+    } else if (!r.fprop.a.quantized() || !wgrad_from_fwd) {
       xn_perm = act({N * K, D});
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       if (!r.fprop.a.quantized())
@@ -388,7 +411,7 @@ struct ModelRunner {
 
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      Tensor ys = ffn_forward(xn, sref, cls, s ? &s->shared : nullptr);
+      Tensor ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr);
       ops::add_(out, ys);
     }
     if (s) {
@@ -446,7 +469,7 @@ struct ModelRunner {
     const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
-    Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act({rows, F}), y = act({rows, D});
+    Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
     grouped_gemm(x_perm, w1, plan.offsets, h1);
     grouped_gemm(x_perm, w3, plan.offsets, h3);
     ops::swiglu_forward(h1, h3, a);
@@ -473,13 +496,13 @@ struct ModelRunner {
       y_perm = s.expert_y;
       in.h1 = s.expert_h1;
       in.h3 = s.expert_h3;
-      in.a = act({N * K, F});
+      in.a = act_bf16_if(bf16_input(r), {N * K, F});
       ops::swiglu_forward(in.h1, in.h3, in.a);
       in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     } else {
       y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
     }
-    Tensor dy_perm = act({N * K, D}), d_topk_w = act({N, K});
+    Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D}), d_topk_w = act({N, K});
     ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
 
     // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
@@ -497,7 +520,7 @@ struct ModelRunner {
             : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
     experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
-    Tensor dh1 = act({N * K, F}), dh3 = act({N * K, F});
+    Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
 
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
@@ -630,12 +653,17 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     LayerWeights& lg = g.layers[size_t(l)];
     const std::string name = "layers." + std::to_string(l) + ".";
     // attention block
-    Tensor xn = run.act({N, D}), rstd1 = run.act({N});
+    // The attention's normed input is only read by its QKV GEMMs; the FFN's also by the router
+    // (F32) in a MoE layer.
+    Tensor xn = run.act_bf16_if(ModelRunner::bf16_input(run.recipe(LayerClass::Attention)), {N, D});
+    Tensor rstd1 = run.act({N});
     ops::rmsnorm_forward(x, lw.attn_norm, float(cfg.norm_eps), xn, rstd1);
     Tensor x_mid = x.clone();
     ops::add_(x_mid, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv));
     // FFN block
-    Tensor xn2 = run.act({N, D}), rstd2 = run.act({N});
+    Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
+                                 {N, D});
+    Tensor rstd2 = run.act({N});
     ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2);
     Tensor f;
     if (cfg.is_moe_layer(l)) {
@@ -662,9 +690,9 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     x = picked;
   }
   run.layer = cfg.n_layers;
-  Tensor xf = run.act({N, D}), rstd_f = run.act({N});
-  ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
   const LayerRecipe& rh = m.recipe().lm_head;
+  Tensor xf = run.act_bf16_if(ModelRunner::bf16_input(rh), {N, D}), rstd_f = run.act({N});
+  ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
   run.record_input_amax("lm_head.x", xf, rh);
   LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head")
                         : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),

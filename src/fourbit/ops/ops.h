@@ -182,6 +182,11 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
                           Tensor& amax);
 
 // ---- layers (F32; the CPU backend also runs F64 for gradient checks) ----------------------------
+// BF16 outputs: rmsnorm_forward's y, swiglu_forward's a, swiglu_backward's dh1 and dh3 and
+// moe_combine_backward's dy_perm may be BF16 tensors for F32 inputs, when the output's only readers
+// are BF16 GEMM operands (the bf16 recipe's): each element is then the F32 value the op would write,
+// rounded to BF16 (RNE), i.e. the bits of convert() of the F32 output, without writing that output
+// and converting it in a second pass. The CPU reference computes the F32 output and converts it.
 // tokens: I32 [N]; table [V, D]; out [N, D]. Backward accumulates into dtable, rows in token order.
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out);
 void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable);

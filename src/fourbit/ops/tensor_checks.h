@@ -1,4 +1,4 @@
-// defines: str_or_undef, expect_dims_on, expect_like_on, CombineShape, expect_combine_args, GatherShape,
+// defines: str_or_undef, expect_dims_on, expect_like_on, expect_out_on, CombineShape, expect_combine_args, GatherShape,
 //          expect_gather_args, expect_scatter_args, expect_router_backward_args, expect_segment_amax_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
@@ -30,6 +30,18 @@ inline void expect_like_on(Device dev, const char* op, const char* name, const T
                            const char* ref_name, const Tensor& ref) {
   const std::string sym = std::string("[like ") + ref_name + "]";
   expect_dims_on(dev, op, name, t, ref.dtype(), ref.shape(), sym.c_str());
+}
+
+// An output of shape `shape` whose dtype is the inputs' `dt`, or BF16 where `dt` is F32 (the ops
+// that may hand the next GEMM its BF16 operand directly, ops.h "BF16 outputs"). Returns its dtype.
+inline DType expect_out_on(Device dev, const char* op, const char* name, const Tensor& t, DType dt,
+                           const Shape& shape, const char* sym) {
+  if (t.defined() && dt == DType::F32 && t.dtype() == DType::BF16 && t.device() == dev && t.shape() == shape)
+    return DType::BF16;
+  if (dt == DType::F32 && t.defined() && t.dtype() != DType::F32)
+    fail("{}: {} must be f32 or bf16{}={} {}, got {}", op, name, sym, shape_str(shape), device_name(dev), t.str());
+  expect_dims_on(dev, op, name, t, dt, shape, sym);
+  return dt;
 }
 
 // moe_combine and its backward: y_perm [M, D] and w [N, k] of dtype `dt` (that of out/dout,

@@ -1,5 +1,5 @@
 // defines: cpu::expect_float, cpu::expect_dims, cpu::expect_like, cpu::expect_index,
-//          cpu::with_float
+//          cpu::expect_out, cpu::f32_stand_in, cpu::with_float
 // Argument checks shared by the CPU layer ops, so every op fails with the same kind of message
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"), and the F32/F64 dispatch.
 // Checks run before any OpenMP region: an exception must never leave a parallel region.
@@ -28,6 +28,18 @@ inline void expect_dims(const char* op, const char* name, const Tensor& t, DType
 inline void expect_like(const char* op, const char* name, const Tensor& t, const char* ref_name,
                         const Tensor& ref) {
   expect_like_on(Device::CPU, op, name, t, ref_name, ref);
+}
+
+// An output of the inputs' dtype `dt`, or BF16 for F32 inputs (ops.h "BF16 outputs"); returns its dtype.
+inline DType expect_out(const char* op, const char* name, const Tensor& t, DType dt, const Shape& shape,
+                        const char* sym) {
+  return expect_out_on(Device::CPU, op, name, t, dt, shape, sym);
+}
+
+// The reference computes a BF16 output as its F32 result converted (cpu::convert): `out` itself
+// when it is F32, otherwise a new F32 tensor of its shape, to be converted into it afterwards.
+inline Tensor f32_stand_in(const Tensor& out) {
+  return out.dtype() == DType::BF16 ? Tensor::empty(out.shape(), DType::F32, Device::CPU) : out;
 }
 
 // An I32 index tensor of shape `shape`.

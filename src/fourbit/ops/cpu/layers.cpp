@@ -247,13 +247,15 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   const DType dt = expect_float(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
   expect_dims(op, "w", w, dt, {D}, "[D]");
-  expect_dims(op, "y", y, dt, {N, D}, "[N, D]");
+  expect_out(op, "y", y, dt, {N, D}, "[N, D]");
   expect_dims(op, "rstd", rstd, dt, {N}, "[N]");
   if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
+  Tensor out = f32_stand_in(y);
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
-    rmsnorm_forward_t(x.data<T>(), w.data<T>(), double(eps), y.data<T>(), rstd.data<T>(), N, D);
+    rmsnorm_forward_t(x.data<T>(), w.data<T>(), double(eps), out.data<T>(), rstd.data<T>(), N, D);
   });
+  if (out.raw() != y.raw()) convert(out, y);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -285,11 +287,13 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const char* op = "swiglu_forward";
   const DType dt = expect_float(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
   expect_like(op, "h3", h3, "h1", h1);
-  expect_like(op, "a", a, "h1", h1);
+  expect_out(op, "a", a, dt, h1.shape(), "[like h1]");
+  Tensor out = f32_stand_in(a);
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_forward_t(h1.data<T>(), h3.data<T>(), a.data<T>(), h1.numel());
+    swiglu_forward_t(h1.data<T>(), h3.data<T>(), out.data<T>(), h1.numel());
   });
+  if (out.raw() != a.raw()) convert(out, a);
 }
 
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,
@@ -298,13 +302,18 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   const DType dt = expect_float(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
   expect_like(op, "da", da, "h1", h1);
   expect_like(op, "h3", h3, "h1", h1);
-  expect_like(op, "dh1", dh1, "h1", h1);
-  expect_like(op, "dh3", dh3, "h1", h1);
+  const DType out_dt = expect_out(op, "dh1", dh1, dt, h1.shape(), "[like h1]");
+  expect_dims(op, "dh3", dh3, out_dt, h1.shape(), "[like dh1]");
+  Tensor o1 = f32_stand_in(dh1), o3 = f32_stand_in(dh3);
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_backward_t(da.data<T>(), h1.data<T>(), h3.data<T>(), dh1.data<T>(), dh3.data<T>(),
+    swiglu_backward_t(da.data<T>(), h1.data<T>(), h3.data<T>(), o1.data<T>(), o3.data<T>(),
                       h1.numel());
   });
+  if (o1.raw() != dh1.raw()) {
+    convert(o1, dh1);
+    convert(o3, dh3);
+  }
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,

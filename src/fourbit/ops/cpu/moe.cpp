@@ -323,15 +323,17 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   const DType dt = expect_float(op, "dout", dout, 2, "[N, D]");
   const int64_t N = dout.size(0), D = dout.size(1);
   const auto [M, k] = expect_combine_args(Device::CPU, op, dt, N, D, y_perm, slot_of, w);
-  expect_dims(op, "dy_perm", dy_perm, dt, {M, D}, "[M, D]");
+  expect_out(op, "dy_perm", dy_perm, dt, {M, D}, "[M, D]");
   expect_dims(op, "dw", dw, dt, {N, k}, "[N, k]");
   check_range(op, "slot_of", slot_of, M, "M");
   check_injective(op, slot_of, M);
+  Tensor out = f32_stand_in(dy_perm);
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
     combine_backward_t(dout.data<T>(), y_perm.data<T>(), slot_of.data<int32_t>(), w.data<T>(),
-                       dy_perm.data<T>(), dw.data<T>(), N, M, k, D);
+                       out.data<T>(), dw.data<T>(), N, M, k, D);
   });
+  if (out.raw() != dy_perm.raw()) convert(out, dy_perm);
 }
 
 }  // namespace fourbit::ops::cpu

@@ -175,8 +175,9 @@ __global__ void __launch_bounds__(kBigBucketWarps * 32)
 
 // ---- rmsnorm ----------------------------------------------------------------------------------
 
+template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_forward_kernel(const float* x, const float* w, double eps, float* y, float* rstd,
+    rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
                            int64_t N, int64_t D, bool vec) {
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(kRowThreads)
     // The stored rstd is what backward sees, so y is computed from the rounded value too.
     const float rs = float(1.0 / sqrt(ss / double(D) + eps));
     if (lane == 0) rstd[n] = rs;
-    float* yr = y + n * D;
+    O* yr = y + n * D;
     for (int64_t g = lane; g < groups; g += 32) {
       float xv[4], wv[4], out[4];
       load4(xr, 4 * g, D, vec, xv);
@@ -313,8 +314,10 @@ __global__ void __launch_bounds__(kEltThreads)
 
 __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 
+// O: float, or uint16_t for a BF16 output (vec4.cuh's store4 encodes it).
+template <typename O>
 __global__ void __launch_bounds__(kEltThreads)
-    swiglu_forward_kernel(const float* h1, const float* h3, float* a, int64_t n, bool vec) {
+    swiglu_forward_kernel(const float* h1, const float* h3, O* a, int64_t n, bool vec) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -331,9 +334,10 @@ __global__ void __launch_bounds__(kEltThreads)
 }
 
 // d silu(z)/dz = s (1 + z (1 - s)) with s = sigmoid(z).
+template <typename O>
 __global__ void __launch_bounds__(kEltThreads)
-    swiglu_backward_kernel(const float* da, const float* h1, const float* h3, float* dh1,
-                           float* dh3, int64_t n, bool vec) {
+    swiglu_backward_kernel(const float* da, const float* h1, const float* h3, O* dh1,
+                           O* dh3, int64_t n, bool vec) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -515,15 +519,17 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
   expect_dims(op, "w", w, DType::F32, {D}, "[D]");
-  expect_dims(op, "y", y, DType::F32, {N, D}, "[N, D]");
+  const bool bf16 = expect_out(op, "y", y, {N, D}, "[N, D]") == DType::BF16;
   expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
   if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
   if (N == 0) return;
-  const bool vec =
-      D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && aligned16(y.raw());
-  rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-      x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(), N, D,
-      vec);
+  const bool vec = D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && out_aligned(y);
+  if (bf16)
+    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
+        x.data<float>(), w.data<float>(), double(eps), y.data<uint16_t>(), rstd.data<float>(), N, D, vec);
+  else
+    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
+        x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(), N, D, vec);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -574,12 +580,17 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const char* op = "swiglu_forward";
   expect_f32(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
   expect_like(op, "h3", h3, "h1", h1);
-  expect_like(op, "a", a, "h1", h1);
+  const bool bf16 = expect_out(op, "a", a, h1.shape(), "[like h1]") == DType::BF16;
   const int64_t n = h1.numel();
   if (n == 0) return;
-  const bool vec = aligned16(h1.raw()) && aligned16(h3.raw()) && aligned16(a.raw());
-  swiglu_forward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads, 0, stream()>>>(
-      h1.data<float>(), h3.data<float>(), a.data<float>(), n, vec);
+  const bool vec = aligned16(h1.raw()) && aligned16(h3.raw()) && out_aligned(a);
+  const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
+  if (bf16)
+    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(),
+                                                               a.data<uint16_t>(), n, vec);
+  else
+    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(),
+                                                               a.data<float>(), n, vec);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -589,15 +600,21 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   expect_f32(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
   expect_like(op, "da", da, "h1", h1);
   expect_like(op, "h3", h3, "h1", h1);
-  expect_like(op, "dh1", dh1, "h1", h1);
-  expect_like(op, "dh3", dh3, "h1", h1);
+  const DType out_dt = expect_out(op, "dh1", dh1, h1.shape(), "[like h1]");
+  expect_dims(op, "dh3", dh3, out_dt, h1.shape(), "[like dh1]");
   const int64_t n = h1.numel();
   if (n == 0) return;
-  const bool vec = aligned16(da.raw()) && aligned16(h1.raw()) && aligned16(h3.raw()) &&
-                   aligned16(dh1.raw()) && aligned16(dh3.raw());
-  swiglu_backward_kernel<<<grid_for((n + 3) / 4, kEltThreads), kEltThreads, 0, stream()>>>(
-      da.data<float>(), h1.data<float>(), h3.data<float>(), dh1.data<float>(), dh3.data<float>(),
-      n, vec);
+  const bool vec = aligned16(da.raw()) && aligned16(h1.raw()) && aligned16(h3.raw()) && out_aligned(dh1) &&
+                   out_aligned(dh3);
+  const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
+  if (out_dt == DType::BF16)
+    swiglu_backward_kernel<<<grid, kEltThreads, 0, stream()>>>(da.data<float>(), h1.data<float>(),
+                                                                h3.data<float>(), dh1.data<uint16_t>(),
+                                                                dh3.data<uint16_t>(), n, vec);
+  else
+    swiglu_backward_kernel<<<grid, kEltThreads, 0, stream()>>>(da.data<float>(), h1.data<float>(),
+                                                                h3.data<float>(), dh1.data<float>(),
+                                                                dh3.data<float>(), n, vec);
   FOURBIT_LAUNCH_CHECK();
 }
 

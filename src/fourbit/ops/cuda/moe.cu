@@ -428,9 +428,11 @@ __global__ void __launch_bounds__(kEltThreads)
 // as on the CPU) and dw[a] = <dout[n], y_perm[s]> in double, reduced by the warp tree.
 // owners[s] counts the assignments that claim slot s: a second claimant is recorded (the CPU
 // rejects a non-injective slot_of before writing; here the error is raised at the next check).
+// O: float, or uint16_t for a BF16 dy_perm (vec4.cuh's store4 encodes it).
+template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     moe_combine_backward_kernel(const float* dout, const float* y_perm, const int32_t* slot_of,
-                                const float* w, float* dy_perm, float* dw, int32_t* owners,
+                                const float* w, O* dy_perm, float* dw, int32_t* owners,
                                 int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
                                 IndexError* err) {
   const int lane = lane_id();
@@ -446,7 +448,7 @@ __global__ void __launch_bounds__(kRowThreads)
     const float wj = w[a];
     const float* g = dout + (a / k) * D;
     const float* y = y_perm + int64_t(s) * D;
-    float* o = dy_perm + int64_t(s) * D;
+    O* o = dy_perm + int64_t(s) * D;
     double dot = 0.0;
     for (int64_t gi = lane; gi < groups; gi += 32) {
       float gv[4], yv[4], out[4];
@@ -691,17 +693,22 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   expect_f32(op, "dout", dout, 2, "[N, D]");
   const int64_t N = dout.size(0), D = dout.size(1);
   const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
-  expect_dims(op, "dy_perm", dy_perm, DType::F32, {M, D}, "[M, D]");
+  const bool bf16 = expect_out(op, "dy_perm", dy_perm, {M, D}, "[M, D]") == DType::BF16;
   expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
   dy_perm.zero_();  // slots no token points at stay zero (none for a route_plan's slot_of)
   if (N * k == 0) return;
   Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
-  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) &&
-                   aligned16(dy_perm.raw());
-  moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
-      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
-      dy_perm.data<float>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
-      index_error_record());
+  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && out_aligned(dy_perm);
+  if (bf16)
+    moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
+        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
+        dy_perm.data<uint16_t>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
+        index_error_record());
+  else
+    moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
+        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
+        dy_perm.data<float>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
+        index_error_record());
   FOURBIT_LAUNCH_CHECK();
 }
 

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "fourbit/numerics/bf16.h"
+
 namespace fourbit::ops::cuda {
 
 // v[c] = p[i + c] for i + c < n; 0 beyond the end.
@@ -32,6 +34,22 @@ __device__ __forceinline__ void store4(float* p, int64_t i, int64_t n, bool vec,
 #pragma unroll
   for (int c = 0; c < 4; ++c)
     if (i + c < n) p[i + c] = v[c];
+}
+
+// p[i + c] = the BF16 encoding (RNE, num::bf16_encode) of v[c] for i + c < n: an op's F32 result
+// written as the BF16 operand of the next GEMM, the bits of ops::convert of the F32 output. With
+// `vec` (the caller checked 8-byte alignment) a full group moves as one 8-byte store.
+__device__ __forceinline__ void store4(uint16_t* p, int64_t i, int64_t n, bool vec, const float v[4]) {
+  uint16_t h[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) h[c] = num::bf16_encode(v[c]);
+  if (vec && i + 3 < n) {
+    *reinterpret_cast<uint2*>(p + i) = make_uint2(h[0] | uint32_t(h[1]) << 16, h[2] | uint32_t(h[3]) << 16);
+    return;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+    if (i + c < n) p[i + c] = h[c];
 }
 
 }  // namespace fourbit::ops::cuda
