@@ -118,43 +118,94 @@ __device__ __forceinline__ double square_of(uint16_t x) {
   return d * d;
 }
 
-// Block b sums the squares of chunk b: thread t takes groups t, t + kThreads, ... of the chunk
-// (four elements each, in order), then the block tree combines the threads.
-__global__ void __launch_bounds__(kThreads)
-    sum_squares_f32_partials(const float* x, int64_t n, bool vec, double* partial) {
-  __shared__ double scratch[kThreads / 32];
-  const int64_t begin = blockIdx.x * kSumChunk;
+// The block's partial of chunk c of x[0, n): thread t takes groups t, t + kThreads, ... of the
+// chunk (four elements each, in order), then the block tree combines the threads. The loads of
+// several groups are issued before their squares are added (in the same order).
+__device__ __forceinline__ double chunk_sum_squares(const float* x, int64_t n, bool vec, int64_t c, double* scratch) {
+  const int64_t begin = c * kSumChunk;
   const int64_t len = n - begin < kSumChunk ? n - begin : kSumChunk;
   double acc = 0.0;
+#pragma unroll 4
   for (int64_t g = threadIdx.x; 4 * g < len; g += kThreads) {
     float v[4];
     load4(x + begin, 4 * g, len, vec, v);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc += square_of(v[c]);  // zeros past the end add nothing
+    for (int k = 0; k < 4; ++k) acc += square_of(v[k]);  // zeros past the end add nothing
   }
-  acc = block_sum<kThreads>(acc, scratch);
+  return block_sum<kThreads>(acc, scratch);
+}
+__device__ __forceinline__ double chunk_sum_squares(const uint16_t* x, int64_t n, int64_t c, double* scratch) {
+  const int64_t begin = c * kSumChunk;
+  const int64_t len = n - begin < kSumChunk ? n - begin : kSumChunk;
+  double acc = 0.0;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < len; i += kThreads) acc += square_of(x[begin + i]);
+  return block_sum<kThreads>(acc, scratch);
+}
+
+// Block b: the partial of chunk b.
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_f32_partials(const float* x, int64_t n, bool vec, double* partial) {
+  __shared__ double scratch[kThreads / 32];
+  const double acc = chunk_sum_squares(x, n, vec, blockIdx.x, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 __global__ void __launch_bounds__(kThreads)
     sum_squares_bf16_partials(const uint16_t* x, int64_t n, double* partial) {
   __shared__ double scratch[kThreads / 32];
-  const int64_t begin = blockIdx.x * kSumChunk;
-  const int64_t len = n - begin < kSumChunk ? n - begin : kSumChunk;
-  double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < len; i += kThreads) acc += square_of(x[begin + i]);
-  acc = block_sum<kThreads>(acc, scratch);
+  const double acc = chunk_sum_squares(x, n, blockIdx.x, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
-// One block: thread t adds partials t, t + 1024, ... in order, then the block tree.
+// The fixed-order total of count partials: thread t adds partials t, t + 1024, ... in order, then
+// the block tree.
+__device__ __forceinline__ double total_of_partials(const double* partial, int64_t count, double* scratch) {
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) acc += partial[i];
+  return block_sum<kFinalThreads>(acc, scratch);
+}
+
 __global__ void __launch_bounds__(kFinalThreads)
     sum_partials_kernel(const double* partial, int64_t count, double* out) {
   __shared__ double scratch[kFinalThreads / 32];
-  double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kFinalThreads) acc += partial[i];
-  acc = block_sum<kFinalThreads>(acc, scratch);
+  const double acc = total_of_partials(partial, count, scratch);
   if (threadIdx.x == 0) out[0] = acc;
+}
+
+// sum_squares_each in two launches for any number of tensors: tensor i's chunks are blocks
+// first_chunk .. first_chunk + chunks of the first kernel (each block finds its tensor by binary
+// search over first_chunk), its total block i of the second. Every partial and total is computed
+// by the functions above on the same data: the bits of the per-tensor launches.
+struct SumJob {
+  const void* x;
+  int64_t n, first_chunk, chunks;
+  int32_t bf16, vec;
+};
+
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_jobs_partials(const SumJob* jobs, int32_t count, double* partial) {
+  __shared__ double scratch[kThreads / 32];
+  const int64_t b = blockIdx.x;
+  int32_t lo = 0, hi = count - 1;  // the last job whose first chunk is <= b
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (jobs[mid].first_chunk <= b) lo = mid;
+    else hi = mid - 1;
+  }
+  const SumJob j = jobs[lo];
+  const int64_t c = b - j.first_chunk;
+  const double acc = j.bf16 ? chunk_sum_squares(static_cast<const uint16_t*>(j.x), j.n, c, scratch)
+                            : chunk_sum_squares(static_cast<const float*>(j.x), j.n, j.vec != 0, c, scratch);
+  if (threadIdx.x == 0) partial[b] = acc;
+}
+
+__global__ void __launch_bounds__(kFinalThreads)
+    sum_squares_jobs_totals(const SumJob* jobs, const double* partial, double* totals) {
+  __shared__ double scratch[kFinalThreads / 32];
+  const SumJob j = jobs[blockIdx.x];
+  const double acc = total_of_partials(partial + j.first_chunk, j.chunks, scratch);
+  if (threadIdx.x == 0) totals[blockIdx.x] = acc;
 }
 
 
@@ -295,18 +346,33 @@ std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
   }
   std::vector<double> out(size_t(T), 0.0);
   if (T == 0) return out;
-  Tensor buf = Tensor::empty({T + chunks}, DType::F64, Device::CUDA);
-  double* totals = buf.data<double>();
-  FOURBIT_CUDA_CHECK(cudaMemsetAsync(totals, 0, size_t(T) * sizeof(double), stream()));  // empty tensors: 0
-  double* partial = totals + T;
+  // The non-empty tensors as jobs (empty ones total 0), their table uploaded with the launches.
+  std::vector<SumJob> jobs;
+  std::vector<int64_t> job_tensor;
+  int64_t first = 0;
   for (int64_t i = 0; i < T; ++i) {
     const Tensor& t = ts[size_t(i)];
     if (t.numel() == 0) continue;
-    launch_sum_squares(t, partial, totals + i);
-    partial += sum_chunks(t);
+    jobs.push_back(SumJob{t.raw(), t.numel(), first, sum_chunks(t), t.dtype() == DType::BF16 ? 1 : 0,
+                          aligned16(t.raw()) ? 1 : 0});
+    job_tensor.push_back(i);
+    first += sum_chunks(t);
   }
-  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(out.data(), totals, size_t(T) * sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  if (jobs.empty()) return out;
+  const int64_t J = int64_t(jobs.size());
+  const Tensor table = Tensor::from_host(jobs.data(), {J * int64_t(sizeof(SumJob))}, DType::U8, Device::CUDA);
+  Tensor buf = Tensor::empty({J + chunks}, DType::F64, Device::CUDA);
+  double* totals = buf.data<double>();
+  const SumJob* dev_jobs = static_cast<const SumJob*>(table.raw());
+  sum_squares_jobs_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(dev_jobs, int32_t(J), totals + J);
+  FOURBIT_LAUNCH_CHECK();
+  sum_squares_jobs_totals<<<unsigned(J), kFinalThreads, 0, stream()>>>(dev_jobs, totals + J, totals);
+  FOURBIT_LAUNCH_CHECK();
+  std::vector<double> job_totals(static_cast<size_t>(J));
+  FOURBIT_CUDA_CHECK(
+      cudaMemcpyAsync(job_totals.data(), totals, size_t(J) * sizeof(double), cudaMemcpyDeviceToHost, stream()));
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  for (int64_t j = 0; j < J; ++j) out[size_t(job_tensor[size_t(j)])] = job_totals[size_t(j)];
   return out;
 }
 
