@@ -237,8 +237,8 @@ int main(int argc, char** argv) {
   // The experts' weight gradients dW_e (+)= dY_e^T X_e: K runs over each expert's tokens.
   bench::BenchTable wgrad;
   wgrad.name = fmt::format("grouped weight gradients, K-grouped kernel vs per-expert cuBLASLt (median of {})", reps);
-  wgrad.columns = {"operands", "case", "GEMMs", "grouped ms", "grouped TFLOP/s", "per-expert ms", "dense cuBLAS ms",
-                   "vs per-expert", "grouped / dense speed", "gap"};
+  wgrad.columns = {"operands", "case", "GEMMs", "grouped ms", "grouped TFLOP/s", "cp.async form ms", "per-expert ms",
+                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "gap"};
   struct WgradCase {
     std::string name;
     std::vector<int64_t> rows;
@@ -290,12 +290,17 @@ int main(int argc, char** argv) {
       device_synchronize();
       const double gap = similarity_gap(grad, ref);
       const double g_ms = median_ms(grouped, reps), p_ms = median_ms(per_expert, reps);
+      // the bf16 operands' cp.async form (the TMA form is the default; the same bits)
+      ops::cuda::set_grouped_wgrad_tma(false);
+      const double c_ms = mx ? g_ms : median_ms(grouped, reps);
+      ops::cuda::set_grouped_wgrad_tma(true);
       const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
       wgrad.add({{"operands", mx ? "mxfp8 e4m3, Col axis (decoded)" : "bf16, token-major (transposed)"},
                  {"case", c.name},
                  {"GEMMs", c.sets * G},
                  {"grouped ms", g_ms},
                  {"grouped TFLOP/s", flop / (g_ms * 1e9)},
+                 {"cp.async form ms", mx ? nlohmann::json("(decoded: cp.async)") : nlohmann::json(c_ms)},
                  {"per-expert ms", p_ms},
                  {"dense cuBLAS ms", d_ms},
                  {"vs per-expert", p_ms / g_ms},

@@ -3,8 +3,8 @@
 //          KGroupedProblem, grouped_gemm_k,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
-//          set_grouped_tma_persistent,
-//          grouped_tma_launches,
+//          set_grouped_tma_persistent, set_grouped_wgrad_tma,
+//          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          grouped_wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
@@ -145,6 +145,12 @@ void set_grouped_tile_band(int pairs);
 void set_grouped_tma_persistent(bool on);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
+// Whether grouped_gemm_k's MN-major problems (the bf16 recipe's expert weight gradients) run in
+// the TMA form (the default: persistent, one producer thread, a pair of tensor maps a problem that
+// zero-fill the K rows past its tokens) or the cp.async one. The same bits; for tests and
+// benchmarks. grouped_wgrad_tma_launches: how many launches took the TMA form in this process.
+void set_grouped_wgrad_tma(bool on);
+int64_t grouped_wgrad_tma_launches();
 
 // Whether this device runs that Hopper loop at all: compute capability 9.x and a build with sm_90a
 // code (the default CMAKE_CUDA_ARCHITECTURES); elsewhere the grouped kernel is the mma.sync one.

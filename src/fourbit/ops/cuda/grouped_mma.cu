@@ -933,6 +933,165 @@ bool launch_tma(const GroupedArgs& p) {
   return true;
 }
 
+// ---- the TMA form of the K-grouped weight gradients (MN-major BF16 operands) ---------------------
+//
+// wgrad_kernel<true> fed by TMA from one producer thread, persistent: as many CTAs as there are
+// SMs, each looping over (output tile, problem) pairs with one ring of stages, so the next tile's
+// first K tiles load while the consumer warpgroups add the last one's sums into C. Every problem
+// has its own pair of 2-D maps over its token rows only (A_j: k_j rows of m values, B_j: k_j rows of
+// n values), so TMA zero-fills the K rows past an expert's last token: the bits of the cp.async
+// form, which zero-fills them too, from the same m64n128k16 chain (mma_k_tile<true, true>) over the
+// same 64-wide K tiles. A stage is A's four 64-value panels and B's two, as load_tile_mn lays them.
+constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
+
+struct TmaWgradParams {
+  CUtensorMap a[kMaxTmaKProblems];  // A_j [k_j, m] BF16, boxes of 64 values x 64 K rows, 128-byte swizzle
+  CUtensorMap b[kMaxTmaKProblems];  // B_j [k_j, n]
+  float* c[kMaxTmaKProblems];
+  int k[kMaxTmaKProblems];
+  int m, n, count, tiles_m, tiles_n;
+  int64_t ldc;  // floats
+  bool accumulate;
+};
+
+constexpr int kWgradConsumers = 4, kWgradThreads = 128 * kWgradConsumers + 32;  // + the producer warp
+
+__global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
+  using S = Shape<Format::BF16, kWgradConsumers, 1>;  // 256 x 128 tiles
+  constexpr int BM = S::BM, BN = S::BN;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int tid = int(threadIdx.x);
+  const int per_problem = tp.tiles_m * tp.tiles_n, tiles = per_problem * tp.count;
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, kWgradConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  // tile t: problem t / per_problem, then row tiles fastest
+  auto tile_of = [&](int t, int& j, int& m0, int& n0) {
+    j = t / per_problem;
+    const int r = t % per_problem;
+    m0 = (r % tp.tiles_m) * BM;
+    n0 = (r / tp.tiles_m) * BN;
+  };
+
+  if (tid >= 128 * kWgradConsumers) {  // the producer: one thread issues every copy
+    if (tid != 128 * kWgradConsumers) return;
+    int it = 0;
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      int j, m0, n0;
+      tile_of(t, j, m0, n0);
+      const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % kStages, round = it / kStages;
+        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+        const int k0 = kt * kBK;
+#pragma unroll
+        for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
+#pragma unroll
+        for (int i = 0; i < BN / 64; ++i)
+          tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+      }
+    }
+    return;
+  }
+  const int wm = tid >> 7, t128 = tid & 127, lane = tid & 31;
+  int it = 0;
+  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+    int j, m0, n0;
+    tile_of(t, j, m0, n0);
+    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    if (k_tiles == 0 && tp.accumulate) continue;  // no tokens: C unchanged (or zeroed below)
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int st = it % kStages;
+      mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
+      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+      mma_k_tile<true, true>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
+      wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage
+      pin(acc);
+      if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
+    }
+    wgmma_wait<0>();
+    pin(acc);
+    if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
+    // the epilogue of wgrad_kernel: C (+)= the sums, rows < m and columns < n
+    float* c = tp.c[j];
+    const int row_base = m0 + wm * 64 + 16 * (t128 >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_base + 8 * half;
+      if (row >= tp.m) continue;
+      float* crow = c + (long long)row * tp.ldc;
+#pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const int col = col_base + 8 * jj;
+        if (col >= tp.n) continue;
+        float2 v = make_float2(acc[4 * jj + 2 * half], acc[4 * jj + 2 * half + 1]);
+        if (tp.accumulate) {
+          const float2 o = *reinterpret_cast<const float2*>(crow + col);
+          v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
+        }
+        *reinterpret_cast<float2*>(crow + col) = v;
+      }
+    }
+  }
+}
+
+std::atomic<bool> g_wgrad_tma{true};
+std::atomic<int64_t> g_wgrad_tma_launches{0};
+
+// The TMA form of up to kMaxTmaKProblems MN-major problems; false where it does not apply (a map
+// the driver will not encode, strides off TMA's 16-byte grain, a launch refused), and the caller
+// runs wgrad_kernel<true>.
+bool launch_tma_wgrad(const KGroupedArgs& p) {
+  using S = Shape<Format::BF16, kWgradConsumers, 1>;
+  if (p.count > kMaxTmaKProblems) return false;
+  // ~8 KB of kernel parameters: kept off the stack
+  static thread_local TmaWgradParams tp;
+  tp = TmaWgradParams{};
+  tp.m = p.m;
+  tp.n = p.n;
+  tp.count = p.count;
+  tp.ldc = p.ldc;
+  tp.accumulate = p.accumulate;
+  tp.tiles_m = (p.m + S::BM - 1) / S::BM;
+  tp.tiles_n = (p.n + S::BN - 1) / S::BN;
+  for (int j = 0; j < p.count; ++j) {
+    const KProblemArgs& q = p.prob[j];
+    tp.c[j] = q.c;
+    tp.k[j] = q.k;
+    if (q.k == 0) continue;  // no copies: its tiles only store zeros, or nothing
+    if (q.lda % 16 != 0 || q.ldb % 16 != 0 ||
+        !bf16_map(tp.a[j], q.a, uint64_t(p.m), uint64_t(q.k), uint64_t(q.lda), 64) ||
+        !bf16_map(tp.b[j], q.b, uint64_t(p.n), uint64_t(q.k), uint64_t(q.ldb), 64))
+      return false;
+  }
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(tma_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
+  const int ctas = std::min(tiles, device_sm_count());
+  if (ctas <= 0) return true;
+  tma_wgrad_kernel<<<unsigned(ctas), kWgradThreads, S::kSmemBytes, stream()>>>(tp);
+  if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
+  g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 template <Format F, int WGM, int WGN, bool BT>
 void launch_shape(const GroupedArgs& p) {
   using S = Shape<F, WGM, WGN>;
@@ -1119,20 +1278,26 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
     if (q.k < 0 || q.k > INT32_MAX || !aligned(q.a, 16) || !aligned(q.b, 16) || !aligned(q.c, 8) || q.lda % 8 != 0 ||
         q.ldb % 8 != 0 || (!mn_major && q.k % 8 != 0))
       return false;
-  for (size_t first = 0; first < problems.size(); first += kMaxKProblems) {
+  // the TMA form takes up to kMaxTmaKProblems a launch (its maps are kernel parameters)
+  const bool tma = mn_major && hopper::g_wgrad_tma.load(std::memory_order_relaxed);
+  const size_t per_launch = size_t(tma ? hopper::kMaxTmaKProblems : kMaxKProblems);
+  for (size_t first = 0; first < problems.size(); first += per_launch) {
     KGroupedArgs p{};
     p.m = int(m);
     p.n = int(n);
     p.ldc = ldc;
     p.accumulate = accumulate;
-    p.count = int(std::min(problems.size() - first, size_t(kMaxKProblems)));
+    p.count = int(std::min(problems.size() - first, per_launch));
     for (int j = 0; j < p.count; ++j) {
       const KGroupedProblem& q = problems[first + size_t(j)];
       p.prob[j] = KProblemArgs{static_cast<const unsigned char*>(q.a), static_cast<const unsigned char*>(q.b), q.c,
                                2 * q.lda, 2 * q.ldb, int(q.k)};
     }
-    if (mn_major) hopper::launch_wgrad<true>(p);
-    else hopper::launch_wgrad<false>(p);
+    if (mn_major) {
+      if (!tma || !hopper::launch_tma_wgrad(p)) hopper::launch_wgrad<true>(p);
+    } else {
+      hopper::launch_wgrad<false>(p);
+    }
   }
   return true;
 }
@@ -1170,6 +1335,10 @@ void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma_persistent(bool on) { hopper::g_tma_persistent.store(on, std::memory_order_relaxed); }
+
+void set_grouped_wgrad_tma(bool on) { hopper::g_wgrad_tma.store(on, std::memory_order_relaxed); }
+
+int64_t grouped_wgrad_tma_launches() { return hopper::g_wgrad_tma_launches.load(std::memory_order_relaxed); }
 
 void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pairs), std::memory_order_relaxed); }
 

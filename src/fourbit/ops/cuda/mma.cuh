@@ -193,6 +193,15 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar, uint32_t c
   __trap();
 #endif
 }
+// One arrival on this CTA's mbarrier at bar, with the default CTA-scope release (as above).
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#else
+  (void)bar;
+  __trap();
+#endif
+}
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r = 0;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
