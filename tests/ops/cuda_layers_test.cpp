@@ -334,6 +334,32 @@ TEST(CudaLayers, SwigluMatchesCpu) {
   }
 }
 
+// ---- fused forms: out-of-place add, the norm backward accumulating into dx ------------------------
+
+TEST(CudaLayers, FusedAddsAreTheirTwoStepForms) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t D : {int64_t(1024), int64_t(13)}) {
+    const int64_t N = 77;
+    const std::string name = cfg("N=%lld D=%lld", N, D);
+    const Tensor a = gpu(random_tensor({N, D}, DType::F32, 950)), b = gpu(random_tensor({N, D}, DType::F32, 951));
+    Tensor want = a.clone(), got = Tensor::empty({N, D}, DType::F32, Device::CUDA);
+    ops::add_(want, b);
+    ops::add(a, b, got);
+    expect_bits("add vs add_ " + name, got, want);
+    const Tensor x = gpu(random_tensor({N, D}, DType::F32, 952, -2.0, 2.0)), w = gpu(random_tensor({D}, DType::F32, 953));
+    const Tensor dy = gpu(random_tensor({N, D}, DType::F32, 954));
+    const Tensor rstd = gpu(random_tensor({N}, DType::F32, 955, 0.5, 1.5));
+    Tensor tmp = Tensor::empty({N, D}, DType::F32, Device::CUDA);
+    Tensor dw1 = gpu(Tensor::zeros({D}, DType::F32)), dw2 = gpu(Tensor::zeros({D}, DType::F32));
+    Tensor dx_two = a.clone(), dx_one = a.clone();
+    ops::rmsnorm_backward(dy, x, w, rstd, tmp, dw1);
+    ops::add_(dx_two, tmp);
+    ops::rmsnorm_backward(dy, x, w, rstd, dx_one, dw2, true);
+    expect_bits("rmsnorm_backward accumulating dx " + name, dx_one, dx_two);
+    expect_bits("rmsnorm_backward dw " + name, dw2, dw1);
+  }
+}
+
 // ---- BF16 outputs (ops.h): the GEMM operand written by its producer -------------------------------
 
 // An op writing a BF16 output gives the bits of convert() of its F32 output, on aligned tensors

@@ -249,6 +249,31 @@ TEST(SwigluOps, GradCheck) {
                "swiglu_forward: h3 must be f64[like h1]=[4, 6] cpu, got f64[4, 5] cpu");
 }
 
+// ---- fused forms: out-of-place add, the norm backward accumulating into dx ------------------------
+
+TEST(LayerUtils, FusedAddsAreTheirTwoStepForms) {
+  for (const DType dt : {DType::F32, DType::F64}) {
+    const Tensor a = random_tensor({7, 33}, dt, 80), b = random_tensor({7, 33}, dt, 81);
+    Tensor want = a.clone(), got = Tensor::empty({7, 33}, dt);
+    ops::add_(want, b);
+    ops::add(a, b, got);
+    EXPECT_TRUE(bitwise_equal(got, want)) << dtype_name(dt);
+    // rmsnorm_backward(..., dx_accumulate) = dx + (its dx into a temporary), bit for bit
+    const Tensor x = random_tensor({7, 33}, dt, 82, -2.0, 2.0), w = random_tensor({33}, dt, 83);
+    const Tensor dy = random_tensor({7, 33}, dt, 84), rstd_in = random_tensor({7}, dt, 85, 0.5, 1.5);
+    Tensor tmp = Tensor::empty({7, 33}, dt), dw1 = Tensor::zeros({33}, dt), dw2 = Tensor::zeros({33}, dt);
+    Tensor dx_two = a.clone(), dx_one = a.clone();
+    ops::rmsnorm_backward(dy, x, w, rstd_in, tmp, dw1);
+    ops::add_(dx_two, tmp);
+    ops::rmsnorm_backward(dy, x, w, rstd_in, dx_one, dw2, true);
+    EXPECT_TRUE(bitwise_equal(dx_one, dx_two)) << dtype_name(dt);
+    EXPECT_TRUE(bitwise_equal(dw2, dw1)) << dtype_name(dt);
+  }
+  Tensor out = Tensor::empty({7, 32}, DType::F32);
+  expect_error([&] { ops::add(random_tensor({7, 33}, DType::F32, 1), random_tensor({7, 33}, DType::F32, 2), out); },
+               "add: b and out must match a f32[7, 33] cpu, got f32[7, 33] cpu and f32[7, 32] cpu");
+}
+
 // ---- BF16 outputs (ops.h) --------------------------------------------------------------------------
 
 namespace {

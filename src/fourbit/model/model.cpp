@@ -658,8 +658,8 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     Tensor xn = run.act_bf16_if(ModelRunner::bf16_input(run.recipe(LayerClass::Attention)), {N, D});
     Tensor rstd1 = run.act({N});
     ops::rmsnorm_forward(x, lw.attn_norm, float(cfg.norm_eps), xn, rstd1);
-    Tensor x_mid = x.clone();
-    ops::add_(x_mid, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv));
+    Tensor x_mid = run.act({N, D});
+    ops::add(x, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv), x_mid);
     // FFN block
     Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
                                  {N, D});
@@ -672,8 +672,8 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
       f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr);
     }
-    Tensor x_out = x_mid.clone();
-    ops::add_(x_out, f);
+    Tensor x_out = run.act({N, D});
+    ops::add(x_mid, f, x_out);
     if (sl) {
       sl->x_in = x;
       sl->rstd1 = rstd1;
@@ -815,23 +815,22 @@ void Model::backward() {
     LayerWeights& lg = g.layers[size_t(l)];
     const std::string name = "layers." + std::to_string(l) + ".";
     // FFN block: dx flows through the residual and through the FFN
-    Tensor xn2 = run.act({N, D}), rstd_unused = run.act({N});
-    ops::rmsnorm_forward(sl.x_mid, lw.ffn_norm, float(cfg_.norm_eps), xn2, rstd_unused);
     Tensor dxn2 = run.act({N, D});
     if (sl.moe) {
+      // the router's input again (its backward reads it in F32; the forward kept none)
+      Tensor xn2 = run.act({N, D}), rstd_unused = run.act({N});
+      ops::rmsnorm_forward(sl.x_mid, lw.ffn_norm, float(cfg_.norm_eps), xn2, rstd_unused);
       run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
       run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false);
     }
-    Tensor dres = run.act({N, D});
-    ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dres, lg.ffn_norm);
-    ops::add_(dx, dres);
+    // the residual's gradient plus the normed branch's, added by the norm's backward
+    ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dx, lg.ffn_norm, true);
     // attention block
     Tensor dxn = run.act({N, D});
     run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn);
-    ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dres, lg.attn_norm);
-    ops::add_(dx, dres);
+    ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dx, lg.attn_norm, true);
   }
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
 }

@@ -270,6 +270,7 @@ QTensor qtensor_slice(const QTensor& q, int64_t s) {
 
 void convert(const Tensor& src, Tensor& dst) { FOURBIT_DISPATCH(src.device(), convert, src, dst); }
 void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_, dst, src); }
+void add(const Tensor& a, const Tensor& b, Tensor& out) { FOURBIT_DISPATCH(out.device(), add, a, b, out); }
 void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
 double sum_squares(const Tensor& t) { FOURBIT_DISPATCH(t.device(), sum_squares, t); }
 std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
@@ -296,8 +297,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd);
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw) {
-  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
+  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw, dx_accumulate);
 }
 
 Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device) {

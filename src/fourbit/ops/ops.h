@@ -168,6 +168,7 @@ class Lanes {
 // ---- tensor utilities ---------------------------------------------------------------------------
 void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <-> F64, same numel
 void add_(Tensor& dst, const Tensor& src);             // dst += src
+void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b (add_'s bits; out may be a)
 void scale_(Tensor& t, double s);                      // t *= s
 double sum_squares(const Tensor& t);                   // fixed-order sum of t^2, as double
 // sum_squares of each tensor (one device, in order; the same bits each), with one host
@@ -193,9 +194,11 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dim of x [N, D]; rstd [N] saved for backward.
 // Backward: dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd; dw += sum over rows of dy * y_hat.
+// dx_accumulate: dx += that instead (the residual stream's gradient; the bits of writing it to a
+// temporary and add_ing it).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate = false);
 
 // Rotary embedding, rotate-half convention (pairs i and i + hd/2), in place on x [N, H, hd]
 // with positions I32 [N]. table F32 [max_pos, hd] holds cos in [:, :hd/2], sin in [:, hd/2:]

@@ -85,7 +85,7 @@ void rmsnorm_forward_t(const T* x, const T* w, double eps, T* y, T* rstd, int64_
 
 template <typename T>
 void rmsnorm_backward_t(const T* dy, const T* x, const T* w, const T* rstd, T* dx, T* dw,
-                        int64_t N, int64_t D) {
+                        int64_t N, int64_t D, bool dx_accumulate) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * D;
@@ -94,8 +94,10 @@ void rmsnorm_backward_t(const T* dy, const T* x, const T* w, const T* rstd, T* d
     double dot = 0.0;  // sum of w*dy*y_hat
     for (int64_t d = 0; d < D; ++d) dot += double(w[d]) * double(dyr[d]) * (double(xr[d]) * rs);
     const double mean = dot / double(D);
-    for (int64_t d = 0; d < D; ++d)
-      dx[n * D + d] = T((double(w[d]) * double(dyr[d]) - double(xr[d]) * rs * mean) * rs);
+    for (int64_t d = 0; d < D; ++d) {
+      const T v = T((double(w[d]) * double(dyr[d]) - double(xr[d]) * rs * mean) * rs);
+      dx[n * D + d] = dx_accumulate ? T(dx[n * D + d] + v) : v;  // add_'s sum of the rounded value
+    }
   }
   // dw: columns are split over threads in fixed blocks; each column sums rows in order.
   constexpr int64_t kCols = 64;
@@ -259,7 +261,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
   const char* op = "rmsnorm_backward";
   const DType dt = expect_float(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -271,7 +273,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
     rmsnorm_backward_t(dy.data<T>(), x.data<T>(), w.data<T>(), rstd.data<T>(), dx.data<T>(),
-                       dw.data<T>(), N, D);
+                       dw.data<T>(), N, D, dx_accumulate);
   });
 }
 

@@ -1,4 +1,4 @@
-// defines: cpu::convert, cpu::add_, cpu::scale_, cpu::sum_squares, cpu::sum_squares_each, cpu::fill_, cpu::running_segment_amax
+// defines: cpu::convert, cpu::add_, cpu::add, cpu::scale_, cpu::sum_squares, cpu::sum_squares_each, cpu::fill_, cpu::running_segment_amax
 // Elementwise utilities over F32, F64 and BF16 CPU tensors. BF16 values are decoded to float,
 // computed on, and encoded once with num::bf16_encode (RNE), so a BF16 result is the rounding of
 // the float result.
@@ -68,36 +68,44 @@ void convert(const Tensor& src, Tensor& dst) {
   for (int64_t i = 0; i < n; ++i) store(d, dt, i, load(s, st, i));
 }
 
+void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  expect_value("add", "a", a);
+  expect_value("add", "b", b);
+  expect_value("add", "out", out);
+  if (b.dtype() != a.dtype() || b.shape() != a.shape() || out.dtype() != a.dtype() || out.shape() != a.shape())
+    fail("add: b and out must match a {}, got {} and {}", a.str(), b.str(), out.str());
+  const int64_t n = a.numel();
+  switch (a.dtype()) {
+    case DType::F32: {
+      const float *x = a.data<float>(), *y = b.data<float>();
+      float* d = out.data<float>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] = x[i] + y[i];
+      return;
+    }
+    case DType::F64: {
+      const double *x = a.data<double>(), *y = b.data<double>();
+      double* d = out.data<double>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] = x[i] + y[i];
+      return;
+    }
+    default: {  // BF16: float sum, one rounding
+      const uint16_t *x = a.data<uint16_t>(), *y = b.data<uint16_t>();
+      uint16_t* d = out.data<uint16_t>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) d[i] = num::bf16_encode(num::bf16_decode(x[i]) + num::bf16_decode(y[i]));
+      return;
+    }
+  }
+}
+
 void add_(Tensor& dst, const Tensor& src) {
   expect_value("add_", "dst", dst);
   expect_value("add_", "src", src);
   if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
     fail("add_: src must match dst {}, got {}", dst.str(), src.str());
-  const int64_t n = dst.numel();
-  switch (dst.dtype()) {
-    case DType::F32: {
-      float* d = dst.data<float>();
-      const float* s = src.data<float>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-      return;
-    }
-    case DType::F64: {
-      double* d = dst.data<double>();
-      const double* s = src.data<double>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-      return;
-    }
-    default: {  // BF16: float sum, one rounding
-      uint16_t* d = dst.data<uint16_t>();
-      const uint16_t* s = src.data<uint16_t>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; ++i)
-        d[i] = num::bf16_encode(num::bf16_decode(d[i]) + num::bf16_decode(s[i]));
-      return;
-    }
-  }
+  add(dst, src, dst);
 }
 
 // The factor is rounded to the tensor's arithmetic once (float for F32 and BF16) and every element

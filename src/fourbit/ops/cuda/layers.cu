@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd with y_hat = x * rstd, per row.
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_backward_dx_kernel(const float* dy, const float* x, const float* w, const float* rstd,
-                               float* dx, int64_t N, int64_t D, bool vec) {
+                               float* dx, int64_t N, int64_t D, bool vec, bool dx_accumulate) {
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
@@ -235,6 +235,12 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         out[c] = float((double(wv[c]) * double(dv[c]) - double(xv[c]) * rs * mean) * rs);
+      if (dx_accumulate) {  // add_'s sum of the rounded value
+        float old[4];
+        load4(dxr, 4 * g, D, vec, old);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[c] = num::add_rn(old[c], out[c]);
+      }
       store4(dxr, 4 * g, D, vec, out);
     }
   }
@@ -534,7 +540,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
   const char* op = "rmsnorm_backward";
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -548,7 +554,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
                    aligned16(w.raw()) && aligned16(dx.raw());
   rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
       dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
-      D, vec);
+      D, vec, dx_accumulate);
   FOURBIT_LAUNCH_CHECK();
 
   // dw: the chunking is a function of N alone, so a given batch always sums in the same order.

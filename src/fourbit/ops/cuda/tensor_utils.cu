@@ -1,4 +1,4 @@
-// defines: cuda::convert, cuda::add_, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
+// defines: cuda::convert, cuda::add_, cuda::add, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
 //          cuda::running_segment_amax
 // The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
 // BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
@@ -68,23 +68,24 @@ __global__ void bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
     dst[i] = num::bf16_decode(src[i]);
 }
 
-__global__ void add_f32_kernel(float* dst, const float* src, int64_t n, bool vec) {
+// out = a + b (out may be a: add_)
+__global__ void add_f32_kernel(const float* a, const float* b, float* out, int64_t n, bool vec) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
     float d[4], s[4];
-    load4(dst, 4 * g, n, vec, d);
-    load4(src, 4 * g, n, vec, s);
+    load4(a, 4 * g, n, vec, d);
+    load4(b, 4 * g, n, vec, s);
 #pragma unroll
     for (int c = 0; c < 4; ++c) d[c] = num::add_rn(d[c], s[c]);
-    store4(dst, 4 * g, n, vec, d);
+    store4(out, 4 * g, n, vec, d);
   }
 }
 
-__global__ void add_bf16_kernel(uint16_t* dst, const uint16_t* src, int64_t n) {
+__global__ void add_bf16_kernel(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = num::bf16_encode(num::add_rn(num::bf16_decode(dst[i]), num::bf16_decode(src[i])));
+    out[i] = num::bf16_encode(num::add_rn(num::bf16_decode(a[i]), num::bf16_decode(b[i])));
 }
 
 __global__ void scale_f32_kernel(float* t, float f, int64_t n, bool vec) {
@@ -273,22 +274,31 @@ void convert(const Tensor& src, Tensor& dst) {
   FOURBIT_LAUNCH_CHECK();
 }
 
+void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  expect_value("add", "a", a);
+  expect_value("add", "b", b);
+  expect_value("add", "out", out);
+  if (b.dtype() != a.dtype() || b.shape() != a.shape() || out.dtype() != a.dtype() || out.shape() != a.shape())
+    fail("add: b and out must match a {}, got {} and {}", a.str(), b.str(), out.str());
+  const int64_t n = a.numel();
+  if (n == 0) return;
+  if (a.dtype() == DType::F32) {
+    const bool vec = aligned16(a.raw()) && aligned16(b.raw()) && aligned16(out.raw());
+    add_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(a.data<float>(), b.data<float>(),
+                                                                             out.data<float>(), n, vec);
+  } else {
+    add_bf16_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(a.data<uint16_t>(), b.data<uint16_t>(),
+                                                                    out.data<uint16_t>(), n);
+  }
+  FOURBIT_LAUNCH_CHECK();
+}
+
 void add_(Tensor& dst, const Tensor& src) {
   expect_value("add_", "dst", dst);
   expect_value("add_", "src", src);
   if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
     fail("add_: src must match dst {}, got {}", dst.str(), src.str());
-  const int64_t n = dst.numel();
-  if (n == 0) return;
-  if (dst.dtype() == DType::F32) {
-    const bool vec = aligned16(dst.raw()) && aligned16(src.raw());
-    add_f32_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(dst.data<float>(),
-                                                                  src.data<float>(), n, vec);
-  } else {
-    add_bf16_kernel<<<grid_for(n, kThreads), kThreads, 0, stream()>>>(dst.data<uint16_t>(),
-                                                         src.data<uint16_t>(), n);
-  }
-  FOURBIT_LAUNCH_CHECK();
+  add(dst, src, dst);
 }
 
 // As on the CPU: the factor is rounded to float once and every element is multiplied by it.
