@@ -1,7 +1,7 @@
 // defines: tests of Model::set_keep_ffn_activations (train.keep_ffn_activations): keeping the FFNs'
 //          interiors from forward to backward gives the bits of recomputing them — loss,
 //          load-balance loss and every gradient — for every recipe, on the CPU and (when there is
-//          one) the GPU, and keeps exactly the h1, h3 (and routed experts' output) bytes more.
+//          one) the GPU, and keeps exactly the h1, h3, a (and routed experts' output) bytes more.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -42,13 +42,22 @@ void expect_same(const ModelConfig& c, Device dev) {
   const Tensor tokens = random_tokens(2, 12, 4);
   const Tensor targets = shifted_targets(tokens, 258);
   const int64_t N = 2 * 12, F = c.d_expert, Fs = c.shared_hidden(), Fd = c.dense_hidden();
-  const int64_t moe_layers = c.n_layers - c.dense_layers;
-  // Kept: h1, h3 of each dense FFN [N, Fd] and shared expert [N, Fs]; h1, h3 [N k, F] and the
-  // routed output [N k, D] of each MoE layer; FP32.
-  const int64_t extra_dense = c.dense_layers * 2 * N * Fd * 4;
-  const int64_t extra_expert = moe_layers * (2 * N * Fs + 2 * N * c.top_k * F + N * c.top_k * c.d_model) * 4;
   for (const char* recipe : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) {
     SCOPED_TRACE(recipe);
+    // Kept: h1, h3 (FP32) and a of each dense FFN [N, Fd] and shared expert [N, Fs]; h1, h3, a
+    // [N k, F] and the routed output [N k, D] (FP32) of each MoE layer. a is BF16 in the layers
+    // whose GEMMs read it as BF16 (its producer writes the operand), else FP32.
+    const Recipe& rec = recipe_by_name(recipe);
+    int64_t extra_dense = 0, extra_expert = 0;
+    for (int64_t l = 0; l < c.n_layers; ++l) {
+      const bool moe = c.is_moe_layer(l);
+      const LayerClass cls = moe ? LayerClass::Expert : LayerClass::Dense;
+      const int64_t a_bytes = rec.layer(cls, l, c.n_layers).fprop.a.fmt == Format::BF16 ? 2 : 4;
+      if (moe)
+        extra_expert += N * Fs * (2 * 4 + a_bytes) + N * c.top_k * F * (2 * 4 + a_bytes) + N * c.top_k * c.d_model * 4;
+      else
+        extra_dense += N * Fd * (2 * 4 + a_bytes);
+    }
     const Pass recompute = run(c, recipe, dev, false, tokens, targets);
     const Pass keep = run(c, recipe, dev, true, tokens, targets);
     EXPECT_EQ(recompute.st.loss, keep.st.loss);

@@ -61,9 +61,10 @@ struct TrainConfig {
   int64_t keep_last = 3;        // checkpoints kept (older ones are pruned); 0: keep all
   int64_t log_every = 10;
   uint64_t seed = 1234;
-  // Keep the FFNs' interiors (h1, h3; the routed experts' outputs) from forward to backward
+  // Keep the FFNs' interiors (h1, h3, SwiGLU's a; the routed experts' outputs) from forward to backward
   // instead of recomputing them there: the same bits, a third less FFN GEMM work in the step, and
-  // two FP32 [tokens, d_ff] tensors more per FFN kept (Model::set_keep_ffn_activations).
+  // two FP32 [tokens, d_ff] tensors and SwiGLU's output (BF16 in the bf16 recipe, else FP32) more
+  // per FFN kept (Model::set_keep_ffn_activations).
   bool keep_ffn_activations = false;
 };
 

@@ -37,9 +37,9 @@ int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 }  // namespace
 
 struct Model::Saved {
-  struct Ffn {  // dense FFN or shared expert: a is recomputed in backward, h1 and h3 too unless kept
+  struct Ffn {  // dense FFN or shared expert: h1, h3 and a are recomputed in backward unless kept
     LinearInput x;
-    Tensor h1, h3;  // kept (keep_ffn_activations) or undefined
+    Tensor h1, h3, a;  // kept (keep_ffn_activations) or undefined
   };
   struct Layer {
     Tensor x_in, rstd1;  // attention block input (residual stream) and its norm's rstd
@@ -53,7 +53,7 @@ struct Model::Saved {
     std::vector<double> frac;            // f_e: share of assignments routed to expert e
     Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
     std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
-    Tensor expert_h1, expert_h3, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
+    Tensor expert_h1, expert_h3, expert_a, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
     Ffn shared, dense;
   };
   Tensor positions;
@@ -265,6 +265,7 @@ struct ModelRunner {
       if (m.keep_ffn_) {
         saved->h1 = h1;
         saved->h3 = h3;
+        saved->a = a;
       }
     }
     return y;
@@ -275,14 +276,17 @@ struct ModelRunner {
                     bool dx_accumulate) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), F = w.w1.size(0);
-    Tensor h1 = saved.h1, h3 = saved.h3, a = act_bf16_if(bf16_input(r), {N, F});
+    Tensor h1 = saved.h1, h3 = saved.h3, a = saved.a;
     if (!h1.defined()) {  // recomputed: the forward's GEMMs on its kept input, the same bits
       h1 = act({N, F});
       h3 = act({N, F});
       gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
       gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     }
-    ops::swiglu_forward(h1, h3, a);
+    if (!a.defined()) {
+      a = act_bf16_if(bf16_input(r), {N, F});
+      ops::swiglu_forward(h1, h3, a);
+    }
     LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
     Tensor da = act({N, F}), dh1 = act_bf16_if(bf16_grad(r), {N, F}), dh3 = act_bf16_if(bf16_grad(r), {N, F});
     linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls);
@@ -425,6 +429,7 @@ struct ModelRunner {
       if (keep) {
         s->expert_h1 = inner.h1;
         s->expert_h3 = inner.h3;
+        s->expert_a = inner.a;
         s->expert_y = y_perm;
       }
     }
@@ -492,12 +497,11 @@ struct ModelRunner {
 
     ExpertInner in;
     Tensor y_perm;
-    if (s.expert_y.defined()) {  // kept: only SwiGLU and w2's input are recomputed (the same bits)
+    if (s.expert_y.defined()) {  // kept: only w2's input is prepared again (the same bits)
       y_perm = s.expert_y;
       in.h1 = s.expert_h1;
       in.h3 = s.expert_h3;
-      in.a = act_bf16_if(bf16_input(r), {N * K, F});
-      ops::swiglu_forward(in.h1, in.h3, in.a);
+      in.a = s.expert_a;
       in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     } else {
       y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
@@ -778,11 +782,13 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
         by["router"] += tensor_bytes(sl.probs) + tensor_bytes(sl.topk_idx) + tensor_bytes(sl.topk_w) +
                         tensor_bytes(sl.plan.slot_of) + tensor_bytes(sl.plan.token_of_slot);
         int64_t ex = sl.x_perm.bytes() + sl.shared.x.bytes() + tensor_bytes(sl.expert_h1) + tensor_bytes(sl.expert_h3) +
-                     tensor_bytes(sl.expert_y) + tensor_bytes(sl.shared.h1) + tensor_bytes(sl.shared.h3);
+                     tensor_bytes(sl.expert_a) + tensor_bytes(sl.expert_y) + tensor_bytes(sl.shared.h1) +
+                     tensor_bytes(sl.shared.h3) + tensor_bytes(sl.shared.a);
         for (const Prepared& p : sl.x_perm_wgrad) ex += p.bytes();
         by["expert"] += ex;
       } else {
-        by["dense"] += sl.dense.x.bytes() + tensor_bytes(sl.dense.h1) + tensor_bytes(sl.dense.h3);
+        by["dense"] += sl.dense.x.bytes() + tensor_bytes(sl.dense.h1) + tensor_bytes(sl.dense.h3) +
+                       tensor_bytes(sl.dense.a);
       }
     }
     by["residual"] += tensor_bytes(s->x_final) + tensor_bytes(s->rstd_f);
