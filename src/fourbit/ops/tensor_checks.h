@@ -1,5 +1,6 @@
-// defines: str_or_undef, expect_dims_on, expect_like_on, expect_out_on, CombineShape, expect_combine_args, GatherShape,
-//          expect_gather_args, expect_scatter_args, expect_router_backward_args, expect_segment_amax_args
+// defines: str_or_undef, expect_dims_on, expect_like_on, expect_out_on, expect_add_args,
+//          expect_add_inplace_args, CombineShape, expect_combine_args, GatherShape, expect_gather_args,
+//          expect_scatter_args, expect_router_backward_args, expect_segment_amax_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -42,6 +43,21 @@ inline DType expect_out_on(Device dev, const char* op, const char* name, const T
     fail("{}: {} must be f32 or bf16{}={} {}, got {}", op, name, sym, shape_str(shape), device_name(dev), t.str());
   expect_dims_on(dev, op, name, t, dt, shape, sym);
   return dt;
+}
+
+// add(a, b, out): three value tensors (the backend's check `value`), b and out of a's dtype and
+// shape; add_(dst, src): src of dst's (both already checked to be value tensors).
+inline void expect_add_args(const Tensor& a, const Tensor& b, const Tensor& out,
+                            void (*value)(const char* op, const char* name, const Tensor& t)) {
+  value("add", "a", a);
+  value("add", "b", b);
+  value("add", "out", out);
+  if (b.dtype() != a.dtype() || b.shape() != a.shape() || out.dtype() != a.dtype() || out.shape() != a.shape())
+    fail("add: b and out must match a {}, got {} and {}", a.str(), b.str(), out.str());
+}
+inline void expect_add_inplace_args(const Tensor& dst, const Tensor& src) {
+  if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
+    fail("add_: src must match dst {}, got {}", dst.str(), src.str());
 }
 
 // moe_combine and its backward: y_perm [M, D] and w [N, k] of dtype `dt` (that of out/dout,

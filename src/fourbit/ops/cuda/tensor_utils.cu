@@ -275,11 +275,7 @@ void convert(const Tensor& src, Tensor& dst) {
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
-  expect_value("add", "a", a);
-  expect_value("add", "b", b);
-  expect_value("add", "out", out);
-  if (b.dtype() != a.dtype() || b.shape() != a.shape() || out.dtype() != a.dtype() || out.shape() != a.shape())
-    fail("add: b and out must match a {}, got {} and {}", a.str(), b.str(), out.str());
+  expect_add_args(a, b, out, expect_value);
   const int64_t n = a.numel();
   if (n == 0) return;
   if (a.dtype() == DType::F32) {
@@ -296,8 +292,7 @@ void add(const Tensor& a, const Tensor& b, Tensor& out) {
 void add_(Tensor& dst, const Tensor& src) {
   expect_value("add_", "dst", dst);
   expect_value("add_", "src", src);
-  if (src.dtype() != dst.dtype() || src.shape() != dst.shape())
-    fail("add_: src must match dst {}, got {}", dst.str(), src.str());
+  expect_add_inplace_args(dst, src);
   add(dst, src, dst);
 }
 
