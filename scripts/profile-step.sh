@@ -3,6 +3,8 @@
 # kprof injection library (bench/kprof: CUPTI activity records), which prints GPU time per kernel,
 # launch counts, and the share of the wall-clock span the GPU was busy.
 # Usage (device machine, after `scripts/device-run.sh build`): scripts/profile-step.sh [recipes]
+# KEEP_FFN=on|off (default on, as the step tables in docs/cuda.md run): the FFN interiors kept or
+# recomputed in backward.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
@@ -11,6 +13,6 @@ ninja -C "$BUILD" fourbit_kprof > /dev/null || exit 1
 for r in ${1:-bf16 nvfp4-fwd}; do
   CUDA_INJECTION64_PATH="$BUILD/bench/libfourbit_kprof.so" KPROF_OUT="$OUT/kprof_$r.json" KPROF_TOP=${KPROF_TOP:-45} \
     "$BUILD/bench/train_bench" --config ${CONFIG:-configs/gpu-small.toml} --device cuda --recipes "$r" \
-    --warmup 1 --steps ${STEPS:-2} > "$OUT/kprof_$r.log" 2>&1
+    --keep-ffn "${KEEP_FFN:-on}" --warmup 1 --steps ${STEPS:-2} > "$OUT/kprof_$r.log" 2>&1
   echo "== $r"; grep -A $((${KPROF_TOP:-45} + 2)) "^kprof: GPU busy" "$OUT/kprof_$r.log"
 done
