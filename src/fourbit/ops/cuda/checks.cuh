@@ -1,5 +1,5 @@
 // defines: cuda::expect_f32, cuda::expect_dims, cuda::expect_like, cuda::expect_out, cuda::expect_index,
-//          cuda::aligned16, cuda::aligned8, cuda::out_aligned
+//          cuda::aligned16, cuda::aligned8, cuda::out_aligned, cuda::with_out_type
 // Argument checks of the CUDA layer ops. They mirror ops/cpu/checks.h (same wording, so a shape
 // error reads the same on either backend), but that header insists on CPU tensors and allows F64;
 // the GPU backend takes CUDA tensors and runs F32 only, and says so in the message.
@@ -47,5 +47,11 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline bool aligned8(const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; }
 // A group's store is vectorisable: 16-byte aligned for F32 outputs, 8-byte for BF16 ones.
 inline bool out_aligned(const Tensor& t) { return t.dtype() == DType::BF16 ? aligned8(t.raw()) : aligned16(t.raw()); }
+// f(float{}) or f(uint16_t{}) for an F32 or BF16 output: the element type of the kernel to launch.
+template <typename F>
+void with_out_type(DType dt, F&& f) {
+  if (dt == DType::BF16) f(uint16_t{});
+  else f(float{});
+}
 
 }  // namespace fourbit::ops::cuda

@@ -618,33 +618,40 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
 // with the instruction's transpose. An element is the FP32 sum of its k_j products, K tiles in
 // order, each four k16 steps: deterministic, and independent of the other problems and of the tile.
 
+// The epilogue of a K-grouped output tile at (m0, n0): warpgroup wm's 64 x 128 block (wgmma's
+// accumulator layout) into C (ldc floats a row), rows < m and columns < n, added to C's values
+// where accumulate (one rounding each).
+__device__ __forceinline__ void store_wgrad_block(const float (&acc)[64], float* c, int64_t ldc, int m, int n, int m0,
+                                                  int n0, int wm, bool accumulate) {
+  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
+  const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_base + 8 * half;
+    if (row >= m) continue;
+    float* crow = c + (long long)row * ldc;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int col = col_base + 8 * j;
+      if (col >= n) continue;  // n is even: col + 1 < n too
+      float2 v = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+      if (accumulate) {
+        const float2 o = *reinterpret_cast<const float2*>(crow + col);
+        v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
+      }
+      *reinterpret_cast<float2*>(crow + col) = v;
+    }
+  }
+}
+
 template <bool MN>
 __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ KGroupedArgs p) {
   using S = Shape<Format::BF16, 4, 1>;  // 256 x 128 tiles, four warpgroups stacked in M
   constexpr int kThreads = S::kThreads, BM = S::BM, BN = S::BN;
   const KProblemArgs& q = p.prob[blockIdx.z];
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
-  const int tid = int(threadIdx.x), wm = tid >> 7, t = tid & 127, lane = tid & 31;
-  const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
-  auto store = [&](float (&acc)[64]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_base + 8 * half;
-      if (row >= p.m) continue;
-      float* crow = q.c + (long long)row * p.ldc;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int col = col_base + 8 * j;
-        if (col >= p.n) continue;  // n is even: col + 1 < n too
-        float2 v = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-        if (p.accumulate) {
-          const float2 o = *reinterpret_cast<const float2*>(crow + col);
-          v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
-        }
-        *reinterpret_cast<float2*>(crow + col) = v;
-      }
-    }
-  };
+  const int wm = int(threadIdx.x) >> 7;
+  auto store = [&](const float (&acc)[64]) { store_wgrad_block(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate); };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
@@ -1003,7 +1010,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
     }
     return;
   }
-  const int wm = tid >> 7, t128 = tid & 127, lane = tid & 31;
+  const int wm = tid >> 7, t128 = tid & 127;
   int it = 0;
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
     int j, m0, n0;
@@ -1025,26 +1032,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    // the epilogue of wgrad_kernel: C (+)= the sums, rows < m and columns < n
-    float* c = tp.c[j];
-    const int row_base = m0 + wm * 64 + 16 * (t128 >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row_base + 8 * half;
-      if (row >= tp.m) continue;
-      float* crow = c + (long long)row * tp.ldc;
-#pragma unroll
-      for (int jj = 0; jj < 16; ++jj) {
-        const int col = col_base + 8 * jj;
-        if (col >= tp.n) continue;
-        float2 v = make_float2(acc[4 * jj + 2 * half], acc[4 * jj + 2 * half + 1]);
-        if (tp.accumulate) {
-          const float2 o = *reinterpret_cast<const float2*>(crow + col);
-          v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
-        }
-        *reinterpret_cast<float2*>(crow + col) = v;
-      }
-    }
+    store_wgrad_block(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }
 

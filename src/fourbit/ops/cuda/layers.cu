@@ -525,17 +525,16 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
   expect_dims(op, "w", w, DType::F32, {D}, "[D]");
-  const bool bf16 = expect_out(op, "y", y, {N, D}, "[N, D]") == DType::BF16;
+  const DType out_dt = expect_out(op, "y", y, {N, D}, "[N, D]");
   expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
   if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
   if (N == 0) return;
   const bool vec = D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && out_aligned(y);
-  if (bf16)
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
     rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        x.data<float>(), w.data<float>(), double(eps), y.data<uint16_t>(), rstd.data<float>(), N, D, vec);
-  else
-    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(), N, D, vec);
+        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec);
+  });
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -586,17 +585,16 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const char* op = "swiglu_forward";
   expect_f32(op, "h1", h1, h1.defined() ? h1.dim() : 0, "[..., F]");
   expect_like(op, "h3", h3, "h1", h1);
-  const bool bf16 = expect_out(op, "a", a, h1.shape(), "[like h1]") == DType::BF16;
+  const DType out_dt = expect_out(op, "a", a, h1.shape(), "[like h1]");
   const int64_t n = h1.numel();
   if (n == 0) return;
   const bool vec = aligned16(h1.raw()) && aligned16(h3.raw()) && out_aligned(a);
   const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
-  if (bf16)
-    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(),
-                                                               a.data<uint16_t>(), n, vec);
-  else
-    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(),
-                                                               a.data<float>(), n, vec);
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(), a.data<O>(), n,
+                                                               vec);
+  });
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -613,14 +611,11 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   const bool vec = aligned16(da.raw()) && aligned16(h1.raw()) && aligned16(h3.raw()) && out_aligned(dh1) &&
                    out_aligned(dh3);
   const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
-  if (out_dt == DType::BF16)
-    swiglu_backward_kernel<<<grid, kEltThreads, 0, stream()>>>(da.data<float>(), h1.data<float>(),
-                                                                h3.data<float>(), dh1.data<uint16_t>(),
-                                                                dh3.data<uint16_t>(), n, vec);
-  else
-    swiglu_backward_kernel<<<grid, kEltThreads, 0, stream()>>>(da.data<float>(), h1.data<float>(),
-                                                                h3.data<float>(), dh1.data<float>(),
-                                                                dh3.data<float>(), n, vec);
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    swiglu_backward_kernel<<<grid, kEltThreads, 0, stream()>>>(da.data<float>(), h1.data<float>(), h3.data<float>(),
+                                                                dh1.data<O>(), dh3.data<O>(), n, vec);
+  });
   FOURBIT_LAUNCH_CHECK();
 }
 

@@ -693,22 +693,19 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   expect_f32(op, "dout", dout, 2, "[N, D]");
   const int64_t N = dout.size(0), D = dout.size(1);
   const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
-  const bool bf16 = expect_out(op, "dy_perm", dy_perm, {M, D}, "[M, D]") == DType::BF16;
+  const DType out_dt = expect_out(op, "dy_perm", dy_perm, {M, D}, "[M, D]");
   expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
   dy_perm.zero_();  // slots no token points at stay zero (none for a route_plan's slot_of)
   if (N * k == 0) return;
   Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
   const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && out_aligned(dy_perm);
-  if (bf16)
-    moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
-        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
-        dy_perm.data<uint16_t>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
-        index_error_record());
-  else
-    moe_combine_backward_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
-        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
-        dy_perm.data<float>(), dw.data<float>(), owners.data<int32_t>(), N, M, k, D, vec,
-        index_error_record());
+  const int64_t slots = M, ranks = k;  // a lambda may not capture structured bindings (C++17)
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    moe_combine_backward_kernel<<<warp_row_grid(N * ranks), kRowThreads, 0, stream()>>>(
+        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), dy_perm.data<O>(),
+        dw.data<float>(), owners.data<int32_t>(), N, slots, ranks, D, vec, index_error_record());
+  });
   FOURBIT_LAUNCH_CHECK();
 }
 
