@@ -5,7 +5,7 @@
 // MXFP8 ones (decoded, read along K), with one-token, tile-crossing and off-tile shapes, accumulate
 // on and off; on Hopper, gemm_batch_grouped is the one launch (its bits), a problem's bits do not
 // depend on the other problems of the launch, runs repeat bit for bit; the TMA form gives the
-// cp.async form's bits; empty problems and the shapes it declines.
+// cp.async form's bits in both layouts; empty problems and the shapes it declines.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -122,10 +122,12 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
   }
 }
 
-// The TMA form (persistent, a pair of maps a problem whose K rows end at the expert's last token)
-// gives the cp.async form's bits: ragged experts (one token, a K tile and one, none), m and n off
-// the 256 x 128 tile (520 rows: two row tiles and 8 rows), accumulate on and off, and more problems
-// than one TMA launch takes (40: two launches).
+// The TMA form (persistent, a pair of maps a problem whose K ends at the expert's last token)
+// gives the cp.async form's bits, for both layouts: MN-major (token-major dY [T, R] and X [T, C],
+// the bf16 recipe's) and K-major ([R, T] and [C, T] with an expert's tokens a column range, the
+// decoded MXFP8 operands'); ragged experts (one token, a K tile and one, none; K-major lengths are
+// multiples of 8), m and n off the 256 x 128 tile (520 rows: two row tiles and 8 rows), accumulate
+// on and off, and more problems than one TMA launch takes (40: two launches).
 TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
@@ -133,44 +135,50 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
     int64_t R, C, problems;
     bool accumulate;
   };
-  for (const Case cs : {Case{264, 136, 6, true}, Case{264, 136, 6, false}, Case{128, 256, 40, true},
-                        Case{520, 72, 3, false}}) {
-    SCOPED_TRACE(testing::Message() << "R " << cs.R << " C " << cs.C << " problems " << cs.problems
-                                    << (cs.accumulate ? " accumulate" : ""));
-    // ragged token ranges: cycle through 1, 65, 0, 334, 1250, 8 tokens
-    const std::vector<int64_t> lens{1, 65, 0, 334, 1250, 8};
-    std::vector<int64_t> off{0};
-    for (int64_t j = 0; j < cs.problems; ++j) off.push_back(off.back() + lens[size_t(j) % lens.size()]);
-    const int64_t T = off.back();
-    Tensor dy = Tensor::empty({T, cs.R}, DType::BF16, Device::CUDA), x = Tensor::empty({T, cs.C}, DType::BF16, Device::CUDA);
-    ops::convert(randn_cuda({T, cs.R}, 11), dy);
-    ops::convert(randn_cuda({T, cs.C}, 12), x);
-    const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 13);
-    auto run = [&](bool tma) {
-      Tensor grad = init.clone();
-      std::vector<ops::cuda::KGroupedProblem> problems;
-      for (int64_t j = 0; j < cs.problems; ++j)
-        problems.push_back({static_cast<const char*>(dy.raw()) + off[size_t(j)] * cs.R * 2,
-                            static_cast<const char*>(x.raw()) + off[size_t(j)] * cs.C * 2,
-                            grad.data<float>() + j * cs.R * cs.C, cs.R, cs.C, off[size_t(j) + 1] - off[size_t(j)]});
-      ops::cuda::set_grouped_wgrad_tma(tma);
-      const bool ok = ops::cuda::grouped_gemm_k(true, problems, cs.R, cs.C, cs.C, cs.accumulate);
-      ops::cuda::set_grouped_wgrad_tma(true);
-      EXPECT_TRUE(ok);
-      return grad;
-    };
-    const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
-    const Tensor with_tma = run(true);
-    device_synchronize();
-    const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
-    const Tensor with_cp_async = run(false);
-    EXPECT_EQ(bytes(with_tma), bytes(with_cp_async));
-    EXPECT_EQ(launches, (cs.problems + 31) / 32) << "the TMA form did not run";
-    if (cs.R == 264 && !cs.accumulate) {  // and both are the exact sums (the tolerance above)
-      std::vector<double> hdy = host_doubles(dy), hx = host_doubles(x);
-      expect_near_exact(host_doubles(with_tma), {}, hdy, hx, off, cs.R, cs.C, "tma form");
+  for (const bool mn : {true, false})
+    for (const Case cs : {Case{264, 136, 6, true}, Case{264, 136, 6, false}, Case{128, 256, 40, true},
+                          Case{520, 72, 3, false}}) {
+      SCOPED_TRACE(testing::Message() << (mn ? "MN-major" : "K-major") << " R " << cs.R << " C " << cs.C
+                                      << " problems " << cs.problems << (cs.accumulate ? " accumulate" : ""));
+      const std::vector<int64_t> lens = mn ? std::vector<int64_t>{1, 65, 0, 334, 1250, 8}
+                                           : std::vector<int64_t>{8, 72, 0, 336, 1248, 16};
+      std::vector<int64_t> off{0};
+      for (int64_t j = 0; j < cs.problems; ++j) off.push_back(off.back() + lens[size_t(j) % lens.size()]);
+      const int64_t T = off.back();
+      const std::vector<int64_t> a_shape = mn ? std::vector<int64_t>{T, cs.R} : std::vector<int64_t>{cs.R, T};
+      const std::vector<int64_t> b_shape = mn ? std::vector<int64_t>{T, cs.C} : std::vector<int64_t>{cs.C, T};
+      Tensor dy = Tensor::empty(a_shape, DType::BF16, Device::CUDA), x = Tensor::empty(b_shape, DType::BF16, Device::CUDA);
+      ops::convert(randn_cuda(a_shape, 11), dy);
+      ops::convert(randn_cuda(b_shape, 12), x);
+      const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 13);
+      auto run = [&](bool tma) {
+        Tensor grad = init.clone();
+        std::vector<ops::cuda::KGroupedProblem> problems;
+        for (int64_t j = 0; j < cs.problems; ++j) {
+          // the expert's first token: a row (MN-major) or a column (K-major)
+          const int64_t a_at = mn ? off[size_t(j)] * cs.R : off[size_t(j)], b_at = mn ? off[size_t(j)] * cs.C : off[size_t(j)];
+          problems.push_back({static_cast<const char*>(dy.raw()) + 2 * a_at, static_cast<const char*>(x.raw()) + 2 * b_at,
+                              grad.data<float>() + j * cs.R * cs.C, mn ? cs.R : T, mn ? cs.C : T,
+                              off[size_t(j) + 1] - off[size_t(j)]});
+        }
+        ops::cuda::set_grouped_wgrad_tma(tma);
+        const bool ok = ops::cuda::grouped_gemm_k(mn, problems, cs.R, cs.C, cs.C, cs.accumulate);
+        ops::cuda::set_grouped_wgrad_tma(true);
+        EXPECT_TRUE(ok);
+        return grad;
+      };
+      const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
+      const Tensor with_tma = run(true);
+      device_synchronize();
+      const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
+      const Tensor with_cp_async = run(false);
+      EXPECT_EQ(bytes(with_tma), bytes(with_cp_async));
+      EXPECT_EQ(launches, (cs.problems + 31) / 32) << "the TMA form did not run";
+      if (mn && cs.R == 264 && !cs.accumulate) {  // and both are the exact sums (the tolerance above)
+        std::vector<double> hdy = host_doubles(dy), hx = host_doubles(x);
+        expect_near_exact(host_doubles(with_tma), {}, hdy, hx, off, cs.R, cs.C, "tma form");
+      }
     }
-  }
 }
 
 // Col-axis MXFP8 operands (the mxfp8 and nvfp4-fwd recipes' wgrad dY^T and X^T, blocks along the

@@ -145,9 +145,10 @@ void set_grouped_tile_band(int pairs);
 void set_grouped_tma_persistent(bool on);
 // How many launches took the TMA form so far in this process (tests check that it ran).
 int64_t grouped_tma_launches();
-// Whether grouped_gemm_k's MN-major problems (the bf16 recipe's expert weight gradients) run in
-// the TMA form (the default: persistent, one producer thread, a pair of tensor maps a problem that
-// zero-fill the K rows past its tokens) or the cp.async one. The same bits; for tests and
+// Whether grouped_gemm_k's problems (the expert weight gradients: MN-major for the bf16 recipe,
+// K-major decoded MXFP8 for the quantized ones) run in the TMA form (the default: persistent, one
+// producer thread, a pair of tensor maps a problem that zero-fill the K past its tokens) or the
+// cp.async one. The same bits; for tests and
 // benchmarks. grouped_wgrad_tma_launches: how many launches took the TMA form in this process.
 void set_grouped_wgrad_tma(bool on);
 int64_t grouped_wgrad_tma_launches();

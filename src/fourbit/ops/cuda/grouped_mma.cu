@@ -940,20 +940,24 @@ bool launch_tma(const GroupedArgs& p) {
   return true;
 }
 
-// ---- the TMA form of the K-grouped weight gradients (MN-major BF16 operands) ---------------------
+// ---- the TMA form of the K-grouped weight gradients (BF16 operands, either layout) --------------
 //
-// wgrad_kernel<true> fed by TMA from one producer thread, persistent: as many CTAs as there are
+// wgrad_kernel<MN> fed by TMA from one producer thread, persistent: as many CTAs as there are
 // SMs, each looping over (output tile, problem) pairs with one ring of stages, so the next tile's
 // first K tiles load while the consumer warpgroups add the last one's sums into C. Every problem
-// has its own pair of 2-D maps over its token rows only (A_j: k_j rows of m values, B_j: k_j rows of
-// n values), so TMA zero-fills the K rows past an expert's last token: the bits of the cp.async
-// form, which zero-fills them too, from the same m64n128k16 chain (mma_k_tile<true, true>) over the
-// same 64-wide K tiles. A stage is A's four 64-value panels and B's two, as load_tile_mn lays them.
+// has its own pair of 2-D maps over its token range only, so TMA zero-fills the K past an
+// expert's last token: the bits of the cp.async form, which zero-fills it too, from the same
+// m64n128k16 chain (mma_k_tile<MN, MN>) over the same 64-wide K tiles. MN-major (the bf16
+// recipe's token-major dY and X): A_j is k_j rows of m values, B_j k_j rows of n values, and a
+// stage is A's four 64-value panels and B's two, as load_tile_mn lays them. K-major (the decoded
+// Col-axis MXFP8 operands of the quantized recipes, [m, T] and [n, T] with an expert's tokens a
+// column range): A_j is m rows of k_j values, B_j n rows, one box of 64 K values x 256 (A) or
+// 128 (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them.
 constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
 
 struct TmaWgradParams {
-  CUtensorMap a[kMaxTmaKProblems];  // A_j [k_j, m] BF16, boxes of 64 values x 64 K rows, 128-byte swizzle
-  CUtensorMap b[kMaxTmaKProblems];  // B_j [k_j, n]
+  CUtensorMap a[kMaxTmaKProblems];  // A_j: [k_j, m] BF16 (MN-major) or [m, k_j] (K-major), 128-byte swizzle
+  CUtensorMap b[kMaxTmaKProblems];  // B_j: [k_j, n] or [n, k_j]
   float* c[kMaxTmaKProblems];
   int k[kMaxTmaKProblems];
   int m, n, count, tiles_m, tiles_n;
@@ -963,6 +967,7 @@ struct TmaWgradParams {
 
 constexpr int kWgradConsumers = 4, kWgradThreads = 128 * kWgradConsumers + 32;  // + the producer warp
 
+template <bool MN>
 __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
   using S = Shape<Format::BF16, kWgradConsumers, 1>;  // 256 x 128 tiles
   constexpr int BM = S::BM, BN = S::BN;
@@ -1001,11 +1006,16 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
         const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
         mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
         const int k0 = kt * kBK;
+        if constexpr (MN) {
 #pragma unroll
-        for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
+          for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
 #pragma unroll
-        for (int i = 0; i < BN / 64; ++i)
-          tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+          for (int i = 0; i < BN / 64; ++i)
+            tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+        } else {
+          tma_load_2d(stage, &tp.a[j], k0, m0, bar);
+          tma_load_2d(stage + uint32_t(S::kATile), &tp.b[j], k0, n0, bar);
+        }
       }
     }
     return;
@@ -1024,7 +1034,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
       const int st = it % kStages;
       mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
       const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
-      mma_k_tile<true, true>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
+      // this warpgroup's 64 rows of A: 8 KB on (one MN-major panel, or 64 K-major rows)
+      mma_k_tile<MN, MN>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
       wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage
       pin(acc);
       if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
@@ -1039,9 +1050,10 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
 std::atomic<bool> g_wgrad_tma{true};
 std::atomic<int64_t> g_wgrad_tma_launches{0};
 
-// The TMA form of up to kMaxTmaKProblems MN-major problems; false where it does not apply (a map
-// the driver will not encode, strides off TMA's 16-byte grain, a launch refused), and the caller
-// runs wgrad_kernel<true>.
+// The TMA form of up to kMaxTmaKProblems problems; false where it does not apply (a map the
+// driver will not encode, strides off TMA's 16-byte grain, a launch refused), and the caller runs
+// wgrad_kernel<MN>.
+template <bool MN>
 bool launch_tma_wgrad(const KGroupedArgs& p) {
   using S = Shape<Format::BF16, kWgradConsumers, 1>;
   if (p.count > kMaxTmaKProblems) return false;
@@ -1060,21 +1072,24 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
     tp.c[j] = q.c;
     tp.k[j] = q.k;
     if (q.k == 0) continue;  // no copies: its tiles only store zeros, or nothing
-    if (q.lda % 16 != 0 || q.ldb % 16 != 0 ||
-        !bf16_map(tp.a[j], q.a, uint64_t(p.m), uint64_t(q.k), uint64_t(q.lda), 64) ||
-        !bf16_map(tp.b[j], q.b, uint64_t(p.n), uint64_t(q.k), uint64_t(q.ldb), 64))
-      return false;
+    if (q.lda % 16 != 0 || q.ldb % 16 != 0) return false;
+    const bool mapped =
+        MN ? bf16_map(tp.a[j], q.a, uint64_t(p.m), uint64_t(q.k), uint64_t(q.lda), 64) &&
+                 bf16_map(tp.b[j], q.b, uint64_t(p.n), uint64_t(q.k), uint64_t(q.ldb), 64)
+           : bf16_map(tp.a[j], q.a, uint64_t(q.k), uint64_t(p.m), uint64_t(q.lda), S::BM) &&
+                 bf16_map(tp.b[j], q.b, uint64_t(q.k), uint64_t(p.n), uint64_t(q.ldb), S::BN);
+    if (!mapped) return false;
   }
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+        cudaFuncSetAttribute(tma_wgrad_kernel<MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const int ctas = std::min(tiles, device_sm_count());
   if (ctas <= 0) return true;
-  tma_wgrad_kernel<<<unsigned(ctas), kWgradThreads, S::kSmemBytes, stream()>>>(tp);
+  tma_wgrad_kernel<MN><<<unsigned(ctas), kWgradThreads, S::kSmemBytes, stream()>>>(tp);
   if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
   g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -1267,7 +1282,7 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
         q.ldb % 8 != 0 || (!mn_major && q.k % 8 != 0))
       return false;
   // the TMA form takes up to kMaxTmaKProblems a launch (its maps are kernel parameters)
-  const bool tma = mn_major && hopper::g_wgrad_tma.load(std::memory_order_relaxed);
+  const bool tma = hopper::g_wgrad_tma.load(std::memory_order_relaxed);
   const size_t per_launch = size_t(tma ? hopper::kMaxTmaKProblems : kMaxKProblems);
   for (size_t first = 0; first < problems.size(); first += per_launch) {
     KGroupedArgs p{};
@@ -1282,8 +1297,8 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
                                2 * q.lda, 2 * q.ldb, int(q.k)};
     }
     if (mn_major) {
-      if (!tma || !hopper::launch_tma_wgrad(p)) hopper::launch_wgrad<true>(p);
-    } else {
+      if (!tma || !hopper::launch_tma_wgrad<true>(p)) hopper::launch_wgrad<true>(p);
+    } else if (!tma || !hopper::launch_tma_wgrad<false>(p)) {
       hopper::launch_wgrad<false>(p);
     }
   }
