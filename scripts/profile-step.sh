@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where a training step's GPU time goes: bench/train_bench over a few steps per recipe under the
 # kprof injection library (bench/kprof: CUPTI activity records), which prints GPU time per kernel,
-# launch counts, and the share of the wall-clock span the GPU was busy.
+# launch counts, the share of the wall-clock span the GPU was busy, and the idle gaps charged to
+# the activity that ended each (what the GPU waited for the host before).
 # Usage (device machine, after `scripts/device-run.sh build`): scripts/profile-step.sh [recipes]
 # KEEP_FFN=on|off (default on, as the step tables in docs/cuda.md run): the FFN interiors kept or
 # recomputed in backward.
@@ -14,5 +15,5 @@ for r in ${1:-bf16 nvfp4-fwd}; do
   CUDA_INJECTION64_PATH="$BUILD/bench/libfourbit_kprof.so" KPROF_OUT="$OUT/kprof_$r.json" KPROF_TOP=${KPROF_TOP:-45} \
     "$BUILD/bench/train_bench" --config ${CONFIG:-configs/gpu-small.toml} --device cuda --recipes "$r" \
     --keep-ffn "${KEEP_FFN:-on}" --warmup 1 --steps ${STEPS:-2} > "$OUT/kprof_$r.log" 2>&1
-  echo "== $r"; grep -A $((${KPROF_TOP:-45} + 2)) "^kprof: GPU busy" "$OUT/kprof_$r.log"
+  echo "== $r"; sed -n '/^kprof: GPU busy/,$p' "$OUT/kprof_$r.log"
 done
