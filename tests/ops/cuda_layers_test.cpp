@@ -572,6 +572,43 @@ TEST(CudaLayers, RoutePlanEqualsCpuExactly) {
                "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");
 }
 
+// The router probabilities' sums (ops.h "prob_sums") are the CPU's bits; in two halves, with work
+// queued between them and two plans pending at once, the plans are route_plan's.
+TEST(CudaLayers, RoutePlanProbabilitySumsAndTwoHalvesEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t N : {int64_t(0), int64_t(1), int64_t(65), int64_t(8192), int64_t(20001)}) {
+    const int64_t E = 16, k = 2;
+    const std::string name = cfg("N=%lld", N);
+    const Tensor idx = random_routing(N, E, k, 980 + uint64_t(N));
+    const Tensor probs = random_tensor({N, E}, DType::F32, 990 + uint64_t(N), 0.0, 1.0);
+    const ops::RoutePlan want = ops::route_plan(idx, E, probs);
+    const ops::RoutePlan got = ops::route_plan(gpu(idx), E, gpu(probs));
+    EXPECT_EQ(got.offsets, want.offsets) << name;
+    ASSERT_EQ(got.prob_sums.size(), size_t(E)) << name;
+    for (int64_t e = 0; e < E; ++e)
+      EXPECT_EQ(got.prob_sums[size_t(e)], want.prob_sums[size_t(e)]) << name << " expert " << e;
+  }
+  const int64_t N = 4096, E = 8, k = 2;
+  const Tensor idx_a = random_routing(N, E, k, 995), idx_b = random_routing(N, E, k, 996);
+  const Tensor probs = random_tensor({N, E}, DType::F32, 997, 0.0, 1.0);
+  const ops::RoutePlan want_a = ops::route_plan(idx_a, E, probs), want_b = ops::route_plan(idx_b, E);
+  ops::PendingRoutePlan a = ops::route_plan_begin(gpu(idx_a), E, gpu(probs));
+  ops::PendingRoutePlan b = ops::route_plan_begin(gpu(idx_b), E);
+  const Tensor big = random_tensor({1 << 22}, DType::F32, 998);  // queued behind both read-backs
+  Tensor big16 = Tensor::empty({1 << 22}, DType::BF16, Device::CUDA);
+  for (int i = 0; i < 8; ++i) ops::convert(gpu(big), big16);
+  const ops::RoutePlan got_b = ops::route_plan_end(std::move(b)), got_a = ops::route_plan_end(std::move(a));
+  EXPECT_EQ(got_a.offsets, want_a.offsets);
+  EXPECT_EQ(got_a.prob_sums, want_a.prob_sums);
+  EXPECT_EQ(got_b.offsets, want_b.offsets);
+  EXPECT_TRUE(got_b.prob_sums.empty());
+  expect_bits("two halves: token_of_slot", got_a.token_of_slot, want_a.token_of_slot);
+  expect_bits("two halves: slot_of", got_b.slot_of, want_b.slot_of);
+  // A plan begun and dropped unfinished waits for its read-back before its buffer is reused.
+  { ops::PendingRoutePlan dropped = ops::route_plan_begin(gpu(idx_a), E, gpu(probs)); }
+  EXPECT_EQ(ops::route_plan(gpu(idx_b), E).offsets, want_b.offsets);
+}
+
 // ---- gather / combine -----------------------------------------------------------------------------
 
 // The KV-cache write: the same rows land in the same places as on the CPU, for the 16-byte,

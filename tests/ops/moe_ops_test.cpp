@@ -100,6 +100,43 @@ TEST(RouterOps, GradCheckThroughTopkAndProbs) {
 
 // ---- route plan -----------------------------------------------------------------------------------
 
+// prob_sums: per expert, chunks of kProbSumChunk tokens summed in token order, then the chunk
+// sums in order (written out here from ops.h's words), for F32 and F64 probabilities, token
+// counts around the chunk; within a few ulps of the exact sum; and the order matters (a plain
+// running sum over the tokens differs for some expert of the large case).
+TEST(MoeOps, RoutePlanProbabilitySumsInTheirFixedOrder) {
+  bool order_seen = false;
+  for (const DType dt : {DType::F32, DType::F64})
+    for (const int64_t N : {int64_t(1), int64_t(63), int64_t(64), int64_t(65), int64_t(1000)}) {
+      const int64_t E = 5, k = 2;
+      const Tensor probs = random_tensor({N, E}, dt, 950 + uint64_t(N), 0.0, 1.0);
+      const ops::RoutePlan plan = ops::route_plan(random_routing(N, E, k, 960), E, probs);
+      ASSERT_EQ(plan.prob_sums.size(), size_t(E));
+      for (int64_t e = 0; e < E; ++e) {
+        auto p = [&](int64_t n) { return dt == DType::F64 ? probs.data<double>()[n * E + e] : double(probs.data<float>()[n * E + e]); };
+        double want = 0, running = 0;
+        long double exact = 0;
+        for (int64_t c0 = 0; c0 < N; c0 += ops::kProbSumChunk) {
+          double chunk = 0;
+          for (int64_t n = c0; n < std::min(N, c0 + ops::kProbSumChunk); ++n) chunk += p(n);
+          want += chunk;
+        }
+        for (int64_t n = 0; n < N; ++n) {
+          running += p(n);
+          exact += p(n);
+        }
+        EXPECT_EQ(plan.prob_sums[size_t(e)], want) << "N " << N << " expert " << e;
+        EXPECT_NEAR(plan.prob_sums[size_t(e)], double(exact), 1e-13 * double(exact) + 1e-300);
+        order_seen = order_seen || running != want;
+      }
+    }
+  EXPECT_TRUE(order_seen) << "no case where the order changes a sum: the test cannot tell the orders apart";
+  EXPECT_TRUE(ops::route_plan(random_routing(3, 4, 1, 970), 4).prob_sums.empty());
+  EXPECT_NE(testutil::error_of([&] { ops::route_plan(random_routing(3, 4, 1, 971), 4, random_tensor({3, 5}, DType::F32, 972)); })
+                .find("route_plan: probs must be a float [N=3, E=4] tensor"),
+            std::string::npos);
+}
+
 TEST(MoeOps, RoutePlanInvariants) {
   for (uint64_t seed = 0; seed < 20; ++seed) {
     const int64_t N = 1 + int64_t(seed * 7 % 61), E = 2 + int64_t(seed % 9), k = 1 + int64_t(seed % std::min<int64_t>(E, 4));

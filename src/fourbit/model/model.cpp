@@ -104,30 +104,22 @@ struct ModelRunner {
   }
   const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
 
-  // The MoE layers' load-balance loss terms of a forward asked for one: each layer's router
-  // probabilities and routed shares, read back and summed after the forward (one wait for the GPU
-  // then, instead of one in every MoE layer's forward).
+  // The MoE layers' load-balance loss terms of a forward asked for one: each layer's routed
+  // shares and the sums of its router probabilities over the tokens (ops::RoutePlan::prob_sums,
+  // which come back with the layer's routing, so no further wait for the GPU).
   struct PendingAux {
-    Tensor probs;
-    std::vector<double> frac;
+    int64_t tokens;
+    std::vector<double> prob_sums, frac;
   };
   std::vector<PendingAux> pending_aux{};
   // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
-  // with f_e the routed share (no gradient) and P_e the mean router probability, each expert's
-  // probabilities summed over the tokens in token order (a pass over the rows in memory order,
-  // one running sum per expert).
+  // with f_e the routed share (no gradient) and P_e the mean router probability.
   double aux_loss_value() {
     double total = 0;
     for (const PendingAux& pa : pending_aux) {
-      const int64_t N = pa.probs.size(0), E = pa.probs.size(1);
-      const Tensor ph = pa.probs.to(Device::CPU);
-      std::vector<double> pe(static_cast<size_t>(E), 0.0);
-      const bool f64 = ph.dtype() == DType::F64;
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t e = 0; e < E; ++e)
-          pe[size_t(e)] += f64 ? ph.data<double>()[n * E + e] : double(ph.data<float>()[n * E + e]);
+      const int64_t E = int64_t(pa.frac.size());
       double aux = 0;
-      for (int64_t e = 0; e < E; ++e) aux += pa.frac[size_t(e)] * pe[size_t(e)] / double(N);
+      for (int64_t e = 0; e < E; ++e) aux += pa.frac[size_t(e)] * pa.prob_sums[size_t(e)] / double(pa.tokens);
       total += m.aux_loss_coef_ * double(E) * aux;
     }
     pending_aux.clear();
@@ -369,13 +361,30 @@ struct ModelRunner {
     gemm(px_router, weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router), logits);
     Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
     ops::router_topk(logits, K, probs, topk_idx, topk_w);
-    ops::RoutePlan plan = ops::route_plan(topk_idx, E);
+    // The routing comes back to the host (the expert GEMMs' shapes); the work that does not depend
+    // on it is queued first, so that the GPU runs it while the host waits: the tokens' BF16 copy
+    // or quantization, and the shared expert.
+    ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor());
+    const bool bf16_x = bf16_input(r) && m.dtype_ == DType::F32;
+    Tensor xn16;
+    if (bf16_x) {
+      xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
+      ops::convert(xn, xn16);
+    }
+    Prepared px;
+    if (r.fprop.a.quantized()) px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
+    Tensor ys;
+    if (c.n_shared_experts) {
+      FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
+      ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr);
+    }
+    ops::RoutePlan plan = ops::route_plan_end(std::move(pending_plan));
 
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
     // term is summed after the forward.
     std::vector<double> frac(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
-    if (aux) pending_aux.push_back({probs, frac});
+    if (aux) pending_aux.push_back({N, plan.prob_sums, frac});
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
     // then gather the packed rows into expert order.
@@ -384,16 +393,9 @@ struct ModelRunner {
     std::vector<Prepared> x_perm_wgrad;
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     Tensor xn_perm;
-    // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
-    const bool bf16_x = bf16_input(r) && m.dtype_ == DType::F32;
-    Tensor xn16;
-    if (r.fprop.a.quantized()) {
-      const Prepared px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
-      x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
-    }
+    if (r.fprop.a.quantized()) x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
     if (bf16_x) {
-      xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
-      ops::convert(xn, xn16);
+      // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
       xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
       ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
       x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
@@ -413,11 +415,7 @@ struct ModelRunner {
     Tensor out = act({N, D});
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out);
 
-    if (c.n_shared_experts) {
-      FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      Tensor ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr);
-      ops::add_(out, ys);
-    }
+    if (c.n_shared_experts) ops::add_(out, ys);
     if (s) {
       s->probs = probs;
       s->topk_idx = topk_idx;

@@ -348,8 +348,22 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   FOURBIT_DISPATCH(probs.device(), router_backward, probs, topk_idx, topk_w, d_topk_w, d_probs,
                    d_logits);
 }
-RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
-  FOURBIT_DISPATCH(topk_idx.device(), route_plan, topk_idx, n_experts);
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
+  if (probs.defined() && topk_idx.defined()) {  // (an undefined topk_idx: the backend says so)
+    const int64_t N = topk_idx.dim() == 2 ? topk_idx.size(0) : -1;
+    if (probs.dim() != 2 || probs.size(0) != N || probs.size(1) != n_experts ||
+        (probs.dtype() != DType::F32 && probs.dtype() != DType::F64) || probs.device() != topk_idx.device())
+      fail("route_plan: probs must be a float [N={}, E={}] tensor on topk_idx's device, got {}", N, n_experts,
+           probs.str());
+  }
+  FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs);
+}
+RoutePlan route_plan_end(PendingRoutePlan pending) {
+  if (pending.finish) pending.finish(pending.plan);
+  return std::move(pending.plan);
+}
+RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
+  return route_plan_end(route_plan_begin(topk_idx, n_experts, probs));
 }
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
   FOURBIT_DISPATCH(x.device(), gather_rows, x, token_of_slot, x_perm);

@@ -7,6 +7,7 @@
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "fourbit/numerics/formats.h"
@@ -245,14 +246,30 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
 // ---- MoE permutation ---------------------------------------------------------------------------
 // The assignment (token n, rank j) -> slot in the expert-sorted order: experts ascending, tokens
 // ascending within an expert (stable, so the order never depends on arrival). offsets has E+1
-// entries on the host (one device sync per MoE layer on the GPU); slot_of I32 [N, k] and
-// token_of_slot I32 [N*k] live on the tensors' device.
+// entries on the host (one read-back per MoE layer on the GPU); slot_of I32 [N, k] and
+// token_of_slot I32 [N*k] live on the tensors' device. With probs (the router's probabilities
+// [N, E], F32, or F64 on the CPU, on topk_idx's device), also prob_sums[e]: the sum over the
+// tokens of probs[n, e] (the load-balance loss's P_e times N), in double in one fixed order on
+// every backend: chunks of kProbSumChunk tokens each summed in token order, then the chunk sums
+// in chunk order; on the GPU it comes back in the same read-back as the offsets.
+constexpr int64_t kProbSumChunk = 64;
 struct RoutePlan {
   std::vector<int64_t> offsets;
   Tensor slot_of;
   Tensor token_of_slot;
+  std::vector<double> prob_sums;  // with probs, else empty
 };
-RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts);
+// route_plan in two halves: route_plan_begin queues the plan (on the GPU the sort and the
+// read-back) and returns at once; route_plan_end waits for the read-back and completes it. Work
+// queued between the two (a MoE layer's shared expert, which does not depend on the routing)
+// keeps the GPU busy while the host waits.
+struct PendingRoutePlan {
+  RoutePlan plan;
+  std::function<void(RoutePlan&)> finish;  // completes plan on the host; empty: already complete
+};
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
+RoutePlan route_plan_end(PendingRoutePlan pending);
+RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
 // x_perm[s] = x[token_of_slot[s]]: dense rows, or a Row-axis QTensor's rows (codes, scales and
 // per-row outer scales travel together: tokens are dispatched already quantized).
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm);

@@ -1,11 +1,12 @@
 // defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, zero_bytes,
-//          device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
+//          PendingRead, read_later, device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
 //          lanes_end, lanes_open, current_lane, current_stream
 // The only door from tensor/ to a GPU. With CUDA built, device_memory_cuda.cu implements these
 // with a caching allocator and the GPU streams; without it, device_memory_none.cpp answers
 // "no GPU" and every device request fails with a clear message (the lane calls do nothing).
 #pragma once
 #include <cstddef>
+#include <memory>
 
 #include "fourbit/tensor/tensor.h"
 
@@ -21,6 +22,16 @@ void device_free(void* p, size_t bytes);
 // GPU to GPU: the host goes on.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes);
 void zero_bytes(void* p, Device dev, size_t bytes);
+// A GPU-to-host copy the host collects later: read_later queues it on the current stream into
+// pinned memory and returns at once, so that work queued after it keeps the GPU busy while the
+// host waits in wait(), which returns the bytes (valid while the PendingRead lives). Dropping a
+// PendingRead without waiting waits for the copy first (its buffer is then reused).
+class PendingRead {
+ public:
+  virtual ~PendingRead() = default;
+  virtual const void* wait() = 0;
+};
+std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes);
 void device_synchronize();
 // Bytes of GPU tensors alive now, and the most alive at once since the last reset.
 int64_t device_bytes_in_use();

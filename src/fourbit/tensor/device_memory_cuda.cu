@@ -6,9 +6,12 @@
 // default stream with events.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "fourbit/tensor/device_memory.h"
@@ -112,6 +115,51 @@ bool staged_upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   return true;
 }
 
+// Pinned buffers (with an event each) for read_later, reused once their reader is done.
+struct ReadPool {
+  std::mutex mu;
+  std::vector<std::pair<char*, size_t>> free;  // buffer, capacity
+  std::vector<cudaEvent_t> events;
+};
+ReadPool& read_pool() {
+  static ReadPool* p = new ReadPool();  // pinned memory lives for the process
+  return *p;
+}
+
+class PinnedRead final : public PendingRead {
+ public:
+  PinnedRead(char* host, size_t cap, cudaEvent_t done) : host_(host), cap_(cap), done_(done) {}
+  ~PinnedRead() override {
+    if (!waited_) cudaEventSynchronize(done_);  // the copy may still be writing the buffer
+    ReadPool& p = read_pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.free.emplace_back(host_, cap_);
+    p.events.push_back(done_);
+  }
+  const void* wait() override {
+    if (!waited_) FOURBIT_MEM_CHECK(cudaEventSynchronize(done_));
+    waited_ = true;
+    return host_;
+  }
+
+ private:
+  char* host_;
+  size_t cap_;
+  cudaEvent_t done_;
+  bool waited_ = false;
+};
+
+// Where no pinned memory is to be had: the copy done at once (the host waits in read_later).
+class DoneRead final : public PendingRead {
+ public:
+  explicit DoneRead(size_t bytes) : bytes_(bytes) {}
+  const void* wait() override { return bytes_.data(); }
+  char* data() { return bytes_.data(); }
+
+ private:
+  std::vector<char> bytes_;
+};
+
 cudaStream_t stream_now() {
   const Lanes& l = lanes();
   return l.current < 0 ? cudaStream_t(0) : l.streams[l.current];
@@ -211,6 +259,48 @@ void zero_bytes(void* p, Device dev, size_t bytes) {
     return;
   }
   FOURBIT_MEM_CHECK(cudaMemsetAsync(p, 0, bytes, stream_now()));
+}
+
+std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes) {
+  const cudaStream_t s = stream_now();
+  char* host = nullptr;
+  size_t cap = 0;
+  cudaEvent_t done = nullptr;
+  {
+    ReadPool& p = read_pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    for (size_t i = 0; i < p.free.size(); ++i)
+      if (p.free[i].second >= bytes) {
+        std::tie(host, cap) = p.free[i];
+        p.free.erase(p.free.begin() + std::ptrdiff_t(i));
+        break;
+      }
+    if (!p.events.empty()) {
+      done = p.events.back();
+      p.events.pop_back();
+    }
+  }
+  if (!host) {
+    cap = std::max<size_t>(bytes, 4096);
+    void* h = nullptr;
+    if (cudaHostAlloc(&h, cap, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      if (done) {
+        ReadPool& p = read_pool();
+        std::lock_guard<std::mutex> lock(p.mu);
+        p.events.push_back(done);
+      }
+      auto r = std::make_shared<DoneRead>(bytes);
+      copy_bytes(r->data(), Device::CPU, src, Device::CUDA, bytes);
+      return r;
+    }
+    host = static_cast<char*>(h);
+  }
+  if (!done) FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  auto r = std::make_shared<PinnedRead>(host, cap, done);  // from here on it returns the buffer
+  if (bytes) FOURBIT_MEM_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, s));
+  FOURBIT_MEM_CHECK(cudaEventRecord(done, s));
+  return r;
 }
 
 void device_synchronize() {

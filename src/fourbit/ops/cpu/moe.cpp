@@ -190,7 +190,23 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   });
 }
 
-RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
+namespace {
+// ops.h "prob_sums": per expert, chunks of kProbSumChunk tokens summed in token order, then the
+// chunk sums in order.
+template <class T>
+std::vector<double> prob_sums_t(const T* p, int64_t N, int64_t E) {
+  std::vector<double> total(size_t(E), 0.0), chunk(size_t(E), 0.0);
+  for (int64_t c0 = 0; c0 < N; c0 += kProbSumChunk) {
+    std::fill(chunk.begin(), chunk.end(), 0.0);
+    for (int64_t n = c0; n < std::min(N, c0 + kProbSumChunk); ++n)
+      for (int64_t e = 0; e < E; ++e) chunk[size_t(e)] += double(p[n * E + e]);
+    for (int64_t e = 0; e < E; ++e) total[size_t(e)] += chunk[size_t(e)];
+  }
+  return total;
+}
+}  // namespace
+
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CPU)
@@ -216,7 +232,12 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
       slot_of[n * k + j] = int32_t(s);
       token_of[s] = int32_t(n);
     }
-  return plan;
+  if (probs.defined())
+    with_float(probs.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      plan.prob_sums = prob_sums_t(probs.data<T>(), N, n_experts);
+    });
+  return PendingRoutePlan{std::move(plan), {}};
 }
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {

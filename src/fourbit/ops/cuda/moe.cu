@@ -552,7 +552,28 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   FOURBIT_LAUNCH_CHECK();
 }
 
-RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
+// ops.h "prob_sums", one CTA an expert: each thread sums whole chunks of kProbSumChunk tokens in
+// token order into partial (E x chunks), then thread 0 adds the chunk sums in order.
+__global__ void prob_sums_kernel(const float* __restrict__ p, int64_t N, int64_t E, double* __restrict__ partial,
+                                 double* __restrict__ out) {
+  const int64_t e = blockIdx.x, chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
+  double* mine = partial + e * chunks;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const int64_t n0 = c * kProbSumChunk, n1 = min(N, n0 + kProbSumChunk);
+    double sum = 0.0;
+#pragma unroll 8
+    for (int64_t n = n0; n < n1; ++n) sum += double(__ldg(p + n * E + e));
+    mine[c] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) total += mine[c];
+    out[e] = total;
+  }
+}
+
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CUDA)
@@ -563,33 +584,56 @@ RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts) {
   const int64_t N = topk_idx.size(0), k = topk_idx.size(1), A = N * k;
   if (A >= (int64_t(1) << 31))
     fail("{}: N*k = {} assignments exceed the 32-bit slot index", op, A);
-  RoutePlan plan;
+  if (probs.defined() && probs.dtype() != DType::F32)
+    fail("{}: probs must be f32 on the GPU, got {}", op, probs.str());
+  PendingRoutePlan pending;
+  RoutePlan& plan = pending.plan;
   plan.slot_of = Tensor::empty({N, k}, DType::I32, Device::CUDA);
   plan.token_of_slot = Tensor::empty({A}, DType::I32, Device::CUDA);
-  // Scratch: bucket_start (E+1 int32), then a copy of the index-error record, so that one
-  // device-to-host copy (the layer's one synchronisation) brings back the offsets and any error.
-  const size_t start_bytes = (size_t(n_experts + 1) * sizeof(int32_t) + 7) / 8 * 8;
-  const size_t bytes = start_bytes + sizeof(IndexError);
-  Tensor scratch = Tensor::empty({int64_t(bytes)}, DType::U8, Device::CUDA);
+  // Scratch: bucket_start (E+1 int32), a copy of the index-error record and, with probs, the E
+  // probability sums, so that one read-back (the layer's one wait for the GPU) brings back the
+  // offsets, any error and the sums; then the sums' chunk partials (not read back).
+  const auto round8 = [](size_t b) { return (b + 7) / 8 * 8; };
+  const size_t start_bytes = round8(size_t(n_experts + 1) * sizeof(int32_t));
+  const size_t sums_at = round8(start_bytes + sizeof(IndexError));
+  const size_t sums_bytes = probs.defined() ? size_t(n_experts) * sizeof(double) : 0;
+  const size_t read_bytes = sums_at + sums_bytes;
+  const int64_t chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
+  const size_t partial_bytes = probs.defined() ? size_t(n_experts * chunks) * sizeof(double) : 0;
+  Tensor scratch = Tensor::empty({int64_t(read_bytes + partial_bytes)}, DType::U8, Device::CUDA);
   char* dev = static_cast<char*>(scratch.raw());
   stable_bucket_sort(topk_idx.data<int32_t>(), A, n_experts, IndexSite::RoutePlanTopk, k,
                      int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
                      plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev));
+  if (probs.defined() && N > 0) {
+    prob_sums_kernel<<<unsigned(n_experts), 128, 0, stream()>>>(probs.data<float>(), N, n_experts,
+                                                               reinterpret_cast<double*>(dev + read_bytes),
+                                                               reinterpret_cast<double*>(dev + sums_at));
+    FOURBIT_LAUNCH_CHECK();
+  } else if (probs.defined()) {
+    FOURBIT_CUDA_CHECK(cudaMemsetAsync(dev + sums_at, 0, sums_bytes, stream()));
+  }
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
                                      cudaMemcpyDeviceToDevice, stream()));
-  std::vector<char> host(bytes);
-  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(host.data(), dev, bytes, cudaMemcpyDeviceToHost, stream()));
-  FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  IndexError err;
-  std::memcpy(&err, host.data() + start_bytes, sizeof err);
-  if (err.set) raise_index_error(err);  // this op's expert ids, or an earlier op's indices
-  plan.offsets.resize(size_t(n_experts + 1));
-  for (int64_t e = 0; e <= n_experts; ++e) {
-    int32_t v;
-    std::memcpy(&v, host.data() + e * sizeof(int32_t), sizeof v);
-    plan.offsets[size_t(e)] = v;
-  }
-  return plan;
+  // The scratch may be freed on return: its reuse is queued behind the read-back on this stream.
+  std::shared_ptr<PendingRead> read = read_later(dev, read_bytes);
+  pending.finish = [read, n_experts, start_bytes, sums_at, sums_bytes](RoutePlan& p) {
+    const char* host = static_cast<const char*>(read->wait());
+    IndexError err;
+    std::memcpy(&err, host + start_bytes, sizeof err);
+    if (err.set) raise_index_error(err);  // this op's expert ids, or an earlier op's indices
+    p.offsets.resize(size_t(n_experts + 1));
+    for (int64_t e = 0; e <= n_experts; ++e) {
+      int32_t v;
+      std::memcpy(&v, host + e * sizeof(int32_t), sizeof v);
+      p.offsets[size_t(e)] = v;
+    }
+    if (sums_bytes) {
+      p.prob_sums.resize(size_t(n_experts));
+      std::memcpy(p.prob_sums.data(), host + sums_at, sums_bytes);
+    }
+  };
+  return pending;
 }
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
