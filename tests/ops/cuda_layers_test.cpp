@@ -686,6 +686,34 @@ TEST(CudaLayers, GatherAndCombineMatchCpuBitForBit) {
   }
 }
 
+// moe_combine_backward over more slots than assignments (M > N k): the slots no assignment
+// points at are zeros whatever dy_perm held, the others the CPU's bits; with M = N k (a route
+// plan's slot map) the zeroing is skipped and every slot is written (the test above, into
+// uninitialised memory).
+TEST(CudaLayers, MoeCombineBackwardZeroesOnlyUnclaimedSlots) {
+  SKIP_WITHOUT_GPU();
+  const int64_t N = 5, k = 2, D = 12, M = N * k + 3;
+  // assignments a -> slots 3 a + 1 mod 13 (injective; slots 0, 2, 12... left over)
+  std::vector<int32_t> slots(size_t(N * k));
+  for (int64_t a = 0; a < N * k; ++a) slots[size_t(a)] = int32_t((3 * a + 1) % M);
+  const Tensor slot_of = int_tensor(slots, {N, k});
+  const Tensor dout = random_tensor({N, D}, DType::F32, 1301), yp = random_tensor({M, D}, DType::F32, 1302);
+  const Tensor w = random_tensor({N, k}, DType::F32, 1303, 0.0, 1.0);
+  Tensor dyp_c = Tensor::empty({M, D}, DType::F32), dw_c = Tensor::empty({N, k}, DType::F32);
+  ops::moe_combine_backward(dout, yp, slot_of, w, dyp_c, dw_c);
+  Tensor dyp_g = gpu(random_tensor({M, D}, DType::F32, 1304)), dw_g = Tensor::empty({N, k}, DType::F32, Device::CUDA);
+  ops::moe_combine_backward(gpu(dout), gpu(yp), gpu(slot_of), gpu(w), dyp_g, dw_g);
+  expect_bits("moe_combine_backward dy_perm, M > N k", dyp_g, dyp_c);
+  const Tensor h = dyp_g.to(Device::CPU);
+  int unclaimed = 0;
+  for (int64_t s = 0; s < M; ++s)
+    if (std::find(slots.begin(), slots.end(), int32_t(s)) == slots.end()) {
+      ++unclaimed;
+      for (int64_t d = 0; d < D; ++d) EXPECT_EQ(h.data<float>()[s * D + d], 0.0f) << "slot " << s;
+    }
+  EXPECT_EQ(unclaimed, 3);
+}
+
 TEST(CudaLayers, QTensorGatherMatchesCpuBytes) {
   SKIP_WITHOUT_GPU();
   const int64_t N = 77, C = 96, E = 8, k = 2;

@@ -739,7 +739,10 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
   const DType out_dt = expect_out(op, "dy_perm", dy_perm, {M, D}, "[M, D]");
   expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
-  dy_perm.zero_();  // slots no token points at stay zero (none for a route_plan's slot_of)
+  // Slots no assignment points at stay zero. With M = N k (a route_plan's slot_of) every slot is
+  // written unless two assignments share one or one is out of range, which the kernel records as
+  // an index error, so only M > N k needs the zeros.
+  if (M > N * k) dy_perm.zero_();
   if (N * k == 0) return;
   Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
   const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && out_aligned(dy_perm);
