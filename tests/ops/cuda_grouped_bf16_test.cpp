@@ -6,7 +6,8 @@
 // with a split-K negative control that this comparison catches; bad offsets reported by name. The
 // first three run each main loop: wgmma (Hopper) and the portable mma.sync; on Hopper the
 // training tile's TMA form equals its cp.async form bit for bit, and a B read MN-major in place
-// (a dgrad's forward weight) the bits of its K-major copy.
+// (a dgrad's forward weight) the bits of its K-major copy; outer scales applied in the epilogue in
+// the scale epilogue's order.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "fourbit/numerics/hd.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "test_util.h"
@@ -62,6 +64,15 @@ Tensor offsets_tensor(const std::vector<int32_t>& off) {
 std::vector<float> host_floats(const Tensor& t) {
   const Tensor h = t.to(Device::CPU);
   return {h.data<float>(), h.data<float>() + h.numel()};
+}
+
+// Positive scales in [0.5, 2): NVFP4 outer scales' stand-ins.
+Tensor uniform_scales_cuda(const Shape& s, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> ud(0.5f, 2.0f);
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = ud(g);
+  return Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
 }
 
 Tensor filled(int64_t m, int64_t n, float v) {
@@ -149,6 +160,62 @@ TEST(CudaGroupedBf16, AccumulatesBitForBitAndLeavesOtherRowsAlone) {
         const float want_fresh = in ? f[i] : 7.0f, want_acc = in ? init[i] + f[i] : init[i];
         ASSERT_EQ(f[i], want_fresh) << "row " << r << " col " << n;
         ASSERT_EQ(0, std::memcmp(&s[i], &want_acc, sizeof(float))) << "row " << r << " col " << n;
+      }
+  }
+}
+
+// NVFP4 outer scales applied in the kernel's epilogue (how ops::grouped_gemm runs the decoded
+// operands of a quantized forward) are the scale epilogue's bits: C (+)= fl(fl(sum * sa[m]) *
+// sb[n]), checked against the kernel's unscaled sums scaled on the host in that order, for
+// per-row, per-tensor and no A scales, per-row and per-slice B scales per group, accumulate on
+// and off, both main loops (the TMA form too: groups of 100 and 200 rows).
+TEST(CudaGroupedBf16, OuterScalesInTheEpilogueAreTheScaleEpiloguesOrder) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t M = 300, N = 72, K = 128, G = 3;
+  const std::vector<int64_t> off{0, 100, 100, 300};
+  const Bf16 a = random_bf16({M, K}, 31, 1.0f), b = random_bf16({G, N, K}, 32, 0.1f);
+  const Tensor sa = uniform_scales_cuda({M}, 33), sb = uniform_scales_cuda({G * N}, 34);
+  const std::vector<float> hsa = host_floats(sa), hsb = host_floats(sb);
+  struct Scales {
+    const char* name;
+    int a_stride;      // 1 per row, 0 one scale, -1 none
+    int b_stride;      // 1 per row of B (group stride N), 0 one a slice (group stride 1)
+  };
+  for (bool wgmma : {true, false}) {
+    const MainLoop loop(wgmma);
+    for (const Scales sc : {Scales{"per-row x per-row", 1, 1}, Scales{"per-row x per-slice", 1, 0},
+                            Scales{"per-tensor x per-row", 0, 1}, Scales{"none x per-slice", -1, 0}})
+      for (bool acc : {false, true}) {
+        SCOPED_TRACE(testing::Message() << sc.name << (acc ? " accumulate" : ""));
+        ops::cuda::GroupedOperand ga = ops::cuda::GroupedOperand::bf16(a.dev.raw(), K, 0),
+                                  gb = ops::cuda::GroupedOperand::bf16(b.dev.raw(), K, N * K);
+        Tensor sums = filled(M, N, 0.0f);
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, gb, off, N, K, sums.data<float>(), N, false));
+        if (sc.a_stride >= 0) {
+          ga.outer = sa.data<float>();
+          ga.outer_stride = sc.a_stride;
+        }
+        gb.outer = sb.data<float>();
+        gb.outer_stride = sc.b_stride;
+        gb.outer_group_stride = sc.b_stride ? N : 1;
+        const Tensor init = filled(M, N, 0.25f);
+        Tensor c = init.clone();
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, gb, off, N, K, c.data<float>(), N, acc));
+        const std::vector<float> got = host_floats(c), raw = host_floats(sums), hinit = host_floats(init);
+        int bad = 0;
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t g = m < off[1] ? 0 : m < off[2] ? 1 : 2;
+          for (int64_t n = 0; n < N; ++n) {
+            const size_t i = size_t(m * N + n);
+            float v = raw[i];
+            if (sc.a_stride >= 0) v = num::mul_rn(v, hsa[size_t(m * sc.a_stride)]);
+            v = num::mul_rn(v, hsb[size_t(g * (sc.b_stride ? N : 1) + n * sc.b_stride)]);
+            if (acc) v = num::add_rn(hinit[i], v);
+            if (std::memcmp(&v, &got[i], sizeof v) != 0 && bad++ < 3)
+              ADD_FAILURE() << "row " << m << " col " << n << ": " << got[i] << ", want " << v;
+          }
+        }
+        EXPECT_EQ(bad, 0);
       }
   }
 }

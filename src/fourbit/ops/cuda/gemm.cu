@@ -887,26 +887,34 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
     b_slice = K * N;
   }
   const OuterScales sa = outer_scales_of(a), sb = outer_scales_of(b);
-  EpilogueGroups groups;
-  groups.count = int(G);
-  for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
-  const bool scaled = sa.ptr || sb.ptr;
-  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
   const MatmulOperand A = dec.get(a, k_eff, f32).op;
   dec.run();
   const size_t elem = f32 ? 4 : 2;
   // BF16 operands (dense, or block-scaled ones decoded exactly): every group in one launch of the
   // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
   // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
-  // A transposed dense B ([G, K, N], the forward's weight of a dgrad) is read MN-major in place
-  // where the kernel can (Hopper), otherwise it goes to cuBLASLt group by group.
-  GroupedOperand gb = GroupedOperand::bf16(B.ptr, B.ld, b_slice);
-  gb.trans = B.trans;
-  const bool one_launch = g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
-                          (!B.trans || g_grouped_transposed_b.load(std::memory_order_relaxed)) &&
-                          grouped_gemm_rows(GroupedOperand::bf16(A.ptr, A.ld, 0), gb, offsets, N, k_eff, t.out, N,
-                                            t.beta != 0.0f);
-  if (!one_launch) {
+  // NVFP4 outer scales are applied in the kernel's epilogue (finish_value: the products, then
+  // the accumulation, in the scale epilogue's order), so C is written once, with no temporary
+  // and no epilogue pass. A transposed dense B ([G, K, N], the forward's weight of a dgrad) is
+  // read MN-major in place where the kernel can (Hopper), otherwise it goes to cuBLASLt group by
+  // group.
+  if (g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
+      (!B.trans || g_grouped_transposed_b.load(std::memory_order_relaxed))) {
+    GroupedOperand ga = GroupedOperand::bf16(A.ptr, A.ld, 0), gb = GroupedOperand::bf16(B.ptr, B.ld, b_slice);
+    gb.trans = B.trans;
+    ga.outer = sa.ptr;
+    ga.outer_stride = sa.stride;
+    gb.outer = sb.ptr;
+    gb.outer_stride = sb.stride;
+    gb.outer_group_stride = sb.group_stride;
+    if (grouped_gemm_rows(ga, gb, offsets, N, k_eff, c.data<float>(), N, accumulate)) return true;
+  }
+  EpilogueGroups groups;
+  groups.count = int(G);
+  for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
+  const bool scaled = sa.ptr || sb.ptr;
+  const SumTarget t = sum_target(scaled, M, N, c, accumulate);
+  {
     Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;
