@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/ops/host_profile.h"
 #include "fourbit/ops/quant_layout.h"
 #include "fourbit/tensor/device_memory.h"
 #if FOURBIT_HAS_CUDA
@@ -51,12 +52,17 @@ void check_group_amax(const Tensor& x, const QuantSpec& spec, const Tensor& a) {
 
 // One switch per op on the device of its first tensor; a CUDA tensor in a CPU-only build fails
 // with a message instead of reaching a missing symbol.
+// Each is timed on the host with FOURBIT_HOST_PROFILE=1 (host_profile.h).
 #if FOURBIT_HAS_CUDA
-#define FOURBIT_DISPATCH(dev, op, ...) \
-  return (dev) == Device::CUDA ? cuda::op(__VA_ARGS__) : cpu::op(__VA_ARGS__)
+#define FOURBIT_DISPATCH(dev, op, ...)                                             \
+  do {                                                                             \
+    const HostOpTimer host_timer_(#op);                                            \
+    return (dev) == Device::CUDA ? cuda::op(__VA_ARGS__) : cpu::op(__VA_ARGS__);   \
+  } while (0)
 #else
 #define FOURBIT_DISPATCH(dev, op, ...)                                                         \
   do {                                                                                         \
+    const HostOpTimer host_timer_(#op);                                                        \
     if ((dev) == Device::CUDA)                                                                 \
       fail("{}: tensor is on a CUDA device but this fourbit was built without CUDA", #op);     \
     return cpu::op(__VA_ARGS__);                                                               \
@@ -145,6 +151,7 @@ std::vector<QTensor> per_segment(const std::vector<int64_t>& offsets, F&& f) {
 
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
                                        const QuantSpec& spec, const std::vector<RngKey>& rngs) {
+  const HostOpTimer host_timer("quantize_segments");
   if (x.dim() != 2) fail("quantize_segments: x must be 2-D [rows, cols], got {}", x.str());
   const int64_t G = check_row_offsets("quantize_segments", offsets, x.size(0), "x");
   if (int64_t(rngs.size()) != G) fail("quantize_segments: {} keys for {} segments", rngs.size(), G);
@@ -158,6 +165,7 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
 
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                                     const QuantSpec& target, const std::vector<RngKey>& rngs) {
+  const HostOpTimer host_timer("requantize_transposed_segments");
   if (q.slices != 1 || q.axis != BlockAxis::Row)
     fail("requantize_transposed_segments: q must be a single-slice Row-axis QTensor (slices {}, axis {})", q.slices,
          q.axis == BlockAxis::Row ? "row" : "col");
@@ -174,6 +182,7 @@ std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std:
 
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate) {
+  const HostOpTimer host_timer("grouped_gemm");
   const int64_t G = check_row_offsets("grouped_gemm", offsets, a.rows(), "A");
   if (a.trans() || (a.dense() && a.dense()->dim() != 2))
     fail("grouped_gemm: a dense A must be [M, K], not transposed; got {}", a.dense()->str());
@@ -220,6 +229,7 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 
 namespace {
 void run_gemm_batch(const char* op, const std::vector<GemmJob>& jobs, bool grouped) {
+  const HostOpTimer host_timer(op);
   if (jobs.empty()) return;
   for (size_t j = 0; j < jobs.size(); ++j) {
     if (!jobs[j].c) fail("{}: job {} has no output", op, j);
@@ -359,6 +369,7 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs);
 }
 RoutePlan route_plan_end(PendingRoutePlan pending) {
+  const HostOpTimer host_timer("route_plan_end (the wait for the counts)");
   if (pending.finish) pending.finish(pending.plan);
   return std::move(pending.plan);
 }
