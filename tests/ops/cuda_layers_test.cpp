@@ -762,6 +762,36 @@ TEST(CudaLayers, DeferredIndexErrorsAreReportedAtTheNextCheck) {
                "= 1 is also the slot of another assignment");
 }
 
+// convert_each: every pair the bits of its own convert (the CPU's), in one launch, for sizes
+// around the kernel's chunk and its 8-value units, an empty tensor, and views 4 bytes off the
+// 16-byte alignment; a pair that is not F32 -> BF16 takes the per-pair path.
+TEST(CudaLayers, ConvertEachIsOneConvertPerPair) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> sizes{1, 7, 8, 8191, 8192, 8193, 0, 300001, 1024 * 1024};
+  const Tensor pool = random_tensor({3 * 1024 * 1024}, DType::F32, 1401, -1e3, 1e3);
+  const Tensor pool_g = gpu(pool);
+  std::vector<Tensor> src, dst, want;
+  int64_t at = 1;  // 4 bytes past the 16-byte grain
+  for (const int64_t n : sizes) {
+    src.push_back(pool_g.view(at, {n}));
+    dst.push_back(Tensor::empty({n}, DType::BF16, Device::CUDA));
+    Tensor w = Tensor::empty({n}, DType::BF16);
+    ops::convert(pool.view(at, {n}), w);
+    want.push_back(w);
+    at += n + (n % 2);
+  }
+  ops::convert_each(src, dst);
+  for (size_t i = 0; i < sizes.size(); ++i) expect_bits(cfg("convert_each n=%lld", sizes[i]), dst[i], want[i]);
+  // BF16 -> F32 pairs: not the kernel's; the same results through convert
+  std::vector<Tensor> back{Tensor::empty({7}, DType::F32, Device::CUDA)};
+  ops::convert_each({dst[1]}, back);
+  Tensor back_c = Tensor::empty({7}, DType::F32);
+  ops::convert(want[1], back_c);
+  expect_bits("convert_each bf16 -> f32", back[0], back_c);
+  std::vector<Tensor> short_dst;
+  expect_error([&] { ops::convert_each(src, short_dst); }, "convert_each: 9 sources for 0 destinations");
+}
+
 // ---- AdamW ----------------------------------------------------------------------------------------
 
 TEST(CudaLayers, AdamWMatchesCpuOverThreeSteps) {

@@ -12,6 +12,7 @@
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/ops/ops.h"
 #include "ops/op_test_util.h"
+#include "test_util.h"
 
 using namespace fourbit;
 using namespace fourbit::optest;
@@ -288,6 +289,17 @@ void expect_encoded(const char* what, const Tensor& got, const Tensor& f32) {
 }
 Tensor bf16_like(const Tensor& t) { return Tensor::empty(t.shape(), DType::BF16); }
 }  // namespace
+
+// convert_each: each pair as convert does it, mixed kinds; a size mismatch is reported by pair.
+TEST(LayerUtils, ConvertEachConvertsEveryPair) {
+  const Tensor x = random_tensor({300}, DType::F32, 2, -100.0, 100.0), y = random_tensor({7}, DType::F64, 3);
+  std::vector<Tensor> dst{Tensor::empty({300}, DType::BF16), Tensor::empty({7}, DType::F32)};
+  ops::convert_each({x, y}, dst);
+  for (int64_t i = 0; i < 300; ++i) ASSERT_EQ(dst[0].data<uint16_t>()[i], num::bf16_encode(x.data<float>()[i])) << i;
+  for (int64_t i = 0; i < 7; ++i) ASSERT_EQ(dst[1].data<float>()[i], float(y.data<double>()[i])) << i;
+  std::vector<Tensor> bad{Tensor::empty({299}, DType::BF16)};
+  EXPECT_HAS(testutil::error_of([&] { ops::convert_each({x}, bad); }), "convert_each: pair 0");
+}
 
 TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
   const Tensor x = random_tensor({37, 24}, DType::F32, 70, -3.0, 3.0), w = random_tensor({24}, DType::F32, 71);

@@ -93,7 +93,7 @@ void check_saved_nvfp4(const Prepared& saved) {
 }  // namespace
 
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
-                 LayerClass cls, QuantLog* log, const Tensor* group_amax) {
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax, const Tensor* converted) {
   const BlockAxis axis = axis_for(role, side);
   Prepared p;
   if (log) log->add(cls, role, side, spec, false);
@@ -107,6 +107,10 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       // A producer that already wrote the BF16 operand (ops.h "BF16 outputs") hands it over as it is.
       if (t.dtype() == DType::BF16) {
         p.dense = t;
+      } else if (converted) {
+        FOURBIT_CHECK(converted->dtype() == DType::BF16 && converted->shape() == t.shape(),
+                      "prepare: a BF16 copy {} made ahead for {}", converted->str(), t.str());
+        p.dense = *converted;
       } else {
         p.dense = Tensor::empty(t.shape(), DType::BF16, t.device());
         ops::convert(t, p.dense);

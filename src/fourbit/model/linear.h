@@ -73,9 +73,11 @@ struct SrStreams {
 
 // Prepares t as operand `side` ('a' or 'b') of GEMM `role` under spec. t: F32 (F64 for dense
 // specs in gradient checks), 2-D, or 3-D [slices, R, C] for expert weights. group_amax: the outer
-// scales' group amax to use (ops::quantize), for weights sharing one scale.
+// scales' group amax to use (ops::quantize), for weights sharing one scale. converted: t's BF16
+// copy made ahead (ops::convert_each) for a BF16 spec, used instead of converting t here (the log
+// still records t).
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
-                 LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr);
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr, const Tensor* converted = nullptr);
 
 // ops::outer_amax of the weights that share one outer scale under spec on role's block axis (an
 // FFN's w1 and w3), or an undefined tensor where spec has no outer scale.

@@ -77,6 +77,7 @@ struct ModelRunner {
   bool record_amax = false;  // a training forward: keep the running input amax (Model::input_amax)
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
+  void convert_weights_ahead() { m.convert_bf16_weights_ahead(); }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
   // Activations that only GEMMs read as BF16 operands are written as BF16 by their producer (ops.h
   // "BF16 outputs": the bits the operand's conversion gave, one pass instead of two). A linear
@@ -612,9 +613,30 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose
   // gate and up projections serving engines fuse the same way).
   const Tensor gamax = partner ? shared_outer_amax({w, *partner}, spec, role) : Tensor{};
-  Prepared p = prepare(w, spec, role, 'b', sr.site(key + "/W"), cls, &quant_log_, gamax.defined() ? &gamax : nullptr);
+  const auto ahead = bf16_ahead_.find(key);
+  const Tensor* converted = ahead != bf16_ahead_.end() && spec.fmt == Format::BF16 && ahead->second.source == w.raw() &&
+                                    ahead->second.copy.shape() == w.shape()
+                                ? &ahead->second.copy
+                                : nullptr;
+  Prepared p = prepare(w, spec, role, 'b', sr.site(key + "/W"), cls, &quant_log_, gamax.defined() ? &gamax : nullptr,
+                       converted);
+  if (ahead != bf16_ahead_.end()) bf16_ahead_.erase(ahead);
   weight_cache_.emplace(key, p);
   return p;
+}
+
+void Model::convert_bf16_weights_ahead() {
+  if (!weight_cache_.empty() || !bf16_ahead_.empty() || dtype_ != DType::F32) return;
+  std::vector<Tensor> src, dst;
+  for (const LinearInfo& li : linears()) {
+    const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+    if (r.fprop.b.fmt != Format::BF16 || li.weight.dtype() != DType::F32) continue;
+    Tensor copy = Tensor::empty(li.weight.shape(), DType::BF16, device_);
+    src.push_back(li.weight);
+    dst.push_back(copy);
+    bf16_ahead_.emplace(li.name + "/" + gemm_role_name(GemmRole::Fprop), Bf16Ahead{li.weight.raw(), copy});
+  }
+  ops::convert_each(src, dst);
 }
 
 namespace {
@@ -646,6 +668,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   const ModelWeights w = m.params().weights();
   ModelWeights g = m.params().grads();
   const Tensor positions = kv ? kv->positions : positions_for(B, T, m.device());
+  run.convert_weights_ahead();
   Tensor x = run.act({N, D});
   ops::embedding_forward(tokens.reshape({N}), w.embed, x);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {

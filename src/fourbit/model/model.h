@@ -98,7 +98,10 @@ class Model {
   void set_keep_ffn_activations(bool on) { keep_ffn_ = on; }
 
   // Quantized weights are cached until the weights change: call after every optimizer step.
-  void invalidate_weight_cache() { weight_cache_.clear(); }
+  void invalidate_weight_cache() {
+    weight_cache_.clear();
+    bf16_ahead_.clear();
+  }
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
 
@@ -133,6 +136,14 @@ class Model {
   // weight that shares its outer scale (an FFN's w1 and w3).
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
                   LayerClass cls, const SrStreams& sr, const Tensor* partner);
+  // At a forward's start with nothing cached: the BF16 copies of every weight whose forward
+  // operand is BF16, made in one ops::convert_each (one launch on the GPU, instead of one per
+  // weight as each layer first asks for it); weight() then takes them as prepare's conversion.
+  void convert_bf16_weights_ahead();
+  struct Bf16Ahead {
+    const void* source;  // the weight's storage: a copy is only used for the weight it was made of
+    Tensor copy;
+  };
   ModelConfig cfg_;
   const Recipe& recipe_;
   Device device_;
@@ -140,6 +151,7 @@ class Model {
   ParamStore params_;
   Tensor rope_;
   std::map<std::string, Prepared> weight_cache_;
+  std::map<std::string, Bf16Ahead> bf16_ahead_;  // by weight_cache_ key, until weight() takes it
   std::map<std::string, Tensor> input_amax_;
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;

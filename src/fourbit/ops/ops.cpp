@@ -279,6 +279,24 @@ QTensor qtensor_slice(const QTensor& q, int64_t s) {
 }
 
 void convert(const Tensor& src, Tensor& dst) { FOURBIT_DISPATCH(src.device(), convert, src, dst); }
+void convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst) {
+  const HostOpTimer host_timer("convert_each");
+  if (src.size() != dst.size()) fail("convert_each: {} sources for {} destinations", src.size(), dst.size());
+  if (src.empty()) return;
+  bool all_gpu = true;
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (src[i].numel() != dst[i].numel() || src[i].device() != dst[i].device())
+      fail("convert_each: pair {}: src {} and dst {} must have one element count and device", i, src[i].str(),
+           dst[i].str());
+    all_gpu = all_gpu && src[i].device() == Device::CUDA;
+  }
+#if FOURBIT_HAS_CUDA
+  if (all_gpu && cuda::convert_each(src, dst)) return;
+#else
+  (void)all_gpu;
+#endif
+  for (size_t i = 0; i < src.size(); ++i) convert(src[i], dst[i]);
+}
 void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_, dst, src); }
 void add(const Tensor& a, const Tensor& b, Tensor& out) { FOURBIT_DISPATCH(out.device(), add, a, b, out); }
 void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }

@@ -168,6 +168,9 @@ class Lanes {
 
 // ---- tensor utilities ---------------------------------------------------------------------------
 void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <-> F64, same numel
+// dst[i] = convert(src[i]) for every i, the same bits; on the GPU the F32 -> BF16 ones in one
+// launch (a step's BF16 weight copies: one launch instead of one a weight).
+void convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
 void add_(Tensor& dst, const Tensor& src);             // dst += src
 void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b (add_'s bits; out may be a)
 void scale_(Tensor& t, double s);                      // t *= s

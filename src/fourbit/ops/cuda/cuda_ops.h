@@ -166,6 +166,8 @@ bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped);
 
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.
+// ops::convert_each's F32 -> BF16 pairs in one launch; false (nothing done) if a pair is not one.
+bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
 bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, const QuantSpec& spec,
                        const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
 

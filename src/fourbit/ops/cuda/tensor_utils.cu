@@ -15,6 +15,8 @@
 // values >= 0 the bit patterns order like the floats).
 #include <cfloat>
 #include <cmath>
+#include <cstdint>
+#include <vector>
 
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/ops/cuda/checks.cuh"
@@ -44,22 +46,49 @@ void expect_value(const char* op, const char* name, const Tensor& t) {
 // ---- kernels (grid-stride over groups of 4 elements for F32; plain elements for BF16) ---------
 
 // Eight values a thread: two float4 loads and one 16-byte store when both ends are aligned (vec).
+// Eight values at i of src (those < n) rounded to BF16 (bf16_encode), 16-byte stores where vec.
+__device__ __forceinline__ void f32_to_bf16_8(const float* src, uint16_t* dst, int64_t i, int64_t n, bool vec) {
+  float v[8];
+  load4(src, i, n, vec, v);
+  load4(src, i + 4, n, vec, v + 4);
+  uint16_t h[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) h[c] = num::bf16_encode(v[c]);
+  if (vec && i + 7 < n) {
+    *reinterpret_cast<uint4*>(dst + i) = make_uint4(h[0] | uint32_t(h[1]) << 16, h[2] | uint32_t(h[3]) << 16,
+                                                    h[4] | uint32_t(h[5]) << 16, h[6] | uint32_t(h[7]) << 16);
+  } else {
+    for (int c = 0; c < 8 && i + c < n; ++c) dst[i + c] = h[c];
+  }
+}
+
 __global__ void f32_to_bf16_kernel(const float* src, uint16_t* dst, int64_t n, bool vec) {
   for (int64_t i = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) * 8; i < n;
-       i += int64_t(gridDim.x) * blockDim.x * 8) {
-    float v[8];
-    load4(src, i, n, vec, v);
-    load4(src, i + 4, n, vec, v + 4);
-    uint16_t h[8];
-#pragma unroll
-    for (int c = 0; c < 8; ++c) h[c] = num::bf16_encode(v[c]);
-    if (vec && i + 7 < n) {
-      *reinterpret_cast<uint4*>(dst + i) = make_uint4(h[0] | uint32_t(h[1]) << 16, h[2] | uint32_t(h[3]) << 16,
-                                                      h[4] | uint32_t(h[5]) << 16, h[6] | uint32_t(h[7]) << 16);
-    } else {
-      for (int c = 0; c < 8 && i + c < n; ++c) dst[i + c] = h[c];
-    }
+       i += int64_t(gridDim.x) * blockDim.x * 8)
+    f32_to_bf16_8(src, dst, i, n, vec);
+}
+
+// convert_each: one CTA a chunk of kConvertChunk values of one job (chunks numbered across the
+// jobs; a CTA finds its job by binary search over their first chunks).
+struct ConvertJob {
+  const float* src;
+  uint16_t* dst;
+  int64_t n, chunk0;
+  int vec;
+};
+constexpr int64_t kConvertChunk = 8 * kThreads * 4;
+
+__global__ void f32_to_bf16_jobs_kernel(const ConvertJob* __restrict__ jobs, int count) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (jobs[mid].chunk0 <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
   }
+  const ConvertJob j = jobs[lo];
+  const int64_t first = (int64_t(blockIdx.x) - j.chunk0) * kConvertChunk, end = min(j.n, first + kConvertChunk);
+  for (int64_t i = first + int64_t(threadIdx.x) * 8; i < end; i += int64_t(blockDim.x) * 8)
+    f32_to_bf16_8(j.src, j.dst, i, j.n, j.vec != 0);
 }
 
 __global__ void bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
@@ -272,6 +301,27 @@ void convert(const Tensor& src, Tensor& dst) {
                                                             dst.data<float>(), n);
   }
   FOURBIT_LAUNCH_CHECK();
+}
+
+bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst) {
+  std::vector<ConvertJob> jobs;
+  int64_t chunks = 0;
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (src[i].dtype() != DType::F32 || dst[i].dtype() != DType::BF16) return false;
+    const int64_t n = src[i].numel();
+    if (n == 0) continue;
+    const bool vec = aligned16(src[i].raw()) && aligned16(dst[i].raw());
+    jobs.push_back({src[i].data<float>(), dst[i].data<uint16_t>(), n, chunks, vec ? 1 : 0});
+    chunks += (n + kConvertChunk - 1) / kConvertChunk;
+  }
+  if (jobs.empty()) return true;
+  if (chunks > INT32_MAX) return false;
+  // the table goes up through a pinned staging slot without waiting (copy_bytes)
+  const Tensor table = Tensor::from_host(jobs.data(), {int64_t(jobs.size() * sizeof(ConvertJob))}, DType::U8, Device::CUDA);
+  f32_to_bf16_jobs_kernel<<<unsigned(chunks), kThreads, 0, stream()>>>(static_cast<const ConvertJob*>(table.raw()),
+                                                                       int(jobs.size()));
+  FOURBIT_LAUNCH_CHECK();
+  return true;
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
