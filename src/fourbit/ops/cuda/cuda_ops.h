@@ -1,6 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
-//          KGroupedProblem, grouped_gemm_k,
+//          KGroupedProblem, grouped_gemm_k, convert_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,

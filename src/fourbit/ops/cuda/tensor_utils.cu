@@ -1,4 +1,4 @@
-// defines: cuda::convert, cuda::add_, cuda::add, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
+// defines: cuda::convert, cuda::convert_each, cuda::add_, cuda::add, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
 //          cuda::running_segment_amax
 // The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
 // BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
