@@ -16,9 +16,9 @@ namespace {
 struct Totals {
   std::mutex mu;
   std::map<const char*, std::pair<int64_t, int64_t>> by_op;  // ns, calls
-  int depth = 0;                                            // nesting of the timers now running
   std::map<const char*, int64_t> self_ns;                    // outermost timers only
 };
+thread_local int t_depth = 0;  // nesting of this thread's timers now running
 
 Totals& totals() {
   static Totals* t = new Totals();  // printed at exit, never destroyed
@@ -60,10 +60,7 @@ int64_t now_ns() {
 
 HostOpTimer::HostOpTimer(const char* op) : op_(enabled() ? op : nullptr), t0_(0) {
   if (!op_) return;
-  {
-    std::lock_guard<std::mutex> lock(totals().mu);
-    ++totals().depth;
-  }
+  ++t_depth;
   t0_ = now_ns();
 }
 
@@ -75,7 +72,7 @@ HostOpTimer::~HostOpTimer() {
   auto& e = t.by_op[op_];
   e.first += ns;
   e.second += 1;
-  if (--t.depth == 0) t.self_ns[op_] += ns;
+  if (--t_depth == 0) t.self_ns[op_] += ns;
 }
 
 }  // namespace fourbit::ops

@@ -11,7 +11,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <tuple>
 #include <vector>
 
 #include "fourbit/tensor/device_memory.h"
@@ -115,11 +114,16 @@ bool staged_upload(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   return true;
 }
 
-// Pinned buffers (with an event each) for read_later, reused once their reader is done.
+// Pinned buffers for read_later, each with the event behind its copy; reused once their reader
+// is done.
+struct ReadSlot {
+  char* host;
+  size_t cap;
+  cudaEvent_t done;
+};
 struct ReadPool {
   std::mutex mu;
-  std::vector<std::pair<char*, size_t>> free;  // buffer, capacity
-  std::vector<cudaEvent_t> events;
+  std::vector<ReadSlot> free;
 };
 ReadPool& read_pool() {
   static ReadPool* p = new ReadPool();  // pinned memory lives for the process
@@ -128,24 +132,21 @@ ReadPool& read_pool() {
 
 class PinnedRead final : public PendingRead {
  public:
-  PinnedRead(char* host, size_t cap, cudaEvent_t done) : host_(host), cap_(cap), done_(done) {}
+  explicit PinnedRead(ReadSlot slot) : slot_(slot) {}
   ~PinnedRead() override {
-    if (!waited_) cudaEventSynchronize(done_);  // the copy may still be writing the buffer
+    if (!waited_) cudaEventSynchronize(slot_.done);  // the copy may still be writing the buffer
     ReadPool& p = read_pool();
     std::lock_guard<std::mutex> lock(p.mu);
-    p.free.emplace_back(host_, cap_);
-    p.events.push_back(done_);
+    p.free.push_back(slot_);
   }
   const void* wait() override {
-    if (!waited_) FOURBIT_MEM_CHECK(cudaEventSynchronize(done_));
+    if (!waited_) FOURBIT_MEM_CHECK(cudaEventSynchronize(slot_.done));
     waited_ = true;
-    return host_;
+    return slot_.host;
   }
 
  private:
-  char* host_;
-  size_t cap_;
-  cudaEvent_t done_;
+  ReadSlot slot_;
   bool waited_ = false;
 };
 
@@ -263,43 +264,31 @@ void zero_bytes(void* p, Device dev, size_t bytes) {
 
 std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes) {
   const cudaStream_t s = stream_now();
-  char* host = nullptr;
-  size_t cap = 0;
-  cudaEvent_t done = nullptr;
+  ReadSlot slot{nullptr, 0, nullptr};
   {
     ReadPool& p = read_pool();
     std::lock_guard<std::mutex> lock(p.mu);
-    for (size_t i = 0; i < p.free.size(); ++i)
-      if (p.free[i].second >= bytes) {
-        std::tie(host, cap) = p.free[i];
-        p.free.erase(p.free.begin() + std::ptrdiff_t(i));
-        break;
-      }
-    if (!p.events.empty()) {
-      done = p.events.back();
-      p.events.pop_back();
+    const auto it = std::find_if(p.free.begin(), p.free.end(), [&](const ReadSlot& r) { return r.cap >= bytes; });
+    if (it != p.free.end()) {
+      slot = *it;
+      p.free.erase(it);
     }
   }
-  if (!host) {
-    cap = std::max<size_t>(bytes, 4096);
+  if (!slot.host) {
+    slot.cap = std::max<size_t>(bytes, 4096);
     void* h = nullptr;
-    if (cudaHostAlloc(&h, cap, cudaHostAllocDefault) != cudaSuccess) {
+    if (cudaHostAlloc(&h, slot.cap, cudaHostAllocDefault) != cudaSuccess) {
       cudaGetLastError();
-      if (done) {
-        ReadPool& p = read_pool();
-        std::lock_guard<std::mutex> lock(p.mu);
-        p.events.push_back(done);
-      }
       auto r = std::make_shared<DoneRead>(bytes);
       copy_bytes(r->data(), Device::CPU, src, Device::CUDA, bytes);
       return r;
     }
-    host = static_cast<char*>(h);
+    slot.host = static_cast<char*>(h);
+    FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
   }
-  if (!done) FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  auto r = std::make_shared<PinnedRead>(host, cap, done);  // from here on it returns the buffer
-  if (bytes) FOURBIT_MEM_CHECK(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, s));
-  FOURBIT_MEM_CHECK(cudaEventRecord(done, s));
+  auto r = std::make_shared<PinnedRead>(slot);  // from here on it returns the slot to the pool
+  if (bytes) FOURBIT_MEM_CHECK(cudaMemcpyAsync(slot.host, src, bytes, cudaMemcpyDeviceToHost, s));
+  FOURBIT_MEM_CHECK(cudaEventRecord(slot.done, s));
   return r;
 }
 

@@ -826,10 +826,16 @@ bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped) {
   return true;
 }
 
-// One decode of A and of every slice of B (one launch when they share a format), then one cuBLASLt call per non-empty group (each with
-// the algorithm a single gemm of that shape would use, spread over the GPU lanes), then one
-// epilogue for all rows: the bits of one gemm per group, with a handful of launches instead of
-// three or four per group.
+namespace {
+// o with the outer scales s, applied in the grouped kernel's epilogue.
+GroupedOperand with_outer(GroupedOperand o, const OuterScales& s) {
+  o.outer = s.ptr;
+  o.outer_stride = s.stride;
+  o.outer_group_stride = s.group_stride;
+  return o;
+}
+}  // namespace
+
 GroupedOperand packed_operand(const QTensor& q) {
   GroupedOperand o;
   o.fmt = q.fmt;
@@ -839,11 +845,7 @@ GroupedOperand packed_operand(const QTensor& q) {
   o.block_scales = q.block_scales.data<uint8_t>();
   o.scale_ld = q.blocks_per_row();
   o.scale_slice = q.rows * q.blocks_per_row();
-  const OuterScales s = outer_scales_of(Operand(q));
-  o.outer = s.ptr;
-  o.outer_stride = s.stride;
-  o.outer_group_stride = s.group_stride;
-  return o;
+  return with_outer(o, outer_scales_of(Operand(q)));
 }
 
 void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_relaxed); }
@@ -851,6 +853,11 @@ void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_
 void set_grouped_transposed_b(bool on) { g_grouped_transposed_b.store(on, std::memory_order_relaxed); }
 void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_relaxed); }
 
+// Packed block-scaled operands in small groups straight into the grouped kernel; otherwise one
+// decode of A and of every slice of B (one launch when they share a format), then every group in
+// one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
+// the operands, one cuBLASLt call per non-empty group (spread over the GPU lanes) and one scale
+// epilogue for all rows.
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
                   Tensor& c, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
@@ -900,21 +907,18 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   // group.
   if (g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
       (!B.trans || g_grouped_transposed_b.load(std::memory_order_relaxed))) {
-    GroupedOperand ga = GroupedOperand::bf16(A.ptr, A.ld, 0), gb = GroupedOperand::bf16(B.ptr, B.ld, b_slice);
+    GroupedOperand gb = with_outer(GroupedOperand::bf16(B.ptr, B.ld, b_slice), sb);
     gb.trans = B.trans;
-    ga.outer = sa.ptr;
-    ga.outer_stride = sa.stride;
-    gb.outer = sb.ptr;
-    gb.outer_stride = sb.stride;
-    gb.outer_group_stride = sb.group_stride;
-    if (grouped_gemm_rows(ga, gb, offsets, N, k_eff, c.data<float>(), N, accumulate)) return true;
+    if (grouped_gemm_rows(with_outer(GroupedOperand::bf16(A.ptr, A.ld, 0), sa), gb, offsets, N, k_eff,
+                          c.data<float>(), N, accumulate))
+      return true;
   }
   EpilogueGroups groups;
   groups.count = int(G);
   for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];
   const bool scaled = sa.ptr || sb.ptr;
   const SumTarget t = sum_target(scaled, M, N, c, accumulate);
-  {
+  {  // the lanes join at the end of this block, before the epilogue reads their sums
     Lanes lanes(Device::CUDA, kGemmLanes);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r0 = offsets[size_t(g)], rows = offsets[size_t(g) + 1] - r0;

@@ -45,8 +45,8 @@ void expect_value(const char* op, const char* name, const Tensor& t) {
 
 // ---- kernels (grid-stride over groups of 4 elements for F32; plain elements for BF16) ---------
 
-// Eight values a thread: two float4 loads and one 16-byte store when both ends are aligned (vec).
-// Eight values at i of src (those < n) rounded to BF16 (bf16_encode), 16-byte stores where vec.
+// Eight values at i of src (those < n) rounded to BF16 (bf16_encode): two float4 loads and one
+// 16-byte store when both ends are aligned (vec).
 __device__ __forceinline__ void f32_to_bf16_8(const float* src, uint16_t* dst, int64_t i, int64_t n, bool vec) {
   float v[8];
   load4(src, i, n, vec, v);
