@@ -137,6 +137,31 @@ int main(int argc, char** argv) {
     add(c.name, ms, in_bytes + out_bytes);
   }
 
+  // Both axes of one input, as a linear layer's X or dY needs them: the two single-axis kernels in
+  // turn, then quantize_row_col's one pass (without and with both BF16 decodes, which the
+  // separate path leaves to a decode pass before each GEMM).
+  {
+    const QuantSpec row = cases[5].spec, col = cases[7].spec;  // mxfp8-e4m3 row, col (RNE)
+    const std::vector<int64_t> whole = {0, R};
+    const std::vector<ops::RngKey> keys = {{5, 6}};
+    const int64_t pair_bytes = qbytes(ops::quantize(x, row, {1, 2})) + qbytes(ops::quantize(x, col, {1, 2}));
+    if (wanted("mxfp8-e4m3 row, then col")) {
+      const double ms = median_ms([&] {
+        (void)ops::quantize(x, row, {1, 2});
+        (void)ops::quantize(x, col, {5, 6});
+      }, reps);
+      add("mxfp8-e4m3 row, then col", ms, 2 * in_bytes + pair_bytes);
+    }
+    if (wanted("mxfp8-e4m3 row+col one pass")) {
+      const double ms = median_ms([&] { (void)ops::quantize_row_col(x, row, {1, 2}, col, whole, keys); }, reps);
+      add("mxfp8-e4m3 row+col one pass", ms, in_bytes + pair_bytes);
+    }
+    if (wanted("mxfp8-e4m3 row+col one pass +bf16")) {
+      const double ms = median_ms([&] { (void)ops::quantize_row_col(x, row, {1, 2}, col, whole, keys, true, true); }, reps);
+      add("mxfp8-e4m3 row+col one pass +bf16", ms, in_bytes + pair_bytes + 2 * 2 * R * C);
+    }
+  }
+
   // The backward's NVFP4 -> MXFP8 (transposed, SR) and the decoder, on a per-token NVFP4 tensor.
   const QTensor nv = ops::quantize(x, cases[1].spec, {1, 2});
   if (wanted("requantize_transposed")) {

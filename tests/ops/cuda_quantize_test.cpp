@@ -5,7 +5,7 @@
 // codes, block scales and outer scales are compared separately, with the first mismatch named.
 // Also: QuantReport counts, dequantize bit for bit (with and without undoing the RHT), views and
 // unaligned inputs (the scalar paths), the register-resident Row-axis paths on every row width
-// class, and the non-finite flag.
+// class, the non-finite flag, and quantize_row_col's one-pass pairs with their BF16 decodes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fourbit/model/recipe.h"
+#include "fourbit/numerics/bf16.h"
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/ops/quant_layout.h"
@@ -414,6 +415,174 @@ TEST(CudaQuantize, ColAxisMxfp8SegmentsMatchCpu) {
         }
       }
     }
+}
+
+// q's exact BF16 decode on the host ([total rows, padded cols], codes x block scale rounded once
+// to BF16), what QTensor::bf16 must hold.
+std::vector<uint16_t> host_bf16_decode(const QTensor& q) {
+  const auto codes = host_vec<uint8_t>(q.codes), scales = host_vec<uint8_t>(q.block_scales);
+  const int64_t nb = q.blocks_per_row(), pc = q.padded_cols();
+  std::vector<uint16_t> out(size_t(q.total_rows() * pc));
+  float v[num::kMxBlock];
+  for (int64_t r = 0; r < q.total_rows(); ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* c = codes.data() + r * pc + b * num::kMxBlock;
+      const uint8_t sc = scales[size_t(r * nb + b)];
+      if (q.fmt == Format::MXFP8_E4M3) num::mxfp8_decode_block<4>(c, sc, 1.0f, v);
+      else num::mxfp8_decode_block<5>(c, sc, 1.0f, v);
+      for (int i = 0; i < num::kMxBlock; ++i) out[size_t(r * pc + b * num::kMxBlock + i)] = num::bf16_encode(v[i]);
+    }
+  return out;
+}
+
+// got.bf16 holds the exact decode of got's codes (checked after same_qtensor, so the codes are
+// the CPU's).
+bool decodes_its_codes(const QTensor& got, const std::string& what) {
+  if (!got.bf16.defined() || got.bf16.dtype() != DType::BF16 || got.bf16.shape() != Shape{got.total_rows(), got.padded_cols()}) {
+    ADD_FAILURE() << what << ": no BF16 decode of shape [" << got.total_rows() << ", " << got.padded_cols() << "]";
+    return false;
+  }
+  const auto want = host_bf16_decode(got), have = host_vec<uint16_t>(got.bf16);
+  auto nan = [](uint16_t h) { return (h & 0x7F80u) == 0x7F80u && (h & 0x7Fu) != 0; };
+  int64_t i = want.size() == have.size() ? -1 : 0;
+  for (size_t k = 0; i < 0 && k < want.size(); ++k)
+    if (want[k] != have[k] && !(nan(want[k]) && nan(have[k]))) i = int64_t(k);  // any NaN for a NaN code
+  if (i >= 0) {
+    ADD_FAILURE() << what << ": BF16 decode differs at " << i << " (row " << i / got.padded_cols() << ", col "
+                  << i % got.padded_cols() << "): want 0x" << std::hex << want[size_t(i)] << ", got 0x"
+                  << have[size_t(i)];
+    return false;
+  }
+  return true;
+}
+
+// ops::quantize_row_col on the GPU (one pass of mxfp8_row_col_kernel) equals the CPU's quantize
+// on the Row axis and quantize of every segment on the Col axis, for every pair of MXFP8 specs of
+// one element format (RNE/SR on each side, both scale rules): widths inside, at and past one
+// 256-column tile, segments empty, shorter than a block and longer than several, more segments
+// than a launch takes, NaN and Inf in the data; the BF16 decodes it writes are the exact values
+// of its codes, with and without them asked for on each side.
+TEST(CudaQuantize, RowColPairMatchesCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> rows_specs, cols_specs;
+  for (const QuantSpec& s : all_specs({1, 4, 64})) {
+    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
+    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
+  }
+  ASSERT_EQ(rows_specs.size(), 8u);
+  ASSERT_EQ(cols_specs.size(), 8u);
+  const std::vector<std::vector<int64_t>> lengths = {
+      {0, 1, 31, 32, 33, 100, 0, 64},
+      {70},
+      std::vector<int64_t>(40, 37),
+  };
+  uint32_t seed = 1700;
+  int pair = 0;
+  for (int64_t cols : {1, 37, 256, 300, 1024})
+    for (const auto& len : lengths) {
+      std::vector<int64_t> offsets = {0};
+      for (int64_t n : len) offsets.push_back(offsets.back() + n);
+      const Dims d{1, offsets.back(), cols};
+      auto host = make_data(d, seed % 2 ? Data::Varied : Data::Huge, seed);
+      ++seed;
+      if (cols == 300 && host.size() > 1000) {  // a NaN and an Inf in different blocks of both axes
+        host[7 * size_t(cols) + 45] = std::numeric_limits<float>::quiet_NaN();
+        host[40 * size_t(cols) + 299] = -std::numeric_limits<float>::infinity();
+      }
+      const Tensor x_cpu = Tensor::from_host(host.data(), d.shape(), DType::F32);
+      const Tensor x_gpu = x_cpu.to(Device::CUDA);
+      for (const QuantSpec& rs : rows_specs)
+        for (const QuantSpec& cs : cols_specs) {
+          if (rs.fmt != cs.fmt) continue;
+          ++pair;
+          const ops::RngKey row_key{0xBEEFu + uint64_t(pair), 5};
+          std::vector<ops::RngKey> keys;
+          for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xC0FFEEu + uint64_t(pair), 11 * e + 3});
+          const bool row_bf16 = pair % 3 != 0, col_bf16 = pair % 4 != 1;
+          const ops::RowColQuant got = ops::quantize_row_col(x_gpu, rs, row_key, cs, offsets, keys, row_bf16, col_bf16);
+          const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs);
+          if (!same_qtensor(ops::quantize(x_cpu, rs, row_key), got.row, what + " row")) return;
+          if (row_bf16 && !decodes_its_codes(got.row, what + " row")) return;
+          if (!row_bf16) EXPECT_FALSE(got.row.bf16.defined()) << what;
+          ASSERT_EQ(got.col.size(), len.size());
+          for (size_t e = 0; e < len.size(); ++e) {
+            const std::string we = what + " segment " + std::to_string(e);
+            if (len[e] == 0) {
+              EXPECT_FALSE(got.col[e].codes.defined()) << we;
+              continue;
+            }
+            const QTensor want = ops::quantize(x_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
+            if (!same_qtensor(want, got.col[e], we)) return;
+            if (col_bf16 && !decodes_its_codes(got.col[e], we)) return;
+          }
+        }
+    }
+  EXPECT_EQ(pair, 15 * 32);  // 5 widths x 3 segmentations x (4 x 4 rounding/rule pairs) x 2 formats
+  EXPECT_TRUE(ops::nonfinite_seen(true));
+}
+
+// A GEMM that reads quantize_row_col's BF16 decodes gives the bits of the same GEMM decoding the
+// codes itself (the decode pass), for the Row-axis operand of fprop/dgrad and the Col-axis
+// operands of a weight gradient (whole and per expert segment, through gemm_batch_grouped), and
+// the views of a decoded operand (qtensor_rows) keep their rows of it.
+TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.fprop.a;
+  row.axis = BlockAxis::Row;
+  QuantSpec col = row;
+  col.axis = BlockAxis::Col;
+  const int64_t R = 300, C = 200, Cy = 96, N = 72;
+  const std::vector<int64_t> offsets = {0, 64, 64, 250, 300};
+  const std::vector<ops::RngKey> keys = {{1, 2}, {1, 3}, {1, 4}, {1, 5}};
+  const Tensor x = Tensor::from_host(make_data({1, R, C}, Data::Varied, 11).data(), {R, C}, DType::F32).to(Device::CUDA);
+  const Tensor y = Tensor::from_host(make_data({1, R, Cy}, Data::Varied, 12).data(), {R, Cy}, DType::F32).to(Device::CUDA);
+  const Tensor w = Tensor::from_host(make_data({1, N, C}, Data::Varied, 13).data(), {N, C}, DType::F32).to(Device::CUDA);
+  const QTensor qw = ops::quantize(w, row, {7, 7});
+  const ops::RowColQuant px = ops::quantize_row_col(x, row, {3, 1}, col, offsets, keys, true, true);
+  const ops::RowColQuant py = ops::quantize_row_col(y, row, {3, 2}, col, offsets, keys, true, true);
+  auto plain = [](QTensor q) {
+    q.bf16 = Tensor{};
+    return q;
+  };
+  auto same = [](const Tensor& a, const Tensor& b, const std::string& what) {
+    const auto ha = host_vec<float>(a), hb = host_vec<float>(b);
+    EXPECT_EQ(first_mismatch(ha, hb), -1) << what;
+  };
+  {  // fprop: X . W^T, and rows 64 .. 250 of X through a view
+    Tensor c1 = Tensor::empty({R, N}, DType::F32, Device::CUDA), c2 = c1.clone();
+    ops::gemm(ops::Operand(px.row), ops::Operand(qw), c1);
+    ops::gemm(ops::Operand(plain(px.row)), ops::Operand(qw), c2);
+    same(c1, c2, "fprop");
+    const QTensor v = ops::qtensor_rows(px.row, 64, 250);
+    ASSERT_TRUE(v.bf16.defined());
+    Tensor d1 = Tensor::empty({186, N}, DType::F32, Device::CUDA), d2 = d1.clone();
+    ops::gemm(ops::Operand(v), ops::Operand(qw), d1);
+    ops::gemm(ops::Operand(plain(v)), ops::Operand(qw), d2);
+    same(d1, d2, "fprop of a row view");
+  }
+  {  // wgrad of every segment: dY^T[e] . X^T[e], in one batch
+    std::vector<Tensor> with(offsets.size() - 1), without(offsets.size() - 1);
+    std::vector<ops::GemmJob> jw, jn;
+    for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+      if (offsets[e] == offsets[e + 1]) continue;
+      with[e] = Tensor::zeros({Cy, C}, DType::F32, Device::CUDA);
+      without[e] = with[e].clone();
+    }
+    std::vector<QTensor> plain_y, plain_x;
+    for (size_t e = 0; e < with.size(); ++e) {
+      plain_y.push_back(py.col[e].codes.defined() ? plain(py.col[e]) : QTensor{});
+      plain_x.push_back(px.col[e].codes.defined() ? plain(px.col[e]) : QTensor{});
+    }
+    for (size_t e = 0; e < with.size(); ++e) {
+      if (!with[e].defined()) continue;
+      jw.push_back({ops::Operand(py.col[e]), ops::Operand(px.col[e]), &with[e], true});
+      jn.push_back({ops::Operand(plain_y[e]), ops::Operand(plain_x[e]), &without[e], true});
+    }
+    ops::gemm_batch_grouped(jw);
+    ops::gemm_batch_grouped(jn);
+    for (size_t e = 0; e < with.size(); ++e)
+      if (with[e].defined()) same(with[e], without[e], "wgrad segment " + std::to_string(e));
+  }
 }
 
 // ops::requantize_transposed_segments on the GPU (one launch for up to 16 of an NVFP4 activation's

@@ -1069,6 +1069,45 @@ TEST(QuantizeSegments, EqualsQuantizeOfEachSegment) {
   EXPECT_NE(error_of(t.reshape({2, 50, 40}), {0, 2}, 1).find("must be 2-D"), std::string::npos);
 }
 
+// quantize_row_col: the Row-axis form is quantize() of the whole tensor and each segment's
+// Col-axis form quantize() of its rows (bytes equal; the CPU backend runs those ops and writes no
+// BF16 decodes); a Col-axis first spec, a Row-axis second one, bad offsets and key counts are
+// refused with a message naming the argument.
+TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
+  const Dims d{1, 100, 40};
+  const Tensor t = to_tensor(varied_data(d, 73), d);
+  const std::vector<int64_t> offsets = {0, 33, 33, 100};
+  const std::vector<ops::RngKey> keys = {{9, 1}, {9, 2}, {9, 3}};
+  const ops::RngKey row_key{9, 77};
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  col.rounding = Rounding::RNE;
+  const ops::RowColQuant got = ops::quantize_row_col(t, row, row_key, col, offsets, keys, true, true);
+  const QTensor want_row = ops::quantize(t, row, row_key);
+  EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(want_row.codes));
+  EXPECT_EQ(host<uint8_t>(got.row.block_scales), host<uint8_t>(want_row.block_scales));
+  EXPECT_FALSE(got.row.bf16.defined());
+  ASSERT_EQ(got.col.size(), 3u);
+  EXPECT_FALSE(got.col[1].codes.defined());
+  for (size_t e : {size_t(0), size_t(2)}) {
+    const QTensor want = ops::quantize(t.slice_rows(offsets[e], offsets[e + 1]), col, keys[e]);
+    EXPECT_EQ(host<uint8_t>(got.col[e].codes), host<uint8_t>(want.codes)) << e;
+    EXPECT_EQ(host<uint8_t>(got.col[e].block_scales), host<uint8_t>(want.block_scales)) << e;
+  }
+  auto error_of = [&](const QuantSpec& a, const QuantSpec& b, const std::vector<int64_t>& off, size_t nkeys) {
+    try {
+      ops::quantize_row_col(t, a, row_key, b, off, std::vector<ops::RngKey>(nkeys));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(col, row, {0, 100}, 1).find("first spec must be Row-axis"), std::string::npos);
+  EXPECT_NE(error_of(row, row, {0, 100}, 1).find("second Col-axis"), std::string::npos);
+  EXPECT_NE(error_of(row, col, {0, 50, 99}, 2).find("from 0 to x's 100 rows"), std::string::npos);
+  EXPECT_NE(error_of(row, col, {0, 100}, 2).find("2 keys for 1 segments"), std::string::npos);
+}
+
 // requantize_transposed_segments: requantize_transposed of each segment's rows (bytes equal);
 // multi-slice or Col-axis inputs and bad offsets are refused.
 TEST(QuantizeSegments, RequantizeEqualsEachSegmentsRequantize) {

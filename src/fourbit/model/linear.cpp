@@ -1,5 +1,5 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, gemm, grouped_gemm (linear.h)
+//          requantize_saved_segments, gemm, grouped_gemm, pairs_row_col, prepare_row_col (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <fmt/format.h>
@@ -166,6 +166,40 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
     } else {
       out[e].q = std::move(qs[e]);
     }
+  }
+  return out;
+}
+
+bool pairs_row_col(const QuantSpec& row_spec, const QuantSpec& col_spec) {
+  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
+  return mx && col_spec.fmt == row_spec.fmt;
+}
+
+PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                               const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                               const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
+                               LayerClass cls, QuantLog* log, bool row_bf16, bool col_bf16) {
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_row_col of a dense spec");
+  FOURBIT_CHECK(offsets.size() == col_sites.size() + 1, "prepare_row_col: {} offsets for {} sites", offsets.size(),
+                col_sites.size());
+  const QuantSpec rs = quantized_spec(t, row_spec, row_role, row_side, cls);
+  const QuantSpec cs = quantized_spec(t, col_spec, col_role, col_side, cls);
+  FOURBIT_CHECK(rs.axis == BlockAxis::Row && cs.axis == BlockAxis::Col, "prepare_row_col: {} then {}",
+                describe(rs), describe(cs));
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  ops::RowColQuant q = ops::quantize_row_col(t, rs, row_site.key, cs, offsets, keys, row_bf16, col_bf16);
+  PreparedRowCol out;
+  if (log) log->add(cls, row_role, row_side, row_spec, false);
+  if (log && log->record_calls) record(log, row_site, row_spec, hash_tensor(t));
+  out.row.q = std::move(q.row);
+  out.col.resize(col_sites.size());
+  for (size_t e = 0; e < out.col.size(); ++e) {
+    const int64_t b = offsets[e], end = offsets[e + 1];
+    if (b == end) continue;
+    if (log) log->add(cls, col_role, col_side, col_spec, false);
+    if (log && log->record_calls) record(log, col_sites[e], col_spec, hash_tensor(t.slice_rows(b, end)));
+    out.col[e].q = std::move(q.col[e]);
   }
   return out;
 }

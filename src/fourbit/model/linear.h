@@ -1,4 +1,5 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
+//          PreparedRowCol, prepare_row_col, pairs_row_col,
 //          requantize_saved, requantize_saved_segments, gemm, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
@@ -89,6 +90,26 @@ Tensor shared_outer_amax(const std::vector<Tensor>& ws, const QuantSpec& spec, G
 std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_t>& offsets, const QuantSpec& spec,
                                        GemmRole role, char side, const std::vector<QuantSite>& sites,
                                        LayerClass cls, QuantLog* log);
+
+// One operand on each block axis from one t: the Row-axis operand (row_role, row_side) under
+// row_spec at row_site, and the Col-axis operand (col_role, col_side) under col_spec of every row
+// segment of offsets ({0, rows}: the whole t) at col_sites — the bits and log entries of
+// prepare(t, row_spec, ...) followed by prepare_segments(t, offsets, col_spec, ...), in one
+// ops::quantize_row_col (one pass over t on the GPU where both are MXFP8). Both specs must be
+// block-scaled (pairs_row_col). row_bf16 / col_bf16: ask for the GPU quantizer's BF16 decodes, for
+// operands a GEMM reads right away (not for ones saved for the backward pass: they would keep
+// 2 bytes a value alive).
+struct PreparedRowCol {
+  Prepared row;
+  std::vector<Prepared> col;
+};
+PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                               const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                               const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
+                               LayerClass cls, QuantLog* log, bool row_bf16, bool col_bf16);
+// Whether prepare_row_col takes these two specs: both MXFP8 of one element format (the pairs the
+// one-pass kernel serves; other block-scaled pairs keep their separate quantizers).
+bool pairs_row_col(const QuantSpec& row_spec, const QuantSpec& col_spec);
 
 // A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
 // tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with

@@ -22,6 +22,12 @@ struct LinearInput {
     // a dense wgrad form that is the fwd tensor transposed shares its storage
     return fwd.bytes() + (wgrad.defined() ? wgrad.bytes() : 0);
   }
+  // What the backward pass keeps: the forward operand without its BF16 decode (QTensor::bf16),
+  // which only the forward's GEMMs read.
+  LinearInput kept() && {
+    fwd.q.bf16 = Tensor{};
+    return std::move(*this);
+  }
 };
 
 bool wgrad_reuses_fwd(const LayerRecipe& r) {
@@ -54,6 +60,7 @@ struct Model::Saved {
     Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
     std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
     Tensor expert_h1, expert_h3, expert_a, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
+    std::vector<Prepared> expert_a_wgrad;  // kept with them where the forward made w2's a^T (ExpertInner)
     Ffn shared, dense;
   };
   Tensor positions;
@@ -145,9 +152,20 @@ struct ModelRunner {
   }
 
   // X of the GEMMs at `point` (a weight or an input group): point/fprop/X, and point/wgrad/X^T
-  // where the weight gradient's X is prepared from the high-precision X.
-  LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point) {
+  // where the weight gradient's X is prepared from the high-precision X — both in one pass where
+  // their formats pair (prepare_row_col; fwd_bf16: with the fprop operand's BF16 decode, for
+  // the forward GEMMs that read it next).
+  LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
+                            bool fwd_bf16 = false) {
     LinearInput in;
+    if (!wgrad_from_saved_fwd(r) && pairs_row_col(r.fprop.a, r.wgrad.b) && x.size(0) > 0) {
+      PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
+                                         GemmRole::Wgrad, 'b', {0, x.size(0)}, {site(point + "/wgrad/X^T")}, cls,
+                                         log, fwd_bf16, false);
+      in.fwd = std::move(p.row);
+      in.wgrad = std::move(p.col[0]);
+      return in;
+    }
     in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log);
     if (!wgrad_from_saved_fwd(r))
       in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log);
@@ -200,12 +218,20 @@ struct ModelRunner {
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
                        const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
+    const QuantSite dyt_site = site(name + "/wgrad/dY^T");
+    if (dx && !wgrad_dy_reuses_dgrad(r) && pairs_row_col(r.dgrad.a, r.wgrad.a) && dy.size(0) > 0) {
+      // dY and dY^T in one pass, each with its BF16 decode: both GEMMs read them right away
+      const PreparedRowCol p = prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), r.wgrad.a,
+                                               GemmRole::Wgrad, 'a', {0, dy.size(0)}, {dyt_site}, cls, log, true, true);
+      gemm(p.row, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
+      gemm(p.col[0], wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, true);
+      return;
+    }
     Prepared pdy;
     if (dx) {
       pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log);
       gemm(pdy, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
     }
-    const QuantSite dyt_site = site(name + "/wgrad/dY^T");
     const Prepared pdy_t = dx && wgrad_dy_reuses_dgrad(r)
                                ? reuse_dense(pdy, dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log)
                                : prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log);
@@ -217,6 +243,17 @@ struct ModelRunner {
   static bool wgrad_dy_reuses_dgrad(const LayerRecipe& r) {
     return !r.dgrad.a.quantized() && !r.wgrad.a.quantized() && r.dgrad.a.fmt == r.wgrad.a.fmt;
   }
+  // The experts' dY for dgrad (point/dgrad/dY) and dY^T for wgrad (point/wgrad/dY^T[e]) in one pass
+  // where their formats pair, each with its BF16 decode (the GEMMs read them right away);
+  // otherwise {dgrad's dY, {}} and wgrad_dy_segments makes the rest.
+  PreparedRowCol expert_dy(const Tensor& dy, const std::vector<int64_t>& offsets, const LayerRecipe& r,
+                           LayerClass cls, const std::string& point) {
+    if (!wgrad_dy_reuses_dgrad(r) && pairs_row_col(r.dgrad.a, r.wgrad.a) && dy.size(0) > 0)
+      return prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), r.wgrad.a,
+                             GemmRole::Wgrad, 'a', offsets, expert_sites(point + "/wgrad/dY^T"), cls, log, true, true);
+    return {prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), cls, log), {}};
+  }
+
   // The same for every expert's token range (otherwise prepare_segments, point/wgrad/dY^T[e]).
   std::vector<Prepared> wgrad_dy_segments(const Tensor& dy, const Prepared& pdy, const std::vector<int64_t>& offsets,
                                           const LayerRecipe& r, LayerClass cls, const std::string& point) {
@@ -244,7 +281,7 @@ struct ModelRunner {
   Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, Model::Saved::Ffn* saved) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
-    LinearInput x = prepare_input(xn, r, cls, w.name + ".w13");
+    LinearInput x = prepare_input(xn, r, cls, w.name + ".w13", true);
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1 = act({N, F}), h3 = act({N, F}), a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
@@ -254,7 +291,7 @@ struct ModelRunner {
     const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
     gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
-      saved->x = std::move(x);
+      saved->x = std::move(x).kept();
       if (m.keep_ffn_) {
         saved->h1 = h1;
         saved->h3 = h3;
@@ -297,7 +334,7 @@ struct ModelRunner {
     const LayerClass cls = LayerClass::Attention;
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
-    LinearInput x = prepare_input(xn, r, cls, name + "wqkv");
+    LinearInput x = prepare_input(xn, r, cls, name + "wqkv", true);
     record_input_amax(name + "x", xn, r);
     Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
     gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
@@ -311,18 +348,18 @@ struct ModelRunner {
     if (kv) kv->attend(layer, q4, k, v, o, lse);
     else ops::attention_forward(q4, k4, v4, 0, o, lse);
     Tensor o2 = o.reshape({N, Hq * hd});
-    LinearInput o_in = prepare_input(o2, r, cls, name + "wo");
+    LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true);
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
     if (s) {
-      s->attn_x = std::move(x);
+      s->attn_x = std::move(x).kept();
       s->q = q4;
       s->k = k4;
       s->v = v4;
       s->o = o;
       s->lse = lse;
-      s->attn_o = std::move(o_in);
+      s->attn_o = std::move(o_in).kept();
     }
     return y;
   }
@@ -372,8 +409,16 @@ struct ModelRunner {
       xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
       ops::convert(xn, xn16);
     }
+    const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
+    // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
+    // then the same wherever it is quantized), both come from the dispatched rows in one pass,
+    // X with its BF16 decode for the w1 and w3 GEMMs; otherwise each token is quantized once here
+    // and its packed row dispatched.
+    const bool pair_x = r.fprop.a.quantized() && !wgrad_from_fwd && r.fprop.a.rounding == num::Rounding::RNE &&
+                        pairs_row_col(r.fprop.a, r.wgrad.b);
     Prepared px;
-    if (r.fprop.a.quantized()) px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
+    if (r.fprop.a.quantized() && !pair_x)
+      px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     Tensor ys;
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
@@ -392,10 +437,17 @@ struct ModelRunner {
     record_input_amax(name + "moe.x", xn, r, E, plan.token_of_slot, plan.offsets);
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
-    const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     Tensor xn_perm;
-    if (r.fprop.a.quantized()) x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
-    if (bf16_x) {
+    if (r.fprop.a.quantized() && !pair_x) x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
+    if (pair_x) {
+      xn_perm = act({N * K, D});
+      ops::gather_rows(xn, plan.token_of_slot, xn_perm);
+      PreparedRowCol p = prepare_row_col(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"),
+                                         r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
+                                         expert_sites(name + "moe.w13/wgrad/X^T"), cls, log, true, false);
+      x_perm = std::move(p.row);
+      x_perm_wgrad = std::move(p.col);
+    } else if (bf16_x) {
       // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
       xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
       ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
@@ -406,7 +458,7 @@ struct ModelRunner {
       if (!r.fprop.a.quantized())
         x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     }
-    if (!wgrad_from_fwd)
+    if (!wgrad_from_fwd && !pair_x)
       x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                       expert_sites(name + "moe.w13/wgrad/X^T"), cls, log);
 
@@ -423,6 +475,7 @@ struct ModelRunner {
       s->topk_w = topk_w;
       s->plan = std::move(plan);
       s->frac = std::move(frac);
+      x_perm.q.bf16 = Tensor{};  // only the forward's GEMMs read it
       s->x_perm = std::move(x_perm);
       s->x_perm_wgrad = std::move(x_perm_wgrad);
       if (keep) {
@@ -430,6 +483,7 @@ struct ModelRunner {
         s->expert_h3 = inner.h3;
         s->expert_a = inner.a;
         s->expert_y = y_perm;
+        s->expert_a_wgrad = std::move(inner.a_wgrad);
       }
     }
     return out;
@@ -464,6 +518,7 @@ struct ModelRunner {
   struct ExpertInner {
     Tensor h1, h3, a;
     Prepared pa;
+    std::vector<Prepared> a_wgrad;  // a^T per expert for w2's weight gradient, where made with pa
   };
   Tensor expert_ffn(const Prepared& x_perm, const LayerWeights& w, const std::string& name,
                     const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner) {
@@ -478,10 +533,25 @@ struct ModelRunner {
     grouped_gemm(x_perm, w3, plan.offsets, h3);
     ops::swiglu_forward(h1, h3, a);
     record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
-    // Per-token scales: quantizing all expert rows at once equals quantizing each expert's.
-    Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+    // Per-token scales: quantizing all expert rows at once equals quantizing each expert's. For
+    // the backward pass (`inner`), w2's weight-gradient operand a^T comes in the same pass where
+    // the two pair (prepare_row_col), and a with its BF16 decode for the GEMM below.
+    Prepared pa;
+    std::vector<Prepared> a_wgrad;
+    if (inner && !wgrad_from_saved_fwd(r) && pairs_row_col(r.fprop.a, r.wgrad.b) && rows > 0) {
+      PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
+                                         GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
+                                         cls, log, true, false);
+      pa = std::move(p.row);
+      a_wgrad = std::move(p.col);
+    } else {
+      pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+    }
     grouped_gemm(pa, w2, plan.offsets, y);
-    if (inner) *inner = ExpertInner{h1, h3, a, std::move(pa)};
+    if (inner) {
+      pa.q.bf16 = Tensor{};  // only the GEMM above reads it
+      *inner = ExpertInner{h1, h3, a, std::move(pa), std::move(a_wgrad)};
+    }
     return y;
   }
 
@@ -496,12 +566,15 @@ struct ModelRunner {
 
     ExpertInner in;
     Tensor y_perm;
-    if (s.expert_y.defined()) {  // kept: only w2's input is prepared again (the same bits)
+    if (s.expert_y.defined()) {  // kept: w2's fprop input is prepared again (the same bits) where
+                                 // the weight gradient's X^T comes from it
       y_perm = s.expert_y;
       in.h1 = s.expert_h1;
       in.h3 = s.expert_h3;
       in.a = s.expert_a;
-      in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+      in.a_wgrad = s.expert_a_wgrad;
+      if (wgrad_from_saved_fwd(r))
+        in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     } else {
       y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
     }
@@ -512,28 +585,31 @@ struct ModelRunner {
     const Prepared w2_dgrad = dgrad_weight(w.w2, name + "moe.w2", r, cls);
     const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, &w.w3);
     const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, &w.w1);
-    const Prepared pdy = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w2/dgrad/dY"), cls, log);
+    PreparedRowCol pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
     Tensor da = act({N * K, F});
-    grouped_gemm(pdy, w2_dgrad, plan.offsets, da);
+    grouped_gemm(pdy.row, w2_dgrad, plan.offsets, da);
     // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
-    const std::vector<Prepared> dyt = wgrad_dy_segments(dy_perm, pdy, plan.offsets, r, cls, name + "moe.w2");
+    const std::vector<Prepared> dyt =
+        pdy.col.empty() ? wgrad_dy_segments(dy_perm, pdy.row, plan.offsets, r, cls, name + "moe.w2") : std::move(pdy.col);
     const std::vector<Prepared> a_wgrad =
-        wgrad_from_saved_fwd(r)
-            ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
-            : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
-                               expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
+        wgrad_from_saved_fwd(r)   ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
+        : !in.a_wgrad.empty() ? std::move(in.a_wgrad)
+                              : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
+                                                 expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
     experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
     Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
     ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
 
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
-    const Prepared pdh1 = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w1/dgrad/dY"), cls, log);
-    const Prepared pdh3 = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w3/dgrad/dY"), cls, log);
+    PreparedRowCol pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
+    PreparedRowCol pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
     Tensor dx_perm = act({N * K, D});
-    grouped_gemm(pdh1, w1_dgrad, plan.offsets, dx_perm);
-    grouped_gemm(pdh3, w3_dgrad, plan.offsets, dx_perm, true);
-    const std::vector<Prepared> dh1t = wgrad_dy_segments(dh1, pdh1, plan.offsets, r, cls, name + "moe.w1");
-    const std::vector<Prepared> dh3t = wgrad_dy_segments(dh3, pdh3, plan.offsets, r, cls, name + "moe.w3");
+    grouped_gemm(pdh1.row, w1_dgrad, plan.offsets, dx_perm);
+    grouped_gemm(pdh3.row, w3_dgrad, plan.offsets, dx_perm, true);
+    const std::vector<Prepared> dh1t =
+        pdh1.col.empty() ? wgrad_dy_segments(dh1, pdh1.row, plan.offsets, r, cls, name + "moe.w1") : std::move(pdh1.col);
+    const std::vector<Prepared> dh3t =
+        pdh3.col.empty() ? wgrad_dy_segments(dh3, pdh3.row, plan.offsets, r, cls, name + "moe.w3") : std::move(pdh3.col);
     const std::vector<Prepared> x_wgrad = wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
     experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
@@ -719,7 +795,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   Tensor xf = run.act_bf16_if(ModelRunner::bf16_input(rh), {N, D}), rstd_f = run.act({N});
   ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
   run.record_input_amax("lm_head.x", xf, rh);
-  LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head")
+  LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head", true)
                         : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),
                                               LayerClass::LmHead, nullptr), Prepared{}};
   Tensor logits = Tensor::empty({N, V}, m.dtype(), m.device());
@@ -727,7 +803,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   if (s) {
     s->x_final = x;
     s->rstd_f = rstd_f;
-    s->xf = std::move(xf_in);
+    s->xf = std::move(xf_in).kept();
     s->positions = positions;
   }
   return logits;
@@ -807,6 +883,9 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
                      tensor_bytes(sl.shared.h3) + tensor_bytes(sl.shared.a);
         for (const Prepared& p : sl.x_perm_wgrad) ex += p.bytes();
         by["expert"] += ex;
+        int64_t a_wgrad = 0;  // w2's a^T, made with a in the forward (kept FFN interiors)
+        for (const Prepared& p : sl.expert_a_wgrad) a_wgrad += p.bytes();
+        if (a_wgrad) by["expert_wgrad"] += a_wgrad;
       } else {
         by["dense"] += sl.dense.x.bytes() + tensor_bytes(sl.dense.h1) + tensor_bytes(sl.dense.h3) +
                        tensor_bytes(sl.dense.a);

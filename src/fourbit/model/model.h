@@ -31,7 +31,7 @@ struct ForwardStats {
 
 // Bytes kept between forward and backward, by what keeps them.
 struct SavedBytes {
-  std::map<std::string, int64_t> by_category;  // residual, attention, router, expert, dense, lm_head
+  std::map<std::string, int64_t> by_category;  // residual, attention, router, expert, expert_wgrad, dense, lm_head
   int64_t total() const {
     int64_t t = 0;
     for (const auto& [k, v] : by_category) t += v;

@@ -163,6 +163,30 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
                      [&](int64_t r0, int64_t r1, size_t g) { return quantize(x.slice_rows(r0, r1), spec, rngs[g]); });
 }
 
+RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                             const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
+                             bool col_bf16) {
+  const HostOpTimer host_timer("quantize_row_col");
+  if (x.dim() != 2) fail("quantize_row_col: x must be 2-D [rows, cols], got {}", x.str());
+  if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)
+    fail("quantize_row_col: the first spec must be Row-axis and the second Col-axis, got {} and {}", describe(row_spec),
+         describe(col_spec));
+  const int64_t G = check_row_offsets("quantize_row_col", offsets, x.size(0), "x");
+  if (int64_t(col_rngs.size()) != G) fail("quantize_row_col: {} keys for {} segments", col_rngs.size(), G);
+  RowColQuant out;
+#if FOURBIT_HAS_CUDA
+  if (x.device() == Device::CUDA &&
+      cuda::quantize_row_col(x, row_spec, row_rng, col_spec, offsets, col_rngs, row_bf16, col_bf16, out))
+    return out;
+#else
+  (void)row_bf16;
+  (void)col_bf16;
+#endif
+  out.row = quantize(x, row_spec, row_rng);
+  out.col = quantize_segments(x, offsets, col_spec, col_rngs);
+  return out;
+}
+
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                                     const QuantSpec& target, const std::vector<RngKey>& rngs) {
   const HostOpTimer host_timer("requantize_transposed_segments");
@@ -257,6 +281,7 @@ QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {
   out.codes = q.codes.slice_rows(begin, end);
   out.block_scales = q.block_scales.slice_rows(begin, end);
   if (q.outer == OuterScale::PerRow) out.outer_scales = q.outer_scales.slice_rows(begin, end);
+  if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(begin, end);
   return out;
 }
 
@@ -266,6 +291,7 @@ QTensor qtensor_slice(const QTensor& q, int64_t s) {
   out.slices = 1;
   out.codes = q.codes.slice_rows(s * q.rows, (s + 1) * q.rows);
   out.block_scales = q.block_scales.slice_rows(s * q.rows, (s + 1) * q.rows);
+  if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(s * q.rows, (s + 1) * q.rows);
   switch (q.outer) {
     case OuterScale::None:
     case OuterScale::Tensor: break;

@@ -1,4 +1,4 @@
-// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, dequantize, requantize_transposed,
+// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, RowColQuant, quantize_row_col, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
@@ -63,6 +63,21 @@ QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey 
 // Col axis, the experts' weight-gradient operands; otherwise segment by segment).
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
                                        const QuantSpec& spec, const std::vector<RngKey>& rngs);
+
+// x quantized along both axes for the GEMMs of one linear layer: the Row-axis form under
+// row_spec (a GEMM's X or dY; stream row_rng) and the Col-axis forms of the row segments under
+// col_spec (the weight gradient's X^T or dY^T: quantize_segments(x, offsets, col_spec, col_rngs);
+// offsets {0, rows} for the whole tensor) — bit for bit quantize(x, row_spec, row_rng) and that
+// quantize_segments. On the GPU, MXFP8 on both axes (one element format, no RHT) is one pass that
+// reads x once; with row_bf16 / col_bf16 it also writes those forms' exact BF16 decodes
+// (QTensor::bf16) for the GEMMs that read them next. Otherwise the two ops run, without decodes.
+struct RowColQuant {
+  QTensor row;
+  std::vector<QTensor> col;  // per segment (empty segments: empty QTensors)
+};
+RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                             const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
+                             bool row_bf16 = false, bool col_bf16 = false);
 
 // requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i]) for every
 // row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an

@@ -26,6 +26,12 @@ struct QTensor {
   Tensor codes;         // U8 [slices*rows, code_row_bytes()]
   Tensor block_scales;  // U8 [slices*rows, blocks_per_row()]
   Tensor outer_scales;  // F32 S_dec values: [1], [slices*rows] or [slices]; undefined for None
+  // Optional, CUDA only: the codes' exact BF16 values (block scale applied, outer scale not),
+  // BF16 [slices*rows, padded_cols()], written by the quantizer alongside the codes for the GEMM
+  // that reads this operand next (ops::quantize_row_col), which then needs no decode pass. A
+  // cache of the codes, not more data: views keep the matching rows, and every op that makes new
+  // codes from these leaves it undefined.
+  Tensor bf16;
 
   int block() const { return format_info(fmt).block; }
   int element_bits() const { return format_info(fmt).element_bits; }
@@ -56,6 +62,7 @@ struct QTensor {
   }
   QTensor to(Device d) const {
     QTensor q = *this;
+    q.bf16 = Tensor{};
     q.codes = codes.to(d);
     q.block_scales = block_scales.to(d);
     if (outer_scales.defined()) q.outer_scales = outer_scales.to(d);

@@ -6,7 +6,7 @@
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          grouped_wgmma_available,
-//          check_recorded_index_errors, gemm_batch, quantize_segments,
+//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
@@ -164,12 +164,20 @@ void check_recorded_index_errors();
 // false when it does not apply (native block-scaled GEMMs), and the caller runs one gemm per job.
 bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped);
 
-// ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
-// has no batched kernel, and the caller quantizes segment by segment.
 // ops::convert_each's F32 -> BF16 pairs in one launch; false (nothing done) if a pair is not one.
 bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
+
+// ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
+// has no batched kernel, and the caller quantizes segment by segment.
 bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, const QuantSpec& spec,
                        const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
+
+// ops::quantize_row_col on a CUDA tensor (2-D, axes and offsets checked by the caller) into out,
+// in one pass of mxfp8_row_col_kernel; false (nothing done) unless both specs are MXFP8 of one
+// element format without an RHT and x is F32 and contiguous.
+bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
+                      bool col_bf16, RowColQuant& out);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

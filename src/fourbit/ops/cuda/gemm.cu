@@ -517,6 +517,13 @@ bool decodes_x8(const QTensor& q, int64_t k_eff) {
   return fmt && k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
 }
 
+// Whether q carries its BF16 decode (QTensor::bf16) at width k_eff.
+bool has_bf16(const QTensor& q, int64_t k_eff) {
+  const Tensor& t = q.bf16;
+  return t.defined() && t.dtype() == DType::BF16 && t.device() == Device::CUDA && t.dim() == 2 &&
+         t.size(0) == q.total_rows() && t.size(1) == k_eff && k_eff == q.padded_cols();
+}
+
 // q decoded into out ([total rows, k_eff] BF16) by decode_bf16_x8_jobs_kernel.
 DecodeJob decode_job(const QTensor& q, int64_t k_eff, Tensor& out) {
   return {q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(), q.total_rows(), q.blocks_per_row(),
@@ -729,6 +736,11 @@ class BatchDecoder {
     const auto key = std::make_tuple(q->codes.raw(), q->total_rows(), k_eff);
     if (const auto it = seen_.find(key); it != seen_.end()) return *it->second;
     auto m = std::make_unique<Materialized>();
+    if (has_bf16(*q, k_eff)) {  // decoded by its quantizer: the bits this decode would write
+      m->op = MatmulOperand{q->bf16.raw(), false, k_eff, 0};
+      seen_[key] = m.get();
+      return *store_.emplace_back(std::move(m));
+    }
     m->owned = Tensor::empty({q->total_rows(), k_eff}, DType::BF16, Device::CUDA);
     m->op = MatmulOperand{m->owned.raw(), false, k_eff, 0};
     pending_[q->fmt].push_back(decode_job(*q, k_eff, m->owned));

@@ -1,4 +1,4 @@
-// defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::dequantize,
+// defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::quantize_row_col, cuda::dequantize,
 //          cuda::requantize_transposed, cuda::requantize_transposed_segments,
 //          cuda::take_nonfinite_flag, cuda::quantize_kernel_for, cuda::quantize_kernel_names,
 //          cuda::requantize_kernel_for
@@ -19,6 +19,7 @@
 #include "fourbit/ops/cuda/cast/dequantize_tile.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/cast/mxfp8_col_fast.cuh"
+#include "fourbit/ops/cuda/cast/mxfp8_row_col.cuh"
 #include "fourbit/ops/cuda/cast/mxfp8_row_fast.cuh"
 #include "fourbit/ops/cuda/cast/nvfp4_row_fast.cuh"
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
@@ -275,6 +276,34 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
   }
   launch_mxfp8_col_fast(x.data<float>(), x.size(1), segs, spec.fmt == Format::MXFP8_E5M2,
                         spec.rounding == num::Rounding::SR, spec.mx_rule, false);
+  return true;
+}
+
+bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
+                      bool col_bf16, RowColQuant& out) {
+  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
+  if (!mx || col_spec.fmt != row_spec.fmt || row_spec.hadamard != 0 || col_spec.hadamard != 0 ||
+      x.dtype() != DType::F32)
+    return false;
+  check_cuda_tensor(x, "quantize_row_col", "x");
+  const int64_t R = x.size(0), C = x.size(1);
+  out.row = alloc_qtensor(row_spec, quant_shape(x, row_spec), Device::CUDA);
+  (void)quant_shape(x, col_spec);  // validates the spec
+  if (row_bf16) out.row.bf16 = Tensor::empty({R, out.row.padded_cols()}, DType::BF16, Device::CUDA);
+  out.col.assign(col_rngs.size(), QTensor{});
+  std::vector<PairSegmentOut> segs;
+  for (size_t g = 0; g < col_rngs.size(); ++g) {
+    const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+    if (r0 == r1) continue;
+    QTensor& q = out.col[g];
+    q = alloc_qtensor(col_spec, QuantShape{1, r1 - r0, C}, Device::CUDA);
+    if (col_bf16) q.bf16 = Tensor::empty({C, q.padded_cols()}, DType::BF16, Device::CUDA);
+    segs.push_back({r0, r1 - r0, &q, col_rngs[g]});
+  }
+  if (C > 0)
+    launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec.rounding == num::Rounding::SR,
+                         col_spec.rounding == num::Rounding::SR, row_spec.mx_rule, col_spec.mx_rule, segs);
   return true;
 }
 

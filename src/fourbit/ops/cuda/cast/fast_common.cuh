@@ -2,12 +2,13 @@
 //          shared_address, read_run_address, read_run_at, read_run, stage_run,
 //          finite_amax_counting, mxfp8_generic_block, store_mx_codes, mxfp8_sr_word,
 //          mxfp8_sr_block, opaque_ptr,
-//          prefetch_run, mxfp8_fast_block, fast_row_input, fast_row_params, with_mxfp8_variant
+//          prefetch_run, mxfp8_fast_words, mxfp8_fast_block, store_mx_bf16, fast_row_input, fast_row_params, with_mxfp8_variant
 // What the register-resident kernels share (nvfp4_row_fast, mxfp8_row_fast, mxfp8_col_fast and
 // requantize_transposed): warp runs of 32 blocks staged through swizzled shared memory, the
 // cp.async copies, and the MXFP8 block encoders (fast_quant.h's forms, the generic quantizer for
 // blocks holding NaN/Inf).
 #pragma once
+#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
 
@@ -242,20 +243,19 @@ __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int c
 }
 
 // One MXFP8 block of the fast paths: v holds the block's values (zeros past n), index0 its
-// first SR counter; the 32 codes go to dst (16-byte aligned) and the scale byte is returned. RNE
-// converts pairs in hardware (cvt.rn.satfinite.e4m3x2 / e5m2x2, as mxfp8_encode does); SR spends
-// one Philox-4x32-10 call on eight consecutive counters. A block holding NaN/Inf takes the generic
-// quantizer and counts its non-finite values into `nonfinite`.
+// first SR counter; the 32 codes go to w (eight words, lowest index in the lowest byte) and the
+// scale byte is returned. RNE converts pairs in hardware (cvt.rn.satfinite.e4m3x2 / e5m2x2, as
+// mxfp8_encode does); SR spends one Philox-4x32-10 call on eight consecutive counters. A block
+// holding NaN/Inf takes the generic quantizer and counts its non-finite values into `nonfinite`.
 template <int kExpBits, bool kSR>
-__device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlock], int n, num::MxScaleRule rule,
-                                                    uint64_t seed, uint64_t stream, uint64_t index0, uint8_t* dst,
-                                                    unsigned& nonfinite) {
+__device__ __forceinline__ uint8_t mxfp8_fast_words(const float (&v)[num::kMxBlock], int n, num::MxScaleRule rule,
+                                                    uint64_t seed, uint64_t stream, uint64_t index0,
+                                                    uint32_t (&w)[num::kMxBlock / 4], unsigned& nonfinite) {
   constexpr int B = num::kMxBlock;
   const num::MiniFloatSpec elem = kExpBits == 4 ? num::e4m3_spec() : num::e5m2_spec();
   float a = 0.0f;
 #pragma unroll
   for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[i]);
-  uint32_t w[B / 4];  // the 32 code bytes
   uint8_t scale;
   if (num::is_finite_bits(a)) {
     scale = num::mxfp8_scale(a, elem, rule);
@@ -273,8 +273,31 @@ __device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlo
     scale = mxfp8_generic_block(v, n, a, elem, rule, kSR ? num::Rounding::SR : num::Rounding::RNE, seed, stream,
                                 index0, w);
   }
+  return scale;
+}
+
+// mxfp8_fast_words with the 32 codes stored to dst (16-byte aligned).
+template <int kExpBits, bool kSR>
+__device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlock], int n, num::MxScaleRule rule,
+                                                    uint64_t seed, uint64_t stream, uint64_t index0, uint8_t* dst,
+                                                    unsigned& nonfinite) {
+  uint32_t w[num::kMxBlock / 4];
+  const uint8_t scale = mxfp8_fast_words<kExpBits, kSR>(v, n, rule, seed, stream, index0, w, nonfinite);
   store_mx_codes(dst, w);
   return scale;
+}
+
+// The BF16 values of a block's 32 MXFP8 codes (w) under its scale byte, as the GEMM's decode pass
+// makes them (block_decode.cuh's decode8_bits: the same bits), to dst (16-byte aligned) with four
+// 16-byte stores.
+template <int kExpBits>
+__device__ __forceinline__ void store_mx_bf16(__nv_bfloat16* dst, const uint32_t (&w)[num::kMxBlock / 4],
+                                              uint8_t scale) {
+  constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
+  const float sv = decode8_scale<F>(scale);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int u = 0; u < num::kMxBlock / 8; ++u) d[u] = decode8_bits<F>(make_uint2(w[2 * u], w[2 * u + 1]), sv, nullptr);
 }
 
 // ---- launching the register-resident fast paths ------------------------------------------------------

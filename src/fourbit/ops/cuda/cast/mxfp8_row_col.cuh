@@ -1,0 +1,180 @@
+// defines: kPairSegsPerLaunch, PairSegment, PairParams, mxfp8_row_col_kernel, PairSegmentOut,
+//          launch_mxfp8_row_col
+// MXFP8 on both axes of one F32 input in one pass: the Row-axis form of every row (a GEMM's X or
+// dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
+// tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
+// BF16 decode for the GEMM that reads it next. The two separate kernels (mxfp8_row_fast,
+// mxfp8_col_fast) read the input twice; this one reads it once.
+#pragma once
+#include "fourbit/ops/cuda/cast/fast_common.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+// A CTA takes one block row (32 logical rows) of one segment and kThreads columns. Thread t loads
+// its column's 32 values with scalar loads that a warp makes into 128-byte rows, quantizes them
+// as the Col-axis block (mxfp8_col_fast's counters and layout), and leaves them in a shared tile;
+// then each thread takes one (row, 32-column block) of the tile and quantizes it as the Row-axis
+// block (mxfp8_row_fast's counters and layout). Both go through mxfp8_fast_words, so the codes
+// and scales are those of the separate kernels, and the BF16 decodes are block_decode.cuh's.
+//
+// The tile holds row i's column c at float i * kPairLd + 32 b + 4 ((q + b) & 7) + e for c = 32 b +
+// 4 q + e: a warp's column stores of one row permute the 32 words of one block (no conflict), and
+// the eight threads of a quarter-warp, which read the same logical chunk q of blocks 0..7 of one
+// row as float4s, land on eight different 4-bank groups ((i + q + b) mod 8, kPairLd / 4 odd).
+constexpr int kPairCols = kThreads;                // columns per CTA
+constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per tile row
+constexpr int kPairLd = kPairCols + 4;
+constexpr int kPairSegsPerLaunch = 32;
+static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
+              "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
+static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
+
+struct PairSegment {
+  int64_t x_row0, rows;    // the segment's rows of x
+  uint8_t* codes;          // Col form: storage [cols, padded rows]
+  uint8_t* scales;         // [cols, padded rows / 32]
+  __nv_bfloat16* bf16;     // [cols, padded rows], or null
+  uint64_t seed, stream;
+  int64_t cta0;            // the segment's first CTA
+};
+struct PairParams {
+  const float* x;  // [rows, cols], row-major
+  int64_t cols, col_chunks, row_padded_cols, row_nb;
+  uint8_t* row_codes;         // Row form: [rows, row_padded_cols]
+  uint8_t* row_scales;        // [rows, row_nb]
+  __nv_bfloat16* row_bf16;    // [rows, row_padded_cols], or null
+  uint64_t row_seed, row_stream;
+  num::MxScaleRule row_rule, col_rule;
+  PairSegment seg[kPairSegsPerLaunch];
+  int n;
+};
+
+template <int kExpBits, bool kRowSR, bool kColSR>
+__global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams p) {
+  constexpr int B = num::kMxBlock;
+  __shared__ __align__(16) float tile[B * kPairLd];
+  const int64_t cta = blockIdx.x;
+  int si = 0;
+  while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
+  const PairSegment& sg = p.seg[si];
+  const int64_t local = cta - sg.cta0, rb = local / p.col_chunks, r0 = rb * B;
+  const int64_t c0 = (local % p.col_chunks) * kPairCols;
+  const int t = int(threadIdx.x);
+  const int64_t j = c0 + t;  // the thread's logical column
+  const int n_rows = int(min64(B, sg.rows - r0));
+  unsigned nonfinite = 0;
+
+  float v[B];
+  if (j < p.cols) {
+    const float* src = p.x + (sg.x_row0 + r0) * p.cols + j;
+    if (n_rows == B) {
+#pragma unroll
+      for (int i = 0; i < B; ++i) v[i] = __ldg(src + int64_t(i) * p.cols);
+    } else {
+#pragma unroll
+      for (int i = 0; i < B; ++i) v[i] = i < n_rows ? __ldg(src + int64_t(i) * p.cols) : 0.0f;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < B; ++i) v[i] = 0.0f;
+  }
+  {
+    const int b = t / B, q = (t % B) / 4, e = t % 4;
+    float* col = tile + B * b + 4 * ((q + b) & 7) + e;
+#pragma unroll
+    for (int i = 0; i < B; ++i) col[i * kPairLd] = v[i];
+  }
+  if (j < p.cols) {  // the Col-axis block: logical rows r0 .. r0 + 31 of column j
+    const int64_t padded_rows = ((sg.rows + B - 1) / B) * B;
+    uint32_t w[B / 4];
+    const uint8_t s = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed, sg.stream,
+                                                         uint64_t(j * padded_rows + r0), w, nonfinite);
+    sg.scales[j * (padded_rows / B) + rb] = s;
+    store_mx_codes(sg.codes + j * padded_rows + r0, w);
+    if (sg.bf16) store_mx_bf16<kExpBits>(sg.bf16 + j * padded_rows + r0, w, s);
+  }
+  __syncthreads();
+  const int i = t / kPairBlocks, b = t % kPairBlocks;
+  const int64_t blk = c0 / B + b;
+  if (i < n_rows && blk < p.row_nb) {  // the Row-axis block: columns 32 blk .. + 31 of row r0 + i
+    const float* tr = tile + i * kPairLd + B * b;
+#pragma unroll
+    for (int q = 0; q < B / 4; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(tr + 4 * ((q + b) & 7));
+      v[4 * q] = f.x;
+      v[4 * q + 1] = f.y;
+      v[4 * q + 2] = f.z;
+      v[4 * q + 3] = f.w;
+    }
+    const int64_t row = sg.x_row0 + r0 + i, col = blk * B;
+    const int n = int(min64(B, p.cols - col));
+    uint32_t w[B / 4];
+    const uint8_t s = mxfp8_fast_words<kExpBits, kRowSR>(v, n, p.row_rule, p.row_seed, p.row_stream,
+                                                         uint64_t(row * p.row_padded_cols + col), w, nonfinite);
+    p.row_scales[row * p.row_nb + blk] = s;
+    store_mx_codes(p.row_codes + row * p.row_padded_cols + col, w);
+    if (p.row_bf16) store_mx_bf16<kExpBits>(p.row_bf16 + row * p.row_padded_cols + col, w, s);
+  }
+  flush_counts(false, 0u, nonfinite, 0u, 0u);
+}
+
+// One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of x, into q
+// (allocated; bf16 defined when its decode is wanted) under rng.
+struct PairSegmentOut {
+  int64_t x_row0, rows;
+  QTensor* q;
+  RngKey rng;
+};
+
+// x [rows, cols] (F32, contiguous) into `row` (the Row-axis form of every row, under row_rng) and
+// the segments' Col-axis forms; both MXFP8 of one element format. Segments must cover x's rows
+// (each row's Row-axis block is quantized by the CTA of its segment).
+void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row_rng, bool row_sr, bool col_sr,
+                          num::MxScaleRule row_rule, num::MxScaleRule col_rule,
+                          const std::vector<PairSegmentOut>& segs) {
+  const bool e5m2 = row.fmt == Format::MXFP8_E5M2;
+  for (size_t first = 0; first < segs.size(); first += kPairSegsPerLaunch) {
+    PairParams p{};
+    p.x = x;
+    p.cols = cols;
+    p.col_chunks = (cols + kPairCols - 1) / kPairCols;
+    p.row_padded_cols = row.padded_cols();
+    p.row_nb = row.blocks_per_row();
+    p.row_codes = row.codes.data<uint8_t>();
+    p.row_scales = row.block_scales.data<uint8_t>();
+    p.row_bf16 = row.bf16.defined() ? row.bf16.data<__nv_bfloat16>() : nullptr;
+    p.row_seed = row_rng.seed;
+    p.row_stream = row_rng.stream;
+    p.row_rule = row_rule;
+    p.col_rule = col_rule;
+    int64_t ctas = 0;
+    for (size_t i = first; i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
+      const PairSegmentOut& o = segs[i];
+      PairSegment& sg = p.seg[p.n++];
+      sg.x_row0 = o.x_row0;
+      sg.rows = o.rows;
+      sg.codes = o.q->codes.data<uint8_t>();
+      sg.scales = o.q->block_scales.data<uint8_t>();
+      sg.bf16 = o.q->bf16.defined() ? o.q->bf16.data<__nv_bfloat16>() : nullptr;
+      sg.seed = o.rng.seed;
+      sg.stream = o.rng.stream;
+      sg.cta0 = ctas;
+      ctas += ((o.rows + num::kMxBlock - 1) / num::kMxBlock) * p.col_chunks;
+    }
+    if (ctas == 0) continue;
+    const unsigned grid = grid_of(ctas, "quantize_row_col");
+    auto go = [&](auto exp_bits, auto row_sr_c, auto col_sr_c) {
+      mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value, decltype(col_sr_c)::value>
+          <<<grid, kThreads, 0, stream()>>>(p);
+    };
+    using T = std::true_type;
+    using F = std::false_type;
+    with_mxfp8_variant(e5m2, row_sr, [&](auto exp_bits, auto row_sr_c) {
+      col_sr ? go(exp_bits, row_sr_c, T{}) : go(exp_bits, row_sr_c, F{});
+    });
+  }
+}
+
+}  // namespace
+}  // namespace fourbit::ops::cuda
