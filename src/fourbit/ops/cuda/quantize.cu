@@ -291,15 +291,37 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
   out.row = alloc_qtensor(row_spec, quant_shape(x, row_spec), Device::CUDA);
   (void)quant_shape(x, col_spec);  // validates the spec
   if (row_bf16) out.row.bf16 = Tensor::empty({R, out.row.padded_cols()}, DType::BF16, Device::CUDA);
+  // The segments' Col-axis forms as views of one buffer per kind (codes, scales, decodes): three
+  // allocations instead of three per expert, which cost the host more than the kernel's launch.
   out.col.assign(col_rngs.size(), QTensor{});
+  QTensor meta;  // alloc_qtensor's layout fields; storage: [C, a segment's padded rows]
+  meta.fmt = col_spec.fmt;
+  meta.axis = BlockAxis::Col;
+  meta.outer = OuterScale::None;
+  meta.rows = C;
+  meta.tile_2d = col_spec.tile_2d;
+  meta.hadamard = col_spec.hadamard;
+  meta.hadamard_signs = col_spec.hadamard_signs;
+  int64_t padded_total = 0;
+  for (size_t g = 0; g < col_rngs.size(); ++g)
+    padded_total += (offsets[g + 1] - offsets[g] + num::kMxBlock - 1) / num::kMxBlock * num::kMxBlock;
+  const Tensor codes = Tensor::empty({C * padded_total}, DType::U8, Device::CUDA);
+  const Tensor scales = Tensor::empty({C * padded_total / num::kMxBlock}, DType::U8, Device::CUDA);
+  const Tensor decodes = col_bf16 ? Tensor::empty({C * padded_total}, DType::BF16, Device::CUDA) : Tensor{};
   std::vector<PairSegmentOut> segs;
+  int64_t at = 0;  // padded rows of the segments before g
   for (size_t g = 0; g < col_rngs.size(); ++g) {
     const int64_t r0 = offsets[g], r1 = offsets[g + 1];
     if (r0 == r1) continue;
     QTensor& q = out.col[g];
-    q = alloc_qtensor(col_spec, QuantShape{1, r1 - r0, C}, Device::CUDA);
-    if (col_bf16) q.bf16 = Tensor::empty({C, q.padded_cols()}, DType::BF16, Device::CUDA);
+    q = meta;
+    q.cols = r1 - r0;
+    const int64_t pr = q.padded_cols();
+    q.codes = codes.view(C * at, {C, q.code_row_bytes()});
+    q.block_scales = scales.view(C * at / num::kMxBlock, {C, q.blocks_per_row()});
+    if (col_bf16) q.bf16 = decodes.view(C * at, {C, pr});
     segs.push_back({r0, r1 - r0, &q, col_rngs[g]});
+    at += pr;
   }
   if (C > 0)
     launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec.rounding == num::Rounding::SR,

@@ -336,10 +336,10 @@ unsigned grid_of(int64_t ctas, const char* what) {
   return unsigned(ctas);
 }
 
-// Opts a kernel into more than 48 KB of dynamic shared memory (once per size it grows to).
 // The device's opt-in limit of dynamic shared memory per block.
 size_t max_smem_optin() { return size_t(device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()); }
 
+// Opts a kernel into more than 48 KB of dynamic shared memory (once per size it grows to).
 template <auto kernel>
 void allow_smem(size_t bytes) {
   static size_t allowed = 48 * 1024;  // what every kernel may use without opting in (CUDA)

@@ -2,13 +2,12 @@
 //          shared_address, read_run_address, read_run_at, read_run, stage_run,
 //          finite_amax_counting, mxfp8_generic_block, store_mx_codes, mxfp8_sr_word,
 //          mxfp8_sr_block, opaque_ptr,
-//          prefetch_run, mxfp8_fast_words, mxfp8_fast_block, store_mx_bf16, fast_row_input, fast_row_params, with_mxfp8_variant
+//          prefetch_run, mxfp8_fast_words, mxfp8_fast_block, fast_row_input, fast_row_params, with_mxfp8_variant
 // What the register-resident kernels share (nvfp4_row_fast, mxfp8_row_fast, mxfp8_col_fast and
 // requantize_transposed): warp runs of 32 blocks staged through swizzled shared memory, the
 // cp.async copies, and the MXFP8 block encoders (fast_quant.h's forms, the generic quantizer for
 // blocks holding NaN/Inf).
 #pragma once
-#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
 
@@ -285,19 +284,6 @@ __device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlo
   const uint8_t scale = mxfp8_fast_words<kExpBits, kSR>(v, n, rule, seed, stream, index0, w, nonfinite);
   store_mx_codes(dst, w);
   return scale;
-}
-
-// The BF16 values of a block's 32 MXFP8 codes (w) under its scale byte, as the GEMM's decode pass
-// makes them (block_decode.cuh's decode8_bits: the same bits), to dst (16-byte aligned) with four
-// 16-byte stores.
-template <int kExpBits>
-__device__ __forceinline__ void store_mx_bf16(__nv_bfloat16* dst, const uint32_t (&w)[num::kMxBlock / 4],
-                                              uint8_t scale) {
-  constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
-  const float sv = decode8_scale<F>(scale);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int u = 0; u < num::kMxBlock / 8; ++u) d[u] = decode8_bits<F>(make_uint2(w[2 * u], w[2 * u + 1]), sv, nullptr);
 }
 
 // ---- launching the register-resident fast paths ------------------------------------------------------

@@ -6,6 +6,9 @@
 // BF16 decode for the GEMM that reads it next. The two separate kernels (mxfp8_row_fast,
 // mxfp8_col_fast) read the input twice; this one reads it once.
 #pragma once
+#include <algorithm>
+
+#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 
 namespace fourbit::ops::cuda {
@@ -17,18 +20,31 @@ namespace {
 // then each thread takes one (row, 32-column block) of the tile and quantizes it as the Row-axis
 // block (mxfp8_row_fast's counters and layout). Both go through mxfp8_fast_words, so the codes
 // and scales are those of the separate kernels, and the BF16 decodes are block_decode.cuh's.
+// The codes and decodes then go through shared memory (the tile's bytes again) so that the
+// global stores are whole 32-byte sectors: 16 consecutive threads write a row's 256 codes, 32
+// its 512 decode bytes; 2 (4) write a column's 32 codes (decodes).
 //
 // The tile holds row i's column c at float i * kPairLd + 32 b + 4 ((q + b) & 7) + e for c = 32 b +
 // 4 q + e: a warp's column stores of one row permute the 32 words of one block (no conflict), and
 // the eight threads of a quarter-warp, which read the same logical chunk q of blocks 0..7 of one
-// row as float4s, land on eight different 4-bank groups ((i + q + b) mod 8, kPairLd / 4 odd).
-constexpr int kPairCols = kThreads;                // columns per CTA
+// row as float4s, land on eight different 4-bank groups ((i + q + b) mod 8, kPairLd / 4 odd). The
+// staging rows are padded by 16 bytes, and a thread stores its 16-byte chunks in an order rotated
+// by its block, so that the eight threads of a quarter-warp hit eight different 4-bank groups.
+constexpr int kPairCols = kThreads;                     // columns per CTA
 constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per tile row
 constexpr int kPairLd = kPairCols + 4;
 constexpr int kPairSegsPerLaunch = 32;
 static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
               "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
 static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
+// Output staging, in bytes: a column's 32 codes, a row's 256 codes, a column's 32 BF16, a row's
+// 256 BF16 (each + 16 bytes of padding), one after the other.
+constexpr int kColCodeLd = num::kMxBlock + 16, kRowCodeLd = kPairCols + 16;
+constexpr int kColBf16Ld = 2 * num::kMxBlock + 16, kRowBf16Ld = 2 * kPairCols + 16;
+constexpr int kStageRowCodes = kPairCols * kColCodeLd;
+constexpr int kStageColBf16 = kStageRowCodes + num::kMxBlock * kRowCodeLd;
+constexpr int kStageRowBf16 = kStageColBf16 + kPairCols * kColBf16Ld;
+constexpr int kPairSmem = std::max(int(num::kMxBlock * kPairLd * sizeof(float)), kStageRowBf16 + num::kMxBlock * kRowBf16Ld);
 
 struct PairSegment {
   int64_t x_row0, rows;    // the segment's rows of x
@@ -50,10 +66,18 @@ struct PairParams {
   int n;
 };
 
+// Words 2u and 2u + 1 of a block's eight code words (u = 0..3, known only at run time).
+__device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4], int u) {
+  return u == 0 ? make_uint2(w[0], w[1]) : u == 1 ? make_uint2(w[2], w[3]) : u == 2 ? make_uint2(w[4], w[5])
+                                                                                    : make_uint2(w[6], w[7]);
+}
+
 template <int kExpBits, bool kRowSR, bool kColSR>
 __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams p) {
   constexpr int B = num::kMxBlock;
-  __shared__ __align__(16) float tile[B * kPairLd];
+  constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
+  extern __shared__ __align__(16) unsigned char pair_smem[];
+  float* tile = reinterpret_cast<float*>(pair_smem);
   const int64_t cta = blockIdx.x;
   int si = 0;
   while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
@@ -63,6 +87,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   const int t = int(threadIdx.x);
   const int64_t j = c0 + t;  // the thread's logical column
   const int n_rows = int(min64(B, sg.rows - r0));
+  const int64_t padded_rows = ((sg.rows + B - 1) / B) * B;
   unsigned nonfinite = 0;
 
   float v[B];
@@ -85,19 +110,21 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
 #pragma unroll
     for (int i = 0; i < B; ++i) col[i * kPairLd] = v[i];
   }
-  if (j < p.cols) {  // the Col-axis block: logical rows r0 .. r0 + 31 of column j
-    const int64_t padded_rows = ((sg.rows + B - 1) / B) * B;
-    uint32_t w[B / 4];
-    const uint8_t s = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed, sg.stream,
-                                                         uint64_t(j * padded_rows + r0), w, nonfinite);
-    sg.scales[j * (padded_rows / B) + rb] = s;
-    store_mx_codes(sg.codes + j * padded_rows + r0, w);
-    if (sg.bf16) store_mx_bf16<kExpBits>(sg.bf16 + j * padded_rows + r0, w, s);
+  const bool col_live = j < p.cols;
+  uint32_t wc[B / 4];
+  uint8_t col_scale = 0;
+  if (col_live) {  // the Col-axis block: logical rows r0 .. r0 + 31 of column j
+    col_scale = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed, sg.stream,
+                                                   uint64_t(j * padded_rows + r0), wc, nonfinite);
+    sg.scales[j * (padded_rows / B) + rb] = col_scale;
   }
   __syncthreads();
   const int i = t / kPairBlocks, b = t % kPairBlocks;
-  const int64_t blk = c0 / B + b;
-  if (i < n_rows && blk < p.row_nb) {  // the Row-axis block: columns 32 blk .. + 31 of row r0 + i
+  const int64_t blk = c0 / B + b, row = sg.x_row0 + r0 + i;
+  const bool row_live = i < n_rows && blk < p.row_nb;
+  uint32_t wr[B / 4];
+  uint8_t row_scale = 0;
+  if (row_live) {  // the Row-axis block: columns 32 blk .. + 31 of row r0 + i
     const float* tr = tile + i * kPairLd + B * b;
 #pragma unroll
     for (int q = 0; q < B / 4; ++q) {
@@ -107,15 +134,72 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
       v[4 * q + 2] = f.z;
       v[4 * q + 3] = f.w;
     }
-    const int64_t row = sg.x_row0 + r0 + i, col = blk * B;
-    const int n = int(min64(B, p.cols - col));
-    uint32_t w[B / 4];
-    const uint8_t s = mxfp8_fast_words<kExpBits, kRowSR>(v, n, p.row_rule, p.row_seed, p.row_stream,
-                                                         uint64_t(row * p.row_padded_cols + col), w, nonfinite);
-    p.row_scales[row * p.row_nb + blk] = s;
-    store_mx_codes(p.row_codes + row * p.row_padded_cols + col, w);
-    if (p.row_bf16) store_mx_bf16<kExpBits>(p.row_bf16 + row * p.row_padded_cols + col, w, s);
+    const int64_t col = blk * B;
+    row_scale = mxfp8_fast_words<kExpBits, kRowSR>(v, int(min64(B, p.cols - col)), p.row_rule, p.row_seed,
+                                                   p.row_stream, uint64_t(row * p.row_padded_cols + col), wr, nonfinite);
+    p.row_scales[row * p.row_nb + blk] = row_scale;
   }
+  __syncthreads();  // the tile is read: its bytes stage the outputs now
+
+  unsigned char* col_codes = pair_smem;
+  unsigned char* row_codes = pair_smem + kStageRowCodes;
+  unsigned char* col_bf16 = pair_smem + kStageColBf16;
+  unsigned char* row_bf16 = pair_smem + kStageRowBf16;
+  if (col_live) {
+    uint4* d = reinterpret_cast<uint4*>(col_codes + t * kColCodeLd);
+    d[0] = make_uint4(wc[0], wc[1], wc[2], wc[3]);
+    d[1] = make_uint4(wc[4], wc[5], wc[6], wc[7]);
+    if (sg.bf16) {
+      const float sv = decode8_scale<F>(col_scale);
+      uint4* e = reinterpret_cast<uint4*>(col_bf16 + t * kColBf16Ld);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) e[u] = decode8_bits<F>(make_uint2(wc[2 * u], wc[2 * u + 1]), sv, nullptr);
+    }
+  }
+  if (row_live) {
+#pragma unroll
+    for (int h0 = 0; h0 < 2; ++h0) {
+      const int h = (h0 + (b >> 2)) & 1;
+      *reinterpret_cast<uint4*>(row_codes + i * kRowCodeLd + B * b + 16 * h) =
+          h ? make_uint4(wr[4], wr[5], wr[6], wr[7]) : make_uint4(wr[0], wr[1], wr[2], wr[3]);
+    }
+    if (p.row_bf16) {
+      const float sv = decode8_scale<F>(row_scale);
+#pragma unroll
+      for (int u0 = 0; u0 < 4; ++u0) {
+        const int u = (u0 + (b >> 1)) & 3;
+        *reinterpret_cast<uint4*>(row_bf16 + i * kRowBf16Ld + 2 * B * b + 16 * u) =
+            decode8_bits<F>(code_pair(wr, u), sv, nullptr);
+      }
+    }
+  }
+  __syncthreads();
+  for (int k = t; k < 2 * kPairCols; k += kThreads) {  // column c0 + k / 2: two halves of its 32 codes
+    const int c = k >> 1, h = k & 1;
+    if (c0 + c < p.cols)
+      *reinterpret_cast<uint4*>(sg.codes + (c0 + c) * padded_rows + r0 + 16 * h) =
+          *reinterpret_cast<const uint4*>(col_codes + c * kColCodeLd + 16 * h);
+  }
+  for (int k = t; k < B * (kPairCols / 16); k += kThreads) {  // row k / 16: sixteen chunks of 16 codes
+    const int r = k / (kPairCols / 16), part = k % (kPairCols / 16);
+    if (r < n_rows && c0 + 16 * part < p.row_padded_cols)
+      *reinterpret_cast<uint4*>(p.row_codes + (sg.x_row0 + r0 + r) * p.row_padded_cols + c0 + 16 * part) =
+          *reinterpret_cast<const uint4*>(row_codes + r * kRowCodeLd + 16 * part);
+  }
+  if (sg.bf16)
+    for (int k = t; k < 4 * kPairCols; k += kThreads) {  // column c0 + k / 4: four chunks of 8 BF16
+      const int c = k >> 2, part = k & 3;
+      if (c0 + c < p.cols)
+        *reinterpret_cast<uint4*>(sg.bf16 + (c0 + c) * padded_rows + r0 + 8 * part) =
+            *reinterpret_cast<const uint4*>(col_bf16 + c * kColBf16Ld + 16 * part);
+    }
+  if (p.row_bf16)
+    for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
+      const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
+      if (r < n_rows && c0 + 8 * part < p.row_padded_cols)
+        *reinterpret_cast<uint4*>(p.row_bf16 + (sg.x_row0 + r0 + r) * p.row_padded_cols + c0 + 8 * part) =
+            *reinterpret_cast<const uint4*>(row_bf16 + r * kRowBf16Ld + 16 * part);
+    }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
@@ -165,8 +249,10 @@ void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row
     if (ctas == 0) continue;
     const unsigned grid = grid_of(ctas, "quantize_row_col");
     auto go = [&](auto exp_bits, auto row_sr_c, auto col_sr_c) {
-      mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value, decltype(col_sr_c)::value>
-          <<<grid, kThreads, 0, stream()>>>(p);
+      constexpr auto kernel =
+          mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value, decltype(col_sr_c)::value>;
+      allow_smem<kernel>(kPairSmem);
+      kernel<<<grid, kThreads, kPairSmem, stream()>>>(p);
     };
     using T = std::true_type;
     using F = std::false_type;
