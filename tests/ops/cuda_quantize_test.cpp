@@ -503,7 +503,9 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
           const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs);
           if (!same_qtensor(ops::quantize(x_cpu, rs, row_key), got.row, what + " row")) return;
           if (row_bf16 && !decodes_its_codes(got.row, what + " row")) return;
-          if (!row_bf16) EXPECT_FALSE(got.row.bf16.defined()) << what;
+          if (!row_bf16) {
+            EXPECT_FALSE(got.row.bf16.defined()) << what;
+          }
           ASSERT_EQ(got.col.size(), len.size());
           for (size_t e = 0; e < len.size(); ++e) {
             const std::string we = what + " segment " + std::to_string(e);
@@ -519,6 +521,40 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
     }
   EXPECT_EQ(pair, 15 * 32);  // 5 widths x 3 segmentations x (4 x 4 rounding/rule pairs) x 2 formats
   EXPECT_TRUE(ops::nonfinite_seen(true));
+}
+
+// ops::quantize_both on the GPU (quantize_row_col's kernel, a segment per slice) equals the CPU's
+// quantize on each axis for 2-D and 3-D inputs (the 3-D Col-axis counters run on over the
+// slices, so SR draws differ per slice), with its BF16 decodes the exact values of its codes.
+TEST(CudaQuantize, BothAxesMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> rows_specs, cols_specs;
+  for (const QuantSpec& s : all_specs({1, 4, 64})) {
+    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
+    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
+  }
+  uint32_t seed = 2100;
+  int pair = 0;
+  for (const Dims& d : {Dims{1, 70, 300}, Dims{3, 45, 64}, Dims{4, 64, 257}}) {
+    const Tensor x_cpu = Tensor::from_host(make_data(d, Data::Varied, seed++).data(), d.shape(), DType::F32);
+    const Tensor x_gpu = x_cpu.to(Device::CUDA);
+    for (const QuantSpec& rs : rows_specs)
+      for (const QuantSpec& cs : cols_specs) {
+        if (rs.fmt != cs.fmt) continue;
+        ++pair;
+        const ops::RngKey rk{0xABCu + uint64_t(pair), 1}, ck{0xDEFu + uint64_t(pair), 2};
+        const ops::BothAxes got = ops::quantize_both(x_gpu, rs, rk, cs, ck, true, pair % 2 == 0);
+        const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs);
+        if (!same_qtensor(ops::quantize(x_cpu, rs, rk), got.row, what + " row")) return;
+        if (!same_qtensor(ops::quantize(x_cpu, cs, ck), got.col, what + " col")) return;
+        if (!decodes_its_codes(got.row, what + " row")) return;
+        if (pair % 2 == 0 && !decodes_its_codes(got.col, what + " col")) return;
+        if (pair % 2 != 0) {
+          EXPECT_FALSE(got.col.bf16.defined()) << what;
+        }
+      }
+  }
+  EXPECT_EQ(pair, 3 * 32);
 }
 
 // A GEMM that reads quantize_row_col's BF16 decodes gives the bits of the same GEMM decoding the
@@ -559,6 +595,24 @@ TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
     ops::gemm(ops::Operand(v), ops::Operand(qw), d1);
     ops::gemm(ops::Operand(plain(v)), ops::Operand(qw), d2);
     same(d1, d2, "fprop of a row view");
+  }
+  {  // experts: X . W_e^T with W_e's decodes from quantize_both, and dgrad's dY . W_e with W's Col form
+    const int64_t E = 4, F = 48;
+    const Tensor we = Tensor::from_host(make_data({E, F, C}, Data::Varied, 14).data(), {E, F, C}, DType::F32)
+                          .to(Device::CUDA);
+    const ops::BothAxes qe = ops::quantize_both(we, row, {8, 1}, col, {8, 2}, true, true);
+    ASSERT_TRUE(qe.row.bf16.defined() && qe.col.bf16.defined());
+    Tensor c1 = Tensor::empty({R, F}, DType::F32, Device::CUDA), c2 = c1.clone();
+    ops::grouped_gemm(ops::Operand(px.row), ops::Operand(qe.row), offsets, c1);
+    ops::grouped_gemm(ops::Operand(plain(px.row)), ops::Operand(plain(qe.row)), offsets, c2);
+    same(c1, c2, "expert fprop");
+    const Tensor dyf = Tensor::from_host(make_data({1, R, F}, Data::Varied, 15).data(), {R, F}, DType::F32)
+                           .to(Device::CUDA);
+    const QTensor qdy = ops::quantize(dyf, row, {9, 9});
+    Tensor d1 = Tensor::empty({R, C}, DType::F32, Device::CUDA), d2 = d1.clone();
+    ops::grouped_gemm(ops::Operand(qdy), ops::Operand(qe.col), offsets, d1);
+    ops::grouped_gemm(ops::Operand(qdy), ops::Operand(plain(qe.col)), offsets, d2);
+    same(d1, d2, "expert dgrad");
   }
   {  // wgrad of every segment: dY^T[e] . X^T[e], in one batch
     std::vector<Tensor> with(offsets.size() - 1), without(offsets.size() - 1);

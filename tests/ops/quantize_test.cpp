@@ -1108,6 +1108,23 @@ TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
   EXPECT_NE(error_of(row, col, {0, 100}, 2).find("2 keys for 1 segments"), std::string::npos);
 }
 
+// quantize_both: quantize() on each axis (bytes equal; the CPU writes no BF16 decodes), for a
+// 3-D input too; the axes must be Row then Col.
+TEST(QuantizeSegments, BothAxesAreTwoQuantizes) {
+  const Dims d{3, 40, 64};
+  const Tensor t = to_tensor(varied_data(d, 74), d);
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  const ops::BothAxes got = ops::quantize_both(t, row, {4, 1}, col, {4, 2}, true, true);
+  const QTensor wr = ops::quantize(t, row, {4, 1}), wc = ops::quantize(t, col, {4, 2});
+  EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(wr.codes));
+  EXPECT_EQ(host<uint8_t>(got.col.codes), host<uint8_t>(wc.codes));
+  EXPECT_EQ(host<uint8_t>(got.col.block_scales), host<uint8_t>(wc.block_scales));
+  EXPECT_EQ(got.col.slices, 3);
+  EXPECT_FALSE(got.row.bf16.defined() || got.col.bf16.defined());
+  EXPECT_THROW(ops::quantize_both(t, col, {4, 1}, row, {4, 2}), std::exception);
+}
+
 // requantize_transposed_segments: requantize_transposed of each segment's rows (bytes equal);
 // multi-slice or Col-axis inputs and bad offsets are refused.
 TEST(QuantizeSegments, RequantizeEqualsEachSegmentsRequantize) {

@@ -1,5 +1,6 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, gemm, grouped_gemm, pairs_row_col, prepare_row_col (linear.h)
+//          requantize_saved_segments, gemm, grouped_gemm, pairs_row_col, prepare_row_col,
+//          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <fmt/format.h>
@@ -201,6 +202,24 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
     if (log && log->record_calls) record(log, col_sites[e], col_spec, hash_tensor(t.slice_rows(b, end)));
     out.col[e].q = std::move(q.col[e]);
   }
+  return out;
+}
+
+std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
+                                                  const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
+                                                  QuantLog* log) {
+  FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
+  const QuantSpec fs = quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls);
+  const QuantSpec ds = quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls);
+  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, true, true);
+  if (log && log->record_calls) {
+    const uint64_t h = hash_tensor(w);
+    record(log, fprop_site, fprop, h);
+    record(log, dgrad_site, dgrad, h);
+  }
+  std::pair<Prepared, Prepared> out;
+  out.first.q = std::move(q.row);
+  out.second.q = std::move(q.col);
   return out;
 }
 

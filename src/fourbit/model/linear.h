@@ -1,5 +1,5 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
-//          PreparedRowCol, prepare_row_col, pairs_row_col,
+//          PreparedRowCol, prepare_row_col, pairs_row_col, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, gemm, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "fourbit/model/recipe.h"
@@ -107,6 +108,13 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
                                LayerClass cls, QuantLog* log, bool row_bf16, bool col_bf16);
+// A weight's fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe
+// states them) in one ops::quantize_both, each with its BF16 decode where the GPU makes one: the
+// bits prepare() gives each. Recorded at their sites (with record_calls) but not counted: the
+// weight cache counts each use (Model::weight).
+std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
+                                                  const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
+                                                  QuantLog* log);
 // Whether prepare_row_col takes these two specs: both MXFP8 of one element format (the pairs the
 // one-pass kernel serves; other block-scaled pairs keep their separate quantizers).
 bool pairs_row_col(const QuantSpec& row_spec, const QuantSpec& col_spec);

@@ -84,7 +84,13 @@ struct ModelRunner {
   bool record_amax = false;  // a training forward: keep the running input amax (Model::input_amax)
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
-  void convert_weights_ahead() { m.convert_bf16_weights_ahead(); }
+  // The step's weight operands made at the start of the forward pass: BF16 copies in one launch,
+  // and for a forward that a backward follows the MXFP8 weights on both axes (fprop and dgrad
+  // operands, with their BF16 decodes) in one pass each.
+  void weights_ahead(bool for_backward) {
+    m.convert_bf16_weights_ahead();
+    if (for_backward) m.quantize_weights_ahead(sr);
+  }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
   // Activations that only GEMMs read as BF16 operands are written as BF16 by their producer (ops.h
   // "BF16 outputs": the bits the operand's conversion gave, one pass instead of two). A linear
@@ -701,6 +707,28 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   return p;
 }
 
+// On the GPU, every weight whose fprop and dgrad operands are MXFP8 of one format, both rounded
+// to nearest and made from the weights (not the nvfp4-fwd requantization), goes into the cache as
+// both operands at once, each with its BF16 decode: one pass over the weight instead of two
+// quantizations and a decode before every GEMM. The cache then holds 2 bytes a value more per
+// operand until the weights change.
+void Model::quantize_weights_ahead(const SrStreams& sr) {
+  if (device_ != Device::CUDA || dtype_ != DType::F32) return;
+  for (const LinearInfo& li : linears()) {
+    const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+    const QuantSpec &f = r.fprop.b, &d = r.dgrad.b;
+    if (r.requant_saved_sr || !pairs_row_col(f, d) || f.rounding != num::Rounding::RNE ||
+        d.rounding != num::Rounding::RNE || li.weight.dtype() != DType::F32)
+      continue;
+    const std::string kf = li.name + "/" + gemm_role_name(GemmRole::Fprop);
+    const std::string kd = li.name + "/" + gemm_role_name(GemmRole::Dgrad);
+    if (weight_cache_.count(kf) || weight_cache_.count(kd)) continue;
+    auto [pf, pd] = prepare_weight_both(li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls, &quant_log_);
+    weight_cache_.emplace(kf, std::move(pf));
+    weight_cache_.emplace(kd, std::move(pd));
+  }
+}
+
 void Model::convert_bf16_weights_ahead() {
   if (!weight_cache_.empty() || !bf16_ahead_.empty() || dtype_ != DType::F32) return;
   std::vector<Tensor> src, dst;
@@ -744,7 +772,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   const ModelWeights w = m.params().weights();
   ModelWeights g = m.params().grads();
   const Tensor positions = kv ? kv->positions : positions_for(B, T, m.device());
-  run.convert_weights_ahead();
+  run.weights_ahead(s != nullptr);
   Tensor x = run.act({N, D});
   ops::embedding_forward(tokens.reshape({N}), w.embed, x);
   for (int64_t l = 0; l < cfg.n_layers; ++l) {

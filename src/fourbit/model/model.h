@@ -140,6 +140,7 @@ class Model {
   // operand is BF16, made in one ops::convert_each (one launch on the GPU, instead of one per
   // weight as each layer first asks for it); weight() then takes them as prepare's conversion.
   void convert_bf16_weights_ahead();
+  void quantize_weights_ahead(const SrStreams& sr);
   struct Bf16Ahead {
     const void* source;  // the weight's storage: a copy is only used for the weight it was made of
     Tensor copy;

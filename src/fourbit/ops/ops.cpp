@@ -187,6 +187,26 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
   return out;
 }
 
+BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                       RngKey col_rng, bool row_bf16, bool col_bf16) {
+  const HostOpTimer host_timer("quantize_both");
+  if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)
+    fail("quantize_both: the first spec must be Row-axis and the second Col-axis, got {} and {}", describe(row_spec),
+         describe(col_spec));
+  BothAxes out;
+#if FOURBIT_HAS_CUDA
+  if (x.device() == Device::CUDA &&
+      cuda::quantize_both(x, row_spec, row_rng, col_spec, col_rng, row_bf16, col_bf16, out.row, out.col))
+    return out;
+#else
+  (void)row_bf16;
+  (void)col_bf16;
+#endif
+  out.row = quantize(x, row_spec, row_rng);
+  out.col = quantize(x, col_spec, col_rng);
+  return out;
+}
+
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                                     const QuantSpec& target, const std::vector<RngKey>& rngs) {
   const HostOpTimer host_timer("requantize_transposed_segments");

@@ -1,4 +1,5 @@
-// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, RowColQuant, quantize_row_col, dequantize, requantize_transposed,
+// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, RowColQuant, quantize_row_col, BothAxes,
+//          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
@@ -78,6 +79,16 @@ struct RowColQuant {
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
                              bool row_bf16 = false, bool col_bf16 = false);
+
+// x ([R, C], or [S, R, C]: a stack of expert weights) quantized on both axes, each with one
+// stream: bit for bit quantize(x, row_spec, row_rng) and quantize(x, col_spec, col_rng) (a
+// weight's fprop and dgrad operands), in quantize_row_col's one pass on the GPU where it takes the
+// specs (with row_bf16 / col_bf16: the forms' BF16 decodes); otherwise the two quantize calls.
+struct BothAxes {
+  QTensor row, col;
+};
+BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                       RngKey col_rng, bool row_bf16 = false, bool col_bf16 = false);
 
 // requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i]) for every
 // row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an

@@ -6,7 +6,7 @@
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          grouped_wgmma_available,
-//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col,
+//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
@@ -178,6 +178,12 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                       const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
                       bool col_bf16, RowColQuant& out);
+
+// ops::quantize_both on a CUDA tensor (axes checked by the caller) into row and col, in one pass
+// of mxfp8_row_col_kernel (a segment per slice); false (nothing done) where quantize_row_col's
+// conditions do not hold.
+bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                   RngKey col_rng, bool row_bf16, bool col_bf16, QTensor& row, QTensor& col);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

@@ -1,5 +1,5 @@
-// defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::quantize_row_col, cuda::dequantize,
-//          cuda::requantize_transposed, cuda::requantize_transposed_segments,
+// defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::quantize_row_col,
+//          cuda::quantize_both, cuda::dequantize, cuda::requantize_transposed, cuda::requantize_transposed_segments,
 //          cuda::take_nonfinite_flag, cuda::quantize_kernel_for, cuda::quantize_kernel_names,
 //          cuda::requantize_kernel_for
 // The GPU quantizers' dispatch. Each format has an ordered list of kernels, {name, accepts(spec,
@@ -320,12 +320,38 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
     q.codes = codes.view(C * at, {C, q.code_row_bytes()});
     q.block_scales = scales.view(C * at / num::kMxBlock, {C, q.blocks_per_row()});
     if (col_bf16) q.bf16 = decodes.view(C * at, {C, pr});
-    segs.push_back({r0, r1 - r0, &q, col_rngs[g]});
+    segs.push_back({r0, r1 - r0, q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(),
+                    col_bf16 ? q.bf16.data<__nv_bfloat16>() : nullptr, 0, col_rngs[g]});
     at += pr;
   }
   if (C > 0)
     launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec.rounding == num::Rounding::SR,
                          col_spec.rounding == num::Rounding::SR, row_spec.mx_rule, col_spec.mx_rule, segs);
+  return true;
+}
+
+bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                   RngKey col_rng, bool row_bf16, bool col_bf16, QTensor& row, QTensor& col) {
+  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
+  if (!mx || col_spec.fmt != row_spec.fmt || row_spec.hadamard != 0 || col_spec.hadamard != 0 ||
+      x.dtype() != DType::F32)
+    return false;
+  check_cuda_tensor(x, "quantize_both", "x");
+  const QuantShape shape = quant_shape(x, row_spec);
+  (void)quant_shape(x, col_spec);  // validates the spec
+  const int64_t S = shape.slices, R = shape.rows, C = shape.cols;
+  row = alloc_qtensor(row_spec, shape, Device::CUDA);
+  col = alloc_qtensor(col_spec, shape, Device::CUDA);  // slice s: storage [C, padded R] at s * C rows
+  if (row_bf16) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
+  if (col_bf16) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
+  if (R == 0 || C == 0) return true;
+  const int64_t pr = col.padded_cols(), nb = col.blocks_per_row();
+  std::vector<PairSegmentOut> segs;
+  for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
+    segs.push_back({sl * R, R, col.codes.data<uint8_t>() + sl * C * pr, col.block_scales.data<uint8_t>() + sl * C * nb,
+                    col_bf16 ? col.bf16.data<__nv_bfloat16>() + sl * C * pr : nullptr, sl * C, col_rng});
+  launch_mxfp8_row_col(x.data<float>(), C, row, row_rng, row_spec.rounding == num::Rounding::SR,
+                       col_spec.rounding == num::Rounding::SR, row_spec.mx_rule, col_spec.mx_rule, segs);
   return true;
 }
 

@@ -51,6 +51,8 @@ struct PairSegment {
   uint8_t* codes;          // Col form: storage [cols, padded rows]
   uint8_t* scales;         // [cols, padded rows / 32]
   __nv_bfloat16* bf16;     // [cols, padded rows], or null
+  int64_t counter_row0;    // SR counters: storage row counter_row0 + j for column j (slice s of a
+                           // 3-D input: s * cols, as the 3-D tensor's Col-axis quantizer counts)
   uint64_t seed, stream;
   int64_t cta0;            // the segment's first CTA
 };
@@ -115,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   uint8_t col_scale = 0;
   if (col_live) {  // the Col-axis block: logical rows r0 .. r0 + 31 of column j
     col_scale = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed, sg.stream,
-                                                   uint64_t(j * padded_rows + r0), wc, nonfinite);
+                                                   uint64_t((sg.counter_row0 + j) * padded_rows + r0), wc, nonfinite);
     sg.scales[j * (padded_rows / B) + rb] = col_scale;
   }
   __syncthreads();
@@ -203,11 +205,14 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
-// One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of x, into q
-// (allocated; bf16 defined when its decode is wanted) under rng.
+// One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of x, into the
+// storage at codes / scales / bf16 (null: no decode) under rng, counters from counter_row0.
 struct PairSegmentOut {
   int64_t x_row0, rows;
-  QTensor* q;
+  uint8_t* codes;
+  uint8_t* scales;
+  __nv_bfloat16* bf16;
+  int64_t counter_row0;
   RngKey rng;
 };
 
@@ -238,9 +243,10 @@ void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row
       PairSegment& sg = p.seg[p.n++];
       sg.x_row0 = o.x_row0;
       sg.rows = o.rows;
-      sg.codes = o.q->codes.data<uint8_t>();
-      sg.scales = o.q->block_scales.data<uint8_t>();
-      sg.bf16 = o.q->bf16.defined() ? o.q->bf16.data<__nv_bfloat16>() : nullptr;
+      sg.codes = o.codes;
+      sg.scales = o.scales;
+      sg.bf16 = o.bf16;
+      sg.counter_row0 = o.counter_row0;
       sg.seed = o.rng.seed;
       sg.stream = o.rng.stream;
       sg.cta0 = ctas;
