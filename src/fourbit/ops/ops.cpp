@@ -163,14 +163,20 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
                      [&](int64_t r0, int64_t r1, size_t g) { return quantize(x.slice_rows(r0, r1), spec, rngs[g]); });
 }
 
+namespace {
+void check_row_col_axes(const char* op, const QuantSpec& row_spec, const QuantSpec& col_spec) {
+  if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)
+    fail("{}: the first spec must be Row-axis and the second Col-axis, got {} and {}", op, describe(row_spec),
+         describe(col_spec));
+}
+}  // namespace
+
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
                              bool col_bf16) {
   const HostOpTimer host_timer("quantize_row_col");
   if (x.dim() != 2) fail("quantize_row_col: x must be 2-D [rows, cols], got {}", x.str());
-  if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)
-    fail("quantize_row_col: the first spec must be Row-axis and the second Col-axis, got {} and {}", describe(row_spec),
-         describe(col_spec));
+  check_row_col_axes("quantize_row_col", row_spec, col_spec);
   const int64_t G = check_row_offsets("quantize_row_col", offsets, x.size(0), "x");
   if (int64_t(col_rngs.size()) != G) fail("quantize_row_col: {} keys for {} segments", col_rngs.size(), G);
   RowColQuant out;
@@ -190,9 +196,7 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
 BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                        RngKey col_rng, bool row_bf16, bool col_bf16) {
   const HostOpTimer host_timer("quantize_both");
-  if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)
-    fail("quantize_both: the first spec must be Row-axis and the second Col-axis, got {} and {}", describe(row_spec),
-         describe(col_spec));
+  check_row_col_axes("quantize_both", row_spec, col_spec);
   BothAxes out;
 #if FOURBIT_HAS_CUDA
   if (x.device() == Device::CUDA &&

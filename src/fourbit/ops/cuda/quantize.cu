@@ -279,13 +279,19 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
   return true;
 }
 
+namespace {
+// Whether mxfp8_row_col_kernel takes x on these two axes: MXFP8 of one element format, no RHT.
+bool row_col_kernel_takes(const Tensor& x, const QuantSpec& row_spec, const QuantSpec& col_spec) {
+  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
+  return mx && col_spec.fmt == row_spec.fmt && row_spec.hadamard == 0 && col_spec.hadamard == 0 &&
+         x.dtype() == DType::F32;
+}
+}  // namespace
+
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                       const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
                       bool col_bf16, RowColQuant& out) {
-  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
-  if (!mx || col_spec.fmt != row_spec.fmt || row_spec.hadamard != 0 || col_spec.hadamard != 0 ||
-      x.dtype() != DType::F32)
-    return false;
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   check_cuda_tensor(x, "quantize_row_col", "x");
   const int64_t R = x.size(0), C = x.size(1);
   out.row = alloc_qtensor(row_spec, quant_shape(x, row_spec), Device::CUDA);
@@ -332,10 +338,7 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
 
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                    RngKey col_rng, bool row_bf16, bool col_bf16, QTensor& row, QTensor& col) {
-  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
-  if (!mx || col_spec.fmt != row_spec.fmt || row_spec.hadamard != 0 || col_spec.hadamard != 0 ||
-      x.dtype() != DType::F32)
-    return false;
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   check_cuda_tensor(x, "quantize_both", "x");
   const QuantShape shape = quant_shape(x, row_spec);
   (void)quant_shape(x, col_spec);  // validates the spec
