@@ -228,9 +228,6 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
     }
     return;
   }
-  if (ab == CUDA_R_32F && batch == 1 && alpha == 1.0f &&
-      skinny_matmul_f32(a, b, static_cast<float*>(c), ldc, M, N, K, beta))
-    return;
   const Plan& plan = plan_for(a, b, ldc, c_stride, M, N, K, batch, ab, reduce_over_batch);
   size_t ws_bytes = 0;
   void* ws = cublas_workspace(&ws_bytes);

@@ -1,4 +1,4 @@
-// defines: matmul_nt, skinny_matmul_f32
+// defines: matmul_nt
 // The one cuBLASLt entry point of the backend (gemm.cu, attention.cu). Row-major operands in the
 // NT form the rest of fourbit uses: C[b][m, n] = alpha * sum_k A[b](m, k) B[b](n, k) + beta * C[b].
 //
@@ -29,12 +29,5 @@ struct MatmulOperand {
 void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t ldc,
                int64_t c_batch_stride, int64_t M, int64_t N, int64_t K, int batch,
                cudaDataType_t ab_type, float alpha, float beta, bool reduce_over_batch = false);
-
-// matmul_nt's FP32 GEMMs with one dimension of at most 32 (a router's: N in the forward, K in
-// the input gradient, M in the weight gradient; skinny_gemm.cu), batch 1, alpha 1, beta 0 or 1:
-// one pass over the large operand, each output one fixed-order sum (rows batch invariant where
-// M is not the narrow dimension). false, nothing done: the shape or alignment is not one of them.
-bool skinny_matmul_f32(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M, int64_t N,
-                       int64_t K, float beta);
 
 }  // namespace fourbit::ops::cuda
