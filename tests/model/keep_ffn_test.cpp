@@ -8,8 +8,8 @@
 #include <cstring>
 #include <vector>
 
-#include "fourbit/model/linear.h"
 #include "fourbit/model/model.h"
+#include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "model/model_test_util.h"
 
@@ -78,7 +78,7 @@ void expect_same(const ModelConfig& c, Device dev) {
     for (int64_t l = 0; l < c.n_layers; ++l) {
       if (!c.is_moe_layer(l)) continue;
       const LayerRecipe& r = rec.layer(LayerClass::Expert, l, c.n_layers);
-      const bool pairs = !r.requant_saved_sr && pairs_row_col(r.fprop.a, r.wgrad.b);
+      const bool pairs = !r.requant_saved_sr && ops::row_col_one_pass(r.fprop.a, r.wgrad.b);
       if (pairs) a_wgrad_max += F * (N * c.top_k + 31 * c.n_experts) * 33 / 32;
     }
     const int64_t a_wgrad = at(keep.saved, "expert_wgrad");

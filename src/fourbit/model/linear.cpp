@@ -1,5 +1,5 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, gemm, grouped_gemm, pairs_row_col, prepare_row_col,
+//          requantize_saved_segments, gemm, grouped_gemm, prepare_row_col,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
 
@@ -171,11 +171,6 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
   return out;
 }
 
-bool pairs_row_col(const QuantSpec& row_spec, const QuantSpec& col_spec) {
-  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
-  return mx && col_spec.fmt == row_spec.fmt;
-}
-
 PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
@@ -185,8 +180,6 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
                 col_sites.size());
   const QuantSpec rs = quantized_spec(t, row_spec, row_role, row_side, cls);
   const QuantSpec cs = quantized_spec(t, col_spec, col_role, col_side, cls);
-  FOURBIT_CHECK(rs.axis == BlockAxis::Row && cs.axis == BlockAxis::Col, "prepare_row_col: {} then {}",
-                describe(rs), describe(cs));
   std::vector<ops::RngKey> keys;
   for (const QuantSite& s : col_sites) keys.push_back(s.key);
   ops::RowColQuant q = ops::quantize_row_col(t, rs, row_site.key, cs, offsets, keys, row_bf16, col_bf16);

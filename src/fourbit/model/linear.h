@@ -1,5 +1,5 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
-//          PreparedRowCol, prepare_row_col, pairs_row_col, prepare_weight_both,
+//          PreparedRowCol, prepare_row_col, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, gemm, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
@@ -97,7 +97,7 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
 // segment of offsets ({0, rows}: the whole t) at col_sites — the bits and log entries of
 // prepare(t, row_spec, ...) followed by prepare_segments(t, offsets, col_spec, ...), in one
 // ops::quantize_row_col (one pass over t on the GPU where both are MXFP8). Both specs must be
-// block-scaled (pairs_row_col). row_bf16 / col_bf16: ask for the GPU quantizer's BF16 decodes, for
+// block-scaled (the model calls it where ops::row_col_one_pass holds). row_bf16 / col_bf16: ask for the GPU quantizer's BF16 decodes, for
 // operands a GEMM reads right away (not for ones saved for the backward pass: they would keep
 // 2 bytes a value alive).
 struct PreparedRowCol {
@@ -115,9 +115,6 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
 std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
                                                   const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
                                                   QuantLog* log);
-// Whether prepare_row_col takes these two specs: both MXFP8 of one element format (the pairs the
-// one-pass kernel serves; other block-scaled pairs keep their separate quantizers).
-bool pairs_row_col(const QuantSpec& row_spec, const QuantSpec& col_spec);
 
 // A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
 // tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with

@@ -157,6 +157,16 @@ struct ModelRunner {
     ops::running_segment_amax(x, rows, offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
   }
 
+  // Whether a layer's fprop X and wgrad X^T are made together (prepare_row_col): the weight
+  // gradient's X^T comes from the high-precision X and the two specs pair in one pass.
+  static bool x_pairs(const LayerRecipe& r) {
+    return !wgrad_from_saved_fwd(r) && ops::row_col_one_pass(r.fprop.a, r.wgrad.b);
+  }
+  // The same for the backward's dY (dgrad) and dY^T (wgrad).
+  static bool dy_pairs(const LayerRecipe& r) {
+    return !wgrad_dy_reuses_dgrad(r) && ops::row_col_one_pass(r.dgrad.a, r.wgrad.a);
+  }
+
   // X of the GEMMs at `point` (a weight or an input group): point/fprop/X, and point/wgrad/X^T
   // where the weight gradient's X is prepared from the high-precision X — both in one pass where
   // their formats pair (prepare_row_col; fwd_bf16: with the fprop operand's BF16 decode, for
@@ -164,7 +174,7 @@ struct ModelRunner {
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
                             bool fwd_bf16 = false) {
     LinearInput in;
-    if (!wgrad_from_saved_fwd(r) && pairs_row_col(r.fprop.a, r.wgrad.b) && x.size(0) > 0) {
+    if (x_pairs(r) && x.size(0) > 0) {
       PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
                                          GemmRole::Wgrad, 'b', {0, x.size(0)}, {site(point + "/wgrad/X^T")}, cls,
                                          log, fwd_bf16, false);
@@ -225,7 +235,7 @@ struct ModelRunner {
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
                        const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
     const QuantSite dyt_site = site(name + "/wgrad/dY^T");
-    if (dx && !wgrad_dy_reuses_dgrad(r) && pairs_row_col(r.dgrad.a, r.wgrad.a) && dy.size(0) > 0) {
+    if (dx && dy_pairs(r) && dy.size(0) > 0) {
       // dY and dY^T in one pass, each with its BF16 decode: both GEMMs read them right away
       const PreparedRowCol p = prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), r.wgrad.a,
                                                GemmRole::Wgrad, 'a', {0, dy.size(0)}, {dyt_site}, cls, log, true, true);
@@ -249,15 +259,18 @@ struct ModelRunner {
   static bool wgrad_dy_reuses_dgrad(const LayerRecipe& r) {
     return !r.dgrad.a.quantized() && !r.wgrad.a.quantized() && r.dgrad.a.fmt == r.wgrad.a.fmt;
   }
-  // The experts' dY for dgrad (point/dgrad/dY) and dY^T for wgrad (point/wgrad/dY^T[e]) in one pass
-  // where their formats pair, each with its BF16 decode (the GEMMs read them right away);
-  // otherwise {dgrad's dY, {}} and wgrad_dy_segments makes the rest.
+  // The experts' dY for dgrad (point/dgrad/dY) and every expert's dY^T for wgrad
+  // (point/wgrad/dY^T[e]): in one pass where they pair, each with its BF16 decode (the GEMMs read
+  // them right away); otherwise dY, then wgrad_dy_segments.
   PreparedRowCol expert_dy(const Tensor& dy, const std::vector<int64_t>& offsets, const LayerRecipe& r,
                            LayerClass cls, const std::string& point) {
-    if (!wgrad_dy_reuses_dgrad(r) && pairs_row_col(r.dgrad.a, r.wgrad.a) && dy.size(0) > 0)
+    if (dy_pairs(r) && dy.size(0) > 0)
       return prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), r.wgrad.a,
                              GemmRole::Wgrad, 'a', offsets, expert_sites(point + "/wgrad/dY^T"), cls, log, true, true);
-    return {prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), cls, log), {}};
+    PreparedRowCol p;
+    p.row = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), cls, log);
+    p.col = wgrad_dy_segments(dy, p.row, offsets, r, cls, point);
+    return p;
   }
 
   // The same for every expert's token range (otherwise prepare_segments, point/wgrad/dY^T[e]).
@@ -420,8 +433,7 @@ struct ModelRunner {
     // then the same wherever it is quantized), both come from the dispatched rows in one pass,
     // X with its BF16 decode for the w1 and w3 GEMMs; otherwise each token is quantized once here
     // and its packed row dispatched.
-    const bool pair_x = r.fprop.a.quantized() && !wgrad_from_fwd && r.fprop.a.rounding == num::Rounding::RNE &&
-                        pairs_row_col(r.fprop.a, r.wgrad.b);
+    const bool pair_x = x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
     Prepared px;
     if (r.fprop.a.quantized() && !pair_x)
       px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
@@ -544,7 +556,7 @@ struct ModelRunner {
     // the two pair (prepare_row_col), and a with its BF16 decode for the GEMM below.
     Prepared pa;
     std::vector<Prepared> a_wgrad;
-    if (inner && !wgrad_from_saved_fwd(r) && pairs_row_col(r.fprop.a, r.wgrad.b) && rows > 0) {
+    if (inner && x_pairs(r) && rows > 0) {
       PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                          GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
                                          cls, log, true, false);
@@ -595,8 +607,7 @@ struct ModelRunner {
     Tensor da = act({N * K, F});
     grouped_gemm(pdy.row, w2_dgrad, plan.offsets, da);
     // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
-    const std::vector<Prepared> dyt =
-        pdy.col.empty() ? wgrad_dy_segments(dy_perm, pdy.row, plan.offsets, r, cls, name + "moe.w2") : std::move(pdy.col);
+    const std::vector<Prepared> dyt = std::move(pdy.col);
     const std::vector<Prepared> a_wgrad =
         wgrad_from_saved_fwd(r)   ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
         : !in.a_wgrad.empty() ? std::move(in.a_wgrad)
@@ -612,10 +623,7 @@ struct ModelRunner {
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1.row, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3.row, w3_dgrad, plan.offsets, dx_perm, true);
-    const std::vector<Prepared> dh1t =
-        pdh1.col.empty() ? wgrad_dy_segments(dh1, pdh1.row, plan.offsets, r, cls, name + "moe.w1") : std::move(pdh1.col);
-    const std::vector<Prepared> dh3t =
-        pdh3.col.empty() ? wgrad_dy_segments(dh3, pdh3.row, plan.offsets, r, cls, name + "moe.w3") : std::move(pdh3.col);
+    const std::vector<Prepared> dh1t = std::move(pdh1.col), dh3t = std::move(pdh3.col);
     const std::vector<Prepared> x_wgrad = wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
     experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
@@ -715,9 +723,9 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
 void Model::quantize_weights_ahead(const SrStreams& sr) {
   if (device_ != Device::CUDA || dtype_ != DType::F32) return;
   for (const LinearInfo& li : linears()) {
-    const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+    const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
     const QuantSpec &f = r.fprop.b, &d = r.dgrad.b;
-    if (r.requant_saved_sr || !pairs_row_col(f, d) || f.rounding != num::Rounding::RNE ||
+    if (r.requant_saved_sr || !ops::row_col_one_pass(f, d) || f.rounding != num::Rounding::RNE ||
         d.rounding != num::Rounding::RNE || li.weight.dtype() != DType::F32)
       continue;
     const std::string kf = li.name + "/" + gemm_role_name(GemmRole::Fprop);
@@ -733,7 +741,7 @@ void Model::convert_bf16_weights_ahead() {
   if (!weight_cache_.empty() || !bf16_ahead_.empty() || dtype_ != DType::F32) return;
   std::vector<Tensor> src, dst;
   for (const LinearInfo& li : linears()) {
-    const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+    const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
     if (r.fprop.b.fmt != Format::BF16 || li.weight.dtype() != DType::F32) continue;
     Tensor copy = Tensor::empty(li.weight.shape(), DType::BF16, device_);
     src.push_back(li.weight);
@@ -1041,7 +1049,7 @@ LinearInfo Model::linear(const std::string& name) const {
 Prepared Model::forward_weight(const std::string& linear_name) {
   // The same call (name, role, spec, class) as the forward's, so the same cache entry.
   const LinearInfo li = linear(linear_name);
-  const LayerRecipe& r = li.cls == LayerClass::LmHead ? recipe_.lm_head : recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+  const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
   // An FFN's w1 and w3 share one outer scale (NUMERICS "NVFP4"): the forward prepares each with
   // the other as its partner, and so does this, in case the forward has not run since the weights
   // last changed.

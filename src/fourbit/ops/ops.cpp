@@ -163,6 +163,11 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
                      [&](int64_t r0, int64_t r1, size_t g) { return quantize(x.slice_rows(r0, r1), spec, rngs[g]); });
 }
 
+bool row_col_one_pass(const QuantSpec& row_spec, const QuantSpec& col_spec) {
+  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
+  return mx && col_spec.fmt == row_spec.fmt && row_spec.hadamard == 0 && col_spec.hadamard == 0;
+}
+
 namespace {
 void check_row_col_axes(const char* op, const QuantSpec& row_spec, const QuantSpec& col_spec) {
   if (row_spec.axis != BlockAxis::Row || col_spec.axis != BlockAxis::Col)

@@ -1,4 +1,4 @@
-// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, RowColQuant, quantize_row_col, BothAxes,
+// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
@@ -72,6 +72,9 @@ std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_
 // quantize_segments. On the GPU, MXFP8 on both axes (one element format, no RHT) is one pass that
 // reads x once; with row_bf16 / col_bf16 it also writes those forms' exact BF16 decodes
 // (QTensor::bf16) for the GEMMs that read them next. Otherwise the two ops run, without decodes.
+// Whether a backend with the one-pass kernel makes these two forms in one pass: MXFP8 of one
+// element format, no RHT (other block-scaled pairs keep their separate quantizers).
+bool row_col_one_pass(const QuantSpec& row_spec, const QuantSpec& col_spec);
 struct RowColQuant {
   QTensor row;
   std::vector<QTensor> col;  // per segment (empty segments: empty QTensors)

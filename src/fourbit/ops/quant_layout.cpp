@@ -1,4 +1,4 @@
-// defines: quant_shape, alloc_qtensor, requantize_transposed_spec (quant_layout.h)
+// defines: quant_shape, qtensor_layout, alloc_qtensor, requantize_transposed_spec (quant_layout.h)
 #include "fourbit/ops/quant_layout.h"
 
 #include <string>
@@ -18,7 +18,7 @@ QuantShape quant_shape(const Tensor& x, const QuantSpec& spec) {
   return s;
 }
 
-QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device) {
+QTensor qtensor_layout(const QuantSpec& spec, const QuantShape& s) {
   QTensor q;
   q.fmt = spec.fmt;
   q.axis = spec.axis;
@@ -29,6 +29,11 @@ QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device)
   q.tile_2d = spec.tile_2d;
   q.hadamard = spec.hadamard;
   q.hadamard_signs = spec.hadamard_signs;
+  return q;
+}
+
+QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device) {
+  QTensor q = qtensor_layout(spec, s);
   const int64_t n_rows = q.total_rows();
   q.codes = Tensor::empty({n_rows, q.code_row_bytes()}, DType::U8, device);
   q.block_scales = Tensor::empty({n_rows, q.blocks_per_row()}, DType::U8, device);

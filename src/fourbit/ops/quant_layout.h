@@ -1,4 +1,4 @@
-// defines: QuantShape, quant_shape, alloc_qtensor, requantize_transposed_spec, cublaslt_scale_offset
+// defines: QuantShape, quant_shape, qtensor_layout, alloc_qtensor, requantize_transposed_spec, cublaslt_scale_offset
 // The shape bookkeeping shared by the CPU and CUDA quantizers: how a logical [S,] R x C input
 // maps to a QTensor's storage, and the allocation of its three buffers.
 #pragma once
@@ -15,6 +15,8 @@ struct QuantShape {
 // dimensions.
 QuantShape quant_shape(const Tensor& x, const QuantSpec& spec);
 
+// The layout fields of spec's QTensor over logical [S,] R x C, no buffers.
+QTensor qtensor_layout(const QuantSpec& spec, const QuantShape& s);
 // A QTensor for spec over logical [S,] R x C, buffers allocated on `device`, contents undefined.
 QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device);
 

@@ -280,11 +280,9 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
 }
 
 namespace {
-// Whether mxfp8_row_col_kernel takes x on these two axes: MXFP8 of one element format, no RHT.
+// Whether mxfp8_row_col_kernel takes x on these two axes (ops::row_col_one_pass, F32 input).
 bool row_col_kernel_takes(const Tensor& x, const QuantSpec& row_spec, const QuantSpec& col_spec) {
-  const bool mx = row_spec.fmt == Format::MXFP8_E4M3 || row_spec.fmt == Format::MXFP8_E5M2;
-  return mx && col_spec.fmt == row_spec.fmt && row_spec.hadamard == 0 && col_spec.hadamard == 0 &&
-         x.dtype() == DType::F32;
+  return ops::row_col_one_pass(row_spec, col_spec) && x.dtype() == DType::F32;
 }
 }  // namespace
 
@@ -300,14 +298,7 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
   // The segments' Col-axis forms as views of one buffer per kind (codes, scales, decodes): three
   // allocations instead of three per expert, which cost the host more than the kernel's launch.
   out.col.assign(col_rngs.size(), QTensor{});
-  QTensor meta;  // alloc_qtensor's layout fields; storage: [C, a segment's padded rows]
-  meta.fmt = col_spec.fmt;
-  meta.axis = BlockAxis::Col;
-  meta.outer = OuterScale::None;
-  meta.rows = C;
-  meta.tile_2d = col_spec.tile_2d;
-  meta.hadamard = col_spec.hadamard;
-  meta.hadamard_signs = col_spec.hadamard_signs;
+  const QTensor meta = qtensor_layout(col_spec, QuantShape{1, 0, C});  // a segment sets cols: its rows
   int64_t padded_total = 0;
   for (size_t g = 0; g < col_rngs.size(); ++g)
     padded_total += (offsets[g + 1] - offsets[g] + num::kMxBlock - 1) / num::kMxBlock * num::kMxBlock;
@@ -331,8 +322,7 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
     at += pr;
   }
   if (C > 0)
-    launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec.rounding == num::Rounding::SR,
-                         col_spec.rounding == num::Rounding::SR, row_spec.mx_rule, col_spec.mx_rule, segs);
+    launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec, col_spec, segs);
   return true;
 }
 
@@ -353,8 +343,7 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
   for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
     segs.push_back({sl * R, R, col.codes.data<uint8_t>() + sl * C * pr, col.block_scales.data<uint8_t>() + sl * C * nb,
                     col_bf16 ? col.bf16.data<__nv_bfloat16>() + sl * C * pr : nullptr, sl * C, col_rng});
-  launch_mxfp8_row_col(x.data<float>(), C, row, row_rng, row_spec.rounding == num::Rounding::SR,
-                       col_spec.rounding == num::Rounding::SR, row_spec.mx_rule, col_spec.mx_rule, segs);
+  launch_mxfp8_row_col(x.data<float>(), C, row, row_rng, row_spec, col_spec, segs);
   return true;
 }
 

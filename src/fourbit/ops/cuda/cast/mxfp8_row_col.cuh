@@ -216,12 +216,13 @@ struct PairSegmentOut {
   RngKey rng;
 };
 
-// x [rows, cols] (F32, contiguous) into `row` (the Row-axis form of every row, under row_rng) and
-// the segments' Col-axis forms; both MXFP8 of one element format. Segments must cover x's rows
-// (each row's Row-axis block is quantized by the CTA of its segment).
-void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row_rng, bool row_sr, bool col_sr,
-                          num::MxScaleRule row_rule, num::MxScaleRule col_rule,
-                          const std::vector<PairSegmentOut>& segs) {
+// x [rows, cols] (F32, contiguous) into `row` (the Row-axis form of every row under row_spec and
+// row_rng) and the segments' Col-axis forms under col_spec (rounding and scale rule; both MXFP8
+// of one element format). Segments must cover x's rows (each row's Row-axis block is quantized by
+// the CTA of its segment).
+void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row_rng, const QuantSpec& row_spec,
+                          const QuantSpec& col_spec, const std::vector<PairSegmentOut>& segs) {
+  const bool row_sr = row_spec.rounding == num::Rounding::SR, col_sr = col_spec.rounding == num::Rounding::SR;
   const bool e5m2 = row.fmt == Format::MXFP8_E5M2;
   for (size_t first = 0; first < segs.size(); first += kPairSegsPerLaunch) {
     PairParams p{};
@@ -235,8 +236,8 @@ void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row
     p.row_bf16 = row.bf16.defined() ? row.bf16.data<__nv_bfloat16>() : nullptr;
     p.row_seed = row_rng.seed;
     p.row_stream = row_rng.stream;
-    p.row_rule = row_rule;
-    p.col_rule = col_rule;
+    p.row_rule = row_spec.mx_rule;
+    p.col_rule = col_spec.mx_rule;
     int64_t ctas = 0;
     for (size_t i = first; i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
       const PairSegmentOut& o = segs[i];
