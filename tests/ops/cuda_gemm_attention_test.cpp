@@ -337,6 +337,35 @@ TEST(CudaAttention, FusedMatchesMaterialized) {
     EXPECT_LT(diff(dv[0], dv[1]), 1e-5);
   }
 }
+
+// The wgmma engine (Hopper) against the mma.sync one on the same kernels: the same BF16 operands
+// and order of blocks, so only the tensor cores' internal sums may differ; a tile-layout or
+// descriptor mistake would be far outside this bound (T = 200: a partial last tile).
+TEST(CudaAttention, WgmmaEngineMatchesMmaSync) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  struct Restore {
+    ~Restore() { ops::cuda::set_flash_wgmma(true); }
+  } restore;
+  for (const int64_t hd : {64, 128}) {
+    SCOPED_TRACE("hd=" + std::to_string(hd));
+    const int64_t B = 2, T = 200, Hq = 4, Hkv = 2;
+    const Tensor q = randn({B, T, Hq, hd}, 61).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 62).to(Device::CUDA),
+                 v = randn({B, T, Hkv, hd}, 63).to(Device::CUDA), dout = randn({B, T, Hq, hd}, 64).to(Device::CUDA);
+    std::vector<Tensor> got[2];
+    for (int wgmma = 0; wgmma < 2; ++wgmma) {
+      ops::cuda::set_flash_wgmma(wgmma == 1);
+      Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
+      ASSERT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out, lse));
+      Tensor dq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), dk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
+             dv = dk.clone();
+      ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
+      got[wgmma] = {out, lse, dq, dk, dv};
+    }
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(got[0][i], got[1][i]), 1e-8) << names[i];
+  }
+}
 #endif
 
 // Work spread over GPU lanes gives the bits of the same work issued in order: 16 "experts" of

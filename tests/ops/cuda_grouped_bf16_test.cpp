@@ -280,7 +280,7 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
 // columns), a column tile and a part, K past a whole tile, accumulate on and off.
 TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   const std::vector<GroupedCase> cases = {
       {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
       {1030, 72, 512, {0, 0, 515, 1030}},
@@ -327,7 +327,7 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
 // group's), accumulate on and off; and ops::grouped_gemm takes a transposed dense B this way.
 TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   const std::vector<GroupedCase> cases = {
       {3000, 200, 136, {0, 700, 700, 1999, 2000, 3000}},
       {1030, 72, 520, {0, 0, 515, 1030}},
@@ -384,7 +384,7 @@ TEST(CudaGroupedBf16, HopperRunsTheWgmmaLoop) {
   ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), cudaSuccess);
   if (major != 9) GTEST_SKIP() << "not a Hopper GPU (compute capability " << major << ".x)";
-  EXPECT_TRUE(ops::cuda::grouped_wgmma_available())
+  EXPECT_TRUE(ops::cuda::wgmma_available())
       << "compute capability 9.x but no sm_90a code: build with CMAKE_CUDA_ARCHITECTURES including 90a";
 }
 

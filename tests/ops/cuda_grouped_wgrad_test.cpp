@@ -98,7 +98,7 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
     expect_near_exact(got, accumulate ? host_doubles(init) : std::vector<double>{}, hdy, hx, kOffsets, R, C,
                       "bf16, transposed");
 
-    if (!ops::cuda::grouped_wgmma_available()) continue;
+    if (!ops::cuda::wgmma_available()) continue;
     // gemm_batch_grouped ran the K-grouped kernel: its bits; run again, the same bits.
     Tensor direct = init.clone();
     std::vector<ops::cuda::KGroupedProblem> problems;
@@ -130,7 +130,7 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
 // on and off, and more problems than one TMA launch takes (40: two launches).
 TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   struct Case {
     int64_t R, C, problems;
     bool accumulate;
@@ -217,7 +217,7 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnDecodedMxfp8Operands) {
 
 TEST(CudaGroupedWgrad, EmptyProblemsAndWhatItDeclines) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (!ops::cuda::grouped_wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   const int64_t R = 64, C = 32;
   Tensor a = Tensor::empty({16, R}, DType::BF16, Device::CUDA), b = Tensor::empty({16, C}, DType::BF16, Device::CUDA);
   ops::convert(randn_cuda({16, R}, 7), a);

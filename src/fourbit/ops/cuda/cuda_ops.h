@@ -5,10 +5,10 @@
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
-//          grouped_wgmma_available,
+//          wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
-//          requantize_kernel_for, flash_attention_forward, flash_attention_backward,
+//          requantize_kernel_for, set_flash_wgmma, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -155,7 +155,7 @@ int64_t grouped_wgrad_tma_launches();
 
 // Whether this device runs that Hopper loop at all: compute capability 9.x and a build with sm_90a
 // code (the default CMAKE_CUDA_ARCHITECTURES); elsewhere the grouped kernel is the mma.sync one.
-bool grouped_wgmma_available();
+bool wgmma_available();
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();
@@ -197,6 +197,10 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
 // returns false for shapes it does not take (hd other than 32, 64 or 128; unaligned outputs) and the
 // materialized one (attention.cu: scores in memory, cuBLASLt GEMMs) runs instead. Both are here
 // for the tests and bench/gpu_attention, which compare them.
+// On a device with sm_90a code the fused kernels run on wgmma at hd 64 and 128 (flash_attention.cu);
+// set_flash_wgmma(false) makes them use mma.sync, as elsewhere (tests and bench/gpu_attention
+// compare the two).
+void set_flash_wgmma(bool on);
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);

@@ -1,7 +1,7 @@
-// defines: cuda::flash_attention_forward, cuda::flash_attention_backward
+// defines: cuda::flash_attention_forward, cuda::flash_attention_backward, cuda::set_flash_wgmma
 // Causal grouped-query attention fused into three kernels that never write the scores (the
-// FlashAttention-2 schedule, Dao 2023): BF16 tensor-core MMAs (mma.sync m16n8k16, FP32
-// accumulation) on tiles of 64 queries x 64 keys, with the softmax kept online in registers.
+// FlashAttention-2 schedule, Dao 2023): BF16 tensor-core MMAs with FP32 accumulation on tiles of
+// 64 queries x 64 keys, with the softmax kept online in registers.
 //
 //   forward   one CTA per (64-query block, q head, sequence): S = Q K^T, running max and sum,
 //             O += P V with P rounded to BF16, O / l and lse = m + log l at the end.
@@ -12,22 +12,38 @@
 //             after the keys: dV += P^T dO, dK += dS^T Q, per q head ([B, Hq, S, hd]); attention.cu
 //             sums each group's heads.
 //
+// A CTA is one warpgroup (4 warps, 16 tile rows each), and every product is one of two shapes on
+// [64][hd] BF16 tiles in shared memory:
+//   scores      C (64 x 64)  = A tile . B tile^T          S = Q K^T, dP = dO V^T, and the dK/dV
+//                                                          kernel's S^T = K Q^T, dP^T = V dO^T
+//   accumulate  C (64 x hd) += A (BF16 registers) . B tile  O += P V, dQ += dS K, dV += P^T dO,
+//                                                          dK += dS^T Q
+// with C in the m16n8 accumulator layout (warp w's rows 16w ..) and the register A in mma_bf16's
+// A fragments, the layouts in which wgmma also hands a warpgroup its results and takes A from
+// registers. So one kernel body runs on either tile engine:
+//   Wgmma    (Hopper, sm_90a code, hd 64 or 128): tiles in 64-column panels in the 128-byte
+//            swizzle; warpgroup wgmma m64n64k16 reading both tiles through descriptors (scores) or
+//            A from registers and B MN-major (accumulate). Each tile is read once per warpgroup.
+//   MmaSync  (elsewhere, and hd 32): tiles with rows padded by 16 bytes; each warp loads its
+//            fragments by ldmatrix (.trans where the tile holds B itself) into mma.sync m16n8k16.
+// The engines give close but not always equal bits (the tensor cores' internal sums); a device
+// always takes the same one for a shape, so training, prefill and decode agree.
+//
 // Q, K, V and dO are rounded to BF16 (RNE, as the materialized path's to_heads) into copies in the
 // model's [B, T, H, hd] layout, which the kernels stream through double-buffered shared-memory
 // tiles with cp.async (the next block lands while the current one is multiplied); outputs go
-// straight back to [B, T, H, hd] FP32. Every
-// sum runs in a fixed order (no atomics), so results are deterministic, and the work for a query
-// row depends only on that row, its keys and the key blocks (64 keys aligned to absolute
-// positions): a sequence gives the same bits alone or in a batch, and a KV-cache decode step
-// gives the bits of the full forward's row (fully masked key blocks change nothing: their scale
-// factor is exp(0) = 1 and their P is 0).
+// straight back to [B, T, H, hd] FP32. Exponentials are exp2 of scores scaled by scale * log2(e)
+// (one FFMA and one MUFU.EX2 a score). Every sum runs in a fixed order (no atomics), so results
+// are deterministic, and the work for a query row depends only on that row, its keys and the key
+// blocks (64 keys aligned to absolute positions): a sequence gives the same bits alone or in a
+// batch, and a KV-cache decode step gives the bits of the full forward's row (fully masked key
+// blocks change nothing: their scale factor is exp2(0) = 1 and their P is 0).
 //
-// Fragments come from row-major BF16 tiles in shared memory by ldmatrix (.trans where the tile
-// holds B itself rather than its transpose), in dynamic shared memory (87 KB for the forward at
-// hd 128). Supported: hd 32, 64 or 128 and 16-byte aligned outputs; for anything else the entry
-// points return false and attention.cu takes the materialized path.
+// Supported: hd 32, 64 or 128 and 16-byte aligned outputs; for anything else the entry points
+// return false and attention.cu takes the materialized path.
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -39,70 +55,15 @@
 namespace fourbit::ops::cuda {
 namespace {
 
-constexpr int kFaBlock = 64;           // queries and keys per tile
-constexpr int kFaThreads = 128;        // 4 warps, 16 rows each
-template <int HD>
-constexpr int kFaLd = HD + 8;  // BF16 row stride of a tile [64][hd]: +16 bytes, so the eight rows
-                                // an ldmatrix reads sit in different banks
+constexpr int kFaBlock = 64;     // queries and keys per tile
+constexpr int kFaThreads = 128;  // one warpgroup: 4 warps, 16 rows each
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+std::atomic<bool> g_flash_wgmma{true};
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// The A fragments of k-step kk for the warp's rows r .. r+15 of a row-major tile (stride ld):
-// matrices (rows +0, k +0), (+8, +0), (+0, +8), (+8, +8).
-__device__ __forceinline__ void load_a(const __nv_bfloat16* tile, int ld, int r, int kk, uint32_t (&a)[4]) {
-  const int lane = threadIdx.x & 31, m = lane >> 3;
-  ldsm_x4<false>(a, tile + (r + 8 * (m & 1) + (lane & 7)) * ld + kk * 16 + 8 * (m >> 1));
-}
-
-// acc[n-tile] (16 x 8N) += A (16 x 16K, the warp's fragments) * B, with B (16K x 8N) held in a
-// row-major BF16 tile y (stride ld) either as its transpose, y[n][k] (KMajor: S = Q K^T reads K
-// stored [key][d]), or as itself, y[k][n] (O = P V reads V stored [key][d]). One ldmatrix gives
-// the B fragments of two n-tiles: matrices (n +0, k +0), (n +0, k +8), (n +8, k +0), (n +8, k +8).
-template <bool KMajor>
-__device__ __forceinline__ void load_b_pair(const __nv_bfloat16* y, int ld, int n, int k, uint32_t (&b)[4]) {
-  const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
-  if constexpr (KMajor)
-    ldsm_x4<false>(b, y + (n * 8 + 8 * (m >> 1) + i) * ld + k * 16 + 8 * (m & 1));
-  else
-    ldsm_x4<true>(b, y + (k * 16 + 8 * (m & 1) + i) * ld + n * 8 + 8 * (m >> 1));
-}
-
-template <bool KMajor, int N, int K>
-__device__ __forceinline__ void mma_tile(float (&acc)[N][4], const uint32_t (&a)[K][4], const __nv_bfloat16* y, int ld) {
-  static_assert(N % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int n = 0; n < N; n += 2) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      uint32_t b[4];
-      load_b_pair<KMajor>(y, ld, n, k, b);
-      mma_bf16(acc[n], a[k], b[0], b[1]);
-      mma_bf16(acc[n + 1], a[k], b[2], b[3]);
-    }
-  }
-}
-
-// The same product with A read from shared memory (rows warp_row .., stride lda) one k-step at a
-// time, for the kernel whose accumulators leave no registers for A's fragments.
-template <bool KMajor, int N, int K>
-__device__ __forceinline__ void mma_tile_smem_a(float (&acc)[N][4], const __nv_bfloat16* a_tile, int lda, int warp_row,
-                                                const __nv_bfloat16* y, int ld) {
-  static_assert(N % 2 == 0, "n-tiles come in pairs");
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    uint32_t a[4];
-    load_a(a_tile, lda, warp_row, k, a);
-#pragma unroll
-    for (int n = 0; n < N; n += 2) {
-      uint32_t b[4];
-      load_b_pair<KMajor>(y, ld, n, k, b);
-      mma_bf16(acc[n], a, b[0], b[1]);
-      mma_bf16(acc[n + 1], a, b[2], b[3]);
-    }
-  }
 }
 
 // A 16 x 64 accumulator tile (8 n-tiles) as the BF16 A fragments of four k-steps (RNE).
@@ -122,22 +83,188 @@ __device__ __forceinline__ void zero(float (&acc)[N][4]) {
   for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 
-// Starts copying rows r0 .. r0+63 of x (BF16, row r at x + r * stride, 16-byte aligned) into a
-// row-major tile (stride HD + 8); rows at or past `rows` become zeros.
-template <int HD>
+// ---- the tile engines ---------------------------------------------------------------------------
+// Each gives: the bytes of a [64][HD] tile and the shared-memory offset of its 16-byte chunk c of
+// row r (where cp.async puts it); publish(), run by every thread after its copies landed and
+// before the barrier that hands the tiles to the warpgroup; scores / accumulate (above), and
+// their two-product forms, which may overlap the two.
+
+struct MmaSync {
+  static constexpr int kMinBlocks = 1;
+  template <int HD>
+  static constexpr int kTileBytes = kFaBlock * (HD + 8) * 2;
+  template <int HD>
+  __device__ static uint32_t chunk(int r, int c) {
+    return uint32_t(r * (HD + 8) * 2 + c * 16);
+  }
+  __device__ static void publish() {}
+
+  // A fragments from rows 16 w .. (warp w) of tile a; B from tile b as its transpose (b[n][k]).
+  template <int HD>
+  __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7, r = (threadIdx.x >> 5) * 16;
+    zero(c);
+#pragma unroll
+    for (int k = 0; k < HD / 16; ++k) {
+      uint32_t af[4];
+      ldsm_x4<false>(af, a + chunk<HD>(r + 8 * (m & 1) + i, 2 * k + (m >> 1)));
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        uint32_t bf[4];
+        ldsm_x4<false>(bf, b + chunk<HD>(n * 8 + 8 * (m >> 1) + i, 2 * k + (m & 1)));
+        mma_bf16(c[n], af, bf[0], bf[1]);
+        mma_bf16(c[n + 1], af, bf[2], bf[3]);
+      }
+    }
+  }
+  template <int HD>
+  __device__ static void scores2(float (&c1)[8][4], uint32_t a1, uint32_t b1, float (&c2)[8][4], uint32_t a2,
+                                 uint32_t b2) {
+    scores<HD>(c1, a1, b1);
+    scores<HD>(c2, a2, b2);
+  }
+  // B = tile b itself (b[k][n]), read transposed by ldmatrix .trans.
+  template <int HD>
+  __device__ static void accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
+    const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7;
+#pragma unroll
+    for (int n = 0; n < HD / 8; n += 2)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        uint32_t bf[4];
+        ldsm_x4<true>(bf, b + chunk<HD>(k * 16 + 8 * (m & 1) + i, n + (m >> 1)));
+        mma_bf16(c[n], a[k], bf[0], bf[1]);
+        mma_bf16(c[n + 1], a[k], bf[2], bf[3]);
+      }
+  }
+  template <int HD>
+  __device__ static void accumulate2(float (&c1)[HD / 8][4], const uint32_t (&a1)[4][4], uint32_t b1,
+                                     float (&c2)[HD / 8][4], const uint32_t (&a2)[4][4], uint32_t b2) {
+    accumulate<HD>(c1, a1, b1);
+    accumulate<HD>(c2, a2, b2);
+  }
+};
+
+struct Wgmma {
+  static constexpr int kMinBlocks = 2;
+  static constexpr int kPanel = kFaBlock * 128;  // 64 rows of 64 columns: one swizzle panel
+  template <int HD>
+  static constexpr int kTileBytes = kFaBlock * HD * 2;
+  template <int HD>
+  __device__ static uint32_t chunk(int r, int c) {
+    return uint32_t((c >> 3) * kPanel + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+  }
+  // cp.async writes through the generic proxy; wgmma reads through the async one.
+  __device__ static void publish() { fence_proxy_async(); }
+
+  // Keeps the registers where the asynchronous wgmma reads or writes them: written before the
+  // fence that precedes the MMAs, read after the wait that completes them.
+  template <int N>
+  __device__ static void pin(float (&c)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(c[n][e])::"memory");
+  }
+  __device__ static void pin(const uint32_t (&a)[4][4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" ::"r"(a[k][e]) : "memory");
+  }
+  template <int HD>
+  __device__ static void issue_scores(float (&c)[8][4], uint32_t a, uint32_t b) {
+#pragma unroll
+    for (int k = 0; k < HD / 16; ++k) {
+      const uint32_t off = (k >> 2) * kPanel + (k & 3) * 32;  // 16 columns = 32 bytes; 4 steps a panel
+      wgmma_m64n64k16_ss(c, wgmma_desc_sw128(a + off), wgmma_desc_sw128(b + off), k > 0);
+    }
+  }
+  template <int HD>
+  __device__ static void issue_accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wgmma_m64nNk16_rs<HD>(c, a[k], wgmma_desc_sw128_mn(b + k * 16 * 128, kPanel));
+  }
+  template <int HD>
+  __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
+    wgmma_fence();
+    issue_scores<HD>(c, a, b);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(c);
+  }
+  template <int HD>
+  __device__ static void scores2(float (&c1)[8][4], uint32_t a1, uint32_t b1, float (&c2)[8][4], uint32_t a2,
+                                 uint32_t b2) {
+    wgmma_fence();
+    issue_scores<HD>(c1, a1, b1);
+    issue_scores<HD>(c2, a2, b2);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(c1);
+    pin(c2);
+  }
+  template <int HD>
+  __device__ static void accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
+    pin(c);
+    wgmma_fence();
+    issue_accumulate<HD>(c, a, b);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(c);
+    pin(a);
+  }
+  template <int HD>
+  __device__ static void accumulate2(float (&c1)[HD / 8][4], const uint32_t (&a1)[4][4], uint32_t b1,
+                                     float (&c2)[HD / 8][4], const uint32_t (&a2)[4][4], uint32_t b2) {
+    pin(c1);
+    pin(c2);
+    wgmma_fence();
+    issue_accumulate<HD>(c1, a1, b1);
+    issue_accumulate<HD>(c2, a2, b2);
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin(c1);
+    pin(c2);
+    pin(a1);
+    pin(a2);
+  }
+};
+
+// The 1024-byte aligned start of the dynamic shared memory (the swizzle atoms wgmma's descriptors
+// assume; the launches ask for 1024 bytes of slack).
+__device__ __forceinline__ uint32_t tiles_base(const unsigned char* smem) {
+  return (smem_address(smem) + 1023u) & ~1023u;
+}
+__device__ __forceinline__ float* smem_floats(unsigned char* smem, uint32_t addr) {
+  return reinterpret_cast<float*>(smem + (addr - smem_address(smem)));
+}
+
+// Starts copying rows r0 .. r0+63 of x (BF16, row r at x + r * stride, 16-byte aligned) into the
+// engine's tile at shared address tile; rows at or past `rows` become zeros.
+template <class E, int HD>
 __device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict__ x, int64_t stride, int r0, int rows,
-                                                __nv_bfloat16* tile) {
+                                                uint32_t tile) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kFaThreads) {
-    const int r = i / kChunks, c = (i % kChunks) * 8;
+    const int r = i / kChunks, c = i % kChunks;
     const bool valid = r0 + r < rows;
-    cp_async16(tile + r * kFaLd<HD> + c, valid ? x + int64_t(r0 + r) * stride + c : x, valid ? 16 : 0);
+    cp_async16(tile + E::template chunk<HD>(r, c), valid ? x + int64_t(r0 + r) * stride + c * 8 : x, valid ? 16 : 0);
   }
 }
 
 // Starts copying the 64 row values v[r0 ..] (zeros past `rows`) into shared memory.
 __device__ __forceinline__ void load_rows_async(const float* __restrict__ v, int r0, int rows, float* dst) {
   for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) cp_async4(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows ? 4 : 0);
+}
+
+// Copies in flight landed, visible to both engines' reads, and (the barrier) nobody reads the
+// buffers the next copies overwrite.
+template <class E>
+__device__ __forceinline__ void tiles_landed() {
+  cp_async_wait<0>();
+  E::publish();
+  __syncthreads();
 }
 
 // The thread's two rows of a 16-row warp tile: gid and gid + 8.
@@ -172,18 +299,17 @@ struct FaDims {
 // The K and V rows of one (sequence, kv head) as a stream of double-buffered 64-key tiles: key
 // block kb lives in buffer kb % 2, and next(kb) starts copying block kb + 1 into the other one
 // while block kb is multiplied (the forward and the dQ kernel walk the keys this way).
-template <int HD>
+template <class E, int HD>
 struct KvTiles {
-  static constexpr int kTile = kFaBlock * kFaLd<HD>;
+  static constexpr int kTile = E::template kTileBytes<HD>;
   const __nv_bfloat16* k;
   const __nv_bfloat16* v;
   int64_t stride;
   int S, blocks;
-  __nv_bfloat16 (*ks)[kTile];
-  __nv_bfloat16 (*vs)[kTile];
+  uint32_t ks, vs;  // buffer j of each at + j * kTile
 
   __device__ KvTiles(const __nv_bfloat16* k_all, const __nv_bfloat16* v_all, const FaDims& d, int b, int hk,
-                     int last_key, __nv_bfloat16 (*ks_)[kTile], __nv_bfloat16 (*vs_)[kTile])
+                     int last_key, uint32_t ks_, uint32_t vs_)
       : k(k_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
         v(v_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
         stride(int64_t(d.Hkv) * HD),
@@ -191,9 +317,11 @@ struct KvTiles {
         blocks(last_key / kFaBlock + 1),
         ks(ks_),
         vs(vs_) {}
+  __device__ uint32_t k_tile(int kb) const { return ks + (kb & 1) * kTile; }
+  __device__ uint32_t v_tile(int kb) const { return vs + (kb & 1) * kTile; }
   __device__ void load(int kb) const {
-    load_tile_async<HD>(k, stride, kb * kFaBlock, S, ks[kb & 1]);
-    load_tile_async<HD>(v, stride, kb * kFaBlock, S, vs[kb & 1]);
+    load_tile_async<E, HD>(k, stride, kb * kFaBlock, S, k_tile(kb));
+    load_tile_async<E, HD>(v, stride, kb * kFaBlock, S, v_tile(kb));
   }
   __device__ void next(int kb) const {
     if (kb + 1 < blocks) load(kb + 1);
@@ -203,31 +331,27 @@ struct KvTiles {
 
 // ---- forward ----------------------------------------------------------------------------------
 
-template <int HD>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv_bfloat16* __restrict__ q,
-                                                                      const __nv_bfloat16* __restrict__ k,
-                                                                      const __nv_bfloat16* __restrict__ v, FaDims d,
-                                                                      float* __restrict__ out, float* __restrict__ lse) {
-  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
+template <class E, int HD>
+__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks)
+    flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                         const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
+                         float* __restrict__ lse) {
+  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
   // Q, then K and V double-buffered: block kb + 1 loads while block kb is multiplied
-  extern __shared__ __align__(16) unsigned char fa_smem[];
-  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(fa_smem);
-  auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + kTile);
-  auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(qs + 3 * kTile);
+  extern __shared__ unsigned char fa_smem[];
+  const uint32_t qs = tiles_base(fa_smem);
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
-  const KvTiles<HD> kv(k, v, d, b, hk, min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1)), ks, vs);
+  const KvTiles<E, HD> kv(k, v, d, b, hk, min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1)), qs + kTile,
+                          qs + 3 * kTile);
 
-  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
+  load_tile_async<E, HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
   kv.load(0);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
-  uint32_t qa[KS][4];
-#pragma unroll
-  for (int kk = 0; kk < KS; ++kk) load_a(qs, kFaLd<HD>, warp_row, kk, qa[kk]);
+  tiles_landed<E>();
 
+  const float scale2 = d.scale * kLog2e;  // scores in log2 units
   int pos[2];  // absolute positions of the thread's two rows
 #pragma unroll
   for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + t0 + warp_row + frag_row(i);
@@ -235,25 +359,24 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
   float o[ND][4];
   zero(o);
   for (int kb = 0; kb < kv.blocks; ++kb) {
-    const int s0 = kb * kFaBlock, buf = kb & 1;
+    const int s0 = kb * kFaBlock;
     kv.next(kb);
     float s[8][4];
-    zero(s);
-    mma_tile<true>(s, qa, ks[buf], kFaLd<HD>);
+    E::template scores<HD>(s, qs, kv.k_tile(kb));
     float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = e >> 1;
-        s[n][e] = s0 + frag_col(n, e) <= pos[row] ? s[n][e] * d.scale : -INFINITY;
+        s[n][e] = s0 + frag_col(n, e) <= pos[row] ? s[n][e] * scale2 : -INFINITY;
         block_max[row] = fmaxf(block_max[row], s[n][e]);
       }
     float alpha[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float m_new = fmaxf(m[i], quad_max(block_max[i]));  // finite: key 0 is never masked
-      alpha[i] = expf(m[i] - m_new);
+      alpha[i] = exp2f(m[i] - m_new);
       m[i] = m_new;
       l[i] *= alpha[i];
     }
@@ -261,7 +384,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
     for (int n = 0; n < 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = expf(s[n][e] - m[e >> 1]);
+        s[n][e] = exp2f(s[n][e] - m[e >> 1]);
         l[e >> 1] += s[n][e];
       }
 #pragma unroll
@@ -270,9 +393,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
       for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
     uint32_t pa[4][4];
     acc_to_a(s, pa);
-    mma_tile<false>(o, pa, vs[buf], kFaLd<HD>);
-    cp_async_wait<0>();  // block kb + 1 has landed, and (the barrier) nobody reads block kb now
-    __syncthreads();
+    E::template accumulate<HD>(o, pa, kv.v_tile(kb));
+    tiles_landed<E>();  // block kb + 1 has landed, and nobody reads block kb now
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -280,7 +402,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_forward_kernel(const __nv
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
     store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, sum);
-    if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] + logf(sum);
+    if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] * kLn2 + logf(sum);
   }
 }
 
@@ -296,88 +418,68 @@ struct FaBackward {
   float *dq, *dk_heads, *dv_heads;
 };
 
-// The dQ kernel holds Q and dO of its 16 rows per warp in registers: once the copies in flight
-// have landed, the A fragments of tiles x and y (staged in a buffer the loop reuses: the closing
-// barrier frees it).
-template <int HD>
-__device__ __forceinline__ void staged_fragments(const __nv_bfloat16* x, const __nv_bfloat16* y, int warp_row,
-                                                 uint32_t (&xa)[HD / 16][4], uint32_t (&ya)[HD / 16][4]) {
-  cp_async_wait<0>();
-  __syncthreads();
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
-    load_a(x, kFaLd<HD>, warp_row, kk, xa[kk]);
-    load_a(y, kFaLd<HD>, warp_row, kk, ya[kk]);
-  }
-  __syncthreads();
-}
-
-// dS = P (dP - D) * scale for an accumulator tile s (scores, unscaled) and dp, in place in s:
-// P = exp(s * scale - lse) where `visible`, else 0. lse_of / D_of give a fragment element's row
-// values (queries are rows in the dQ kernel, columns in the dK/dV kernel). p receives P.
+// From the scores s (unscaled) and dp of an accumulator tile: P = exp(s * scale - lse) where
+// `visible`, else 0, into dp, and dS = P (dP - D) * scale into s. lse_of / D_of give a fragment
+// element's row values (queries are rows in the dQ kernel, columns in the dK/dV kernel), lse in
+// log2 units (lse * log2(e)).
 template <typename Visible, typename LseOf, typename DOf>
-__device__ __forceinline__ void softmax_grad(float (&s)[8][4], const float (&dp)[8][4], float (&p)[8][4], float scale,
-                                             Visible visible, LseOf lse_of, DOf d_of) {
+__device__ __forceinline__ void softmax_grad(float (&s)[8][4], float (&dp)[8][4], float scale, Visible visible,
+                                             LseOf lse2_of, DOf d_of) {
+  const float scale2 = scale * kLog2e;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pv = visible(n, e) ? expf(s[n][e] * scale - lse_of(n, e)) : 0.0f;
-      p[n][e] = pv;
+      const float pv = visible(n, e) ? exp2f(fmaf(s[n][e], scale2, -lse2_of(n, e))) : 0.0f;
       s[n][e] = pv * (dp[n][e] - d_of(n, e)) * scale;
+      dp[n][e] = pv;
     }
 }
 
-template <int HD>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackward a) {
+template <class E, int HD>
+__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dq_kernel(const FaBackward a) {
   const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
   const float *lse = a.lse, *D = a.D;
   const FaDims d = a.d;
   float* dq = a.dq;
-  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
-  extern __shared__ __align__(16) unsigned char fa_smem[];
-  auto ks = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem);
-  auto vs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(fa_smem + 2 * kTile * sizeof(__nv_bfloat16));
+  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
+  // Q and dO of the CTA's queries, then K and V double-buffered
+  extern __shared__ unsigned char fa_smem[];
+  const uint32_t qs = tiles_base(fa_smem), dos = qs + kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
   const int64_t q_stride = int64_t(d.Hq) * HD;
-  const KvTiles<HD> kv(k, v, d, b, hk, min(d.T - 1, t0 + kFaBlock - 1), ks, vs);
+  const KvTiles<E, HD> kv(k, v, d, b, hk, min(d.T - 1, t0 + kFaBlock - 1), qs + 2 * kTile, qs + 4 * kTile);
 
-  // Q and dO fragments, staged through buffer 1, while key block 0 lands in buffer 0
-  load_tile_async<HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, ks[1]);
-  load_tile_async<HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, vs[1]);
+  load_tile_async<E, HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, qs);
+  load_tile_async<E, HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, dos);
   kv.load(0);
   cp_async_commit();
-  uint32_t qa[KS][4], da[KS][4];
-  staged_fragments<HD>(ks[1], vs[1], warp_row, qa, da);
   int t[2];
-  float row_lse[2], row_d[2];
+  float row_lse2[2], row_d[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     t[i] = t0 + warp_row + frag_row(i);
     const int64_t r = (int64_t(b) * d.Hq + h) * d.T + min(t[i], d.T - 1);
-    row_lse[i] = lse[r];
+    row_lse2[i] = lse[r] * kLog2e;
     row_d[i] = D[r];
   }
+  tiles_landed<E>();
   float acc[ND][4];
   zero(acc);
   for (int kb = 0; kb < kv.blocks; ++kb) {
-    const int s0 = kb * kFaBlock, buf = kb & 1;
+    const int s0 = kb * kFaBlock;
     kv.next(kb);
-    float s[8][4], dp[8][4], p[8][4];
-    zero(s);
-    zero(dp);
-    mma_tile<true>(s, qa, ks[buf], kFaLd<HD>);
-    mma_tile<true>(dp, da, vs[buf], kFaLd<HD>);
+    float s[8][4], dp[8][4];
+    E::template scores2<HD>(s, qs, kv.k_tile(kb), dp, dos, kv.v_tile(kb));
     softmax_grad(
-        s, dp, p, d.scale, [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; },
-        [&](int, int e) { return row_lse[e >> 1]; }, [&](int, int e) { return row_d[e >> 1]; });
+        s, dp, d.scale, [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; },
+        [&](int, int e) { return row_lse2[e >> 1]; }, [&](int, int e) { return row_d[e >> 1]; });
     uint32_t dsa[4][4];
     acc_to_a(s, dsa);
-    mma_tile<false>(acc, dsa, ks[buf], kFaLd<HD>);
-    cp_async_wait<0>();
-    __syncthreads();
+    E::template accumulate<HD>(acc, dsa, kv.k_tile(kb));
+    tiles_landed<E>();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -388,22 +490,18 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dq_kernel(const FaBackwar
 
 // dK, dV of one q head's view of its kv head ([B, Hq, S, hd]; attention.cu sums each group's
 // heads in head order, as on the materialized path).
-template <int HD>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackward a) {
+template <class E, int HD>
+__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dkv_kernel(const FaBackward a) {
   const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
   const float *lse = a.lse, *D = a.D;
   const FaDims d = a.d;
   float *dk_heads = a.dk_heads, *dv_heads = a.dv_heads;
-  constexpr int KS = HD / 16, ND = HD / 8, kTile = kFaBlock * kFaLd<HD>;
-  // K and V of the CTA's keys (read a k-step at a time: the two gradients fill the registers),
-  // then Q and dO double-buffered, then the query blocks' lse and D
-  extern __shared__ __align__(16) unsigned char fa_smem[];
-  __nv_bfloat16* kt = reinterpret_cast<__nv_bfloat16*>(fa_smem);
-  __nv_bfloat16* vt = kt + kTile;
-  auto qs = reinterpret_cast<__nv_bfloat16(*)[kTile]>(kt + 2 * kTile);
-  auto dos = reinterpret_cast<__nv_bfloat16(*)[kTile]>(kt + 4 * kTile);
-  auto q_lse = reinterpret_cast<float(*)[kFaBlock]>(kt + 6 * kTile);
-  auto q_d = q_lse + 2;
+  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
+  // K and V of the CTA's keys, then Q and dO double-buffered, then the query blocks' lse and D
+  extern __shared__ unsigned char fa_smem[];
+  const uint32_t kt = tiles_base(fa_smem), vt = kt + kTile, qs = kt + 2 * kTile, dos = kt + 4 * kTile;
+  float* q_lse = smem_floats(fa_smem, kt + 6 * kTile);  // [2][64], then D's [2][64]
+  float* q_d = q_lse + 2 * kFaBlock;
   const int kb = blockIdx.x;  // the most work first: key block 0 sees every query block
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
   const int s0 = kb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
@@ -414,18 +512,17 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
   const float* d_h = D + (int64_t(b) * d.Hq + h) * d.T;
   const int q_blocks = (d.T + kFaBlock - 1) / kFaBlock;
   auto load_queries = [&](int qb, int buf) {
-    load_tile_async<HD>(qh, q_stride, qb * kFaBlock, d.T, qs[buf]);
-    load_tile_async<HD>(doh, q_stride, qb * kFaBlock, d.T, dos[buf]);
-    load_rows_async(lse_h, qb * kFaBlock, d.T, q_lse[buf]);
-    load_rows_async(d_h, qb * kFaBlock, d.T, q_d[buf]);
+    load_tile_async<E, HD>(qh, q_stride, qb * kFaBlock, d.T, qs + buf * kTile);
+    load_tile_async<E, HD>(doh, q_stride, qb * kFaBlock, d.T, dos + buf * kTile);
+    load_rows_async(lse_h, qb * kFaBlock, d.T, q_lse + buf * kFaBlock);
+    load_rows_async(d_h, qb * kFaBlock, d.T, q_d + buf * kFaBlock);
   };
 
-  load_tile_async<HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, kt);
-  load_tile_async<HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
+  load_tile_async<E, HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, kt);
+  load_tile_async<E, HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
   load_queries(kb, 0);
   cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  tiles_landed<E>();
   int key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) key[i] = s0 + warp_row + frag_row(i);
@@ -436,27 +533,22 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_dkv_kernel(const FaBackwa
     const int t0 = qb * kFaBlock, buf = (qb - kb) & 1;
     if (qb + 1 < q_blocks) load_queries(qb + 1, buf ^ 1);
     cp_async_commit();
-    float s[8][4], dp[8][4], p[8][4];  // transposed: keys are rows, queries columns
-    zero(s);
-    zero(dp);
-    mma_tile_smem_a<true, 8, KS>(s, kt, kFaLd<HD>, warp_row, qs[buf], kFaLd<HD>);
-    mma_tile_smem_a<true, 8, KS>(dp, vt, kFaLd<HD>, warp_row, dos[buf], kFaLd<HD>);
-    const float* bl = q_lse[buf];
-    const float* bd = q_d[buf];
+    float s[8][4], dp[8][4];  // transposed: keys are rows, queries columns
+    E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
+    const float* bl = q_lse + buf * kFaBlock;
+    const float* bd = q_d + buf * kFaBlock;
     softmax_grad(
-        s, dp, p, d.scale,
+        s, dp, d.scale,
         [&](int n, int e) {
           const int tq = t0 + frag_col(n, e);
           return tq < d.T && key[e >> 1] <= tq;
         },
-        [&](int n, int e) { return bl[frag_col(n, e)]; }, [&](int n, int e) { return bd[frag_col(n, e)]; });
+        [&](int n, int e) { return bl[frag_col(n, e)] * kLog2e; }, [&](int n, int e) { return bd[frag_col(n, e)]; });
     uint32_t pa[4][4], dsa[4][4];
-    acc_to_a(p, pa);
+    acc_to_a(dp, pa);
     acc_to_a(s, dsa);
-    mma_tile<false>(gv, pa, dos[buf], kFaLd<HD>);
-    mma_tile<false>(gk, dsa, qs[buf], kFaLd<HD>);
-    cp_async_wait<0>();
-    __syncthreads();
+    E::template accumulate2<HD>(gv, pa, dos + buf * kTile, gk, dsa, qs + buf * kTile);
+    tiles_landed<E>();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -494,8 +586,6 @@ Tensor bf16_copy(const Tensor& x) {
 
 const __nv_bfloat16* bf16_data(const Tensor& t) { return t.data<__nv_bfloat16>(); }
 
-size_t tile_bytes(int hd) { return size_t(kFaBlock) * size_t(hd + 8) * sizeof(__nv_bfloat16); }
-
 // `bytes` of dynamic shared memory for Kernel (the opt-in above 48 KB, once per kernel: the
 // static lives in each instantiation, i.e. each kernel).
 template <auto Kernel>
@@ -508,18 +598,35 @@ size_t launchable(size_t bytes) {
   return bytes;
 }
 
-// fn(std::integral_constant<int, hd>) for the head sizes the kernels are built for.
+// Bytes of n tiles of the engine's layout, plus `extra`, plus the slack tiles_base aligns in.
+template <class E, int HD>
+constexpr size_t tiles_bytes(int n, size_t extra = 0) {
+  return size_t(n) * size_t(E::template kTileBytes<HD>) + extra + 1024;
+}
+
+// fn(engine, std::integral_constant<int, hd>) for the head sizes the kernels are built for: the
+// wgmma engine where the device runs sm_90a code and hd is 64 or 128 (set_flash_wgmma(false)
+// forces mma.sync, for tests and benchmarks), else mma.sync.
 template <typename Fn>
-void with_head_dim(int hd, Fn&& fn) {
+void with_engine(int hd, Fn&& fn) {
+  const bool wgmma = g_flash_wgmma.load(std::memory_order_relaxed) && wgmma_available();
   switch (hd) {
-    case 32: fn(std::integral_constant<int, 32>{}); break;
-    case 64: fn(std::integral_constant<int, 64>{}); break;
-    case 128: fn(std::integral_constant<int, 128>{}); break;
+    case 32: fn(MmaSync{}, std::integral_constant<int, 32>{}); break;
+    case 64:
+      if (wgmma) fn(Wgmma{}, std::integral_constant<int, 64>{});
+      else fn(MmaSync{}, std::integral_constant<int, 64>{});
+      break;
+    case 128:
+      if (wgmma) fn(Wgmma{}, std::integral_constant<int, 128>{});
+      else fn(MmaSync{}, std::integral_constant<int, 128>{});
+      break;
     default: fail("flash attention: no kernels for hd {}", hd);
   }
 }
 
 }  // namespace
+
+void set_flash_wgmma(bool on) { g_flash_wgmma.store(on, std::memory_order_relaxed); }
 
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
                              Tensor& lse) {
@@ -529,11 +636,12 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v);
   const dim3 grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B));
-  with_head_dim(hd, [&](auto hd_c) {
+  with_engine(hd, [&](auto engine, auto hd_c) {
+    using E = decltype(engine);
     constexpr int HD = decltype(hd_c)::value;
-    const size_t smem = launchable<flash_forward_kernel<HD>>(5 * tile_bytes(HD));
-    flash_forward_kernel<HD><<<grid, kFaThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
-                                                                    out.data<float>(), lse.data<float>());
+    const size_t smem = launchable<flash_forward_kernel<E, HD>>(tiles_bytes<E, HD>(5));
+    flash_forward_kernel<E, HD><<<grid, kFaThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
+                                                                       out.data<float>(), lse.data<float>());
   });
   FOURBIT_LAUNCH_CHECK();
   return true;
@@ -550,13 +658,14 @@ bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor&
   const FaBackward args{bf16_data(qb),      bf16_data(kb),   bf16_data(vb),  bf16_data(dob),
                         lse.data<float>(),  D.data<float>(), d,              dq.data<float>(),
                         dk_heads.data<float>(), dv_heads.data<float>()};
-  with_head_dim(hd, [&](auto hd_c) {
+  with_engine(hd, [&](auto engine, auto hd_c) {
+    using E = decltype(engine);
     constexpr int HD = decltype(hd_c)::value;
-    const size_t dq_smem = launchable<flash_dq_kernel<HD>>(4 * tile_bytes(HD));
-    flash_dq_kernel<HD><<<q_grid, kFaThreads, dq_smem, stream()>>>(args);
+    const size_t dq_smem = launchable<flash_dq_kernel<E, HD>>(tiles_bytes<E, HD>(6));
+    flash_dq_kernel<E, HD><<<q_grid, kFaThreads, dq_smem, stream()>>>(args);
     FOURBIT_LAUNCH_CHECK();
-    const size_t dkv_smem = launchable<flash_dkv_kernel<HD>>(6 * tile_bytes(HD) + 4 * kFaBlock * sizeof(float));
-    flash_dkv_kernel<HD><<<kv_grid, kFaThreads, dkv_smem, stream()>>>(args);
+    const size_t dkv_smem = launchable<flash_dkv_kernel<E, HD>>(tiles_bytes<E, HD>(6, 4 * kFaBlock * sizeof(float)));
+    flash_dkv_kernel<E, HD><<<kv_grid, kFaThreads, dkv_smem, stream()>>>(args);
   });
   FOURBIT_LAUNCH_CHECK();
   return true;

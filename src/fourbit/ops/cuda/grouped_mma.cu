@@ -1347,7 +1347,7 @@ void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pa
 
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
-bool grouped_wgmma_available() { return hopper_device(); }
+bool wgmma_available() { return hopper_device(); }
 
 void check_recorded_index_errors() { check_index_errors(); }
 

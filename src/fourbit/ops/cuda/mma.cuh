@@ -1,6 +1,6 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
-//          wgmma_m64n128k16, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
+//          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
 //          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
@@ -132,6 +132,53 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], uint64_t a, uin
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
   __trap();  // wgmma exists on sm_90a only; hosts dispatch here only on such devices
+#endif
+}
+
+// The accumulator operands of a 64 x 8J wgmma tile held as float[J][4] (n8 block j: the four
+// values listed above): "+f" operand lists of 8 and 64 registers.
+#define FOURBIT_WG_ACC8(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define FOURBIT_WG_ACC64(d, j)                                                                           \
+  FOURBIT_WG_ACC8(d, j), FOURBIT_WG_ACC8(d, j + 1), FOURBIT_WG_ACC8(d, j + 2), FOURBIT_WG_ACC8(d, j + 3), \
+      FOURBIT_WG_ACC8(d, j + 4), FOURBIT_WG_ACC8(d, j + 5), FOURBIT_WG_ACC8(d, j + 6), FOURBIT_WG_ACC8(d, j + 7)
+
+// D (64 x 64 FP32, float[8][4] a thread as above) (+)= A (64 x 16) . B (64 x 16)^T, both K-major
+// in 128-byte-swizzled shared memory (wgmma_desc_sw128); accumulate = 0 starts the sum.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : FOURBIT_WG_ACC64(d, 0)
+      : "l"(a), "l"(b), "r"(accumulate));
+#else
+  (void)d, (void)a, (void)b, (void)accumulate;
+  __trap();
+#endif
+}
+
+// D (64 x N FP32, float[N / 8][4]) += A (64 x 16 BF16 from registers: each warp's 16 rows as
+// mma_bf16's A fragment) . B (16 x N), B MN-major in 128-byte-swizzled shared memory
+// (wgmma_desc_sw128_mn). N = 64 or 128.
+template <int N>
+__device__ __forceinline__ void wgmma_m64nNk16_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b) {
+  static_assert(N == 64 || N == 128, "wgmma_m64nNk16_rs: N is 64 or 128");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (N == 64)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : FOURBIT_WG_ACC64(d, 0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : FOURBIT_WG_ACC64(d, 0), FOURBIT_WG_ACC64(d, 8)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+#else
+  (void)d, (void)a, (void)b;
+  __trap();
 #endif
 }
 
