@@ -1,11 +1,11 @@
 // defines: the gpu_attention benchmark (main)
-// Causal GQA attention on the GPU: the fused kernels (flash_attention.cu; on Hopper both tile
-// engines, wgmma and mma.sync) against the materialized path (attention.cu: scores in memory,
-// cuBLASLt GEMMs), forward and backward, in the same process, on configs/gpu-small.toml's attention shape by default (8 x 1024 tokens, 16 query
-// heads, 4 KV heads, hd 64). TFLOP/s counts the causal half of the products (forward 2 GEMMs,
-// backward 5 with the recompute of S: 4 B H T^2 hd / 2 and 10 B H T^2 hd / 2). Both paths first
-// run once and are compared by similarity, so a fast wrong kernel cannot look good here.
-// "fused ms" is the engine the model runs (wgmma where available).
+// Causal GQA attention on the GPU: the fused kernels (flash_attention.cu: mma.sync, and on Hopper
+// wgmma in each CTA shape) against the materialized path (attention.cu: scores in memory,
+// cuBLASLt GEMMs), forward and backward, in the same process, on configs/gpu-small.toml's
+// attention shape by default (8 x 1024 tokens, 16 query heads, 4 KV heads, hd 64). TFLOP/s counts
+// the causal half of the products (forward 2 GEMMs, backward 5 with the recompute of S:
+// 4 B H T^2 hd / 2 and 10 B H T^2 hd / 2). Every path's outputs are compared with the
+// materialized ones by similarity, so a fast wrong kernel cannot look good here.
 // Usage: gpu_attention [--batch B --seq T --heads Hq --kv-heads Hkv --head-dim hd --reps N] [--json FILE]
 #include <cuda_runtime.h>
 
@@ -64,77 +64,74 @@ int main(int argc, char** argv) {
                    Tensor::empty(q.shape(), DType::F32, Device::CUDA), Tensor::empty(k.shape(), DType::F32, Device::CUDA),
                    Tensor::empty(k.shape(), DType::F32, Device::CUDA)};
   };
-  Buffers fused = buffers(), mat = buffers(), sync = buffers();
-  const bool engines = ops::cuda::wgmma_available();
-  auto fused_fwd_into = [&](Buffers& b) {
-    if (!ops::cuda::flash_attention_forward(q, k, v, 0, b.out, b.lse))
+  // The variants: the materialized path, then the fused kernels on mma.sync and (Hopper) on wgmma in
+  // each CTA shape; the last is the default the model runs.
+  struct Variant {
+    std::string name;
+    bool materialized, wgmma;
+    int wg, stages;
+    Buffers buf;
+    double fwd_ms = 0, bwd_ms = 0, gap = 0;
+  };
+  std::vector<Variant> variants;
+  variants.push_back({"materialized", true, false, 0, 0, buffers()});
+  variants.push_back({"fused, mma.sync", false, false, 1, 2, buffers()});
+  if (ops::cuda::wgmma_available())
+    for (const auto& [wg, st] : {std::pair<int, int>{1, 2}, {1, 3}, {2, 3}, {2, 2}})
+      variants.push_back({fmt::format("fused, wgmma, {} warpgroup{}, {} stages", wg, wg > 1 ? "s" : "", st), false, true,
+                          wg, st, buffers()});
+  auto select = [&](const Variant& x) {
+    ops::cuda::set_flash_wgmma(x.wgmma);
+    if (x.wgmma) ops::cuda::set_flash_cta(x.wg, x.stages);
+  };
+  auto fwd = [&](Variant& x) {
+    if (x.materialized) return ops::cuda::materialized_attention_forward(q, k, v, 0, x.buf.out, x.buf.lse);
+    if (!ops::cuda::flash_attention_forward(q, k, v, 0, x.buf.out, x.buf.lse))
       fail("gpu_attention: the fused kernels do not take hd {}", hd);
   };
-  auto fused_bwd_into = [&](Buffers& b) { ops::attention_backward(dout, q, k, v, b.out, b.lse, b.dq, b.dk, b.dv); };
-  auto fused_fwd = [&] { fused_fwd_into(fused); };
-  auto fused_bwd = [&] { fused_bwd_into(fused); };
-  // the mma.sync engine (set_flash_wgmma(false)), on a Hopper device only
-  auto sync_fwd = [&] {
-    ops::cuda::set_flash_wgmma(false);
-    fused_fwd_into(sync);
-    ops::cuda::set_flash_wgmma(true);
+  auto bwd = [&](Variant& x) {
+    if (x.materialized)
+      return ops::cuda::materialized_attention_backward(dout, q, k, v, x.buf.out, x.buf.lse, x.buf.dq, x.buf.dk, x.buf.dv);
+    ops::attention_backward(dout, q, k, v, x.buf.out, x.buf.lse, x.buf.dq, x.buf.dk, x.buf.dv);
   };
-  auto sync_bwd = [&] {
-    ops::cuda::set_flash_wgmma(false);
-    fused_bwd_into(sync);
-    ops::cuda::set_flash_wgmma(true);
-  };
-  auto mat_fwd = [&] { ops::cuda::materialized_attention_forward(q, k, v, 0, mat.out, mat.lse); };
-  auto mat_bwd = [&] {
-    ops::cuda::materialized_attention_backward(dout, q, k, v, mat.out, mat.lse, mat.dq, mat.dk, mat.dv);
-  };
-  fused_fwd();
-  mat_fwd();
-  fused_bwd();
-  mat_bwd();
-  if (engines) {
-    sync_fwd();
-    sync_bwd();
+  for (Variant& x : variants) {
+    select(x);
+    fwd(x);
+    bwd(x);
+    x.fwd_ms = median_ms([&] { fwd(x); }, reps);
+    x.bwd_ms = median_ms([&] { bwd(x); }, reps);
   }
   device_synchronize();
-  const double gap_out = similarity_gap(fused.out, mat.out), gap_dq = similarity_gap(fused.dq, mat.dq),
-               gap_dk = similarity_gap(fused.dk, mat.dk), gap_dv = similarity_gap(fused.dv, mat.dv);
-  const double engine_gap = engines ? std::max({similarity_gap(fused.out, sync.out), similarity_gap(fused.dq, sync.dq),
-                                                similarity_gap(fused.dk, sync.dk), similarity_gap(fused.dv, sync.dv)})
-                                    : 0.0;
+  const Buffers& mat = variants.front().buf;
+  for (Variant& x : variants)
+    x.gap = std::max({similarity_gap(x.buf.out, mat.out), similarity_gap(x.buf.dq, mat.dq),
+                      similarity_gap(x.buf.dk, mat.dk), similarity_gap(x.buf.dv, mat.dv)});
 
   const double causal = double(B) * Hq * double(T) * double(T) * double(hd) / 2.0;
   const double fwd_flop = 4.0 * causal, bwd_flop = 10.0 * causal;
   bench::BenchTable table;
   table.name = fmt::format("causal GQA attention, B={} T={} Hq={} Hkv={} hd={} (median of {})", B, T, Hq, Hkv, hd, reps);
-  table.columns = {"pass", "materialized ms", "mma.sync ms", "fused ms", "speed-up", "fused TFLOP/s", "of 786 (BF16 dense)"};
-  auto add = [&](const char* pass, double mat_ms, double sync_ms, double fused_ms, double flop) {
-    const double tflops = flop / (fused_ms * 1e9);
-    table.add({{"pass", pass},
-               {"materialized ms", mat_ms},
-               {"mma.sync ms", sync_ms},
-               {"fused ms", fused_ms},
-               {"speed-up", mat_ms / fused_ms},
-               {"fused TFLOP/s", tflops},
-               {"of 786 (BF16 dense)", tflops / 786.0}});
-  };
-  const double mf = median_ms(mat_fwd, reps), ff = median_ms(fused_fwd, reps);
-  const double mb = median_ms(mat_bwd, reps), fb = median_ms(fused_bwd, reps);
-  const double sf = engines ? median_ms(sync_fwd, reps) : ff, sb = engines ? median_ms(sync_bwd, reps) : fb;
-  add("forward", mf, sf, ff, fwd_flop);
-  add("backward", mb, sb, fb, bwd_flop);
-  add("both", mf + mb, sf + sb, ff + fb, fwd_flop + bwd_flop);
+  table.columns = {"path",          "forward ms", "backward ms", "both ms", "speed-up vs materialized",
+                   "TFLOP/s (both)", "of 786 (BF16 dense)", "gap vs materialized"};
+  const double mat_both = variants.front().fwd_ms + variants.front().bwd_ms;
+  for (const Variant& x : variants) {
+    const double both = x.fwd_ms + x.bwd_ms, tflops = (fwd_flop + bwd_flop) / (both * 1e9);
+    table.add({{"path", x.name},
+               {"forward ms", x.fwd_ms},
+               {"backward ms", x.bwd_ms},
+               {"both ms", both},
+               {"speed-up vs materialized", mat_both / both},
+               {"TFLOP/s (both)", tflops},
+               {"of 786 (BF16 dense)", tflops / 786.0},
+               {"gap vs materialized", x.gap}});
+  }
   cudaDeviceProp prop{};
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   table.meta = {{"B", B}, {"T", T}, {"Hq", Hq}, {"Hkv", Hkv}, {"hd", hd}, {"reps", reps}, {"device", prop.name},
-                {"similarity_gap_out", gap_out}, {"similarity_gap_dq", gap_dq}, {"similarity_gap_dk", gap_dk},
-                {"similarity_gap_dv", gap_dv}, {"engines", engines ? "wgmma (fused), mma.sync" : "mma.sync only"},
-                {"similarity_gap_wgmma_vs_mma_sync", engine_gap},
                 {"note", "backward times include the rowsum(dO * O) pass both paths share; 786 TFLOP/s is the "
-                         "H200's measured cuBLAS BF16 GEMM ceiling"}};
+                         "H200's measured cuBLAS BF16 GEMM ceiling; gap: the largest 1 - similarity over out, dq, dk, "
+                         "dv"}};
   table.print();
-  std::printf("fused vs materialized similarity gap: out %.2e  dq %.2e  dk %.2e  dv %.2e; wgmma vs mma.sync %.2e\n",
-              gap_out, gap_dq, gap_dk, gap_dv, engine_gap);
   table.write_json(bench::json_path_arg(argc, argv));
   return 0;
 }

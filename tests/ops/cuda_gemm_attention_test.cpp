@@ -338,32 +338,46 @@ TEST(CudaAttention, FusedMatchesMaterialized) {
   }
 }
 
-// The wgmma engine (Hopper) against the mma.sync one on the same kernels: the same BF16 operands
-// and order of blocks, so only the tensor cores' internal sums may differ; a tile-layout or
-// descriptor mistake would be far outside this bound (T = 200: a partial last tile).
-TEST(CudaAttention, WgmmaEngineMatchesMmaSync) {
+// The wgmma engine (Hopper) in each CTA shape against the mma.sync one, on the same kernels: the
+// shapes run each row's blocks in the same order, so they give the same bits; mma.sync reads the
+// same BF16 operands in the same order, so only the tensor cores' internal sums may differ, and a
+// tile-layout or descriptor mistake would be far outside that bound (T = 200: partial last tiles,
+// and a warpgroup of rows past the end).
+TEST(CudaAttention, EnginesAndCtaShapesAgree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   struct Restore {
-    ~Restore() { ops::cuda::set_flash_wgmma(true); }
+    ~Restore() {
+      ops::cuda::set_flash_wgmma(true);
+      ops::cuda::set_flash_cta(2, 2);
+    }
   } restore;
   for (const int64_t hd : {64, 128}) {
     SCOPED_TRACE("hd=" + std::to_string(hd));
     const int64_t B = 2, T = 200, Hq = 4, Hkv = 2;
     const Tensor q = randn({B, T, Hq, hd}, 61).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 62).to(Device::CUDA),
                  v = randn({B, T, Hkv, hd}, 63).to(Device::CUDA), dout = randn({B, T, Hq, hd}, 64).to(Device::CUDA);
-    std::vector<Tensor> got[2];
-    for (int wgmma = 0; wgmma < 2; ++wgmma) {
-      ops::cuda::set_flash_wgmma(wgmma == 1);
+    auto run = [&] {
       Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
-      ASSERT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out, lse));
+      EXPECT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out, lse));
       Tensor dq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), dk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
              dv = dk.clone();
       ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
-      got[wgmma] = {out, lse, dq, dk, dv};
-    }
+      return std::vector<Tensor>{out, lse, dq, dk, dv};
+    };
     const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(got[0][i], got[1][i]), 1e-8) << names[i];
+    ops::cuda::set_flash_cta(1, 2);
+    const std::vector<Tensor> ref = run();
+    for (const auto& [wg, st] : {std::pair<int, int>{1, 3}, {2, 2}, {2, 3}}) {
+      ops::cuda::set_flash_cta(wg, st);
+      const std::vector<Tensor> got = run();
+      for (size_t i = 0; i < 5; ++i)
+        EXPECT_TRUE(same_bits(got[i], ref[i])) << names[i] << ", " << wg << " warpgroups, " << st << " stages";
+    }
+    ops::cuda::set_flash_wgmma(false);
+    const std::vector<Tensor> sync = run();
+    ops::cuda::set_flash_wgmma(true);
+    for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(sync[i], ref[i]), 1e-8) << names[i] << ", mma.sync";
   }
 }
 #endif

@@ -8,7 +8,7 @@
 //          wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
-//          requantize_kernel_for, set_flash_wgmma, flash_attention_forward, flash_attention_backward,
+//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, flash_attention_forward, flash_attention_backward,
 //          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -201,6 +201,9 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
 // set_flash_wgmma(false) makes them use mma.sync, as elsewhere (tests and bench/gpu_attention
 // compare the two).
 void set_flash_wgmma(bool on);
+// The wgmma kernels' CTA: 1 or 2 warpgroups (64 rows each) sharing a stream of blocks through 2 or
+// 3 buffers. Every shape gives the same bits; the default is the fastest measured on the H200.
+void set_flash_cta(int warpgroups, int stages);
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);

@@ -56,7 +56,6 @@ namespace fourbit::ops::cuda {
 namespace {
 
 constexpr int kFaBlock = 64;     // queries and keys per tile
-constexpr int kFaThreads = 128;  // one warpgroup: 4 warps, 16 rows each
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
 std::atomic<bool> g_flash_wgmma{true};
@@ -241,12 +240,13 @@ __device__ __forceinline__ float* smem_floats(unsigned char* smem, uint32_t addr
 }
 
 // Starts copying rows r0 .. r0+63 of x (BF16, row r at x + r * stride, 16-byte aligned) into the
-// engine's tile at shared address tile; rows at or past `rows` become zeros.
-template <class E, int HD>
+// engine's tile at shared address tile, kThreads threads sharing the chunks; rows at or past
+// `rows` become zeros.
+template <class E, int HD, int kThreads>
 __device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict__ x, int64_t stride, int r0, int rows,
                                                 uint32_t tile) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kFaThreads) {
+  for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
     const bool valid = r0 + r < rows;
     cp_async16(tile + E::template chunk<HD>(r, c), valid ? x + int64_t(r0 + r) * stride + c * 8 : x, valid ? 16 : 0);
@@ -254,23 +254,60 @@ __device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict_
 }
 
 // Starts copying the 64 row values v[r0 ..] (zeros past `rows`) into shared memory.
+template <int kThreads>
 __device__ __forceinline__ void load_rows_async(const float* __restrict__ v, int r0, int rows, float* dst) {
-  for (int i = threadIdx.x; i < kFaBlock; i += kFaThreads) cp_async4(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows ? 4 : 0);
+  for (int i = threadIdx.x; i < kFaBlock; i += kThreads) cp_async4(dst + i, r0 + i < rows ? v + r0 + i : v, r0 + i < rows ? 4 : 0);
 }
 
-// Copies in flight landed, visible to both engines' reads, and (the barrier) nobody reads the
-// buffers the next copies overwrite.
-template <class E>
-__device__ __forceinline__ void tiles_landed() {
-  cp_async_wait<0>();
-  E::publish();
-  __syncthreads();
+// A kernel's CTA: WG warpgroups, each owning 64 rows (queries in the forward and dQ kernels, keys
+// in the dK/dV kernel), sharing one stream of the other side's 64-row blocks through ST buffers
+// (ST - 1 blocks in flight while one is multiplied). A row's work (its blocks, in order) is the
+// same whatever WG and ST, so every CTA shape gives the same bits.
+template <class E, int HD, int WG, int ST>
+struct Cta {
+  using Engine = E;
+  static constexpr int kHd = HD, kWG = WG, kStages = ST, kThreads = 128 * WG, kRows = kFaBlock * WG;
+  static constexpr int kTile = E::template kTileBytes<HD>;
+  static constexpr int kMinBlocks = E::kMinBlocks / WG > 1 ? E::kMinBlocks / WG : 1;
+};
+
+// The stream of blocks 0 .. blocks-1 through ST buffers, block j in buffer j % ST; load(j, buffer)
+// starts block j's copies. prologue() starts blocks 0 .. ST-2, one cp.async group each (the first
+// also holding the copies the caller started before it). begin(j) waits for block j, publishes
+// it, and after the barrier (every warp is done with block j - 1) starts block j + ST - 1 in the
+// buffer block j - 1 leaves.
+template <int ST, typename Load>
+struct BlockStream {
+  int blocks;
+  Load load;
+  __device__ void prologue() const {
+#pragma unroll
+    for (int j = 0; j < ST - 1; ++j) {
+      if (j < blocks) load(j, j);
+      cp_async_commit();
+    }
+  }
+  template <class E>
+  __device__ void begin(int j) const {
+    cp_async_wait<ST - 2>();
+    E::publish();
+    __syncthreads();
+    if (j + ST - 1 < blocks) load(j + ST - 1, (j + ST - 1) % ST);
+    cp_async_commit();
+  }
+};
+template <int ST, typename Load>
+__device__ BlockStream<ST, Load> block_stream(int blocks, Load load) {
+  return BlockStream<ST, Load>{blocks, load};
 }
 
 // The thread's two rows of a 16-row warp tile: gid and gid + 8.
 __device__ __forceinline__ int frag_row(int half) { return ((threadIdx.x & 31) >> 2) + 8 * half; }
 // Column of element e (0..3) of n-tile n in an accumulator: 8n + 2 tig + (e & 1).
 __device__ __forceinline__ int frag_col(int n, int e) { return 8 * n + 2 * (threadIdx.x & 3) + (e & 1); }
+// The first of the warp's 16 rows in its warpgroup's 64, and the thread's warpgroup.
+__device__ __forceinline__ int warp_row() { return ((threadIdx.x >> 5) & 3) * 16; }
+__device__ __forceinline__ int warpgroup() { return int(threadIdx.x >> 7); }
 
 // Sum (or max) over the four threads that hold one row (lanes 4 gid .. 4 gid + 3), fixed order.
 __device__ __forceinline__ float quad_sum(float v) {
@@ -296,73 +333,52 @@ struct FaDims {
   float scale;
 };
 
-// The K and V rows of one (sequence, kv head) as a stream of double-buffered 64-key tiles: key
-// block kb lives in buffer kb % 2, and next(kb) starts copying block kb + 1 into the other one
-// while block kb is multiplied (the forward and the dQ kernel walk the keys this way).
-template <class E, int HD>
-struct KvTiles {
-  static constexpr int kTile = E::template kTileBytes<HD>;
-  const __nv_bfloat16* k;
-  const __nv_bfloat16* v;
-  int64_t stride;
-  int S, blocks;
-  uint32_t ks, vs;  // buffer j of each at + j * kTile
-
-  __device__ KvTiles(const __nv_bfloat16* k_all, const __nv_bfloat16* v_all, const FaDims& d, int b, int hk,
-                     int last_key, uint32_t ks_, uint32_t vs_)
-      : k(k_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
-        v(v_all + (int64_t(b) * d.S * d.Hkv + hk) * HD),
-        stride(int64_t(d.Hkv) * HD),
-        S(d.S),
-        blocks(last_key / kFaBlock + 1),
-        ks(ks_),
-        vs(vs_) {}
-  __device__ uint32_t k_tile(int kb) const { return ks + (kb & 1) * kTile; }
-  __device__ uint32_t v_tile(int kb) const { return vs + (kb & 1) * kTile; }
-  __device__ void load(int kb) const {
-    load_tile_async<E, HD>(k, stride, kb * kFaBlock, S, k_tile(kb));
-    load_tile_async<E, HD>(v, stride, kb * kFaBlock, S, v_tile(kb));
-  }
-  __device__ void next(int kb) const {
-    if (kb + 1 < blocks) load(kb + 1);
-    cp_async_commit();
-  }
-};
-
 // ---- forward ----------------------------------------------------------------------------------
 
-template <class E, int HD>
-__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks)
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                          const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
                          float* __restrict__ lse) {
-  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
-  // Q, then K and V double-buffered: block kb + 1 loads while block kb is multiplied
+  using E = typename C::Engine;
+  constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
+  // the CTA's Q tiles (one a warpgroup), then the K and V buffers
   extern __shared__ unsigned char fa_smem[];
-  const uint32_t qs = tiles_base(fa_smem);
+  const uint32_t q_tiles = tiles_base(fa_smem), ks = q_tiles + C::kWG * kTile, vs = ks + ST * kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
-  const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
-  const KvTiles<E, HD> kv(k, v, d, b, hk, min(d.S - 1, d.pos0 + min(d.T - 1, t0 + kFaBlock - 1)), qs + kTile,
-                          qs + 3 * kTile);
+  const int t0 = qb * C::kRows, wt0 = t0 + kFaBlock * warpgroup();
+  const uint32_t qs = q_tiles + warpgroup() * kTile;
+  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const int64_t kv_stride = int64_t(d.Hkv) * HD;
+  // the last key any row of the CTA (of the warpgroup) sees
+  const int cta_last = min(d.S - 1, d.pos0 + min(d.T - 1, t0 + C::kRows - 1));
+  const int wg_last_block = min(d.S - 1, d.pos0 + min(d.T - 1, wt0 + kFaBlock - 1)) / kFaBlock;
 
-  load_tile_async<E, HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0, d.T, qs);
-  kv.load(0);
-  cp_async_commit();
-  tiles_landed<E>();
+#pragma unroll
+  for (int w = 0; w < C::kWG; ++w)
+    load_tile_async<E, HD, C::kThreads>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0 + kFaBlock * w,
+                                        d.T, q_tiles + w * kTile);
+  const auto keys = block_stream<ST>(cta_last / kFaBlock + 1, [&](int j, int buf) {
+    load_tile_async<E, HD, C::kThreads>(kh, kv_stride, j * kFaBlock, d.S, ks + buf * kTile);
+    load_tile_async<E, HD, C::kThreads>(vh, kv_stride, j * kFaBlock, d.S, vs + buf * kTile);
+  });
+  keys.prologue();
 
   const float scale2 = d.scale * kLog2e;  // scores in log2 units
   int pos[2];  // absolute positions of the thread's two rows
 #pragma unroll
-  for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + t0 + warp_row + frag_row(i);
+  for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + wt0 + warp_row() + frag_row(i);
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
-  for (int kb = 0; kb < kv.blocks; ++kb) {
-    const int s0 = kb * kFaBlock;
-    kv.next(kb);
+  for (int kb = 0; kb < keys.blocks; ++kb) {
+    keys.template begin<E>(kb);
+    if (kb > wg_last_block) continue;  // past every key of the warpgroup's rows
+    const int s0 = kb * kFaBlock, buf = kb % ST;
     float s[8][4];
-    E::template scores<HD>(s, qs, kv.k_tile(kb));
+    E::template scores<HD>(s, qs, ks + buf * kTile);
     float block_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -393,12 +409,11 @@ __global__ void __launch_bounds__(kFaThreads, E::kMinBlocks)
       for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
     uint32_t pa[4][4];
     acc_to_a(s, pa);
-    E::template accumulate<HD>(o, pa, kv.v_tile(kb));
-    tiles_landed<E>();  // block kb + 1 has landed, and nobody reads block kb now
+    E::template accumulate<HD>(o, pa, vs + buf * kTile);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int t = t0 + warp_row + frag_row(i);
+    const int t = wt0 + warp_row() + frag_row(i);
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
     store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, sum);
@@ -436,50 +451,62 @@ __device__ __forceinline__ void softmax_grad(float (&s)[8][4], float (&dp)[8][4]
     }
 }
 
-template <class E, int HD>
-__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dq_kernel(const FaBackward a) {
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dq_kernel(const FaBackward a) {
+  using E = typename C::Engine;
   const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
   const float *lse = a.lse, *D = a.D;
   const FaDims d = a.d;
   float* dq = a.dq;
-  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
-  // Q and dO of the CTA's queries, then K and V double-buffered
+  constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
+  // the CTA's Q tiles, its dO tiles (one each a warpgroup), then the K and V buffers
   extern __shared__ unsigned char fa_smem[];
-  const uint32_t qs = tiles_base(fa_smem), dos = qs + kTile;
+  const uint32_t q_tiles = tiles_base(fa_smem), do_tiles = q_tiles + C::kWG * kTile,
+                 ks = q_tiles + 2 * C::kWG * kTile, vs = ks + ST * kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
-  const int t0 = qb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
-  const int64_t q_stride = int64_t(d.Hq) * HD;
-  const KvTiles<E, HD> kv(k, v, d, b, hk, min(d.T - 1, t0 + kFaBlock - 1), qs + 2 * kTile, qs + 4 * kTile);
+  const int t0 = qb * C::kRows, wt0 = t0 + kFaBlock * warpgroup();
+  const uint32_t qs = q_tiles + warpgroup() * kTile, dos = do_tiles + warpgroup() * kTile;
+  const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
+  const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
+  const int wg_last_block = min(d.T - 1, wt0 + kFaBlock - 1) / kFaBlock;
 
-  load_tile_async<E, HD>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, qs);
-  load_tile_async<E, HD>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0, d.T, dos);
-  kv.load(0);
-  cp_async_commit();
+#pragma unroll
+  for (int w = 0; w < C::kWG; ++w) {
+    load_tile_async<E, HD, C::kThreads>(q + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0 + kFaBlock * w, d.T,
+                                        q_tiles + w * kTile);
+    load_tile_async<E, HD, C::kThreads>(dout + (int64_t(b) * d.T * d.Hq + h) * HD, q_stride, t0 + kFaBlock * w, d.T,
+                                        do_tiles + w * kTile);
+  }
+  const auto keys = block_stream<ST>(min(d.T - 1, t0 + C::kRows - 1) / kFaBlock + 1, [&](int j, int buf) {
+    load_tile_async<E, HD, C::kThreads>(kh, kv_stride, j * kFaBlock, d.S, ks + buf * kTile);
+    load_tile_async<E, HD, C::kThreads>(vh, kv_stride, j * kFaBlock, d.S, vs + buf * kTile);
+  });
+  keys.prologue();
   int t[2];
   float row_lse2[2], row_d[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    t[i] = t0 + warp_row + frag_row(i);
+    t[i] = wt0 + warp_row() + frag_row(i);
     const int64_t r = (int64_t(b) * d.Hq + h) * d.T + min(t[i], d.T - 1);
     row_lse2[i] = lse[r] * kLog2e;
     row_d[i] = D[r];
   }
-  tiles_landed<E>();
   float acc[ND][4];
   zero(acc);
-  for (int kb = 0; kb < kv.blocks; ++kb) {
-    const int s0 = kb * kFaBlock;
-    kv.next(kb);
+  for (int kb = 0; kb < keys.blocks; ++kb) {
+    keys.template begin<E>(kb);
+    if (kb > wg_last_block) continue;
+    const int s0 = kb * kFaBlock, buf = kb % ST;
     float s[8][4], dp[8][4];
-    E::template scores2<HD>(s, qs, kv.k_tile(kb), dp, dos, kv.v_tile(kb));
+    E::template scores2<HD>(s, qs, ks + buf * kTile, dp, dos, vs + buf * kTile);
     softmax_grad(
         s, dp, d.scale, [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; },
         [&](int, int e) { return row_lse2[e >> 1]; }, [&](int, int e) { return row_d[e >> 1]; });
     uint32_t dsa[4][4];
     acc_to_a(s, dsa);
-    E::template accumulate<HD>(acc, dsa, kv.k_tile(kb));
-    tiles_landed<E>();
+    E::template accumulate<HD>(acc, dsa, ks + buf * kTile);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -490,49 +517,57 @@ __global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dq_kernel(con
 
 // dK, dV of one q head's view of its kv head ([B, Hq, S, hd]; attention.cu sums each group's
 // heads in head order, as on the materialized path).
-template <class E, int HD>
-__global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dkv_kernel(const FaBackward a) {
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dkv_kernel(const FaBackward a) {
+  using E = typename C::Engine;
   const __nv_bfloat16 *q = a.q, *k = a.k, *v = a.v, *dout = a.dout;
   const float *lse = a.lse, *D = a.D;
   const FaDims d = a.d;
   float *dk_heads = a.dk_heads, *dv_heads = a.dv_heads;
-  constexpr int ND = HD / 8, kTile = E::template kTileBytes<HD>;
-  // K and V of the CTA's keys, then Q and dO double-buffered, then the query blocks' lse and D
+  constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
+  // the CTA's K tiles, its V tiles (one each a warpgroup), then the Q and dO buffers, then the
+  // buffered query blocks' lse and D
   extern __shared__ unsigned char fa_smem[];
-  const uint32_t kt = tiles_base(fa_smem), vt = kt + kTile, qs = kt + 2 * kTile, dos = kt + 4 * kTile;
-  float* q_lse = smem_floats(fa_smem, kt + 6 * kTile);  // [2][64], then D's [2][64]
-  float* q_d = q_lse + 2 * kFaBlock;
-  const int kb = blockIdx.x;  // the most work first: key block 0 sees every query block
+  const uint32_t k_tiles = tiles_base(fa_smem), v_tiles = k_tiles + C::kWG * kTile,
+                 qs = k_tiles + 2 * C::kWG * kTile, dos = qs + ST * kTile;
+  float* q_lse = smem_floats(fa_smem, dos + ST * kTile);  // [ST][64], then D's [ST][64]
+  float* q_d = q_lse + ST * kFaBlock;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
-  const int s0 = kb * kFaBlock, warp_row = (threadIdx.x >> 5) * 16;
+  const int s0 = blockIdx.x * C::kRows, ws0 = s0 + kFaBlock * warpgroup();  // key block 0 first: the most work
+  const uint32_t kt = k_tiles + warpgroup() * kTile, vt = v_tiles + warpgroup() * kTile;
   const int64_t q_stride = int64_t(d.Hq) * HD, kv_stride = int64_t(d.Hkv) * HD;
   const __nv_bfloat16* qh = q + (int64_t(b) * d.T * d.Hq + h) * HD;
   const __nv_bfloat16* doh = dout + (int64_t(b) * d.T * d.Hq + h) * HD;
   const float* lse_h = lse + (int64_t(b) * d.Hq + h) * d.T;
   const float* d_h = D + (int64_t(b) * d.Hq + h) * d.T;
-  const int q_blocks = (d.T + kFaBlock - 1) / kFaBlock;
-  auto load_queries = [&](int qb, int buf) {
-    load_tile_async<E, HD>(qh, q_stride, qb * kFaBlock, d.T, qs + buf * kTile);
-    load_tile_async<E, HD>(doh, q_stride, qb * kFaBlock, d.T, dos + buf * kTile);
-    load_rows_async(lse_h, qb * kFaBlock, d.T, q_lse + buf * kFaBlock);
-    load_rows_async(d_h, qb * kFaBlock, d.T, q_d + buf * kFaBlock);
-  };
+  // causal: the query blocks at or after the CTA's (the warpgroup's) first key
+  const int first_qb = s0 / kFaBlock, wg_first_qb = ws0 / kFaBlock;
 
-  load_tile_async<E, HD>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, kt);
-  load_tile_async<E, HD>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0, d.S, vt);
-  load_queries(kb, 0);
-  cp_async_commit();
-  tiles_landed<E>();
+#pragma unroll
+  for (int w = 0; w < C::kWG; ++w) {
+    load_tile_async<E, HD, C::kThreads>(k + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0 + kFaBlock * w, d.S,
+                                        k_tiles + w * kTile);
+    load_tile_async<E, HD, C::kThreads>(v + (int64_t(b) * d.S * d.Hkv + hk) * HD, kv_stride, s0 + kFaBlock * w, d.S,
+                                        v_tiles + w * kTile);
+  }
+  const auto queries = block_stream<ST>((d.T + kFaBlock - 1) / kFaBlock - first_qb, [&](int j, int buf) {
+    const int r0 = (first_qb + j) * kFaBlock;
+    load_tile_async<E, HD, C::kThreads>(qh, q_stride, r0, d.T, qs + buf * kTile);
+    load_tile_async<E, HD, C::kThreads>(doh, q_stride, r0, d.T, dos + buf * kTile);
+    load_rows_async<C::kThreads>(lse_h, r0, d.T, q_lse + buf * kFaBlock);
+    load_rows_async<C::kThreads>(d_h, r0, d.T, q_d + buf * kFaBlock);
+  });
+  queries.prologue();
   int key[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) key[i] = s0 + warp_row + frag_row(i);
+  for (int i = 0; i < 2; ++i) key[i] = ws0 + warp_row() + frag_row(i);
   float gk[ND][4], gv[ND][4];
   zero(gk);
   zero(gv);
-  for (int qb = kb; qb < q_blocks; ++qb) {  // causal: queries at or after the block's first key
-    const int t0 = qb * kFaBlock, buf = (qb - kb) & 1;
-    if (qb + 1 < q_blocks) load_queries(qb + 1, buf ^ 1);
-    cp_async_commit();
+  for (int j = 0; j < queries.blocks; ++j) {
+    queries.template begin<E>(j);
+    const int qb = first_qb + j, t0 = qb * kFaBlock, buf = j % ST;
+    if (qb < wg_first_qb) continue;  // before every key of the warpgroup
     float s[8][4], dp[8][4];  // transposed: keys are rows, queries columns
     E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
     const float* bl = q_lse + buf * kFaBlock;
@@ -548,7 +583,6 @@ __global__ void __launch_bounds__(kFaThreads, E::kMinBlocks) flash_dkv_kernel(co
     acc_to_a(dp, pa);
     acc_to_a(s, dsa);
     E::template accumulate2<HD>(gv, pa, dos + buf * kTile, gk, dsa, qs + buf * kTile);
-    tiles_landed<E>();
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -574,8 +608,6 @@ bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_li
   return true;
 }
 
-unsigned blocks_of(int64_t n) { return unsigned((n + kFaBlock - 1) / kFaBlock); }
-
 // x rounded to BF16 (RNE) in the same [B, T, H, hd] layout: the kernels' operands, copied into
 // shared memory with cp.async.
 Tensor bf16_copy(const Tensor& x) {
@@ -598,27 +630,40 @@ size_t launchable(size_t bytes) {
   return bytes;
 }
 
-// Bytes of n tiles of the engine's layout, plus `extra`, plus the slack tiles_base aligns in.
-template <class E, int HD>
+unsigned blocks_of(int64_t n, int rows) { return unsigned((n + rows - 1) / rows); }
+
+// Bytes of n of the CTA's tiles, plus `extra`, plus the slack tiles_base aligns in.
+template <class C>
 constexpr size_t tiles_bytes(int n, size_t extra = 0) {
-  return size_t(n) * size_t(E::template kTileBytes<HD>) + extra + 1024;
+  return size_t(n) * size_t(C::kTile) + extra + 1024;
 }
 
-// fn(engine, std::integral_constant<int, hd>) for the head sizes the kernels are built for: the
-// wgmma engine where the device runs sm_90a code and hd is 64 or 128 (set_flash_wgmma(false)
-// forces mma.sync, for tests and benchmarks), else mma.sync.
+// The wgmma engine's CTA shape (warpgroups, stages): set_flash_cta.
+std::atomic<int> g_flash_wg{2}, g_flash_stages{2};
+
+// fn(Cta<...>{}) for the head size: the wgmma engine where the device runs sm_90a code and hd is
+// 64 or 128 (set_flash_wgmma(false) forces mma.sync, for tests and benchmarks) in the CTA shape
+// set_flash_cta chose, else mma.sync with one warpgroup and two buffers.
 template <typename Fn>
-void with_engine(int hd, Fn&& fn) {
+void with_cta(int hd, Fn&& fn) {
   const bool wgmma = g_flash_wgmma.load(std::memory_order_relaxed) && wgmma_available();
+  const int wg = g_flash_wg.load(std::memory_order_relaxed), st = g_flash_stages.load(std::memory_order_relaxed);
+  auto shaped = [&](auto hd_c) {
+    constexpr int HD = decltype(hd_c)::value;
+    if (wg == 1 && st == 2) fn(Cta<Wgmma, HD, 1, 2>{});
+    else if (wg == 1) fn(Cta<Wgmma, HD, 1, 3>{});
+    else if (st == 2) fn(Cta<Wgmma, HD, 2, 2>{});
+    else fn(Cta<Wgmma, HD, 2, 3>{});
+  };
   switch (hd) {
-    case 32: fn(MmaSync{}, std::integral_constant<int, 32>{}); break;
+    case 32: fn(Cta<MmaSync, 32, 1, 2>{}); break;
     case 64:
-      if (wgmma) fn(Wgmma{}, std::integral_constant<int, 64>{});
-      else fn(MmaSync{}, std::integral_constant<int, 64>{});
+      if (wgmma) shaped(std::integral_constant<int, 64>{});
+      else fn(Cta<MmaSync, 64, 1, 2>{});
       break;
     case 128:
-      if (wgmma) fn(Wgmma{}, std::integral_constant<int, 128>{});
-      else fn(MmaSync{}, std::integral_constant<int, 128>{});
+      if (wgmma) shaped(std::integral_constant<int, 128>{});
+      else fn(Cta<MmaSync, 128, 1, 2>{});
       break;
     default: fail("flash attention: no kernels for hd {}", hd);
   }
@@ -628,6 +673,13 @@ void with_engine(int hd, Fn&& fn) {
 
 void set_flash_wgmma(bool on) { g_flash_wgmma.store(on, std::memory_order_relaxed); }
 
+void set_flash_cta(int warpgroups, int stages) {
+  if ((warpgroups != 1 && warpgroups != 2) || (stages != 2 && stages != 3))
+    fail("set_flash_cta: warpgroups must be 1 or 2 and stages 2 or 3, not {} and {}", warpgroups, stages);
+  g_flash_wg.store(warpgroups, std::memory_order_relaxed);
+  g_flash_stages.store(stages, std::memory_order_relaxed);
+}
+
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
                              Tensor& lse) {
   FaDims d;
@@ -635,13 +687,12 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (!fa_dims(q, k, pos0, {&out}, d, hd)) return false;
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v);
-  const dim3 grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B));
-  with_engine(hd, [&](auto engine, auto hd_c) {
-    using E = decltype(engine);
-    constexpr int HD = decltype(hd_c)::value;
-    const size_t smem = launchable<flash_forward_kernel<E, HD>>(tiles_bytes<E, HD>(5));
-    flash_forward_kernel<E, HD><<<grid, kFaThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
-                                                                       out.data<float>(), lse.data<float>());
+  with_cta(hd, [&](auto cta) {
+    using C = decltype(cta);
+    const dim3 grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B));
+    const size_t smem = launchable<flash_forward_kernel<C>>(tiles_bytes<C>(C::kWG + 2 * C::kStages));
+    flash_forward_kernel<C><<<grid, C::kThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
+                                                                    out.data<float>(), lse.data<float>());
   });
   FOURBIT_LAUNCH_CHECK();
   return true;
@@ -654,18 +705,19 @@ bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor&
   if (!fa_dims(q, k, 0, {&dq, &dk_heads, &dv_heads}, d, hd)) return false;
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v), dob = bf16_copy(dout);
-  const dim3 q_grid(blocks_of(d.T), unsigned(d.Hq), unsigned(d.B)), kv_grid(blocks_of(d.S), unsigned(d.Hq), unsigned(d.B));
   const FaBackward args{bf16_data(qb),      bf16_data(kb),   bf16_data(vb),  bf16_data(dob),
                         lse.data<float>(),  D.data<float>(), d,              dq.data<float>(),
                         dk_heads.data<float>(), dv_heads.data<float>()};
-  with_engine(hd, [&](auto engine, auto hd_c) {
-    using E = decltype(engine);
-    constexpr int HD = decltype(hd_c)::value;
-    const size_t dq_smem = launchable<flash_dq_kernel<E, HD>>(tiles_bytes<E, HD>(6));
-    flash_dq_kernel<E, HD><<<q_grid, kFaThreads, dq_smem, stream()>>>(args);
+  with_cta(hd, [&](auto cta) {
+    using C = decltype(cta);
+    const dim3 q_grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B)),
+        kv_grid(blocks_of(d.S, C::kRows), unsigned(d.Hq), unsigned(d.B));
+    const size_t dq_smem = launchable<flash_dq_kernel<C>>(tiles_bytes<C>(2 * C::kWG + 2 * C::kStages));
+    flash_dq_kernel<C><<<q_grid, C::kThreads, dq_smem, stream()>>>(args);
     FOURBIT_LAUNCH_CHECK();
-    const size_t dkv_smem = launchable<flash_dkv_kernel<E, HD>>(tiles_bytes<E, HD>(6, 4 * kFaBlock * sizeof(float)));
-    flash_dkv_kernel<E, HD><<<kv_grid, kFaThreads, dkv_smem, stream()>>>(args);
+    const size_t dkv_smem = launchable<flash_dkv_kernel<C>>(
+        tiles_bytes<C>(2 * C::kWG + 2 * C::kStages, 2 * C::kStages * kFaBlock * sizeof(float)));
+    flash_dkv_kernel<C><<<kv_grid, C::kThreads, dkv_smem, stream()>>>(args);
   });
   FOURBIT_LAUNCH_CHECK();
   return true;
