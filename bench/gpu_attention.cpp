@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
                    Tensor::empty(k.shape(), DType::F32, Device::CUDA)};
   };
   // The variants: the materialized path, then the fused kernels on mma.sync and (Hopper) on wgmma in
-  // each CTA shape; the last is the default the model runs.
+  // each CTA shape; the last is the default the model runs (and stays selected).
   struct Variant {
     std::string name;
     bool materialized, wgmma;
@@ -79,8 +79,8 @@ int main(int argc, char** argv) {
   variants.push_back({"materialized", true, false, 0, 0, false, buffers()});
   variants.push_back({"fused, mma.sync", false, false, 1, 2, false, buffers()});
   if (ops::cuda::wgmma_available())
-    for (const auto& [wg, st, pipe] : {std::tuple<int, int, bool>{1, 2, false}, {1, 3, false}, {2, 3, false},
-                                       {1, 3, true}, {2, 3, true}, {2, 2, false}})
+    for (const auto& [wg, st, pipe] : {std::tuple<int, int, bool>{2, 2, false}, {1, 3, false}, {2, 3, false},
+                                       {1, 3, true}, {2, 3, true}, {1, 2, false}})
       variants.push_back({fmt::format("fused, wgmma, {} warpgroup{}, {} stages{}", wg, wg > 1 ? "s" : "", st,
                                       pipe ? ", pipelined" : ""),
                           false, true, wg, st, pipe, buffers()});
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
                {"speed-up vs materialized", mat_both / both},
                {"TFLOP/s (both)", tflops},
                {"of 786 (BF16 dense)", tflops / 786.0},
-               {"gap vs materialized", x.gap}});
+               {"gap vs materialized", fmt::format("{:.1e}", x.gap)}});
   }
   cudaDeviceProp prop{};
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));

@@ -349,7 +349,7 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
   struct Restore {
     ~Restore() {
       ops::cuda::set_flash_wgmma(true);
-      ops::cuda::set_flash_cta(2, 2, false);
+      ops::cuda::set_flash_cta(1, 2, false);
     }
   } restore;
   for (const int64_t hd : {64, 128}) {
@@ -366,7 +366,7 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
       return std::vector<Tensor>{out, lse, dq, dk, dv};
     };
     const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    ops::cuda::set_flash_cta(1, 2);
+    ops::cuda::set_flash_cta(1, 2, false);
     const std::vector<Tensor> ref = run();
     struct Shape {
       int wg, stages;

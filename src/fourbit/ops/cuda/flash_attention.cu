@@ -65,6 +65,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// 2^x by the MUFU.EX2 instruction alone (flushing subnormal results to 0: a P under 2^-126 of the
+// row's largest is 0 here); exp2f adds a rescaling around it for subnormals.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // A 16 x 64 accumulator tile (8 n-tiles) as the BF16 A fragments of four k-steps (RNE).
 __device__ __forceinline__ void acc_to_a(const float (&c)[8][4], uint32_t (&a)[4][4]) {
 #pragma unroll
@@ -272,11 +280,19 @@ __device__ __forceinline__ float* smem_floats(unsigned char* smem, uint32_t addr
 template <class E, int HD, int kThreads>
 __device__ __forceinline__ void load_tile_async(const __nv_bfloat16* __restrict__ x, int64_t stride, int r0, int rows,
                                                 uint32_t tile) {
-  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < kFaBlock * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool valid = r0 + r < rows;
-    cp_async16(tile + E::template chunk<HD>(r, c), valid ? x + int64_t(r0 + r) * stride + c * 8 : x, valid ? 16 : 0);
+  // a thread copies one 16-byte column chunk of every kPass-th row: its source steps by kPass rows
+  // and its shared-memory slot by kPass rows too (kPass is a multiple of 8, so the swizzle's
+  // row-in-atom, and with it the chunk's position in the row, stays the same)
+  constexpr int kChunks = HD / 8, kPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && kPass % 8 == 0 && kFaBlock % kPass == 0, "load_tile_async: tile shape");
+  const int c = int(threadIdx.x) % kChunks, r_first = int(threadIdx.x) / kChunks;
+  const __nv_bfloat16* src = x + int64_t(r0 + r_first) * stride + c * 8;
+  const uint32_t dst = tile + E::template chunk<HD>(r_first, c);
+#pragma unroll
+  for (int j = 0; j < kFaBlock / kPass; ++j) {
+    const bool valid = r0 + r_first + j * kPass < rows;
+    cp_async16(dst + uint32_t(E::template chunk<HD>(j * kPass, 0) - E::template chunk<HD>(0, 0)),
+               valid ? src + int64_t(j) * kPass * stride : x, valid ? 16 : 0);
   }
 }
 
@@ -352,13 +368,14 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Row `half` of the thread's two rows (gid, gid + 8) of a 16 x 8N accumulator, divided by div,
-// into row (FP32, 8-byte aligned): two values per n-tile.
+// Row `half` of the thread's two rows (gid, gid + 8) of a 16 x 8N accumulator, times `scale`, into
+// row (FP32, 8-byte aligned): two values per n-tile.
 template <int N>
-__device__ __forceinline__ void store_row(float* row, const float (&acc)[N][4], int half, float div = 1.0f) {
+__device__ __forceinline__ void store_row(float* row, const float (&acc)[N][4], int half, float scale = 1.0f) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
-    *reinterpret_cast<float2*>(row + frag_col(n, 0)) = make_float2(acc[n][2 * half] / div, acc[n][2 * half + 1] / div);
+    *reinterpret_cast<float2*>(row + frag_col(n, 0)) =
+        make_float2(acc[n][2 * half] * scale, acc[n][2 * half + 1] * scale);
 }
 
 struct FaDims {
@@ -369,8 +386,10 @@ struct FaDims {
 // ---- forward ----------------------------------------------------------------------------------
 
 // The online softmax of one key block: scores s (unscaled) of keys s0 .. for the thread's rows at
-// positions pos, masked and scaled to log2 units; updates the rows' running max m and sum l and
-// leaves P = exp2(s - m) in s and in alpha the factor the rows' O takes for the new max.
+// positions pos, masked (where Masked: the block reaches past a row's position) and scaled to log2
+// units; updates the rows' running max m and sum l and leaves P = exp2(s - m) in s and in alpha
+// the factor the rows' O takes for the new max.
+template <bool Masked>
 __device__ __forceinline__ void online_softmax(float (&s)[8][4], int s0, const int (&pos)[2], float scale2,
                                                float (&m)[2], float (&l)[2], float (&alpha)[2]) {
   float block_max[2] = {-INFINITY, -INFINITY};
@@ -379,13 +398,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[8][4], int s0, const i
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = e >> 1;
-      s[n][e] = s0 + frag_col(n, e) <= pos[row] ? s[n][e] * scale2 : -INFINITY;
+      s[n][e] = !Masked || s0 + frag_col(n, e) <= pos[row] ? s[n][e] * scale2 : -INFINITY;
       block_max[row] = fmaxf(block_max[row], s[n][e]);
     }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const float m_new = fmaxf(m[i], quad_max(block_max[i]));  // finite: key 0 is never masked
-    alpha[i] = exp2f(m[i] - m_new);
+    alpha[i] = exp2_ftz(m[i] - m_new);
     m[i] = m_new;
     l[i] *= alpha[i];
   }
@@ -393,9 +412,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[8][4], int s0, const i
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[n][e] = exp2f(s[n][e] - m[e >> 1]);
+      s[n][e] = exp2_ftz(s[n][e] - m[e >> 1]);
       l[e >> 1] += s[n][e];
     }
+}
+
+// online_softmax of a block, masked only where the block reaches past the warp's first row
+// (warp-uniform: the masked form changes nothing on the other blocks, it only costs more).
+__device__ __forceinline__ void online_softmax(float (&s)[8][4], int s0, const int (&pos)[2], int warp_first_pos,
+                                               float scale2, float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+  if (s0 + kFaBlock - 1 > warp_first_pos) online_softmax<true>(s, s0, pos, scale2, m, l, alpha);
+  else online_softmax<false>(s, s0, pos, scale2, m, l, alpha);
 }
 
 template <int N>
@@ -438,9 +465,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   keys.prologue();
 
   const float scale2 = d.scale * kLog2e;  // scores in log2 units
-  int pos[2];  // absolute positions of the thread's two rows
+  int pos[2];  // absolute positions of the thread's two rows, and of the warp's first
 #pragma unroll
   for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + wt0 + warp_row() + frag_row(i);
+  const int pos_first = d.pos0 + wt0 + warp_row();
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
@@ -452,14 +480,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     float s[8][4], alpha[2];
     if constexpr (!C::kPipelined) {
       E::template scores<HD>(s, qs, ks + buf * kTile);
-      online_softmax(s, s0, pos, scale2, m, l, alpha);
+      online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);
       rescale(o, alpha);
       acc_to_a(s, pa);
       E::template accumulate<HD>(o, pa, vs + buf * kTile);
     } else {
       if (kb == 0) {
         E::template scores<HD>(s, qs, ks + buf * kTile);
-        online_softmax(s, s0, pos, scale2, m, l, alpha);  // O is still 0: nothing to rescale
+        online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);  // O is still 0: nothing to rescale
         acc_to_a(s, pa);
       } else {
         uint32_t next[4][4];
@@ -469,7 +497,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
                       [&] { E::template issue_accumulate<HD>(o, pa, vs + ((kb - 1) % ST) * kTile); },
                       [&] {
                         E::pin(s);
-                        online_softmax(s, s0, pos, scale2, m, l, alpha);
+                        online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);
                         acc_to_a(s, next);
                         E::pin(next);
                       });
@@ -486,7 +514,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const int t = wt0 + warp_row() + frag_row(i);
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
-    store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, sum);
+    store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, 1.0f / sum);  // O / l
     if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] * kLn2 + logf(sum);
   }
 }
@@ -504,10 +532,10 @@ struct FaBackward {
 };
 
 // From the scores s (unscaled) and dp of an accumulator tile: P = exp(s * scale - lse) where
-// `visible`, else 0, into dp, and dS = P (dP - D) * scale into s. lse_of / D_of give a fragment
-// element's row values (queries are rows in the dQ kernel, columns in the dK/dV kernel), lse in
-// log2 units (lse * log2(e)).
-template <typename Visible, typename LseOf, typename DOf>
+// `visible` (everywhere unless Masked), else 0, into dp, and dS = P (dP - D) * scale into s.
+// lse_of / D_of give a fragment element's row values (queries are rows in the dQ kernel, columns
+// in the dK/dV kernel), lse in log2 units (lse * log2(e)).
+template <bool Masked, typename Visible, typename LseOf, typename DOf>
 __device__ __forceinline__ void softmax_grad(float (&s)[8][4], float (&dp)[8][4], float scale, Visible visible,
                                              LseOf lse2_of, DOf d_of) {
   const float scale2 = scale * kLog2e;
@@ -515,7 +543,7 @@ __device__ __forceinline__ void softmax_grad(float (&s)[8][4], float (&dp)[8][4]
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pv = visible(n, e) ? exp2f(fmaf(s[n][e], scale2, -lse2_of(n, e))) : 0.0f;
+      const float pv = !Masked || visible(n, e) ? exp2_ftz(fmaf(s[n][e], scale2, -lse2_of(n, e))) : 0.0f;
       s[n][e] = pv * (dp[n][e] - d_of(n, e)) * scale;
       dp[n][e] = pv;
     }
@@ -572,9 +600,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dq_kernel(co
     const int s0 = kb * kFaBlock, buf = kb % ST;
     float s[8][4], dp[8][4];
     auto grad = [&] {
-      softmax_grad(
-          s, dp, d.scale, [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; },
-          [&](int, int e) { return row_lse2[e >> 1]; }, [&](int, int e) { return row_d[e >> 1]; });
+      const auto visible = [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; };
+      const auto lse2_of = [&](int, int e) { return row_lse2[e >> 1]; };
+      const auto d_of = [&](int, int e) { return row_d[e >> 1]; };
+      if (s0 + kFaBlock - 1 > wt0 + warp_row()) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
+      else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
     };
     if constexpr (!C::kPipelined) {
       E::template scores2<HD>(s, qs, ks + buf * kTile, dp, dos, vs + buf * kTile);
@@ -676,13 +706,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dkv_kernel(c
     const float* bl = q_lse + buf * kFaBlock;
     const float* bd = q_d + buf * kFaBlock;
     auto grad = [&] {
-      softmax_grad(
-          s, dp, d.scale,
-          [&](int n, int e) {
-            const int tq = t0 + frag_col(n, e);
-            return tq < d.T && key[e >> 1] <= tq;
-          },
-          [&](int n, int e) { return bl[frag_col(n, e)] * kLog2e; }, [&](int n, int e) { return bd[frag_col(n, e)]; });
+      const auto visible = [&](int n, int e) {
+        const int tq = t0 + frag_col(n, e);
+        return tq < d.T && key[e >> 1] <= tq;
+      };
+      const auto lse2_of = [&](int n, int e) { return bl[frag_col(n, e)] * kLog2e; };
+      const auto d_of = [&](int n, int e) { return bd[frag_col(n, e)]; };
+      // masked where a query of the block precedes one of the warp's keys, or is past the end
+      if (t0 < ws0 + warp_row() + 15 || t0 + kFaBlock > d.T) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
+      else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
     };
     if constexpr (!C::kPipelined) {
       E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
@@ -786,7 +818,7 @@ constexpr size_t tiles_bytes(int n, size_t extra = 0) {
 }
 
 // The wgmma engine's CTA shape (warpgroups, stages, pipelined): set_flash_cta.
-std::atomic<int> g_flash_wg{2}, g_flash_stages{2};
+std::atomic<int> g_flash_wg{1}, g_flash_stages{2};
 std::atomic<bool> g_flash_pipelined{false};
 
 // fn(Cta<...>{}) for the head size: the wgmma engine where the device runs sm_90a code and hd is
