@@ -14,7 +14,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -71,22 +71,19 @@ int main(int argc, char** argv) {
     std::string name;
     bool materialized, wgmma;
     int wg, stages;
-    bool pipelined;
     Buffers buf;
     double fwd_ms = 0, bwd_ms = 0, gap = 0;
   };
   std::vector<Variant> variants;
-  variants.push_back({"materialized", true, false, 0, 0, false, buffers()});
-  variants.push_back({"fused, mma.sync", false, false, 1, 2, false, buffers()});
+  variants.push_back({"materialized", true, false, 0, 0, buffers()});
+  variants.push_back({"fused, mma.sync", false, false, 1, 2, buffers()});
   if (ops::cuda::wgmma_available())
-    for (const auto& [wg, st, pipe] : {std::tuple<int, int, bool>{2, 2, false}, {1, 3, false}, {2, 3, false},
-                                       {1, 3, true}, {2, 3, true}, {1, 2, false}})
-      variants.push_back({fmt::format("fused, wgmma, {} warpgroup{}, {} stages{}", wg, wg > 1 ? "s" : "", st,
-                                      pipe ? ", pipelined" : ""),
-                          false, true, wg, st, pipe, buffers()});
+    for (const auto& [wg, st] : {std::pair<int, int>{2, 2}, {1, 3}, {2, 3}, {1, 2}})
+      variants.push_back({fmt::format("fused, wgmma, {} warpgroup{}, {} stages", wg, wg > 1 ? "s" : "", st), false,
+                          true, wg, st, buffers()});
   auto select = [&](const Variant& x) {
     ops::cuda::set_flash_wgmma(x.wgmma);
-    if (x.wgmma) ops::cuda::set_flash_cta(x.wg, x.stages, x.pipelined);
+    if (x.wgmma) ops::cuda::set_flash_cta(x.wg, x.stages);
   };
   auto fwd = [&](Variant& x) {
     if (x.materialized) return ops::cuda::materialized_attention_forward(q, k, v, 0, x.buf.out, x.buf.lse);

@@ -342,14 +342,14 @@ TEST(CudaAttention, FusedMatchesMaterialized) {
 // shapes run each row's blocks in the same order, so they give the same bits; mma.sync reads the
 // same BF16 operands in the same order, so only the tensor cores' internal sums may differ, and a
 // tile-layout or descriptor mistake would be far outside that bound (T = 200: partial last tiles,
-// and a warpgroup of rows past the end). Pipelined CTAs reorder no sum either.
+// and a warpgroup of rows past the end).
 TEST(CudaAttention, EnginesAndCtaShapesAgree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
   struct Restore {
     ~Restore() {
       ops::cuda::set_flash_wgmma(true);
-      ops::cuda::set_flash_cta(1, 2, false);
+      ops::cuda::set_flash_cta(1, 2);
     }
   } restore;
   for (const int64_t hd : {64, 128}) {
@@ -366,18 +366,13 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
       return std::vector<Tensor>{out, lse, dq, dk, dv};
     };
     const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    ops::cuda::set_flash_cta(1, 2, false);
+    ops::cuda::set_flash_cta(1, 2);
     const std::vector<Tensor> ref = run();
-    struct Shape {
-      int wg, stages;
-      bool pipelined;
-    };
-    for (const Shape& c : {Shape{1, 3, false}, Shape{2, 2, false}, Shape{2, 3, false}, Shape{1, 3, true}, Shape{2, 3, true}}) {
-      ops::cuda::set_flash_cta(c.wg, c.stages, c.pipelined);
+    for (const auto& [wg, st] : {std::pair<int, int>{1, 3}, {2, 2}, {2, 3}}) {
+      ops::cuda::set_flash_cta(wg, st);
       const std::vector<Tensor> got = run();
       for (size_t i = 0; i < 5; ++i)
-        EXPECT_TRUE(same_bits(got[i], ref[i])) << names[i] << ", " << c.wg << " warpgroups, " << c.stages << " stages"
-                                               << (c.pipelined ? ", pipelined" : "");
+        EXPECT_TRUE(same_bits(got[i], ref[i])) << names[i] << ", " << wg << " warpgroups, " << st << " stages";
     }
     ops::cuda::set_flash_wgmma(false);
     const std::vector<Tensor> sync = run();

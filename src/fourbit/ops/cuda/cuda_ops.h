@@ -202,9 +202,8 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
 // compare the two).
 void set_flash_wgmma(bool on);
 // The wgmma kernels' CTA: 1 or 2 warpgroups (64 rows each) sharing a stream of blocks through 2 or
-// 3 buffers, pipelined (3 buffers) or not. Every shape gives the same bits; the default is
-// the fastest measured on the H200.
-void set_flash_cta(int warpgroups, int stages, bool pipelined = false);
+// 3 buffers. Every shape gives the same bits; the default (1, 2) is the fastest measured on the H200.
+void set_flash_cta(int warpgroups, int stages);
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);

@@ -84,13 +84,6 @@ __device__ __forceinline__ void acc_to_a(const float (&c)[8][4], uint32_t (&a)[4
   }
 }
 
-__device__ __forceinline__ void copy_frags(const uint32_t (&from)[4][4], uint32_t (&to)[4][4]) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) to[k][e] = from[k][e];
-}
-
 template <int N>
 __device__ __forceinline__ void zero(float (&acc)[N][4]) {
 #pragma unroll
@@ -180,12 +173,6 @@ struct Wgmma {
 #pragma unroll
       for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(c[n][e])::"memory");
   }
-  __device__ static void pin(uint32_t (&a)[4][4]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[k][e])::"memory");
-  }
   __device__ static void pin(const uint32_t (&a)[4][4]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k)
@@ -204,20 +191,6 @@ struct Wgmma {
   __device__ static void issue_accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) wgmma_m64nNk16_rs<HD>(c, a[k], wgmma_desc_sw128_mn(b + k * 16 * 128, kPanel));
-  }
-  // The pipelined step: issues `first` and then `second` as two groups, runs `between` once
-  // first's are complete (second's still running), then waits for second's. The caller pins the
-  // registers second reads and writes before and after, and between pins first's results.
-  template <typename First, typename Second, typename Between>
-  __device__ static void overlapped(First first, Second second, Between between) {
-    wgmma_fence();
-    first();
-    wgmma_commit();
-    second();
-    wgmma_commit();
-    wgmma_wait<1>();
-    between();
-    wgmma_wait<0>();
   }
   template <int HD>
   __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
@@ -303,51 +276,45 @@ __device__ __forceinline__ void load_rows_async(const float* __restrict__ v, int
 }
 
 // A kernel's CTA: WG warpgroups, each owning 64 rows (queries in the forward and dQ kernels, keys
-// in the dK/dV kernel), sharing one stream of the other side's 64-row blocks through ST buffers.
-// Pipelined (the wgmma engine, ST 3): each warpgroup overlaps a block's products that
-// need the softmax (O += P V, dQ += dS K, dV and dK) with the next block's scores, whose softmax
-// runs while they do (FlashAttention-3's intra-warpgroup pipelining); its stream keeps the block
-// before in its buffer, so one block is in flight instead of ST - 1. A row's work (its blocks, and
-// every sum, in order) is the same whatever the shape, so every shape gives the same bits.
-template <class E, int HD, int WG, int ST, bool PIPE = false>
+// in the dK/dV kernel), sharing one stream of the other side's 64-row blocks through ST buffers
+// (ST - 1 blocks in flight while one is multiplied). A row's work (its blocks, and every sum, in
+// order) is the same whatever WG and ST, so every shape gives the same bits.
+template <class E, int HD, int WG, int ST>
 struct Cta {
   using Engine = E;
   static constexpr int kHd = HD, kWG = WG, kStages = ST, kThreads = 128 * WG, kRows = kFaBlock * WG;
-  static constexpr bool kPipelined = PIPE;
-  static constexpr int kAhead = PIPE ? ST - 2 : ST - 1;  // blocks in flight
-  static_assert(kAhead >= 1, "a pipelined CTA needs 3 buffers");
   static constexpr int kTile = E::template kTileBytes<HD>;
   static constexpr int kMinBlocks = E::kMinBlocks / WG > 1 ? E::kMinBlocks / WG : 1;
 };
 
-// The stream of blocks 0 .. blocks-1 through ST buffers, block j in buffer j % ST, A blocks
-// ahead; load(j, buffer) starts block j's copies. prologue() starts blocks 0 .. A-1, one cp.async
-// group each (the first also holding the copies the caller started before it). begin(j) waits for
-// block j, publishes it, and after the barrier (every warp is done with block j + A - ST) starts
-// block j + A in that block's buffer.
-template <int ST, int A, typename Load>
+// The stream of blocks 0 .. blocks-1 through ST buffers, block j in buffer j % ST; load(j, buffer)
+// starts block j's copies. prologue() starts blocks 0 .. ST-2, one cp.async group each (the first
+// also holding the copies the caller started before it). begin(j) waits for block j, publishes
+// it, and after the barrier (every warp is done with block j - 1) starts block j + ST - 1 in the
+// buffer block j - 1 leaves.
+template <int ST, typename Load>
 struct BlockStream {
   int blocks;
   Load load;
   __device__ void prologue() const {
 #pragma unroll
-    for (int j = 0; j < A; ++j) {
+    for (int j = 0; j < ST - 1; ++j) {
       if (j < blocks) load(j, j);
       cp_async_commit();
     }
   }
   template <class E>
   __device__ void begin(int j) const {
-    cp_async_wait<A - 1>();
+    cp_async_wait<ST - 2>();
     E::publish();
     __syncthreads();
-    if (j + A < blocks) load(j + A, (j + A) % ST);
+    if (j + ST - 1 < blocks) load(j + ST - 1, (j + ST - 1) % ST);
     cp_async_commit();
   }
 };
 template <class C, typename Load>
-__device__ BlockStream<C::kStages, C::kAhead, Load> block_stream(int blocks, Load load) {
-  return BlockStream<C::kStages, C::kAhead, Load>{blocks, load};
+__device__ BlockStream<C::kStages, Load> block_stream(int blocks, Load load) {
+  return BlockStream<C::kStages, Load>{blocks, load};
 }
 
 // The thread's two rows of a 16-row warp tile: gid and gid + 8.
@@ -472,42 +439,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
-  uint32_t pa[4][4];  // P of the block before, pipelined: O += P V runs with the next block's scores
   for (int kb = 0; kb < keys.blocks; ++kb) {
     keys.template begin<E>(kb);
     if (kb > wg_last_block) continue;  // past every key of the warpgroup's rows
     const int s0 = kb * kFaBlock, buf = kb % ST;
     float s[8][4], alpha[2];
-    if constexpr (!C::kPipelined) {
-      E::template scores<HD>(s, qs, ks + buf * kTile);
-      online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);
-      rescale(o, alpha);
-      acc_to_a(s, pa);
-      E::template accumulate<HD>(o, pa, vs + buf * kTile);
-    } else {
-      if (kb == 0) {
-        E::template scores<HD>(s, qs, ks + buf * kTile);
-        online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);  // O is still 0: nothing to rescale
-        acc_to_a(s, pa);
-      } else {
-        uint32_t next[4][4];
-        E::pin(o);
-        E::pin(pa);
-        E::overlapped([&] { E::template issue_scores<HD>(s, qs, ks + buf * kTile); },
-                      [&] { E::template issue_accumulate<HD>(o, pa, vs + ((kb - 1) % ST) * kTile); },
-                      [&] {
-                        E::pin(s);
-                        online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);
-                        acc_to_a(s, next);
-                        E::pin(next);
-                      });
-        E::pin(o);
-        E::pin(static_cast<const uint32_t(&)[4][4]>(pa));
-        rescale(o, alpha);
-        copy_frags(next, pa);
-      }
-      if (kb == wg_last_block) E::template accumulate<HD>(o, pa, vs + buf * kTile);
-    }
+    E::template scores<HD>(s, qs, ks + buf * kTile);
+    online_softmax(s, s0, pos, pos_first, scale2, m, l, alpha);
+    rescale(o, alpha);
+    uint32_t pa[4][4];
+    acc_to_a(s, pa);
+    E::template accumulate<HD>(o, pa, vs + buf * kTile);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -593,52 +535,21 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dq_kernel(co
   }
   float acc[ND][4];
   zero(acc);
-  uint32_t dsa[4][4];  // dS of the block before, pipelined: dQ += dS K runs with the next block's scores
   for (int kb = 0; kb < keys.blocks; ++kb) {
     keys.template begin<E>(kb);
     if (kb > wg_last_block) continue;
     const int s0 = kb * kFaBlock, buf = kb % ST;
     float s[8][4], dp[8][4];
-    auto grad = [&] {
-      const auto visible = [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; };
-      const auto lse2_of = [&](int, int e) { return row_lse2[e >> 1]; };
-      const auto d_of = [&](int, int e) { return row_d[e >> 1]; };
-      if (s0 + kFaBlock - 1 > wt0 + warp_row()) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
-      else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
-    };
-    if constexpr (!C::kPipelined) {
-      E::template scores2<HD>(s, qs, ks + buf * kTile, dp, dos, vs + buf * kTile);
-      grad();
-      acc_to_a(s, dsa);
-      E::template accumulate<HD>(acc, dsa, ks + buf * kTile);
-    } else {
-      if (kb == 0) {
-        E::template scores2<HD>(s, qs, ks + buf * kTile, dp, dos, vs + buf * kTile);
-        grad();
-        acc_to_a(s, dsa);
-      } else {
-        uint32_t next[4][4];
-        E::pin(acc);
-        E::pin(dsa);
-        E::overlapped(
-            [&] {
-              E::template issue_scores<HD>(s, qs, ks + buf * kTile);
-              E::template issue_scores<HD>(dp, dos, vs + buf * kTile);
-            },
-            [&] { E::template issue_accumulate<HD>(acc, dsa, ks + ((kb - 1) % ST) * kTile); },
-            [&] {
-              E::pin(s);
-              E::pin(dp);
-              grad();
-              acc_to_a(s, next);
-              E::pin(next);
-            });
-        E::pin(acc);
-        E::pin(static_cast<const uint32_t(&)[4][4]>(dsa));
-        copy_frags(next, dsa);
-      }
-      if (kb == wg_last_block) E::template accumulate<HD>(acc, dsa, ks + buf * kTile);
-    }
+    E::template scores2<HD>(s, qs, ks + buf * kTile, dp, dos, vs + buf * kTile);
+    const auto visible = [&](int n, int e) { return s0 + frag_col(n, e) <= t[e >> 1]; };
+    const auto lse2_of = [&](int, int e) { return row_lse2[e >> 1]; };
+    const auto d_of = [&](int, int e) { return row_d[e >> 1]; };
+    // masked where the block reaches past the warp's first query
+    if (s0 + kFaBlock - 1 > wt0 + warp_row()) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
+    else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
+    uint32_t dsa[4][4];
+    acc_to_a(s, dsa);
+    E::template accumulate<HD>(acc, dsa, ks + buf * kTile);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -696,72 +607,27 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) flash_dkv_kernel(c
   float gk[ND][4], gv[ND][4];
   zero(gk);
   zero(gv);
-  // P^T and dS^T of the block before, pipelined: dV and dK run with the next block's scores
-  uint32_t pa[4][4], dsa[4][4];
   for (int j = 0; j < queries.blocks; ++j) {
     queries.template begin<E>(j);
     const int qb = first_qb + j, t0 = qb * kFaBlock, buf = j % ST;
     if (qb < wg_first_qb) continue;  // before every key of the warpgroup
     float s[8][4], dp[8][4];  // transposed: keys are rows, queries columns
+    E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
     const float* bl = q_lse + buf * kFaBlock;
     const float* bd = q_d + buf * kFaBlock;
-    auto grad = [&] {
-      const auto visible = [&](int n, int e) {
-        const int tq = t0 + frag_col(n, e);
-        return tq < d.T && key[e >> 1] <= tq;
-      };
-      const auto lse2_of = [&](int n, int e) { return bl[frag_col(n, e)] * kLog2e; };
-      const auto d_of = [&](int n, int e) { return bd[frag_col(n, e)]; };
-      // masked where a query of the block precedes one of the warp's keys, or is past the end
-      if (t0 < ws0 + warp_row() + 15 || t0 + kFaBlock > d.T) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
-      else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
+    const auto visible = [&](int n, int e) {
+      const int tq = t0 + frag_col(n, e);
+      return tq < d.T && key[e >> 1] <= tq;
     };
-    if constexpr (!C::kPipelined) {
-      E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
-      grad();
-      acc_to_a(dp, pa);
-      acc_to_a(s, dsa);
-      E::template accumulate2<HD>(gv, pa, dos + buf * kTile, gk, dsa, qs + buf * kTile);
-    } else {
-      if (qb == wg_first_qb) {
-        E::template scores2<HD>(s, kt, qs + buf * kTile, dp, vt, dos + buf * kTile);
-        grad();
-        acc_to_a(dp, pa);
-        acc_to_a(s, dsa);
-      } else {
-        const int prev = (j - 1) % ST;
-        uint32_t next_p[4][4], next_ds[4][4];
-        E::pin(gv);
-        E::pin(gk);
-        E::pin(pa);
-        E::pin(dsa);
-        E::overlapped(
-            [&] {
-              E::template issue_scores<HD>(s, kt, qs + buf * kTile);
-              E::template issue_scores<HD>(dp, vt, dos + buf * kTile);
-            },
-            [&] {
-              E::template issue_accumulate<HD>(gv, pa, dos + prev * kTile);
-              E::template issue_accumulate<HD>(gk, dsa, qs + prev * kTile);
-            },
-            [&] {
-              E::pin(s);
-              E::pin(dp);
-              grad();
-              acc_to_a(dp, next_p);
-              acc_to_a(s, next_ds);
-              E::pin(next_p);
-              E::pin(next_ds);
-            });
-        E::pin(gv);
-        E::pin(gk);
-        E::pin(static_cast<const uint32_t(&)[4][4]>(pa));
-        E::pin(static_cast<const uint32_t(&)[4][4]>(dsa));
-        copy_frags(next_p, pa);
-        copy_frags(next_ds, dsa);
-      }
-      if (j == queries.blocks - 1) E::template accumulate2<HD>(gv, pa, dos + buf * kTile, gk, dsa, qs + buf * kTile);
-    }
+    const auto lse2_of = [&](int n, int e) { return bl[frag_col(n, e)] * kLog2e; };
+    const auto d_of = [&](int n, int e) { return bd[frag_col(n, e)]; };
+    // masked where a query of the block precedes one of the warp's keys, or is past the end
+    if (t0 < ws0 + warp_row() + 15 || t0 + kFaBlock > d.T) softmax_grad<true>(s, dp, d.scale, visible, lse2_of, d_of);
+    else softmax_grad<false>(s, dp, d.scale, visible, lse2_of, d_of);
+    uint32_t pa[4][4], dsa[4][4];
+    acc_to_a(dp, pa);
+    acc_to_a(s, dsa);
+    E::template accumulate2<HD>(gv, pa, dos + buf * kTile, gk, dsa, qs + buf * kTile);
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -817,9 +683,8 @@ constexpr size_t tiles_bytes(int n, size_t extra = 0) {
   return size_t(n) * size_t(C::kTile) + extra + 1024;
 }
 
-// The wgmma engine's CTA shape (warpgroups, stages, pipelined): set_flash_cta.
+// The wgmma engine's CTA shape (warpgroups, stages): set_flash_cta.
 std::atomic<int> g_flash_wg{1}, g_flash_stages{2};
-std::atomic<bool> g_flash_pipelined{false};
 
 // fn(Cta<...>{}) for the head size: the wgmma engine where the device runs sm_90a code and hd is
 // 64 or 128 (set_flash_wgmma(false) forces mma.sync, for tests and benchmarks) in the CTA shape
@@ -828,13 +693,9 @@ template <typename Fn>
 void with_cta(int hd, Fn&& fn) {
   const bool wgmma = g_flash_wgmma.load(std::memory_order_relaxed) && wgmma_available();
   const int wg = g_flash_wg.load(std::memory_order_relaxed), st = g_flash_stages.load(std::memory_order_relaxed);
-  const bool pipe = g_flash_pipelined.load(std::memory_order_relaxed);
   auto shaped = [&](auto hd_c) {
     constexpr int HD = decltype(hd_c)::value;
-    if (pipe) {
-      if (wg == 1) fn(Cta<Wgmma, HD, 1, 3, true>{});
-      else fn(Cta<Wgmma, HD, 2, 3, true>{});
-    } else if (wg == 1) {
+    if (wg == 1) {
       if (st == 2) fn(Cta<Wgmma, HD, 1, 2>{});
       else fn(Cta<Wgmma, HD, 1, 3>{});
     } else {
@@ -860,13 +721,11 @@ void with_cta(int hd, Fn&& fn) {
 
 void set_flash_wgmma(bool on) { g_flash_wgmma.store(on, std::memory_order_relaxed); }
 
-void set_flash_cta(int warpgroups, int stages, bool pipelined) {
-  if ((warpgroups != 1 && warpgroups != 2) || (stages != 2 && stages != 3) || (pipelined && stages != 3))
-    fail("set_flash_cta: warpgroups must be 1 or 2 and stages 2 or 3 (3 when pipelined), not {} and {}", warpgroups,
-         stages);
+void set_flash_cta(int warpgroups, int stages) {
+  if ((warpgroups != 1 && warpgroups != 2) || (stages != 2 && stages != 3))
+    fail("set_flash_cta: warpgroups must be 1 or 2 and stages 2 or 3, not {} and {}", warpgroups, stages);
   g_flash_wg.store(warpgroups, std::memory_order_relaxed);
   g_flash_stages.store(stages, std::memory_order_relaxed);
-  g_flash_pipelined.store(pipelined, std::memory_order_relaxed);
 }
 
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
