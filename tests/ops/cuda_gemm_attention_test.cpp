@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -339,10 +340,11 @@ TEST(CudaAttention, FusedMatchesMaterialized) {
 }
 
 // The wgmma engine (Hopper) in each CTA shape against the mma.sync one, on the same kernels: the
-// shapes run each row's blocks in the same order, so they give the same bits; mma.sync reads the
-// same BF16 operands in the same order, so only the tensor cores' internal sums may differ, and a
-// tile-layout or descriptor mistake would be far outside that bound (T = 200: partial last tiles,
-// and a warpgroup of rows past the end).
+// shapes run each row's blocks in the same order, so they give the same bits, also for one-token
+// KV-cache decode steps; mma.sync reads the same BF16 operands in the same order, so only the
+// tensor cores' internal sums may differ, and a tile-layout or descriptor mistake would be far
+// outside that bound. T = 130 leaves the second warpgroup of a two-warpgroup CTA without a valid
+// row, T = 200 ends mid-tile. Outputs start as NaN, so an element a shape leaves unwritten fails.
 TEST(CudaAttention, EnginesAndCtaShapesAgree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
@@ -352,33 +354,51 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
       ops::cuda::set_flash_cta(1, 2);
     }
   } restore;
-  for (const int64_t hd : {64, 128}) {
-    SCOPED_TRACE("hd=" + std::to_string(hd));
-    const int64_t B = 2, T = 200, Hq = 4, Hkv = 2;
-    const Tensor q = randn({B, T, Hq, hd}, 61).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 62).to(Device::CUDA),
-                 v = randn({B, T, Hkv, hd}, 63).to(Device::CUDA), dout = randn({B, T, Hq, hd}, 64).to(Device::CUDA);
-    auto run = [&] {
-      Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA);
-      EXPECT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out, lse));
-      Tensor dq = Tensor::empty(q.shape(), DType::F32, Device::CUDA), dk = Tensor::empty(k.shape(), DType::F32, Device::CUDA),
-             dv = dk.clone();
-      ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
-      return std::vector<Tensor>{out, lse, dq, dk, dv};
-    };
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    ops::cuda::set_flash_cta(1, 2);
-    const std::vector<Tensor> ref = run();
-    for (const auto& [wg, st] : {std::pair<int, int>{1, 3}, {2, 2}, {2, 3}}) {
-      ops::cuda::set_flash_cta(wg, st);
-      const std::vector<Tensor> got = run();
-      for (size_t i = 0; i < 5; ++i)
-        EXPECT_TRUE(same_bits(got[i], ref[i])) << names[i] << ", " << wg << " warpgroups, " << st << " stages";
+  auto nans = [](const Shape& shape) {
+    const std::vector<float> v(size_t(shape_numel(shape)), std::numeric_limits<float>::quiet_NaN());
+    return Tensor::from_host(v.data(), shape, DType::F32, Device::CUDA);
+  };
+  const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+  for (const int64_t hd : {64, 128})
+    for (const int64_t T : {130, 200}) {
+      SCOPED_TRACE("hd=" + std::to_string(hd) + " T=" + std::to_string(T));
+      const int64_t B = 2, Hq = 4, Hkv = 2;
+      const Tensor hq = randn({B, T, Hq, hd}, 61), hk = randn({B, T, Hkv, hd}, 62), hv = randn({B, T, Hkv, hd}, 63);
+      const Tensor q = hq.to(Device::CUDA), k = hk.to(Device::CUDA), v = hv.to(Device::CUDA),
+                   dout = randn({B, T, Hq, hd}, 64).to(Device::CUDA);
+      auto run = [&] {
+        Tensor out = nans(q.shape()), lse = nans({B, Hq, T});
+        EXPECT_TRUE(ops::cuda::flash_attention_forward(q, k, v, 0, out, lse));
+        Tensor dq = nans(q.shape()), dk = nans(k.shape()), dv = nans(k.shape());
+        ops::attention_backward(dout, q, k, v, out, lse, dq, dk, dv);
+        return std::vector<Tensor>{out, lse, dq, dk, dv};
+      };
+      // token t alone, attending over the keys up to it (pos0 = t): the full forward's row t
+      auto decode_matches = [&](const std::vector<Tensor>& full, int64_t t) {
+        const Tensor gq = optest::time_slice(hq, t, t + 1).to(Device::CUDA),
+                     gk = optest::time_slice(hk, 0, t + 1).to(Device::CUDA),
+                     gv = optest::time_slice(hv, 0, t + 1).to(Device::CUDA);
+        Tensor out = nans(gq.shape()), lse = nans({B, Hq, 1});
+        EXPECT_TRUE(ops::cuda::flash_attention_forward(gq, gk, gv, t, out, lse));
+        return same_bits(out, optest::time_slice(full[0].to(Device::CPU), t, t + 1)) &&
+               same_bits(lse, lse_rows(full[1], t, 1));
+      };
+      ops::cuda::set_flash_cta(1, 2);
+      const std::vector<Tensor> ref = run();
+      for (const auto& [wg, st] : {std::pair<int, int>{1, 2}, {1, 3}, {2, 2}, {2, 3}}) {
+        ops::cuda::set_flash_cta(wg, st);
+        const std::vector<Tensor> got = run();
+        for (size_t i = 0; i < 5; ++i)
+          EXPECT_TRUE(same_bits(got[i], ref[i])) << names[i] << ", " << wg << " warpgroups, " << st << " stages";
+        for (const int64_t t : {int64_t(0), int64_t(63), int64_t(64), T - 1})
+          EXPECT_TRUE(decode_matches(ref, t)) << "decode t=" << t << ", " << wg << " warpgroups, " << st << " stages";
+      }
+      ops::cuda::set_flash_cta(1, 2);
+      ops::cuda::set_flash_wgmma(false);
+      const std::vector<Tensor> sync = run();
+      ops::cuda::set_flash_wgmma(true);
+      for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(sync[i], ref[i]), 1e-8) << names[i] << ", mma.sync";
     }
-    ops::cuda::set_flash_wgmma(false);
-    const std::vector<Tensor> sync = run();
-    ops::cuda::set_flash_wgmma(true);
-    for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(sync[i], ref[i]), 1e-8) << names[i] << ", mma.sync";
-  }
 }
 #endif
 

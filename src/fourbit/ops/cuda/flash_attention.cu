@@ -1,4 +1,5 @@
-// defines: cuda::flash_attention_forward, cuda::flash_attention_backward, cuda::set_flash_wgmma
+// defines: cuda::flash_attention_forward, cuda::flash_attention_backward, cuda::set_flash_wgmma,
+//          cuda::set_flash_cta
 // Causal grouped-query attention fused into three kernels that never write the scores (the
 // FlashAttention-2 schedule, Dao 2023): BF16 tensor-core MMAs with FP32 accumulation on tiles of
 // 64 queries x 64 keys, with the softmax kept online in registers.
@@ -12,8 +13,8 @@
 //             after the keys: dV += P^T dO, dK += dS^T Q, per q head ([B, Hq, S, hd]); attention.cu
 //             sums each group's heads.
 //
-// A CTA is one warpgroup (4 warps, 16 tile rows each), and every product is one of two shapes on
-// [64][hd] BF16 tiles in shared memory:
+// A warpgroup (4 warps, 16 tile rows each) owns 64 rows, a CTA one or two warpgroups (Cta, below),
+// and every product is one of two shapes on [64][hd] BF16 tiles in shared memory:
 //   scores      C (64 x 64)  = A tile . B tile^T          S = Q K^T, dP = dO V^T, and the dK/dV
 //                                                          kernel's S^T = K Q^T, dP^T = V dO^T
 //   accumulate  C (64 x hd) += A (BF16 registers) . B tile  O += P V, dQ += dS K, dV += P^T dO,
@@ -30,8 +31,8 @@
 // always takes the same one for a shape, so training, prefill and decode agree.
 //
 // Q, K, V and dO are rounded to BF16 (RNE, as the materialized path's to_heads) into copies in the
-// model's [B, T, H, hd] layout, which the kernels stream through double-buffered shared-memory
-// tiles with cp.async (the next block lands while the current one is multiplied); outputs go
+// model's [B, T, H, hd] layout, which the kernels stream through two or three shared-memory
+// buffers with cp.async (the next blocks land while the current one is multiplied); outputs go
 // straight back to [B, T, H, hd] FP32. Exponentials are exp2 of scores scaled by scale * log2(e)
 // (one FFMA and one MUFU.EX2 a score). Every sum runs in a fixed order (no atomics), so results
 // are deterministic, and the work for a query row depends only on that row, its keys and the key
@@ -106,10 +107,11 @@ struct MmaSync {
   }
   __device__ static void publish() {}
 
-  // A fragments from rows 16 w .. (warp w) of tile a; B from tile b as its transpose (b[n][k]).
+  // A fragments from rows 16 w .. (warp w of its warpgroup) of tile a; B from tile b as its
+  // transpose (b[n][k]).
   template <int HD>
   __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
-    const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7, r = (threadIdx.x >> 5) * 16;
+    const int lane = threadIdx.x & 31, m = lane >> 3, i = lane & 7, r = ((threadIdx.x >> 5) & 3) * 16;
     zero(c);
 #pragma unroll
     for (int k = 0; k < HD / 16; ++k) {
@@ -211,9 +213,12 @@ struct Wgmma {
     pin(c1);
     pin(c2);
   }
+  // A's fragments and the accumulators are pinned before the fence too: PTX wants every register
+  // write a wgmma reads ordered before the wgmma.fence that precedes it.
   template <int HD>
   __device__ static void accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
     pin(c);
+    pin(a);
     wgmma_fence();
     issue_accumulate<HD>(c, a, b);
     wgmma_commit();
@@ -226,6 +231,8 @@ struct Wgmma {
                                      float (&c2)[HD / 8][4], const uint32_t (&a2)[4][4], uint32_t b2) {
     pin(c1);
     pin(c2);
+    pin(a1);
+    pin(a2);
     wgmma_fence();
     issue_accumulate<HD>(c1, a1, b1);
     issue_accumulate<HD>(c2, a2, b2);
@@ -285,6 +292,7 @@ struct Cta {
   static constexpr int kHd = HD, kWG = WG, kStages = ST, kThreads = 128 * WG, kRows = kFaBlock * WG;
   static constexpr int kTile = E::template kTileBytes<HD>;
   static constexpr int kMinBlocks = E::kMinBlocks / WG > 1 ? E::kMinBlocks / WG : 1;
+  static_assert(!std::is_same_v<E, Wgmma> || HD % 64 == 0, "Wgmma tiles are whole 64-column panels");
 };
 
 // The stream of blocks 0 .. blocks-1 through ST buffers, block j in buffer j % ST; load(j, buffer)
