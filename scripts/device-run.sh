@@ -7,8 +7,9 @@
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
 # `ncu` (not part of `all`): Nsight Compute's full section set on the grouped kernel's first TMA-form
-# launches in gpu_grouped_gemm (gpu-small's expert shape), its details page and its source view
-# (stall samples per SASS instruction); it reads hardware counters on the Firecracker runtime only
+# launches in gpu_grouped_gemm (gpu-small's expert shape) and on the fused attention's three wgmma
+# kernels in gpu_attention, their details pages and source views (stall samples per SASS
+# instruction); it reads hardware counters on the Firecracker runtime only
 # (the device library's KINDS.md), with the clocks left alone.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
@@ -132,6 +133,16 @@ if [[ " ${steps[*]} " == *" ncu "* ]]; then
   ncu --import "$OUT/ncu_grouped.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_grouped_sass.csv" 2>&1
   grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Stall" \
     "$OUT/ncu_grouped.txt" | head -30
+  # the fused attention's three kernels on the default wgmma CTA (gpu_attention's last variant): the
+  # filter reads demangled names, since the engine and CTA shape are template arguments (matched
+  # against the plain function name, a regex on them selects nothing)
+  ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:flash_.*Wgmma, 64, 1, 2>" \
+    --launch-count 3 --set full --import-source yes -o "$OUT/ncu_attention" "$BUILD/bench/gpu_attention" --reps 1 \
+    > "$OUT/ncu_attention.log" 2>&1; tail -3 "$OUT/ncu_attention.log"
+  ncu --import "$OUT/ncu_attention.ncu-rep" --page details > "$OUT/ncu_attention.txt" 2>&1
+  ncu --import "$OUT/ncu_attention.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_attention_sass.csv" 2>&1
+  grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|No Eligible" \
+    "$OUT/ncu_attention.txt" | head -30
   log ncu done
 fi
 if [ "${steps[${#steps[@]}-1]}" = pack ]; then
