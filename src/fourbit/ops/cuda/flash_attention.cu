@@ -194,22 +194,26 @@ struct Wgmma {
 #pragma unroll
     for (int k = 0; k < 4; ++k) wgmma_m64nNk16_rs<HD>(c, a[k], wgmma_desc_sw128_mn(b + k * 16 * 128, kPanel));
   }
-  template <int HD>
-  __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
+  // One group of MMAs run to completion: the fence, what `issue` issues, its commit and the wait.
+  template <typename Issue>
+  __device__ static void complete(Issue issue) {
     wgmma_fence();
-    issue_scores<HD>(c, a, b);
+    issue();
     wgmma_commit();
     wgmma_wait<0>();
+  }
+  template <int HD>
+  __device__ static void scores(float (&c)[8][4], uint32_t a, uint32_t b) {
+    complete([&] { issue_scores<HD>(c, a, b); });
     pin(c);
   }
   template <int HD>
   __device__ static void scores2(float (&c1)[8][4], uint32_t a1, uint32_t b1, float (&c2)[8][4], uint32_t a2,
                                  uint32_t b2) {
-    wgmma_fence();
-    issue_scores<HD>(c1, a1, b1);
-    issue_scores<HD>(c2, a2, b2);
-    wgmma_commit();
-    wgmma_wait<0>();
+    complete([&] {
+      issue_scores<HD>(c1, a1, b1);
+      issue_scores<HD>(c2, a2, b2);
+    });
     pin(c1);
     pin(c2);
   }
@@ -219,29 +223,19 @@ struct Wgmma {
   __device__ static void accumulate(float (&c)[HD / 8][4], const uint32_t (&a)[4][4], uint32_t b) {
     pin(c);
     pin(a);
-    wgmma_fence();
-    issue_accumulate<HD>(c, a, b);
-    wgmma_commit();
-    wgmma_wait<0>();
+    complete([&] { issue_accumulate<HD>(c, a, b); });
     pin(c);
     pin(a);
   }
   template <int HD>
   __device__ static void accumulate2(float (&c1)[HD / 8][4], const uint32_t (&a1)[4][4], uint32_t b1,
                                      float (&c2)[HD / 8][4], const uint32_t (&a2)[4][4], uint32_t b2) {
-    pin(c1);
-    pin(c2);
-    pin(a1);
-    pin(a2);
-    wgmma_fence();
-    issue_accumulate<HD>(c1, a1, b1);
-    issue_accumulate<HD>(c2, a2, b2);
-    wgmma_commit();
-    wgmma_wait<0>();
-    pin(c1);
-    pin(c2);
-    pin(a1);
-    pin(a2);
+    pin(c1), pin(c2), pin(a1), pin(a2);
+    complete([&] {
+      issue_accumulate<HD>(c1, a1, b1);
+      issue_accumulate<HD>(c2, a2, b2);
+    });
+    pin(c1), pin(c2), pin(a1), pin(a2);
   }
 };
 
