@@ -229,18 +229,20 @@ struct ModelRunner {
     return weight(w, name, GemmRole::Dgrad, r.dgrad.b, cls, partner);
   }
 
-  // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X, at the sites name/dgrad/dY,
-  // name/dgrad/W, name/wgrad/dY^T and name/wgrad/X^T.
+  // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X (dW = where the gradient is
+  // stale: ParamStore::grad_accumulate), at the sites name/dgrad/dY, name/dgrad/W, name/wgrad/dY^T
+  // and name/wgrad/X^T.
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
                        const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
+    const bool dw_accumulate = m.params_.grad_accumulate(dw);
     const QuantSite dyt_site = site(name + "/wgrad/dY^T");
     if (dx && dy_pairs(r) && dy.size(0) > 0) {
       // dY and dY^T in one pass, each with its BF16 decode: both GEMMs read them right away
       const PreparedRowCol p = prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), r.wgrad.a,
                                                GemmRole::Wgrad, 'a', {0, dy.size(0)}, {dyt_site}, cls, log, true, true);
       gemm(p.row, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
-      gemm(p.col[0], wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, true);
+      gemm(p.col[0], wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, dw_accumulate);
       return;
     }
     Prepared pdy;
@@ -251,7 +253,7 @@ struct ModelRunner {
     const Prepared pdy_t = dx && wgrad_dy_reuses_dgrad(r)
                                ? reuse_dense(pdy, dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log)
                                : prepare(dy, r.wgrad.a, GemmRole::Wgrad, 'a', dyt_site, cls, log);
-    gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, true);
+    gemm(pdy_t, wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, dw_accumulate);
   }
 
   // dY^T of the weight gradient from dgrad's dY where both are one dense format: nothing rounds
@@ -511,7 +513,8 @@ struct ModelRunner {
   // (grad: an [E, R, C] gradient; a, b: per-expert operands, empty for experts without tokens),
   // every set's GEMMs in one ops::gemm_batch_grouped (each operand decoded once; on Hopper one
   // launch of the grouped kernel's K-grouped form, elsewhere the GEMMs on GPU lanes: a ~1000-token
-  // expert GEMM alone fills a quarter of an H200).
+  // expert GEMM alone fills a quarter of an H200). A stale gradient (ParamStore::grad_accumulate)
+  // is stored instead: the GEMMs' sums, and zeros for the experts without tokens.
   struct ExpertWgrad {
     const std::vector<Prepared>& a;
     const std::vector<Prepared>& b;
@@ -521,13 +524,19 @@ struct ModelRunner {
     std::vector<Tensor> outs;
     outs.reserve(sets.size() * plan.offsets.size());  // jobs point at them
     std::vector<ops::GemmJob> jobs;
-    for (const ExpertWgrad& w : sets)
+    for (const ExpertWgrad& w : sets) {
+      const bool accumulate = m.params_.grad_accumulate(w.grad);
       for (size_t e = 0; e + 1 < plan.offsets.size(); ++e) {
-        if (plan.offsets[e] == plan.offsets[e + 1]) continue;
         const int64_t R = w.grad.size(1), C = w.grad.size(2);
-        outs.push_back(w.grad.view(int64_t(e) * R * C, {R, C}));
-        jobs.push_back(ops::GemmJob{w.a[e].op(), w.b[e].op(), &outs.back(), true});
+        Tensor slice = w.grad.view(int64_t(e) * R * C, {R, C});
+        if (plan.offsets[e] == plan.offsets[e + 1]) {
+          if (!accumulate) slice.zero_();
+          continue;
+        }
+        outs.push_back(slice);
+        jobs.push_back(ops::GemmJob{w.a[e].op(), w.b[e].op(), &outs.back(), accumulate});
       }
+    }
     ops::gemm_batch_grouped(jobs);
   }
 
@@ -948,6 +957,7 @@ void Model::backward() {
   run.linear_backward(s->dlogits, s->xf, w.lm_head, "lm_head", g.lm_head, &dxf, false,
                       recipe_.lm_head, LayerClass::LmHead);
   Tensor dx = run.act({N, D});
+  params_.zero_if_stale(g.final_norm);  // the norms' and the embedding's backward add to their gradients
   ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm);
 
   for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
@@ -968,13 +978,17 @@ void Model::backward() {
       run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false);
     }
     // the residual's gradient plus the normed branch's, added by the norm's backward
+    params_.zero_if_stale(lg.ffn_norm);
     ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dx, lg.ffn_norm, true);
     // attention block
     Tensor dxn = run.act({N, D});
     run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn);
+    params_.zero_if_stale(lg.attn_norm);
     ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dx, lg.attn_norm, true);
   }
+  params_.zero_if_stale(g.embed);
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
+  params_.settle_grads();
 }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,

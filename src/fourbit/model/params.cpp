@@ -1,6 +1,7 @@
 // defines: build_param_layout, ParamStore, init_params
 #include "fourbit/model/params.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -56,6 +57,61 @@ ParamStore::ParamStore(const ModelConfig& c, DType dtype, Device device)
   for (const auto& p : infos_) numel_ += p.numel();
   flat_ = Tensor::zeros({numel_}, dtype, device);
   flat_grad_ = Tensor::zeros({numel_}, dtype, device);
+  stale_.assign(infos_.size(), 0);
+}
+
+void ParamStore::zero_grad() {
+  std::fill(stale_.begin(), stale_.end(), uint8_t(1));
+  if (flat_grad_.device() != Device::CPU) return;
+  if (flat_grad_.dtype() == DType::F64) std::fill_n(flat_grad_.data<double>(), numel_, std::nan(""));
+  else if (flat_grad_.dtype() == DType::F32) std::fill_n(flat_grad_.data<float>(), numel_, std::nanf(""));
+  else flat_grad_.zero_();
+}
+
+size_t ParamStore::param_of(const Tensor& grad) const {
+  const int64_t esize = dtype_size(flat_grad_.dtype());
+  const auto* base = static_cast<const char*>(flat_grad_.raw());
+  const auto* at = static_cast<const char*>(grad.raw());
+  const int64_t begin = (at - base) / esize;
+  if (grad.dtype() != flat_grad_.dtype() || grad.device() != flat_grad_.device() || at < base ||
+      (at - base) % esize != 0 || begin >= numel_)
+    fail("ParamStore: {} is not a view of the gradients {}", grad.str(), flat_grad_.str());
+  // the last parameter starting at or before begin
+  const auto it = std::upper_bound(infos_.begin(), infos_.end(), begin,
+                                   [](int64_t v, const ParamInfo& p) { return v < p.offset; });
+  const size_t i = size_t(it - infos_.begin()) - 1;
+  if (begin + grad.numel() > infos_[i].offset + infos_[i].numel())
+    fail("ParamStore: {} runs past the gradient of {}", grad.str(), infos_[i].name);
+  return i;
+}
+
+bool ParamStore::grad_accumulate(const Tensor& grad) {
+  const size_t i = param_of(grad);
+  if (!stale_[i]) return true;
+  stale_[i] = 0;
+  return false;
+}
+
+void ParamStore::zero_if_stale(const Tensor& grad) {
+  const size_t i = param_of(grad);
+  if (!stale_[i]) return;
+  flat_grad_.view(infos_[i].offset, {infos_[i].numel()}).zero_();
+  stale_[i] = 0;
+}
+
+void ParamStore::settle_grads() {
+  // runs of neighbouring stale parameters in one zeroing each
+  for (size_t i = 0; i < infos_.size();) {
+    if (!stale_[i]) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < infos_.size() && stale_[j]) stale_[j++] = 0;
+    const int64_t at = infos_[i].offset, n = infos_[j - 1].offset + infos_[j - 1].numel() - at;
+    flat_grad_.view(at, {n}).zero_();
+    i = j;
+  }
 }
 
 const ParamInfo& ParamStore::info(const std::string& name) const {

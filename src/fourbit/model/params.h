@@ -3,6 +3,7 @@
 // clipping, checkpoints and export walk one list. Gradients and the AdamW moments are flat buffers
 // of the same layout.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -48,13 +49,28 @@ class ParamStore {
   ModelWeights weights() const { return weights_over(flat_); }
   ModelWeights grads() const { return weights_over(flat_grad_); }
   ModelWeights weights_over(const Tensor& flat) const;
-  void zero_grad() { flat_grad_.zero_(); }
+
+  // Gradients are zeroed lazily. zero_grad() marks every parameter's gradient stale instead of
+  // writing zeros; a backward asks grad_accumulate(g) before its first write to a gradient, and
+  // where it answers false (stale) stores the whole parameter's gradient instead of adding to it;
+  // a write that can only add calls zero_if_stale(g) first; settle_grads() zeroes the stale
+  // gradients no write reached (Model::backward ends with it, and the optimizer calls it), so
+  // outside a backward the gradients read as if zero_grad had written zeros. A GPU step saves
+  // the memset of every gradient and the read of every zero it would have added to. On the CPU
+  // zero_grad fills the gradients with NaN, so a write that adds to a stale gradient without
+  // asking shows in every test that trains or checks a gradient there.
+  void zero_grad();
+  bool grad_accumulate(const Tensor& grad);  // grad: a view of flat_grad() within one parameter
+  void zero_if_stale(const Tensor& grad);
+  void settle_grads();
 
  private:
+  size_t param_of(const Tensor& grad) const;  // the parameter whose gradient grad lies in
   ModelConfig cfg_;
   std::vector<ParamInfo> infos_;
   int64_t numel_ = 0;
   Tensor flat_, flat_grad_;
+  std::vector<uint8_t> stale_;  // per parameter, infos_ order
 };
 
 // Normal(0, init_std) weights from Philox counters keyed by (seed, parameter index), so the

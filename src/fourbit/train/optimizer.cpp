@@ -106,6 +106,7 @@ double Optimizer::grad_norm() const {
 }
 
 double Optimizer::step(int64_t step_index, double lr) {
+  params_.settle_grads();  // a step without a backward since zero_grad: zero gradients
   const double norm = grad_norm();
   if (!std::isfinite(norm)) return norm;  // the trainer stops on a non-finite norm
   // Clipping scales the gradient inside the update (the same float product as scaling it first,
