@@ -267,12 +267,26 @@ __device__ __forceinline__ float finish_value(const GroupedArgs& p, const float*
   return p.accumulate ? num::add_rn(c, v) : v;
 }
 
-// Two values of a row at columns col, col + 1 (those < N), 8-byte stores where aligned.
+// Whether columns col, col + 1 of a C row take one 8-byte access.
+__device__ __forceinline__ bool pair_fits(const GroupedArgs& p, const float* crow, int col) {
+  return col + 1 < p.n && (reinterpret_cast<uintptr_t>(crow + col) & 7) == 0;
+}
+
+// C's two values at columns col, col + 1 of a row where they take one 8-byte access and the
+// epilogue adds to C (else zeros, unread): the epilogues load these for several pairs before
+// storing any, so that the loads are in flight together instead of one latency a pair.
+__device__ __forceinline__ float2 c_pair(const GroupedArgs& p, long long row, int col) {
+  const float* crow = p.c + row * p.ldc;
+  return p.accumulate && pair_fits(p, crow, col) ? *reinterpret_cast<const float2*>(crow + col) : make_float2(0.0f, 0.0f);
+}
+
+// Two values of a row at columns col, col + 1 (those < N), 8-byte stores where aligned; old: C's
+// values there (c_pair).
 __device__ __forceinline__ void store_pair(const GroupedArgs& p, const float* sbo, long long row, int col, float v0,
-                                           float v1) {
+                                           float v1, float2 old) {
   float* crow = p.c + row * p.ldc;
-  if (col + 1 < p.n && (reinterpret_cast<uintptr_t>(crow + col) & 7) == 0) {
-    float2 o = p.accumulate ? *reinterpret_cast<float2*>(crow + col) : make_float2(0.0f, 0.0f);
+  if (pair_fits(p, crow, col)) {
+    float2 o = old;
     o.x = finish_value(p, sbo, v0, row, col, o.x);
     o.y = finish_value(p, sbo, v1, row, col + 1, o.y);
     *reinterpret_cast<float2*>(crow + col) = o;
@@ -398,10 +412,13 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
     for (int half = 0; half < 2; ++half) {
       const long long row = r0 + wm * T::kWM + mi * 16 + (lane >> 2) + half * 8;
       if (row >= r1) continue;
+      const int col0 = n0 + wn * T::kWN + (lane & 3) * 2;
+      float2 old[T::kNI];
+#pragma unroll
+      for (int ni = 0; ni < T::kNI; ++ni) old[ni] = c_pair(p, row, col0 + ni * 8);
 #pragma unroll
       for (int ni = 0; ni < T::kNI; ++ni)
-        store_pair(p, sbo, row, n0 + wn * T::kWN + ni * 8 + (lane & 3) * 2, acc[mi][ni][half * 2],
-                   acc[mi][ni][half * 2 + 1]);
+        store_pair(p, sbo, row, col0 + ni * 8, acc[mi][ni][half * 2], acc[mi][ni][half * 2 + 1], old[ni]);
     }
 }
 
@@ -436,6 +453,10 @@ struct Shape {
   static constexpr int kSmemBytes = kStages * kStageBytes + kDecodedBytes + 1024;  // + alignment slack
 };
 
+// C values an epilogue that adds to C loads at once (c_pair): 4 pairs keep the TMA forms, whose
+// 17 warps a CTA allow 96 registers a thread, free of spills.
+constexpr int kAhead = 4;
+
 // Keeps the accumulators where the asynchronous wgmma writes them: the compiler may not move or
 // reuse these registers across this point.
 __device__ __forceinline__ void pin(float (&acc)[64]) {
@@ -462,7 +483,8 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[64], uint32_t a, uint32_
 
 // The epilogue of warpgroup wm's 64 x 128 block of a row-grouped tile (wgmma_m64n128k16's
 // accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns
-// < N only, in NUMERICS' order (store_pair).
+// < N only, in NUMERICS' order (store_pair), C's values loaded kAhead pairs at a time ahead of
+// the stores where it is added to.
 __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[64], int wm, int col0,
                                             long long r0, long long r1) {
   const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
@@ -473,8 +495,16 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
     const long long row = r0 + row_base + 8 * half;
     if (row >= r1) continue;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      store_pair(p, sbo, row, col_base + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    for (int j0 = 0; j0 < 16; j0 += kAhead) {
+      float2 old[kAhead];
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) old[j] = c_pair(p, row, col_base + 8 * (j0 + j));
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        const int q = j0 + j;
+        store_pair(p, sbo, row, col_base + 8 * q, acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1], old[j]);
+      }
+    }
   }
 }
 
@@ -631,15 +661,21 @@ __device__ __forceinline__ void store_wgrad_block(const float (&acc)[64], float*
     if (row >= m) continue;
     float* crow = c + (long long)row * ldc;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int col = col_base + 8 * j;
-      if (col >= n) continue;  // n is even: col + 1 < n too
-      float2 v = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-      if (accumulate) {
-        const float2 o = *reinterpret_cast<const float2*>(crow + col);
-        v = make_float2(num::add_rn(o.x, v.x), num::add_rn(o.y, v.y));
+    for (int j0 = 0; j0 < 16; j0 += kAhead) {
+      float2 old[kAhead];  // C's values, loaded together ahead of the stores
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        const int col = col_base + 8 * (j0 + j);
+        old[j] = accumulate && col < n ? *reinterpret_cast<const float2*>(crow + col) : make_float2(0.0f, 0.0f);
       }
-      *reinterpret_cast<float2*>(crow + col) = v;
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        const int q = j0 + j, col = col_base + 8 * q;
+        if (col >= n) continue;  // n is even: col + 1 < n too
+        float2 v = make_float2(acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1]);
+        if (accumulate) v = make_float2(num::add_rn(old[j].x, v.x), num::add_rn(old[j].y, v.y));
+        *reinterpret_cast<float2*>(crow + col) = v;
+      }
     }
   }
 }
