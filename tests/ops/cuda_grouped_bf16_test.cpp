@@ -7,7 +7,7 @@
 // first three run each main loop: wgmma (Hopper) and the portable mma.sync; on Hopper the
 // training tile's TMA form equals its cp.async form bit for bit, and a B read MN-major in place
 // (a dgrad's forward weight) the bits of its K-major copy; outer scales applied in the epilogue in
-// the scale epilogue's order.
+// the scale epilogue's order. ops::grouped_gemm_device_offsets gives ops::grouped_gemm's bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -406,5 +406,39 @@ TEST(CudaGroupedBf16, BadOffsetsAreReportedByName) {
                ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor({0, 64}), out, false);
              }),
              "offsets must be an I32 [G + 1] = [4] tensor");
+}
+
+// ops::grouped_gemm_device_offsets (the forward's expert GEMMs queued before the router's counts
+// reach the host) gives ops::grouped_gemm's bits with the same offsets given on the host: at
+// training sizes (the TMA form), at decode sizes, with empty groups, and accumulating; and with
+// the grouped kernel switched off it reads the offsets back and runs grouped_gemm's other path.
+TEST(CudaGroupedBf16, DeviceOffsetsGiveTheHostOffsetsBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t K = 256, N = 192, G = 5;
+  for (const std::vector<int32_t>& off : {std::vector<int32_t>{0, 700, 700, 1500, 2100, 2600},
+                                          std::vector<int32_t>{0, 3, 3, 9, 9, 40}}) {
+    const int64_t M = off.back();
+    SCOPED_TRACE("M = " + std::to_string(M));
+    const Bf16 a = random_bf16({M, K}, 11, 1.0f), b = random_bf16({G, N, K}, 12, 0.05f);
+    const std::vector<int64_t> host(off.begin(), off.end());
+    const Tensor dev_off = offsets_tensor(off);
+    for (const bool grouped_kernel : {true, false}) {
+      ops::cuda::set_grouped_kernel(grouped_kernel);
+      Tensor want = Tensor::zeros({M, N}, DType::F32, Device::CUDA), got = want.clone();
+      ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b.dev), host, want);
+      ops::grouped_gemm_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), dev_off, got);
+      EXPECT_EQ(bytes(want), bytes(got)) << "grouped kernel " << grouped_kernel;
+      ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b.dev), host, want, true);
+      ops::grouped_gemm_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), dev_off, got, true);
+      EXPECT_EQ(bytes(want), bytes(got)) << "accumulating, grouped kernel " << grouped_kernel;
+    }
+    ops::cuda::set_grouped_kernel(true);
+  }
+  const Bf16 a = random_bf16({8, K}, 1, 1.0f), b = random_bf16({G, N, K}, 2, 0.05f);
+  Tensor out = Tensor::zeros({8, N}, DType::F32, Device::CUDA);
+  EXPECT_HAS(testutil::error_of([&] {
+               ops::grouped_gemm_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), offsets_tensor({0, 8}), out);
+             }),
+             "offsets must be I32 [G + 1] = [6]");
 }
 #endif

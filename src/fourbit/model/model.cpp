@@ -424,6 +424,7 @@ struct ModelRunner {
     // on it is queued first, so that the GPU runs it while the host waits: the tokens' BF16 copy
     // or quantization, and the shared expert.
     ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor());
+    ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
     const bool bf16_x = bf16_input(r) && m.dtype_ == DType::F32;
     Tensor xn16;
     if (bf16_x) {
@@ -431,6 +432,12 @@ struct ModelRunner {
       ops::convert(xn, xn16);
     }
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
+    // Where the experts' GEMMs take dense BF16 operands (the bf16 recipe) and the GPU made the
+    // plan, they read its offsets there: the dispatch, the experts and the combine are queued
+    // before the host waits for the counts, which only the load-balance statistics and the backward
+    // need, so the GPU does not idle through that wait. Elsewhere the host waits here.
+    const bool device_routed = plan.device_offsets.defined() && bf16_x && r.fprop.b.fmt == Format::BF16 &&
+                               !r.fprop.b.quantized() && wgrad_from_fwd;
     // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
     // then the same wherever it is quantized), both come from the dispatched rows in one pass,
     // X with its BF16 decode for the w1 and w3 GEMMs; otherwise each token is quantized once here
@@ -444,13 +451,7 @@ struct ModelRunner {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
       ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr);
     }
-    ops::RoutePlan plan = ops::route_plan_end(std::move(pending_plan));
-
-    // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
-    // term is summed after the forward.
-    std::vector<double> frac(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
-    if (aux) pending_aux.push_back({N, plan.prob_sums, frac});
+    if (!device_routed) ops::route_plan_finish(pending_plan);
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
     // then gather the packed rows into expert order.
@@ -489,6 +490,12 @@ struct ModelRunner {
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out);
 
     if (c.n_shared_experts) ops::add_(out, ys);
+    ops::route_plan_finish(pending_plan);
+    // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
+    // term is summed after the forward.
+    std::vector<double> frac(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
+    if (aux) pending_aux.push_back({N, plan.prob_sums, frac});
     if (s) {
       s->probs = probs;
       s->topk_idx = topk_idx;
@@ -540,6 +547,13 @@ struct ModelRunner {
     ops::gemm_batch_grouped(jobs);
   }
 
+  // A grouped GEMM over the plan's experts: with the offsets on the GPU while the host does not
+  // have them yet (moe_forward's device-routed path), else with the host's.
+  static void expert_gemm(const Prepared& a, const Prepared& b, const ops::RoutePlan& plan, Tensor& c) {
+    if (plan.offsets.empty()) ops::grouped_gemm_device_offsets(a.op(), b.op(), plan.device_offsets, c);
+    else grouped_gemm(a, b, plan.offsets, c);
+  }
+
   // The routed experts over expert-sorted rows: y = (silu(x W1^T) * (x W3^T)) W2^T per expert.
   // With `inner`, also returns h1, h3 and a (for backward's recompute).
   struct ExpertInner {
@@ -556,8 +570,8 @@ struct ModelRunner {
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
-    grouped_gemm(x_perm, w1, plan.offsets, h1);
-    grouped_gemm(x_perm, w3, plan.offsets, h3);
+    expert_gemm(x_perm, w1, plan, h1);
+    expert_gemm(x_perm, w3, plan, h3);
     ops::swiglu_forward(h1, h3, a);
     record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's. For
@@ -574,7 +588,7 @@ struct ModelRunner {
     } else {
       pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     }
-    grouped_gemm(pa, w2, plan.offsets, y);
+    expert_gemm(pa, w2, plan, y);
     if (inner) {
       pa.q.bf16 = Tensor{};  // only the GEMM above reads it
       *inner = ExpertInner{h1, h3, a, std::move(pa), std::move(a_wgrad)};

@@ -280,6 +280,29 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   }
 }
 
+void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
+                                 bool accumulate) {
+  const char* op = "grouped_gemm_device_offsets";
+  const Tensor *da = a.dense(), *db = b.dense();
+  if (!da || !db || a.trans() || b.trans() || da->dtype() != DType::BF16 || db->dtype() != DType::BF16 ||
+      da->dim() != 2 || db->dim() != 3)
+    fail("{}: takes dense BF16 operands, a [M, K] and b [G, N, K]; got a {}, b {}", op,
+         da ? da->str() : "quantized", db ? db->str() : "quantized");
+  if (!offsets.defined() || offsets.dtype() != DType::I32 || offsets.dim() != 1 || offsets.size(0) != db->size(0) + 1 ||
+      offsets.device() != da->device())
+    fail("{}: offsets must be I32 [G + 1] = [{}] on the operands' device, got {}", op, db->size(0) + 1,
+         offsets.defined() ? offsets.str() : "an undefined tensor");
+#if FOURBIT_HAS_CUDA
+  if (c.device() == Device::CUDA && da->device() == Device::CUDA && db->device() == Device::CUDA) {
+    const HostOpTimer host_timer("grouped_gemm");
+    if (cuda::grouped_gemm_device_offsets(*da, *db, offsets, c, accumulate)) return;
+  }
+#endif
+  const Tensor host = offsets.to(Device::CPU);
+  const std::vector<int64_t> off(host.data<int32_t>(), host.data<int32_t>() + host.numel());
+  grouped_gemm(a, b, off, c, accumulate);
+}
+
 namespace {
 void run_gemm_batch(const char* op, const std::vector<GemmJob>& jobs, bool grouped) {
   const HostOpTimer host_timer(op);
@@ -441,9 +464,13 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   }
   FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs);
 }
-RoutePlan route_plan_end(PendingRoutePlan pending) {
+void route_plan_finish(PendingRoutePlan& pending) {
   const HostOpTimer host_timer("route_plan_end (the wait for the counts)");
   if (pending.finish) pending.finish(pending.plan);
+  pending.finish = nullptr;
+}
+RoutePlan route_plan_end(PendingRoutePlan pending) {
+  route_plan_finish(pending);
   return std::move(pending.plan);
 }
 RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {

@@ -1,6 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
+//          grouped_gemm_device_offsets, route_plan_finish,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -149,6 +150,12 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false
 // applied in one pass.
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate = false);
+// grouped_gemm with the offsets an I32 [G + 1] tensor on the operands' device, for dense BF16
+// operands only (a [M, K], b [G, N, K]) into an F32 c: the GPU's kernel reads them there, so the
+// GEMM may be queued before the host has the router's counts (RoutePlan::device_offsets); the
+// CPU reads them and runs grouped_gemm. The bits of grouped_gemm with the same offsets.
+void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
+                                 bool accumulate = false);
 
 // One GEMM of a batch: c (+)= a . b^T, as ops::gemm(a, b, *c, accumulate).
 struct GemmJob {
@@ -286,10 +293,14 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
 // in chunk order; on the GPU it comes back in the same read-back as the offsets.
 constexpr int64_t kProbSumChunk = 64;
 struct RoutePlan {
-  std::vector<int64_t> offsets;
+  std::vector<int64_t> offsets;  // empty until the plan is finished (route_plan_finish)
   Tensor slot_of;
   Tensor token_of_slot;
   std::vector<double> prob_sums;  // with probs, else empty
+  // I32 [E + 1]: the offsets where the GPU made the plan, there from route_plan_begin on, so that
+  // work queued before the host has the counts can read them (grouped_gemm_device_offsets);
+  // undefined on the CPU, where the plan is complete at once.
+  Tensor device_offsets;
 };
 // route_plan in two halves: route_plan_begin queues the plan (on the GPU the sort and the
 // read-back) and returns at once; route_plan_end waits for the read-back and completes it. Work
@@ -301,6 +312,8 @@ struct PendingRoutePlan {
 };
 PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
 RoutePlan route_plan_end(PendingRoutePlan pending);
+// route_plan_end in place: waits for the read-back and completes pending.plan (once).
+void route_plan_finish(PendingRoutePlan& pending);
 RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
 // x_perm[s] = x[token_of_slot[s]]: dense rows, or a Row-axis QTensor's rows (codes, scales and
 // per-row outer scales travel together: tokens are dispatched already quantized).

@@ -1,5 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
+//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
+//          grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
@@ -44,6 +45,11 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // check_recorded_index_errors() (or the next MoE route plan), never read or written past.
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin = 0, int64_t k_end = -1);
+// ops::grouped_gemm_device_offsets on CUDA (operands checked by the caller): grouped_gemm_bf16
+// where ops::grouped_gemm would run dense BF16 groups through the grouped kernel; false (nothing
+// done) where it would not (set_grouped_kernel(false), a native block-scaled device).
+bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
+                                 bool accumulate);
 
 // One operand of grouped_gemm_rows: BF16 values or block-scaled codes (rows ld_bytes apart; B's
 // group g starts g * slice_bytes in), block scales (scale_ld bytes a row, B's group g at

@@ -870,6 +870,14 @@ void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_re
 // one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
 // the operands, one cuBLASLt call per non-empty group (spread over the GPU lanes) and one scale
 // epilogue for all rows.
+bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
+                                 bool accumulate) {
+  // the grouped kernel as grouped_gemm runs dense BF16 groups, with the offsets read in the kernel
+  if (!g_grouped_kernel.load(std::memory_order_relaxed) || native_block_scaled_gemm()) return false;
+  grouped_gemm_bf16(a, b, offsets, c, accumulate);
+  return true;
+}
+
 bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
                   Tensor& c, bool accumulate) {
   const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();

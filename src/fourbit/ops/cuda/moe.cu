@@ -600,8 +600,11 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   const size_t read_bytes = sums_at + sums_bytes;
   const int64_t chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
   const size_t partial_bytes = probs.defined() ? size_t(n_experts * chunks) * sizeof(double) : 0;
-  Tensor scratch = Tensor::empty({int64_t(read_bytes + partial_bytes)}, DType::U8, Device::CUDA);
+  // I32 elements (every part's size is a multiple of 8 bytes), so that its first E + 1 are the
+  // plan's device_offsets
+  Tensor scratch = Tensor::empty({int64_t(read_bytes + partial_bytes) / 4}, DType::I32, Device::CUDA);
   char* dev = static_cast<char*>(scratch.raw());
+  plan.device_offsets = scratch.view(0, {n_experts + 1});
   stable_bucket_sort(topk_idx.data<int32_t>(), A, n_experts, IndexSite::RoutePlanTopk, k,
                      int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
                      plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev));
@@ -615,7 +618,8 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   }
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
                                      cudaMemcpyDeviceToDevice, stream()));
-  // The scratch may be freed on return: its reuse is queued behind the read-back on this stream.
+  // The scratch lives as long as the plan's device_offsets; its reuse once freed is queued behind
+  // the read-back on this stream.
   std::shared_ptr<PendingRead> read = read_later(dev, read_bytes);
   pending.finish = [read, n_experts, start_bytes, sums_at, sums_bytes](RoutePlan& p) {
     const char* host = static_cast<const char*>(read->wait());
