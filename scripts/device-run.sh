@@ -135,8 +135,9 @@ if [[ " ${steps[*]} " == *" ncu "* ]]; then
     "$OUT/ncu_grouped.txt" | head -30
   # the fused attention's three kernels on the default wgmma CTA (gpu_attention's last variant): the
   # filter reads demangled names, since the engine and CTA shape are template arguments (matched
-  # against the plain function name, a regex on them selects nothing)
-  ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:flash_.*Wgmma, 64, 1, 2>" \
+  # against the plain function name, a regex on them selects nothing); ncu writes a demangled
+  # template argument with its type ("(int)64", "(bool)0"), hence the dots
+  ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:flash_.*Wgmma, .int.64, .int.1, .int.2>" \
     --launch-count 3 --set full --import-source yes -o "$OUT/ncu_attention" "$BUILD/bench/gpu_attention" --reps 1 \
     > "$OUT/ncu_attention.log" 2>&1; tail -3 "$OUT/ncu_attention.log"
   ncu --import "$OUT/ncu_attention.ncu-rep" --page details > "$OUT/ncu_attention.txt" 2>&1
