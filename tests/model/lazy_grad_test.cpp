@@ -62,13 +62,20 @@ TEST(LazyGrad, RejectsWhatIsNotOneParametersGradient) {
 }
 
 // The flat gradients after micro-batches `batches` (each a forward and backward into the same
-// gradients) that start from zero_grad (lazy) or from writing zeros.
+// gradients) that start from zero_grad over NaN-filled gradients (lazy: any write that adds to a
+// stale gradient, on either device, shows) or from written zeros.
 std::vector<float> gradients(const ModelConfig& c, const std::string& recipe, Device dev, bool lazy,
                              const std::vector<Tensor>& batches) {
   Model m(c, recipe_by_name(recipe), dev);
   init_params(m.params(), c, 5);
-  m.params().flat_grad().zero_();  // a fresh store's gradients read as zeros...
-  if (lazy) m.params().zero_grad();  // ... or are stale
+  Tensor& flat = m.params().flat_grad();
+  if (lazy) {  // stale gradients holding garbage (the GPU's zero_grad leaves the last values there)
+    const std::vector<float> nan(size_t(flat.numel()), std::nanf(""));
+    flat.copy_from(Tensor::from_host(nan.data(), flat.shape(), DType::F32));
+    m.params().zero_grad();
+  } else {
+    flat.zero_();  // a fresh store's gradients: zeros, added to
+  }
   for (size_t i = 0; i < batches.size(); ++i) {
     const Tensor& tokens = batches[i];
     m.forward(tokens.to(dev), shifted_targets(tokens, 258).to(dev), SrStreams{3, 1, uint64_t(i)}, true,

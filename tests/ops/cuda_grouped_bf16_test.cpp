@@ -434,6 +434,21 @@ TEST(CudaGroupedBf16, DeviceOffsetsGiveTheHostOffsetsBits) {
     }
     ops::cuda::set_grouped_kernel(true);
   }
+  // where the grouped kernel does not take the shape (K not a multiple of 8, more than 128 groups)
+  // the offsets are read back and grouped_gemm's other path runs: still its bits
+  EXPECT_FALSE(ops::grouped_gemm_reads_device_offsets(Device::CUDA, 129, K));
+  EXPECT_FALSE(ops::grouped_gemm_reads_device_offsets(Device::CUDA, G, 20));
+  EXPECT_TRUE(ops::grouped_gemm_reads_device_offsets(Device::CUDA, G, K));
+  for (const auto& [groups, k] : {std::pair<int64_t, int64_t>{129, 64}, std::pair<int64_t, int64_t>{3, 20}}) {
+    std::vector<int32_t> off(size_t(groups + 1));
+    for (int64_t g = 0; g <= groups; ++g) off[size_t(g)] = int32_t(3 * g - (g > 1 ? 2 : 0) * (g % 2));
+    const int64_t M = off.back();
+    const Bf16 a = random_bf16({M, k}, 21, 1.0f), b = random_bf16({groups, 16, k}, 22, 0.05f);
+    Tensor want = Tensor::zeros({M, 16}, DType::F32, Device::CUDA), got = want.clone();
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b.dev), std::vector<int64_t>(off.begin(), off.end()), want);
+    ops::grouped_gemm_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), offsets_tensor(off), got);
+    EXPECT_EQ(bytes(want), bytes(got)) << groups << " groups, K " << k;
+  }
   const Bf16 a = random_bf16({8, K}, 1, 1.0f), b = random_bf16({G, N, K}, 2, 0.05f);
   Tensor out = Tensor::zeros({8, N}, DType::F32, Device::CUDA);
   EXPECT_HAS(testutil::error_of([&] {

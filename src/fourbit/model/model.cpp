@@ -437,7 +437,9 @@ struct ModelRunner {
     // before the host waits for the counts, which only the load-balance statistics and the backward
     // need, so the GPU does not idle through that wait. Elsewhere the host waits here.
     const bool device_routed = plan.device_offsets.defined() && bf16_x && r.fprop.b.fmt == Format::BF16 &&
-                               !r.fprop.b.quantized() && wgrad_from_fwd;
+                               !r.fprop.b.quantized() && wgrad_from_fwd &&
+                               ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
+                               ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
     // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
     // then the same wherever it is quantized), both come from the dispatched rows in one pass,
     // X with its BF16 decode for the w1 and w3 GEMMs; otherwise each token is quantized once here
@@ -491,6 +493,7 @@ struct ModelRunner {
 
     if (c.n_shared_experts) ops::add_(out, ys);
     ops::route_plan_finish(pending_plan);
+    plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
     // term is summed after the forward.
     std::vector<double> frac(static_cast<size_t>(E));

@@ -54,8 +54,8 @@ class ParamStore {
   // writing zeros; a backward asks grad_accumulate(g) before its first write to a gradient, and
   // where it answers false (stale) stores the whole parameter's gradient instead of adding to it;
   // a write that can only add calls zero_if_stale(g) first; settle_grads() zeroes the stale
-  // gradients no write reached (Model::backward ends with it, and the optimizer calls it), so
-  // outside a backward the gradients read as if zero_grad had written zeros. A GPU step saves
+  // gradients no write reached (Model::backward ends with it, and Optimizer::step calls it), so
+  // after a backward the gradients read as if zero_grad had written zeros. A GPU step saves
   // the memset of every gradient and the read of every zero it would have added to. On the CPU
   // zero_grad fills the gradients with NaN, so a write that adds to a stale gradient without
   // asking shows in every test that trains or checks a gradient there.

@@ -280,6 +280,14 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   }
 }
 
+bool grouped_gemm_reads_device_offsets(Device device, int64_t groups, int64_t k) {
+#if FOURBIT_HAS_CUDA
+  if (device == Device::CUDA) return cuda::grouped_gemm_reads_device_offsets(groups, k);
+#endif
+  (void)device, (void)groups, (void)k;
+  return false;
+}
+
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate) {
   const char* op = "grouped_gemm_device_offsets";

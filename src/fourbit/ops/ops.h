@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
-//          grouped_gemm_device_offsets, route_plan_finish,
+//          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish,
 //          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -156,6 +156,10 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // CPU reads them and runs grouped_gemm. The bits of grouped_gemm with the same offsets.
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate = false);
+// Whether grouped_gemm_device_offsets on `device` reads the offsets where they are for `groups`
+// groups and a reduction of k values (else it reads them back first: the GPU's grouped kernel
+// takes up to 128 groups and K a multiple of 8; the CPU always reads them).
+bool grouped_gemm_reads_device_offsets(Device device, int64_t groups, int64_t k);
 
 // One GEMM of a batch: c (+)= a . b^T, as ops::gemm(a, b, *c, accumulate).
 struct GemmJob {

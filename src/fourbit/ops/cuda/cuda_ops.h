@@ -1,6 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
-//          grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
+//          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
@@ -46,8 +46,10 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin = 0, int64_t k_end = -1);
 // ops::grouped_gemm_device_offsets on CUDA (operands checked by the caller): grouped_gemm_bf16
-// where ops::grouped_gemm would run dense BF16 groups through the grouped kernel; false (nothing
-// done) where it would not (set_grouped_kernel(false), a native block-scaled device).
+// where ops::grouped_gemm would run dense BF16 groups through the grouped kernel
+// (grouped_gemm_reads_device_offsets, 16-byte aligned operands); false (nothing done) where it
+// would not: then ops::grouped_gemm's other path gives the bits.
+bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k);
 bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate);
 

@@ -870,10 +870,17 @@ void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_re
 // one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
 // the operands, one cuBLASLt call per non-empty group (spread over the GPU lanes) and one scale
 // epilogue for all rows.
+bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k) {
+  // where grouped_gemm runs dense BF16 groups through the grouped kernel (grouped_gemm_rows' limits)
+  return g_grouped_kernel.load(std::memory_order_relaxed) && !native_block_scaled_gemm() && groups >= 1 &&
+         groups <= kMaxEpilogueGroups && k % 8 == 0;
+}
+
 bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate) {
-  // the grouped kernel as grouped_gemm runs dense BF16 groups, with the offsets read in the kernel
-  if (!g_grouped_kernel.load(std::memory_order_relaxed) || native_block_scaled_gemm()) return false;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!grouped_gemm_reads_device_offsets(b.size(0), b.size(2)) || !aligned(a.raw()) || !aligned(b.raw()))
+    return false;
   grouped_gemm_bf16(a, b, offsets, c, accumulate);
   return true;
 }
