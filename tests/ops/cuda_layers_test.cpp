@@ -244,7 +244,8 @@ TEST(CudaLayers, EmbeddingMatchesCpuAndBackwardIsDeterministic) {
 TEST(CudaLayers, RmsNormMatchesCpuDeterministicAndBatchInvariant) {
   SKIP_WITHOUT_GPU();
   const float eps = 1e-5f;
-  for (const int64_t D : {int64_t(64), int64_t(96), int64_t(1024), int64_t(130)}) {
+  // D = 4100: the backward's two-kernel form (past the one-pass form's 4096)
+  for (const int64_t D : {int64_t(64), int64_t(96), int64_t(1024), int64_t(130), int64_t(4100)}) {
     for (const int64_t N : {int64_t(77), int64_t(513)}) {
       const std::string name = cfg("N=%lld D=%lld", N, D);
       const Tensor x = random_tensor({N, D}, DType::F32, 200 + uint64_t(D), -2.0, 2.0);
@@ -338,7 +339,8 @@ TEST(CudaLayers, SwigluMatchesCpu) {
 
 TEST(CudaLayers, FusedAddsAreTheirTwoStepForms) {
   SKIP_WITHOUT_GPU();
-  for (const int64_t D : {int64_t(1024), int64_t(13)}) {
+  // D = 4100: past the one-pass backward's 4096 (the two-kernel form)
+  for (const int64_t D : {int64_t(1024), int64_t(13), int64_t(4100)}) {
     const int64_t N = 77;
     const std::string name = cfg("N=%lld D=%lld", N, D);
     const Tensor a = gpu(random_tensor({N, D}, DType::F32, 950)), b = gpu(random_tensor({N, D}, DType::F32, 951));
@@ -357,6 +359,12 @@ TEST(CudaLayers, FusedAddsAreTheirTwoStepForms) {
     ops::rmsnorm_backward(dy, x, w, rstd, dx_one, dw2, true);
     expect_bits("rmsnorm_backward accumulating dx " + name, dx_one, dx_two);
     expect_bits("rmsnorm_backward dw " + name, dw2, dw1);
+    // dw_accumulate false over a NaN-filled dw (a stale gradient): the sum added to zeros
+    Tensor dw3 = Tensor::empty({D}, DType::F32, Device::CUDA), dx_three = a.clone();
+    ops::fill_(dw3, std::nan(""));
+    ops::rmsnorm_backward(dy, x, w, rstd, dx_three, dw3, true, false);
+    expect_bits("rmsnorm_backward stored dw " + name, dw3, dw1);
+    expect_bits("rmsnorm_backward dx with a stored dw " + name, dx_three, dx_two);
   }
 }
 
@@ -790,6 +798,37 @@ TEST(CudaLayers, ConvertEachIsOneConvertPerPair) {
   expect_bits("convert_each bf16 -> f32", back[0], back_c);
   std::vector<Tensor> short_dst;
   expect_error([&] { ops::convert_each(src, short_dst); }, "convert_each: 9 sources for 0 destinations");
+}
+
+// zero_each: aligned tensors of sizes around the kernel's chunk zeroed in one launch and the
+// memory between them untouched; an unaligned one sends all through Tensor::zero_.
+TEST(CudaLayers, ZeroEachZeroesEveryTensor) {
+  SKIP_WITHOUT_GPU();
+  const Tensor pool = random_tensor({3 * 1024 * 1024}, DType::F32, 1402, 1.0, 2.0);
+  for (const bool unaligned : {false, true}) {
+    Tensor pool_g = gpu(pool);
+    std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end) of each tensor
+    std::vector<Tensor> ts;
+    int64_t at = 4;
+    for (const int64_t n : {int64_t(4), int64_t(0), int64_t(4096), int64_t(4100), int64_t(1024 * 1024), int64_t(12)}) {
+      ranges.push_back({at, at + n});
+      ts.push_back(pool_g.view(at, {n}));
+      at += n + 8;
+    }
+    if (unaligned) {
+      ranges.push_back({at + 1, at + 4});
+      ts.push_back(pool_g.view(at + 1, {3}));
+    }
+    ops::zero_each(ts);
+    const Tensor got = host(pool_g);
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < pool.numel(); ++i) {
+      bool zeroed = false;
+      for (const auto& [b, e] : ranges) zeroed = zeroed || (i >= b && i < e);
+      wrong += (got.data<float>()[i] == 0.0f) != zeroed;
+    }
+    EXPECT_EQ(wrong, 0) << (unaligned ? "with an unaligned tensor" : "all aligned");
+  }
 }
 
 // ---- AdamW ----------------------------------------------------------------------------------------

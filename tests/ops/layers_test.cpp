@@ -269,6 +269,13 @@ TEST(LayerUtils, FusedAddsAreTheirTwoStepForms) {
     ops::rmsnorm_backward(dy, x, w, rstd_in, dx_one, dw2, true);
     EXPECT_TRUE(bitwise_equal(dx_one, dx_two)) << dtype_name(dt);
     EXPECT_TRUE(bitwise_equal(dw2, dw1)) << dtype_name(dt);
+    // dw_accumulate false: dw = the sum over a NaN-filled dw (a stale gradient), the bits of
+    // adding it to zeros, and dx as before
+    Tensor dw3 = Tensor::empty({33}, dt), dx_three = a.clone();
+    ops::fill_(dw3, std::nan(""));
+    ops::rmsnorm_backward(dy, x, w, rstd_in, dx_three, dw3, true, false);
+    EXPECT_TRUE(bitwise_equal(dw3, dw1)) << dtype_name(dt);
+    EXPECT_TRUE(bitwise_equal(dx_three, dx_two)) << dtype_name(dt);
   }
   Tensor out = Tensor::empty({7, 32}, DType::F32);
   expect_error([&] { ops::add(random_tensor({7, 33}, DType::F32, 1), random_tensor({7, 33}, DType::F32, 2), out); },
@@ -299,6 +306,17 @@ TEST(LayerUtils, ConvertEachConvertsEveryPair) {
   for (int64_t i = 0; i < 7; ++i) ASSERT_EQ(dst[1].data<float>()[i], float(y.data<double>()[i])) << i;
   std::vector<Tensor> bad{Tensor::empty({299}, DType::BF16)};
   EXPECT_HAS(testutil::error_of([&] { ops::convert_each({x}, bad); }), "convert_each: pair 0");
+}
+
+// zero_each: every tensor zeroed, the memory around them untouched.
+TEST(LayerUtils, ZeroEachZeroesEveryTensor) {
+  Tensor pool = random_tensor({100}, DType::F32, 4, 1.0, 2.0);
+  std::vector<Tensor> ts{pool.view(3, {10}), pool.view(40, {0}), pool.view(50, {7})};
+  ops::zero_each(ts);
+  for (int64_t i = 0; i < 100; ++i) {
+    const bool zeroed = (i >= 3 && i < 13) || (i >= 50 && i < 57);
+    ASSERT_EQ(pool.data<float>()[i] == 0.0f, zeroed) << i;
+  }
 }
 
 TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {

@@ -534,19 +534,21 @@ struct ModelRunner {
     std::vector<Tensor> outs;
     outs.reserve(sets.size() * plan.offsets.size());  // jobs point at them
     std::vector<ops::GemmJob> jobs;
+    std::vector<Tensor> empty_slices;  // stored gradients of experts without tokens: zeros, one launch
     for (const ExpertWgrad& w : sets) {
       const bool accumulate = m.params_.grad_accumulate(w.grad);
       for (size_t e = 0; e + 1 < plan.offsets.size(); ++e) {
         const int64_t R = w.grad.size(1), C = w.grad.size(2);
         Tensor slice = w.grad.view(int64_t(e) * R * C, {R, C});
         if (plan.offsets[e] == plan.offsets[e + 1]) {
-          if (!accumulate) slice.zero_();
+          if (!accumulate) empty_slices.push_back(slice);
           continue;
         }
         outs.push_back(slice);
         jobs.push_back(ops::GemmJob{w.a[e].op(), w.b[e].op(), &outs.back(), accumulate});
       }
     }
+    ops::zero_each(empty_slices);
     ops::gemm_batch_grouped(jobs);
   }
 
@@ -974,8 +976,9 @@ void Model::backward() {
   run.linear_backward(s->dlogits, s->xf, w.lm_head, "lm_head", g.lm_head, &dxf, false,
                       recipe_.lm_head, LayerClass::LmHead);
   Tensor dx = run.act({N, D});
-  params_.zero_if_stale(g.final_norm);  // the norms' and the embedding's backward add to their gradients
-  ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm);
+  // the norms' backward stores a stale gradient (ParamStore::grad_accumulate), else adds to it
+  ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm, false,
+                        params_.grad_accumulate(g.final_norm));
 
   for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
     run.layer = l;
@@ -995,15 +998,15 @@ void Model::backward() {
       run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false);
     }
     // the residual's gradient plus the normed branch's, added by the norm's backward
-    params_.zero_if_stale(lg.ffn_norm);
-    ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dx, lg.ffn_norm, true);
+    ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dx, lg.ffn_norm, true,
+                          params_.grad_accumulate(lg.ffn_norm));
     // attention block
     Tensor dxn = run.act({N, D});
     run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn);
-    params_.zero_if_stale(lg.attn_norm);
-    ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dx, lg.attn_norm, true);
+    ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dx, lg.attn_norm, true,
+                          params_.grad_accumulate(lg.attn_norm));
   }
-  params_.zero_if_stale(g.embed);
+  params_.zero_if_stale(g.embed);  // the embedding's backward adds to its gradient
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
   params_.settle_grads();
 }

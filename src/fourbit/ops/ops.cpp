@@ -383,6 +383,16 @@ void convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst) {
 #endif
   for (size_t i = 0; i < src.size(); ++i) convert(src[i], dst[i]);
 }
+void zero_each(std::vector<Tensor>& ts) {
+  bool all_gpu = true;
+  for (const Tensor& t : ts) all_gpu = all_gpu && t.device() == Device::CUDA;
+#if FOURBIT_HAS_CUDA
+  if (!ts.empty() && all_gpu && cuda::zero_each(ts)) return;
+#else
+  (void)all_gpu;
+#endif
+  for (Tensor& t : ts) t.zero_();
+}
 void add_(Tensor& dst, const Tensor& src) { FOURBIT_DISPATCH(dst.device(), add_, dst, src); }
 void add(const Tensor& a, const Tensor& b, Tensor& out) { FOURBIT_DISPATCH(out.device(), add, a, b, out); }
 void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
@@ -411,8 +421,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd);
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
-  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw, dx_accumulate);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
+  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw, dx_accumulate, dw_accumulate);
 }
 
 Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device) {

@@ -211,6 +211,9 @@ void convert(const Tensor& src, Tensor& dst);          // F32 <-> BF16 (RNE) <->
 // dst[i] = convert(src[i]) for every i, the same bits; on the GPU the F32 -> BF16 ones in one
 // launch (a step's BF16 weight copies: one launch instead of one a weight).
 void convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
+// Every tensor zeroed (Tensor::zero_ each); on the GPU in one launch where all are 16-byte aligned
+// (the weight-gradient slices of experts without tokens: one launch instead of one each).
+void zero_each(std::vector<Tensor>& ts);
 void add_(Tensor& dst, const Tensor& src);             // dst += src
 void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b (add_'s bits; out may be a)
 void scale_(Tensor& t, double s);                      // t *= s
@@ -239,10 +242,11 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
 // y = x / sqrt(mean(x^2) + eps) * w over the last dim of x [N, D]; rstd [N] saved for backward.
 // Backward: dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd; dw += sum over rows of dy * y_hat.
 // dx_accumulate: dx += that instead (the residual stream's gradient; the bits of writing it to a
-// temporary and add_ing it).
+// temporary and add_ing it). dw_accumulate false: dw = the sum (a stale gradient's first write,
+// ParamStore::grad_accumulate), the bits of adding it to zeros; dw's old values are not read.
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate = false);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate = false, bool dw_accumulate = true);
 
 // Rotary embedding, rotate-half convention (pairs i and i + hd/2), in place on x [N, H, hd]
 // with positions I32 [N]. table F32 [max_pos, hd] holds cos in [:, :hd/2], sin in [:, hd/2:]

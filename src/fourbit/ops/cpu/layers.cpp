@@ -85,7 +85,7 @@ void rmsnorm_forward_t(const T* x, const T* w, double eps, T* y, T* rstd, int64_
 
 template <typename T>
 void rmsnorm_backward_t(const T* dy, const T* x, const T* w, const T* rstd, T* dx, T* dw,
-                        int64_t N, int64_t D, bool dx_accumulate) {
+                        int64_t N, int64_t D, bool dx_accumulate, bool dw_accumulate) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     const T* xr = x + n * D;
@@ -112,7 +112,7 @@ void rmsnorm_backward_t(const T* dy, const T* x, const T* w, const T* rstd, T* d
       for (int64_t d = d0; d < d1; ++d)
         acc[d - d0] += double(dy[n * D + d]) * (double(x[n * D + d]) * rs);
     }
-    for (int64_t d = d0; d < d1; ++d) dw[d] = T(double(dw[d]) + acc[d - d0]);
+    for (int64_t d = d0; d < d1; ++d) dw[d] = dw_accumulate ? T(double(dw[d]) + acc[d - d0]) : T(acc[d - d0]);
   }
 }
 
@@ -261,7 +261,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
   const char* op = "rmsnorm_backward";
   const DType dt = expect_float(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -273,7 +273,7 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
     rmsnorm_backward_t(dy.data<T>(), x.data<T>(), w.data<T>(), rstd.data<T>(), dx.data<T>(),
-                       dw.data<T>(), N, D, dx_accumulate);
+                       dw.data<T>(), N, D, dx_accumulate, dw_accumulate);
   });
 }
 

@@ -1,7 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
 //          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
-//          KGroupedProblem, grouped_gemm_k, convert_each,
+//          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,
@@ -174,6 +174,9 @@ bool gemm_batch(const std::vector<GemmJob>& jobs, bool grouped);
 
 // ops::convert_each's F32 -> BF16 pairs in one launch; false (nothing done) if a pair is not one.
 bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
+// ops::zero_each in one launch; false (nothing done) if a tensor is not 16-byte aligned in
+// address and size.
+bool zero_each(std::vector<Tensor>& ts);
 
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.

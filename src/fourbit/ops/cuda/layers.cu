@@ -13,7 +13,8 @@
 //    the row and the reduction tree (reduce.cuh) depend only on the row length, never on the
 //    number of rows or on where the row sits in the batch;
 //  - rmsnorm's dw sums rows in fixed chunks (a function of N only), one thread per 4 columns
-//    and chunk, then adds the chunk partials in chunk order;
+//    and chunk, then adds the chunk partials in chunk order; for D <= 4096 one block per chunk
+//    also writes the chunk's dx, each row's dot reduced over the block in a tree fixed by D;
 //  - embedding_backward sorts token positions by id (a stable counting sort, bucket_sort.cuh),
 //    then one thread per (id, 4 columns) adds that id's rows in ascending token order, the CPU's
 //    sequence of double additions; ids with many tokens are spread over a block's warps in a fixed
@@ -42,6 +43,8 @@ constexpr int kBigBucketWarps = 32;   // ... else a block of 32 warps per (id, 1
 constexpr int kBigBucketBatch = 8;    // ... each warp with the loads of 8 rows in flight
 constexpr int64_t kDwMinRows = 32;   // rmsnorm dw: rows per chunk at least this ...
 constexpr int64_t kDwMaxChunks = 256;  // ... and at most this many chunks (bounds the scratch)
+constexpr int kFusedNormMaxThreads = 1024;  // rmsnorm backward in one pass: D <= 4 * this
+constexpr int kDwFinishThreads = 32;        // rmsnorm dw finish: a warp per 32 columns
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
 __device__ __forceinline__ int64_t first_row_of_warp() {
@@ -270,14 +273,84 @@ __global__ void __launch_bounds__(kColThreads)
     if (4 * g + c < D) partial[chunk * D + 4 * g + c] = acc[c];
 }
 
-// dw[d] += the chunk partials of column d added in chunk order (one rounding, as on the CPU).
-__global__ void __launch_bounds__(kEltThreads)
-    rmsnorm_dw_finish_kernel(const double* partial, int64_t chunks, int64_t D, float* dw) {
-  const int64_t d = blockIdx.x * int64_t(kEltThreads) + threadIdx.x;
+// The whole backward for D <= 4 * kFusedNormMaxThreads in one pass over dy and x: block b takes
+// the rows of dw chunk b in ascending order, thread t the column group t (4 columns). Per row the
+// block reduces the dot of rmsnorm_backward_dx_kernel (each thread's 4 products in column order,
+// the warp butterfly, then the warps' totals with the same butterfly: a tree fixed by D, so a
+// row's dx never depends on N or on the row's place), writes dx, and adds the row's dy * y_hat to
+// the thread's dw partial: rmsnorm_dw_partials_kernel's sums, the same bits. The next row's dy and
+// x are loaded while this row's dot is reduced.
+__global__ void __launch_bounds__(kFusedNormMaxThreads)
+    rmsnorm_backward_fused_kernel(const float* dy, const float* x, const float* w, const float* rstd,
+                                  float* dx, int64_t N, int64_t D, int64_t rows_per_chunk, bool vec,
+                                  bool dx_accumulate, double* partial) {
+  __shared__ double warp_dots[2][32];  // by row parity: one barrier a row
+  const int lane = lane_id(), warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t g = threadIdx.x;
+  const bool active = 4 * g < D;
+  const int64_t chunk = blockIdx.x, n0 = chunk * rows_per_chunk;
+  const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+  float wv[4] = {0, 0, 0, 0}, dv[4] = {0, 0, 0, 0}, xv[4] = {0, 0, 0, 0};
+  if (active) {
+    load4(w, 4 * g, D, vec, wv);
+    if (n0 < n1) {
+      load4(dy + n0 * D, 4 * g, D, vec, dv);
+      load4(x + n0 * D, 4 * g, D, vec, xv);
+    }
+  }
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int64_t n = n0; n < n1; ++n) {
+    float dn[4] = {0, 0, 0, 0}, xn[4] = {0, 0, 0, 0};
+    if (active && n + 1 < n1) {
+      load4(dy + (n + 1) * D, 4 * g, D, vec, dn);
+      load4(x + (n + 1) * D, 4 * g, D, vec, xn);
+    }
+    const double rs = double(rstd[n]);
+    double dot = 0.0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dot += double(wv[c]) * double(dv[c]) * (double(xv[c]) * rs);
+    dot = warp_sum(dot);
+    if (lane == 0) warp_dots[n & 1][warp] = dot;
+    __syncthreads();
+    const double mean = warp_sum(lane < warps ? warp_dots[n & 1][lane] : 0.0) / double(D);
+    if (active) {
+      float out[4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        out[c] = float((double(wv[c]) * double(dv[c]) - double(xv[c]) * rs * mean) * rs);
+        acc[c] += double(dv[c]) * (double(xv[c]) * rs);
+      }
+      float* dxr = dx + n * D;
+      if (dx_accumulate) {  // add_'s sum of the rounded value
+        float old[4];
+        load4(dxr, 4 * g, D, vec, old);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[c] = num::add_rn(old[c], out[c]);
+      }
+      store4(dxr, 4 * g, D, vec, out);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dv[c] = dn[c], xv[c] = xn[c];
+  }
+  if (active)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (4 * g + c < D) partial[chunk * D + 4 * g + c] = acc[c];
+}
+
+// dw[d] (+)= the chunk partials of column d added in chunk order (one rounding, as on the CPU);
+// dw_accumulate false stores the sum (the bits of adding it to zeros: the sum is never -0).
+// A warp per 32 columns with the loads unrolled ahead of the (ordered) adds: the chain of
+// chunks dependent loads was the kernel's time.
+__global__ void __launch_bounds__(kDwFinishThreads)
+    rmsnorm_dw_finish_kernel(const double* partial, int64_t chunks, int64_t D, float* dw,
+                             bool dw_accumulate) {
+  const int64_t d = blockIdx.x * int64_t(kDwFinishThreads) + threadIdx.x;
   if (d >= D) return;
   double total = 0.0;
+#pragma unroll 16
   for (int64_t c = 0; c < chunks; ++c) total += partial[c * D + d];
-  dw[d] = float(double(dw[d]) + total);
+  dw[d] = dw_accumulate ? float(double(dw[d]) + total) : float(total);
 }
 
 // ---- rope -------------------------------------------------------------------------------------
@@ -539,7 +612,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
   const char* op = "rmsnorm_backward";
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -548,28 +621,39 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
   expect_dims(op, "dx", dx, DType::F32, {N, D}, "[N, D]");
   expect_dims(op, "dw", dw, DType::F32, {D}, "[D]");
-  if (N == 0 || D == 0) return;  // dw += an empty sum
+  if (D == 0) return;
+  if (N == 0) {  // dw += an empty sum; a stored one is zeros
+    if (!dw_accumulate) dw.zero_();
+    return;
+  }
   const bool vec = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw()) &&
                    aligned16(w.raw()) && aligned16(dx.raw());
-  rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-      dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
-      D, vec, dx_accumulate);
-  FOURBIT_LAUNCH_CHECK();
-
   // dw: the chunking is a function of N alone, so a given batch always sums in the same order.
   int64_t rows_per_chunk = (N + kDwMaxChunks - 1) / kDwMaxChunks;
   if (rows_per_chunk < kDwMinRows) rows_per_chunk = kDwMinRows;
   const int64_t chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
   Tensor partial = Tensor::empty({chunks, D}, DType::F64, Device::CUDA);
   const int64_t groups = (D + 3) / 4;
-  const dim3 grid(unsigned((groups + kColThreads - 1) / kColThreads), unsigned(chunks));
-  const bool vec_dw = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw());
-  rmsnorm_dw_partials_kernel<<<grid, kColThreads, 0, stream()>>>(dy.data<float>(), x.data<float>(),
-                                                    rstd.data<float>(), N, D, rows_per_chunk,
-                                                    vec_dw, partial.data<double>());
-  FOURBIT_LAUNCH_CHECK();
-  rmsnorm_dw_finish_kernel<<<unsigned((D + kEltThreads - 1) / kEltThreads), kEltThreads, 0, stream()>>>(
-      partial.data<double>(), chunks, D, dw.data<float>());
+  if (groups <= kFusedNormMaxThreads) {
+    const unsigned threads = unsigned((groups + 31) / 32 * 32);
+    rmsnorm_backward_fused_kernel<<<unsigned(chunks), threads, 0, stream()>>>(
+        dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N, D,
+        rows_per_chunk, vec, dx_accumulate, partial.data<double>());
+    FOURBIT_LAUNCH_CHECK();
+  } else {
+    rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
+        dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
+        D, vec, dx_accumulate);
+    FOURBIT_LAUNCH_CHECK();
+    const dim3 grid(unsigned((groups + kColThreads - 1) / kColThreads), unsigned(chunks));
+    const bool vec_dw = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw());
+    rmsnorm_dw_partials_kernel<<<grid, kColThreads, 0, stream()>>>(dy.data<float>(), x.data<float>(),
+                                                      rstd.data<float>(), N, D, rows_per_chunk,
+                                                      vec_dw, partial.data<double>());
+    FOURBIT_LAUNCH_CHECK();
+  }
+  rmsnorm_dw_finish_kernel<<<unsigned((D + kDwFinishThreads - 1) / kDwFinishThreads), kDwFinishThreads, 0, stream()>>>(
+      partial.data<double>(), chunks, D, dw.data<float>(), dw_accumulate);
   FOURBIT_LAUNCH_CHECK();
 }
 

@@ -91,6 +91,25 @@ __global__ void f32_to_bf16_jobs_kernel(const ConvertJob* __restrict__ jobs, int
     f32_to_bf16_8(j.src, j.dst, i, j.n, j.vec != 0);
 }
 
+// zero_each: one CTA a chunk of kZeroChunk 16-byte words of one job, found as in convert_each.
+struct ZeroJob {
+  uint4* dst;
+  int64_t words, chunk0;
+};
+constexpr int64_t kZeroChunk = 4 * kThreads;
+
+__global__ void zero_jobs_kernel(const ZeroJob* __restrict__ jobs, int count) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (jobs[mid].chunk0 <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const ZeroJob j = jobs[lo];
+  const int64_t first = (int64_t(blockIdx.x) - j.chunk0) * kZeroChunk, end = min(j.words, first + kZeroChunk);
+  for (int64_t i = first + threadIdx.x; i < end; i += blockDim.x) j.dst[i] = make_uint4(0, 0, 0, 0);
+}
+
 __global__ void bf16_to_f32_kernel(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
@@ -320,6 +339,25 @@ bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst) {
   const Tensor table = Tensor::from_host(jobs.data(), {int64_t(jobs.size() * sizeof(ConvertJob))}, DType::U8, Device::CUDA);
   f32_to_bf16_jobs_kernel<<<unsigned(chunks), kThreads, 0, stream()>>>(static_cast<const ConvertJob*>(table.raw()),
                                                                        int(jobs.size()));
+  FOURBIT_LAUNCH_CHECK();
+  return true;
+}
+
+bool zero_each(std::vector<Tensor>& ts) {
+  std::vector<ZeroJob> jobs;
+  int64_t chunks = 0;
+  for (Tensor& t : ts) {
+    if (!aligned16(t.raw()) || t.nbytes() % 16 != 0) return false;
+    const int64_t words = t.nbytes() / 16;
+    if (words == 0) continue;
+    jobs.push_back({static_cast<uint4*>(t.raw()), words, chunks});
+    chunks += (words + kZeroChunk - 1) / kZeroChunk;
+  }
+  if (jobs.empty()) return true;
+  if (chunks > INT32_MAX) return false;
+  const Tensor table = Tensor::from_host(jobs.data(), {int64_t(jobs.size() * sizeof(ZeroJob))}, DType::U8, Device::CUDA);
+  zero_jobs_kernel<<<unsigned(chunks), kThreads, 0, stream()>>>(static_cast<const ZeroJob*>(table.raw()),
+                                                               int(jobs.size()));
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
