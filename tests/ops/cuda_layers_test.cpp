@@ -244,7 +244,7 @@ TEST(CudaLayers, EmbeddingMatchesCpuAndBackwardIsDeterministic) {
 TEST(CudaLayers, RmsNormMatchesCpuDeterministicAndBatchInvariant) {
   SKIP_WITHOUT_GPU();
   const float eps = 1e-5f;
-  // D = 4100: the backward's two-kernel form (past the one-pass form's 4096)
+  // D = 4100: the backward's two-kernel form (past the one-pass form's 2048)
   for (const int64_t D : {int64_t(64), int64_t(96), int64_t(1024), int64_t(130), int64_t(4100)}) {
     for (const int64_t N : {int64_t(77), int64_t(513)}) {
       const std::string name = cfg("N=%lld D=%lld", N, D);
@@ -339,7 +339,7 @@ TEST(CudaLayers, SwigluMatchesCpu) {
 
 TEST(CudaLayers, FusedAddsAreTheirTwoStepForms) {
   SKIP_WITHOUT_GPU();
-  // D = 4100: past the one-pass backward's 4096 (the two-kernel form)
+  // D = 4100: past the one-pass backward's 2048 (the two-kernel form)
   for (const int64_t D : {int64_t(1024), int64_t(13), int64_t(4100)}) {
     const int64_t N = 77;
     const std::string name = cfg("N=%lld D=%lld", N, D);

@@ -13,7 +13,7 @@
 //    the row and the reduction tree (reduce.cuh) depend only on the row length, never on the
 //    number of rows or on where the row sits in the batch;
 //  - rmsnorm's dw sums rows in fixed chunks (a function of N only), one thread per 4 columns
-//    and chunk, then adds the chunk partials in chunk order; for D <= 4096 one block per chunk
+//    and chunk, then adds the chunk partials in chunk order; for D <= 2048 one block per chunk
 //    also writes the chunk's dx, each row's dot reduced over the block in a tree fixed by D;
 //  - embedding_backward sorts token positions by id (a stable counting sort, bucket_sort.cuh),
 //    then one thread per (id, 4 columns) adds that id's rows in ascending token order, the CPU's
@@ -43,7 +43,7 @@ constexpr int kBigBucketWarps = 32;   // ... else a block of 32 warps per (id, 1
 constexpr int kBigBucketBatch = 8;    // ... each warp with the loads of 8 rows in flight
 constexpr int64_t kDwMinRows = 32;   // rmsnorm dw: rows per chunk at least this ...
 constexpr int64_t kDwMaxChunks = 256;  // ... and at most this many chunks (bounds the scratch)
-constexpr int kFusedNormMaxThreads = 1024;  // rmsnorm backward in one pass: D <= 4 * this
+constexpr int kFusedNormMaxThreads = 512;  // rmsnorm backward in one pass: D <= 4 * this (2048)
 constexpr int kDwFinishThreads = 32;        // rmsnorm dw finish: a warp per 32 columns
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }

@@ -1,0 +1,124 @@
+// defines: tests of the GPU's FP32 GEMMs with a dimension of at most 32 (ops/cuda/skinny_gemm.cu,
+// the router's shapes), skipped without a GPU: each of the three forms against the CPU backend
+// (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the stored sum added
+// to C, a stored C not read (NaN before), two runs the same bits, and the forward and input-gradient
+// forms' rows the same bits whatever M.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+#include "ops/op_test_util.h"
+
+using namespace fourbit;
+
+namespace {
+
+bool have_gpu() { return cuda_device_count() > 0; }
+
+Tensor randn(const Shape& s, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(size_t(shape_numel(s)));
+  for (auto& x : v) x = nd(g);
+  return Tensor::from_host(v.data(), s, DType::F32);
+}
+
+// max |x - y| / (max |y| + tiny): a relative bound for FP32 sums of unit-scale products
+double rel_err(const Tensor& got, const Tensor& want) {
+  const Tensor x = got.to(Device::CPU), y = want.to(Device::CPU);
+  double err = 0, scale = 1e-30;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    err = std::max(err, std::abs(double(x.data<float>()[i]) - double(y.data<float>()[i])));
+    scale = std::max(scale, std::abs(double(y.data<float>()[i])));
+  }
+  return err / scale;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::CPU), y = b.to(Device::CPU);
+  return x.numel() == y.numel() && std::memcmp(x.raw(), y.raw(), size_t(x.nbytes())) == 0;
+}
+
+struct Form {
+  const char* name;
+  bool a_trans, b_trans;
+};
+// the router's three GEMMs: logits = X W^T; dX = dlogits W; dW = dlogits^T X
+constexpr Form kForward{"forward (N small)", false, false};
+constexpr Form kInputGrad{"input gradient (K small)", false, true};
+constexpr Form kWeightGrad{"weight gradient (M small, K-major)", true, true};
+
+// C[M, N] = A . B^T in the form's layouts on both backends; `c0` (CPU) the starting C when accumulating.
+void check(const Form& f, int64_t M, int64_t N, int64_t K, uint64_t seed) {
+  const std::string what = std::string(f.name) + " M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                           " K=" + std::to_string(K);
+  const Tensor a = f.a_trans ? randn({K, M}, seed) : randn({M, K}, seed);
+  const Tensor b = f.b_trans ? randn({K, N}, seed + 1) : randn({N, K}, seed + 1);
+  const Tensor c0 = randn({M, N}, seed + 2);
+  Tensor want = Tensor::empty({M, N}, DType::F32);
+  ops::gemm(ops::Operand(a, f.a_trans), ops::Operand(b, f.b_trans), want);
+  const Tensor ga = a.to(Device::CUDA), gb = b.to(Device::CUDA);
+  Tensor got = Tensor::empty({M, N}, DType::F32, Device::CUDA), again = got.clone();
+  ops::fill_(got, std::nan(""));  // a stored C is not read
+  ops::gemm(ops::Operand(ga, f.a_trans), ops::Operand(gb, f.b_trans), got);
+  ops::gemm(ops::Operand(ga, f.a_trans), ops::Operand(gb, f.b_trans), again);
+  EXPECT_LT(rel_err(got, want), 2e-6 * std::sqrt(double(K))) << what;
+  EXPECT_TRUE(same_bits(got, again)) << what << ": two runs";
+  // accumulating: C + the sum; into zeros, the stored bits
+  Tensor acc = c0.to(Device::CUDA), zeros = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
+  ops::gemm(ops::Operand(ga, f.a_trans), ops::Operand(gb, f.b_trans), acc, true);
+  ops::gemm(ops::Operand(ga, f.a_trans), ops::Operand(gb, f.b_trans), zeros, true);
+  EXPECT_TRUE(same_bits(zeros, got)) << what << ": accumulated into zeros vs stored";
+  Tensor want_acc = c0.clone();
+  ops::gemm(ops::Operand(a, f.a_trans), ops::Operand(b, f.b_trans), want_acc, true);
+  EXPECT_LT(rel_err(acc, want_acc), 2e-6 * std::sqrt(double(K))) << what << ": accumulate";
+}
+
+}  // namespace
+
+TEST(CudaSkinnyGemm, FormsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  // gpu-small's router (8192 tokens, d_model 1024, 16 experts), then edges: 1, 17 (past the
+  // 16-wide form), 32, K past a 256-wide tile, K not a multiple of 4, a ragged last chunk
+  check(kForward, 8192, 16, 1024, 10);
+  check(kForward, 77, 1, 13, 11);
+  check(kForward, 33, 17, 300, 12);
+  check(kForward, 5, 32, 1024, 13);
+  check(kInputGrad, 8192, 1024, 16, 20);
+  check(kInputGrad, 77, 1030, 1, 21);
+  check(kInputGrad, 17, 13, 17, 22);
+  check(kInputGrad, 3, 2049, 32, 23);
+  check(kWeightGrad, 16, 1024, 8192, 30);
+  check(kWeightGrad, 1, 7, 1, 31);
+  check(kWeightGrad, 17, 300, 8193, 32);
+  check(kWeightGrad, 32, 1030, 129, 33);
+}
+
+// Forward and input gradient: a row's bits do not depend on how many rows are multiplied.
+TEST(CudaSkinnyGemm, RowsAreBatchInvariant) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const Form& f : {kForward, kInputGrad}) {
+    const int64_t N = f.b_trans ? 1024 : 16, K = f.b_trans ? 16 : 1024, M = 4096;
+    const Tensor a = randn({M, K}, 40).to(Device::CUDA);
+    const Tensor b = (f.b_trans ? randn({K, N}, 41) : randn({N, K}, 41)).to(Device::CUDA);
+    Tensor full = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+    ops::gemm(ops::Operand(a), ops::Operand(b, f.b_trans), full);
+    const Tensor full_h = full.to(Device::CPU);
+    for (const int64_t m : {int64_t(1), int64_t(7), int64_t(64), int64_t(1000)}) {
+      for (const int64_t first : {int64_t(0), int64_t(1001)}) {
+        const Tensor rows = a.slice_rows(first, first + m);
+        Tensor part = Tensor::empty({m, N}, DType::F32, Device::CUDA);
+        ops::gemm(ops::Operand(rows), ops::Operand(b, f.b_trans), part);
+        const Tensor ph = part.to(Device::CPU);
+        EXPECT_EQ(0, std::memcmp(ph.data<float>(), full_h.data<float>() + first * N, size_t(m * N) * 4))
+            << f.name << " rows " << first << " .. " << first + m - 1;
+      }
+    }
+  }
+}
