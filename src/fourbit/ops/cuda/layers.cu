@@ -274,53 +274,64 @@ __global__ void __launch_bounds__(kColThreads)
 }
 
 // The whole backward for D <= 4 * kFusedNormMaxThreads in one pass over dy and x: block b takes
-// the rows of dw chunk b in ascending order, thread t the column group t (4 columns). Per row the
-// block reduces the dot of rmsnorm_backward_dx_kernel (each thread's 4 products in column order,
-// the warp butterfly, then the warps' totals with the same butterfly: a tree fixed by D, so a
-// row's dx never depends on N or on the row's place), writes dx, and adds the row's dy * y_hat to
-// the thread's dw partial: rmsnorm_dw_partials_kernel's sums, the same bits. The next row's dy and
-// x are loaded while this row's dot is reduced.
+// the rows of dw chunk b in ascending order, two at a time, thread t the column group t (4
+// columns). Per row the block reduces the dot of rmsnorm_backward_dx_kernel (each thread's 4
+// products in column order, the warp butterfly, then the warps' totals with the same butterfly: a
+// tree fixed by D, so a row's dx never depends on N or on the row's place), writes dx, and adds
+// the row's dy * y_hat to the thread's dw partial: rmsnorm_dw_partials_kernel's sums, the same
+// bits. The next two rows' dy and x are loaded while these two rows' dots are reduced.
 __global__ void __launch_bounds__(kFusedNormMaxThreads)
     rmsnorm_backward_fused_kernel(const float* dy, const float* x, const float* w, const float* rstd,
                                   float* dx, int64_t N, int64_t D, int64_t rows_per_chunk, bool vec,
                                   bool dx_accumulate, double* partial) {
-  __shared__ double warp_dots[2][32];  // by row parity: one barrier a row
+  __shared__ double warp_dots[2][2][32];  // [pair parity][row of the pair][warp]: one barrier a pair
   const int lane = lane_id(), warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t g = threadIdx.x;
   const bool active = 4 * g < D;
   const int64_t chunk = blockIdx.x, n0 = chunk * rows_per_chunk;
   const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
-  float wv[4] = {0, 0, 0, 0}, dv[4] = {0, 0, 0, 0}, xv[4] = {0, 0, 0, 0};
-  if (active) {
-    load4(w, 4 * g, D, vec, wv);
-    if (n0 < n1) {
-      load4(dy + n0 * D, 4 * g, D, vec, dv);
-      load4(x + n0 * D, 4 * g, D, vec, xv);
-    }
-  }
-  double acc[4] = {0.0, 0.0, 0.0, 0.0};
-  for (int64_t n = n0; n < n1; ++n) {
-    float dn[4] = {0, 0, 0, 0}, xn[4] = {0, 0, 0, 0};
-    if (active && n + 1 < n1) {
-      load4(dy + (n + 1) * D, 4 * g, D, vec, dn);
-      load4(x + (n + 1) * D, 4 * g, D, vec, xn);
-    }
-    const double rs = double(rstd[n]);
-    double dot = 0.0;
+  float wv[4] = {0, 0, 0, 0}, dv[2][4], xv[2][4];
+  const auto load_pair = [&](int64_t n, float d[2][4], float xx[2][4]) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) dot += double(wv[c]) * double(dv[c]) * (double(xv[c]) * rs);
-    dot = warp_sum(dot);
-    if (lane == 0) warp_dots[n & 1][warp] = dot;
+    for (int j = 0; j < 2; ++j) {
+      if (active && n + j < n1) {
+        load4(dy + (n + j) * D, 4 * g, D, vec, d[j]);
+        load4(x + (n + j) * D, 4 * g, D, vec, xx[j]);
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) d[j][c] = xx[j][c] = 0.0f;
+      }
+    }
+  };
+  if (active) load4(w, 4 * g, D, vec, wv);
+  load_pair(n0, dv, xv);
+  double acc[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int64_t n = n0; n < n1; n += 2) {
+    float dn[2][4], xn[2][4];
+    load_pair(n + 2, dn, xn);
+    const int parity = int((n - n0) / 2) & 1;
+    double rs[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      rs[j] = n + j < n1 ? double(rstd[n + j]) : 0.0;
+      double dot = 0.0;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dot += double(wv[c]) * double(dv[j][c]) * (double(xv[j][c]) * rs[j]);
+      dot = warp_sum(dot);
+      if (lane == 0) warp_dots[parity][j][warp] = dot;
+    }
     __syncthreads();
-    const double mean = warp_sum(lane < warps ? warp_dots[n & 1][lane] : 0.0) / double(D);
-    if (active) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const double mean = warp_sum(lane < warps ? warp_dots[parity][j][lane] : 0.0) / double(D);
+      if (!active || n + j >= n1) continue;
       float out[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        out[c] = float((double(wv[c]) * double(dv[c]) - double(xv[c]) * rs * mean) * rs);
-        acc[c] += double(dv[c]) * (double(xv[c]) * rs);
+        out[c] = float((double(wv[c]) * double(dv[j][c]) - double(xv[j][c]) * rs[j] * mean) * rs[j]);
+        acc[c] += double(dv[j][c]) * (double(xv[j][c]) * rs[j]);
       }
-      float* dxr = dx + n * D;
+      float* dxr = dx + (n + j) * D;
       if (dx_accumulate) {  // add_'s sum of the rounded value
         float old[4];
         load4(dxr, 4 * g, D, vec, old);
@@ -330,7 +341,9 @@ __global__ void __launch_bounds__(kFusedNormMaxThreads)
       store4(dxr, 4 * g, D, vec, out);
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c) dv[c] = dn[c], xv[c] = xn[c];
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dv[j][c] = dn[j][c], xv[j][c] = xn[j][c];
   }
   if (active)
 #pragma unroll
