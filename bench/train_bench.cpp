@@ -118,6 +118,7 @@ int main(int argc, char** argv) {
       model.set_keep_ffn_activations(keep);
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
+      optim.write_bf16_copies(model.bf16_weight_copies());  // as the trainer does
       // The batches are made before the timed steps (the PyTorch peer draws its data on the GPU
       // before timing too); each step uploads its own, as the trainer does.
       const size_t batch_values = size_t(t.batch_size * t.seq_len);
@@ -138,7 +139,7 @@ int main(int argc, char** argv) {
           model.backward();
         }
         optim.step(step);
-        model.invalidate_weight_cache();
+        model.invalidate_weight_cache(optim.wrote_bf16_copies());
       };
       for (int i = 0; i < warmup; ++i) run_step(i);
       sync(device);

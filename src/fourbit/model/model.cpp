@@ -765,28 +765,60 @@ void Model::quantize_weights_ahead(const SrStreams& sr) {
   }
 }
 
+const Tensor& Model::training_positions(int64_t B, int64_t T) {
+  if (!positions_.defined() || positions_B_ != B || positions_T_ != T) {
+    std::vector<int32_t> pos(size_t(B * T));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) pos[size_t(b * T + t)] = int32_t(t);
+    positions_ = Tensor::from_host(pos.data(), {B * T}, DType::I32, device_);
+    positions_B_ = B;
+    positions_T_ = T;
+  }
+  return positions_;
+}
+
+const Bf16Copies& Model::bf16_weight_copies() {
+  if (bf16_copies_made_) return bf16_copies_;
+  bf16_copies_made_ = true;
+  if (dtype_ != DType::F32) return bf16_copies_;
+  const std::vector<ParamInfo>& infos = params_.infos();
+  std::vector<uint8_t> wanted(infos.size(), 0);
+  for (const LinearInfo& li : linears())
+    if (recipe_.layer(li.cls, li.layer, cfg_.n_layers).fprop.b.fmt == Format::BF16)
+      wanted[params_.param_index(li.weight)] = 1;
+  bf16_copies_.at.assign(infos.size(), -1);
+  int64_t n = 0;
+  for (size_t i = 0; i < infos.size(); ++i)
+    if (wanted[i]) {
+      bf16_copies_.at[i] = n;
+      n += infos[i].numel();
+    }
+  if (n > 0) bf16_copies_.buffer = Tensor::empty({n}, DType::BF16, device_);
+  return bf16_copies_;
+}
+
 void Model::convert_bf16_weights_ahead() {
   if (!weight_cache_.empty() || !bf16_ahead_.empty() || dtype_ != DType::F32) return;
+  const Bf16Copies& copies = bf16_weight_copies();
+  if (!copies.defined()) return;
   std::vector<Tensor> src, dst;
   for (const LinearInfo& li : linears()) {
     const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
     if (r.fprop.b.fmt != Format::BF16 || li.weight.dtype() != DType::F32) continue;
-    Tensor copy = Tensor::empty(li.weight.shape(), DType::BF16, device_);
+    const size_t i = params_.param_index(li.weight);
+    const int64_t within = (static_cast<const char*>(li.weight.raw()) -
+                            static_cast<const char*>(params_.flat_const().raw())) / int64_t(sizeof(float)) -
+                           params_.infos()[i].offset;
+    Tensor copy = copies.buffer.view(copies.at[i] + within, li.weight.shape());
     src.push_back(li.weight);
     dst.push_back(copy);
     bf16_ahead_.emplace(li.name + "/" + gemm_role_name(GemmRole::Fprop), Bf16Ahead{li.weight.raw(), copy});
   }
-  ops::convert_each(src, dst);
+  // the optimizer wrote them with the update (the same bits: convert of the updated weights)
+  if (!bf16_copies_current_) ops::convert_each(src, dst);
 }
 
 namespace {
-
-Tensor positions_for(int64_t B, int64_t T, Device device) {
-  std::vector<int32_t> pos(size_t(B * T));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) pos[size_t(b * T + t)] = int32_t(t);
-  return Tensor::from_host(pos.data(), {B * T}, DType::I32, device);
-}
 
 double host_sum(const Tensor& t) {
   const Tensor h = t.to(Device::CPU);
@@ -805,9 +837,9 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   const ModelConfig& cfg = m.config();
   const int64_t B = tokens.size(0), T = tokens.size(1), D = cfg.d_model, V = cfg.vocab_size;
   int64_t N = B * T;
-  const ModelWeights w = m.params().weights();
+  const ModelWeights& w = m.params().weights();
   ModelWeights g = m.params().grads();
-  const Tensor positions = kv ? kv->positions : positions_for(B, T, m.device());
+  const Tensor positions = kv ? kv->positions : m.training_positions(B, T);
   run.weights_ahead(s != nullptr);
   Tensor x = run.act({N, D});
   ops::embedding_forward(tokens.reshape({N}), w.embed, x);
@@ -967,7 +999,7 @@ void Model::backward() {
   std::unique_ptr<Saved> s = std::move(saved_);
   const int64_t N = s->B * s->T, D = cfg_.d_model;
   ModelRunner run{*this, cfg_, s->sr, &quant_log_};
-  const ModelWeights w = params_.weights();
+  const ModelWeights& w = params_.weights();
   ModelWeights g = params_.grads();
 
   // LM head and final norm
@@ -1044,7 +1076,7 @@ Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
 // ---- the linears' forward weights and the recorded input amax ---------------------------------
 
 std::vector<LinearInfo> Model::linears() const {
-  const ModelWeights w = params_.weights();
+  const ModelWeights& w = params_.weights();
   std::vector<LinearInfo> out;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     const LayerWeights& lw = w.layers[size_t(l)];

@@ -61,6 +61,9 @@ class Model {
   Device device() const { return device_; }
   DType dtype() const { return dtype_; }
   ParamStore& params() { return params_; }
+  // Positions 0 .. T-1 of each of B sequences, I32 [B * T] on the model's device: made once per
+  // (B, T) and kept (read only), not rebuilt and uploaded every forward.
+  const Tensor& training_positions(int64_t B, int64_t T);
 
   // tokens, targets: I32 [B, T] on the model's device (targets -1 = no loss). With
   // for_backward the activations are kept and the gradient of loss_weight * (CE + aux) is ready
@@ -98,10 +101,20 @@ class Model {
   void set_keep_ffn_activations(bool on) { keep_ffn_ = on; }
 
   // Quantized weights are cached until the weights change: call after every optimizer step.
-  void invalidate_weight_cache() {
+  // bf16_copies_current: the optimizer has just written the BF16 copies of the updated weights
+  // into bf16_weight_copies() (Optimizer::wrote_bf16_copies) and nothing else changes the weights
+  // before the next forward, which then takes them instead of converting the weights again.
+  void invalidate_weight_cache(bool bf16_copies_current = false) {
     weight_cache_.clear();
     bf16_ahead_.clear();
+    bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
   }
+  // Where the recipe has linears with BF16 forward operands over F32 weights (bf16, and the
+  // layers other recipes keep in BF16, such as the LM head), the BF16 copies of those weights
+  // live packed in one buffer (made on first call), which the forward fills with one conversion
+  // after the weights change, or the optimizer in its update (Optimizer::write_bf16_copies);
+  // undefined where no linear needs one.
+  const Bf16Copies& bf16_weight_copies();
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
 
@@ -151,8 +164,13 @@ class Model {
   DType dtype_;
   ParamStore params_;
   Tensor rope_;
+  Tensor positions_;  // training_positions' for (positions_B_, positions_T_)
+  int64_t positions_B_ = 0, positions_T_ = 0;
   std::map<std::string, Prepared> weight_cache_;
   std::map<std::string, Bf16Ahead> bf16_ahead_;  // by weight_cache_ key, until weight() takes it
+  Bf16Copies bf16_copies_;            // bf16_weight_copies()
+  bool bf16_copies_made_ = false;
+  bool bf16_copies_current_ = false;  // they hold the weights' BF16 rounding (invalidate_weight_cache)
   std::map<std::string, Tensor> input_amax_;
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;

@@ -54,7 +54,10 @@ std::vector<ParamInfo> build_param_layout(const ModelConfig& c) {
 
 ParamStore::ParamStore(const ModelConfig& c, DType dtype, Device device)
     : cfg_(c), infos_(build_param_layout(c)) {
-  for (const auto& p : infos_) numel_ += p.numel();
+  for (size_t i = 0; i < infos_.size(); ++i) {
+    numel_ += infos_[i].numel();
+    index_.emplace(infos_[i].name, i);
+  }
   flat_ = Tensor::zeros({numel_}, dtype, device);
   flat_grad_ = Tensor::zeros({numel_}, dtype, device);
   stale_.assign(infos_.size(), 0);
@@ -114,10 +117,27 @@ void ParamStore::settle_grads() {
   }
 }
 
+size_t ParamStore::param_index(const Tensor& view) const {
+  const auto* base = static_cast<const char*>(flat_.raw());
+  const auto* p = static_cast<const char*>(view.raw());
+  const int64_t at = (p - base) / int64_t(dtype_size(flat_.dtype()));
+  for (size_t i = 0; i < infos_.size(); ++i)
+    if (at >= infos_[i].offset && at + view.numel() <= infos_[i].offset + infos_[i].numel()) return i;
+  fail("ParamStore: {} is not within one parameter", view.str());
+}
+
 const ParamInfo& ParamStore::info(const std::string& name) const {
-  for (const auto& p : infos_)
-    if (p.name == name) return p;
-  fail("no parameter named '{}'", name);
+  const auto it = index_.find(name);
+  if (it == index_.end()) fail("no parameter named '{}'", name);
+  return infos_[it->second];
+}
+
+const ModelWeights& ParamStore::cached_views(const Tensor& flat, CachedViews& c) const {
+  if (c.base != flat.raw()) {
+    c.w = weights_over(flat);
+    c.base = flat.raw();
+  }
+  return c.w;
 }
 
 ModelWeights ParamStore::weights_over(const Tensor& flat) const {

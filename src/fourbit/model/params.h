@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "fourbit/model/config.h"
@@ -36,6 +37,14 @@ struct ModelWeights {
   Tensor lm_head;                 // [V, D]; the embedding itself when tied
 };
 
+// BF16 copies of some parameters, packed in parameter order into one buffer: at[i] is where
+// parameter i's copy starts (elements), -1 for one without a copy. Undefined buffer: none.
+struct Bf16Copies {
+  Tensor buffer;
+  std::vector<int64_t> at;
+  bool defined() const { return buffer.defined(); }
+};
+
 class ParamStore {
  public:
   ParamStore(const ModelConfig& c, DType dtype, Device device);
@@ -46,9 +55,12 @@ class ParamStore {
   Tensor& flat_grad() { return flat_grad_; }
   Tensor view(const Tensor& flat, const ParamInfo& p) const { return flat.view(p.offset, p.shape); }
   const ParamInfo& info(const std::string& name) const;
-  ModelWeights weights() const { return weights_over(flat_); }
-  ModelWeights grads() const { return weights_over(flat_grad_); }
+  // The views of flat() and flat_grad(), made once (every forward and backward asks for them).
+  const ModelWeights& weights() const { return cached_views(flat_, weights_); }
+  const ModelWeights& grads() const { return cached_views(flat_grad_, grads_); }
   ModelWeights weights_over(const Tensor& flat) const;
+  // The index of the parameter whose values `view` (a view of flat()) lies in.
+  size_t param_index(const Tensor& view) const;
 
   // Gradients are zeroed lazily. zero_grad() marks every parameter's gradient stale instead of
   // writing zeros; a backward asks grad_accumulate(g) before its first write to a gradient, and
@@ -66,11 +78,18 @@ class ParamStore {
 
  private:
   size_t param_of(const Tensor& grad) const;  // the parameter whose gradient grad lies in
+  struct CachedViews {
+    const void* base = nullptr;  // the flat buffer they view
+    ModelWeights w;
+  };
+  const ModelWeights& cached_views(const Tensor& flat, CachedViews& c) const;
   ModelConfig cfg_;
   std::vector<ParamInfo> infos_;
+  std::unordered_map<std::string, size_t> index_;  // name -> infos_ position
   int64_t numel_ = 0;
   Tensor flat_, flat_grad_;
   std::vector<uint8_t> stale_;  // per parameter, infos_ order
+  mutable CachedViews weights_, grads_;
 };
 
 // Normal(0, init_std) weights from Philox counters keyed by (seed, parameter index), so the

@@ -20,8 +20,12 @@ struct AdamWConstants {
 
 // One F32 parameter tensor and its gradient and moments on `dev`; bias correction needs t >= 1.
 inline void check_adamw_args(Device dev, const Tensor& param, const Tensor& grad, const Tensor& m,
-                             const Tensor& v, const AdamW& h) {
+                             const Tensor& v, const AdamW& h, const Tensor* param_bf16 = nullptr) {
   const char* op = "adamw_step";
+  if (param_bf16 && (!param_bf16->defined() || param_bf16->dtype() != DType::BF16 ||
+                     param_bf16->device() != dev || !param.defined() || param_bf16->numel() != param.numel()))
+    fail("{}: param_bf16 must be a bf16 {} tensor of param's {} elements, got {}", op, device_name(dev),
+         param.defined() ? param.numel() : 0, param_bf16->defined() ? param_bf16->str() : "an undefined tensor");
   if (!param.defined() || param.device() != dev || param.dtype() != DType::F32)
     fail("{}: param must be an f32 {} tensor, got {}", op, device_name(dev),
          param.defined() ? param.str() : "an undefined tensor");

@@ -513,8 +513,8 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {
   FOURBIT_DISPATCH(dout.device(), moe_combine_backward, dout, y_perm, slot_of, w, dy_perm, dw);
 }
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
-  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
+  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16);
 }
 
 }  // namespace fourbit::ops

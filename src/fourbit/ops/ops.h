@@ -347,6 +347,10 @@ struct AdamW {
   int64_t step;
   float grad_scale = 1.0f;  // the gradient is used as fl(grad * grad_scale) (clipping), grad unchanged
 };
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h);
+// With param_bf16 (BF16, param's element count, on its device) the updated parameter's BF16
+// rounding is written there too: the bits of convert(param) after the step, without a second pass
+// over the parameters (the bf16 recipe's weight copies, Optimizer::write_bf16_copies).
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h,
+                Tensor* param_bf16 = nullptr);
 
 }  // namespace fourbit::ops

@@ -194,6 +194,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   Model model(cfg.model, recipe, opt.device);
   model.set_keep_ffn_activations(cfg.train.keep_ffn_activations);
   Optimizer optim(model.params(), cfg.train);
+  optim.write_bf16_copies(model.bf16_weight_copies());  // the update writes the next forward's BF16 weights
   LrSchedule schedule(cfg.train);
   int64_t start_step = 0;
   std::string resumed_from;
@@ -358,7 +359,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
     const bool update = source.update_weights(ctx);
     const double gnorm = update ? optim.step(step, ctx.lr) : optim.grad_norm();
     if (!std::isfinite(gnorm)) nonfinite(step + 1, "the gradient norm", gnorm);
-    if (update) model.invalidate_weight_cache();
+    if (update) model.invalidate_weight_cache(optim.wrote_bf16_copies());
     ctx.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_t0).count();
     last_loss = loss;
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"aux_loss", aux}, {"lr", ctx.lr}, {"grad_norm", gnorm}};

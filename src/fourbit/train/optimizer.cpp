@@ -105,7 +105,23 @@ double Optimizer::grad_norm() const {
   return std::sqrt(sq);
 }
 
+void Optimizer::write_bf16_copies(const Bf16Copies& copies) {
+  if (copies.defined()) {
+    const std::vector<ParamInfo>& infos = params_.infos();
+    if (copies.buffer.dtype() != DType::BF16 || copies.buffer.device() != params_.flat().device() ||
+        copies.at.size() != infos.size())
+      fail("Optimizer::write_bf16_copies: want a bf16 buffer on {} and a place for each of the {} parameters, "
+           "got {} and {}", device_name(params_.flat().device()), infos.size(), copies.buffer.str(), copies.at.size());
+    for (size_t i = 0; i < infos.size(); ++i)
+      if (copies.at[i] >= 0 && copies.at[i] + infos[i].numel() > copies.buffer.numel())
+        fail("Optimizer::write_bf16_copies: the copy of {} runs past the {}-element buffer", infos[i].name,
+             copies.buffer.numel());
+  }
+  bf16_ = copies;
+}
+
 double Optimizer::step(int64_t step_index, double lr) {
+  wrote_bf16_ = false;
   params_.settle_grads();  // a step without a backward since zero_grad: zero gradients
   const double norm = grad_norm();
   if (!std::isfinite(norm)) return norm;  // the trainer stops on a non-finite norm
@@ -113,22 +129,29 @@ double Optimizer::step(int64_t step_index, double lr) {
   // without another pass over every gradient).
   const float clip = t_.grad_clip > 0 && norm > t_.grad_clip ? float(t_.grad_clip / norm) : 1.0f;
   // The update is elementwise, so parameters next to each other in the flat buffer with the same
-  // decay take one call over their run: the bits of one call each, in a few launches instead of
-  // one a parameter (a step of configs/gpu-small.toml: 50 instead of 154).
+  // decay (and, with BF16 copies, all with copies next to each other there or all without) take
+  // one call over their run: the bits of one call each, in a few launches instead of one a
+  // parameter (a step of configs/gpu-small.toml: 50 instead of 154).
   const std::vector<ParamInfo>& infos = params_.infos();
+  const auto copy_at = [&](size_t k) { return bf16_.defined() ? bf16_.at[k] : int64_t(-1); };
   for (size_t i = 0; i < infos.size();) {
     size_t j = i + 1;
     while (j < infos.size() && infos[j].decay == infos[i].decay &&
-           infos[j].offset == infos[j - 1].offset + infos[j - 1].numel())
+           infos[j].offset == infos[j - 1].offset + infos[j - 1].numel() &&
+           (copy_at(j) < 0) == (copy_at(i) < 0) &&
+           (copy_at(j) < 0 || copy_at(j) == copy_at(j - 1) + infos[j - 1].numel()))
       ++j;
     const int64_t at = infos[i].offset, n = infos[j - 1].offset + infos[j - 1].numel() - at;
     Tensor w = params_.flat().view(at, {n}), g = params_.flat_grad().view(at, {n});
     Tensor m = m_.view(at, {n}), v = v_.view(at, {n});
+    Tensor w16 = copy_at(i) >= 0 ? bf16_.buffer.view(copy_at(i), {n}) : Tensor();
     ops::adamw_step(w, g, m, v,
                     ops::AdamW{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
-                               infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1, clip});
+                               infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1, clip},
+                    w16.defined() ? &w16 : nullptr);
     i = j;
   }
+  wrote_bf16_ = bf16_.defined();
   return norm;
 }
 

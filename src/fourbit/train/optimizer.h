@@ -70,11 +70,19 @@ class Optimizer {
   double grad_norm() const;
   Tensor& m() { return m_; }
   Tensor& v() { return v_; }
+  // From now on every step also writes the BF16 rounding of the updated parameters that have a
+  // copy in `copies` (Model::bf16_weight_copies) there, in the update's own pass; undefined: not
+  // (the default). wrote_bf16_copies(): the last step() did, so the model may take them
+  // (Model::invalidate_weight_cache(true)) instead of converting its weights again.
+  void write_bf16_copies(const Bf16Copies& copies);
+  bool wrote_bf16_copies() const { return wrote_bf16_; }
 
  private:
   ParamStore& params_;
   TrainConfig t_;
   Tensor m_, v_;
+  Bf16Copies bf16_;  // write_bf16_copies' target
+  bool wrote_bf16_ = false;
 };
 
 }  // namespace fourbit

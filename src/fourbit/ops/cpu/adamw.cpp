@@ -3,6 +3,7 @@
 // CUDA kernel so both backends give the same bits.
 #include <cmath>
 
+#include "fourbit/numerics/bf16.h"
 #include "fourbit/numerics/hd.h"
 #include "fourbit/ops/cpu/checks.h"
 #include "fourbit/ops/adamw_math.h"
@@ -10,8 +11,8 @@
 
 namespace fourbit::ops::cpu {
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
-  check_adamw_args(Device::CPU, param, grad, m, v, h);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
+  check_adamw_args(Device::CPU, param, grad, m, v, h, param_bf16);
 
   const AdamWConstants k = adamw_constants(h);
   float* p = param.data<float>();
@@ -19,8 +20,12 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   float* mm = m.data<float>();
   float* vv = v.data<float>();
   const int64_t n = param.numel();
+  uint16_t* p16 = param_bf16 ? param_bf16->data<uint16_t>() : nullptr;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) adamw_update(p[i], g[i], mm[i], vv[i], k);
+  for (int64_t i = 0; i < n; ++i) {
+    adamw_update(p[i], g[i], mm[i], vv[i], k);
+    if (p16) p16[i] = num::bf16_encode(p[i]);
+  }
 }
 
 }  // namespace fourbit::ops::cpu

@@ -3,7 +3,8 @@
 // fixes as the contract (see the comment there): every step is one IEEE float operation, never
 // fused (num::mul_rn/add_rn/sub_rn, __fdiv_rn, __fsqrt_rn), and the two bias corrections are
 // computed on the host exactly as the CPU computes them. The two backends therefore give the same
-// bits. Elementwise, four elements per thread (float4 when the four tensors are 16-byte aligned).
+// bits. Elementwise, four elements per thread (float4 when the four tensors are 16-byte aligned);
+// optionally also the updated parameters' BF16 rounding (the bf16 recipe's weight copies).
 #include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
@@ -16,8 +17,8 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads)
-    adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n, bool vec,
-                 AdamWConstants k) {
+    adamw_kernel(float* param, const float* grad, float* m, float* v, uint16_t* param_bf16, int64_t n, bool vec,
+                 bool vec_bf16, AdamWConstants k) {
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -31,21 +32,24 @@ __global__ void __launch_bounds__(kThreads)
     store4(param, 4 * g, n, vec, p);
     store4(m, 4 * g, n, vec, mm);
     store4(v, 4 * g, n, vec, vv);
+    if (param_bf16) store4(param_bf16, 4 * g, n, vec_bf16, p);  // bf16_encode of each: convert's bits
   }
 }
 
 }  // namespace
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h) {
-  check_adamw_args(Device::CUDA, param, grad, m, v, h);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
+  check_adamw_args(Device::CUDA, param, grad, m, v, h, param_bf16);
   const int64_t n = param.numel();
   if (n == 0) return;
 
   const AdamWConstants k = adamw_constants(h);
   const bool vec = aligned16(param.raw()) && aligned16(grad.raw()) && aligned16(m.raw()) &&
                    aligned16(v.raw());
+  uint16_t* p16 = param_bf16 ? param_bf16->data<uint16_t>() : nullptr;
+  const bool vec_bf16 = p16 && reinterpret_cast<uintptr_t>(p16) % 8 == 0;
   adamw_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(
-      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), n, vec, k);
+      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), p16, n, vec, vec_bf16, k);
   FOURBIT_LAUNCH_CHECK();
 }
 
