@@ -1,8 +1,8 @@
-// defines: tests of the GPU's FP32 GEMMs with a dimension of at most 32 (ops/cuda/skinny_gemm.cu,
-// the router's shapes), skipped without a GPU: each of the three forms against the CPU backend
-// (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the stored sum added
-// to C, a stored C not read (NaN before), two runs the same bits, and the forward and input-gradient
-// forms' rows the same bits whatever M.
+// defines: tests of the GPU's FP32 GEMMs at the router's shapes, skipped without a GPU: the
+// forward (N <= 32: ops/cuda/skinny_gemm.cu) and the input and weight gradients (cuBLASLt) against
+// the CPU backend (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the
+// stored sum added to C, a stored C not read (NaN before), two runs the same bits, and the forward
+// and input-gradient forms' rows the same bits whatever M.
 #include <gtest/gtest.h>
 
 #include <cmath>

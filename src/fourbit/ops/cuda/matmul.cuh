@@ -30,8 +30,8 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
                int64_t c_batch_stride, int64_t M, int64_t N, int64_t K, int batch,
                cudaDataType_t ab_type, float alpha, float beta, bool reduce_over_batch = false);
 
-// C (+)= A B^T for FP32 operands (matmul_nt's layouts, one batch entry) where a dimension is at
-// most 32 (skinny_gemm.cu: N, K, or M with both operands K-major); false, nothing done, otherwise.
+// C (+)= A B^T for FP32 operands (matmul_nt's layouts, one batch entry) with N <= 32 and both
+// operands K-major (skinny_gemm.cu: the router's forward); false, nothing done, otherwise.
 bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
                      int64_t N, int64_t K, bool accumulate);
 
