@@ -309,6 +309,67 @@ TEST(CudaAttention, DecodeAndPrefillEqualFullForwardRows) {
   }
 }
 
+// BF16 operands (ops.h): q, k, v passed as their BF16 roundings give the bits of passing them as
+// F32, forward and backward, on the fused kernels (hd 64, 128) and the materialized path (hd 6);
+// out_bf16 is out rounded; dout, out and the gradients must stay F32.
+TEST(CudaAttention, Bf16OperandsGiveTheBitsOfF32Operands) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_TRUE(ops::attention_reads_bf16(Device::CUDA));
+  ASSERT_FALSE(ops::attention_reads_bf16(Device::CPU));
+  auto bf16 = [](const Tensor& t) {
+    Tensor b = Tensor::empty(t.shape(), DType::BF16, Device::CUDA);
+    ops::convert(t, b);
+    return b;
+  };
+  for (const auto& [T, hd] : {std::pair<int64_t, int64_t>{130, 64}, {70, 128}, {37, 6}}) {
+    SCOPED_TRACE("T=" + std::to_string(T) + " hd=" + std::to_string(hd));
+    const int64_t B = 2, Hq = 4, Hkv = 2;
+    const Tensor q = randn({B, T, Hq, hd}, 61).to(Device::CUDA), k = randn({B, T, Hkv, hd}, 62).to(Device::CUDA),
+                 v = randn({B, T, Hkv, hd}, 63).to(Device::CUDA), dout = randn({B, T, Hq, hd}, 64).to(Device::CUDA);
+    struct Run {
+      Tensor out, lse, out16, dq, dk, dv;
+    };
+    auto run = [&](const Tensor& qq, const Tensor& kk, const Tensor& vv) {
+      Run r{Tensor::empty(q.shape(), DType::F32, Device::CUDA), Tensor::empty({B, Hq, T}, DType::F32, Device::CUDA),
+            Tensor::empty(q.shape(), DType::BF16, Device::CUDA), Tensor::empty(q.shape(), DType::F32, Device::CUDA),
+            Tensor::empty(k.shape(), DType::F32, Device::CUDA), Tensor::empty(k.shape(), DType::F32, Device::CUDA)};
+      ops::attention_forward(qq, kk, vv, 0, r.out, r.lse, &r.out16);
+      ops::attention_backward(dout, qq, kk, vv, r.out, r.lse, r.dq, r.dk, r.dv);
+      return r;
+    };
+    const Run f = run(q, k, v), b = run(bf16(q), bf16(k), bf16(v));
+    EXPECT_TRUE(same_bits(b.out, f.out));
+    EXPECT_TRUE(same_bits(b.lse, f.lse));
+    EXPECT_TRUE(same_bits(f.out16, bf16(f.out))) << "out_bf16 is out rounded";
+    EXPECT_TRUE(same_bits(b.out16, f.out16));
+    EXPECT_TRUE(same_bits(b.dq, f.dq));
+    EXPECT_TRUE(same_bits(b.dk, f.dk));
+    EXPECT_TRUE(same_bits(b.dv, f.dv));
+    Tensor out_plain = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse_plain = f.lse.clone();
+    ops::attention_forward(q, k, v, 0, out_plain, lse_plain);
+    EXPECT_TRUE(same_bits(out_plain, f.out)) << "out without out_bf16";
+  }
+  const int64_t B = 1, T = 8, H = 2, hd = 64;
+  const Tensor q = randn({B, T, H, hd}, 65).to(Device::CUDA);
+  Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA), lse = Tensor::empty({B, H, T}, DType::F32, Device::CUDA);
+  std::string err;
+  try {
+    ops::attention_forward(bf16(q), q, q, 0, out, lse);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find("q, k, v must all be f32, or all bf16"), std::string::npos) << err;
+  err.clear();
+  Tensor dq = out.clone(), dk = out.clone(), dv = out.clone();
+  const Tensor qb = bf16(q);
+  try {
+    ops::attention_backward(qb, qb, qb, qb, out, lse, dq, dk, dv);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  EXPECT_NE(err.find("dout, out, lse, dq, dk and dv must be f32"), std::string::npos) << err;
+}
+
 #if FOURBIT_HAS_CUDA
 // The fused kernels against the materialized path on a training-sized shape (both BF16
 // attention; they differ in where P is rounded: unnormalized in the fused kernels).

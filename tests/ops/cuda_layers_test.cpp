@@ -385,7 +385,8 @@ TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
     return big.view(1, {R, C});
   };
   for (const bool shifted : {false, true}) {
-    for (const int64_t D : {int64_t(1024), int64_t(96), int64_t(13)}) {
+    // 2100: the norm backward's two-kernel form (D > 2048)
+    for (const int64_t D : {int64_t(1024), int64_t(96), int64_t(13), int64_t(2100)}) {
       const int64_t N = 77;
       const std::string name = cfg("N=%lld D=%lld shifted=%lld", N, D, shifted ? 1 : 0);
       auto out16 = [&](int64_t R, int64_t C) {
@@ -399,6 +400,20 @@ TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
       ops::rmsnorm_forward(x, w, 1e-5f, y16, r2);
       expect_bits("rmsnorm y bf16 " + name, y16, converted(y));
       expect_bits("rmsnorm rstd with a bf16 y " + name, r2, r);
+      // the F32 y and its BF16 copy (y_bf16), and the backward's dx with its copy (dx_bf16)
+      Tensor y_both = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_copy = out16(N, D);
+      ops::rmsnorm_forward(x, w, 1e-5f, y_both, r2, &y_copy);
+      expect_bits("rmsnorm y with a bf16 copy " + name, y_both, y);
+      expect_bits("rmsnorm y's bf16 copy " + name, y_copy, converted(y));
+      const Tensor dyn = gpu(random_tensor({N, D}, DType::F32, 911 + uint64_t(D)));
+      const Tensor dx0 = gpu(random_tensor({N, D}, DType::F32, 912));
+      Tensor dx_plain = dx0.clone(), dx_both = dx0.clone(), dx_copy = out16(N, D);
+      Tensor dw_plain = Tensor::zeros({D}, DType::F32, Device::CUDA), dw_both = dw_plain.clone();
+      ops::rmsnorm_backward(dyn, x, w, r, dx_plain, dw_plain, true, true);
+      ops::rmsnorm_backward(dyn, x, w, r, dx_both, dw_both, true, true, &dx_copy);
+      expect_bits("rmsnorm dx with a bf16 copy " + name, dx_both, dx_plain);
+      expect_bits("rmsnorm dx's bf16 copy " + name, dx_copy, converted(dx_plain));
+      expect_bits("rmsnorm dw with a bf16 dx copy " + name, dw_both, dw_plain);
 
       const Tensor h1 = gpu(random_tensor({N, D}, DType::F32, 902, -8.0, 8.0));
       const Tensor h3 = gpu(random_tensor({N, D}, DType::F32, 903, -2.0, 2.0));
@@ -424,6 +439,23 @@ TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
       ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp16, dw2);
       expect_bits("moe_combine_backward dy_perm bf16 " + name, dyp16, converted(dyp));
       expect_bits("moe_combine_backward dw with a bf16 dy_perm " + name, dw2, dw);
+
+      // rope's BF16 copy: hd = D / 16 (64, 6) or D (13 is odd: skipped), three heads
+      const int64_t hd = D % 16 == 0 ? D / 16 : D, H = 3;
+      if (hd % 2 != 0) continue;
+      const Tensor table = ops::rope_table(N, hd, 10000.0, Device::CUDA);
+      const Tensor pos = gpu(random_ints({N}, 0, int32_t(N), 909));
+      const Tensor xr = gpu(random_tensor({N, H, hd}, DType::F32, 910, -2.0, 2.0));
+      Tensor plain = xr.clone(), with = xr.clone();
+      Tensor with16 = shifted ? offset_bf16(N * H, hd).reshape({N, H, hd}) : Tensor::empty({N, H, hd}, DType::BF16, Device::CUDA);
+      ops::rope_forward(plain, pos, table);
+      ops::rope_forward(with, pos, table, &with16);
+      expect_bits("rope_forward x with a bf16 copy " + name, with, plain);
+      expect_bits("rope_forward bf16 copy " + name, with16, converted(plain));
+      ops::rope_backward(plain, pos, table);
+      ops::rope_backward(with, pos, table, &with16);
+      expect_bits("rope_backward x with a bf16 copy " + name, with, plain);
+      expect_bits("rope_backward bf16 copy " + name, with16, converted(plain));
     }
   }
 }

@@ -327,6 +327,20 @@ TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
   ops::rmsnorm_forward(x, w, 1e-5f, y16, r16);
   expect_encoded("rmsnorm y", y16, y);
   EXPECT_TRUE(bitwise_equal(r16, r)) << "rstd stays f32";
+  Tensor y_both = Tensor::empty({37, 24}, DType::F32), y_copy = bf16_like(y);
+  ops::rmsnorm_forward(x, w, 1e-5f, y_both, r16, &y_copy);
+  EXPECT_TRUE(bitwise_equal(y_both, y)) << "rmsnorm y with a copy";
+  expect_encoded("rmsnorm y's copy", y_copy, y);
+  const Tensor dyn = random_tensor({37, 24}, DType::F32, 84);
+  Tensor dx_plain = random_tensor({37, 24}, DType::F32, 85), dx_both = dx_plain.clone(), dx_copy = bf16_like(y);
+  Tensor dw_plain = Tensor::zeros({24}, DType::F32), dw_both = dw_plain.clone();
+  ops::rmsnorm_backward(dyn, x, w, r, dx_plain, dw_plain, true, true);
+  ops::rmsnorm_backward(dyn, x, w, r, dx_both, dw_both, true, true, &dx_copy);
+  EXPECT_TRUE(bitwise_equal(dx_both, dx_plain)) << "rmsnorm dx with a copy";
+  expect_encoded("rmsnorm dx's copy", dx_copy, dx_plain);
+  expect_error([&] { ops::rmsnorm_forward(x, w, 1e-5f, y16, r16, &y_copy); },
+               "rmsnorm_forward: y_bf16 must be a BF16 tensor of the f32 output's shape [37, 24] on its device, got "
+               "bf16[37, 24] cpu for bf16[37, 24] cpu");
 
   const Tensor h1 = random_tensor({5, 33}, DType::F32, 72, -8.0, 8.0), h3 = random_tensor({5, 33}, DType::F32, 73);
   const Tensor da = random_tensor({5, 33}, DType::F32, 74);
@@ -350,6 +364,29 @@ TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
   ops::moe_combine_backward(dout, yp, plan.slot_of, tw, dyp16, dw2);
   expect_encoded("moe_combine_backward dy_perm", dyp16, dyp);
   EXPECT_TRUE(bitwise_equal(dw2, dw)) << "dw stays f32";
+
+  // rope's and attention's BF16 copies (ops.h): the F32 results rounded; the F32 ones unchanged.
+  const Tensor table = ops::rope_table(16, 8, 10000.0, Device::CPU);
+  const Tensor pos = random_ints({6}, 0, 16, 80);
+  const Tensor xr = random_tensor({6, 2, 8}, DType::F32, 81, -2.0, 2.0);
+  Tensor plain = xr.clone(), with = xr.clone(), with16 = bf16_like(xr);
+  ops::rope_forward(plain, pos, table);
+  ops::rope_forward(with, pos, table, &with16);
+  EXPECT_TRUE(bitwise_equal(with, plain)) << "rope_forward x";
+  expect_encoded("rope_forward copy", with16, plain);
+  ops::rope_backward(plain, pos, table);
+  ops::rope_backward(with, pos, table, &with16);
+  EXPECT_TRUE(bitwise_equal(with, plain)) << "rope_backward x";
+  expect_encoded("rope_backward copy", with16, plain);
+  Tensor short16 = Tensor::empty({6, 2, 7}, DType::BF16);
+  expect_error([&] { ops::rope_forward(with, pos, table, &short16); },
+               "rope_forward: x_bf16 must be a BF16 tensor of the f32 output's shape [6, 2, 8] on its device, got "
+               "bf16[6, 2, 7] cpu for f32[6, 2, 8] cpu");
+  const Tensor q = random_tensor({1, 5, 2, 8}, DType::F32, 82), kv = random_tensor({1, 5, 1, 8}, DType::F32, 83);
+  Tensor out = Tensor::empty(q.shape(), DType::F32), lse = Tensor::empty({1, 2, 5}, DType::F32), out16 = bf16_like(out);
+  ops::attention_forward(q, kv, kv, 0, out, lse, &out16);
+  expect_encoded("attention out", out16, out);
+  EXPECT_FALSE(ops::attention_reads_bf16(Device::CPU));
 
   // Only F32 inputs may write BF16, and only an output may be BF16.
   const Tensor h64 = random_tensor({5, 33}, DType::F64, 79);

@@ -106,6 +106,18 @@ struct ModelRunner {
   Tensor act_bf16_if(bool bf16, const Shape& s) const {
     return bf16 && m.dtype_ == DType::F32 ? Tensor::empty(s, DType::BF16, m.device_) : act(s);
   }
+  // A MoE layer's experts (and shared expert) read its normed input as BF16, the router as F32:
+  // the norm writes both (rmsnorm_forward's y_bf16).
+  bool moe_reads_bf16_x() const { return bf16_input(recipe(LayerClass::Expert)) && m.dtype_ == DType::F32; }
+  // Whether the residual stream's gradient entering layer l's FFN block (moe: a MoE layer) and its
+  // attention block is read as a BF16 dY (the FFN's w2 or the shared expert's, and wo): then the
+  // norm's backward that produces it writes that copy too (rmsnorm_backward's dx_bf16).
+  bool ffn_dy_bf16(bool moe) const {
+    if (m.dtype_ != DType::F32) return false;
+    if (moe) return c.n_shared_experts > 0 && bf16_grad(recipe(LayerClass::Expert));
+    return bf16_grad(recipe(LayerClass::Dense));
+  }
+  bool attn_dy_bf16() const { return m.dtype_ == DType::F32 && bf16_grad(recipe(LayerClass::Attention)); }
   // The quantization point `name` and its SR stream (linear.h QuantSite; docs/model.md lists the
   // names): "<weight or input group>/<gemm>/<operand>", an input group naming the GEMMs that share
   // one quantized input ("layers.3.attn.wqkv", "layers.1.moe.w13").
@@ -171,8 +183,9 @@ struct ModelRunner {
   // where the weight gradient's X is prepared from the high-precision X — both in one pass where
   // their formats pair (prepare_row_col; fwd_bf16: with the fprop operand's BF16 decode, for
   // the forward GEMMs that read it next).
+  // converted: x's BF16 copy written by x's producer, taken for a BF16 fprop operand.
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
-                            bool fwd_bf16 = false) {
+                            bool fwd_bf16 = false, const Tensor* converted = nullptr) {
     LinearInput in;
     if (x_pairs(r) && x.size(0) > 0) {
       PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
@@ -182,7 +195,7 @@ struct ModelRunner {
       in.wgrad = std::move(p.col[0]);
       return in;
     }
-    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log);
+    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted);
     if (!wgrad_from_saved_fwd(r))
       in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log);
     return in;
@@ -231,10 +244,11 @@ struct ModelRunner {
 
   // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X (dW = where the gradient is
   // stale: ParamStore::grad_accumulate), at the sites name/dgrad/dY, name/dgrad/W, name/wgrad/dY^T
-  // and name/wgrad/X^T.
+  // and name/wgrad/X^T. dy_bf16: dy's BF16 copy written by dy's producer, taken for a BF16 dY.
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
-                       const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr) {
+                       const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr,
+                       const Tensor* dy_bf16 = nullptr) {
     const bool dw_accumulate = m.params_.grad_accumulate(dw);
     const QuantSite dyt_site = site(name + "/wgrad/dY^T");
     if (dx && dy_pairs(r) && dy.size(0) > 0) {
@@ -247,7 +261,7 @@ struct ModelRunner {
     }
     Prepared pdy;
     if (dx) {
-      pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log);
+      pdy = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), cls, log, nullptr, dy_bf16);
       gemm(pdy, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
     }
     const Prepared pdy_t = dx && wgrad_dy_reuses_dgrad(r)
@@ -323,8 +337,9 @@ struct ModelRunner {
   }
 
   // dxn (+)= the FFN's input gradient; weight gradients accumulate.
+  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
   void ffn_backward(const Tensor& dy, const FfnRefs& w, LayerClass cls, const Model::Saved::Ffn& saved, Tensor& dxn,
-                    bool dx_accumulate) {
+                    bool dx_accumulate, const Tensor* dy_bf16 = nullptr) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), F = w.w1.size(0);
     Tensor h1 = saved.h1, h3 = saved.h3, a = saved.a;
@@ -340,7 +355,7 @@ struct ModelRunner {
     }
     LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
     Tensor da = act({N, F}), dh1 = act_bf16_if(bf16_grad(r), {N, F}), dh3 = act_bf16_if(bf16_grad(r), {N, F});
-    linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls);
+    linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, nullptr, dy_bf16);
     ops::swiglu_backward(da, h1, h3, dh1, dh3);
     linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3);
     linear_backward(dh3, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, &w.w1);
@@ -363,13 +378,31 @@ struct ModelRunner {
     gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
     Tensor q4 = q.reshape({B, T, Hq, hd}), k4 = k.reshape({B, T, Hkv, hd}), v4 = v.reshape({B, T, Hkv, hd});
     Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
-    ops::rope_forward(q3, positions, m.rope_);
-    ops::rope_forward(k3, positions, m.rope_);
-    Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T});
+    // Training where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k
+    // rounded to BF16 as well, v is converted once, and attention reads those copies, which the
+    // backward keeps. The sampler's path keeps F32 K/V for its cache.
+    const bool bf16_qkv = !kv && m.dtype_ == DType::F32 && ops::attention_reads_bf16(m.device_);
+    if (bf16_qkv) {
+      Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_), kb = Tensor::empty(k4.shape(), DType::BF16, m.device_),
+             vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
+      Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
+      ops::rope_forward(q3, positions, m.rope_, &qb3);
+      ops::rope_forward(k3, positions, m.rope_, &kb3);
+      ops::convert(v4, vb);
+      q4 = qb;
+      k4 = kb;
+      v4 = vb;
+    } else {
+      ops::rope_forward(q3, positions, m.rope_);
+      ops::rope_forward(k3, positions, m.rope_);
+    }
+    // The output projection's BF16 operand, written by attention's epilogue.
+    Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
+    if (bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
     if (kv) kv->attend(layer, q4, k, v, o, lse);
-    else ops::attention_forward(q4, k4, v4, 0, o, lse);
-    Tensor o2 = o.reshape({N, Hq * hd});
-    LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true);
+    else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
+    Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
+    LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
@@ -385,30 +418,44 @@ struct ModelRunner {
     return y;
   }
 
+  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
   void attention_backward(const Tensor& dy, const LayerWeights& w, LayerWeights& g,
                           const std::string& name, const Model::Saved::Layer& s,
-                          const Tensor& positions, Tensor& dxn) {
+                          const Tensor& positions, Tensor& dxn, const Tensor* dy_bf16) {
     const LayerClass cls = LayerClass::Attention;
     const LayerRecipe& r = recipe(cls);
     const int64_t N = dy.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
     Tensor d_o = act({N, Hq * hd});
-    linear_backward(dy, s.attn_o, w.wo, name + "wo", g.wo, &d_o, false, r, cls);
+    linear_backward(dy, s.attn_o, w.wo, name + "wo", g.wo, &d_o, false, r, cls, nullptr, dy_bf16);
     Tensor dq = act(s.q.shape()), dk = act(s.k.shape()), dv = act(s.v.shape());
     ops::attention_backward(d_o.reshape(s.o.shape()), s.q, s.k, s.v, s.o, s.lse, dq, dk, dv);
     Tensor dq3 = dq.reshape({N, Hq, hd}), dk3 = dk.reshape({N, Hkv, hd});
-    ops::rope_backward(dq3, positions, m.rope_);
-    ops::rope_backward(dk3, positions, m.rope_);
+    // dQ and dK as the projections' BF16 dY, written by rope's backward.
+    Tensor dqb, dkb;
+    if (bf16_grad(r) && m.dtype_ == DType::F32) {
+      dqb = Tensor::empty({N, Hq * hd}, DType::BF16, m.device_);
+      dkb = Tensor::empty({N, Hkv * hd}, DType::BF16, m.device_);
+      Tensor dqb3 = dqb.reshape(dq3.shape()), dkb3 = dkb.reshape(dk3.shape());
+      ops::rope_backward(dq3, positions, m.rope_, &dqb3);
+      ops::rope_backward(dk3, positions, m.rope_, &dkb3);
+    } else {
+      ops::rope_backward(dq3, positions, m.rope_);
+      ops::rope_backward(dk3, positions, m.rope_);
+    }
     Tensor dq2 = dq.reshape({N, Hq * hd}), dk2 = dk.reshape({N, Hkv * hd}), dv2 = dv.reshape({N, Hkv * hd});
-    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls);
-    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls);
+    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls, nullptr,
+                    dqb.defined() ? &dqb : nullptr);
+    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls, nullptr,
+                    dkb.defined() ? &dkb : nullptr);
     linear_backward(dv2, s.attn_x, w.wv, name + "wv", g.wv, &dxn, true, r, cls);
   }
 
   // ---- MoE block ----------------------------------------------------------------------------
   // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
-  // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert.
+  // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert. xn_bf16: xn's BF16
+  // copy written by the norm (moe_reads_bf16_x), or undefined.
   Tensor moe_forward(const Tensor& xn, const LayerWeights& w, LayerWeights& g, const std::string& name,
-                     Model::Saved::Layer* s, bool aux) {
+                     Model::Saved::Layer* s, bool aux, const Tensor& xn_bf16 = Tensor()) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -425,9 +472,9 @@ struct ModelRunner {
     // or quantization, and the shared expert.
     ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor());
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
-    const bool bf16_x = bf16_input(r) && m.dtype_ == DType::F32;
-    Tensor xn16;
-    if (bf16_x) {
+    const bool bf16_x = moe_reads_bf16_x();
+    Tensor xn16 = xn_bf16;
+    if (bf16_x && !xn16.defined()) {
       xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
       ops::convert(xn, xn16);
     }
@@ -601,9 +648,10 @@ struct ModelRunner {
     return y;
   }
 
+  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
   void moe_backward(const Tensor& dy, const Tensor& xn, const LayerWeights& w, LayerWeights& g,
                     const std::string& name, const Model::Saved::Layer& s, float loss_weight,
-                    Tensor& dxn) {
+                    Tensor& dxn, const Tensor* dy_bf16) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -679,7 +727,7 @@ struct ModelRunner {
 
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      ffn_backward(dy, sref, cls, s.shared, dxn, true);
+      ffn_backward(dy, sref, cls, s.shared, dxn, true, dy_bf16);
     }
   }
 };
@@ -861,10 +909,12 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
                                  {N, D});
     Tensor rstd2 = run.act({N});
-    ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2);
+    Tensor xn2_16;
+    if (cfg.is_moe_layer(l) && run.moe_reads_bf16_x()) xn2_16 = Tensor::empty({N, D}, DType::BF16, m.device());
+    ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2, xn2_16.defined() ? &xn2_16 : nullptr);
     Tensor f;
     if (cfg.is_moe_layer(l)) {
-      f = run.moe_forward(xn2, lw, lg, name, sl, aux);
+      f = run.moe_forward(xn2, lw, lg, name, sl, aux, xn2_16);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
       f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr);
@@ -1008,9 +1058,19 @@ void Model::backward() {
   run.linear_backward(s->dlogits, s->xf, w.lm_head, "lm_head", g.lm_head, &dxf, false,
                       recipe_.lm_head, LayerClass::LmHead);
   Tensor dx = run.act({N, D});
+  // dx's BF16 copy where the next linear reads it as a BF16 dY, written by the norm's backward
+  // that produced dx (one buffer: each copy is read before the next norm overwrites it)
+  Tensor dx16;
+  auto dx16_if = [&](bool wanted) -> Tensor* {
+    if (!wanted) return nullptr;
+    if (!dx16.defined()) dx16 = Tensor::empty({N, D}, DType::BF16, device_);
+    return &dx16;
+  };
+  const auto ffn_dy16 = [&](int64_t l) { return run.ffn_dy_bf16(cfg_.is_moe_layer(l)); };
   // the norms' backward stores a stale gradient (ParamStore::grad_accumulate), else adds to it
+  Tensor* dy16 = dx16_if(ffn_dy16(cfg_.n_layers - 1));  // dx's copy, or null
   ops::rmsnorm_backward(dxf, s->x_final, w.final_norm, s->rstd_f, dx, g.final_norm, false,
-                        params_.grad_accumulate(g.final_norm));
+                        params_.grad_accumulate(g.final_norm), dy16);
 
   for (int64_t l = cfg_.n_layers - 1; l >= 0; --l) {
     run.layer = l;
@@ -1024,19 +1084,21 @@ void Model::backward() {
       // the router's input again (its backward reads it in F32; the forward kept none)
       Tensor xn2 = run.act({N, D}), rstd_unused = run.act({N});
       ops::rmsnorm_forward(sl.x_mid, lw.ffn_norm, float(cfg_.norm_eps), xn2, rstd_unused);
-      run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2);
+      run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2, dy16);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
-      run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false);
+      run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false, dy16);
     }
     // the residual's gradient plus the normed branch's, added by the norm's backward
+    dy16 = dx16_if(run.attn_dy_bf16());
     ops::rmsnorm_backward(dxn2, sl.x_mid, lw.ffn_norm, sl.rstd2, dx, lg.ffn_norm, true,
-                          params_.grad_accumulate(lg.ffn_norm));
+                          params_.grad_accumulate(lg.ffn_norm), dy16);
     // attention block
     Tensor dxn = run.act({N, D});
-    run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn);
+    run.attention_backward(dx, lw, lg, name + "attn.", sl, s->positions, dxn, dy16);
+    dy16 = dx16_if(l > 0 && ffn_dy16(l - 1));
     ops::rmsnorm_backward(dxn, sl.x_in, lw.attn_norm, sl.rstd1, dx, lg.attn_norm, true,
-                          params_.grad_accumulate(lg.attn_norm));
+                          params_.grad_accumulate(lg.attn_norm), dy16);
   }
   params_.zero_if_stale(g.embed);  // the embedding's backward adds to its gradient
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);

@@ -417,12 +417,25 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
 void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable) {
   FOURBIT_DISPATCH(dout.device(), embedding_backward, dout, tokens, dtable);
 }
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
-  FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd);
+namespace {
+// A BF16 copy an op writes next to its F32 output `of` (named `what`): of's shape and device.
+void expect_bf16_copy(const char* op, const char* what, const Tensor* copy, const Tensor& of) {
+  if (!copy) return;
+  if (!copy->defined() || copy->dtype() != DType::BF16 || copy->shape() != of.shape() || copy->device() != of.device() ||
+      of.dtype() != DType::F32)
+    fail("{}: {} must be a BF16 tensor of the f32 output's shape {} on its device, got {} for {}", op, what,
+         shape_str(of.shape()), copy->defined() ? copy->str() : "undefined", of.str());
+}
+}  // namespace
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
+  expect_bf16_copy("rmsnorm_forward", "y_bf16", y_bf16, y);
+  FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd, y_bf16);
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
-  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw, dx_accumulate, dw_accumulate);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
+  expect_bf16_copy("rmsnorm_backward", "dx_bf16", dx_bf16, dx);
+  FOURBIT_DISPATCH(dy.device(), rmsnorm_backward, dy, x, w, rstd, dx, dw, dx_accumulate, dw_accumulate, dx_bf16);
 }
 
 Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device) {
@@ -438,15 +451,20 @@ Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device
     }
   return Tensor::from_host(t.data(), {max_pos, head_dim}, DType::F32, device);
 }
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table) {
-  FOURBIT_DISPATCH(x.device(), rope_forward, x, positions, table);
+
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
+  expect_bf16_copy("rope_forward", "x_bf16", x_bf16, x);
+  FOURBIT_DISPATCH(x.device(), rope_forward, x, positions, table, x_bf16);
 }
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table) {
-  FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
+  expect_bf16_copy("rope_backward", "dx_bf16", dx_bf16, dx);
+  FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table, dx_bf16);
 }
+bool attention_reads_bf16(Device device) { return device == Device::CUDA; }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
-                       Tensor& out, Tensor& lse) {
-  FOURBIT_DISPATCH(q.device(), attention_forward, q, k, v, pos0, out, lse);
+                       Tensor& out, Tensor& lse, Tensor* out_bf16) {
+  expect_bf16_copy("attention_forward", "out_bf16", out_bf16, out);
+  FOURBIT_DISPATCH(q.device(), attention_forward, q, k, v, pos0, out, lse, out_bf16);
 }
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {

@@ -244,16 +244,24 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
 // dx_accumulate: dx += that instead (the residual stream's gradient; the bits of writing it to a
 // temporary and add_ing it). dw_accumulate false: dw = the sum (a stale gradient's first write,
 // ParamStore::grad_accumulate), the bits of adding it to zeros; dw's old values are not read.
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd);
+// y_bf16 (optional, for an F32 y): y rounded to BF16 as well (a second output, for a y that both
+// an F32 reader and BF16 GEMMs read: the MoE router and the experts).
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16 = nullptr);
+// dx_bf16 (optional): dx's new values rounded to BF16 as well (the residual stream's gradient is
+// the next linear's dY: a BF16 GEMM operand in the bf16 recipe).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate = false, bool dw_accumulate = true);
+                      Tensor& dx, Tensor& dw, bool dx_accumulate = false, bool dw_accumulate = true,
+                      Tensor* dx_bf16 = nullptr);
 
 // Rotary embedding, rotate-half convention (pairs i and i + hd/2), in place on x [N, H, hd]
 // with positions I32 [N]. table F32 [max_pos, hd] holds cos in [:, :hd/2], sin in [:, hd/2:]
 // (built once by rope_table, in double, rounded to float). backward = rotation by -angle.
+// x_bf16 (optional, x's shape, BF16, for F32 x): also the rotated values rounded to BF16 (RNE),
+// the bits of convert() of the rotated x, written in the same pass (the attention kernels' and
+// BF16 GEMMs' operand; the CPU reference rotates, then converts).
 Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device);
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table);
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16 = nullptr);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16 = nullptr);
 
 // Causal attention with grouped-query heads. q [B, T, Hq, hd] holds positions pos0 .. pos0+T-1;
 // k, v [B, S, Hkv, hd] hold positions 0 .. S-1 (S >= pos0 + T; a KV cache or this batch's own
@@ -261,9 +269,19 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table);
 // out [B, T, Hq, hd]; lse [B, Hq, T] (log-sum-exp of the scaled scores) saved for backward.
 // Keys are reduced in ascending position in fixed chunks aligned to absolute positions, so a
 // token's output is the same in training, prefill and decode, alone or in a batch.
+// out_bf16 (optional, out's shape, BF16): also out rounded to BF16 (RNE), the bits of convert()
+// of out (the output projection's BF16 operand), written by the GPU's fused kernel in its epilogue.
+//
+// BF16 operands: where attention_reads_bf16(device) (the GPU: its kernels multiply BF16 operands;
+// the CPU reference computes in double from F32/F64), q, k and v may be passed as BF16 tensors, the
+// RNE rounding of their F32 values, with the same results bit for bit: their producers then write
+// them (rope_forward's x_bf16) instead of the op converting them at every call, and a backward pass
+// keeps half the bytes. dout and out stay F32 (D = rowsum(dout * out) reads them); the GPU rounds
+// dout to BF16 in the pass that computes D.
+bool attention_reads_bf16(Device device);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
-                       Tensor& out, Tensor& lse);
-// Gradients for pos0 == 0 and S == T (training). dq, dk, dv are overwritten.
+                       Tensor& out, Tensor& lse, Tensor* out_bf16 = nullptr);
+// Gradients for pos0 == 0 and S == T (training). dq, dk, dv (F32) are overwritten.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);
 

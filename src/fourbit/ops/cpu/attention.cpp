@@ -166,7 +166,7 @@ Dims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
 }  // namespace
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
-                       Tensor& out, Tensor& lse) {
+                       Tensor& out, Tensor& lse, Tensor* out_bf16) {
   const char* op = "attention_forward";
   DType dt;
   const Dims d = check_qkv(op, q, k, v, dt);
@@ -179,6 +179,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
     using T = decltype(tag);
     forward_t(q.data<T>(), k.data<T>(), v.data<T>(), pos0, out.data<T>(), lse.data<T>(), d);
   });
+  if (out_bf16) convert(out, *out_bf16);
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

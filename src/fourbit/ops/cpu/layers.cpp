@@ -244,7 +244,7 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
   });
 }
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
   const char* op = "rmsnorm_forward";
   const DType dt = expect_float(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -258,10 +258,11 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
     rmsnorm_forward_t(x.data<T>(), w.data<T>(), double(eps), out.data<T>(), rstd.data<T>(), N, D);
   });
   if (out.raw() != y.raw()) convert(out, y);
+  if (y_bf16) convert(y, *y_bf16);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
   const char* op = "rmsnorm_backward";
   const DType dt = expect_float(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -275,14 +276,17 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
     rmsnorm_backward_t(dy.data<T>(), x.data<T>(), w.data<T>(), rstd.data<T>(), dx.data<T>(),
                        dw.data<T>(), N, D, dx_accumulate, dw_accumulate);
   });
+  if (dx_bf16) convert(dx, *dx_bf16);
 }
 
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table) {
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
   rope("rope_forward", x, positions, table, 1.0);
+  if (x_bf16) convert(x, *x_bf16);
 }
 
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table) {
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
   rope("rope_backward", dx, positions, table, -1.0);
+  if (dx_bf16) convert(dx, *dx_bf16);
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {

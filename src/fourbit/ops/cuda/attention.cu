@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -61,9 +62,27 @@ __device__ __forceinline__ void store_f32(float* p, const float (&v)[U]) {
   }
 }
 
-// x [B, T, Hx, hd] F32 -> out [B, Hq, T, hd] BF16, head h reading x's head h / group.
+// U BF16 values as floats (exact), 16 bytes at a time where U = 8.
 template <int U>
-__global__ void to_heads_kernel(const float* __restrict__ x, int64_t B, int64_t T, int64_t Hx, int64_t Hq,
+__device__ __forceinline__ void load_f32(const __nv_bfloat16* p, float (&v)[U]) {
+  if constexpr (U == 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* pk = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(pk[j]);
+      v[2 * j] = f.x;
+      v[2 * j + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < U; ++i) v[i] = __bfloat162float(p[i]);
+  }
+}
+
+// x [B, T, Hx, hd] F32 or BF16 -> out [B, Hq, T, hd] BF16, head h reading x's head h / group.
+template <int U, typename In>
+__global__ void to_heads_kernel(const In* __restrict__ x, int64_t B, int64_t T, int64_t Hx, int64_t Hq,
                                 int64_t hd, __nv_bfloat16* __restrict__ out) {
   const int64_t units = hd / U, total = B * Hq * T * units, group = Hq / Hx;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -189,16 +208,22 @@ __global__ void softmax_rows_kernel(const float* __restrict__ scores, int64_t T,
   if (threadIdx.x == 0) lse[row] = m + logf(l);
 }
 
-// D[b, h, t] = sum_d dout . out (original [B, T, Hq, hd] layout), one warp per row.
+// D[b, h, t] = sum_d dout . out (original [B, T, Hq, hd] layout), one warp per row; and dout
+// rounded to BF16 (RNE) in that layout, the backward GEMMs' operand, from the same read.
 __global__ void rowdot_kernel(const float* __restrict__ dout, const float* __restrict__ out, int64_t B,
-                              int64_t T, int64_t Hq, int64_t hd, float* __restrict__ D) {
+                              int64_t T, int64_t Hq, int64_t hd, float* __restrict__ D,
+                              __nv_bfloat16* __restrict__ dout_bf16) {
   const int64_t warps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   const int lane = threadIdx.x & 31;
   for (int64_t w = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) >> 5; w < B * Hq * T; w += warps) {
     const int64_t t = w % T, h = (w / T) % Hq, b = w / (T * Hq);
     const int64_t base = ((b * T + t) * Hq + h) * hd;
     float acc = 0.0f;
-    for (int64_t d = lane; d < hd; d += 32) acc += dout[base + d] * out[base + d];
+    for (int64_t d = lane; d < hd; d += 32) {
+      const float g = dout[base + d];
+      acc += g * out[base + d];
+      dout_bf16[base + d] = __float2bfloat16_rn(g);
+    }
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) D[w] = acc;
   }
@@ -253,9 +278,10 @@ Dims check_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* o
   check_cuda_tensor(q, op, "q");
   check_cuda_tensor(k, op, "k");
   check_cuda_tensor(v, op, "v");
-  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || q.dtype() != DType::F32 || k.dtype() != DType::F32 ||
-      v.dtype() != DType::F32)
-    fail("{}: q, k, v must be f32 [B, T, H, hd], got {}, {}, {}", op, q.str(), k.str(), v.str());
+  const DType dt = q.dtype();
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4 || (dt != DType::F32 && dt != DType::BF16) || k.dtype() != dt ||
+      v.dtype() != dt)
+    fail("{}: q, k, v must all be f32, or all bf16, [B, T, H, hd], got {}, {}, {}", op, q.str(), k.str(), v.str());
   Dims d{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
   if (k.shape() != v.shape() || k.size(0) != d.B || k.size(3) != d.hd || d.Hq % d.Hkv)
     fail("{}: k {} / v {} do not fit q {}", op, k.str(), v.str(), q.str());
@@ -266,10 +292,13 @@ Tensor heads_bf16(const Tensor& x, const Dims& d, int64_t len, int64_t hx) {
   Tensor out = Tensor::empty({d.B, d.Hq, len, d.hd}, DType::BF16, Device::CUDA);
   const int u = unit_for(d.hd, {x.raw(), out.raw()}, 8);  // 8 BF16 = one 16-byte store
   const unsigned grid = grid_for(out.numel() / u, 256);
-  if (u == 8)
-    to_heads_kernel<8><<<grid, 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
-  else
-    to_heads_kernel<1><<<grid, 256, 0, stream()>>>(x.data<float>(), d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
+  auto launch = [&](auto in) {
+    using In = std::remove_const_t<std::remove_pointer_t<decltype(in)>>;
+    if (u == 8) to_heads_kernel<8, In><<<grid, 256, 0, stream()>>>(in, d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
+    else to_heads_kernel<1, In><<<grid, 256, 0, stream()>>>(in, d.B, len, hx, d.Hq, d.hd, out.data<__nv_bfloat16>());
+  };
+  if (x.dtype() == DType::BF16) launch(x.data<__nv_bfloat16>());
+  else launch(x.data<float>());
   FOURBIT_LAUNCH_CHECK();
   return out;
 }
@@ -283,11 +312,13 @@ Tensor scores(const Tensor& qh, const Tensor& kh, const Dims& d) {
   return s;
 }
 
-// D = rowsum(dout * out) [B, Hq, T], the softmax backward's per-row term (both paths).
-Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d) {
+// D = rowsum(dout * out) [B, Hq, T], the softmax backward's per-row term (both paths), and
+// dout_bf16: dout rounded to BF16, which both paths' GEMMs read.
+Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d, Tensor& dout_bf16) {
   Tensor D = Tensor::empty({d.B * d.Hq * d.T}, DType::F32, Device::CUDA);
-  rowdot_kernel<<<grid_for(d.B * d.Hq * d.T * 32, 256), 256, 0, stream()>>>(dout.data<float>(), out.data<float>(), d.B,
-                                                                           d.T, d.Hq, d.hd, D.data<float>());
+  dout_bf16 = Tensor::empty(dout.shape(), DType::BF16, Device::CUDA);
+  rowdot_kernel<<<grid_for(d.B * d.Hq * d.T * 32, 256), 256, 0, stream()>>>(
+      dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd, D.data<float>(), dout_bf16.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
   return D;
 }
@@ -336,27 +367,32 @@ void materialized_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
 void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
               const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, bool fused) {
   const Dims d = check_dims(q, k, v, "attention_backward");
-  const Tensor D = rowdot(dout, out, d);
+  Tensor dout_bf16;
+  const Tensor D = rowdot(dout, out, d, dout_bf16);
   Tensor dkh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA),
          dvh = Tensor::empty({d.B, d.Hq, d.S, d.hd}, DType::F32, Device::CUDA);
-  if (!(fused && flash_attention_backward(dout, q, k, v, lse, D, dq, dkh, dvh)))
-    materialized_backward(dout, q, k, v, lse, D, dq, dkh, dvh);
+  if (!(fused && flash_attention_backward(dout_bf16, q, k, v, lse, D, dq, dkh, dvh)))
+    materialized_backward(dout_bf16, q, k, v, lse, D, dq, dkh, dvh);
   launch_reduce_groups(dkh, d.B, d.S, d.Hq, d.Hkv, d.hd, dk);
   launch_reduce_groups(dvh, d.B, d.S, d.Hq, d.Hkv, d.hd, dv);
 }
 
 }  // namespace
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse) {
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,
+                       Tensor* out_bf16) {
   const Dims d = check_dims(q, k, v, "attention_forward");
   if (pos0 < 0 || pos0 + d.T > d.S) fail("attention_forward: pos0 {} + T {} exceeds the {} keys", pos0, d.T, d.S);
-  if (out.shape() != q.shape() || lse.shape() != Shape{d.B, d.Hq, d.T})
-    fail("attention_forward: out must be {} and lse [{}, {}, {}]", shape_str(q.shape()), d.B, d.Hq, d.T);
-  if (!flash_attention_forward(q, k, v, pos0, out, lse)) materialized_attention_forward(q, k, v, pos0, out, lse);
+  if (out.shape() != q.shape() || lse.shape() != Shape{d.B, d.Hq, d.T} || out.dtype() != DType::F32 ||
+      lse.dtype() != DType::F32)
+    fail("attention_forward: out must be f32{} and lse f32[{}, {}, {}], got {} and {}", shape_str(q.shape()), d.B,
+         d.Hq, d.T, out.str(), lse.str());
+  if (!flash_attention_forward(q, k, v, pos0, out, lse, out_bf16))
+    materialized_attention_forward(q, k, v, pos0, out, lse, out_bf16);
 }
 
 void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
-                                    Tensor& lse) {
+                                    Tensor& lse, Tensor* out_bf16) {
   const Dims d = check_dims(q, k, v, "attention_forward");
   const Tensor qh = heads_bf16(q, d, d.T, d.Hq), kh = heads_bf16(k, d, d.S, d.Hkv), vh = heads_bf16(v, d, d.S, d.Hkv);
   const Tensor s = scores(qh, kh, d);
@@ -369,6 +405,7 @@ void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tens
   matmul_nt(MatmulOperand{p.raw(), false, d.S, d.T * d.S}, MatmulOperand{vh.raw(), true, d.hd, d.S * d.hd},
             oh.raw(), d.hd, d.T * d.hd, d.T, d.hd, d.S, int(d.B * d.Hq), CUDA_R_16BF, 1.0f, 0.0f);
   launch_from_heads(oh, d.B, d.T, d.Hq, d.hd, out);
+  if (out_bf16) convert(out, *out_bf16);
 }
 
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -378,6 +415,9 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
   if (dout.shape() != q.shape() || out.shape() != q.shape() || dq.shape() != q.shape() || dk.shape() != k.shape() ||
       dv.shape() != v.shape())
     fail("attention_backward: gradient shapes do not match q {} / k {}", q.str(), k.str());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &out, &lse, &dq, &dk, &dv})
+    if (t->dtype() != DType::F32)
+      fail("attention_backward: dout, out, lse, dq, dk and dv must be f32 (q, k, v may be bf16), got {}", t->str());
   backward(dout, q, k, v, out, lse, dq, dk, dv, true);
 }
 

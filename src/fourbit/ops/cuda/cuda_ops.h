@@ -215,11 +215,14 @@ void set_flash_wgmma(bool on);
 // The wgmma kernels' CTA: 1 or 2 warpgroups (64 rows each) sharing a stream of blocks through 2 or
 // 3 buffers. Every shape gives the same bits; the default (1, 2) is the fastest measured on the H200.
 void set_flash_cta(int warpgroups, int stages);
-bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse);
+// q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
+// read BF16, and an F32 operand is converted first.
+bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,
+                             Tensor* out_bf16 = nullptr);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);
 void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
-                                    Tensor& lse);
+                                    Tensor& lse, Tensor* out_bf16 = nullptr);
 void materialized_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);
 

@@ -346,6 +346,14 @@ __device__ __forceinline__ void store_row(float* row, const float (&acc)[N][4], 
     *reinterpret_cast<float2*>(row + frag_col(n, 0)) =
         make_float2(acc[n][2 * half] * scale, acc[n][2 * half + 1] * scale);
 }
+// The same values rounded to BF16 (RNE) into a BF16 row (4-byte aligned): two values per n-tile.
+template <int N>
+__device__ __forceinline__ void store_row(__nv_bfloat16* row, const float (&acc)[N][4], int half, float scale) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+    *reinterpret_cast<__nv_bfloat162*>(row + frag_col(n, 0)) =
+        __floats2bfloat162_rn(acc[n][2 * half] * scale, acc[n][2 * half + 1] * scale);
+}
 
 struct FaDims {
   int B, T, S, Hq, Hkv, pos0;
@@ -406,7 +414,7 @@ template <class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                          const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
-                         float* __restrict__ lse) {
+                         float* __restrict__ lse, __nv_bfloat16* __restrict__ out_bf16) {
   using E = typename C::Engine;
   constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
   // the CTA's Q tiles (one a warpgroup), then the K and V buffers
@@ -458,7 +466,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     const int t = wt0 + warp_row() + frag_row(i);
     const float sum = quad_sum(l[i]);
     if (t >= d.T) continue;
-    store_row(out + ((int64_t(b) * d.T + t) * d.Hq + h) * HD, o, i, 1.0f / sum);  // O / l
+    const int64_t row = ((int64_t(b) * d.T + t) * d.Hq + h) * HD;
+    store_row(out + row, o, i, 1.0f / sum);  // O / l
+    if (out_bf16) store_row(out_bf16 + row, o, i, 1.0f / sum);  // the same values, rounded
     if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] * kLn2 + logf(sum);
   }
 }
@@ -656,8 +666,9 @@ bool fa_dims(const Tensor& q, const Tensor& k, int64_t pos0, std::initializer_li
 }
 
 // x rounded to BF16 (RNE) in the same [B, T, H, hd] layout: the kernels' operands, copied into
-// shared memory with cp.async.
-Tensor bf16_copy(const Tensor& x) {
+// shared memory with cp.async. A BF16 x is that already (its producer wrote it).
+Tensor bf16_operand(const Tensor& x) {
+  if (x.dtype() == DType::BF16) return x;
   Tensor y = Tensor::empty(x.shape(), DType::BF16, Device::CUDA);
   convert(x, y);
   return y;
@@ -731,18 +742,20 @@ void set_flash_cta(int warpgroups, int stages) {
 }
 
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
-                             Tensor& lse) {
+                             Tensor& lse, Tensor* out_bf16) {
   FaDims d;
   int hd;
   if (!fa_dims(q, k, pos0, {&out}, d, hd)) return false;
+  if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
   if (d.T == 0 || d.B == 0) return true;
-  const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v);
+  const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v);
+  __nv_bfloat16* ob = out_bf16 ? out_bf16->data<__nv_bfloat16>() : nullptr;
   with_cta(hd, [&](auto cta) {
     using C = decltype(cta);
     const dim3 grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B));
     const size_t smem = launchable<flash_forward_kernel<C>>(tiles_bytes<C>(C::kWG + 2 * C::kStages));
     flash_forward_kernel<C><<<grid, C::kThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
-                                                                    out.data<float>(), lse.data<float>());
+                                                                    out.data<float>(), lse.data<float>(), ob);
   });
   FOURBIT_LAUNCH_CHECK();
   return true;
@@ -754,7 +767,7 @@ bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor&
   int hd;
   if (!fa_dims(q, k, 0, {&dq, &dk_heads, &dv_heads}, d, hd)) return false;
   if (d.T == 0 || d.B == 0) return true;
-  const Tensor qb = bf16_copy(q), kb = bf16_copy(k), vb = bf16_copy(v), dob = bf16_copy(dout);
+  const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v), dob = bf16_operand(dout);
   const FaBackward args{bf16_data(qb),      bf16_data(kb),   bf16_data(vb),  bf16_data(dob),
                         lse.data<float>(),  D.data<float>(), d,              dq.data<float>(),
                         dk_heads.data<float>(), dv_heads.data<float>()};

@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kBigBucketWarps * 32)
 template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
-                           int64_t N, int64_t D, bool vec) {
+                           int64_t N, int64_t D, bool vec, uint16_t* yb, bool vec_b) {
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
@@ -205,6 +205,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int c = 0; c < 4; ++c) out[c] = float(double(xv[c]) * double(rs) * double(wv[c]));
       store4(yr, 4 * g, D, vec, out);
+      if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
     }
   }
 }
@@ -212,7 +213,8 @@ __global__ void __launch_bounds__(kRowThreads)
 // dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd with y_hat = x * rstd, per row.
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_backward_dx_kernel(const float* dy, const float* x, const float* w, const float* rstd,
-                               float* dx, int64_t N, int64_t D, bool vec, bool dx_accumulate) {
+                               float* dx, int64_t N, int64_t D, bool vec, bool dx_accumulate, uint16_t* dxb,
+                               bool vec_b) {
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
@@ -245,6 +247,7 @@ __global__ void __launch_bounds__(kRowThreads)
         for (int c = 0; c < 4; ++c) out[c] = num::add_rn(old[c], out[c]);
       }
       store4(dxr, 4 * g, D, vec, out);
+      if (dxb) store4(dxb + n * D, 4 * g, D, vec_b, out);
     }
   }
 }
@@ -283,7 +286,7 @@ __global__ void __launch_bounds__(kColThreads)
 __global__ void __launch_bounds__(kFusedNormMaxThreads)
     rmsnorm_backward_fused_kernel(const float* dy, const float* x, const float* w, const float* rstd,
                                   float* dx, int64_t N, int64_t D, int64_t rows_per_chunk, bool vec,
-                                  bool dx_accumulate, double* partial) {
+                                  bool dx_accumulate, double* partial, uint16_t* dxb, bool vec_b) {
   __shared__ double warp_dots[2][2][32];  // [pair parity][row of the pair][warp]: one barrier a pair
   const int lane = lane_id(), warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int64_t g = threadIdx.x;
@@ -339,6 +342,7 @@ __global__ void __launch_bounds__(kFusedNormMaxThreads)
         for (int c = 0; c < 4; ++c) out[c] = num::add_rn(old[c], out[c]);
       }
       store4(dxr, 4 * g, D, vec, out);
+      if (dxb) store4(dxb + (n + j) * D, 4 * g, D, vec_b, out);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j)
@@ -369,10 +373,11 @@ __global__ void __launch_bounds__(kDwFinishThreads)
 // ---- rope -------------------------------------------------------------------------------------
 
 // One thread per (row n, head h, group of 4 pairs): pairs (i, i + hd/2) rotate by +angle
-// (sign = 1) or -angle (sign = -1):  a' = a cos - s b sin,  b' = b cos + s a sin.
+// (sign = 1) or -angle (sign = -1):  a' = a cos - s b sin,  b' = b cos + s a sin. xb (or null):
+// the rotated values' BF16 encodings too, in x's layout (vec_b: 8-byte stores).
 __global__ void __launch_bounds__(kEltThreads)
-    rope_kernel(float* x, const int32_t* pos, const float* table, int64_t N, int64_t H,
-                int64_t hd, int64_t max_pos, double sign, bool vec, IndexSite site,
+    rope_kernel(float* x, uint16_t* xb, const int32_t* pos, const float* table, int64_t N, int64_t H,
+                int64_t hd, int64_t max_pos, double sign, bool vec, bool vec_b, IndexSite site,
                 IndexError* err) {
   const int64_t half = hd / 2, groups = (half + 3) / 4, items = N * H * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
@@ -399,6 +404,10 @@ __global__ void __launch_bounds__(kEltThreads)
     }
     store4(row, 4 * g, half, vec, a);
     store4(row + half, 4 * g, half, vec, b);
+    if (xb) {
+      store4(xb + nh * hd, 4 * g, half, vec_b, a);
+      store4(xb + nh * hd + half, 4 * g, half, vec_b, b);
+    }
   }
 }
 
@@ -540,7 +549,7 @@ void expect_tokens_1d(const char* op, const Tensor& tokens) {
 }
 
 void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, const Tensor& table,
-          double sign) {
+          double sign, Tensor* x_bf16) {
   expect_f32(op, "x", x, 3, "[N, H, hd]");
   const int64_t N = x.size(0), H = x.size(1), hd = x.size(2);
   if (hd % 2 != 0) fail("{}: head_dim must be even, got x {}", op, x.str());
@@ -551,9 +560,11 @@ void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, co
   const int64_t half = hd / 2, items = N * H * ((half + 3) / 4);
   if (items == 0) return;
   const bool vec = half % 4 == 0 && aligned16(x.raw()) && aligned16(table.raw());
+  uint16_t* xb = x_bf16 ? static_cast<uint16_t*>(x_bf16->raw()) : nullptr;
+  const bool vec_b = xb && half % 4 == 0 && reinterpret_cast<uintptr_t>(xb) % 8 == 0;
   rope_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
-      x.data<float>(), positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
-      sign, vec, site, index_error_record());
+      x.data<float>(), xb, positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
+      sign, vec, vec_b, site, index_error_record());
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -606,7 +617,16 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
   check_index_errors();  // token ids are user data (bad ones were left out of the sort)
 }
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd) {
+namespace {
+// The BF16 copy's pointer, or null, and whether its groups of 4 take 8-byte stores.
+uint16_t* bf16_copy_ptr(Tensor* t, int64_t D, bool& vec) {
+  uint16_t* p = t ? static_cast<uint16_t*>(t->raw()) : nullptr;
+  vec = p && D % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 8 == 0;
+  return p;
+}
+}  // namespace
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
   const char* op = "rmsnorm_forward";
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -616,16 +636,18 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
   if (N == 0) return;
   const bool vec = D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && out_aligned(y);
+  bool vec_b;
+  uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
     rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec);
+        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b);
   });
   FOURBIT_LAUNCH_CHECK();
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
-                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate) {
+                      Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
   const char* op = "rmsnorm_backward";
   expect_f32(op, "x", x, 2, "[N, D]");
   const int64_t N = x.size(0), D = x.size(1);
@@ -647,16 +669,18 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   const int64_t chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
   Tensor partial = Tensor::empty({chunks, D}, DType::F64, Device::CUDA);
   const int64_t groups = (D + 3) / 4;
+  bool vec_b;
+  uint16_t* dxb = bf16_copy_ptr(dx_bf16, D, vec_b);
   if (groups <= kFusedNormMaxThreads) {
     const unsigned threads = unsigned((groups + 31) / 32 * 32);
     rmsnorm_backward_fused_kernel<<<unsigned(chunks), threads, 0, stream()>>>(
         dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N, D,
-        rows_per_chunk, vec, dx_accumulate, partial.data<double>());
+        rows_per_chunk, vec, dx_accumulate, partial.data<double>(), dxb, vec_b);
     FOURBIT_LAUNCH_CHECK();
   } else {
     rmsnorm_backward_dx_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
         dy.data<float>(), x.data<float>(), w.data<float>(), rstd.data<float>(), dx.data<float>(), N,
-        D, vec, dx_accumulate);
+        D, vec, dx_accumulate, dxb, vec_b);
     FOURBIT_LAUNCH_CHECK();
     const dim3 grid(unsigned((groups + kColThreads - 1) / kColThreads), unsigned(chunks));
     const bool vec_dw = D % 4 == 0 && aligned16(dy.raw()) && aligned16(x.raw());
@@ -670,12 +694,12 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   FOURBIT_LAUNCH_CHECK();
 }
 
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table) {
-  rope("rope_forward", IndexSite::RopeForwardPositions, x, positions, table, 1.0);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
+  rope("rope_forward", IndexSite::RopeForwardPositions, x, positions, table, 1.0, x_bf16);
 }
 
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table) {
-  rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
+  rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0, dx_bf16);
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
