@@ -8,7 +8,9 @@
 // synchronised at each phase's end, so this runs on the CPU as well (--device cpu).
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
-//                    [--cache 512] [--json FILE]
+//                    [--cache 512] [--kv-cache bf16,f32] [--json FILE]
+// --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
+// before it; the same samples), each a row of the table.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -76,7 +78,15 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe", "batch", "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    table.columns = {"recipe",      "kv_cache",          "batch",       "decode_tok_per_s",
+                     "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    std::vector<DType> kv_storages;
+    for (const std::string& kv : split(arg(argc, argv, "--kv-cache", "default"))) {
+      if (kv != "default" && kv != "bf16" && kv != "f32") fail("--kv-cache takes bf16, f32 or default, not {}", kv);
+      kv_storages.push_back(kv == "f32"    ? DType::F32
+                            : kv == "bf16" ? DType::BF16
+                                           : KvCache::default_storage(DType::F32, device));
+    }
     table.meta = {
         {"config", config_path}, {"device", device_name(device)}, {"prompt_tokens", P}, {"cache_positions", C}};
     rl::SamplingOptions opt;
@@ -92,28 +102,34 @@ int main(int argc, char** argv) {
         w.max_new = 4;
         sampler.sample(random_prompts(2, P, 1), w);
       }
-      for (int64_t B : batches) {
-        sampler.reset_stats();
-        const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
-        const rl::SamplerStats& s = sampler.stats();
-        const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
-        const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
-        const double kv_mib = double(B) * double(C) * 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads *
-                                                                   cfg.model.hd()) * 4.0 / 1048576.0;
-        table.add({{"recipe", recipe},
-                   {"batch", B},
-                   {"decode_tok_per_s", double(decode_tokens) / decode_s},
-                   {"ms_per_step", 1e3 * decode_s / double(s.decode_forwards)},
-                   {"prefill_tok_per_s", double(s.prefill_tokens) / s.prefill_s},
-                   {"kv_cache_MiB", kv_mib},
-                   {"decode_steps", s.decode_forwards},
-                   {"sampled_tokens", s.sampled_tokens},
-                   {"decode_s", s.decode_s},
-                   {"choose_s", s.choose_s},
-                   {"prefill_s", s.prefill_s}});
-        std::printf("%s batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(), (long long)B,
-                    double(decode_tokens) / decode_s, (long long)s.decode_forwards);
-        (void)out;
+      for (const DType storage : kv_storages) {
+        sampler.set_kv_storage(storage);
+        for (int64_t B : batches) {
+          sampler.reset_stats();
+          const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
+          const rl::SamplerStats& s = sampler.stats();
+          const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
+          const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
+          const double kv_mib = double(B) * double(C) * 2.0 *
+                                double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
+                                double(dtype_size(storage)) / 1048576.0;
+          table.add({{"recipe", recipe},
+                     {"kv_cache", dtype_name(storage)},
+                     {"batch", B},
+                     {"decode_tok_per_s", double(decode_tokens) / decode_s},
+                     {"ms_per_step", 1e3 * decode_s / double(s.decode_forwards)},
+                     {"prefill_tok_per_s", double(s.prefill_tokens) / s.prefill_s},
+                     {"kv_cache_MiB", kv_mib},
+                     {"decode_steps", s.decode_forwards},
+                     {"sampled_tokens", s.sampled_tokens},
+                     {"decode_s", s.decode_s},
+                     {"choose_s", s.choose_s},
+                     {"prefill_s", s.prefill_s}});
+          std::printf("%s, %s cache, batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(),
+                      dtype_name(storage), (long long)B, double(decode_tokens) / decode_s,
+                      (long long)s.decode_forwards);
+          (void)out;
+        }
       }
     }
     table.print();

@@ -56,6 +56,31 @@ TEST(CudaSamplerExactnessControl, PerTensorActivationScalesMismatch) {
   EXPECT_GT(m.logits_rows, 0) << "nvidia-nvfp4 matched the trainer on all " << m.tokens << " rows";
 }
 
+// The KV cache in BF16 (the GPU's default: K and V as attention reads them) and in F32 give the
+// same samples and log-probs, bit for bit, in half the bytes; the prompts cross 64-key blocks.
+TEST(CudaSampler, KvCacheStorageDoesNotChangeSamples) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* recipe : {"bf16", "nvfp4-fwd"}) {
+    SCOPED_TRACE(recipe);
+    TinyModel tm(recipe, Device::CUDA, gpu_config(64));
+    rl::Sampler sampler(tm.model, tm.sr);
+    rl::SamplingOptions opt;
+    opt.max_new = 12;
+    opt.stop_token = -1;
+    opt.seed = 9;
+    opt.keep_logits = true;
+    std::vector<rl::SampleRequest> reqs;
+    for (uint64_t i = 0; i < 6; ++i) reqs.push_back({ragged_prompt(20 + int64_t(i) * 9, i), 300 + i});
+    const std::vector<rl::Completion> bf16 = sampler.sample(reqs, opt);
+    sampler.set_kv_storage(DType::F32);
+    const std::vector<rl::Completion> f32 = sampler.sample(reqs, opt);
+    for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(bf16[i], f32[i], "bf16 vs f32 cache");
+    const ModelConfig& c = tm.model.config();
+    EXPECT_EQ(KvCache(c, 2, 16, DType::F32, Device::CUDA).bytes() * 2,
+              KvCache(c, 2, 16, DType::F32, Device::CUDA, DType::F32).bytes());
+  }
+}
+
 TEST(CudaSampler, SamplesDoNotDependOnTheBatch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   TinyModel tm("nvfp4-fwd", Device::CUDA, gpu_config(64));

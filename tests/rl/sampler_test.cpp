@@ -175,6 +175,12 @@ TEST(KvCache, ForwardCachedChecksItsBatch) {
                "logit row 4 is outside [0, 4)");
   expect_error([&] { KvCache(m.config(), 1, 13, DType::F32, Device::CPU); },
                "capacity 13 exceeds the model's max_seq_len 12");
+  // The CPU's attention computes from F32: its cache stores F32, and no other storage is taken.
+  EXPECT_EQ(cache.storage(), DType::F32);
+  EXPECT_EQ(KvCache::default_storage(DType::F32, Device::CUDA), DType::BF16);
+  EXPECT_EQ(KvCache::default_storage(DType::F64, Device::CUDA), DType::F64);
+  expect_error([&] { KvCache(m.config(), 1, 6, DType::F32, Device::CPU, DType::BF16); },
+               "kv cache: bf16 storage for a f32 model on the cpu: a cache stores the model's dtype or f32");
   // gather_slots copies whole slots.
   m.forward_cached(tokens, KvBatch{2, {{0, 2, 0}}}, cache, tm.sr);
   const KvCache g = cache.gather_slots({1, 1, 0});

@@ -8,16 +8,29 @@
 
 namespace fourbit {
 
-KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device)
-    : slots_(slots), capacity_(capacity), kv_row_(c.n_kv_heads * c.hd()), dtype_(dtype), device_(device) {
+DType KvCache::default_storage(DType dtype, Device device) {
+  return dtype == DType::F32 && ops::attention_reads_bf16(device) ? DType::BF16 : dtype;
+}
+
+KvCache::KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device,
+                 std::optional<DType> storage)
+    : slots_(slots),
+      capacity_(capacity),
+      kv_row_(c.n_kv_heads * c.hd()),
+      dtype_(dtype),
+      storage_(storage.value_or(default_storage(dtype, device))),
+      device_(device) {
+  if (storage_ != dtype_ && storage_ != default_storage(dtype_, device_))
+    fail("kv cache: {} storage for a {} model on the {}: a cache stores the model's dtype or {}", dtype_name(storage_),
+         dtype_name(dtype_), device_name(device_), dtype_name(default_storage(dtype_, device_)));
   if (slots < 0 || capacity < 1) fail("kv cache: needs slots >= 0 and capacity >= 1, got {} and {}", slots, capacity);
   if (slots * capacity > INT32_MAX)  // (slot, position) rows are indexed by i32
     fail("kv cache: {} slots x {} positions exceed 2^31 rows", slots, capacity);
   if (capacity > c.max_seq_len)
     fail("kv cache: capacity {} exceeds the model's max_seq_len {}", capacity, c.max_seq_len);
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    k_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, dtype, device));
-    v_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, dtype, device));
+    k_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, storage_, device));
+    v_.push_back(Tensor::zeros({slots, capacity, c.n_kv_heads, c.hd()}, storage_, device));
   }
 }
 
@@ -42,7 +55,7 @@ KvCache KvCache::gather_slots(const std::vector<int64_t>& src) const {
   const Tensor index = Tensor::from_host(idx.data(), {rows}, DType::I32, device_);
   for (size_t l = 0; l < k_.size(); ++l)
     for (auto [from, to] : {std::pair{&k_[l], &out.k_[l]}, std::pair{&v_[l], &out.v_[l]}}) {
-      *to = Tensor::empty({out.slots_, from->size(1), from->size(2), from->size(3)}, dtype_, device_);
+      *to = Tensor::empty({out.slots_, from->size(1), from->size(2), from->size(3)}, storage_, device_);
       if (rows == 0) continue;
       Tensor dst = to->reshape({rows, kv_row_});
       ops::gather_rows(from->reshape({slots_ * capacity_, kv_row_}), index, dst);
@@ -78,6 +91,10 @@ KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len) : cache(c), ba
 }
 
 void KvStep::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const {
+  for (const Tensor* t : {&q, &k, &v})
+    if (t->dtype() != cache.storage())
+      fail("cached forward: q, k and v must be {} like the cache's storage, got {}", dtype_name(cache.storage()),
+           t->str());
   const int64_t rows = cache.slots() * cache.capacity();
   Tensor kc = cache.k_.at(size_t(layer)), vc = cache.v_.at(size_t(layer));
   Tensor kc2 = kc.reshape({rows, cache.kv_row_}), vc2 = vc.reshape({rows, cache.kv_row_});

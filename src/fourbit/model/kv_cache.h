@@ -7,6 +7,7 @@
 // output row is the bits of the full forward's row for that position.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "fourbit/model/config.h"
@@ -35,14 +36,23 @@ class KvCache {
  public:
   KvCache() = default;
   // Zero-filled: the GPU kernels read whole 64-key tiles and mask the keys after a query, and
-  // a masked key must still be finite (0 * NaN would poison the sum).
-  KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device);
+  // a masked key must still be finite (0 * NaN would poison the sum). dtype: the model's (what
+  // the cache is for). K and V are stored as default_storage(dtype, device) unless `storage`
+  // says otherwise (F32 where BF16 would be the default: benchmarks comparing the two).
+  KvCache(const ModelConfig& c, int64_t slots, int64_t capacity, DType dtype, Device device,
+          std::optional<DType> storage = std::nullopt);
+  // BF16 where the device's attention reads BF16 operands (ops::attention_reads_bf16) and the
+  // model computes in F32: the values attention reads either way, in half the bytes and with no
+  // conversion of the cache at each call (the model writes K and V rounded by RoPE's BF16 copy);
+  // otherwise the model's dtype.
+  static DType default_storage(DType dtype, Device device);
 
   int64_t slots() const { return slots_; }
   int64_t capacity() const { return capacity_; }
   int64_t layers() const { return int64_t(k_.size()); }
   Device device() const { return device_; }
   DType dtype() const { return dtype_; }
+  DType storage() const { return storage_; }
   int64_t bytes() const;
   const Tensor& k(int64_t layer) const { return k_.at(size_t(layer)); }
   const Tensor& v(int64_t layer) const { return v_.at(size_t(layer)); }
@@ -54,7 +64,7 @@ class KvCache {
  private:
   friend struct KvStep;
   int64_t slots_ = 0, capacity_ = 0, kv_row_ = 0;  // kv_row_: Hkv * hd values per position
-  DType dtype_ = DType::F32;
+  DType dtype_ = DType::F32, storage_ = DType::F32;
   Device device_ = Device::CPU;
   std::vector<Tensor> k_, v_;
 };
@@ -70,7 +80,7 @@ struct KvStep {
 
   // Writes this call's k, v rows ([B * T, Hkv * hd], after RoPE) into layer `layer` of the cache,
   // then attention of q [B, T, Hq, hd] over the cache, one ops::attention_forward per group:
-  // o [B, T, Hq, hd], lse [B, Hq, T].
+  // o [B, T, Hq, hd], lse [B, Hq, T]. q, k and v are in the cache's storage dtype.
   void attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const;
 };
 

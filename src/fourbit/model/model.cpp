@@ -378,10 +378,11 @@ struct ModelRunner {
     gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
     Tensor q4 = q.reshape({B, T, Hq, hd}), k4 = k.reshape({B, T, Hkv, hd}), v4 = v.reshape({B, T, Hkv, hd});
     Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
-    // Training where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k
-    // rounded to BF16 as well, v is converted once, and attention reads those copies, which the
-    // backward keeps. The sampler's path keeps F32 K/V for its cache.
-    const bool bf16_qkv = !kv && m.dtype_ == DType::F32 && ops::attention_reads_bf16(m.device_);
+    // Where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k rounded to
+    // BF16 as well, v is converted once, and attention reads those copies, which the backward
+    // keeps and the sampler's cache stores (KvCache::default_storage; an F32 cache takes F32).
+    const bool bf16_qkv = m.dtype_ == DType::F32 && (kv ? kv->cache.storage() == DType::BF16
+                                                         : ops::attention_reads_bf16(m.device_));
     if (bf16_qkv) {
       Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_), kb = Tensor::empty(k4.shape(), DType::BF16, m.device_),
              vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
@@ -398,8 +399,8 @@ struct ModelRunner {
     }
     // The output projection's BF16 operand, written by attention's epilogue.
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
-    if (bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
-    if (kv) kv->attend(layer, q4, k, v, o, lse);
+    if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
+    if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
     else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
     LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);

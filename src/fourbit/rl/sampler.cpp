@@ -107,7 +107,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
   KvCache cache;
   Tensor logits = Tensor::empty({A0, V}, DType::F32, dev);
   {
-    KvCache prompt_cache(cfg, U, capacity, DType::F32, dev);
+    KvCache prompt_cache(cfg, U, capacity, DType::F32, dev, kv_storage_);
     const Tensor prompt_tokens = Tensor::from_host(host.data(), {U, L_max}, DType::I32, dev);
     const Tensor prompt_logits =
         model_.forward_cached(prompt_tokens, KvBatch{L_max, {KvGroup{0, U, 0}}}, prompt_cache, sr_, last_rows);

@@ -17,6 +17,7 @@
 // (one attention call per run); finished sequences leave the batch and the cache at once.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "fourbit/model/model.h"
@@ -61,6 +62,9 @@ class Sampler {
   // nearest, so they draw nothing; passed for the keys to match the trainer's).
   explicit Sampler(Model& model, const SrStreams& sr = {});
   void set_sr_streams(const SrStreams& sr) { sr_ = sr; }
+  // The KV cache's storage dtype (KvCache): KvCache::default_storage unless set (F32 where the
+  // default is BF16, for benchmarks comparing the two; both give the same samples).
+  void set_kv_storage(std::optional<DType> storage) { kv_storage_ = storage; }
 
   // One completion per request, in request order. Fails (before any work) on an empty or
   // out-of-vocabulary prompt, a prompt longer than max_seq_len, repeated sequence ids or bad
@@ -79,6 +83,7 @@ class Sampler {
   Model& model_;
   SrStreams sr_;
   SamplerStats stats_;
+  std::optional<DType> kv_storage_;
 };
 
 }  // namespace fourbit::rl
