@@ -460,6 +460,43 @@ TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
   }
 }
 
+// add_rmsnorm_forward: the bits of add, then rmsnorm_forward (y F32 with its BF16 copy, or y BF16),
+// on aligned tensors and on views one element off (element loads and stores).
+TEST(CudaLayers, AddRmsNormIsAddThenRmsNorm) {
+  SKIP_WITHOUT_GPU();
+  auto offset_f32 = [](int64_t R, int64_t C) {
+    Tensor big = Tensor::empty({R * C + 1}, DType::F32, Device::CUDA);
+    return big.view(1, {R, C});
+  };
+  for (const bool shifted : {false, true}) {
+    for (const int64_t D : {int64_t(1024), int64_t(96), int64_t(13)}) {
+      const int64_t N = 77;
+      const std::string name = cfg("N=%lld D=%lld shifted=%lld", N, D, shifted ? 1 : 0);
+      Tensor a = shifted ? offset_f32(N, D) : Tensor::empty({N, D}, DType::F32, Device::CUDA);
+      a.copy_from(gpu(random_tensor({N, D}, DType::F32, 920 + uint64_t(D), -2.0, 2.0)));
+      const Tensor b = gpu(random_tensor({N, D}, DType::F32, 921, -2.0, 2.0));
+      const Tensor w = gpu(random_tensor({D}, DType::F32, 922, 0.5, 1.5));
+      Tensor sum_ref = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_ref = sum_ref.clone(),
+             r_ref = Tensor::empty({N}, DType::F32, Device::CUDA);
+      ops::add(a, b, sum_ref);
+      ops::rmsnorm_forward(sum_ref, w, 1e-5f, y_ref, r_ref);
+      Tensor y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+      ops::convert(y_ref, y16_ref);
+      Tensor sum = shifted ? offset_f32(N, D) : Tensor::empty({N, D}, DType::F32, Device::CUDA);
+      Tensor y = Tensor::empty({N, D}, DType::F32, Device::CUDA), r = r_ref.clone();
+      Tensor y16 = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+      ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y, r, &y16);
+      expect_bits("add_rmsnorm sum " + name, sum, sum_ref);
+      expect_bits("add_rmsnorm y " + name, y, y_ref);
+      expect_bits("add_rmsnorm rstd " + name, r, r_ref);
+      expect_bits("add_rmsnorm y copy " + name, y16, y16_ref);
+      Tensor y_only16 = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+      ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y_only16, r);
+      expect_bits("add_rmsnorm bf16 y " + name, y_only16, y16_ref);
+    }
+  }
+}
+
 // ---- cross entropy --------------------------------------------------------------------------------
 
 TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {

@@ -338,6 +338,15 @@ TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
   ops::rmsnorm_backward(dyn, x, w, r, dx_both, dw_both, true, true, &dx_copy);
   EXPECT_TRUE(bitwise_equal(dx_both, dx_plain)) << "rmsnorm dx with a copy";
   expect_encoded("rmsnorm dx's copy", dx_copy, dx_plain);
+  // add_rmsnorm_forward: the add, then the norm
+  const Tensor xb = random_tensor({37, 24}, DType::F32, 86, -3.0, 3.0);
+  Tensor sum_ref = Tensor::empty({37, 24}, DType::F32), sum = sum_ref.clone(), y_ref = sum_ref.clone(),
+         y_add = sum_ref.clone(), r_ref = r.clone(), r_add = r.clone();
+  ops::add(x, xb, sum_ref);
+  ops::rmsnorm_forward(sum_ref, w, 1e-5f, y_ref, r_ref);
+  ops::add_rmsnorm_forward(x, xb, sum, w, 1e-5f, y_add, r_add, &y_copy);
+  EXPECT_TRUE(bitwise_equal(sum, sum_ref) && bitwise_equal(y_add, y_ref) && bitwise_equal(r_add, r_ref));
+  expect_encoded("add_rmsnorm y's copy", y_copy, y_ref);
   expect_error([&] { ops::rmsnorm_forward(x, w, 1e-5f, y16, r16, &y_copy); },
                "rmsnorm_forward: y_bf16 must be a BF16 tensor of the f32 output's shape [37, 24] on its device, got "
                "bf16[37, 24] cpu for bf16[37, 24] cpu");

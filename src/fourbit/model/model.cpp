@@ -892,6 +892,16 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   run.weights_ahead(s != nullptr);
   Tensor x = run.act({N, D});
   ops::embedding_forward(tokens.reshape({N}), w.embed, x);
+  // The residual stream's x + f of the block before, where one is pending: added by the next
+  // norm (add_rmsnorm_forward: the bits of the add, then the norm).
+  Tensor pending;
+  auto norm = [&](const Tensor& w_norm, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
+    if (!pending.defined()) return ops::rmsnorm_forward(x, w_norm, float(cfg.norm_eps), y, rstd, y_bf16);
+    Tensor sum = run.act({N, D});
+    ops::add_rmsnorm_forward(x, pending, sum, w_norm, float(cfg.norm_eps), y, rstd, y_bf16);
+    x = sum;
+    pending = Tensor{};
+  };
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     run.layer = l;
     Model::Saved::Layer* sl = s ? &s->layers[size_t(l)] : nullptr;
@@ -903,16 +913,17 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     // (F32) in a MoE layer.
     Tensor xn = run.act_bf16_if(ModelRunner::bf16_input(run.recipe(LayerClass::Attention)), {N, D});
     Tensor rstd1 = run.act({N});
-    ops::rmsnorm_forward(x, lw.attn_norm, float(cfg.norm_eps), xn, rstd1);
-    Tensor x_mid = run.act({N, D});
-    ops::add(x, run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv), x_mid);
+    norm(lw.attn_norm, xn, rstd1, nullptr);
+    const Tensor x_in = x;
+    pending = run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv);
     // FFN block
     Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
                                  {N, D});
     Tensor rstd2 = run.act({N});
     Tensor xn2_16;
     if (cfg.is_moe_layer(l) && run.moe_reads_bf16_x()) xn2_16 = Tensor::empty({N, D}, DType::BF16, m.device());
-    ops::rmsnorm_forward(x_mid, lw.ffn_norm, float(cfg.norm_eps), xn2, rstd2, xn2_16.defined() ? &xn2_16 : nullptr);
+    norm(lw.ffn_norm, xn2, rstd2, xn2_16.defined() ? &xn2_16 : nullptr);
+    const Tensor x_mid = x;
     Tensor f;
     if (cfg.is_moe_layer(l)) {
       f = run.moe_forward(xn2, lw, lg, name, sl, aux, xn2_16);
@@ -920,18 +931,22 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
       f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr);
     }
-    Tensor x_out = run.act({N, D});
-    ops::add(x_mid, f, x_out);
+    pending = f;
     if (sl) {
-      sl->x_in = x;
+      sl->x_in = x_in;
       sl->rstd1 = rstd1;
       sl->x_mid = x_mid;
       sl->rstd2 = rstd2;
       sl->moe = cfg.is_moe_layer(l);
     }
-    x = x_out;
   }
   if (logit_rows.defined()) {  // every op after the layer stack is per token: a subset of rows
+    if (pending.defined()) {
+      Tensor x_out = run.act({N, D});
+      ops::add(x, pending, x_out);
+      x = x_out;
+      pending = Tensor{};
+    }
     N = logit_rows.size(0);
     Tensor picked = run.act({N, D});
     ops::gather_rows(x, logit_rows, picked);
@@ -940,7 +955,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   run.layer = cfg.n_layers;
   const LayerRecipe& rh = m.recipe().lm_head;
   Tensor xf = run.act_bf16_if(ModelRunner::bf16_input(rh), {N, D}), rstd_f = run.act({N});
-  ops::rmsnorm_forward(x, w.final_norm, float(cfg.norm_eps), xf, rstd_f);
+  norm(w.final_norm, xf, rstd_f, nullptr);
   run.record_input_amax("lm_head.x", xf, rh);
   LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head", true)
                         : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),

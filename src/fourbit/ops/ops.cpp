@@ -432,6 +432,11 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   expect_bf16_copy("rmsnorm_forward", "y_bf16", y_bf16, y);
   FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd, y_bf16);
 }
+void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                         Tensor& rstd, Tensor* y_bf16) {
+  expect_bf16_copy("add_rmsnorm_forward", "y_bf16", y_bf16, y);
+  FOURBIT_DISPATCH(a.device(), add_rmsnorm_forward, a, b, sum, w, eps, y, rstd, y_bf16);
+}
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
   expect_bf16_copy("rmsnorm_backward", "dx_bf16", dx_bf16, dx);

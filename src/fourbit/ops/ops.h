@@ -2,7 +2,7 @@
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish,
-//          the layer ops (embedding, rmsnorm, rope, attention, swiglu, cross_entropy, router,
+//          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
@@ -247,6 +247,11 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
 // y_bf16 (optional, for an F32 y): y rounded to BF16 as well (a second output, for a y that both
 // an F32 reader and BF16 GEMMs read: the MoE router and the experts).
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16 = nullptr);
+// The residual stream's add and the next norm: sum = a + b (F32, add's bits), then
+// rmsnorm_forward(sum, w, eps, y, rstd, y_bf16), the bits of the two ops; one pass on the GPU,
+// which reads the sum back from its own writes instead of a second kernel reading it again.
+void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                         Tensor& rstd, Tensor* y_bf16 = nullptr);
 // dx_bf16 (optional): dx's new values rounded to BF16 as well (the residual stream's gradient is
 // the next linear's dY: a BF16 GEMM operand in the bf16 recipe).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,

@@ -1,6 +1,6 @@
 // defines: cpu::embedding_forward, cpu::embedding_backward, cpu::rmsnorm_forward,
-//          cpu::rmsnorm_backward, cpu::rope_forward, cpu::rope_backward, cpu::swiglu_forward,
-//          cpu::swiglu_backward, cpu::cross_entropy
+//          cpu::add_rmsnorm_forward, cpu::rmsnorm_backward, cpu::rope_forward, cpu::rope_backward,
+//          cpu::swiglu_forward, cpu::swiglu_backward, cpu::cross_entropy
 // The CPU reference of the per-token layers, for F32 and F64 tensors. Arithmetic runs in double
 // and each output is rounded once to the tensor's dtype; every reduction runs sequentially in
 // ascending index order. Rows are independent and spread over OpenMP threads; the reductions
@@ -259,6 +259,12 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   });
   if (out.raw() != y.raw()) convert(out, y);
   if (y_bf16) convert(y, *y_bf16);
+}
+
+void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                         Tensor& rstd, Tensor* y_bf16) {
+  add(a, b, sum);
+  rmsnorm_forward(sum, w, eps, y, rstd, y_bf16);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,

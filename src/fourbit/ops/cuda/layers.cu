@@ -1,6 +1,6 @@
 // defines: cuda::embedding_forward, cuda::embedding_backward, cuda::rmsnorm_forward,
-//          cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward, cuda::swiglu_forward,
-//          cuda::swiglu_backward, cuda::cross_entropy
+//          cuda::add_rmsnorm_forward, cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward,
+//          cuda::swiglu_forward, cuda::swiglu_backward, cuda::cross_entropy
 // The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
 // formula for formula: arithmetic in double, each output rounded once to float. Hopper runs FP64
 // at half the FP32 rate, which these memory-bound kernels barely feel, and it makes GPU and CPU
@@ -178,18 +178,30 @@ __global__ void __launch_bounds__(kBigBucketWarps * 32)
 
 // ---- rmsnorm ----------------------------------------------------------------------------------
 
+// With `b` (add_rmsnorm_forward): x + b (add_'s FP32 sum) is normed and written to `sum`, and the
+// second pass reads the sum back from the thread's own writes (the same groups of the same row).
 template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
-                           int64_t N, int64_t D, bool vec, uint16_t* yb, bool vec_b) {
+                           int64_t N, int64_t D, bool vec, uint16_t* yb, bool vec_b, const float* b,
+                           float* sum) {
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
-    const float* xr = x + n * D;
+    const float* xr = b ? sum + n * D : x + n * D;
     double ss = 0.0;
     for (int64_t g = lane; g < groups; g += 32) {
       float v[4];
-      load4(xr, 4 * g, D, vec, v);
+      if (b) {
+        float u[4];
+        load4(x + n * D, 4 * g, D, vec, v);
+        load4(b + n * D, 4 * g, D, vec, u);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) v[c] = num::add_rn(v[c], u[c]);
+        store4(sum + n * D, 4 * g, D, vec, v);
+      } else {
+        load4(xr, 4 * g, D, vec, v);
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) ss += double(v[c]) * double(v[c]);
     }
@@ -641,7 +653,33 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
     rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b);
+        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b,
+        nullptr, nullptr);
+  });
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                         Tensor& rstd, Tensor* y_bf16) {
+  const char* op = "add_rmsnorm_forward";
+  expect_f32(op, "a", a, 2, "[N, D]");
+  const int64_t N = a.size(0), D = a.size(1);
+  expect_dims(op, "b", b, DType::F32, {N, D}, "[N, D]");
+  expect_dims(op, "sum", sum, DType::F32, {N, D}, "[N, D]");
+  expect_dims(op, "w", w, DType::F32, {D}, "[D]");
+  const DType out_dt = expect_out(op, "y", y, {N, D}, "[N, D]");
+  expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
+  if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
+  if (N == 0) return;
+  const bool vec = D % 4 == 0 && aligned16(a.raw()) && aligned16(b.raw()) && aligned16(sum.raw()) &&
+                   aligned16(w.raw()) && out_aligned(y);
+  bool vec_b;
+  uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
+        a.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b,
+        b.data<float>(), sum.data<float>());
   });
   FOURBIT_LAUNCH_CHECK();
 }
