@@ -751,6 +751,13 @@ TEST(CudaLayers, GatherAndCombineMatchCpuBitForBit) {
     ops::moe_combine(gpu(yp), plan_g.slot_of, gpu(w), out_g);
     expect_close("moe_combine " + name, out_g, out_c, kElementwiseTol);
     expect_bits("moe_combine vs cpu " + name, out_g, out_c);
+    // with the shared expert's output added in the same pass: the bits of add_ after the sum
+    const Tensor plus = random_tensor({c.N, c.D}, DType::F32, 806);
+    Tensor out_plus_c = out_c.clone(), out_plus_g = Tensor::empty({c.N, c.D}, DType::F32, Device::CUDA);
+    ops::add_(out_plus_c, plus);
+    const Tensor plus_g = gpu(plus);
+    ops::moe_combine(gpu(yp), plan_g.slot_of, gpu(w), out_plus_g, &plus_g);
+    expect_bits("moe_combine with plus vs combine then add_ " + name, out_plus_g, out_plus_c);
 
     const Tensor dout = random_tensor({c.N, c.D}, DType::F32, 805);
     Tensor dyp_c = Tensor::empty({M, c.D}, DType::F32), dw_c = Tensor::empty({c.N, c.k}, DType::F32);

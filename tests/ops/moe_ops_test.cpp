@@ -190,6 +190,15 @@ TEST(MoeOps, GatherAndCombineOnRandomRoutings) {
       for (int64_t j = 0; j < k; ++j) want += w.data<float>()[n * k + j] * x.data<float>()[n * D + d];
       ASSERT_EQ(out.data<float>()[n * D + d], want) << n << " " << d;
     }
+  // plus: the sum, then + plus (add_'s bits)
+  const Tensor plus = random_tensor({N, D}, DType::F32, 903);
+  Tensor out_plus = Tensor::empty({N, D}, DType::F32), want_plus = out.clone();
+  ops::add_(want_plus, plus);
+  ops::moe_combine(xp, plan.slot_of, w, out_plus, &plus);
+  EXPECT_TRUE(bitwise_equal(out_plus, want_plus));
+  const Tensor plus_short = random_tensor({N - 1, D}, DType::F32, 904);
+  expect_error([&] { ops::moe_combine(xp, plan.slot_of, w, out_plus, &plus_short); },
+               "moe_combine: plus must match out");
   // gather_rows_backward of the gathered rows sums k copies of each token row.
   Tensor dx = Tensor::empty({N, D}, DType::F32);
   ops::gather_rows_backward(xp, plan.slot_of, dx);

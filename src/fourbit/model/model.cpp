@@ -537,9 +537,7 @@ struct ModelRunner {
     const bool keep = s && m.keep_ffn_;
     Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, keep ? &inner : nullptr);
     Tensor out = act({N, D});
-    ops::moe_combine(y_perm, plan.slot_of, topk_w, out);
-
-    if (c.n_shared_experts) ops::add_(out, ys);
+    ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
     ops::route_plan_finish(pending_plan);
     plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's

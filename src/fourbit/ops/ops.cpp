@@ -529,8 +529,11 @@ void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out) {
 void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx) {
   FOURBIT_DISPATCH(dx.device(), gather_rows_backward, dx_perm, slot_of, dx);
 }
-void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out) {
-  FOURBIT_DISPATCH(out.device(), moe_combine, y_perm, slot_of, w, out);
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out, const Tensor* plus) {
+  if (plus && (!plus->defined() || plus->dtype() != out.dtype() || plus->shape() != out.shape() ||
+               plus->device() != out.device()))
+    fail("moe_combine: plus must match out {}, got {}", out.str(), plus->defined() ? plus->str() : "undefined");
+  FOURBIT_DISPATCH(out.device(), moe_combine, y_perm, slot_of, w, out, plus);
 }
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {

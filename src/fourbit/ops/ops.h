@@ -357,7 +357,10 @@ void scatter_rows(const Tensor& x, const Tensor& dst_rows, Tensor& out);
 // dx[n] = sum over j in rank order of dx_perm[slot_of[n, j]] (no atomics: deterministic).
 void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& dx);
 // out[n] = sum over j in rank order of w[n, j] * y_perm[slot_of[n, j]]  (overwrites out).
-void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out);
+// plus (optional, out's dtype and shape): out[n] = that sum + plus[n], the bits of add_(out, *plus)
+// after the sum (the shared expert's output, added in the same pass).
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out,
+                 const Tensor* plus = nullptr);
 // dy_perm[slot_of[n, j]] = w[n, j] * dout[n]; dw[n, j] = <dout[n], y_perm[slot_of[n, j]]>.
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
                           const Tensor& w, Tensor& dy_perm, Tensor& dw);

@@ -327,7 +327,7 @@ void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& 
   });
 }
 
-void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out) {
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out, const Tensor* plus) {
   const char* op = "moe_combine";
   const DType dt = expect_float(op, "out", out, 2, "[N, D]");
   const int64_t N = out.size(0), D = out.size(1);
@@ -337,6 +337,7 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
     using T = decltype(tag);
     combine_t(y_perm.data<T>(), slot_of.data<int32_t>(), w.data<T>(), out.data<T>(), N, k, D);
   });
+  if (plus) add_(out, *plus);
 }
 
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,

@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(kEltThreads)
 // acc += w * y with a separate rounding for the product and the sum (never an FMA), as on the CPU.
 __global__ void __launch_bounds__(kEltThreads)
     moe_combine_kernel(const float* y_perm, const int32_t* slot_of, const float* w, float* out,
-                       int64_t N, int64_t M, int64_t k, int64_t D, bool vec, IndexError* err) {
+                       int64_t N, int64_t M, int64_t k, int64_t D, bool vec, IndexError* err, const float* plus) {
   const int64_t groups = (D + 3) / 4, items = N * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
        item += int64_t(gridDim.x) * blockDim.x) {
@@ -419,6 +419,12 @@ __global__ void __launch_bounds__(kEltThreads)
       load4(y_perm + int64_t(slot_of[n * k + j]) * D, 4 * g, D, vec, v);
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[c] = num::add_rn(acc[c], num::mul_rn(wj, v[c]));
+    }
+    if (plus) {  // add_'s sum, after the routed one
+      float p[4];
+      load4(plus + n * D, 4 * g, D, vec, p);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] = num::add_rn(acc[c], p[c]);
     }
     store4(out + n * D, 4 * g, D, vec, acc);
   }
@@ -722,17 +728,17 @@ void gather_rows_backward(const Tensor& dx_perm, const Tensor& slot_of, Tensor& 
   FOURBIT_LAUNCH_CHECK();
 }
 
-void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out) {
+void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, Tensor& out, const Tensor* plus) {
   const char* op = "moe_combine";
   expect_f32(op, "out", out, 2, "[N, D]");
   const int64_t N = out.size(0), D = out.size(1);
   const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
   const int64_t items = N * ((D + 3) / 4);
   if (items == 0) return;
-  const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw());
+  const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw()) && (!plus || aligned16(plus->raw()));
   moe_combine_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k,
-      D, vec, index_error_record());
+      D, vec, index_error_record(), plus ? plus->data<float>() : nullptr);
   FOURBIT_LAUNCH_CHECK();
 }
 
