@@ -28,6 +28,16 @@ ModelConfig gpu_config(int64_t hd) {
   return c;
 }
 
+// Sampling at temperature 1 without a stop token, keeping every logits row.
+rl::SamplingOptions open_ended(int64_t max_new, uint64_t seed) {
+  rl::SamplingOptions opt;
+  opt.max_new = max_new;
+  opt.stop_token = -1;
+  opt.seed = seed;
+  opt.keep_logits = true;
+  return opt;
+}
+
 }  // namespace
 
 class CudaSamplerExactness : public ::testing::TestWithParam<const char*> {};
@@ -64,11 +74,7 @@ TEST(CudaSampler, KvCacheStorageDoesNotChangeSamples) {
     SCOPED_TRACE(recipe);
     TinyModel tm(recipe, Device::CUDA, gpu_config(64));
     rl::Sampler sampler(tm.model, tm.sr);
-    rl::SamplingOptions opt;
-    opt.max_new = 12;
-    opt.stop_token = -1;
-    opt.seed = 9;
-    opt.keep_logits = true;
+    const rl::SamplingOptions opt = open_ended(12, 9);
     std::vector<rl::SampleRequest> reqs;
     for (uint64_t i = 0; i < 6; ++i) reqs.push_back({ragged_prompt(20 + int64_t(i) * 9, i), 300 + i});
     const std::vector<rl::Completion> bf16 = sampler.sample(reqs, opt);
@@ -85,11 +91,7 @@ TEST(CudaSampler, SamplesDoNotDependOnTheBatch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   TinyModel tm("nvfp4-fwd", Device::CUDA, gpu_config(64));
   rl::Sampler sampler(tm.model, tm.sr);
-  rl::SamplingOptions opt;
-  opt.max_new = 10;
-  opt.stop_token = -1;
-  opt.seed = 5;
-  opt.keep_logits = true;
+  const rl::SamplingOptions opt = open_ended(10, 5);
   std::vector<rl::SampleRequest> all;
   for (uint64_t i = 0; i < 24; ++i) all.push_back({ragged_prompt(10 + int64_t(i % 5) * 13, i % 7), 100 + i});
   const std::vector<rl::Completion> batch = sampler.sample(all, opt);
