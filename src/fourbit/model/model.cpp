@@ -337,7 +337,8 @@ struct ModelRunner {
   }
 
   // dxn (+)= the FFN's input gradient; weight gradients accumulate.
-  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
+  // dy_bf16: dy's BF16 copy, written by the norm backward that produced dy (ffn_dy_bf16,
+  // attn_dy_bf16), or null.
   void ffn_backward(const Tensor& dy, const FfnRefs& w, LayerClass cls, const Model::Saved::Ffn& saved, Tensor& dxn,
                     bool dx_accumulate, const Tensor* dy_bf16 = nullptr) {
     const LayerRecipe& r = recipe(cls);
@@ -419,7 +420,8 @@ struct ModelRunner {
     return y;
   }
 
-  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
+  // dy_bf16: dy's BF16 copy, written by the norm backward that produced dy (ffn_dy_bf16,
+  // attn_dy_bf16), or null.
   void attention_backward(const Tensor& dy, const LayerWeights& w, LayerWeights& g,
                           const std::string& name, const Model::Saved::Layer& s,
                           const Tensor& positions, Tensor& dxn, const Tensor* dy_bf16) {
@@ -647,7 +649,8 @@ struct ModelRunner {
     return y;
   }
 
-  // dy_bf16: dy's BF16 copy (residual_dy_bf16), or null.
+  // dy_bf16: dy's BF16 copy, written by the norm backward that produced dy (ffn_dy_bf16,
+  // attn_dy_bf16), or null.
   void moe_backward(const Tensor& dy, const Tensor& xn, const LayerWeights& w, LayerWeights& g,
                     const std::string& name, const Model::Saved::Layer& s, float loss_weight,
                     Tensor& dxn, const Tensor* dy_bf16) {
