@@ -455,10 +455,10 @@ struct ModelRunner {
 
   // ---- MoE block ----------------------------------------------------------------------------
   // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
-  // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert. xn_bf16: xn's BF16
-  // copy written by the norm (moe_reads_bf16_x), or undefined.
+  // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert. xn16: xn's BF16
+  // copy written by the norm where moe_reads_bf16_x(), else undefined.
   Tensor moe_forward(const Tensor& xn, const LayerWeights& w, LayerWeights& g, const std::string& name,
-                     Model::Saved::Layer* s, bool aux, const Tensor& xn_bf16 = Tensor()) {
+                     Model::Saved::Layer* s, bool aux, const Tensor& xn16) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -476,11 +476,7 @@ struct ModelRunner {
     ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor());
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
     const bool bf16_x = moe_reads_bf16_x();
-    Tensor xn16 = xn_bf16;
-    if (bf16_x && !xn16.defined()) {
-      xn16 = Tensor::empty({N, D}, DType::BF16, m.device_);
-      ops::convert(xn, xn16);
-    }
+    FOURBIT_CHECK(!bf16_x || xn16.defined(), "moe_forward: the norm's BF16 copy of the layer input is missing");
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     // Where the experts' GEMMs take dense BF16 operands (the bf16 recipe) and the GPU made the
     // plan, they read its offsets there: the dispatch, the experts and the combine are queued
