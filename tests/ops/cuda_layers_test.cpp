@@ -223,9 +223,9 @@ TEST(CudaLayers, EmbeddingMatchesCpuAndBackwardIsDeterministic) {
     Tensor dt_g = gpu(dtable0), dt_g2 = gpu(dtable0);
     const Tensor dout_g = gpu(dout);
     ops::embedding_backward(dout_g, tok_g, dt_g);
-    ops::embedding_backward(dout_g, tok_g, dt_g2);
+    ops::embedding_backward(dout_g, tok_g, dt_g2, /*tokens_checked=*/true);  // no record read: the same sums
     expect_close("embedding_backward dtable " + name, dt_g, dt_c, kReductionTol);
-    expect_bits("embedding_backward two GPU runs " + name, dt_g, dt_g2);
+    expect_bits("embedding_backward two GPU runs (the second with checked tokens) " + name, dt_g, dt_g2);
   }
   Tensor out = Tensor::empty({4, 8}, DType::F32, Device::CUDA);
   expect_error([&] {
@@ -933,6 +933,75 @@ TEST(CudaLayers, AdamWMatchesCpuOverThreeSteps) {
       expect_bits("adamw param bits " + name, pg, pc);
     }
   }
+}
+
+// grad_norm_gate on the GPU: the norm of the GPU's sum_squares_each added on the host, the same
+// clip factor, and the skip for a NaN gradient or a GPU quantizer's NaN (the device flag, taken
+// without a host read). A gated update is the CPU's gated update, bit for bit, or nothing.
+TEST(CudaLayers, GradNormGateIsTheHostsNormAndGatesTheUpdate) {
+  SKIP_WITHOUT_GPU();
+  std::vector<Tensor> gs;
+  for (const int64_t n : {int64_t(1000), int64_t(0), int64_t(1 << 20) + 3, int64_t(5)})
+    gs.push_back(gpu(random_tensor({n}, DType::F32, 1400 + uint64_t(n), -0.1, 0.1)));
+  gs.push_back(gs[2].view(1, {4097}));  // an unaligned view
+  const std::vector<double> each = ops::sum_squares_each(gs);
+  double sq = 0;
+  for (double x : each) sq += x;
+  const double norm = std::sqrt(sq);
+  Tensor gate = Tensor::empty({ops::kGateSize}, DType::F64, Device::CUDA);
+  ops::nonfinite_seen(true);
+  for (const double max_norm : {0.0, norm / 4.0, norm * 2.0}) {
+    ops::grad_norm_gate(gs, max_norm, gate);
+    const Tensor h = gate.to(Device::CPU);
+    const double* gv = h.data<double>();
+    EXPECT_EQ(gv[ops::kGateNorm], norm) << max_norm;
+    EXPECT_EQ(gv[ops::kGateClip], max_norm > 0 && norm > max_norm ? double(float(max_norm / norm)) : 1.0);
+    EXPECT_EQ(gv[ops::kGateQuantNonfinite], 0.0);
+    EXPECT_EQ(gv[ops::kGateSkip], 0.0);
+  }
+
+  // The gated update on both backends (the CPU gate holds the GPU gate's values): the same bits.
+  const int64_t n = gs[0].numel();
+  const Tensor p0 = random_tensor({n}, DType::F32, 1410), g = gs[0].to(Device::CPU);
+  ops::grad_norm_gate(gs, norm / 4.0, gate);
+  const Tensor gate_c = gate.to(Device::CPU);
+  Tensor pc = p0.clone(), mc = Tensor::zeros({n}, DType::F32), vc = Tensor::zeros({n}, DType::F32);
+  Tensor pg = gpu(p0), mg = gpu(mc), vg = gpu(vc), bg = Tensor::zeros({n}, DType::BF16, Device::CUDA);
+  const ops::AdamW h{3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 2};
+  ops::adamw_step(pc, g, mc, vc, h, nullptr, &gate_c);
+  ops::adamw_step(pg, gs[0], mg, vg, h, &bg, &gate);
+  expect_bits("gated adamw param", pg, pc);
+  expect_bits("gated adamw v", vg, vc);
+  Tensor bc = Tensor::empty({n}, DType::BF16);
+  ops::convert(pc, bc);
+  expect_bits("gated adamw bf16 copy", bg, bc);
+
+  // A NaN gradient, then a GPU quantizer's NaN: skipped updates, the flag taken by the gate.
+  auto expect_skip = [&](const std::vector<Tensor>& grads, bool quant, const char* what) {
+    ops::grad_norm_gate(grads, 1.0, gate);
+    const Tensor before = pg.to(Device::CPU), before_m = mg.to(Device::CPU);
+    ops::adamw_step(pg, gs[0], mg, vg, {3e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3}, &bg, &gate);
+    const Tensor hg = gate.to(Device::CPU);
+    const double* gv = hg.data<double>();
+    EXPECT_EQ(gv[ops::kGateSkip], 1.0) << what;
+    EXPECT_EQ(gv[ops::kGateQuantNonfinite], quant ? 1.0 : 0.0) << what;
+    expect_bits(std::string(what) + ": param untouched", pg, before);
+    expect_bits(std::string(what) + ": m untouched", mg, before_m);
+    EXPECT_FALSE(ops::nonfinite_seen(true)) << what;
+  };
+  std::vector<Tensor> bad = gs;
+  Tensor g_nan = random_tensor({n}, DType::F32, 1411);
+  g_nan.data<float>()[17] = std::nanf("");
+  bad[0] = gpu(g_nan);
+  expect_skip(bad, false, "NaN gradient");
+  Tensor x = random_tensor({4, 64}, DType::F32, 1412);
+  x.data<float>()[70] = INFINITY;
+  QuantSpec spec;
+  spec.fmt = Format::MXFP8_E4M3;
+  (void)ops::quantize(gpu(x), spec);
+  expect_skip(gs, true, "a quantizer's Inf");
+  ops::grad_norm_gate(gs, 1.0, gate);  // the flag is down again
+  EXPECT_EQ(gate.to(Device::CPU).data<double>()[ops::kGateSkip], 0.0);
 }
 
 // ---- argument errors ------------------------------------------------------------------------------

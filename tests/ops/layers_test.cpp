@@ -536,6 +536,78 @@ TEST(AdamWOps, GradScaleEqualsScalingTheGradientFirst) {
   EXPECT_FALSE(bitwise_equal_range(pa, 0, p0, 0, n));  // the step did move the parameters
 }
 
+// grad_norm_gate: the norm is the square root of sum_squares_each's totals added in order (the
+// optimizer's host expression, bit for bit), the clip factor float(max / norm) only above the
+// threshold, and a skip for a non-finite norm or a quantizer's NaN/Inf (whose flag it takes).
+// A gated update is the update with grad_scale = the clip factor, bit for bit, or nothing at all.
+TEST(AdamWOps, GateIsTheNormClipAndSkipOfTheHostExpression) {
+  std::vector<Tensor> gs = {random_tensor({777}, DType::F32, 80, -1.0, 1.0), Tensor::empty({0}, DType::F32),
+                            random_tensor({40000}, DType::F32, 81, -0.5, 0.5), random_tensor({3}, DType::F32, 82)};
+  const std::vector<double> each = ops::sum_squares_each(gs);
+  double sq = 0;
+  for (double x : each) sq += x;
+  const double norm = std::sqrt(sq);
+  Tensor gate = Tensor::empty({ops::kGateSize}, DType::F64);
+  const double* gv = gate.data<double>();
+  ops::nonfinite_seen(true);
+  for (const double max_norm : {0.0, norm / 3.0, norm * 2.0}) {
+    ops::grad_norm_gate(gs, max_norm, gate);
+    EXPECT_EQ(gv[ops::kGateNorm], norm);
+    EXPECT_EQ(gv[ops::kGateClip], max_norm > 0 && norm > max_norm ? double(float(max_norm / norm)) : 1.0);
+    EXPECT_EQ(gv[ops::kGateQuantNonfinite], 0.0);
+    EXPECT_EQ(gv[ops::kGateSkip], 0.0);
+    if (max_norm == norm / 3.0) EXPECT_LT(gv[ops::kGateClip], 0.34);
+  }
+
+  // Gated updates: clipped = grad_scale, and a skip writes nothing (not even the BF16 copy).
+  const int64_t n = gs[2].numel();
+  const Tensor p0 = random_tensor({n}, DType::F32, 83, -1.0, 1.0), m0 = random_tensor({n}, DType::F32, 84, -0.1, 0.1);
+  const Tensor v0 = random_tensor({n}, DType::F32, 85, 0.0, 0.1);
+  ops::grad_norm_gate(gs, norm / 3.0, gate);
+  Tensor pa = p0.clone(), ma = m0.clone(), va = v0.clone(), pb = p0.clone(), mb = m0.clone(), vb = v0.clone();
+  Tensor ba = Tensor::zeros({n}, DType::BF16), bb = Tensor::zeros({n}, DType::BF16);
+  ops::adamw_step(pa, gs[2], ma, va, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3, float(gv[ops::kGateClip])}, &ba);
+  ops::adamw_step(pb, gs[2], mb, vb, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3}, &bb, &gate);
+  for (const auto& [a, b] : {std::pair{pa, pb}, {ma, mb}, {va, vb}, {ba, bb}})
+    EXPECT_TRUE(bitwise_equal_range(a, 0, b, 0, n));
+  EXPECT_FALSE(bitwise_equal_range(pa, 0, p0, 0, n));
+  expect_error([&] { ops::adamw_step(pb, gs[2], mb, vb, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3, 0.5f}, nullptr, &gate); },
+               "adamw_step: with a gate the clip factor comes from it; grad_scale must be 1, got 0.5");
+
+  // A NaN or Inf gradient: a non-finite norm, and the update skips itself.
+  for (const float bad : {std::nanf(""), INFINITY}) {
+    std::vector<Tensor> bad_gs = gs;
+    bad_gs[0] = gs[0].clone();
+    bad_gs[0].data<float>()[5] = bad;
+    ops::grad_norm_gate(bad_gs, 1.0, gate);
+    EXPECT_FALSE(std::isfinite(gv[ops::kGateNorm]));
+    EXPECT_EQ(gv[ops::kGateSkip], 1.0);
+    EXPECT_EQ(gv[ops::kGateQuantNonfinite], 0.0);
+    Tensor p = p0.clone(), m = m0.clone(), v = v0.clone(), b = Tensor::zeros({n}, DType::BF16);
+    ops::adamw_step(p, gs[2], m, v, {1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3}, &b, &gate);
+    EXPECT_TRUE(bitwise_equal_range(p, 0, p0, 0, n));
+    EXPECT_TRUE(bitwise_equal_range(m, 0, m0, 0, n));
+    EXPECT_TRUE(bitwise_equal_range(v, 0, v0, 0, n));
+    EXPECT_TRUE(bitwise_equal_range(b, 0, Tensor::zeros({n}, DType::BF16), 0, n));
+  }
+
+  // A quantizer that met NaN: the gate takes the flag (skip, and the flag is down after).
+  Tensor x = random_tensor({4, 32}, DType::F32, 86);
+  x.data<float>()[9] = std::nanf("");
+  QuantSpec spec;
+  spec.fmt = Format::NVFP4;
+  (void)ops::quantize(x, spec);
+  ops::grad_norm_gate(gs, 0.0, gate);
+  EXPECT_EQ(gv[ops::kGateQuantNonfinite], 1.0);
+  EXPECT_EQ(gv[ops::kGateSkip], 1.0);
+  EXPECT_EQ(gv[ops::kGateNorm], norm);
+  EXPECT_FALSE(ops::nonfinite_seen(true)) << "the gate took the flag";
+
+  Tensor small = Tensor::empty({3}, DType::F64);
+  expect_error([&] { ops::grad_norm_gate(gs, 1.0, small); }, "grad_norm_gate: gate must be f64[4]=[4] cpu, got f64[3] cpu");
+  expect_error([&] { ops::grad_norm_gate(gs, -1.0, gate); }, "grad_norm_gate: max_norm must be >= 0");
+}
+
 TEST(AdamWOps, MatchesDoubleFormula) {
   for (float wd : {0.0f, 0.1f}) {
     const int64_t n = 1000;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "fourbit/ops/host_profile.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/error.h"
 
@@ -88,6 +89,7 @@ struct ModelRunner {
   // and for a forward that a backward follows the MXFP8 weights on both axes (fprop and dgrad
   // operands, with their BF16 decodes) in one pass each.
   void weights_ahead(bool for_backward) {
+    const ops::HostOpTimer timer("model forward: weights ahead");
     m.convert_bf16_weights_ahead();
     if (for_backward) m.quantize_weights_ahead(sr);
   }
@@ -997,9 +999,12 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
     s->layers.resize(size_t(cfg_.n_layers));
   }
   // The targets that count (before any GPU work is queued: reading them back waits for the GPU).
-  const Tensor th = targets.to(Device::CPU);
   int64_t n_valid = 0;
-  for (int64_t i = 0; i < N; ++i) n_valid += th.data<int32_t>()[i] >= 0 ? 1 : 0;
+  {
+    const ops::HostOpTimer timer("model forward: the targets read back");
+    const Tensor th = targets.to(Device::CPU);
+    for (int64_t i = 0; i < N; ++i) n_valid += th.data<int32_t>()[i] >= 0 ? 1 : 0;
+  }
   const Tensor logits = forward_logits(*this, run, tokens, s.get(), true);
 
   // Cross-entropy; its gradient (of loss_weight * mean CE) is computed here, fused.
@@ -1114,7 +1119,8 @@ void Model::backward() {
                           params_.grad_accumulate(lg.attn_norm), dy16);
   }
   params_.zero_if_stale(g.embed);  // the embedding's backward adds to its gradient
-  ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed);
+  // the forward's embedding_forward checked these tokens: no host round trip here
+  ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed, true);
   params_.settle_grads();
 }
 

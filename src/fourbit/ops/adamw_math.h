@@ -1,4 +1,4 @@
-// defines: AdamWConstants, check_adamw_args, adamw_constants, adamw_update
+// defines: AdamWConstants, check_adamw_args, adamw_constants, adamw_update, fill_gate
 // The AdamW update as one definition for both backends (ops/cpu/adamw.cpp, ops/cuda/adamw.cu),
 // so the two give the same bits. Per call, on the host: bc1 = 1 - b1^t and bc2 = 1 - b2^t in
 // double (b^t by repeated squaring: a fixed sequence of IEEE multiplies, unlike pow()), each
@@ -6,6 +6,7 @@
 // operation rounded on its own (no FMA): g = grad * grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 // m_hat = m / bc1; v_hat = v / bc2; u = m_hat / (sqrt(v_hat) + eps); p = p - lr (u + wd p).
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "fourbit/numerics/hd.h"
@@ -70,6 +71,22 @@ FOURBIT_HD void adamw_update(float& p, float g_raw, float& m, float& v, const Ad
   const float v_hat = div_rn(v, k.bc2);
   const float u = div_rn(m_hat, add_rn(num::sqrt_rn(v_hat), k.eps));
   p = sub_rn(p, mul_rn(k.lr, add_rn(u, mul_rn(k.wd, p))));  // wd * p before the update
+}
+
+// grad_norm_gate's fields (ops.h) from the per-tensor sums of squares, added in order, the
+// quantizers' flag and the clip threshold: one definition for both backends (every step a
+// correctly rounded double operation, then the clip factor rounded to float once, as
+// Optimizer::step computed it on the host), so the CPU and a one-thread GPU kernel give the same
+// bits as the host's loop.
+FOURBIT_HD void fill_gate(const double* totals, int64_t count, double max_norm, bool quant_nonfinite, double* gate) {
+  double sq = 0.0;
+  for (int64_t i = 0; i < count; ++i) sq += totals[i];
+  const double norm = sqrt(sq);
+  const bool finite = norm <= 1.7976931348623157e308;  // false for NaN and +Inf (norm >= 0)
+  gate[kGateNorm] = norm;
+  gate[kGateClip] = max_norm > 0.0 && norm > max_norm ? double(float(max_norm / norm)) : 1.0;
+  gate[kGateQuantNonfinite] = quant_nonfinite ? 1.0 : 0.0;
+  gate[kGateSkip] = quant_nonfinite || !finite ? 1.0 : 0.0;
 }
 
 }  // namespace fourbit::ops

@@ -9,6 +9,7 @@
 #include "fourbit/ops/cpu/cpu_ops.h"
 #include "fourbit/ops/host_profile.h"
 #include "fourbit/ops/quant_layout.h"
+#include "fourbit/ops/tensor_checks.h"
 #include "fourbit/tensor/device_memory.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -17,6 +18,11 @@
 namespace fourbit::ops {
 namespace {
 std::atomic<bool> g_nonfinite{false};
+
+// grad_norm_gate's output: F64 [kGateSize] on `dev`.
+void expect_gate(const char* op, const Tensor& gate, Device dev) {
+  expect_dims_on(dev, op, "gate", gate, DType::F64, {kGateSize}, "[4]");
+}
 }  // namespace
 
 void raise_nonfinite() { g_nonfinite.store(true, std::memory_order_relaxed); }
@@ -414,8 +420,8 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   FOURBIT_DISPATCH(table.device(), embedding_forward, tokens, table, out);
 }
-void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable) {
-  FOURBIT_DISPATCH(dout.device(), embedding_backward, dout, tokens, dtable);
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable, bool tokens_checked) {
+  FOURBIT_DISPATCH(dout.device(), embedding_backward, dout, tokens, dtable, tokens_checked);
 }
 namespace {
 // A BF16 copy an op writes next to its F32 output `of` (named `what`): of's shape and device.
@@ -539,8 +545,26 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {
   FOURBIT_DISPATCH(dout.device(), moe_combine_backward, dout, y_perm, slot_of, w, dy_perm, dw);
 }
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
-  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16,
+                const Tensor* gate) {
+  if (gate) {
+    expect_gate("adamw_step", *gate, param.defined() ? param.device() : Device::CPU);
+    if (h.grad_scale != 1.0f)
+      fail("adamw_step: with a gate the clip factor comes from it; grad_scale must be 1, got {}", h.grad_scale);
+  }
+  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16, gate);
+}
+void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, Tensor& gate) {
+  if (grads.empty()) fail("grad_norm_gate: no gradients");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined()) fail("grad_norm_gate: gradient {} is undefined", i);
+    if (grads[i].device() != grads[0].device())
+      fail("grad_norm_gate: gradients on different devices ({} and {})", grads[0].str(), grads[i].str());
+  }
+  expect_gate("grad_norm_gate", gate, grads[0].device());
+  if (!(max_norm >= 0.0)) fail("grad_norm_gate: max_norm must be >= 0 (0: no clipping), got {}", max_norm);
+  const bool host_seen = g_nonfinite.exchange(false);
+  FOURBIT_DISPATCH(grads[0].device(), grad_norm_gate, grads, max_norm, host_seen, gate);
 }
 
 }  // namespace fourbit::ops

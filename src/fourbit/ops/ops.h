@@ -236,8 +236,12 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
 // rounded to BF16 (RNE), i.e. the bits of convert() of the F32 output, without writing that output
 // and converting it in a second pass. The CPU reference computes the F32 output and converts it.
 // tokens: I32 [N]; table [V, D]; out [N, D]. Backward accumulates into dtable, rows in token order.
+// An id outside [0, V) is an error naming it. tokens_checked: these tokens already went through
+// embedding_forward's check (a model's backward of its own forward), so the GPU's backward does
+// not wait to read its error record again (a host round trip at the end of every backward); its
+// kernels still leave bad ids out.
 void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out);
-void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable);
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable, bool tokens_checked = false);
 
 // y = x / sqrt(mean(x^2) + eps) * w over the last dim of x [N, D]; rstd [N] saved for backward.
 // Backward: dx = (w*dy - y_hat * mean(w*dy*y_hat)) * rstd; dw += sum over rows of dy * y_hat.
@@ -376,7 +380,25 @@ struct AdamW {
 // With param_bf16 (BF16, param's element count, on its device) the updated parameter's BF16
 // rounding is written there too: the bits of convert(param) after the step, without a second pass
 // over the parameters (the bf16 recipe's weight copies, Optimizer::write_bf16_copies).
+//
+// With gate (grad_norm_gate's, on param's device; h.grad_scale must then be 1) the gradient is
+// scaled by the gate's clip factor, and nothing is written where the gate says to skip: the
+// update is queued before anyone has read the norm.
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h,
-                Tensor* param_bf16 = nullptr);
+                Tensor* param_bf16 = nullptr, const Tensor* gate = nullptr);
+
+// The gate of one optimizer update, computed where the gradients are, so that the update can be
+// queued without the host reading anything first (it reads the gate later, while the update
+// runs). gate: F64 [kGateSize] on the gradients' device, written with
+//   [kGateNorm]  the global norm: the square root of sum_squares_each(grads)'s totals added in
+//                order (Optimizer::grad_norm's number, bit for bit);
+//   [kGateClip]  the clip factor for the update, float(max_norm / norm) where max_norm > 0 and
+//                norm > max_norm, else 1 (a float value);
+//   [kGateQuantNonfinite] 1 where a quantizer met NaN/Inf since the sticky flag was last cleared
+//                (nonfinite_seen), else 0; the gate takes the flag and clears it;
+//   [kGateSkip]  1 where the update must not happen: the norm is not finite, or [kGateQuantNonfinite].
+// No host synchronisation on the GPU.
+enum GateField : int { kGateNorm = 0, kGateClip = 1, kGateQuantNonfinite = 2, kGateSkip = 3, kGateSize = 4 };
+void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, Tensor& gate);
 
 }  // namespace fourbit::ops

@@ -351,13 +351,16 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
       tokens_done += st.tokens;
       if (micro == 0) test_signal_point("step", step + 1);  // FOURBIT_TEST_RAISE: a signal mid-step
     }
-    if (ops::nonfinite_seen(true))
-      fail("step {}: NaN/Inf reached a quantizer (non-finite activations or gradients). Training "
-           "stopped; no checkpoint was written for this step.", step + 1);
     const auto optimizer_t0 = std::chrono::steady_clock::now();
     ctx.fwd_bwd_s = std::chrono::duration<double>(optimizer_t0 - fwd_bwd_t0).count();
     const bool update = source.update_weights(ctx);
+    // The update checks the quantizers' NaN/Inf flag and the norm itself (on the GPU, without the
+    // host waiting for the backward first) and skips itself on either: the checks below stop a
+    // run whose parameters are still those of the step before.
     const double gnorm = update ? optim.step(step, ctx.lr) : optim.grad_norm();
+    if (update ? optim.quantizer_nonfinite() : ops::nonfinite_seen(true))
+      fail("step {}: NaN/Inf reached a quantizer (non-finite activations or gradients). Training "
+           "stopped; no checkpoint was written for this step.", step + 1);
     if (!std::isfinite(gnorm)) nonfinite(step + 1, "the gradient norm", gnorm);
     if (update) model.invalidate_weight_cache(optim.wrote_bf16_copies());
     ctx.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_t0).count();

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 
 namespace fourbit {
@@ -122,12 +123,19 @@ void Optimizer::write_bf16_copies(const Bf16Copies& copies) {
 
 double Optimizer::step(int64_t step_index, double lr) {
   wrote_bf16_ = false;
+  quant_nonfinite_ = false;
   params_.settle_grads();  // a step without a backward since zero_grad: zero gradients
-  const double norm = grad_norm();
-  if (!std::isfinite(norm)) return norm;  // the trainer stops on a non-finite norm
-  // Clipping scales the gradient inside the update (the same float product as scaling it first,
-  // without another pass over every gradient).
-  const float clip = t_.grad_clip > 0 && norm > t_.grad_clip ? float(t_.grad_clip / norm) : 1.0f;
+  // The gate (norm, clip factor, skip) is computed on the gradients' device and the update reads
+  // it there: the host queues the update without waiting, and reads the gate back while the
+  // update runs. A non-finite norm or a quantizer's NaN/Inf makes the update skip itself, so the
+  // parameters and moments are untouched when the trainer stops.
+  std::vector<Tensor> grads;
+  for (const ParamInfo& p : params_.infos()) grads.push_back(params_.view(params_.flat_grad(), p));
+  const Device dev = params_.flat().device();
+  Tensor gate = Tensor::empty({ops::kGateSize}, DType::F64, dev);
+  ops::grad_norm_gate(grads, t_.grad_clip, gate);
+  const std::shared_ptr<PendingRead> read =
+      dev == Device::CPU ? nullptr : read_later(gate.raw(), sizeof(double) * ops::kGateSize);
   // The update is elementwise, so parameters next to each other in the flat buffer with the same
   // decay (and, with BF16 copies, all with copies next to each other there or all without) take
   // one call over their run: the bits of one call each, in a few launches instead of one a
@@ -147,12 +155,15 @@ double Optimizer::step(int64_t step_index, double lr) {
     Tensor w16 = copy_at(i) >= 0 ? bf16_.buffer.view(copy_at(i), {n}) : Tensor();
     ops::adamw_step(w, g, m, v,
                     ops::AdamW{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
-                               infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1, clip},
-                    w16.defined() ? &w16 : nullptr);
+                               infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1},
+                    w16.defined() ? &w16 : nullptr, &gate);
     i = j;
   }
-  wrote_bf16_ = bf16_.defined();
-  return norm;
+  const double* gv = static_cast<const double*>(read ? read->wait() : gate.raw());
+  quant_nonfinite_ = gv[ops::kGateQuantNonfinite] != 0.0;
+  // where the update skipped itself, the copies are still those of the (unchanged) parameters
+  wrote_bf16_ = bf16_.defined() && gv[ops::kGateSkip] == 0.0;
+  return gv[ops::kGateNorm];  // the trainer stops on a non-finite norm
 }
 
 }  // namespace fourbit

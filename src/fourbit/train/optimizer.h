@@ -64,10 +64,16 @@ class Optimizer {
   Optimizer(ParamStore& params, const TrainConfig& t);
   // Updates the parameters with the gradients clipped inside the update (the gradient tensors are
   // left as they are); returns the pre-clip global norm. The first form takes lr_at(t, step).
+  // Where the norm is not finite, or a quantizer met NaN/Inf since the flag was last cleared
+  // (quantizer_nonfinite()), nothing is updated. On the GPU the update is queued before the host
+  // reads the norm (ops::grad_norm_gate): no host round trip between the backward and the update.
   double step(int64_t step_index);  // step_index: 0-based optimizer step
   double step(int64_t step_index, double lr);
   // The global norm of the gradients (what step() returns, without updating).
   double grad_norm() const;
+  // The last step() found the quantizers' NaN/Inf flag raised (and cleared it): nothing was
+  // updated, as ops::nonfinite_seen(true) would have told before the step.
+  bool quantizer_nonfinite() const { return quant_nonfinite_; }
   Tensor& m() { return m_; }
   Tensor& v() { return v_; }
   // From now on every step also writes the BF16 rounding of the updated parameters that have a
@@ -83,6 +89,7 @@ class Optimizer {
   Tensor m_, v_;
   Bf16Copies bf16_;  // write_bf16_copies' target
   bool wrote_bf16_ = false;
+  bool quant_nonfinite_ = false;
 };
 
 }  // namespace fourbit

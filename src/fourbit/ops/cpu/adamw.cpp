@@ -1,4 +1,4 @@
-// defines: cpu::adamw_step
+// defines: cpu::adamw_step, cpu::grad_norm_gate
 // AdamW on F32 parameters and state; the update itself is ops/adamw_math.h, shared with the
 // CUDA kernel so both backends give the same bits.
 #include <cmath>
@@ -11,10 +11,13 @@
 
 namespace fourbit::ops::cpu {
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16,
+                const Tensor* gate) {
   check_adamw_args(Device::CPU, param, grad, m, v, h, param_bf16);
+  if (gate && gate->data<double>()[kGateSkip] != 0.0) return;
 
-  const AdamWConstants k = adamw_constants(h);
+  AdamWConstants k = adamw_constants(h);
+  if (gate) k.grad_scale = float(gate->data<double>()[kGateClip]);  // a float value: exact
   float* p = param.data<float>();
   const float* g = grad.data<float>();
   float* mm = m.data<float>();
@@ -26,6 +29,11 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
     adamw_update(p[i], g[i], mm[i], vv[i], k);
     if (p16) p16[i] = num::bf16_encode(p[i]);
   }
+}
+
+void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, bool host_nonfinite, Tensor& gate) {
+  const std::vector<double> totals = sum_squares_each(grads);
+  fill_gate(totals.data(), int64_t(totals.size()), max_norm, host_nonfinite, gate.data<double>());
 }
 
 }  // namespace fourbit::ops::cpu

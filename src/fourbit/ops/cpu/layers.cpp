@@ -228,7 +228,8 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   });
 }
 
-void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable) {
+void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable, bool tokens_checked) {
+  (void)tokens_checked;  // the CPU checks the ids as it reads them: nothing to save
   const char* op = "embedding_backward";
   const DType dt = expect_float(op, "dtable", dtable, 2, "[V, D]");
   const int64_t V = dtable.size(0), D = dtable.size(1);

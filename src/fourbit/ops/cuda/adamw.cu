@@ -4,7 +4,8 @@
 // fused (num::mul_rn/add_rn/sub_rn, __fdiv_rn, __fsqrt_rn), and the two bias corrections are
 // computed on the host exactly as the CPU computes them. The two backends therefore give the same
 // bits. Elementwise, four elements per thread (float4 when the four tensors are 16-byte aligned);
-// optionally also the updated parameters' BF16 rounding (the bf16 recipe's weight copies).
+// optionally also the updated parameters' BF16 rounding (the bf16 recipe's weight copies), and
+// optionally gated on the device by grad_norm_gate (tensor_utils.cu): skipped, or clipped.
 #include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
@@ -18,7 +19,11 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* param, const float* grad, float* m, float* v, uint16_t* param_bf16, int64_t n, bool vec,
-                 bool vec_bf16, AdamWConstants k) {
+                 bool vec_bf16, AdamWConstants k, const double* gate) {
+  if (gate) {  // grad_norm_gate's verdict, read where the update runs: no host round trip first
+    if (gate[kGateSkip] != 0.0) return;
+    k.grad_scale = float(gate[kGateClip]);  // a float value: exact
+  }
   const int64_t groups = (n + 3) / 4;
   for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
        g += int64_t(gridDim.x) * blockDim.x) {
@@ -38,7 +43,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16,
+                const Tensor* gate) {
   check_adamw_args(Device::CUDA, param, grad, m, v, h, param_bf16);
   const int64_t n = param.numel();
   if (n == 0) return;
@@ -49,7 +55,8 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   uint16_t* p16 = param_bf16 ? param_bf16->data<uint16_t>() : nullptr;
   const bool vec_bf16 = p16 && reinterpret_cast<uintptr_t>(p16) % 8 == 0;
   adamw_kernel<<<grid_for((n + 3) / 4, kThreads), kThreads, 0, stream()>>>(
-      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), p16, n, vec, vec_bf16, k);
+      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), p16, n, vec, vec_bf16, k,
+      gate ? gate->data<double>() : nullptr);
   FOURBIT_LAUNCH_CHECK();
 }
 

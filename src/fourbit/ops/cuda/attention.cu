@@ -19,6 +19,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/matmul.cuh"
@@ -229,6 +230,35 @@ __global__ void rowdot_kernel(const float* __restrict__ dout, const float* __res
   }
 }
 
+// rowdot_kernel for hd = 4 L (L = 16 or 32: hd 64 or 128) with 16-byte aligned rows: each thread
+// one float4 of a row (its four products added in order, FMAs), the row's L lanes then added by
+// the butterfly; rows in memory order ([B, T, Hq]), so a warp reads 512 contiguous bytes of each
+// input. One pass per element, no grid-stride loop: the one-warp-a-row kernel above spends its
+// time on index arithmetic and two loads in flight a lane.
+template <int L>
+__global__ void __launch_bounds__(256)
+    rowdot_vec_kernel(const float4* __restrict__ dout, const float4* __restrict__ out, int64_t rows, int64_t T,
+                      int64_t Hq, float* __restrict__ D, uint2* __restrict__ dout_bf16) {
+  static_assert(L == 16 || L == 32, "a row is a power-of-two group of lanes within one warp");
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / L;
+  float acc = 0.0f;
+  if (r < rows) {
+    const float4 g = dout[i], o = out[i];
+    acc = g.x * o.x;
+    acc = fmaf(g.y, o.y, acc);
+    acc = fmaf(g.z, o.z, acc);
+    acc = fmaf(g.w, o.w, acc);
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x, g.y), hi = __floats2bfloat162_rn(g.z, g.w);
+    dout_bf16[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  }
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (r < rows && i % L == 0) {
+    const int64_t h = r % Hq, t = (r / Hq) % T, b = r / (Hq * T);
+    D[(b * Hq + h) * T + t] = acc;
+  }
+}
+
 // From recomputed scores: P = exp(S - lse) (BF16, for dV) and dS = P (dP - D) * scale (BF16).
 // One block per score row; U = 4 keys a thread (16-byte loads, 8-byte stores) when S allows;
 // masked keys (j > t) write zeros without reading their scores.
@@ -317,8 +347,20 @@ Tensor scores(const Tensor& qh, const Tensor& kh, const Dims& d) {
 Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d, Tensor& dout_bf16) {
   Tensor D = Tensor::empty({d.B * d.Hq * d.T}, DType::F32, Device::CUDA);
   dout_bf16 = Tensor::empty(dout.shape(), DType::BF16, Device::CUDA);
-  rowdot_kernel<<<grid_for(d.B * d.Hq * d.T * 32, 256), 256, 0, stream()>>>(
-      dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd, D.data<float>(), dout_bf16.data<__nv_bfloat16>());
+  const int64_t rows = d.B * d.T * d.Hq;
+  const bool vec = (d.hd == 64 || d.hd == 128) && aligned16(dout.raw()) && aligned16(out.raw());
+  if (vec && rows > 0) {
+    const int64_t threads = rows * (d.hd / 4);
+    const unsigned grid = unsigned((threads + 255) / 256);
+    const float4* g = static_cast<const float4*>(dout.raw());
+    const float4* o = static_cast<const float4*>(out.raw());
+    uint2* gb = static_cast<uint2*>(dout_bf16.raw());
+    if (d.hd == 64) rowdot_vec_kernel<16><<<grid, 256, 0, stream()>>>(g, o, rows, d.T, d.Hq, D.data<float>(), gb);
+    else rowdot_vec_kernel<32><<<grid, 256, 0, stream()>>>(g, o, rows, d.T, d.Hq, D.data<float>(), gb);
+  } else {
+    rowdot_kernel<<<grid_for(d.B * d.Hq * d.T * 32, 256), 256, 0, stream()>>>(
+        dout.data<float>(), out.data<float>(), d.B, d.T, d.Hq, d.hd, D.data<float>(), dout_bf16.data<__nv_bfloat16>());
+  }
   FOURBIT_LAUNCH_CHECK();
   return D;
 }

@@ -1,5 +1,5 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
-//          take_nonfinite_flag, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
+//          take_nonfinite_flag, nonfinite_flag_address, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
 //          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
@@ -26,6 +26,8 @@ namespace fourbit::ops::cuda {
 
 // The device-side sticky flag the quantize kernels raise on NaN/Inf input (synchronises).
 bool take_nonfinite_flag(bool clear);
+// That flag's device address (grad_norm_gate takes it on the device, without a host read).
+unsigned int* nonfinite_flag_address();
 
 // ops::grouped_gemm on CUDA operands (checked by the caller; B's groups are n x k): BF16 and decoded
 // block-scaled groups in one launch of grouped_gemm_bf16_rows, FP32 ones and a transposed dense B as

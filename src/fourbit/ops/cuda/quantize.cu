@@ -1,6 +1,6 @@
 // defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::quantize_row_col,
 //          cuda::quantize_both, cuda::dequantize, cuda::requantize_transposed, cuda::requantize_transposed_segments,
-//          cuda::take_nonfinite_flag, cuda::quantize_kernel_for, cuda::quantize_kernel_names,
+//          cuda::take_nonfinite_flag, cuda::nonfinite_flag_address, cuda::quantize_kernel_for, cuda::quantize_kernel_names,
 //          cuda::requantize_kernel_for
 // The GPU quantizers' dispatch. Each format has an ordered list of kernels, {name, accepts(spec,
 // input), launch}; a quantize call takes the first entry that accepts it, and every list ends with
@@ -409,6 +409,15 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
   }
   flush();
   return true;
+}
+
+unsigned int* nonfinite_flag_address() {
+  static unsigned int* const p = [] {
+    void* a = nullptr;
+    FOURBIT_CUDA_CHECK(cudaGetSymbolAddress(&a, g_nonfinite_flag));
+    return static_cast<unsigned int*>(a);
+  }();
+  return p;
 }
 
 bool take_nonfinite_flag(bool clear) {

@@ -1,5 +1,5 @@
-// defines: cuda::convert, cuda::convert_each, cuda::add_, cuda::add, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each, cuda::fill_,
-//          cuda::running_segment_amax
+// defines: cuda::convert, cuda::convert_each, cuda::add_, cuda::add, cuda::scale_, cuda::sum_squares, cuda::sum_squares_each,
+//          cuda::grad_norm_gate, cuda::fill_, cuda::running_segment_amax
 // The elementwise utilities on GPU tensors, with the CPU's arithmetic (ops/cpu/tensor_utils.cpp):
 // BF16 values are decoded to float, computed on in float, and encoded once with num::bf16_encode
 // (RNE), so both backends give the same bits. The GPU backend holds F32 and BF16 only; F64
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fourbit/numerics/bf16.h"
+#include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -428,45 +429,84 @@ double sum_squares(const Tensor& t) {
   return total;
 }
 
-std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
-  // One buffer: the totals [T], then every tensor's partials; each total by the kernels of
-  // sum_squares (the same bits), all copied back in one synchronisation.
-  const int64_t T = int64_t(ts.size());
+namespace {
+bool operator==(const SumJob& a, const SumJob& b) {
+  return a.x == b.x && a.n == b.n && a.first_chunk == b.first_chunk && a.chunks == b.chunks && a.bf16 == b.bf16 &&
+         a.vec == b.vec;
+}
+
+// The per-tensor totals of sum_squares_each on the device: launches the two kernels and returns
+// the buffer (the totals of the non-empty tensors first, in order, then the partials), with
+// job_tensor[j] the index in ts of total j. Each total by the kernels of sum_squares (the same
+// bits). The job table is uploaded once and kept while the tensors stay the same (an optimizer's
+// gradients, every step).
+Tensor launch_sum_squares_each(const char* op, const std::vector<Tensor>& ts, std::vector<int64_t>& job_tensor) {
   int64_t chunks = 0;
   for (const Tensor& t : ts) {
-    expect_value("sum_squares_each", "t", t);
+    expect_value(op, "t", t);
     chunks += sum_chunks(t);
   }
-  std::vector<double> out(size_t(T), 0.0);
-  if (T == 0) return out;
-  // The non-empty tensors as jobs (empty ones total 0), their table uploaded with the launches.
   std::vector<SumJob> jobs;
-  std::vector<int64_t> job_tensor;
+  job_tensor.clear();
   int64_t first = 0;
-  for (int64_t i = 0; i < T; ++i) {
-    const Tensor& t = ts[size_t(i)];
-    if (t.numel() == 0) continue;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Tensor& t = ts[i];
+    if (t.numel() == 0) continue;  // totals 0
     jobs.push_back(SumJob{t.raw(), t.numel(), first, sum_chunks(t), t.dtype() == DType::BF16 ? 1 : 0,
                           aligned16(t.raw()) ? 1 : 0});
-    job_tensor.push_back(i);
+    job_tensor.push_back(int64_t(i));
     first += sum_chunks(t);
   }
-  if (jobs.empty()) return out;
+  if (jobs.empty()) return Tensor();
   const int64_t J = int64_t(jobs.size());
-  const Tensor table = Tensor::from_host(jobs.data(), {J * int64_t(sizeof(SumJob))}, DType::U8, Device::CUDA);
+  // kept for the process (not destroyed at exit, after the device may be gone)
+  static std::vector<SumJob>* const cached_jobs = new std::vector<SumJob>();
+  static Tensor* const cached_table = new Tensor();
+  if (jobs != *cached_jobs || !cached_table->defined()) {
+    *cached_table = Tensor::from_host(jobs.data(), {J * int64_t(sizeof(SumJob))}, DType::U8, Device::CUDA);
+    *cached_jobs = jobs;
+  }
   Tensor buf = Tensor::empty({J + chunks}, DType::F64, Device::CUDA);
   double* totals = buf.data<double>();
-  const SumJob* dev_jobs = static_cast<const SumJob*>(table.raw());
+  const SumJob* dev_jobs = static_cast<const SumJob*>(cached_table->raw());
   sum_squares_jobs_partials<<<unsigned(chunks), kThreads, 0, stream()>>>(dev_jobs, int32_t(J), totals + J);
   FOURBIT_LAUNCH_CHECK();
   sum_squares_jobs_totals<<<unsigned(J), kFinalThreads, 0, stream()>>>(dev_jobs, totals + J, totals);
   FOURBIT_LAUNCH_CHECK();
-  std::vector<double> job_totals(static_cast<size_t>(J));
-  FOURBIT_CUDA_CHECK(
-      cudaMemcpyAsync(job_totals.data(), totals, size_t(J) * sizeof(double), cudaMemcpyDeviceToHost, stream()));
+  return buf;
+}
+
+// One thread: grad_norm_gate's fields from the totals (fill_gate, the host's sequence of double
+// operations), taking the quantizers' sticky flag.
+__global__ void grad_norm_gate_kernel(const double* totals, int64_t count, double max_norm, bool host_nonfinite,
+                                      unsigned int* quant_flag, double* gate) {
+  const bool quant = atomicExch(quant_flag, 0u) != 0u || host_nonfinite;
+  fill_gate(totals, count, max_norm, quant, gate);
+}
+}  // namespace
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
+  std::vector<int64_t> job_tensor;
+  const Tensor buf = launch_sum_squares_each("sum_squares_each", ts, job_tensor);
+  std::vector<double> out(ts.size(), 0.0);
+  if (!buf.defined()) return out;
+  std::vector<double> job_totals(job_tensor.size());
+  // the host needs the values: this copy is the op's one synchronisation
+  FOURBIT_CUDA_CHECK(cudaMemcpyAsync(job_totals.data(), buf.raw(), job_totals.size() * sizeof(double),
+                                     cudaMemcpyDeviceToHost, stream()));
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  for (int64_t j = 0; j < J; ++j) out[size_t(job_tensor[size_t(j)])] = job_totals[size_t(j)];
+  for (size_t j = 0; j < job_tensor.size(); ++j) out[size_t(job_tensor[j])] = job_totals[j];
   return out;
+}
+
+void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, bool host_nonfinite, Tensor& gate) {
+  // The empty tensors' totals (0) are left out of the sum: adding +0 to a sum >= 0 changes no bit.
+  std::vector<int64_t> job_tensor;
+  const Tensor buf = launch_sum_squares_each("grad_norm_gate", grads, job_tensor);
+  grad_norm_gate_kernel<<<1, 1, 0, stream()>>>(buf.defined() ? buf.data<double>() : nullptr,
+                                               int64_t(job_tensor.size()), max_norm, host_nonfinite,
+                                               nonfinite_flag_address(), gate.data<double>());
+  FOURBIT_LAUNCH_CHECK();
 }
 
 void fill_(Tensor& t, double v) {
