@@ -456,6 +456,15 @@ TEST(CudaLayers, Bf16OutputsAreTheConvertedF32Outputs) {
       ops::rope_backward(with, pos, table, &with16);
       expect_bits("rope_backward x with a bf16 copy " + name, with, plain);
       expect_bits("rope_backward bf16 copy " + name, with16, converted(plain));
+      // bf16_only: the same copy, x as it was
+      for (const bool backward : {false, true}) {
+        Tensor rotated = xr.clone(), kept = xr.clone();
+        Tensor only16 = shifted ? offset_bf16(N * H, hd).reshape({N, H, hd}) : Tensor::empty({N, H, hd}, DType::BF16, Device::CUDA);
+        backward ? ops::rope_backward(rotated, pos, table) : ops::rope_forward(rotated, pos, table);
+        backward ? ops::rope_backward(kept, pos, table, &only16, true) : ops::rope_forward(kept, pos, table, &only16, true);
+        expect_bits("rope bf16_only leaves x " + name, kept, xr);
+        expect_bits("rope bf16_only copy " + name, only16, converted(rotated));
+      }
     }
   }
 }

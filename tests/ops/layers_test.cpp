@@ -387,6 +387,16 @@ TEST(Bf16Outputs, AreTheF32OutputsRoundedOnce) {
   ops::rope_backward(with, pos, table, &with16);
   EXPECT_TRUE(bitwise_equal(with, plain)) << "rope_backward x";
   expect_encoded("rope_backward copy", with16, plain);
+  // bf16_only: the same copy, x as it was
+  for (const bool backward : {false, true}) {
+    Tensor rotated = xr.clone(), kept = xr.clone(), only16 = bf16_like(xr);
+    backward ? ops::rope_backward(rotated, pos, table) : ops::rope_forward(rotated, pos, table);
+    backward ? ops::rope_backward(kept, pos, table, &only16, true) : ops::rope_forward(kept, pos, table, &only16, true);
+    EXPECT_TRUE(bitwise_equal(kept, xr)) << "bf16_only left x as it was " << backward;
+    expect_encoded("rope bf16_only copy", only16, rotated);
+  }
+  expect_error([&] { ops::rope_forward(with, pos, table, nullptr, true); },
+               "rope_forward: bf16_only writes only x_bf16, and none was given");
   Tensor short16 = Tensor::empty({6, 2, 7}, DType::BF16);
   expect_error([&] { ops::rope_forward(with, pos, table, &short16); },
                "rope_forward: x_bf16 must be a BF16 tensor of the f32 output's shape [6, 2, 8] on its device, got "

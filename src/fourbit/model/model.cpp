@@ -390,8 +390,10 @@ struct ModelRunner {
       Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_), kb = Tensor::empty(k4.shape(), DType::BF16, m.device_),
              vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
       Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
-      ops::rope_forward(q3, positions, m.rope_, &qb3);
-      ops::rope_forward(k3, positions, m.rope_, &kb3);
+      // the rotated F32 q and k are never read (attention, the cache and the backward take the
+      // copies): rope writes the copies only
+      ops::rope_forward(q3, positions, m.rope_, &qb3, true);
+      ops::rope_forward(k3, positions, m.rope_, &kb3, true);
       ops::convert(v4, vb);
       q4 = qb;
       k4 = kb;
@@ -441,17 +443,17 @@ struct ModelRunner {
       dqb = Tensor::empty({N, Hq * hd}, DType::BF16, m.device_);
       dkb = Tensor::empty({N, Hkv * hd}, DType::BF16, m.device_);
       Tensor dqb3 = dqb.reshape(dq3.shape()), dkb3 = dkb.reshape(dk3.shape());
-      ops::rope_backward(dq3, positions, m.rope_, &dqb3);
-      ops::rope_backward(dk3, positions, m.rope_, &dkb3);
+      // the projections' BF16 dY only: the rotated F32 dq and dk would not be read
+      ops::rope_backward(dq3, positions, m.rope_, &dqb3, true);
+      ops::rope_backward(dk3, positions, m.rope_, &dkb3, true);
     } else {
       ops::rope_backward(dq3, positions, m.rope_);
       ops::rope_backward(dk3, positions, m.rope_);
     }
     Tensor dq2 = dq.reshape({N, Hq * hd}), dk2 = dk.reshape({N, Hkv * hd}), dv2 = dv.reshape({N, Hkv * hd});
-    linear_backward(dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls, nullptr,
-                    dqb.defined() ? &dqb : nullptr);
-    linear_backward(dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls, nullptr,
-                    dkb.defined() ? &dkb : nullptr);
+    // with the copies, dY is the BF16 dq and dk themselves (prepare takes a BF16 tensor as it is)
+    linear_backward(dqb.defined() ? dqb : dq2, s.attn_x, w.wq, name + "wq", g.wq, &dxn, false, r, cls);
+    linear_backward(dkb.defined() ? dkb : dk2, s.attn_x, w.wk, name + "wk", g.wk, &dxn, true, r, cls);
     linear_backward(dv2, s.attn_x, w.wv, name + "wv", g.wv, &dxn, true, r, cls);
   }
 

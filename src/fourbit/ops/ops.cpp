@@ -463,13 +463,15 @@ Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device
   return Tensor::from_host(t.data(), {max_pos, head_dim}, DType::F32, device);
 }
 
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16, bool bf16_only) {
   expect_bf16_copy("rope_forward", "x_bf16", x_bf16, x);
-  FOURBIT_DISPATCH(x.device(), rope_forward, x, positions, table, x_bf16);
+  if (bf16_only && !x_bf16) fail("rope_forward: bf16_only writes only x_bf16, and none was given");
+  FOURBIT_DISPATCH(x.device(), rope_forward, x, positions, table, x_bf16, bf16_only);
 }
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16, bool bf16_only) {
   expect_bf16_copy("rope_backward", "dx_bf16", dx_bf16, dx);
-  FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table, dx_bf16);
+  if (bf16_only && !dx_bf16) fail("rope_backward: bf16_only writes only dx_bf16, and none was given");
+  FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table, dx_bf16, bf16_only);
 }
 bool attention_reads_bf16(Device device) { return device == Device::CUDA; }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,

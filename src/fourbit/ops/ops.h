@@ -267,10 +267,14 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
 // (built once by rope_table, in double, rounded to float). backward = rotation by -angle.
 // x_bf16 (optional, x's shape, BF16, for F32 x): also the rotated values rounded to BF16 (RNE),
 // the bits of convert() of the rotated x, written in the same pass (the attention kernels' and
-// BF16 GEMMs' operand; the CPU reference rotates, then converts).
+// BF16 GEMMs' operand; the CPU reference rotates, then converts). bf16_only (with x_bf16): only
+// that copy is written and x keeps its values, where nothing reads the rotated F32 values (the
+// GPU step's q, k, dq and dk): a 4-byte store an element saved.
 Tensor rope_table(int64_t max_pos, int64_t head_dim, double theta, Device device);
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16 = nullptr);
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16 = nullptr);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16 = nullptr,
+                  bool bf16_only = false);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16 = nullptr,
+                   bool bf16_only = false);
 
 // Causal attention with grouped-query heads. q [B, T, Hq, hd] holds positions pos0 .. pos0+T-1;
 // k, v [B, S, Hkv, hd] hold positions 0 .. S-1 (S >= pos0 + T; a KV cache or this batch's own

@@ -286,14 +286,16 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   if (dx_bf16) convert(dx, *dx_bf16);
 }
 
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
-  rope("rope_forward", x, positions, table, 1.0);
-  if (x_bf16) convert(x, *x_bf16);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16, bool bf16_only) {
+  Tensor r = bf16_only ? x.clone() : x;  // bf16_only: rotate a copy, x keeps its values
+  rope("rope_forward", r, positions, table, 1.0);
+  if (x_bf16) convert(r, *x_bf16);
 }
 
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
-  rope("rope_backward", dx, positions, table, -1.0);
-  if (dx_bf16) convert(dx, *dx_bf16);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16, bool bf16_only) {
+  Tensor r = bf16_only ? dx.clone() : dx;
+  rope("rope_backward", r, positions, table, -1.0);
+  if (dx_bf16) convert(r, *dx_bf16);
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {

@@ -386,10 +386,11 @@ __global__ void __launch_bounds__(kDwFinishThreads)
 
 // One thread per (row n, head h, group of 4 pairs): pairs (i, i + hd/2) rotate by +angle
 // (sign = 1) or -angle (sign = -1):  a' = a cos - s b sin,  b' = b cos + s a sin. xb (or null):
-// the rotated values' BF16 encodings too, in x's layout (vec_b: 8-byte stores).
+// the rotated values' BF16 encodings too, in x's layout (vec_b: 8-byte stores); store_x: the
+// rotated values also back into x (false: the BF16 copy only).
 __global__ void __launch_bounds__(kEltThreads)
     rope_kernel(float* x, uint16_t* xb, const int32_t* pos, const float* table, int64_t N, int64_t H,
-                int64_t hd, int64_t max_pos, double sign, bool vec, bool vec_b, IndexSite site,
+                int64_t hd, int64_t max_pos, double sign, bool vec, bool vec_b, bool store_x, IndexSite site,
                 IndexError* err) {
   const int64_t half = hd / 2, groups = (half + 3) / 4, items = N * H * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
@@ -414,8 +415,10 @@ __global__ void __launch_bounds__(kEltThreads)
       a[k] = float(aa * cc - bb * ss);
       b[k] = float(bb * cc + aa * ss);
     }
-    store4(row, 4 * g, half, vec, a);
-    store4(row + half, 4 * g, half, vec, b);
+    if (store_x) {
+      store4(row, 4 * g, half, vec, a);
+      store4(row + half, 4 * g, half, vec, b);
+    }
     if (xb) {
       store4(xb + nh * hd, 4 * g, half, vec_b, a);
       store4(xb + nh * hd + half, 4 * g, half, vec_b, b);
@@ -561,7 +564,7 @@ void expect_tokens_1d(const char* op, const Tensor& tokens) {
 }
 
 void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, const Tensor& table,
-          double sign, Tensor* x_bf16) {
+          double sign, Tensor* x_bf16, bool bf16_only) {
   expect_f32(op, "x", x, 3, "[N, H, hd]");
   const int64_t N = x.size(0), H = x.size(1), hd = x.size(2);
   if (hd % 2 != 0) fail("{}: head_dim must be even, got x {}", op, x.str());
@@ -576,7 +579,7 @@ void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, co
   const bool vec_b = xb && half % 4 == 0 && reinterpret_cast<uintptr_t>(xb) % 8 == 0;
   rope_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       x.data<float>(), xb, positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
-      sign, vec, vec_b, site, index_error_record());
+      sign, vec, vec_b, !bf16_only, site, index_error_record());
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -733,12 +736,12 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const 
   FOURBIT_LAUNCH_CHECK();
 }
 
-void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16) {
-  rope("rope_forward", IndexSite::RopeForwardPositions, x, positions, table, 1.0, x_bf16);
+void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tensor* x_bf16, bool bf16_only) {
+  rope("rope_forward", IndexSite::RopeForwardPositions, x, positions, table, 1.0, x_bf16, bf16_only);
 }
 
-void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16) {
-  rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0, dx_bf16);
+void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16, bool bf16_only) {
+  rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0, dx_bf16, bf16_only);
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
