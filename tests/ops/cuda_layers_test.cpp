@@ -21,6 +21,9 @@
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "ops/op_test_util.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
 
 using namespace fourbit;
 using namespace fourbit::optest;
@@ -567,6 +570,35 @@ TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {
     expect_bits("cross_entropy weighted losses = unweighted", loss_w, loss_p);
     expect_bits("cross_entropy weights of 1 = no weights (dlogits)", dl_1, dl_p);
   }
+#if FOURBIT_HAS_CUDA
+  {
+    // The block a row is sized by V (128 threads for V = 260); every size with a thread for each
+    // group of 4 logits gives the bits of 1024 threads (cuda::cross_entropy_threads).
+    EXPECT_EQ(ops::cuda::cross_entropy_threads(260), 128);
+    EXPECT_EQ(ops::cuda::cross_entropy_threads(1001), 256);
+    EXPECT_EQ(ops::cuda::cross_entropy_threads(2048), 512);
+    EXPECT_EQ(ops::cuda::cross_entropy_threads(32000), 1024);
+    for (const int64_t V : {int64_t(5), int64_t(260), int64_t(513), int64_t(1001), int64_t(2049)}) {
+      const int64_t N = 300;
+      Tensor logits = random_tensor({N, V}, DType::F32, 520 + uint64_t(V), -8.0, 8.0);
+      Tensor tgt = random_ints({N}, 0, int32_t(V), 521);
+      for (int64_t n = 2; n < N; n += 9) tgt.data<int32_t>()[n] = -1;
+      const Tensor lg = gpu(logits), tg = gpu(tgt), wg = gpu(random_tensor({N}, DType::F32, 522, -2.0, 2.0));
+      Tensor l[2], d[2];
+      for (int i = 0; i < 2; ++i) {
+        ops::cuda::set_cross_entropy_threads(i == 0 ? 0 : 1024);
+        l[i] = Tensor::empty({N}, DType::F32, Device::CUDA);
+        d[i] = Tensor::empty({N, V}, DType::F32, Device::CUDA);
+        ops::cross_entropy(lg, tg, l[i], &d[i], 1.0 / double(N), &wg);
+      }
+      ops::cuda::set_cross_entropy_threads(0);
+      const std::string name = cfg("%lld threads vs 1024, V=%lld", ops::cuda::cross_entropy_threads(V), V);
+      expect_bits("cross_entropy losses, " + name, l[0], l[1]);
+      expect_bits("cross_entropy dlogits, " + name, d[0], d[1]);
+    }
+    expect_error([] { ops::cuda::set_cross_entropy_threads(100); }, "set_cross_entropy_threads: 0 (by V)");
+  }
+#endif
   Tensor loss = Tensor::empty({4}, DType::F32, Device::CUDA);
   expect_error([&] {
     ops::cross_entropy(gpu(random_tensor({4, 260}, DType::F32, 502)),

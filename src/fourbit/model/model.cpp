@@ -7,6 +7,7 @@
 
 #include "fourbit/ops/host_profile.h"
 #include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 
 namespace fourbit {
@@ -1000,14 +1001,18 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
     s->tokens = tokens;
     s->layers.resize(size_t(cfg_.n_layers));
   }
-  // The targets that count (before any GPU work is queued: reading them back waits for the GPU).
+  // The targets that count, read back behind the work already queued (read_later) and counted
+  // once the forward is queued: the host does not wait for the GPU (the step before's update)
+  // before it queues the forward.
+  const std::shared_ptr<PendingRead> targets_read =
+      targets.device() == Device::CPU ? nullptr : read_later(targets.raw(), size_t(N) * sizeof(int32_t));
+  const Tensor logits = forward_logits(*this, run, tokens, s.get(), true);
   int64_t n_valid = 0;
   {
     const ops::HostOpTimer timer("model forward: the targets read back");
-    const Tensor th = targets.to(Device::CPU);
-    for (int64_t i = 0; i < N; ++i) n_valid += th.data<int32_t>()[i] >= 0 ? 1 : 0;
+    const int32_t* th = static_cast<const int32_t*>(targets_read ? targets_read->wait() : targets.raw());
+    for (int64_t i = 0; i < N; ++i) n_valid += th[i] >= 0 ? 1 : 0;
   }
-  const Tensor logits = forward_logits(*this, run, tokens, s.get(), true);
 
   // Cross-entropy; its gradient (of loss_weight * mean CE) is computed here, fused.
   Tensor losses = run.act({N});

@@ -136,6 +136,12 @@ void set_grouped_transposed_b(bool on);
 // path before it): the same bits, so tests compare the two; benchmarks time them.
 void set_fused_dequant(bool on);
 
+// The threads of cross_entropy's block a row: by V (0, the default: the smallest of 128, 256 and
+// 512 with a thread for every 4 logits, else 1024), or forced (128, 256, 512 or 1024; one too
+// small for V's groups runs 1024), for the test that checks every size gives the same bits.
+void set_cross_entropy_threads(int threads);
+int cross_entropy_threads(int64_t V);
+
 // Whether the grouped kernel runs its Hopper main loop (wgmma, the default on compute capability
 // 9.x) or the portable mma.sync one, process-wide: for benchmarks and tests that compare the two.
 // They sum in different orders (different bits), so a sampler and its trainer share one setting.

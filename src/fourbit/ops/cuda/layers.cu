@@ -20,6 +20,8 @@
 //    sequence of double additions; ids with many tokens are spread over a block's warps in a fixed
 //    interleaving (see embedding_backward_big_kernel).
 // No float atomics anywhere. Index checks: index_errors.cuh.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "fourbit/ops/cuda/bucket_sort.cuh"
@@ -37,7 +39,7 @@ constexpr int kRowWarps = 8;  // warp-per-row kernels: one row per warp, 8 warps
 constexpr int kRowThreads = kRowWarps * 32;
 constexpr int kEltThreads = 256;   // elementwise kernels
 constexpr int kColThreads = 128;   // column kernels: one group of 4 columns per thread
-constexpr int kXentThreads = 1024;  // cross_entropy: one row per block (see cross_entropy_kernel)
+constexpr int kXentThreads = 1024;  // cross_entropy: one row per block, at most (see cross_entropy_kernel)
 constexpr int64_t kSmallBucket = 32;  // embedding_backward: ids with at most this many tokens ...
 constexpr int kBigBucketWarps = 32;   // ... else a block of 32 warps per (id, 128 columns) ...
 constexpr int kBigBucketBatch = 8;    // ... each warp with the loads of 8 rows in flight
@@ -487,15 +489,22 @@ __global__ void __launch_bounds__(kEltThreads)
 //  - the gradient subtracts lse as float hi + lo, and the target's p_t - 1, which cancels as
 //    p_t -> 1, is expm1f of a small and accurate argument.
 //
-// One block per row (grid-stride; the branch on the target is uniform over the block, so every
-// thread reaches the same block reductions). Thread t owns groups t, t + kXentThreads, ...
+// One block of T threads per row (grid-stride; the branch on the target is uniform over the block,
+// so every thread reaches the same block reductions). Thread t owns groups t, t + T, ...
 // The row is read three times (max, sum, gradient); with 1024 threads a block, at most two rows
 // per SM are in flight (~34 MB for V = 32000 on an H200), so the second and third reads hit L2.
-__global__ void __launch_bounds__(kXentThreads)
+// T is the smallest of 128, 256, 512 that has a thread for every group of 4 logits, else 1024
+// (cross_entropy_threads): where T >= the groups, each thread owns one group whatever T is, and the
+// warps past the row add exact zeros to the block tree (reduce.cuh), so every T gives the same
+// bits; a small vocabulary (V = 260: 65 groups) then runs 128 threads a row instead of 1024, of
+// which 959 waited at every block reduction.
+template <int T>
+__global__ void __launch_bounds__(T)
     cross_entropy_kernel(const float* logits, const int32_t* tgt, const float* weights, float* losses,
                          float* dlogits, float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
-  __shared__ float max_scratch[kXentThreads / 32];
-  __shared__ double sum_scratch[kXentThreads / 32];
+  static_assert(T % 32 == 0 && T <= kXentThreads, "whole warps, at most kXentThreads");
+  __shared__ float max_scratch[T / 32];
+  __shared__ double sum_scratch[T / 32];
   const int64_t groups = (V + 3) / 4;
   for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
     const float* x = logits + n * V;
@@ -508,12 +517,12 @@ __global__ void __launch_bounds__(kXentThreads)
       }
       if (grad) {
         const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) store4(grad, 4 * g, V, vec, zero);
+        for (int64_t g = threadIdx.x; g < groups; g += T) store4(grad, 4 * g, V, vec, zero);
       }
       continue;
     }
     float m = -INFINITY;
-    for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+    for (int64_t g = threadIdx.x; g < groups; g += T) {
       float v[4];
       load4(x, 4 * g, V, vec, v);
 #pragma unroll
@@ -521,9 +530,9 @@ __global__ void __launch_bounds__(kXentThreads)
         if (4 * g + c < V) m = fmaxf(m, v[c]);
     }
     // The max of floats is exact in any order. (A NaN logit is skipped here but makes l NaN.)
-    m = block_max<kXentThreads>(m, max_scratch);
+    m = block_max<T>(m, max_scratch);
     float sum = 0.0f, lost = 0.0f;  // Kahan: the running sum and the low part it dropped
-    for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+    for (int64_t g = threadIdx.x; g < groups; g += T) {
       float v[4];
       load4(x, 4 * g, V, vec, v);
 #pragma unroll
@@ -535,14 +544,14 @@ __global__ void __launch_bounds__(kXentThreads)
           sum = next;
         }
     }
-    const double l = block_sum<kXentThreads>(double(sum) - double(lost), sum_scratch);
+    const double l = block_sum<T>(double(sum) - double(lost), sum_scratch);
     const double lse = double(m) + log(l);
     if (threadIdx.x == 0) losses[n] = float(lse - double(x[t]));
     if (grad) {
       // The row's weight folds into the scale (one float product); none: grad_scale, same bits.
       const float scale = weights ? grad_scale * weights[n] : grad_scale;
       const float lse_hi = float(lse), lse_lo = float(lse - double(lse_hi));
-      for (int64_t g = threadIdx.x; g < groups; g += kXentThreads) {
+      for (int64_t g = threadIdx.x; g < groups; g += T) {
         float v[4], out[4];
         load4(x, 4 * g, V, vec, v);
 #pragma unroll
@@ -782,6 +791,25 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   FOURBIT_LAUNCH_CHECK();
 }
 
+namespace {
+std::atomic<int> g_xent_threads{0};
+}  // namespace
+
+void set_cross_entropy_threads(int threads) {
+  if (threads != 0 && threads != 128 && threads != 256 && threads != 512 && threads != kXentThreads)
+    fail("set_cross_entropy_threads: 0 (by V), 128, 256, 512 or {}, got {}", kXentThreads, threads);
+  g_xent_threads.store(threads, std::memory_order_relaxed);
+}
+
+int cross_entropy_threads(int64_t V) {
+  const int forced = g_xent_threads.load(std::memory_order_relaxed);
+  const int64_t groups = (V + 3) / 4;
+  if (forced) return forced >= groups ? forced : kXentThreads;  // fewer: other per-thread sums
+  for (const int t : {128, 256, 512})
+    if (groups <= t) return t;
+  return kXentThreads;
+}
+
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
                    double grad_scale, const Tensor* weights) {
   const char* op = "cross_entropy";
@@ -797,10 +825,19 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   if (N == 0) return;
   const bool vec = V % 4 == 0 && aligned16(logits.raw()) &&
                    (!want_grad || aligned16(dlogits->raw()));
-  cross_entropy_kernel<<<grid_for(N, 1), kXentThreads, 0, stream()>>>(
-      logits.data<float>(), targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr,
-      losses.data<float>(), want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
-      index_error_record());
+  const int threads = cross_entropy_threads(V);
+  auto launch = [&](auto kernel, int t) {
+    kernel<<<grid_for(N, 1, int64_t(device_sm_count()) * (2048 / t)), t, 0, stream()>>>(
+        logits.data<float>(), targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr,
+        losses.data<float>(), want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
+        index_error_record());
+  };
+  switch (threads) {
+    case 128: launch(cross_entropy_kernel<128>, 128); break;
+    case 256: launch(cross_entropy_kernel<256>, 256); break;
+    case 512: launch(cross_entropy_kernel<512>, 512); break;
+    default: launch(cross_entropy_kernel<kXentThreads>, kXentThreads); break;
+  }
   FOURBIT_LAUNCH_CHECK();
   check_index_errors();  // targets are user data: a bad one fails here, as on the CPU
 }

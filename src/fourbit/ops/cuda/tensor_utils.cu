@@ -476,12 +476,22 @@ Tensor launch_sum_squares_each(const char* op, const std::vector<Tensor>& ts, st
   return buf;
 }
 
-// One thread: grad_norm_gate's fields from the totals (fill_gate, the host's sequence of double
-// operations), taking the quantizers' sticky flag.
-__global__ void grad_norm_gate_kernel(const double* totals, int64_t count, double max_norm, bool host_nonfinite,
-                                      unsigned int* quant_flag, double* gate) {
+// grad_norm_gate's fields from the totals (fill_gate, the host's sequence of double operations)
+// on one thread, taking the quantizers' sticky flag. The block first stages up to kGateStaged
+// totals in shared memory, so that the sequential sum waits on shared loads, not on one global
+// load after another.
+constexpr int kGateStaged = 2048;
+__global__ void __launch_bounds__(kThreads)
+    grad_norm_gate_kernel(const double* totals, int64_t count, double max_norm, bool host_nonfinite,
+                          unsigned int* quant_flag, double* gate) {
+  __shared__ double staged[kGateStaged];
+  const bool stage = count <= kGateStaged;
+  if (stage)
+    for (int64_t i = threadIdx.x; i < count; i += kThreads) staged[i] = totals[i];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
   const bool quant = atomicExch(quant_flag, 0u) != 0u || host_nonfinite;
-  fill_gate(totals, count, max_norm, quant, gate);
+  fill_gate(stage ? staged : totals, count, max_norm, quant, gate);
 }
 }  // namespace
 
@@ -503,9 +513,9 @@ void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, bool host
   // The empty tensors' totals (0) are left out of the sum: adding +0 to a sum >= 0 changes no bit.
   std::vector<int64_t> job_tensor;
   const Tensor buf = launch_sum_squares_each("grad_norm_gate", grads, job_tensor);
-  grad_norm_gate_kernel<<<1, 1, 0, stream()>>>(buf.defined() ? buf.data<double>() : nullptr,
-                                               int64_t(job_tensor.size()), max_norm, host_nonfinite,
-                                               nonfinite_flag_address(), gate.data<double>());
+  grad_norm_gate_kernel<<<1, kThreads, 0, stream()>>>(buf.defined() ? buf.data<double>() : nullptr,
+                                                      int64_t(job_tensor.size()), max_norm, host_nonfinite,
+                                                      nonfinite_flag_address(), gate.data<double>());
   FOURBIT_LAUNCH_CHECK();
 }
 
