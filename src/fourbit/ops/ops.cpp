@@ -23,6 +23,16 @@ std::atomic<bool> g_nonfinite{false};
 void expect_gate(const char* op, const Tensor& gate, Device dev) {
   expect_dims_on(dev, op, "gate", gate, DType::F64, {kGateSize}, "[4]");
 }
+
+// Every tensor of a list op (sum_squares_each, grad_norm_gate) defined and on the first one's
+// device; `one` and `many` name them in the message ("tensor 1 is undefined").
+void expect_one_device(const char* op, const std::vector<Tensor>& ts, const char* one, const char* many) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (!ts[i].defined()) fail("{}: {} {} is undefined", op, one, i);
+    if (ts[i].device() != ts[0].device())
+      fail("{}: {} on different devices ({} and {})", op, many, ts[0].str(), ts[i].str());
+  }
+}
 }  // namespace
 
 void raise_nonfinite() { g_nonfinite.store(true, std::memory_order_relaxed); }
@@ -405,11 +415,7 @@ void scale_(Tensor& t, double s) { FOURBIT_DISPATCH(t.device(), scale_, t, s); }
 double sum_squares(const Tensor& t) { FOURBIT_DISPATCH(t.device(), sum_squares, t); }
 std::vector<double> sum_squares_each(const std::vector<Tensor>& ts) {
   if (ts.empty()) return {};
-  for (size_t i = 0; i < ts.size(); ++i) {
-    if (!ts[i].defined()) fail("sum_squares_each: tensor {} is undefined", i);
-    if (ts[i].device() != ts[0].device())
-      fail("sum_squares_each: tensors on different devices ({} and {})", ts[0].str(), ts[i].str());
-  }
+  expect_one_device("sum_squares_each", ts, "tensor", "tensors");
   FOURBIT_DISPATCH(ts[0].device(), sum_squares_each, ts);
 }
 void fill_(Tensor& t, double v) { FOURBIT_DISPATCH(t.device(), fill_, t, v); }
@@ -558,11 +564,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
 }
 void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, Tensor& gate) {
   if (grads.empty()) fail("grad_norm_gate: no gradients");
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (!grads[i].defined()) fail("grad_norm_gate: gradient {} is undefined", i);
-    if (grads[i].device() != grads[0].device())
-      fail("grad_norm_gate: gradients on different devices ({} and {})", grads[0].str(), grads[i].str());
-  }
+  expect_one_device("grad_norm_gate", grads, "gradient", "gradients");
   expect_gate("grad_norm_gate", gate, grads[0].device());
   if (!(max_norm >= 0.0)) fail("grad_norm_gate: max_norm must be >= 0 (0: no clipping), got {}", max_norm);
   const bool host_seen = g_nonfinite.exchange(false);

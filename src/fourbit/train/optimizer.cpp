@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
@@ -96,14 +97,20 @@ Optimizer::Optimizer(ParamStore& params, const TrainConfig& t) : params_(params)
 
 double Optimizer::step(int64_t step_index) { return step(step_index, lr_at(t_, step_index)); }
 
-double Optimizer::grad_norm() const {
-  // Per parameter (fixed order and grouping, so every backend and thread count gives the same
-  // norm), read back in one synchronisation on the GPU.
+std::vector<Tensor> Optimizer::grad_views() const {
   std::vector<Tensor> grads;
   for (const ParamInfo& p : params_.infos()) grads.push_back(params_.view(params_.flat_grad(), p));
-  double sq = 0;
-  for (double s : ops::sum_squares_each(grads)) sq += s;
-  return std::sqrt(sq);
+  return grads;
+}
+
+double Optimizer::grad_norm() const {
+  // Per parameter (fixed order and grouping, so every backend and thread count gives the same
+  // norm), read back in one synchronisation on the GPU; the norm from those sums is the gate's
+  // (ops::fill_gate), so step() returns this number bit for bit.
+  const std::vector<double> totals = ops::sum_squares_each(grad_views());
+  double gate[ops::kGateSize];
+  ops::fill_gate(totals.data(), int64_t(totals.size()), 0.0, false, gate);
+  return gate[ops::kGateNorm];
 }
 
 void Optimizer::write_bf16_copies(const Bf16Copies& copies) {
@@ -129,11 +136,9 @@ double Optimizer::step(int64_t step_index, double lr) {
   // it there: the host queues the update without waiting, and reads the gate back while the
   // update runs. A non-finite norm or a quantizer's NaN/Inf makes the update skip itself, so the
   // parameters and moments are untouched when the trainer stops.
-  std::vector<Tensor> grads;
-  for (const ParamInfo& p : params_.infos()) grads.push_back(params_.view(params_.flat_grad(), p));
   const Device dev = params_.flat().device();
   Tensor gate = Tensor::empty({ops::kGateSize}, DType::F64, dev);
-  ops::grad_norm_gate(grads, t_.grad_clip, gate);
+  ops::grad_norm_gate(grad_views(), t_.grad_clip, gate);
   const std::shared_ptr<PendingRead> read =
       dev == Device::CPU ? nullptr : read_later(gate.raw(), sizeof(double) * ops::kGateSize);
   // The update is elementwise, so parameters next to each other in the flat buffer with the same

@@ -84,6 +84,7 @@ class Optimizer {
   bool wrote_bf16_copies() const { return wrote_bf16_; }
 
  private:
+  std::vector<Tensor> grad_views() const;  // every parameter's gradient, in layout order
   ParamStore& params_;
   TrainConfig t_;
   Tensor m_, v_;

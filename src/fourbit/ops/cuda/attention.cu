@@ -23,6 +23,7 @@
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/matmul.cuh"
+#include "fourbit/ops/cuda/vec4.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -238,7 +239,7 @@ __global__ void rowdot_kernel(const float* __restrict__ dout, const float* __res
 template <int L>
 __global__ void __launch_bounds__(256)
     rowdot_vec_kernel(const float4* __restrict__ dout, const float4* __restrict__ out, int64_t rows, int64_t T,
-                      int64_t Hq, float* __restrict__ D, uint2* __restrict__ dout_bf16) {
+                      int64_t Hq, float* __restrict__ D, uint16_t* __restrict__ dout_bf16) {
   static_assert(L == 16 || L == 32, "a row is a power-of-two group of lanes within one warp");
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, r = i / L;
   float acc = 0.0f;
@@ -248,8 +249,8 @@ __global__ void __launch_bounds__(256)
     acc = fmaf(g.y, o.y, acc);
     acc = fmaf(g.z, o.z, acc);
     acc = fmaf(g.w, o.w, acc);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(g.x, g.y), hi = __floats2bfloat162_rn(g.z, g.w);
-    dout_bf16[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    const float gv[4] = {g.x, g.y, g.z, g.w};
+    store4(dout_bf16, 4 * i, 4 * i + 4, true, gv);  // one 8-byte store (a fresh, aligned copy)
   }
 #pragma unroll
   for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
@@ -354,7 +355,7 @@ Tensor rowdot(const Tensor& dout, const Tensor& out, const Dims& d, Tensor& dout
     const unsigned grid = unsigned((threads + 255) / 256);
     const float4* g = static_cast<const float4*>(dout.raw());
     const float4* o = static_cast<const float4*>(out.raw());
-    uint2* gb = static_cast<uint2*>(dout_bf16.raw());
+    uint16_t* gb = dout_bf16.data<uint16_t>();
     if (d.hd == 64) rowdot_vec_kernel<16><<<grid, 256, 0, stream()>>>(g, o, rows, d.T, d.Hq, D.data<float>(), gb);
     else rowdot_vec_kernel<32><<<grid, 256, 0, stream()>>>(g, o, rows, d.T, d.Hq, D.data<float>(), gb);
   } else {

@@ -572,6 +572,14 @@ void expect_tokens_1d(const char* op, const Tensor& tokens) {
     fail("{}: tokens must be i32[N], got {}", op, tokens.defined() ? tokens.str() : "undefined");
 }
 
+// The BF16 copy's pointer, or null, and whether its groups of 4 (of a row of D values) take
+// 8-byte stores.
+uint16_t* bf16_copy_ptr(Tensor* t, int64_t D, bool& vec) {
+  uint16_t* p = t ? static_cast<uint16_t*>(t->raw()) : nullptr;
+  vec = p && D % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 8 == 0;
+  return p;
+}
+
 void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, const Tensor& table,
           double sign, Tensor* x_bf16, bool bf16_only) {
   expect_f32(op, "x", x, 3, "[N, H, hd]");
@@ -584,8 +592,8 @@ void rope(const char* op, IndexSite site, Tensor& x, const Tensor& positions, co
   const int64_t half = hd / 2, items = N * H * ((half + 3) / 4);
   if (items == 0) return;
   const bool vec = half % 4 == 0 && aligned16(x.raw()) && aligned16(table.raw());
-  uint16_t* xb = x_bf16 ? static_cast<uint16_t*>(x_bf16->raw()) : nullptr;
-  const bool vec_b = xb && half % 4 == 0 && reinterpret_cast<uintptr_t>(xb) % 8 == 0;
+  bool vec_b;  // rope's groups of 4 are within a half row
+  uint16_t* xb = bf16_copy_ptr(x_bf16, half, vec_b);
   rope_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
       x.data<float>(), xb, positions.data<int32_t>(), table.data<float>(), N, H, hd, table.size(0),
       sign, vec, vec_b, !bf16_only, site, index_error_record());
@@ -641,15 +649,6 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
   // token ids are user data (bad ones were left out of the sort); checked ones need no second read
   if (!tokens_checked) check_index_errors();
 }
-
-namespace {
-// The BF16 copy's pointer, or null, and whether its groups of 4 take 8-byte stores.
-uint16_t* bf16_copy_ptr(Tensor* t, int64_t D, bool& vec) {
-  uint16_t* p = t ? static_cast<uint16_t*>(t->raw()) : nullptr;
-  vec = p && D % 4 == 0 && reinterpret_cast<uintptr_t>(p) % 8 == 0;
-  return p;
-}
-}  // namespace
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
   const char* op = "rmsnorm_forward";
