@@ -1,4 +1,4 @@
-// defines: BENCH_CUDA_CHECK, median_ms, similarity_gap
+// defines: BENCH_CUDA_CHECK, median_ms, median_queued_ms, copy_bandwidth_gbs, similarity_gap
 // What the GPU benchmarks share: a checked CUDA call, and the median time of a piece of GPU work
 // measured with CUDA events on the default stream (the stream every fourbit kernel runs on).
 #pragma once
@@ -40,6 +40,49 @@ inline double median_ms(const std::function<void()>& fn, int reps, int warmup = 
   BENCH_CUDA_CHECK(cudaEventDestroy(stop));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// Median GPU milliseconds of one fn: each of `reps` samples queues `busy` (long GPU work, e.g. a
+// large GEMM), then times `batch` fns back to back between two events. The host issues the fns
+// while the GPU is still on `busy`, so the host's own cost per call (checks, launch) is hidden
+// as under a CUDA graph, and the samples see the kernels and the gaps between them only.
+inline double median_queued_ms(const std::function<void()>& fn, const std::function<void()>& busy, int reps,
+                               int batch = 20) {
+  fn();
+  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  BENCH_CUDA_CHECK(cudaEventCreate(&start));
+  BENCH_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    busy();
+    BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
+    for (int j = 0; j < batch; ++j) fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
+    BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0.0f;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(double(t) / batch);
+  }
+  BENCH_CUDA_CHECK(cudaEventDestroy(start));
+  BENCH_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// A device-to-device copy's bandwidth (GB/s of bytes read plus written, 1 GiB copied, median of
+// reps): the memory ceiling the benchmarks' ratios are taken against.
+inline double copy_bandwidth_gbs(int reps) {
+  const size_t bytes = size_t(1) << 30;
+  void *src = nullptr, *dst = nullptr;
+  BENCH_CUDA_CHECK(cudaMalloc(&src, bytes));
+  BENCH_CUDA_CHECK(cudaMalloc(&dst, bytes));
+  BENCH_CUDA_CHECK(cudaMemset(src, 1, bytes));
+  const double ms = median_ms([&] { BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0)); },
+                              reps);
+  BENCH_CUDA_CHECK(cudaFree(src));
+  BENCH_CUDA_CHECK(cudaFree(dst));
+  return 2.0 * double(bytes) / (ms * 1e6);
 }
 
 // 1 - 2<x,y> / (|x|^2 + |y|^2) between two F32 tensors, as the tests measure it (0: identical), so a

@@ -187,8 +187,42 @@ int main(int argc, char** argv) {
   }
   bench::BenchTable block;
   block.name = fmt::format("grouped block-scaled GEMM, packed operands dequantized in the kernel (median of {})", reps);
+  // B GB/s: the weights of the experts with rows (codes and block scales, or BF16) over the time
   block.columns = {"format", "case", "M", "fused ms", "decode path ms", "bf16 kernel ms", "vs decode path",
-                   "vs bf16 kernel", "fused / dense bf16 speed", "B GB/s", "same bits"};
+                   "vs bf16 kernel", "fused / dense bf16 speed", "B GB/s", "bf16 B GB/s", "same bits"};
+  // Decode-sized groups (at most 64 rows on average), GPU time only (median_queued_ms: the calls
+  // queued behind an 8192^3 GEMM, as a CUDA graph would issue them), each decode tile of the
+  // wgmma loop: the 64 x 256 one of two warpgroups, and the weight-streaming 64 x WN ones of one
+  // (set_grouped_decode_width); "chosen": the width the kernel picks. B GB/s (the weights of the
+  // experts with rows, read once) and the speed against the BF16 weights are the chosen tile's;
+  // "B ÷ copy": against a device-to-device copy measured in the same run.
+  bench::BenchTable decode;
+  decode.name = fmt::format("decode-sized grouped GEMMs, GPU time per call (queued, median of {})", reps);
+  decode.columns = {"format", "case", "M", "64 x 256 us", "64 x 128 us", "64 x 32 us", "chosen us",
+                    "B GB/s", "B ÷ copy", "speed vs bf16"};
+  const double copy_gbs = bench::copy_bandwidth_gbs(reps);
+  const Tensor busy_a = random_f32({8192, 8192}, 9, 1.0f);
+  Tensor busy16 = Tensor::empty(busy_a.shape(), DType::BF16, Device::CUDA);
+  ops::convert(busy_a, busy16);
+  Tensor busy_c = Tensor::empty({8192, 8192}, DType::F32, Device::CUDA);
+  auto busy = [&] { ops::gemm(ops::Operand(busy16), ops::Operand(busy16), busy_c, false); };
+  // the queued GPU time of run (microseconds) on each decode tile: -1 (64 x 256), 128, 32, chosen
+  auto decode_widths = [&](auto&& run) {
+    std::vector<double> us;
+    for (int width : {-1, 128, 32, 0}) {
+      ops::cuda::set_grouped_decode_width(width);
+      us.push_back(1e3 * bench::median_queued_ms(run, busy, reps));
+    }
+    ops::cuda::set_grouped_decode_width(0);
+    return us;
+  };
+  auto decode_row = [&](const char* format, const std::string& name, int64_t M, const std::vector<double>& us,
+                        int64_t bytes, double bf16_us) {
+    const double gbs = double(bytes) / (us[3] * 1e3);
+    decode.add({{"format", format}, {"case", name}, {"M", M}, {"64 x 256 us", us[0]}, {"64 x 128 us", us[1]},
+                {"64 x 32 us", us[2]}, {"chosen us", us[3]}, {"B GB/s", gbs}, {"B ÷ copy", gbs / copy_gbs},
+                {"speed vs bf16", bf16_us / us[3]}});
+  };
   for (const Case& c : block_cases) {
     const int64_t G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
@@ -200,6 +234,16 @@ int main(int argc, char** argv) {
     Tensor out = Tensor::empty({M, c.N}, DType::F32, Device::CUDA), ref = out.clone(), dense = out.clone();
     auto bf16 = [&] { ops::grouped_gemm(ops::Operand(a16), ops::Operand(b16), off, dense, false); };
     const double b_ms = median_ms(bf16, reps);
+    const bool decode_sized = ops::cuda::grouped_rows_per_group(off) <= 64;
+    int64_t b16_bytes = 0;  // the BF16 weights of the experts with rows
+    for (int64_t r : c.rows)
+      if (r > 0) b16_bytes += c.N * c.K * 2;
+    double bf16_us = 0.0;
+    if (decode_sized) {
+      const std::vector<double> us = decode_widths(bf16);
+      bf16_us = us[3];
+      decode_row("bf16", c.name, M, us, b16_bytes, bf16_us);
+    }
     const Tensor b0 = b16.view(0, {c.N, c.K}), a_all = a16;
     auto one_gemm = [&] { ops::gemm(ops::Operand(a_all), ops::Operand(b0), dense, false); };
     const double d_ms = median_ms(one_gemm, reps);
@@ -218,10 +262,11 @@ int main(int argc, char** argv) {
       device_synchronize();
       const bool same = same_bits(out, ref);
       const double f_ms = median_ms(fused, reps), p_ms = median_ms(decode_path, reps);
+
       int64_t b_bytes = 0;  // the weights of the experts with rows: codes and block scales
       for (int64_t r : c.rows)
         if (r > 0) b_bytes += (bq.codes.nbytes() + bq.block_scales.nbytes()) / G;
-      block.add({{"format", name},
+      nlohmann::json row = {{"format", name},
                  {"case", c.name},
                  {"M", M},
                  {"fused ms", f_ms},
@@ -231,7 +276,10 @@ int main(int argc, char** argv) {
                  {"vs bf16 kernel", b_ms / f_ms},
                  {"fused / dense bf16 speed", d_ms / f_ms},
                  {"B GB/s", double(b_bytes) / (f_ms * 1e6)},
-                 {"same bits", same ? "yes" : "NO"}});
+                 {"bf16 B GB/s", double(b16_bytes) / (b_ms * 1e6)},
+                 {"same bits", same ? "yes" : "NO"}};
+      block.add(row);
+      if (decode_sized) decode_row(name, c.name, M, decode_widths(fused), b_bytes, bf16_us);
     }
   }
   // The experts' weight gradients dW_e (+)= dY_e^T X_e: K runs over each expert's tokens.
@@ -380,9 +428,12 @@ int main(int argc, char** argv) {
   table.print();
   block.meta = table.meta;
   block.print();
+  decode.meta = table.meta;
+  decode.print();
   const std::string json = bench::json_path_arg(argc, argv);
   table.write_json(json);
   if (!json.empty()) block.write_json(json.substr(0, json.rfind('.')) + "_block.json");
+  if (!json.empty()) decode.write_json(json.substr(0, json.rfind('.')) + "_decode.json");
   wgrad.meta = table.meta;
   wgrad.meta["note"] = "weight gradients accumulate into zeroed gradients, repeatedly while timed; mxfp8 times include "
                        "the BF16 decodes both paths run; dense cuBLAS: one BF16 GEMM over all tokens (the same FLOPs)";

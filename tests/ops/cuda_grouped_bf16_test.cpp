@@ -35,6 +35,8 @@ namespace {
 bool have_gpu() { return cuda_device_count() > 0; }
 
 using optest::bytes;
+using optest::DecodeTile;
+using optest::kDecodeWidths;
 using optest::MainLoop;
 
 // A BF16 CUDA tensor of N(0, scale^2) values, and its values as doubles on the host.
@@ -110,7 +112,9 @@ struct GroupedCase {
 };
 // gpu-small's expert shape: 16 experts of ragged sizes over 16384 rows.
 const GroupedCase kSixteenExperts = {
-    16384, 1024, 1024,
+    16384,
+    1024,
+    1024,
     {0, 1000, 2100, 3000, 4096, 5000, 6200, 7000, 8192, 9000, 10240, 11000, 12288, 13000, 14336, 15000, 16384}};
 
 }  // namespace
@@ -124,17 +128,20 @@ TEST(CudaGroupedBf16, MatchesTheExactSumWithRaggedAndEmptyGroups) {
       std::vector<int32_t> off;
     };
     const std::vector<Case> cases = {
-        {200, 40, 96, {0, 37, 37, 140, 141, 141, 200}},      // N, K below one tile; empty groups
-        {300, 136, 264, {0, 129, 129, 300}},                  // one column and 8 K past a tile
-        {1030, 256, 512, {0, 0, 128, 256, 1030, 1030}},       // whole tiles and a long group
+        {200, 40, 96, {0, 37, 37, 140, 141, 141, 200}},  // N, K below one tile; empty groups
+        {300, 136, 264, {0, 129, 129, 300}},             // one column and 8 K past a tile
+        {1030, 256, 512, {0, 0, 128, 256, 1030, 1030}},  // whole tiles and a long group
     };
     for (const Case& c : cases) {
       const int64_t G = int64_t(c.off.size()) - 1;
       const Bf16 a = random_bf16({c.M, c.K}, 11, 1.0f), b = random_bf16({G, c.N, c.K}, 12, 0.05f);
-      Tensor out = filled(c.M, c.N, 0.0f);
-      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), out, false);
-      ops::cuda::check_recorded_index_errors();
-      expect_near_exact(host_floats(out), a, b, c.off, c.N, c.K, "grouped");
+      for (int width : kDecodeWidths) {  // the first case's groups are decode-sized: every decode tile
+        const DecodeTile tile(width);
+        Tensor out = filled(c.M, c.N, 0.0f);
+        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), out, false);
+        ops::cuda::check_recorded_index_errors();
+        expect_near_exact(host_floats(out), a, b, c.off, c.N, c.K, "grouped");
+      }
     }
   }
 }
@@ -146,21 +153,24 @@ TEST(CudaGroupedBf16, AccumulatesBitForBitAndLeavesOtherRowsAlone) {
     const int64_t M = 50, N = 72, K = 64;
     const std::vector<int32_t> off{10, 20, 20, 30};  // rows 0..9 and 30..49 belong to no group
     const Bf16 a = random_bf16({M, K}, 21, 1.0f), b = random_bf16({3, N, K}, 22, 0.1f);
-    const Bf16 c0 = random_bf16({M, N}, 23, 1.0f);
-    Tensor c0f = Tensor::empty({M, N}, DType::F32, Device::CUDA);
-    ops::convert(c0.dev, c0f);
-    Tensor fresh = filled(M, N, 7.0f), acc = c0f.clone();
-    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), fresh, false);
-    ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), acc, true);
-    const std::vector<float> f = host_floats(fresh), s = host_floats(acc), init = host_floats(c0f);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = 0; n < N; ++n) {
-        const size_t i = size_t(r * N + n);
-        const bool in = r >= 10 && r < 30;
-        const float want_fresh = in ? f[i] : 7.0f, want_acc = in ? init[i] + f[i] : init[i];
-        ASSERT_EQ(f[i], want_fresh) << "row " << r << " col " << n;
-        ASSERT_EQ(0, std::memcmp(&s[i], &want_acc, sizeof(float))) << "row " << r << " col " << n;
-      }
+    for (int width : kDecodeWidths) {  // decode-sized groups: every decode tile (N = 72: a part tile at 32 and 128)
+      const DecodeTile tile(width);
+      const Bf16 c0 = random_bf16({M, N}, 23, 1.0f);
+      Tensor c0f = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+      ops::convert(c0.dev, c0f);
+      Tensor fresh = filled(M, N, 7.0f), acc = c0f.clone();
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), fresh, false);
+      ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), acc, true);
+      const std::vector<float> f = host_floats(fresh), s = host_floats(acc), init = host_floats(c0f);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+          const size_t i = size_t(r * N + n);
+          const bool in = r >= 10 && r < 30;
+          const float want_fresh = in ? f[i] : 7.0f, want_acc = in ? init[i] + f[i] : init[i];
+          ASSERT_EQ(f[i], want_fresh) << "row " << r << " col " << n;
+          ASSERT_EQ(0, std::memcmp(&s[i], &want_acc, sizeof(float))) << "row " << r << " col " << n;
+        }
+    }
   }
 }
 
@@ -178,8 +188,8 @@ TEST(CudaGroupedBf16, OuterScalesInTheEpilogueAreTheScaleEpiloguesOrder) {
   const std::vector<float> hsa = host_floats(sa), hsb = host_floats(sb);
   struct Scales {
     const char* name;
-    int a_stride;      // 1 per row, 0 one scale, -1 none
-    int b_stride;      // 1 per row of B (group stride N), 0 one a slice (group stride 1)
+    int a_stride;  // 1 per row, 0 one scale, -1 none
+    int b_stride;  // 1 per row of B (group stride N), 0 one a slice (group stride 1)
   };
   for (bool wgmma : {true, false}) {
     const MainLoop loop(wgmma);
@@ -241,11 +251,14 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
     ASSERT_GE(off[size_t(g) + 1] - r0, 1000);
     const Tensor bg = b.dev.view(g * N * K, {1, N, K});
     for (int64_t m : {1, 7, 64, 1000}) {
-      // alone: a launch of m rows, one group
-      Tensor out = filled(m, N, 0.0f);
-      ops::cuda::grouped_gemm_bf16(a.dev.slice_rows(r0, r0 + m), bg, offsets_tensor({0, int32_t(m)}), out, false);
-      const std::vector<float> oh = host_floats(out);
-      EXPECT_EQ(0, std::memcmp(oh.data(), fh.data() + r0 * N, size_t(m * N) * sizeof(float))) << "alone, m = " << m;
+      // alone: a launch of m rows, one group (both of the wgmma loop's decode tiles where m <= 64)
+      for (int width : kDecodeWidths) {
+        const DecodeTile tile(width);
+        Tensor out = filled(m, N, 0.0f);
+        ops::cuda::grouped_gemm_bf16(a.dev.slice_rows(r0, r0 + m), bg, offsets_tensor({0, int32_t(m)}), out, false);
+        const std::vector<float> oh = host_floats(out);
+        EXPECT_EQ(0, std::memcmp(oh.data(), fh.data() + r0 * N, size_t(m * N) * sizeof(float))) << "alone, m = " << m;
+      }
       // between other experts' rows: groups 2, 5, 9 over rows [0, 3), [3, 3 + m), [3 + m, 3 + m + 130)
       const int64_t rows = 3 + m + 130;
       Tensor a3 = Tensor::empty({rows, K}, DType::BF16, Device::CUDA);
@@ -415,8 +428,8 @@ TEST(CudaGroupedBf16, BadOffsetsAreReportedByName) {
 TEST(CudaGroupedBf16, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const int64_t K = 256, N = 192, G = 5;
-  for (const std::vector<int32_t>& off : {std::vector<int32_t>{0, 700, 700, 1500, 2100, 2600},
-                                          std::vector<int32_t>{0, 3, 3, 9, 9, 40}}) {
+  for (const std::vector<int32_t>& off :
+       {std::vector<int32_t>{0, 700, 700, 1500, 2100, 2600}, std::vector<int32_t>{0, 3, 3, 9, 9, 40}}) {
     const int64_t M = off.back();
     SCOPED_TRACE("M = " + std::to_string(M));
     const Bf16 a = random_bf16({M, K}, 11, 1.0f), b = random_bf16({G, N, K}, 12, 0.05f);

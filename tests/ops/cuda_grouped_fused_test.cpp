@@ -28,6 +28,8 @@ namespace {
 bool have_gpu() { return cuda_device_count() > 0; }
 
 using optest::bytes;
+using optest::DecodeTile;
+using optest::kDecodeWidths;
 using optest::MainLoop;
 using optest::randn_cuda;
 
@@ -53,34 +55,45 @@ const std::vector<Case> kCases = {
 
 TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (bool wgmma : {true, false}) {  // both main loops
-    const MainLoop loop(wgmma);
-    const int64_t M = 700, K = 384, N = 200, G = 6;  // N off the 128-column tile, 12 K tiles
-    const std::vector<int64_t> offsets{0, 150, 150, 420, 421, 421, 700};
-    const Tensor x = randn_cuda({M, K}, 41, 1.0f), w = randn_cuda({G, N, K}, 42, 0.05f);
-    for (const Case& c : kCases) {
-      const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
-      for (bool acc : {false, true}) {
-        const Tensor init = randn_cuda({M, N}, 43, 1.0f);
-        Tensor fused = init.clone(), decoded = init.clone();
-        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets,
-                                                 N, xq.padded_cols(), fused.data<float>(), N, acc))
-            << c.name;
-        ops::cuda::set_fused_dequant(false);
-        ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, decoded, acc);
-        ops::cuda::set_fused_dequant(true);
-        EXPECT_EQ(bytes(fused), bytes(decoded)) << c.name << " acc=" << acc;
-        // and ops::grouped_gemm, which picks one of the two by group size, gives the same bits
-        Tensor via_ops = init.clone();
-        ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, via_ops, acc);
-        EXPECT_EQ(bytes(via_ops), bytes(fused)) << c.name << " acc=" << acc;
+  for (bool wgmma : {true, false})       // both main loops
+    for (bool decode : {false, true}) {  // training-sized groups, then decode-sized ones (a few rows each)
+      const MainLoop loop(wgmma);
+      const int64_t M = decode ? 13 : 700, K = 384, N = 200, G = 6;  // N off the 128-column tile, 12 K tiles
+      const std::vector<int64_t> offsets =
+          decode ? std::vector<int64_t>{0, 1, 1, 9, 10, 10, 13} : std::vector<int64_t>{0, 150, 150, 420, 421, 421, 700};
+      const Tensor x = randn_cuda({M, K}, 41, 1.0f), w = randn_cuda({G, N, K}, 42, 0.05f);
+      for (const Case& c : kCases) {
+        const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+        for (bool acc : {false, true}) {
+          const Tensor init = randn_cuda({M, N}, 43, 1.0f);
+          Tensor fused = init.clone(), decoded = init.clone();
+          ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq),
+                                                   offsets, N, xq.padded_cols(), fused.data<float>(), N, acc))
+              << c.name;
+          if (decode && wgmma)  // every decode tile gives the same bits (N = 200: a part tile at widths 32 and 128)
+            for (int width : kDecodeWidths) {
+              const DecodeTile tile(width);
+              Tensor other = init.clone();
+              ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq),
+                                                       offsets, N, xq.padded_cols(), other.data<float>(), N, acc));
+              EXPECT_EQ(bytes(other), bytes(fused)) << c.name << " acc=" << acc;
+            }
+          ops::cuda::set_fused_dequant(false);
+          ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, decoded, acc);
+          ops::cuda::set_fused_dequant(true);
+          EXPECT_EQ(bytes(fused), bytes(decoded)) << c.name << " acc=" << acc;
+          // and ops::grouped_gemm, which picks one of the two by group size, gives the same bits
+          Tensor via_ops = init.clone();
+          ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), offsets, via_ops, acc);
+          EXPECT_EQ(bytes(via_ops), bytes(fused)) << c.name << " acc=" << acc;
+        }
       }
     }
-  }
 }
 
-// The decode configuration (16- and 64-row tiles, few rows of one expert) and the training one
-// (128-row tiles, every expert) give a row the same bits.
+// The decode configuration (16- and 64-row tiles on the mma.sync loop; on the wgmma loop the
+// weight-streaming 64 x 128 tile and the 64 x 256 one; few rows of one expert) and the training
+// one (every expert) give a row the same bits.
 TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (bool wgmma : {true, false}) {  // both main loops
@@ -100,15 +113,17 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
         const int64_t end = std::min(r0 + rows, M);
         // rows r0 .. end alone, those past expert 5's end going to expert 6 (a 1000-row tile spans two)
         std::vector<int64_t> only(size_t(G) + 1, 0);
-        for (int64_t h = 0; h <= G; ++h)
-          only[size_t(h)] = std::clamp(offsets[size_t(h)], r0, end) - r0;
+        for (int64_t h = 0; h <= G; ++h) only[size_t(h)] = std::clamp(offsets[size_t(h)], r0, end) - r0;
         const QTensor part = ops::qtensor_rows(xq, r0, end);
-        Tensor out = Tensor::zeros({end - r0, N}, DType::F32, Device::CUDA);
-        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(part), ops::cuda::packed_operand(wq), only,
-                                                 N, xq.padded_cols(), out.data<float>(), N, false));
-        const std::vector<uint8_t> got = bytes(out);
-        EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size()))
-            << c.name << " rows=" << rows;
+        for (int width : kDecodeWidths) {  // every decode tile (the training tile at 1000 rows)
+          const DecodeTile tile(width);
+          Tensor out = Tensor::zeros({end - r0, N}, DType::F32, Device::CUDA);
+          ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(part), ops::cuda::packed_operand(wq), only,
+                                                   N, xq.padded_cols(), out.data<float>(), N, false));
+          const std::vector<uint8_t> got = bytes(out);
+          EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size()))
+              << c.name << " rows=" << rows;
+        }
       }
     }
   }

@@ -1,10 +1,11 @@
-// defines: MainLoop, randn_cuda, bytes
+// defines: MainLoop, DecodeTile, kDecodeWidths, randn_cuda, bytes
 // What the grouped-kernel tests share (CUDA builds only).
 #pragma once
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -39,5 +40,18 @@ struct MainLoop {
   MainLoop& operator=(const MainLoop&) = delete;
   testing::ScopedTrace trace;
 };
+
+// The Hopper loop's decode tile for the scope (set_grouped_decode_width): 0 chosen per call, 32 or
+// 128 columns, or -1 for the 64 x 256 tile of two warpgroups.
+struct DecodeTile {
+  explicit DecodeTile(int width) : trace(__FILE__, __LINE__, "decode tile width " + std::to_string(width)) {
+    ops::cuda::set_grouped_decode_width(width);
+  }
+  ~DecodeTile() { ops::cuda::set_grouped_decode_width(0); }
+  DecodeTile(const DecodeTile&) = delete;
+  DecodeTile& operator=(const DecodeTile&) = delete;
+  testing::ScopedTrace trace;
+};
+inline constexpr int kDecodeWidths[] = {0, -1, 32, 128};
 
 }  // namespace fourbit::optest

@@ -3,7 +3,7 @@
 //          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_tile_band,
+//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          wgmma_available,
@@ -151,6 +151,11 @@ void set_grouped_wgmma(bool on);
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
 // same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
+// Groups of at most 64 rows on average (the sampler's decode) run 64 x WN tiles of one warpgroup,
+// each streaming a WN-column slice of the weights over all of K: WN = 128 where that gives every
+// SM a CTA, else 32 (0, the default), or forced to 32 or 128; -1 forces the 64 x 256 tile of two
+// warpgroups they replaced. The same bits every way; for benchmarks and the tests.
+void set_grouped_decode_width(int width);
 // The TMA form's tile order: its two-CTA clusters walk bands of `pairs` column-tile pairs, row tiles
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
 // The same bits in any order; for benchmarks.

@@ -12,7 +12,7 @@
 // persistent over the same tiles instead (below). Two main loops, each with a tile for training shapes and one
 // for groups of few rows (the sampler's decode):
 //  - on Hopper (namespace hopper, below): wgmma.m64n128k16 from 128-byte-swizzled shared memory,
-//    256 x 128 or 64 x 256 tiles, 64-wide K tiles;
+//    256 x 128 tiles for training, 64 x 128 or 64 x 32 (m64n32k16) for decode, 64-wide K tiles;
 //  - elsewhere (and set_grouped_wgmma(false)): 8 warps of mma.sync m16n8k16 reading XOR-swizzled
 //    shared memory with ldmatrix, 128 (64, 16) x 128 tiles, 32-wide K tiles.
 // Both feed BF16 tiles by a 4-stage cp.async pipeline; packed tiles (codes as stored and the word
@@ -146,14 +146,16 @@ struct Shape {
 // operand o into the stage at `dst` (codes, then for block-scaled formats one scale word a row),
 // NT threads sharing the copies; rows past the end and K past k_end are zero-filled (a zero
 // adds nothing to a sum, so the padding cannot change any element's bits; zero codes with a zero
-// scale decode to zeros).
+// scale decode to zeros). Only the first `rows` rows are copied (the caller keeps the others
+// zero, or never reads them).
 template <Format F, int TK, int R, int NT>
 __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned char* base, const uint8_t* scales,
-                                          long long row0, long long rows_end, int k0, int k_end, uint32_t dst) {
+                                          long long row0, long long rows_end, int k0, int k_end, uint32_t dst,
+                                          int rows = R) {
   using S = Storage<F, TK>;
   constexpr int kChunkValues = 128 / S::kBits;
 #pragma unroll 4
-  for (int idx = int(threadIdx.x); idx < R * S::kChunks; idx += NT) {
+  for (int idx = int(threadIdx.x); idx < rows * S::kChunks; idx += NT) {
     const int row = idx / S::kChunks, chunk = idx % S::kChunks, k = k0 + chunk * kChunkValues;
     const bool ok = k < k_end && row0 + row < rows_end;
     const uint32_t d = S::kPacked ? dst + uint32_t(row * S::kRowBytes + chunk * 16) : dst + S::bf16_offset(row, chunk);
@@ -162,7 +164,7 @@ __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned c
   if constexpr (S::kPacked) {
     const uint32_t sdst = dst + uint32_t(R * S::kRowBytes);
     const int word = (k0 / block_values<F>()) & ~3;
-    for (int row = int(threadIdx.x); row < R; row += NT) {
+    for (int row = int(threadIdx.x); row < rows; row += NT) {
       const bool ok = k0 < k_end && row0 + row < rows_end;
       cp_async4(sdst + uint32_t(4 * row), ok ? scales + (row0 + row) * o.scale_ld + word : scales, ok ? 4 : 0);
     }
@@ -171,15 +173,16 @@ __device__ __forceinline__ void load_tile(const OperandArgs& o, const unsigned c
 
 // The packed TK-wide K tile at k0 of R rows at `src` into the swizzled BF16 tile at `dst`: a thread
 // decodes 16 values of a row at a time (one NVFP4 block, half an MXFP8 one) with decode8_bits.
+// Only the first `rows` rows are written (the caller keeps the others zero).
 template <Format F, int TK, int R, int NT>
 __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0, unsigned char* dst,
-                                                const float2* e2m1_pair) {
+                                                const float2* e2m1_pair, int rows = R) {
   using S = Storage<F, TK>;
   constexpr int kUnitShift = TK == 32 ? 1 : 2;               // 16-value units a row: 2 or 4
   constexpr int kUnitBytes = S::kRowBytes >> kUnitShift;      // 8 NVFP4 code bytes, 16 MXFP8
   const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in its row's word
 #pragma unroll 2
-  for (int u = int(threadIdx.x); u < (R << kUnitShift); u += NT) {
+  for (int u = int(threadIdx.x); u < (rows << kUnitShift); u += NT) {
     const int row = u >> kUnitShift, q = u & ((1 << kUnitShift) - 1);  // values 16 q .. 16 q + 15
     const unsigned char* codes = src + row * S::kRowBytes + q * kUnitBytes;
     const uint8_t scale = src[R * S::kRowBytes + 4 * row + first_block + (F == Format::NVFP4 ? q : q >> 1)];
@@ -426,12 +429,15 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
 //
 // Warpgroups each computing a 64 x 128 block with wgmma.m64n128k16 (BF16 in, FP32 accumulate) from
 // shared memory: a CTA tile of 256 x 128 (training: four warpgroups stacked in M, 512 threads, so a
-// K tile's 48 KB feed 4 MFLOP) or 64 x 256 (decode: two side by side in N). Every output element is
-// the same chain of m64n128k16 steps over K in order in both shapes, so its bits depend neither on
-// the tile nor on M. Operands arrive by cp.async in a 4-stage pipeline of 64-wide K tiles. BF16
-// ones land in the 128-byte swizzle wgmma reads; the MMAs of a tile are issued before the copies of
-// a later one and left in flight across the next barrier (two tiles of copies ahead, one tile of
-// MMAs behind). Block-scaled ones arrive packed (codes, and the block-scale word of the tile) and
+// K tile's 48 KB feed 4 MFLOP), or for decode one warpgroup's 64 x 128, or 64 x 32 with
+// m64n32k16 where 128-wide tiles would leave SMs idle (decode_width); 64 x 256 (two warpgroups
+// side by side in N) is kept for comparison. Every output element is the same chain of k16 steps
+// over K in order in every shape, so its bits depend neither on the tile nor on M (the
+// instruction's N does not change an element's sum: tested at every width). Operands arrive by
+// cp.async in a pipeline of 64-wide K tiles (4 stages; 8 for the 64 x 32 tile). BF16 ones land in
+// the 128-byte swizzle wgmma reads; the MMAs of a tile are issued before the copies of a later one
+// and left in flight across the next barrier (copies ahead, one tile of MMAs behind). A's rows
+// past its group's are zeroed once and never copied or decoded. Block-scaled ones arrive packed (codes, and the block-scale word of the tile) and
 // are dequantized by the CTA into two swizzled BF16 buffers one tile ahead, while the tensor cores
 // work on the tile before.
 namespace hopper {
@@ -442,16 +448,24 @@ constexpr int kPanel = kBK * 128;  // bytes of an MN-major panel: 64 K rows of 6
 template <Format F>
 using Tile = Storage<F, kBK>;
 
-template <Format F, int WGM, int WGN>
+template <Format F, int WGM, int WGN, int ST = kStages, int WN = 128>
 struct Shape {
   using T = Tile<F>;
-  static constexpr int kWGN = WGN, BM = 64 * WGM, BN = 128 * WGN, kThreads = 128 * WGM * WGN;
+  static constexpr int kStages = ST;
+  static constexpr int kWGN = WGN, BM = 64 * WGM, BN = WN * WGN, kThreads = 128 * WGM * WGN;
   static constexpr int kATile = BM * T::kRowBytes, kBTile = BN * T::kRowBytes;
   static constexpr int kAScales = T::kPacked ? BM * 4 : 0, kBScales = T::kPacked ? BN * 4 : 0;
   static constexpr int kStageBytes = (kATile + kBTile + kAScales + kBScales + 1023) / 1024 * 1024;
   static constexpr int kDecodedBytes = T::kPacked ? 2 * (BM + BN) * 128 : 0;  // two BF16 A and B tiles
   static constexpr int kSmemBytes = kStages * kStageBytes + kDecodedBytes + 1024;  // + alignment slack
+  static_assert(ST >= 3, "the pipelines keep a tile of copies in flight behind one of MMAs");
 };
+
+// The decode configuration's stages for a 64 x WN tile of one warpgroup (Shape<F, 1, 1, ST, WN>):
+// a CTA streams a WN-column slice of an expert's weights over the whole of K. The 32-wide tile is
+// small enough to keep 6 K tiles of copies in flight with two CTAs an SM (BF16: 8 x 12 KB); the
+// 128-wide one keeps the training tile's 4 stages (8 made it slower: one CTA an SM).
+constexpr int decode_stages(int wn) { return wn <= 32 ? 8 : kStages; }
 
 // C values an epilogue that adds to C loads at once (c_pair): 4 pairs keep the TMA forms, whose
 // 17 warps a CTA allow 96 registers a thread, free of spills.
@@ -459,34 +473,42 @@ constexpr int kAhead = 4;
 
 // Keeps the accumulators where the asynchronous wgmma writes them: the compiler may not move or
 // reuse these registers across this point.
-__device__ __forceinline__ void pin(float (&acc)[64]) {
+template <int NA>
+__device__ __forceinline__ void pin(float (&acc)[NA]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+  for (int i = 0; i < NA; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
 // The MMAs of one 64-wide K tile, its four k16 steps in order, committed as one group: A's tile at
-// shared address a (64 rows), B's at b (128 rows), each K-major (128-byte rows in the 128-byte
-// swizzle) or MN-major where TA / TB (kPanel panels of 64 K rows, read with wgmma's transpose).
-// A k16 step is 32 bytes on in a K-major tile, 2048 (16 K rows) in an MN-major one; descriptors
-// count 16-byte units. first: the tile starts the sum.
-template <bool TA, bool TB>
-__device__ __forceinline__ void mma_k_tile(float (&acc)[64], uint32_t a, uint32_t b, bool first) {
+// shared address a (64 rows), B's at b (WN = 128 rows, or 32 for the decode configuration's
+// narrow tile), each K-major (128-byte rows in the 128-byte swizzle) or MN-major where TA / TB
+// (kPanel panels of 64 K rows, read with wgmma's transpose; WN = 128 only). A k16 step is 32
+// bytes on in a K-major tile, 2048 (16 K rows) in an MN-major one; descriptors count 16-byte
+// units. first: the tile starts the sum. Every width issues the same k16 steps in the same order;
+// an output element's products and sums do not depend on the instruction's N (the tests compare
+// every width's bits with the training tile's).
+template <bool TA, bool TB, int WN = 128>
+__device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uint32_t b, bool first) {
+  static_assert(WN == 128 || !(TA || TB), "the narrow tiles are K-major");
   const uint64_t da = TA ? wgmma_desc_sw128_mn(a, kPanel) : wgmma_desc_sw128(a);
   const uint64_t db = TB ? wgmma_desc_sw128_mn(b, kPanel) : wgmma_desc_sw128(b);
   constexpr uint64_t kStepA = TA ? 128 : 2, kStepB = TB ? 128 : 2;
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBK / 16; ++kk)
-    wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+    if constexpr (WN == 128) wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+    else wgmma_m64nNk16_ss<WN>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
   wgmma_commit();
 }
 
-// The epilogue of warpgroup wm's 64 x 128 block of a row-grouped tile (wgmma_m64n128k16's
-// accumulator layout) at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns
-// < N only, in NUMERICS' order (store_pair), C's values loaded kAhead pairs at a time ahead of
-// the stores where it is added to.
-__device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[64], int wm, int col0,
-                                            long long r0, long long r1) {
+// The epilogue of warpgroup wm's 64 x WN block of a row-grouped tile (wgmma's accumulator layout)
+// at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns < N only, in
+// NUMERICS' order (store_pair), C's values loaded kAhead pairs at a time ahead of the stores where
+// it is added to.
+template <int WN = 128>
+__device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[WN / 2], int wm,
+                                            int col0, long long r0, long long r1) {
+  constexpr int kPairs = WN / 8, kAt = kPairs < kAhead ? kPairs : kAhead;
   const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
   const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
   const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = col0 + 2 * (lane & 3);
@@ -495,12 +517,12 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
     const long long row = r0 + row_base + 8 * half;
     if (row >= r1) continue;
 #pragma unroll
-    for (int j0 = 0; j0 < 16; j0 += kAhead) {
-      float2 old[kAhead];
+    for (int j0 = 0; j0 < kPairs; j0 += kAt) {
+      float2 old[kAt];
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j) old[j] = c_pair(p, row, col_base + 8 * (j0 + j));
+      for (int j = 0; j < kAt; ++j) old[j] = c_pair(p, row, col_base + 8 * (j0 + j));
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
+      for (int j = 0; j < kAt; ++j) {
         const int q = j0 + j;
         store_pair(p, sbo, row, col_base + 8 * q, acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1], old[j]);
       }
@@ -513,8 +535,9 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
 // flight while the MMAs of kt - 1 and kt run: the copies of tile kt + 2 go to the stage of kt - 2,
 // whose MMAs every warpgroup has finished (wgmma_wait<1> before the barrier) by the time anyone
 // issues them.
-template <class Load, class Mma>
-__device__ __forceinline__ void bf16_pipeline(int k_tiles, float (&acc)[64], Load&& load_stage, Mma&& mma_stage) {
+template <int ST = kStages, int NA, class Load, class Mma>
+__device__ __forceinline__ void bf16_pipeline(int k_tiles, float (&acc)[NA], Load&& load_stage, Mma&& mma_stage) {
+  constexpr int kStages = ST;
 #pragma unroll
   for (int s = 0; s < kStages - 2; ++s) {
     if (s < k_tiles) load_stage(s);
@@ -553,10 +576,11 @@ __device__ __forceinline__ void load_tile_mn(const unsigned char* base, int64_t 
 // BT: B (BF16) is read MN-major, each group stored [K, N] (the forward's weight of a dgrad): its
 // tile lands as stored in kPanel panels (load_tile_mn) and the MMAs read it with the instruction's
 // transpose, the same products in the same order as from a K-major copy of it.
-template <Format F, int WGM, int WGN, bool BT>
+template <Format F, int WGM, int WGN, bool BT, int ST, int WN>
 __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_constant__ GroupedArgs p) {
   using T = Tile<F>;
-  using S = Shape<F, WGM, WGN>;
+  using S = Shape<F, WGM, WGN, ST, WN>;
+  constexpr int kStages = ST;
   static_assert(!BT || F == Format::BF16, "MN-major B is BF16");
   constexpr int kThreads = S::kThreads;
   constexpr int BM = S::BM, BN = S::BN;
@@ -578,27 +602,40 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   unsigned char* smem = smem_raw + (sbase - raw);
   const int tid = int(threadIdx.x), wg = tid >> 7;
-  const int wm = wg / S::kWGN, wn = wg % S::kWGN;  // this warpgroup's 64 x 128 block
+  const int wm = wg / S::kWGN, wn = wg % S::kWGN;  // this warpgroup's 64 x WN block
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
+  // A's rows past the group's are zeros: copied only where they are the group's, the others
+  // zeroed once (BF16: in every stage, read by the MMAs as they are; packed: in both decoded
+  // buffers, never decoded). A decode tile (64 rows, a few of them the group's) is spared nearly
+  // all of A's copies and decoding.
+  const int a_rows = int(r1 - r0);
+  {
+    const int pad = (BM - a_rows) * 8;  // 16-byte chunks of the rows past the group's
+    const int copies = T::kPacked ? 2 : kStages;
+    unsigned char* first = smem + (T::kPacked ? kStages * S::kStageBytes : 0);
+    const int step = T::kPacked ? (BM + BN) * 128 : S::kStageBytes;
+    for (int i = tid; i < copies * pad; i += kThreads)
+      *reinterpret_cast<uint4*>(first + (i / pad) * step + a_rows * 128 + (i % pad) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
 
   auto load_stage = [&](int kt) {
     const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
     const int k0 = p.k_begin + kt * kBK;
-    load_tile<F, kBK, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st);
+    load_tile<F, kBK, BM, kThreads>(p.a, p.a.data, p.a.scales, r0, r1, k0, p.k_end, st, a_rows);
     if constexpr (BT) load_tile_mn<BN, kThreads>(bg, p.b.ld, n0, p.n, k0, p.k_end, st + S::kATile);
     else load_tile<F, kBK, BN, kThreads>(p.b, bg, bsg, n0, p.n, k0, p.k_end, st + S::kATile + S::kAScales);
   };
-  float acc[64];
+  float acc[WN / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  // A K tile on BF16 tiles at sa (BM rows) and sb (BN rows): this warpgroup's 64 rows of A and 128
-  // columns of B (16 KB on in either layout: 128 K-major rows, or two MN-major panels).
+  for (int i = 0; i < WN / 2; ++i) acc[i] = 0.0f;
+  // A K tile on BF16 tiles at sa (BM rows) and sb (BN rows): this warpgroup's 64 rows of A and WN
+  // columns of B (WN K-major rows, or for WN = 128 two MN-major panels: 16 KB on either way).
   auto mma_tile = [&](uint32_t sa, uint32_t sb, bool first) {
-    mma_k_tile<false, BT>(acc, sa + uint32_t(wm * 64 * 128), sb + uint32_t(wn * 128 * 128), first);
+    mma_k_tile<false, BT, WN>(acc, sa + uint32_t(wm * 64 * 128), sb + uint32_t(wn * WN * 128), first);
   };
 
   if constexpr (!T::kPacked) {
-    bf16_pipeline(k_tiles, acc, load_stage, [&](int kt) {
+    bf16_pipeline<ST>(k_tiles, acc, load_stage, [&](int kt) {
       const uint32_t st = sbase + uint32_t((kt % kStages) * S::kStageBytes);
       mma_tile(st, st + S::kATile, kt == 0);
     });
@@ -613,7 +650,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
       const unsigned char* st = smem + (kt % kStages) * S::kStageBytes;
       unsigned char* d = decoded + (kt & 1) * (BM + BN) * 128;
       const int k0 = p.k_begin + kt * kBK;
-      dequantize_tile<F, kBK, BM, kThreads>(st, k0, d, e2m1_pair);
+      dequantize_tile<F, kBK, BM, kThreads>(st, k0, d, e2m1_pair, a_rows);
       dequantize_tile<F, kBK, BN, kThreads>(st + S::kATile + S::kAScales, k0, d + BM * 128, e2m1_pair);
     };
     cp_async_wait<kStages - 2>();  // tile 0 has landed
@@ -633,7 +670,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     }
   }
   cp_async_wait<0>();
-  store_block(p, group, acc, wm, n0 + wn * 128, r0, r1);
+  store_block<WN>(p, group, acc, wm, n0 + wn * WN, r0, r1);
 }
 
 // ---- the K-grouped form (weight gradients): C_j (+)= A_j . B_j^T, problem j's K its own ----------
@@ -1131,27 +1168,56 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
   return true;
 }
 
-template <Format F, int WGM, int WGN, bool BT>
+template <Format F, int WGM, int WGN, bool BT, int ST = kStages, int WN = 128>
 void launch_shape(const GroupedArgs& p) {
-  using S = Shape<F, WGM, WGN>;
+  using S = Shape<F, WGM, WGN, ST, WN>;
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<F, WGM, WGN, BT>,
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(wgmma_kernel<F, WGM, WGN, BT, ST, WN>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
-  wgmma_kernel<F, WGM, WGN, BT><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
+  wgmma_kernel<F, WGM, WGN, BT, ST, WN><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
 
-// 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`), 64 x 256 where the groups
-// average at most 64 rows (decode): the same bits either way, and for an MN-major B the bits of
-// its K-major copy.
+std::atomic<int> g_decode_width{0};
+
+// The decode configuration's tile width: 128 columns where that gives every SM a CTA (the row
+// tiles with rows times the column tiles), else 32, so that a decode step's few weight matrices
+// (batch 1: two experts) are streamed by 4x the CTAs. Measured on the H200 (gpu_grouped_gemm's
+// decode table): at batch 1 the 32-wide tile takes 0.74 (BF16) to 0.56 (NVFP4) of the 64 x 256
+// tile's time; where the 128-wide tile fills the GPU the narrower ones are 2x slower (each CTA's
+// fixed cost and its K-long chain of barriers, not the weights' bytes, bound these tiles), and
+// 8-wide tiles were slower than 32 everywhere. Row tiles with rows: counted from host offsets;
+// with device offsets at most min(G, M).
+int decode_width(const GroupedArgs& p) {
+  const int forced = g_decode_width.load(std::memory_order_relaxed);
+  if (forced != 0) return forced;
+  int64_t tiles = 0;
+  if (p.offsets) tiles = std::min<int64_t>(p.groups, p.m);
+  else
+    for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + 63) / 64;
+  return tiles * ((p.n + 127) / 128) >= device_sm_count() ? 128 : 32;
+}
+
+// 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`); where the groups average
+// at most 64 rows (decode), 64 x WN tiles of one warpgroup (decode_width; the MN-major B form 128
+// wide), each CTA streaming a WN-column slice of the weights over the whole of K; or, forced
+// (set_grouped_decode_width(-1)), the 64 x 256 tiles of two warpgroups they replaced. The same
+// k16 steps in K order in every case: the same bits, and for an MN-major B the bits of its
+// K-major copy.
 template <Format F, bool BT>
 void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
-  if (rows_per_group <= 64) hopper::launch_shape<F, 1, 2, BT>(p);
-  else if (!(F == Format::BF16 && tma && launch_tma<BT>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
+  if (rows_per_group > 64) {
+    if (!(F == Format::BF16 && tma && launch_tma<BT>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
+    return;
+  }
+  const int w = decode_width(p);
+  if (w < 0) hopper::launch_shape<F, 1, 2, BT>(p);
+  else if (BT || w >= 128) hopper::launch_shape<F, 1, 1, BT, decode_stages(128), 128>(p);
+  else hopper::launch_shape<F, 1, 1, false, decode_stages(32), 32>(p);
 }
 
 }  // namespace hopper
@@ -1372,6 +1438,12 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma(bool on) { g_tma.store(on, std::memory_order_relaxed); }
+
+void set_grouped_decode_width(int width) {
+  if (width != 0 && width != -1 && width != 32 && width != 128)
+    fail("set_grouped_decode_width: {} is not 0 (chosen per call), -1 (the 64 x 256 tile), 32 or 128", width);
+  hopper::g_decode_width.store(width, std::memory_order_relaxed);
+}
 
 void set_grouped_tma_persistent(bool on) { hopper::g_tma_persistent.store(on, std::memory_order_relaxed); }
 

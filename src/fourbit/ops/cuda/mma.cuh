@@ -1,6 +1,6 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
-//          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
+//          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64nNk16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
 //          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
@@ -150,6 +150,27 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a,
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : FOURBIT_WG_ACC64(d, 0)
+      : "l"(a), "l"(b), "r"(accumulate));
+#else
+  (void)d, (void)a, (void)b, (void)accumulate;
+  __trap();
+#endif
+}
+
+// D (64 x 32 FP32: 16 registers a thread, n8 block j at d[4j .. 4j+3] as for wgmma_m64n128k16)
+// (+)= A (64 x 16) . B (32 x 16)^T, both K-major in 128-byte-swizzled shared memory
+// (wgmma_desc_sw128); accumulate = 0 starts the sum. The narrow tile of the grouped kernel's
+// decode configuration.
+template <int N>
+__device__ __forceinline__ void wgmma_m64nNk16_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
+  static_assert(N == 32, "wgmma_m64nNk16_ss: N is 32");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+      "%12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(a), "l"(b), "r"(accumulate));
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
