@@ -18,7 +18,9 @@
 // expert input gradients dX = dY . W_e, the forward's [E, K, N] weights read MN-major in place by
 // the grouped kernel (ops::grouped_gemm with a transposed B), against per-expert cuBLASLt on lanes
 // and against the grouped kernel on a K-major copy of the weights (the same bits, checked).
-// Usage: gpu_grouped_gemm [--reps N] [--json FILE]
+// Usage: gpu_grouped_gemm [--reps N] [--decode-only] [--json FILE]
+// --decode-only: only the decode-sized cases of the block-scaled and decode tables (quick, and a
+// short run to profile the decode tiles in).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -87,8 +89,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   int reps = 20;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == "--reps") reps = std::max(1, std::stoi(argv[i + 1]));
+  bool decode_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--reps" && i + 1 < argc) reps = std::max(1, std::stoi(argv[i + 1]));
+    if (std::string(argv[i]) == "--decode-only") decode_only = true;
+  }
   std::vector<int64_t> skewed(16, 768);
   skewed[0] = 16384 - 15 * 768;  // one expert with 4864 rows
   const std::vector<Case> cases = {
@@ -120,6 +125,7 @@ int main(int argc, char** argv) {
                    "mma.sync ms", "gap",
                    "mma.sync gap"};
   for (const Case& c : cases) {
+    if (decode_only) break;
     const int64_t G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t M = off.back();
@@ -226,6 +232,7 @@ int main(int argc, char** argv) {
   for (const Case& c : block_cases) {
     const int64_t G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
+    if (decode_only && ops::cuda::grouped_rows_per_group(off) > 64) continue;
     const int64_t M = off.back();
     const Tensor a = random_f32({M, c.K}, 3, 1.0f), b = random_f32({G, c.N, c.K}, 4, 0.03f);
     Tensor a16 = Tensor::empty(a.shape(), DType::BF16, Device::CUDA), b16 = Tensor::empty(b.shape(), DType::BF16, Device::CUDA);
@@ -297,6 +304,7 @@ int main(int argc, char** argv) {
   for (const WgradCase& c : {WgradCase{"gpu-small w2, balanced", balanced(16384, 16), 1},
                              WgradCase{"gpu-small w1 + w3, balanced", balanced(16384, 16), 2},
                              WgradCase{"gpu-small w2, skewed", skewed, 1}}) {
+    if (decode_only) break;
     const int64_t D = 1024, G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t T = off.back();
@@ -371,6 +379,7 @@ int main(int argc, char** argv) {
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
+    if (decode_only) break;
     const int64_t G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
     const int64_t M = off.back();

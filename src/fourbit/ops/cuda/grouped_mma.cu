@@ -261,13 +261,33 @@ __device__ __forceinline__ void find_row_tile(const GroupedArgs& p, int bm, int&
   }
 }
 
-// The epilogue of one output element in NUMERICS' order: the FP32 sum times A's outer scale, times
-// B's (sbo: the group's), then added to C when accumulating.
+// The epilogue of one output element in NUMERICS' order: the FP32 sum times A's outer scale sa
+// (where A has outer scales), times B's sb (where B has: scaled_b), then added to C when
+// accumulating. Epilogues with registers to spare load the scales ahead (a_scale, b_scales), with
+// C's values, so that no load waits behind the stores before it; finish_value loads them itself.
+__device__ __forceinline__ float finish_scaled(const GroupedArgs& p, bool scaled_b, float v, float sa, float sb,
+                                               float c) {
+  if (p.a.outer) v = num::mul_rn(v, sa);
+  if (scaled_b) v = num::mul_rn(v, sb);
+  return p.accumulate ? num::add_rn(c, v) : v;
+}
 __device__ __forceinline__ float finish_value(const GroupedArgs& p, const float* sbo, float v, long long row, int col,
                                               float c) {
   if (p.a.outer) v = num::mul_rn(v, p.a.outer[row * p.a.outer_stride]);
   if (sbo) v = num::mul_rn(v, sbo[(long long)col * p.b.outer_stride]);
   return p.accumulate ? num::add_rn(c, v) : v;
+}
+
+// A's outer scale for a row of C (0 where A has none: unread).
+__device__ __forceinline__ float a_scale(const GroupedArgs& p, long long row) {
+  return p.a.outer ? p.a.outer[row * p.a.outer_stride] : 0.0f;
+}
+
+// B's outer scales for columns col, col + 1 (sbo: the group's; 0 where there are none or past N).
+__device__ __forceinline__ float2 b_scales(const GroupedArgs& p, const float* sbo, int col) {
+  if (!sbo) return make_float2(0.0f, 0.0f);
+  return make_float2(col < p.n ? sbo[(long long)col * p.b.outer_stride] : 0.0f,
+                     col + 1 < p.n ? sbo[(long long)(col + 1) * p.b.outer_stride] : 0.0f);
 }
 
 // Whether columns col, col + 1 of a C row take one 8-byte access.
@@ -284,18 +304,24 @@ __device__ __forceinline__ float2 c_pair(const GroupedArgs& p, long long row, in
 }
 
 // Two values of a row at columns col, col + 1 (those < N), 8-byte stores where aligned; old: C's
-// values there (c_pair).
+// values there (c_pair); sbo: B's outer scales (the group's); sa, sb: the outer scales loaded
+// ahead (a_scale, b_scales) where SCALES_AHEAD, else loaded here.
+template <bool SCALES_AHEAD>
 __device__ __forceinline__ void store_pair(const GroupedArgs& p, const float* sbo, long long row, int col, float v0,
-                                           float v1, float2 old) {
+                                           float v1, float2 old, float sa = 0.0f, float2 sb = float2{}) {
   float* crow = p.c + row * p.ldc;
+  const auto finish = [&](float v, int at, float b, float c) {
+    if constexpr (SCALES_AHEAD) return finish_scaled(p, sbo != nullptr, v, sa, b, c);
+    else return finish_value(p, sbo, v, row, at, c);
+  };
   if (pair_fits(p, crow, col)) {
     float2 o = old;
-    o.x = finish_value(p, sbo, v0, row, col, o.x);
-    o.y = finish_value(p, sbo, v1, row, col + 1, o.y);
+    o.x = finish(v0, col, sb.x, o.x);
+    o.y = finish(v1, col + 1, sb.y, o.y);
     *reinterpret_cast<float2*>(crow + col) = o;
   } else {
-    if (col < p.n) crow[col] = finish_value(p, sbo, v0, row, col, p.accumulate ? crow[col] : 0.0f);
-    if (col + 1 < p.n) crow[col + 1] = finish_value(p, sbo, v1, row, col + 1, p.accumulate ? crow[col + 1] : 0.0f);
+    if (col < p.n) crow[col] = finish(v0, col, sb.x, p.accumulate ? crow[col] : 0.0f);
+    if (col + 1 < p.n) crow[col + 1] = finish(v1, col + 1, sb.y, p.accumulate ? crow[col + 1] : 0.0f);
   }
 }
 
@@ -416,12 +442,17 @@ __global__ void __launch_bounds__(kThreads) grouped_kernel(const __grid_constant
       const long long row = r0 + wm * T::kWM + mi * 16 + (lane >> 2) + half * 8;
       if (row >= r1) continue;
       const int col0 = n0 + wn * T::kWN + (lane & 3) * 2;
-      float2 old[T::kNI];
+      const float sa = a_scale(p, row);
+      float2 old[T::kNI], sb[T::kNI];
 #pragma unroll
-      for (int ni = 0; ni < T::kNI; ++ni) old[ni] = c_pair(p, row, col0 + ni * 8);
+      for (int ni = 0; ni < T::kNI; ++ni) {
+        old[ni] = c_pair(p, row, col0 + ni * 8);
+        sb[ni] = b_scales(p, sbo, col0 + ni * 8);
+      }
 #pragma unroll
       for (int ni = 0; ni < T::kNI; ++ni)
-        store_pair(p, sbo, row, col0 + ni * 8, acc[mi][ni][half * 2], acc[mi][ni][half * 2 + 1], old[ni]);
+        store_pair<true>(p, sbo, row, col0 + ni * 8, acc[mi][ni][half * 2], acc[mi][ni][half * 2 + 1], old[ni], sa,
+                         sb[ni]);
     }
 }
 
@@ -503,12 +534,15 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uin
 
 // The epilogue of warpgroup wm's 64 x WN block of a row-grouped tile (wgmma's accumulator layout)
 // at rows r0 + 64 wm .., columns col0 ..: the group's rows (< r1) and columns < N only, in
-// NUMERICS' order (store_pair), C's values loaded kAhead pairs at a time ahead of the stores where
-// it is added to.
-template <int WN = 128>
+// NUMERICS' order (store_pair), C's values and the outer scales loaded AHEAD pairs at a time ahead
+// of the stores (kAhead where registers are tight; a decode tile's one warpgroup loads all of a
+// row's at once, so its epilogue waits for two loads' latency, not one per pair). SCALES_AHEAD
+// false loads the outer scales at each pair's store instead: the TMA form's 96 registers a thread
+// hold C's values ahead but not the scales too (they spilled).
+template <int WN = 128, int AHEAD = kAhead, bool SCALES_AHEAD = true>
 __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, const float (&acc)[WN / 2], int wm,
                                             int col0, long long r0, long long r1) {
-  constexpr int kPairs = WN / 8, kAt = kPairs < kAhead ? kPairs : kAhead;
+  constexpr int kPairs = WN / 8, kAt = kPairs < AHEAD ? kPairs : AHEAD;
   const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
   const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
   const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = col0 + 2 * (lane & 3);
@@ -516,15 +550,20 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
   for (int half = 0; half < 2; ++half) {
     const long long row = r0 + row_base + 8 * half;
     if (row >= r1) continue;
+    const float sa = SCALES_AHEAD ? a_scale(p, row) : 0.0f;
 #pragma unroll
     for (int j0 = 0; j0 < kPairs; j0 += kAt) {
-      float2 old[kAt];
+      float2 old[kAt], sb[kAt] = {};
 #pragma unroll
-      for (int j = 0; j < kAt; ++j) old[j] = c_pair(p, row, col_base + 8 * (j0 + j));
+      for (int j = 0; j < kAt; ++j) {
+        old[j] = c_pair(p, row, col_base + 8 * (j0 + j));
+        if constexpr (SCALES_AHEAD) sb[j] = b_scales(p, sbo, col_base + 8 * (j0 + j));
+      }
 #pragma unroll
       for (int j = 0; j < kAt; ++j) {
         const int q = j0 + j;
-        store_pair(p, sbo, row, col_base + 8 * q, acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1], old[j]);
+        store_pair<SCALES_AHEAD>(p, sbo, row, col_base + 8 * q, acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1],
+                                 old[j], sa, sb[j]);
       }
     }
   }
@@ -670,7 +709,7 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     }
   }
   cp_async_wait<0>();
-  store_block<WN>(p, group, acc, wm, n0 + wn * WN, r0, r1);
+  store_block<WN, WGM * WGN == 1 ? WN / 8 : kAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
 }
 
 // ---- the K-grouped form (weight gradients): C_j (+)= A_j . B_j^T, problem j's K its own ----------
@@ -904,7 +943,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
-      store_block(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
+      store_block<128, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
