@@ -434,22 +434,24 @@ int main(int argc, char** argv) {
                            "x 64, 4 stages; mma.sync m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
-  table.print();
+  if (!decode_only) table.print();
   block.meta = table.meta;
   block.print();
   decode.meta = table.meta;
   decode.print();
   const std::string json = bench::json_path_arg(argc, argv);
-  table.write_json(json);
-  if (!json.empty()) block.write_json(json.substr(0, json.rfind('.')) + "_block.json");
-  if (!json.empty()) decode.write_json(json.substr(0, json.rfind('.')) + "_decode.json");
+  const std::string stem = json.empty() ? "" : json.substr(0, json.rfind('.'));
+  if (!decode_only) table.write_json(json);
+  if (!json.empty()) block.write_json(stem + "_block.json");
+  if (!json.empty()) decode.write_json(stem + "_decode.json");
+  if (decode_only) return 0;
   wgrad.meta = table.meta;
   wgrad.meta["note"] = "weight gradients accumulate into zeroed gradients, repeatedly while timed; mxfp8 times include "
                        "the BF16 decodes both paths run; dense cuBLAS: one BF16 GEMM over all tokens (the same FLOPs)";
   wgrad.print();
-  if (!json.empty()) wgrad.write_json(json.substr(0, json.rfind('.')) + "_wgrad.json");
+  if (!json.empty()) wgrad.write_json(stem + "_wgrad.json");
   dgrad.meta = table.meta;
   dgrad.print();
-  if (!json.empty()) dgrad.write_json(json.substr(0, json.rfind('.')) + "_dgrad.json");
+  if (!json.empty()) dgrad.write_json(stem + "_dgrad.json");
   return 0;
 }
