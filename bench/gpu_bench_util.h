@@ -1,4 +1,4 @@
-// defines: BENCH_CUDA_CHECK, median_ms, median_queued_ms, copy_bandwidth_gbs, similarity_gap
+// defines: BENCH_CUDA_CHECK, median_event_ms, median_ms, median_queued_ms, copy_bandwidth_gbs, similarity_gap
 // What the GPU benchmarks share: a checked CUDA call, and the median time of a piece of GPU work
 // measured with CUDA events on the default stream (the stream every fourbit kernel runs on).
 #pragma once
@@ -19,27 +19,37 @@ namespace fourbit::bench {
     if (e_ != cudaSuccess) ::fourbit::fail("{}:{}: {} failed: {}", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
   } while (0)
 
-// Median milliseconds of fn over `reps` runs after `warmup` runs, each bracketed by CUDA events.
-inline double median_ms(const std::function<void()>& fn, int reps, int warmup = 3) {
-  for (int i = 0; i < warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
+// The median of `reps` samples in milliseconds, each sample(start, stop) recording its work between
+// the two CUDA events (on the default stream, the stream every fourbit kernel runs on) and
+// returning how many calls of the work they bracket.
+inline double median_event_ms(int reps, const std::function<int(cudaEvent_t, cudaEvent_t)>& sample) {
   cudaEvent_t start, stop;
   BENCH_CUDA_CHECK(cudaEventCreate(&start));
   BENCH_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
-    BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
+    const int calls = sample(start, stop);
     BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
     float t = 0.0f;
     BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
+    ms.push_back(double(t) / calls);
   }
   BENCH_CUDA_CHECK(cudaEventDestroy(start));
   BENCH_CUDA_CHECK(cudaEventDestroy(stop));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// Median milliseconds of fn over `reps` runs after `warmup` runs, each bracketed by CUDA events.
+inline double median_ms(const std::function<void()>& fn, int reps, int warmup = 3) {
+  for (int i = 0; i < warmup; ++i) fn();
+  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
+  return median_event_ms(reps, [&](cudaEvent_t start, cudaEvent_t stop) {
+    BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
+    return 1;
+  });
 }
 
 // Median GPU milliseconds of one fn: each of `reps` samples queues `busy` (long GPU work, e.g. a
@@ -50,24 +60,13 @@ inline double median_queued_ms(const std::function<void()>& fn, const std::funct
                                int batch = 20) {
   fn();
   BENCH_CUDA_CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  BENCH_CUDA_CHECK(cudaEventCreate(&start));
-  BENCH_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
+  return median_event_ms(reps, [&](cudaEvent_t start, cudaEvent_t stop) {
     busy();
     BENCH_CUDA_CHECK(cudaEventRecord(start, 0));
     for (int j = 0; j < batch; ++j) fn();
     BENCH_CUDA_CHECK(cudaEventRecord(stop, 0));
-    BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0.0f;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(double(t) / batch);
-  }
-  BENCH_CUDA_CHECK(cudaEventDestroy(start));
-  BENCH_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+    return batch;
+  });
 }
 
 // A device-to-device copy's bandwidth (GB/s of bytes read plus written, 1 GiB copied, median of
