@@ -566,7 +566,9 @@ TEST(AdamWOps, GateIsTheNormClipAndSkipOfTheHostExpression) {
     EXPECT_EQ(gv[ops::kGateClip], max_norm > 0 && norm > max_norm ? double(float(max_norm / norm)) : 1.0);
     EXPECT_EQ(gv[ops::kGateQuantNonfinite], 0.0);
     EXPECT_EQ(gv[ops::kGateSkip], 0.0);
-    if (max_norm == norm / 3.0) EXPECT_LT(gv[ops::kGateClip], 0.34);
+    if (max_norm == norm / 3.0) {
+      EXPECT_LT(gv[ops::kGateClip], 0.34);
+    }
   }
 
   // Gated updates: clipped = grad_scale, and a skip writes nothing (not even the BF16 copy).
