@@ -308,7 +308,7 @@ __device__ __forceinline__ float2 c_pair(const GroupedArgs& p, long long row, in
 // ahead (a_scale, b_scales) where SCALES_AHEAD, else loaded here.
 template <bool SCALES_AHEAD>
 __device__ __forceinline__ void store_pair(const GroupedArgs& p, const float* sbo, long long row, int col, float v0,
-                                           float v1, float2 old, float sa = 0.0f, float2 sb = float2{}) {
+                                           float v1, float2 old, float sa, float2 sb) {
   float* crow = p.c + row * p.ldc;
   const auto finish = [&](float v, int at, float b, float c) {
     if constexpr (SCALES_AHEAD) return finish_scaled(p, sbo != nullptr, v, sa, b, c);
@@ -520,7 +520,7 @@ __device__ __forceinline__ void pin(float (&acc)[NA]) {
 // every width's bits with the training tile's).
 template <bool TA, bool TB, int WN = 128>
 __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uint32_t b, bool first) {
-  static_assert(WN == 128 || !(TA || TB), "the narrow tiles are K-major");
+  static_assert(WN == 128 || (WN == 32 && !TA && !TB), "the narrow tile is 32 wide and K-major");
   const uint64_t da = TA ? wgmma_desc_sw128_mn(a, kPanel) : wgmma_desc_sw128(a);
   const uint64_t db = TB ? wgmma_desc_sw128_mn(b, kPanel) : wgmma_desc_sw128(b);
   constexpr uint64_t kStepA = TA ? 128 : 2, kStepB = TB ? 128 : 2;
@@ -528,7 +528,7 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uin
 #pragma unroll
   for (int kk = 0; kk < kBK / 16; ++kk)
     if constexpr (WN == 128) wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
-    else wgmma_m64nNk16_ss<WN>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+    else wgmma_m64n32k16_ss(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
   wgmma_commit();
 }
 

@@ -1,6 +1,6 @@
 // defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
-//          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64nNk16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
+//          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64n32k16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
 //          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
@@ -161,9 +161,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a,
 // (+)= A (64 x 16) . B (32 x 16)^T, both K-major in 128-byte-swizzled shared memory
 // (wgmma_desc_sw128); accumulate = 0 starts the sum. The narrow tile of the grouped kernel's
 // decode configuration.
-template <int N>
-__device__ __forceinline__ void wgmma_m64nNk16_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-  static_assert(N == 32, "wgmma_m64nNk16_ss: N is 32");
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
