@@ -70,7 +70,7 @@ TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
           ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq),
                                                    offsets, N, xq.padded_cols(), fused.data<float>(), N, acc))
               << c.name;
-          if (decode && wgmma)  // every decode tile gives the same bits (N = 200: a part tile at widths 32 and 128)
+          if (decode && wgmma)  // every decode configuration gives the same bits (N = 200: a part tile at every width)
             for (int width : kDecodeWidths) {
               const DecodeTile tile(width);
               Tensor other = init.clone();
@@ -92,8 +92,8 @@ TEST(CudaGroupedFused, EqualsTheDecodePathBitForBit) {
 }
 
 // The decode configuration (16- and 64-row tiles on the mma.sync loop; on the wgmma loop the
-// weight-streaming 64 x 128 tile and the 64 x 256 one; few rows of one expert) and the training
-// one (every expert) give a row the same bits.
+// streaming kernel, the weight-streaming 64 x 32 and 64 x 128 tiles and the 64 x 256 one; few rows
+// of one expert) and the training one (every expert) give a row the same bits.
 TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (bool wgmma : {true, false}) {  // both main loops

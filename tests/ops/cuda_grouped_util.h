@@ -41,8 +41,8 @@ struct MainLoop {
   testing::ScopedTrace trace;
 };
 
-// The Hopper loop's decode tile for the scope (set_grouped_decode_width): 0 chosen per call, 32 or
-// 128 columns, or -1 for the 64 x 256 tile of two warpgroups.
+// The Hopper loop's decode configuration for the scope (set_grouped_decode_width): 0 chosen per
+// call, 16 the streaming kernel, 32 or 128 columns, or -1 for the 64 x 256 tile of two warpgroups.
 struct DecodeTile {
   explicit DecodeTile(int width) : trace(__FILE__, __LINE__, "decode tile width " + std::to_string(width)) {
     ops::cuda::set_grouped_decode_width(width);
@@ -52,6 +52,6 @@ struct DecodeTile {
   DecodeTile& operator=(const DecodeTile&) = delete;
   testing::ScopedTrace trace;
 };
-inline constexpr int kDecodeWidths[] = {0, -1, 32, 128};
+inline constexpr int kDecodeWidths[] = {0, -1, 16, 32, 128};
 
 }  // namespace fourbit::optest

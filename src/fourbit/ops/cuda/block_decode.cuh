@@ -1,4 +1,5 @@
-// defines: fill_e2m1_pairs, decode8_scale, decode8_bits
+// defines: fill_e2m1_pairs, E2m1Bf16x2Table, kE2m1Bf16x2, fill_e2m1_bf16x2, ue4m3_bf16x2, ue4m3x4_bf16x2,
+//          e2m1x2_times, decode8_scale, decode2_bits, decode8_bits
 // Exact BF16 decodes of 8 consecutive values of a block-scaled row (NVFP4: 4 code bytes, MXFP8
 // E4M3/E5M2: 8), shared by the decode pass of gemm.cu and the grouped GEMM that dequantizes its
 // tiles in shared memory (grouped_mma.cu), so the two give the same bits. Each value is the float
@@ -28,6 +29,62 @@ __device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
   }
 }
 
+// Byte -> two E2M1 values as BF16 (low nibble in the low 16 bits), built at compile time from
+// E2M1's values (0, 0.5, 1, 1.5, 2, 3, 4, 6; the sign in bit 3) and copied into shared memory by
+// the CTAs that use it (fill_e2m1_bf16x2): the streaming kernel's NVFP4 decode (e2m1x2_times).
+struct E2m1Bf16x2Table {
+  uint32_t pair[256];
+};
+constexpr uint32_t e2m1_bf16_bits(int code) {
+  constexpr uint32_t kMagnitude[8] = {0x0000u, 0x3F00u, 0x3F80u, 0x3FC0u, 0x4000u, 0x4040u, 0x4080u, 0x40C0u};
+  return kMagnitude[code & 7] | ((code & 8) ? 0x8000u : 0u);
+}
+constexpr E2m1Bf16x2Table make_e2m1_bf16x2_table() {
+  E2m1Bf16x2Table t{};
+  for (int i = 0; i < 256; ++i) t.pair[i] = e2m1_bf16_bits(i & 15) | (e2m1_bf16_bits(i >> 4) << 16);
+  return t;
+}
+__device__ const E2m1Bf16x2Table kE2m1Bf16x2 = make_e2m1_bf16x2_table();
+
+// The table into shared memory, by the whole CTA.
+__device__ __forceinline__ void fill_e2m1_bf16x2(uint32_t* table) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = kE2m1Bf16x2.pair[i];
+  __syncthreads();
+}
+
+// A UE4M3 block scale (the low byte of code) as a BF16 pair of its value, exact: E4M3 -> FP16
+// (hardware, exact), -> FP32, -> BF16 (4 significant bits at most). The sign bit is dropped and
+// 0x7F stays NaN, as ue4m3_decode.
+__device__ __forceinline__ uint32_t ue4m3_bf16x2(uint32_t code) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(code & 0x7Fu), __NV_E4M3);
+  const float f = __half2float(__half(__half_raw{r.x}));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f, f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// The four UE4M3 block scales of a word (byte i: scale i) as ue4m3_bf16x2 pairs, two a conversion.
+__device__ __forceinline__ void ue4m3x4_bf16x2(uint32_t word, uint32_t (&s)[4]) {
+  word &= 0x7F7F7F7Fu;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * h)), __NV_E4M3);
+    const float2 f = __half22float2(__half2(r));
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.x), hi = __floats2bfloat162_rn(f.y, f.y);
+    s[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
+    s[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+  }
+}
+
+// Two E2M1 values (table entry of a code byte, fill_e2m1_bf16x2) times a UE4M3 scale (BF16 pair,
+// ue4m3x4_bf16x2), in one BF16 pair FMA with a -0 addend: the products are exact in BF16 (at most
+// 6 significant bits, magnitudes in [2^-10, 2688]), so these are decode2_bits' bits, the sign of
+// a zero kept.
+__device__ __forceinline__ uint32_t e2m1x2_times(uint32_t pair, uint32_t scale) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(pair), "r"(scale), "r"(0x80008000u));
+  return d;
+}
+
 // The block scale's value: UE4M3 for NVFP4, UE8M0 (2^E) for MXFP8.
 template <Format F>
 __device__ __forceinline__ float decode8_scale(uint8_t s) {
@@ -37,35 +94,33 @@ __device__ __forceinline__ float decode8_scale(uint8_t s) {
     return num::ue8m0_decode(s);
 }
 
+// 2 values as two BF16 (the lower index in the low 16 bits): an NVFP4 code byte (low nibble
+// first) or two MXFP8 codes (the lower in the low byte) in `codes`, times sv = decode8_scale(block
+// scale). The grouped GEMM's streaming decode kernel builds mma.sync fragments from these.
+template <Format F>
+__device__ __forceinline__ uint32_t decode2_bits(uint32_t codes, float sv, const float2* e2m1_pair) {
+  float2 f;
+  if constexpr (F == Format::NVFP4) {
+    f = e2m1_pair[codes & 0xFFu];
+  } else {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xFFFFu),
+                                                     F == Format::MXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    f = __half22float2(__half2(h));
+  }
+  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * sv, f.y * sv);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
 // 8 values as 8 BF16 (lowest index in the lowest bits): NVFP4 codes in w.x (two a byte, low
 // nibble first), MXFP8 codes in w.x (values 0..3) and w.y (4..7); sv = decode8_scale(block scale).
 template <Format F>
 __device__ __forceinline__ uint4 decode8_bits(uint2 w, float sv, const float2* e2m1_pair) {
-  float v[8];
-  if constexpr (F == Format::NVFP4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 p = e2m1_pair[(w.x >> (8 * j)) & 0xFFu];
-      v[2 * j] = p.x * sv;
-      v[2 * j + 1] = p.y * sv;
-    }
-  } else {
-    const uint32_t words[2] = {w.x, w.y};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const __nv_fp8x2_storage_t pair = __nv_fp8x2_storage_t(words[j / 2] >> (16 * (j % 2)));
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, F == Format::MXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
-      const float2 f = __half22float2(__half2(h));
-      v[2 * j] = f.x * sv;
-      v[2 * j + 1] = f.y * sv;
-    }
-  }
   uint4 packed;
   uint32_t* pw = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 b = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-    pw[j] = *reinterpret_cast<const uint32_t*>(&b);
+    if constexpr (F == Format::NVFP4) pw[j] = decode2_bits<F>(w.x >> (8 * j), sv, e2m1_pair);
+    else pw[j] = decode2_bits<F>((j < 2 ? w.x : w.y) >> (16 * (j % 2)), sv, e2m1_pair);
   }
   return packed;
 }

@@ -151,10 +151,12 @@ void set_grouped_wgmma(bool on);
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the
 // same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
-// Groups of at most 64 rows on average (the sampler's decode) run 64 x WN tiles of one warpgroup,
-// each streaming a WN-column slice of the weights over all of K: WN = 128 where that gives every
-// SM a CTA, else 32 (0, the default), or forced to 32 or 128; -1 forces the 64 x 256 tile of two
-// warpgroups they replaced. The same bits every way; for benchmarks and the tests.
+// Groups of at most 64 rows on average (the sampler's decode) run a kernel that streams the
+// weights over all of K: by default (0) the streaming kernel where groups average at most 32 rows
+// (each warp 16 weight rows, decoded in registers as the MMA's A operand), else 64 x WN tiles of
+// one warpgroup, WN = 128 where that gives every SM a CTA, else 32. Forced: 16 (the streaming
+// kernel), 32 or 128, or -1 for the 64 x 256 tile of two warpgroups. The same bits every way; for
+// benchmarks and the tests.
 void set_grouped_decode_width(int width);
 // The TMA form's tile order: its two-CTA clusters walk bands of `pairs` column-tile pairs, row tiles
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
