@@ -198,13 +198,14 @@ int main(int argc, char** argv) {
                    "vs bf16 kernel", "fused / dense bf16 speed", "B GB/s", "bf16 B GB/s", "same bits"};
   // Decode-sized groups (at most 64 rows on average), GPU time only (median_queued_ms: the calls
   // queued behind an 8192^3 GEMM, as a CUDA graph would issue them), each decode tile of the
-  // wgmma loop: the 64 x 256 one of two warpgroups, and the weight-streaming 64 x WN ones of one
-  // (set_grouped_decode_width); "chosen": the width the kernel picks. B GB/s (the weights of the
+  // wgmma loop: the 64 x 256 one of two warpgroups, the weight-streaming 64 x WN ones of one, and
+  // the streaming kernel (weights decoded in registers as mma.sync's A operand; "stream") —
+  // set_grouped_decode_width; "chosen": what the kernel picks. B GB/s (the weights of the
   // experts with rows, read once) and the speed against the BF16 weights are the chosen tile's;
   // "B ÷ copy": against a device-to-device copy measured in the same run.
   bench::BenchTable decode;
   decode.name = fmt::format("decode-sized grouped GEMMs, GPU time per call (queued, median of {})", reps);
-  decode.columns = {"format", "case", "M", "64 x 256 us", "64 x 128 us", "64 x 32 us", "chosen us",
+  decode.columns = {"format", "case", "M", "64 x 256 us", "64 x 128 us", "64 x 32 us", "stream us", "chosen us",
                     "B GB/s", "B ÷ copy", "speed vs bf16"};
   const double copy_gbs = bench::copy_bandwidth_gbs(reps);
   const Tensor busy_a = random_f32({8192, 8192}, 9, 1.0f);
@@ -212,10 +213,11 @@ int main(int argc, char** argv) {
   ops::convert(busy_a, busy16);
   Tensor busy_c = Tensor::empty({8192, 8192}, DType::F32, Device::CUDA);
   auto busy = [&] { ops::gemm(ops::Operand(busy16), ops::Operand(busy16), busy_c, false); };
-  // the queued GPU time of run (microseconds) on each decode tile: -1 (64 x 256), 128, 32, chosen
+  // the queued GPU time of run (microseconds) on each decode configuration: -1 (64 x 256), 128, 32,
+  // 16 (the streaming kernel), chosen
   auto decode_widths = [&](auto&& run) {
     std::vector<double> us;
-    for (int width : {-1, 128, 32, 0}) {
+    for (int width : {-1, 128, 32, 16, 0}) {
       ops::cuda::set_grouped_decode_width(width);
       us.push_back(1e3 * bench::median_queued_ms(run, busy, reps));
     }
@@ -224,10 +226,10 @@ int main(int argc, char** argv) {
   };
   auto decode_row = [&](const char* format, const std::string& name, int64_t M, const std::vector<double>& us,
                         int64_t bytes, double bf16_us) {
-    const double gbs = double(bytes) / (us[3] * 1e3);
+    const double gbs = double(bytes) / (us[4] * 1e3);
     decode.add({{"format", format}, {"case", name}, {"M", M}, {"64 x 256 us", us[0]}, {"64 x 128 us", us[1]},
-                {"64 x 32 us", us[2]}, {"chosen us", us[3]}, {"B GB/s", gbs}, {"B ÷ copy", gbs / copy_gbs},
-                {"speed vs bf16", bf16_us / us[3]}});
+                {"64 x 32 us", us[2]}, {"stream us", us[3]}, {"chosen us", us[4]}, {"B GB/s", gbs},
+                {"B ÷ copy", gbs / copy_gbs}, {"speed vs bf16", bf16_us / us[4]}});
   };
   for (const Case& c : block_cases) {
     const int64_t G = int64_t(c.rows.size());
@@ -248,7 +250,7 @@ int main(int argc, char** argv) {
     double bf16_us = 0.0;
     if (decode_sized) {
       const std::vector<double> us = decode_widths(bf16);
-      bf16_us = us[3];
+      bf16_us = us[4];
       decode_row("bf16", c.name, M, us, b16_bytes, bf16_us);
     }
     const Tensor b0 = b16.view(0, {c.N, c.K}), a_all = a16;
@@ -430,8 +432,10 @@ int main(int argc, char** argv) {
                 {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
                            "2-CTA clusters multicasting A, persistent, tiles in bands of 8 column pairs (cp.async ms: fed "
                            "by cp.async; launch-order ms: TMA, a row tile's columns before the next's; a cluster a tile "
-                           "ms: TMA, not persistent), 64x256 on 2 for small groups, "
-                           "x 64, 4 stages; mma.sync m16n8k16 main loop for comparison"},
+                           "ms: TMA, not persistent); for decode-sized groups the streaming kernel (a warp per 16 "
+                           "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
+                           "rows a group, else 64x128 or 64x32 tiles of one warpgroup; 64-wide K tiles; mma.sync "
+                           "m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
   if (!decode_only) table.print();

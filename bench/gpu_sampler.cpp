@@ -8,9 +8,12 @@
 // synchronised at each phase's end, so this runs on the CPU as well (--device cpu).
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
-//                    [--cache 512] [--kv-cache bf16,f32] [--json FILE]
+//                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
-// before it; the same samples), each a row of the table.
+// before it; the same samples), each a row of the table. --decode-widths: the grouped expert
+// GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
+// streaming kernel, 32 / 128 the one-warpgroup tiles, -1 the 64 x 256 tile; the same samples),
+// each a row: an A/B of the expert kernels within one process.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -19,6 +22,7 @@
 
 #include "bench/bench_util.h"
 #include "fourbit/model/model.h"
+#include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/rl/sampler.h"
 #include "fourbit/tensor/device_memory.h"
 
@@ -78,8 +82,10 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",      "kv_cache",          "batch",       "decode_tok_per_s",
-                     "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    table.columns = {"recipe",           "kv_cache",    "experts",           "batch",
+                     "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    std::vector<int> widths;
+    for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     std::vector<DType> kv_storages;
     for (const std::string& kv : split(arg(argc, argv, "--kv-cache", "default"))) {
       if (kv != "default" && kv != "bf16" && kv != "f32") fail("--kv-cache takes bf16, f32 or default, not {}", kv);
@@ -102,35 +108,42 @@ int main(int argc, char** argv) {
         w.max_new = 4;
         sampler.sample(random_prompts(2, P, 1), w);
       }
-      for (const DType storage : kv_storages) {
-        sampler.set_kv_storage(storage);
-        for (int64_t B : batches) {
-          sampler.reset_stats();
-          const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
-          const rl::SamplerStats& s = sampler.stats();
-          const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
-          const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
-          const double kv_mib = double(B) * double(C) * 2.0 *
-                                double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
-                                double(dtype_size(storage)) / 1048576.0;
-          table.add({{"recipe", recipe},
-                     {"kv_cache", dtype_name(storage)},
-                     {"batch", B},
-                     {"decode_tok_per_s", double(decode_tokens) / decode_s},
-                     {"ms_per_step", 1e3 * decode_s / double(s.decode_forwards)},
-                     {"prefill_tok_per_s", double(s.prefill_tokens) / s.prefill_s},
-                     {"kv_cache_MiB", kv_mib},
-                     {"decode_steps", s.decode_forwards},
-                     {"sampled_tokens", s.sampled_tokens},
-                     {"decode_s", s.decode_s},
-                     {"choose_s", s.choose_s},
-                     {"prefill_s", s.prefill_s}});
-          std::printf("%s, %s cache, batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(),
-                      dtype_name(storage), (long long)B, double(decode_tokens) / decode_s,
-                      (long long)s.decode_forwards);
-          (void)out;
-        }
-      }
+      for (const DType storage : kv_storages)
+        for (int64_t B : batches)
+          for (const int width : widths) {  // adjacent in time: an A/B of the expert kernels
+            sampler.set_kv_storage(storage);
+            if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(width);
+            const std::string experts = width == 0    ? "chosen"
+                                        : width == 16 ? "stream"
+                                        : width < 0   ? "64x256"
+                                                      : fmt::format("64x{}", width);
+            sampler.reset_stats();
+            const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
+            const rl::SamplerStats& s = sampler.stats();
+            const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
+            const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
+            const double kv_mib = double(B) * double(C) * 2.0 *
+                                  double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
+                                  double(dtype_size(storage)) / 1048576.0;
+            table.add({{"recipe", recipe},
+                       {"kv_cache", dtype_name(storage)},
+                       {"experts", experts},
+                       {"batch", B},
+                       {"decode_tok_per_s", double(decode_tokens) / decode_s},
+                       {"ms_per_step", 1e3 * decode_s / double(s.decode_forwards)},
+                       {"prefill_tok_per_s", double(s.prefill_tokens) / s.prefill_s},
+                       {"kv_cache_MiB", kv_mib},
+                       {"decode_steps", s.decode_forwards},
+                       {"sampled_tokens", s.sampled_tokens},
+                       {"decode_s", s.decode_s},
+                       {"choose_s", s.choose_s},
+                       {"prefill_s", s.prefill_s}});
+            std::printf("%s, %s cache, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(),
+                        dtype_name(storage), experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
+                        (long long)s.decode_forwards);
+            (void)out;
+          }
+      if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(0);
     }
     table.print();
     table.write_json(bench::json_path_arg(argc, argv));
