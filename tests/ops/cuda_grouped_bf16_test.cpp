@@ -39,16 +39,18 @@ using optest::DecodeTile;
 using optest::kDecodeWidths;
 using optest::MainLoop;
 
-// A BF16 CUDA tensor of N(0, scale^2) values, and its values as doubles on the host.
+// A BF16 CUDA tensor of N(0, scale^2) values, each times 2^e for e uniform in [-binades, binades],
+// and its values as doubles on the host.
 struct Bf16 {
   Tensor dev;
   std::vector<double> host;
 };
-Bf16 random_bf16(const Shape& s, uint64_t seed, float scale) {
+Bf16 random_bf16(const Shape& s, uint64_t seed, float scale, int binades = 0) {
   std::mt19937_64 g(seed);
   std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> ed(-binades, binades);
   std::vector<float> v(size_t(shape_numel(s)));
-  for (auto& x : v) x = nd(g) * scale;
+  for (auto& x : v) x = std::ldexp(nd(g) * scale, ed(g));
   const Tensor f = Tensor::from_host(v.data(), s, DType::F32, Device::CUDA);
   Bf16 out{Tensor::empty(s, DType::BF16, Device::CUDA), {}};
   ops::convert(f, out.dev);
@@ -232,8 +234,11 @@ TEST(CudaGroupedBf16, OuterScalesInTheEpilogueAreTheScaleEpiloguesOrder) {
 
 // The gpu-small expert shape (16 experts, 16384 routed rows, N = K = 1024): every row of the full
 // launch equals the same row computed with only the first m rows of its group (m = 1, 7, 64,
-// 1000), alone or between two other groups. Then the negative control: the same launch with K
-// split in two halves summed afterwards (split-K) differs, so the comparison would catch it.
+// 1000), alone or between two other groups. A's values spread over 17 binades, so that the products
+// an MMA step adds differ widely in exponent: every decode configuration must align and round its
+// terms as the training tile does (the streaming kernel's mma.sync, the weights its A operand, as
+// wgmma with the tokens as A). Then the negative control: the same launch with K split in two
+// halves summed afterwards (split-K) differs, so the comparison would catch it.
 TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (bool wgmma : {true, false}) {  // both main loops
@@ -243,7 +248,7 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
     std::vector<int32_t> off{0};
     for (int64_t g = 0; g + 1 < G; ++g) off.push_back(off.back() + (g == 5 ? 1200 : int32_t(500 + rng() % 500)));
     off.push_back(int32_t(M));  // the last group takes the rest (at least 1384 rows)
-    const Bf16 a = random_bf16({M, K}, 31, 1.0f), b = random_bf16({G, N, K}, 32, 0.03f);
+    const Bf16 a = random_bf16({M, K}, 31, 1.0f, 8), b = random_bf16({G, N, K}, 32, 0.03f);
     Tensor full = filled(M, N, 0.0f);
     ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(off), full, false);
     const std::vector<float> fh = host_floats(full);
