@@ -13,8 +13,8 @@
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
 // streaming kernel, 32 / 128 the one-warpgroup tiles, -1 the 64 x 256 tile; the same samples),
-// each a row: an A/B of the expert kernels within one process, after a short sample at the batch
-// size (its allocations and plans) that no row counts.
+// each a row: an A/B of the expert kernels within one process, after a sample at the batch size
+// (its allocations: KV caches of the full length) that no row counts.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -113,11 +113,9 @@ int main(int argc, char** argv) {
       }
       for (const DType storage : kv_storages)
         for (int64_t B : batches) {
-          if (widths.size() > 1) {  // the batch's allocations and plans first, so no run of the A/B pays them
+          if (widths.size() > 1) {  // the batch's allocations (full-length KV caches) first: no row pays them
             sampler.set_kv_storage(storage);
-            rl::SamplingOptions w = opt;
-            w.max_new = 4;
-            sampler.sample(random_prompts(B, P, 3), w);
+            sampler.sample(random_prompts(B, P, 3), opt);
           }
           for (const int width : widths) {  // adjacent in time: an A/B of the expert kernels
             sampler.set_kv_storage(storage);
