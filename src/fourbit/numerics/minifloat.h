@@ -103,12 +103,15 @@ FOURBIT_HD uint8_t e2m1_encode(float x, Rounding m = Rounding::RNE, uint32_t r =
 }
 // E2M1 decode without branches (it sits in the Four Over Six inner loop): exponent field e,
 // mantissa bit m; e > 0 is (1 + m/2) * 2^(e-1), e == 0 is m/2. Same values as minifloat_decode.
-FOURBIT_HD float e2m1_decode(uint32_t code) {
+// e2m1_bits is the value's float32 bit pattern, at compile time too (the GPU's tables of E2M1
+// values are built from it).
+FOURBIT_HD constexpr uint32_t e2m1_bits(uint32_t code) {
   const uint32_t e = (code >> 1) & 3u, m = code & 1u;
   const uint32_t normal = ((e + 126u) << 23) | (m << 22);
   const uint32_t mag = e ? normal : (m ? 0x3F000000u : 0u);
-  return float_of(mag | ((code & 8u) << 28));
+  return mag | ((code & 8u) << 28);
 }
+FOURBIT_HD float e2m1_decode(uint32_t code) { return float_of(e2m1_bits(code)); }
 FOURBIT_HD uint8_t e4m3_encode(float x, Rounding m = Rounding::RNE, uint32_t r = 0) {
   return uint8_t(minifloat_encode(e4m3_spec(), x, 0, m, r));
 }

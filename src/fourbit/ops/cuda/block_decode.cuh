@@ -30,18 +30,16 @@ __device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
 }
 
 // Byte -> two E2M1 values as BF16 (low nibble in the low 16 bits), built at compile time from
-// E2M1's values (0, 0.5, 1, 1.5, 2, 3, 4, 6; the sign in bit 3) and copied into shared memory by
-// the CTAs that use it (fill_e2m1_bf16x2): the streaming kernel's NVFP4 decode (e2m1x2_times).
+// num::e2m1_bits (an E2M1 value has 2 significant bits: its BF16 pattern is the float32 one's top
+// half) and copied into shared memory by the CTAs that use it (fill_e2m1_bf16x2): the streaming
+// kernel's NVFP4 decode (e2m1x2_times).
 struct E2m1Bf16x2Table {
   uint32_t pair[256];
 };
-constexpr uint32_t e2m1_bf16_bits(int code) {
-  constexpr uint32_t kMagnitude[8] = {0x0000u, 0x3F00u, 0x3F80u, 0x3FC0u, 0x4000u, 0x4040u, 0x4080u, 0x40C0u};
-  return kMagnitude[code & 7] | ((code & 8) ? 0x8000u : 0u);
-}
 constexpr E2m1Bf16x2Table make_e2m1_bf16x2_table() {
   E2m1Bf16x2Table t{};
-  for (int i = 0; i < 256; ++i) t.pair[i] = e2m1_bf16_bits(i & 15) | (e2m1_bf16_bits(i >> 4) << 16);
+  for (uint32_t i = 0; i < 256; ++i)
+    t.pair[i] = (num::e2m1_bits(i & 15u) >> 16) | (num::e2m1_bits(i >> 4) & 0xFFFF0000u);
   return t;
 }
 __device__ const E2m1Bf16x2Table kE2m1Bf16x2 = make_e2m1_bf16x2_table();
