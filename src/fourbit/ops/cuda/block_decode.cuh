@@ -5,7 +5,9 @@
 // tiles in shared memory (grouped_mma.cu), so the two give the same bits. Each value is the float
 // product code x block scale — exact: at most 6 significant bits for E2M1 x E4M3 and 4 for
 // E4M3/E5M2 x 2^E — converted once to BF16 (RNE). The byte -> two E2M1 values table lives in
-// shared memory; FP8 codes go through the hardware conversion.
+// shared memory; FP8 codes go through the hardware conversion. The grouped GEMM's streaming kernel
+// decodes two values at a time into its MMA fragments: MXFP8 with decode2_bits, NVFP4 with
+// e2m1x2_times, the same products formed in BF16 (exact there, so the same bits).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
