@@ -1,4 +1,4 @@
-// defines: fill_e2m1_pairs, E2m1Bf16x2Table, kE2m1Bf16x2, fill_e2m1_bf16x2, ue4m3_bf16x2, ue4m3x4_bf16x2,
+// defines: fill_e2m1_pairs, bf16x2_bits, E2m1Bf16x2Table, kE2m1Bf16x2, fill_e2m1_bf16x2, ue4m3_bf16x2, ue4m3x4_bf16x2,
 //          e2m1x2_times, decode8_scale, decode2_bits, decode8_bits
 // Exact BF16 decodes of 8 consecutive values of a block-scaled row (NVFP4: 4 code bytes, MXFP8
 // E4M3/E5M2: 8), shared by the decode pass of gemm.cu and the grouped GEMM that dequantizes its
@@ -31,6 +31,12 @@ __device__ __forceinline__ void fill_e2m1_pairs(float2* e2m1_pair) {
   }
 }
 
+// Two floats as a BF16 pair's bits (lo in the low 16 bits), each rounded to nearest even.
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
 // Byte -> two E2M1 values as BF16 (low nibble in the low 16 bits), built at compile time from
 // num::e2m1_bits (an E2M1 value has 2 significant bits: its BF16 pattern is the float32 one's top
 // half) and copied into shared memory by the CTAs that use it (fill_e2m1_bf16x2): the streaming
@@ -58,8 +64,7 @@ __device__ __forceinline__ void fill_e2m1_bf16x2(uint32_t* table) {
 __device__ __forceinline__ uint32_t ue4m3_bf16x2(uint32_t code) {
   const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(code & 0x7Fu), __NV_E4M3);
   const float f = __half2float(__half(__half_raw{r.x}));
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f, f);
-  return *reinterpret_cast<const uint32_t*>(&b);
+  return bf16x2_bits(f, f);
 }
 
 // The four UE4M3 block scales of a word (byte i: scale i) as ue4m3_bf16x2 pairs, two a conversion.
@@ -69,18 +74,18 @@ __device__ __forceinline__ void ue4m3x4_bf16x2(uint32_t word, uint32_t (&s)[4]) 
   for (int h = 0; h < 2; ++h) {
     const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * h)), __NV_E4M3);
     const float2 f = __half22float2(__half2(r));
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.x), hi = __floats2bfloat162_rn(f.y, f.y);
-    s[2 * h] = *reinterpret_cast<const uint32_t*>(&lo);
-    s[2 * h + 1] = *reinterpret_cast<const uint32_t*>(&hi);
+    s[2 * h] = bf16x2_bits(f.x, f.x);
+    s[2 * h + 1] = bf16x2_bits(f.y, f.y);
   }
 }
 
-// Two E2M1 values (table entry of a code byte, fill_e2m1_bf16x2) times a UE4M3 scale (BF16 pair,
-// ue4m3x4_bf16x2), in one BF16 pair FMA with a -0 addend: the products are exact in BF16 (at most
-// 6 significant bits, magnitudes in [2^-10, 2688]), so these are decode2_bits' bits, the sign of
-// a zero kept.
-__device__ __forceinline__ uint32_t e2m1x2_times(uint32_t pair, uint32_t scale) {
+// The two E2M1 values of code byte `byte` of `word` (their pair in `table`, fill_e2m1_bf16x2)
+// times a UE4M3 scale (a BF16 pair, ue4m3_bf16x2), in one BF16 pair FMA with a -0 addend: the
+// products are exact in BF16 (at most 6 significant bits, magnitudes in [2^-10, 2688]), so these
+// are decode2_bits' bits, the sign of a zero kept.
+__device__ __forceinline__ uint32_t e2m1x2_times(const uint32_t* table, uint32_t word, int byte, uint32_t scale) {
   uint32_t d;
+  const uint32_t pair = table[(word >> (8 * byte)) & 0xFFu];
   asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(pair), "r"(scale), "r"(0x80008000u));
   return d;
 }
@@ -107,8 +112,7 @@ __device__ __forceinline__ uint32_t decode2_bits(uint32_t codes, float sv, const
                                                      F == Format::MXFP8_E4M3 ? __NV_E4M3 : __NV_E5M2);
     f = __half22float2(__half2(h));
   }
-  const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * sv, f.y * sv);
-  return *reinterpret_cast<const uint32_t*>(&b);
+  return bf16x2_bits(f.x * sv, f.y * sv);
 }
 
 // 8 values as 8 BF16 (lowest index in the lowest bits): NVFP4 codes in w.x (two a byte, low

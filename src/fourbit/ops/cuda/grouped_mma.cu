@@ -782,8 +782,8 @@ __device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0,
           uint32_t* h = reinterpret_cast<uint32_t*>(&hi);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            l[j] = e2m1x2_times(e2m1_bf16[(w.x >> (8 * j)) & 0xFFu], sc);
-            h[j] = e2m1x2_times(e2m1_bf16[(w.y >> (8 * j)) & 0xFFu], sc);
+            l[j] = e2m1x2_times(e2m1_bf16, w.x, j, sc);
+            h[j] = e2m1x2_times(e2m1_bf16, w.y, j, sc);
           }
         } else {
           const float sv = decode8_scale<F>(p.a.scales[(r0 + row) * p.a.scale_ld + k / block_values<F>()]);
@@ -876,8 +876,8 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
         ue4m3x4_bf16x2(scales, sc);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {  // codes of k 16 s + 2 tig, + 1 (word 2 s) and + 8, + 9 (word 2 s + 1)
-          a[s][h] = e2m1x2_times(e2m1_bf16[(w[2 * s] >> (8 * tig)) & 0xFFu], sc[s]);
-          a[s][2 + h] = e2m1x2_times(e2m1_bf16[(w[2 * s + 1] >> (8 * tig)) & 0xFFu], sc[s]);
+          a[s][h] = e2m1x2_times(e2m1_bf16, w[2 * s], tig, sc[s]);
+          a[s][2 + h] = e2m1x2_times(e2m1_bf16, w[2 * s + 1], tig, sc[s]);
         }
       } else {
         const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in the word
