@@ -113,12 +113,10 @@ int main(int argc, char** argv) {
       }
       for (const DType storage : kv_storages)
         for (int64_t B : batches) {
-          if (widths.size() > 1) {  // the batch's allocations (full-length KV caches) first: no row pays them
-            sampler.set_kv_storage(storage);
-            sampler.sample(random_prompts(B, P, 3), opt);
-          }
+          sampler.set_kv_storage(storage);
+          // the batch's allocations (full-length KV caches) first: no row pays them
+          if (widths.size() > 1) sampler.sample(random_prompts(B, P, 3), opt);
           for (const int width : widths) {  // adjacent in time: an A/B of the expert kernels
-            sampler.set_kv_storage(storage);
             if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(width);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
