@@ -8,13 +8,16 @@
 // synchronised at each phase's end, so this runs on the CPU as well (--device cpu).
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
-//                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128] [--json FILE]
+//                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
+//                    [--forward-gemms grouped,gemm] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
 // streaming kernel, 32 / 128 the one-warpgroup tiles, -1 the 64 x 256 tile; the same samples),
 // each a row: an A/B of the expert kernels within one process, after a sample at the batch size
-// (its allocations: KV caches of the full length) that no row counts.
+// (its allocations: KV caches of the full length) that no row counts. --forward-gemms: the linear
+// layers' forward GEMMs on the grouped kernel family (grouped, the default: forward_gemm) or on
+// ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -83,12 +86,19 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "experts",           "batch",
-                     "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    table.columns = {"recipe",      "kv_cache",          "forward",     "experts",
+                     "batch",       "decode_tok_per_s",  "ms_per_step", "prefill_tok_per_s",
+                     "kv_cache_MiB"};
     std::vector<int> widths;
     for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     if (device == Device::CPU && widths != std::vector<int>{0})
       fail("--decode-widths: the grouped GEMM's decode configurations are the CUDA backend's; on the CPU give 0");
+    std::vector<bool> forward_grouped;
+    for (const std::string& f : split(arg(argc, argv, "--forward-gemms", "grouped"))) {
+      if (f != "grouped" && f != "gemm") fail("--forward-gemms takes grouped or gemm, not {}", f);
+      forward_grouped.push_back(f == "grouped");
+    }
+    if (forward_grouped.empty()) fail("--forward-gemms names no path");
     std::vector<DType> kv_storages;
     for (const std::string& kv : split(arg(argc, argv, "--kv-cache", "default"))) {
       if (kv != "default" && kv != "bf16" && kv != "f32") fail("--kv-cache takes bf16, f32 or default, not {}", kv);
@@ -115,9 +125,11 @@ int main(int argc, char** argv) {
         for (int64_t B : batches) {
           sampler.set_kv_storage(storage);
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() > 1) sampler.sample(random_prompts(B, P, 3), opt);
-          for (const int width : widths) {  // adjacent in time: an A/B of the expert kernels
+          if (widths.size() * forward_grouped.size() > 1) sampler.sample(random_prompts(B, P, 3), opt);
+          for (const bool fwd : forward_grouped)
+          for (const int width : widths) {  // adjacent in time: an A/B of the kernels
             if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(width);
+            set_forward_gemms_grouped(fwd);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
                                         : width < 0   ? "64x256"
@@ -132,6 +144,7 @@ int main(int argc, char** argv) {
                                   double(dtype_size(storage)) / 1048576.0;
             table.add({{"recipe", recipe},
                        {"kv_cache", dtype_name(storage)},
+                       {"forward", fwd ? "grouped" : "gemm"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -143,13 +156,14 @@ int main(int argc, char** argv) {
                        {"decode_s", s.decode_s},
                        {"choose_s", s.choose_s},
                        {"prefill_s", s.prefill_s}});
-            std::printf("%s, %s cache, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n", recipe.c_str(),
-                        dtype_name(storage), experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
+            std::printf("%s, %s cache, forward %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
+                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
                         (long long)s.decode_forwards);
             (void)out;
           }
         }
       if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(0);
+      set_forward_gemms_grouped(true);
     }
     table.print();
     table.write_json(bench::json_path_arg(argc, argv));

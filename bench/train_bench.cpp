@@ -3,7 +3,7 @@
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
-//                    [--keep-ffn off|on|both] [--json FILE]
+//                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -11,6 +11,9 @@
 // (per-expert); several (comma-separated, repeats allowed), or all (per-expert, decode-path,
 // grouped), run each recipe under each in this process. --keep-ffn: the FFN interiors recomputed in backward (off, the
 // default) or kept from the forward (on: Model::set_keep_ffn_activations, the same bits), or both.
+// --forward-gemms: the linear layers' forward GEMMs (attention, shared expert, dense FFN, LM head)
+// on the grouped kernel family (grouped, the default: forward_gemm) or on ops::gemm's cuBLASLt
+// (gemm, the path before it), or both, each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -103,8 +106,17 @@ int main(int argc, char** argv) {
   else if (keep_arg == "both") keeps = {false, true};
   else fail("train_bench: --keep-ffn must be off, on or both, got '{}'", keep_arg);
   if (keep_arg != "off") table.columns.insert(table.columns.begin() + 1, "FFN interiors");
+  const std::string fwd_arg = arg(argc, argv, "--forward-gemms", "grouped");
+  std::vector<bool> fwd_grouped;
+  if (fwd_arg == "grouped") fwd_grouped = {true};
+  else if (fwd_arg == "gemm") fwd_grouped = {false};
+  else if (fwd_arg == "both") fwd_grouped = {true, false};
+  else fail("train_bench: --forward-gemms must be grouped, gemm or both, got '{}'", fwd_arg);
+  if (fwd_arg != "grouped") table.columns.insert(table.columns.begin() + 1, "forward GEMMs");
   for (const std::string& variant : variants)
+  for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps) {
+    set_forward_gemms_grouped(fwd);
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
@@ -169,6 +181,7 @@ int main(int argc, char** argv) {
       table.add({{"recipe", name},
                  {"expert GEMMs", variant},
                  {"FFN interiors", keep ? "kept" : "recomputed"},
+                 {"forward GEMMs", fwd ? "grouped" : "gemm"},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -182,6 +195,7 @@ int main(int argc, char** argv) {
                  {"step ms all", ms}});
     }
   }
+  set_forward_gemms_grouped(true);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};

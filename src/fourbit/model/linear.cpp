@@ -1,7 +1,10 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, gemm, grouped_gemm, prepare_row_col,
+//          requantize_saved_segments, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm,
+//          prepare_row_col,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
+
+#include <atomic>
 
 #include <fmt/format.h>
 
@@ -247,6 +250,17 @@ std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate) {
   ops::gemm(a.op(), b.op(), c, accumulate);
 }
+
+namespace {
+std::atomic<bool> g_forward_grouped{true};
+}  // namespace
+
+void forward_gemm(const Prepared& a, const Prepared& b, Tensor& c) {
+  if (g_forward_grouped.load(std::memory_order_relaxed)) ops::grouped_gemm(a.op(), b.op(), {0, a.op().rows()}, c);
+  else ops::gemm(a.op(), b.op(), c);
+}
+
+void set_forward_gemms_grouped(bool on) { g_forward_grouped.store(on, std::memory_order_relaxed); }
 
 void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate) {

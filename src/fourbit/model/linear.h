@@ -1,6 +1,6 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_weight_both,
-//          requantize_saved, requantize_saved_segments, gemm, grouped_gemm
+//          requantize_saved, requantize_saved_segments, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
@@ -135,6 +135,18 @@ std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);
+// C = A . B^T for a linear layer's forward (A the activations [M, K], B the weight [N, K]): one
+// group of ops::grouped_gemm. On the CPU that is gemm's bits; on the GPU the grouped kernel family
+// sums it (the training tile at training sizes, the streaming kernel or the decode tiles at
+// decode sizes), whose rows are the same bits whatever M. Every forward GEMM of the model but the
+// FP32 router's comes here, so the sampler's one-token decode steps and prefill reproduce the
+// trainer's forward bit for bit on the fast decode kernels, not only on a GEMM held to the
+// training shape's tiles.
+void forward_gemm(const Prepared& a, const Prepared& b, Tensor& c);
+// Whether forward_gemm takes the grouped kernel family (true, the default) or ops::gemm (cuBLASLt
+// on the GPU, the path before it), process-wide: for benchmarks that compare the two in one
+// process. They give different bits on the GPU, so a sampler and its trainer share one setting.
+void set_forward_gemms_grouped(bool on);
 // The experts' GEMMs in one call: rows offsets[e] .. offsets[e+1] of A and C use expert e's slice
 // of B (ops::grouped_gemm).
 void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,

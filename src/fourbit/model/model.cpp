@@ -322,12 +322,12 @@ struct ModelRunner {
     LinearInput x = prepare_input(xn, r, cls, w.name + ".w13", true);
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1 = act({N, F}), h3 = act({N, F}), a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
-    gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
-    gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
+    forward_gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+    forward_gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     ops::swiglu_forward(h1, h3, a);
     record_input_amax(w.name + ".a", a, r);
     const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
-    gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
+    forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
       saved->x = std::move(x).kept();
       if (m.keep_ffn_) {
@@ -350,8 +350,8 @@ struct ModelRunner {
     if (!h1.defined()) {  // recomputed: the forward's GEMMs on its kept input, the same bits
       h1 = act({N, F});
       h3 = act({N, F});
-      gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
-      gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
+      forward_gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+      forward_gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     }
     if (!a.defined()) {
       a = act_bf16_if(bf16_input(r), {N, F});
@@ -377,9 +377,9 @@ struct ModelRunner {
     LinearInput x = prepare_input(xn, r, cls, name + "wqkv", true);
     record_input_amax(name + "x", xn, r);
     Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
-    gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
-    gemm(x.fwd, weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls), k);
-    gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
+    forward_gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
+    forward_gemm(x.fwd, weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls), k);
+    forward_gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
     Tensor q4 = q.reshape({B, T, Hq, hd}), k4 = k.reshape({B, T, Hkv, hd}), v4 = v.reshape({B, T, Hkv, hd});
     Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
     // Where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k rounded to
@@ -412,7 +412,7 @@ struct ModelRunner {
     LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
-    gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
+    forward_gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
     if (s) {
       s->attn_x = std::move(x).kept();
       s->q = q4;
@@ -963,7 +963,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
                         : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),
                                               LayerClass::LmHead, nullptr), Prepared{}};
   Tensor logits = Tensor::empty({N, V}, m.dtype(), m.device());
-  gemm(xf_in.fwd, run.weight(w.lm_head, "lm_head", GemmRole::Fprop, rh.fprop.b, LayerClass::LmHead), logits);
+  forward_gemm(xf_in.fwd, run.weight(w.lm_head, "lm_head", GemmRole::Fprop, rh.fprop.b, LayerClass::LmHead), logits);
   if (s) {
     s->x_final = x;
     s->rstd_f = rstd_f;
