@@ -2,9 +2,11 @@
 // with NVFP4 / MXFP8 operands, dequantized and scaled inside the kernel; skipped without a GPU):
 // bit for bit the decode path it replaces (BF16 copies, the same kernel, the scale epilogue) for
 // every format and outer-scale kind the recipes use, with ragged and empty groups, N off the tile,
-// accumulate on and off; a row's bits the same between the training tile (M = 8192) and the
-// decode tiles (M = 1, 7, 64, 1000 rows of one group); shapes it does not take are declined. Both
-// main loops (wgmma on Hopper, mma.sync) are run.
+// accumulate on and off; a row's bits the same between the training tile (M = 8192), the 64 x 128
+// tiles that replace it where it would leave SMs idle, and the decode tiles (M = 1, 7, 64, 1000
+// rows of one group), also through ops::grouped_gemm with one
+// group (a linear layer's forward: BF16, MXFP8 and NVFP4 pairs, N off the 8-column step); shapes
+// it does not take are declined. Both main loops (wgmma on Hopper, mma.sync) are run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -32,6 +34,7 @@ using optest::DecodeTile;
 using optest::kDecodeWidths;
 using optest::MainLoop;
 using optest::randn_cuda;
+using optest::TrainingTile;
 
 QuantSpec spec(Format f, OuterScale outer) {
   QuantSpec s;
@@ -104,10 +107,17 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
     const Tensor x = randn_cuda({M, K}, 51, 1.0f), w = randn_cuda({G, N, K}, 52, 0.05f);
     for (const Case& c : kCases) {
       const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
-      Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
-      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
-                                               xq.padded_cols(), full.data<float>(), N, false));
+      Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA), chosen = full.clone();
+      {
+        const TrainingTile training;
+        ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets,
+                                                 N, xq.padded_cols(), full.data<float>(), N, false));
+      }
       const std::vector<uint8_t> want = bytes(full);
+      // 512-row groups of 256 columns: 64 training tiles, fewer than the SMs, so 64 x 128 ones run
+      ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
+                                               xq.padded_cols(), chosen.data<float>(), N, false));
+      EXPECT_EQ(bytes(chosen), want) << c.name << ": the narrow tiles";
       const int64_t g = 5, r0 = offsets[size_t(g)] + 3;  // rows of expert 5
       for (int64_t rows : {1, 7, 64, 1000}) {
         const int64_t end = std::min(r0 + rows, M);
@@ -123,6 +133,57 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
           const std::vector<uint8_t> got = bytes(out);
           EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size()))
               << c.name << " rows=" << rows;
+        }
+      }
+    }
+  }
+}
+
+// A linear layer's forward (model forward_gemm: ops::grouped_gemm with one group, a [M, K] times a
+// [N, K] weight) at the shapes of gpu-small's LM head (N = 260, not a multiple of 8) and K/V
+// projections (N = 256): rows 1, 7, 64 and 1000 of a batch get the bits they get in the 4096-row
+// training GEMM (on the training tile; by default 4096 x 260 runs the 64 x 128 ones: 96 training
+// tiles are fewer than the SMs), under every decode configuration, for the dense BF16 pair (bf16 recipe) and the
+// block-scaled ones (mxfp8's attention, nvidia-nvfp4's per-tensor NVFP4). The sampler's decode
+// steps and the trainer's forward rely on it.
+TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t M = 4096, K = 1024;
+  const Tensor x = randn_cuda({M, K}, 71, 1.0f);
+  for (const int64_t N : {260, 256}) {
+    const Tensor w = randn_cuda({N, K}, 72 + uint64_t(N), 0.03f);
+    Tensor x16 = Tensor::empty({M, K}, DType::BF16, Device::CUDA), w16 = Tensor::empty({N, K}, DType::BF16, Device::CUDA);
+    ops::convert(x, x16);
+    ops::convert(w, w16);
+    const QTensor xm = ops::quantize(x, spec(Format::MXFP8_E4M3, OuterScale::None)),
+                  wm = ops::quantize(w, spec(Format::MXFP8_E4M3, OuterScale::None)),
+                  xn = ops::quantize(x, spec(Format::NVFP4, OuterScale::Tensor)),
+                  wn = ops::quantize(w, spec(Format::NVFP4, OuterScale::Tensor));
+    struct Pair {
+      const char* name;
+      ops::Operand a, b;
+    };
+    for (const Pair& p : {Pair{"bf16", ops::Operand(x16), ops::Operand(w16)}, Pair{"mxfp8", ops::Operand(xm), ops::Operand(wm)},
+                          Pair{"nvfp4 per-tensor", ops::Operand(xn), ops::Operand(wn)}}) {
+      SCOPED_TRACE(std::string(p.name) + " N=" + std::to_string(N));
+      Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);
+      {
+        const TrainingTile training;
+        ops::grouped_gemm(p.a, p.b, {0, M}, full);
+      }
+      const std::vector<uint8_t> want = bytes(full);
+      const int64_t r0 = 1500;
+      for (const int64_t rows : {1, 7, 64, 1000}) {
+        const Tensor part16 = x16.slice_rows(r0, r0 + rows);
+        QTensor part_q;
+        if (p.a.q()) part_q = ops::qtensor_rows(*p.a.q(), r0, r0 + rows);
+        const ops::Operand part = p.a.q() ? ops::Operand(part_q) : ops::Operand(part16);
+        for (const int width : kDecodeWidths) {
+          const DecodeTile tile(width);
+          Tensor out = Tensor::zeros({rows, N}, DType::F32, Device::CUDA);
+          ops::grouped_gemm(part, p.b, {0, rows}, out);
+          const std::vector<uint8_t> got = bytes(out);
+          EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size())) << "rows=" << rows;
         }
       }
     }

@@ -1,4 +1,4 @@
-// defines: MainLoop, DecodeTile, kDecodeWidths, randn_cuda, bytes
+// defines: MainLoop, DecodeTile, kDecodeWidths, TrainingTile, randn_cuda, bytes
 // What the grouped-kernel tests share (CUDA builds only).
 #pragma once
 #include <gtest/gtest.h>
@@ -53,5 +53,15 @@ struct DecodeTile {
   testing::ScopedTrace trace;
 };
 inline constexpr int kDecodeWidths[] = {0, -1, 16, 32, 128};
+
+// Groups of more than 64 rows on the 256 x 128 training tile in the scope, also where its tiles
+// would number fewer than the SMs (set_grouped_narrow_tiles(false)): the reference the other
+// configurations' bits are checked against.
+struct TrainingTile {
+  TrainingTile() { ops::cuda::set_grouped_narrow_tiles(false); }
+  ~TrainingTile() { ops::cuda::set_grouped_narrow_tiles(true); }
+  TrainingTile(const TrainingTile&) = delete;
+  TrainingTile& operator=(const TrainingTile&) = delete;
+};
 
 }  // namespace fourbit::optest

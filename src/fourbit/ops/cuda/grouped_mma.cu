@@ -1532,18 +1532,37 @@ void launch_stream(const GroupedArgs& p, int64_t rows_per_group) {
 // (batch 256), where a group's rows take several CTAs; in the sampler it gains at every batch up
 // to 64. At batch 1 the 32-wide tile takes 0.74 (BF16) to 0.56 (NVFP4) of the 64 x 256 tile's
 // time; where the 128-wide tile fills the GPU the narrower ones are 2x slower (each CTA's fixed
-// cost and its K-long chain of barriers, not the weights' bytes, bound these tiles). Row tiles
-// with rows: counted from host offsets; with device offsets at most min(G, M).
-constexpr int64_t kStreamRows = 16;
-int decode_width(const GroupedArgs& p, int64_t rows_per_group) {
+// cost and its K-long chain of barriers, not the weights' bytes, bound these tiles). Packed
+// (block-scaled) operands take the streaming kernel up to 64 rows a group: it decodes each weight
+// once per 32 rows where a tile decodes it per 64 x WN block on the warpgroup that issues the
+// MMAs; at 32 rows a group (batch 256) NVFP4 took 0.75 of the best tile's time, and a linear
+// layer's one group of 64 MXFP8 rows on the 64 x 32 tile made the sampler's decode step 18%
+// slower than cuBLASLt on BF16 decodes. Row tiles with rows: counted from host offsets; with
+// device offsets at most min(G, M).
+constexpr int64_t kStreamRows = 16, kStreamRowsPacked = 64;
+int decode_width(const GroupedArgs& p, int64_t rows_per_group, bool packed) {
   const int forced = g_decode_width.load(std::memory_order_relaxed);
   if (forced != 0) return forced;
-  if (rows_per_group <= kStreamRows) return kStreamWidth;
+  if (rows_per_group <= (packed ? kStreamRowsPacked : kStreamRows)) return kStreamWidth;
   int64_t tiles = 0;
   if (p.offsets) tiles = std::min<int64_t>(p.groups, p.m);
   else
     for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + 63) / 64;
   return tiles * ((p.n + 127) / 128) >= device_sm_count() ? 128 : 32;
+}
+
+// Where the 256 x 128 tiles of groups of more than 64 rows would not give every SM one (host
+// offsets: a linear layer's one group of a few hundred rows, the sampler's prefill, or 256 and
+// 260 columns: gpu-small's K/V projections and LM head), the 64 x 128 tiles of one warpgroup, 4x
+// as many: at 256 rows of one group the training tile's 8 CTAs made the sampler's decode step
+// 14% slower than cuBLASLt. With device offsets (the training step's experts) the rows are not
+// known here: the training tile.
+std::atomic<bool> g_narrow_tiles{true};
+bool few_training_tiles(const GroupedArgs& p) {
+  if (p.offsets || !g_narrow_tiles.load(std::memory_order_relaxed)) return false;
+  int64_t tiles = 0;
+  for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + 255) / 256;
+  return tiles * ((p.n + 127) / 128) < device_sm_count();
 }
 
 // 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`); where the groups average
@@ -1553,11 +1572,15 @@ int decode_width(const GroupedArgs& p, int64_t rows_per_group) {
 // steps in K order in every case: the same bits, and for an MN-major B the bits of its K-major copy.
 template <Format F, bool BT>
 void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
+  if (rows_per_group > 64 && few_training_tiles(p)) {
+    hopper::launch_shape<F, 1, 1, BT, decode_stages(128), 128>(p);
+    return;
+  }
   if (rows_per_group > 64) {
     if (!(F == Format::BF16 && tma && launch_tma<BT>(p))) hopper::launch_shape<F, 4, 1, BT>(p);
     return;
   }
-  const int w = decode_width(p, rows_per_group);
+  const int w = decode_width(p, rows_per_group, F != Format::BF16);
   if (w == kStreamWidth && !BT && (p.m + 7) / 8 + p.groups <= 65535) launch_stream<F>(p, rows_per_group);
   else if (w < 0) hopper::launch_shape<F, 1, 2, BT>(p);
   else if (BT || w >= 128) hopper::launch_shape<F, 1, 1, BT, decode_stages(128), 128>(p);
@@ -1789,6 +1812,8 @@ void set_grouped_decode_width(int width) {
          "kernel), 32 or 128", width, hopper::kStreamWidth);
   hopper::g_decode_width.store(width, std::memory_order_relaxed);
 }
+
+void set_grouped_narrow_tiles(bool on) { hopper::g_narrow_tiles.store(on, std::memory_order_relaxed); }
 
 void set_grouped_tma_persistent(bool on) { hopper::g_tma_persistent.store(on, std::memory_order_relaxed); }
 
