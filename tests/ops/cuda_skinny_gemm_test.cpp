@@ -2,13 +2,14 @@
 // forward (N <= 32: ops/cuda/skinny_gemm.cu) and the input and weight gradients (cuBLASLt) against
 // the CPU backend (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the
 // stored sum added to C, a stored C not read (NaN before), two runs the same bits, and the forward
-// and input-gradient forms' rows the same bits whatever M.
+// and input-gradient forms' rows the same bits whatever M (the forward's few-row and row kernels).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fourbit/ops/ops.h"
@@ -90,6 +91,7 @@ TEST(CudaSkinnyGemm, FormsMatchCpu) {
   check(kForward, 77, 1, 13, 11);
   check(kForward, 33, 17, 300, 12);
   check(kForward, 5, 32, 1024, 13);
+  check(kForward, 300, 20, 300, 14);  // past the few-row form's 256 rows, past 16 columns
   check(kInputGrad, 8192, 1024, 16, 20);
   check(kInputGrad, 77, 1030, 1, 21);
   check(kInputGrad, 17, 13, 17, 22);
@@ -100,11 +102,13 @@ TEST(CudaSkinnyGemm, FormsMatchCpu) {
   check(kWeightGrad, 32, 1030, 129, 33);
 }
 
-// Forward and input gradient: a row's bits do not depend on how many rows are multiplied.
+// Forward and input gradient: a row's bits do not depend on how many rows are multiplied (the
+// forward's 1, 7 and 64 rows take the few-row form, a warp an element; 1000 and 4096 the row
+// form; 16 and 20 columns).
 TEST(CudaSkinnyGemm, RowsAreBatchInvariant) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  for (const Form& f : {kForward, kInputGrad}) {
-    const int64_t N = f.b_trans ? 1024 : 16, K = f.b_trans ? 16 : 1024, M = 4096;
+  for (const auto& [f, forward_n] : {std::pair{kForward, 16}, std::pair{kForward, 20}, std::pair{kInputGrad, 0}}) {
+    const int64_t N = f.b_trans ? 1024 : forward_n, K = f.b_trans ? 16 : 1024, M = 4096;
     const Tensor a = randn({M, K}, 40).to(Device::CUDA);
     const Tensor b = (f.b_trans ? randn({K, N}, 41) : randn({N, K}, 41)).to(Device::CUDA);
     Tensor full = Tensor::empty({M, N}, DType::F32, Device::CUDA);

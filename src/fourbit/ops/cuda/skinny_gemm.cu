@@ -7,7 +7,8 @@
 // aligned, the same values in the same order either way), then the 32 lane sums are added by the
 // warp butterfly: an element's order depends on K alone, so rows are batch invariant.
 // Accumulating: C + the sum, one float addition; a stored C is the bits of accumulating into
-// zeros. The router's other two GEMMs (K = E for the input gradient, M = E over the tokens for the
+// zeros. Up to 256 rows (decode) a warp computes one element (cols_kernel), with the same bits.
+// The router's other two GEMMs (K = E for the input gradient, M = E over the tokens for the
 // weight gradient) stay on cuBLASLt: kernels of this kind for them (session 31) were no faster.
 #include <cstdint>
 
@@ -94,6 +95,59 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The same elements for few rows (the sampler's decode: one to a few hundred tokens, where
+// rows_kernel's 32 rows a block leave all but a few SMs idle while each block reads all of B through
+// shared memory, 18 us a call at one row on the H200): a warp per output element (m, n), reading A's
+// row m and B's row n straight from global memory. Lane l takes the k that rows_kernel's lane l
+// takes, the FMAs in the same order on the same values (zeros past K, as rows_kernel's staged B), and
+// the warp adds the 32 sums by the same butterfly, lane n's result stored (the lanes' butterfly
+// sums may differ in their last bit): each element gets rows_kernel's bits. VEC: A and B read 16
+// bytes at a time (the same values).
+template <bool VEC>
+__global__ void __launch_bounds__(kThreads)
+    cols_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
+                float* __restrict__ C, int64_t ldc, int64_t M, int N, int64_t K, bool accumulate) {
+  const int lane = threadIdx.x % 32;
+  const int64_t e = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
+  if (e >= M * N) return;  // the warp's element: all its lanes leave together
+  const int64_t m = e / N;
+  const int n = int(e % N);
+  const float* ar = A + m * lda;
+  const float* br = B + int64_t(n) * ldb;
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+    const int64_t kend = K - k0 < kTileK ? K - k0 : kTileK;
+#pragma unroll
+    for (int g = 0; g < kTileK / 128; ++g) {
+      const int kk = 4 * (lane + 32 * g);
+      if (kk >= kend) break;
+      float a[4], b[4];
+      if (VEC && kk + 3 < kend) {
+        const float4 qa = *reinterpret_cast<const float4*>(ar + k0 + kk);
+        const float4 qb = *reinterpret_cast<const float4*>(br + k0 + kk);
+        a[0] = qa.x, a[1] = qa.y, a[2] = qa.z, a[3] = qa.w;
+        b[0] = qb.x, b[1] = qb.y, b[2] = qb.z, b[3] = qb.w;
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          a[c] = kk + c < kend ? ar[k0 + kk + c] : 0.0f;
+          b[c] = kk + c < kend ? br[k0 + kk + c] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc = fmaf(a[c], b[c], acc);
+    }
+  }
+  const float v = warp_sum_f(acc);
+  if (lane == n) {
+    float* out = C + m * ldc + n;
+    *out = accumulate ? *out + v : v;
+  }
+}
+
+// Up to this many rows, cols_kernel (a warp an element); above, rows_kernel.
+constexpr int64_t kColsMaxRows = 256;
+
 }  // namespace
 
 bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
@@ -104,7 +158,11 @@ bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, i
   const auto aligned = [](const void* p, int64_t ld) { return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % 4 == 0; };
   if (!a.trans && !b.trans && N <= 32) {
     const bool vec = aligned(A, a.ld);
-    if (N <= 16) {
+    if (M <= kColsMaxRows) {
+      const unsigned grid = unsigned((M * N + kThreads / 32 - 1) / (kThreads / 32));
+      if (vec && aligned(B, b.ld)) cols_kernel<true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+      else cols_kernel<false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+    } else if (N <= 16) {
       constexpr int kRows = 4;
       const unsigned grid = unsigned((M + 8 * kRows - 1) / (8 * kRows));
       if (vec) rows_kernel<16, kRows, true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
