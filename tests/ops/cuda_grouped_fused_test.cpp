@@ -114,10 +114,10 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
                                                  N, xq.padded_cols(), full.data<float>(), N, false));
       }
       const std::vector<uint8_t> want = bytes(full);
-      // 512-row groups of 256 columns: 64 training tiles, fewer than the SMs, so 64 x 128 ones run
+      // the default for 8192 rows: the training tile too (the 64 x 128 ones run up to 1024 rows)
       ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ops::cuda::packed_operand(xq), ops::cuda::packed_operand(wq), offsets, N,
                                                xq.padded_cols(), chosen.data<float>(), N, false));
-      EXPECT_EQ(bytes(chosen), want) << c.name << ": the narrow tiles";
+      EXPECT_EQ(bytes(chosen), want) << c.name << ": the default configuration";
       const int64_t g = 5, r0 = offsets[size_t(g)] + 3;  // rows of expert 5
       for (int64_t rows : {1, 7, 64, 1000}) {
         const int64_t end = std::min(r0 + rows, M);
@@ -142,8 +142,8 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
 // A linear layer's forward (model forward_gemm: ops::grouped_gemm with one group, a [M, K] times a
 // [N, K] weight) at the shapes of gpu-small's LM head (N = 260, not a multiple of 8) and K/V
 // projections (N = 256): rows 1, 7, 64 and 1000 of a batch get the bits they get in the 4096-row
-// training GEMM (on the training tile; by default 4096 x 260 runs the 64 x 128 ones: 96 training
-// tiles are fewer than the SMs), under every decode configuration, for the dense BF16 pair (bf16 recipe) and the
+// training GEMM (on the training tile), under every decode configuration (1000 rows: the 64 x 128
+// tiles, as the training tile's 12 or 16 would leave SMs idle), for the dense BF16 pair (bf16 recipe) and the
 // block-scaled ones (mxfp8's attention, nvidia-nvfp4's per-tensor NVFP4). The sampler's decode
 // steps and the trainer's forward rely on it.
 TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {

@@ -158,10 +158,10 @@ void set_grouped_tma(bool on);
 // kernel), 32 or 128, or -1 for the 64 x 256 tile of two warpgroups. The same bits every way; for
 // benchmarks and the tests.
 void set_grouped_decode_width(int width);
-// Whether groups of more than 64 rows whose 256 x 128 training tiles would number fewer than the
-// SMs (host offsets: a linear layer's one group of a few hundred rows, few columns) run the 64 x 128
-// tiles of one warpgroup instead (the default), process-wide: the same bits, for the tests that
-// compare them with the training tile.
+// Whether groups of more than 64 rows, at most 1024 rows in all, whose 256 x 128 training tiles
+// would number fewer than the SMs (host offsets: a linear layer's one group of a few hundred rows
+// at decode or prefill) run the 64 x 128 tiles of one warpgroup instead (the default),
+// process-wide: the same bits, for the tests that compare them with the training tile.
 void set_grouped_narrow_tiles(bool on);
 // The TMA form's tile order: its two-CTA clusters walk bands of `pairs` column-tile pairs, row tiles
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
