@@ -1,0 +1,282 @@
+// defines: hopper::streaming (the streaming decode kernel: stream_kernel, its Shape and warp copies)
+#pragma once
+
+#include "fourbit/ops/cuda/grouped_hopper.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+namespace hopper {
+
+// ---- the streaming decode kernel: expert weights as the MMA's A operand, in registers ------------
+//
+// At decode a group has a few rows (tokens) and its expert's weights are the data to move. The
+// tiles above put the tokens in wgmma's 64-row A operand (63 of 64 rows zero at batch 1) and the
+// weights in its shared-memory B operand, so every packed weight tile is decoded by the whole CTA
+// into shared memory and the MMAs wait behind a barrier for it: Nsight Compute showed those tiles
+// bound by that chain, not by bytes. Here the roles are swapped: C^T = B . A^T, each warp owning 16
+// weight rows (16 columns of C) over the whole of K. A warp streams its rows' K tiles as stored
+// (codes and block scales, or BF16) by its own cp.async pipeline, decodes each thread's share of
+// a tile in registers straight into mma.sync's A fragment and multiplies it by the tokens,
+// 8 J of them as J n8 blocks of the B fragment, read with ldmatrix from a BF16 copy the CTA
+// decoded once into shared memory. No warp waits for another's weights: the only barriers are
+// around the tokens' copy (once per chunk of K whose BF16 tokens fill 64 KB: all of gpu-small's K).
+//
+// The same bits as the tiles above: an element is the chain of k16 MMAs over the same 64-wide K
+// tiles in order (the zero padding included), and a k16 mma.sync gives wgmma's sum whichever
+// operand is A (measured on the H200; the grouped tests compare every decode configuration with
+// the training tile, bit for bit).
+namespace streaming {
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps, kRows = 16;  // kRows weight rows (C columns) a warp
+constexpr int BN = kWarps * kRows;                              // C columns a CTA
+constexpr int kTokenBytes = 64 * 1024;                          // the tokens' BF16 copy: at most
+
+template <Format F, int J>
+struct Shape {
+  using T = Tile<F>;
+  static constexpr int BM = 8 * J;   // tokens a CTA
+  static constexpr int kStages = 8;  // a warp's K tiles of weights in flight, plus the one it works on
+  static constexpr int kScaleBytes = T::kPacked ? kRows * 4 : 0;
+  static constexpr int kWStage = kRows * T::kRowBytes + kScaleBytes;  // a warp's stage (load_tile's layout)
+  static constexpr int kTokenTile = BM * 128;                         // a K tile of the tokens, BF16, sw128
+  static constexpr int kMaxChunk = kTokenBytes / kTokenTile;          // K tiles of tokens held at once
+  static constexpr int kWeightBytes = kWarps * kStages * kWStage;
+  static constexpr int smem_bytes(int chunk) { return chunk * kTokenTile + kWeightBytes; }
+};
+
+// The tokens' K tiles kt0 .. kt1 - 1 (rows r0 .. r0 + rows - 1 of A) as BF16 in shared memory at
+// dst, each tile BM rows of 128 bytes in the 128-byte swizzle (sw128); the CTA's threads share it.
+// Block-scaled tokens are decoded 16 values at a time, to dequantize_tile's bits (NVFP4 as the
+// weights are, e2m1x2_times; MXFP8 with decode8_bits). K past k_end is zero, in the units
+// load_tile copies (8 BF16 values, 32 NVFP4, 16 MXFP8), so the products are the tiles'. Rows past
+// `rows` are left as they are (zeroed once by the caller).
+template <Format F, int BM>
+__device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0, int rows, int kt0, int kt1,
+                                             unsigned char* dst, const uint32_t* e2m1_bf16) {
+  using T = Tile<F>;
+  constexpr int kUnits = T::kPacked ? 4 : 8;  // units of a row's K tile: 16 values, or one BF16 chunk
+  const int tiles = kt1 - kt0;
+  for (int u = int(threadIdx.x); u < rows * tiles * kUnits; u += kThreads) {
+    const int q = u % kUnits, tile = (u / kUnits) % tiles, row = u / (kUnits * tiles);
+    const int k = p.k_begin + (kt0 + tile) * 64 + q * (T::kPacked ? 16 : 8);
+    unsigned char* d = dst + tile * BM * 128;
+    const unsigned char* arow = p.a.data + (r0 + row) * p.a.ld;
+    if constexpr (!T::kPacked) {
+      const uint4 v = k < p.k_end ? *reinterpret_cast<const uint4*>(arow + 2ll * k) : make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(d + sw128(row, q)) = v;
+    } else {
+      uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+      // zero where load_tile's copy holding k (32 NVFP4 values, 16 MXFP8 ones) starts past k_end
+      if ((F == Format::NVFP4 ? k - 16 * (q & 1) : k) < p.k_end) {
+        if constexpr (F == Format::NVFP4) {  // the weights' decode: the same bits (e2m1x2_times)
+          const uint2 w = *reinterpret_cast<const uint2*>(arow + k / 2);
+          const uint32_t sc = ue4m3_bf16x2(p.a.scales[(r0 + row) * p.a.scale_ld + k / block_values<F>()]);
+          uint32_t* l = reinterpret_cast<uint32_t*>(&lo);
+          uint32_t* h = reinterpret_cast<uint32_t*>(&hi);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            l[j] = e2m1x2_times(e2m1_bf16, w.x, j, sc);
+            h[j] = e2m1x2_times(e2m1_bf16, w.y, j, sc);
+          }
+        } else {
+          const float sv = decode8_scale<F>(p.a.scales[(r0 + row) * p.a.scale_ld + k / block_values<F>()]);
+          const uint4 w = *reinterpret_cast<const uint4*>(arow + k);
+          lo = decode8_bits<F>(make_uint2(w.x, w.y), sv, nullptr);
+          hi = decode8_bits<F>(make_uint2(w.z, w.w), sv, nullptr);
+        }
+      }
+      *reinterpret_cast<uint4*>(d + sw128(row, 2 * q)) = lo;
+      *reinterpret_cast<uint4*>(d + sw128(row, 2 * q + 1)) = hi;
+    }
+  }
+}
+
+// A warp's copies of its weight rows' K tiles into its pipeline stages, in load_tile's layout
+// (codes then one block-scale word a row; BF16 rows in the 128-byte swizzle), each lane's sources
+// and destinations worked out once: tile kt is kRowBytes further along every row. Rows past N and
+// 16-byte units starting past k_end are zero-filled, as load_tile does.
+template <Format F>
+struct WarpCopy {
+  using T = Tile<F>;
+  static constexpr int kCopies = kRows * T::kChunks / 32;  // 16-byte copies a lane, a K tile
+  static constexpr int kChunkValues = 128 / T::kBits;
+  const unsigned char* src[kCopies];  // null: a row past N
+  const unsigned char* any;            // a readable address for the zero-filling copies (which read nothing)
+  uint32_t dst[kCopies];
+  int k_first[kCopies];  // the value index of a copy's first code in tile 0
+  const uint8_t* scale_src;
+  bool scale_row;
+  __device__ __forceinline__ WarpCopy(const GroupedArgs& p, const unsigned char* bg, const uint8_t* bsg, int n0,
+                                      int lane)
+      : any(bg) {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int idx = lane + 32 * i, row = idx / T::kChunks, chunk = idx % T::kChunks;
+      const bool ok = n0 + row < p.n;
+      src[i] = ok ? bg + (long long)(n0 + row) * p.b.ld + (long long)p.k_begin * T::kBits / 8 + chunk * 16 : nullptr;
+      dst[i] = T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk);
+      k_first[i] = p.k_begin + chunk * kChunkValues;
+    }
+    scale_row = T::kPacked && lane < kRows && n0 + lane < p.n;
+    scale_src = scale_row ? bsg + (long long)(n0 + lane) * p.b.scale_ld : nullptr;
+  }
+  // Starts the copies of K tile kt into the stage at shared address st.
+  __device__ __forceinline__ void load(const GroupedArgs& p, int kt, uint32_t st, int lane) const {
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const bool ok = src[i] && k_first[i] + kt * 64 < p.k_end;
+      cp_async16(st + dst[i], ok ? src[i] + kt * T::kRowBytes : any, ok ? 16 : 0);
+    }
+    if constexpr (T::kPacked) {
+      const int k0 = p.k_begin + kt * 64, word = (k0 / block_values<F>()) & ~3;
+      if (lane < kRows)
+        cp_async4(st + uint32_t(kRows * T::kRowBytes + 4 * lane), scale_row ? scale_src + word : any,
+                  scale_row && k0 < p.k_end ? 4 : 0);
+    }
+  }
+};
+
+// This thread's A fragments (mma_bf16's layout: rows gid and gid + 8 of the warp's 16, k 2 tig ..
+// and 2 tig + 8 .. of each k16 step) of the warp's K tile at `st` (WarpCopy's layout): BF16 by
+// ldmatrix from the 128-byte swizzle; packed ones decoded from the rows' codes, each value the
+// product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by a table of
+// E2M1 pairs and one BF16-pair FMA a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
+template <Format F>
+__device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, const uint32_t* e2m1_bf16,
+                                                 uint32_t (&a)[4][4]) {
+  using T = Tile<F>;
+  if constexpr (!T::kPacked) {
+    (void)k0, (void)e2m1_bf16;
+    const uint32_t base = smem_address(st);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], base + sw128(lane & 15, 2 * s + (lane >> 4)));
+  } else {
+    const int gid = lane >> 2, tig = lane & 3;
+    constexpr int kWords = T::kRowBytes / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows gid, gid + 8
+      const int row = gid + 8 * h;
+      uint32_t w[kWords];
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 v = *reinterpret_cast<const uint4*>(st + row * T::kRowBytes + 16 * i);
+        w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+      }
+      const uint32_t scales = *reinterpret_cast<const uint32_t*>(st + kRows * T::kRowBytes + 4 * row);
+      if constexpr (F == Format::NVFP4) {
+        // a 64-wide tile starts a scale word (k0 is a multiple of 64 where K is packed)
+        uint32_t sc[4];
+        ue4m3x4_bf16x2(scales, sc);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {  // codes of k 16 s + 2 tig, + 1 (word 2 s) and + 8, + 9 (word 2 s + 1)
+          a[s][h] = e2m1x2_times(e2m1_bf16, w[2 * s], tig, sc[s]);
+          a[s][2 + h] = e2m1x2_times(e2m1_bf16, w[2 * s + 1], tig, sc[s]);
+        }
+      } else {
+        const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in the word
+        const float sv[2] = {decode8_scale<F>(uint8_t(scales >> (8 * first_block))),
+                             decode8_scale<F>(uint8_t(scales >> (8 * (first_block + 1))))};
+        const bool odd = tig >= 2;  // a selection, not an index: w stays in registers
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t lo = ((odd ? w[4 * s + 1] : w[4 * s]) >> (16 * (tig & 1))) & 0xFFFFu;
+          const uint32_t hi = ((odd ? w[4 * s + 3] : w[4 * s + 2]) >> (16 * (tig & 1))) & 0xFFFFu;
+          a[s][h] = decode2_bits<F>(lo, sv[s >> 1], nullptr);
+          a[s][2 + h] = decode2_bits<F>(hi, sv[s >> 1], nullptr);
+        }
+      }
+    }
+  }
+}
+
+template <Format F, int J>
+__global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant__ GroupedArgs p, int chunk) {
+  using T = Tile<F>;
+  using S = Shape<F, J>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int s_group;
+  __shared__ long long s_r0, s_r1;
+  __shared__ uint32_t e2m1_bf16[F == Format::NVFP4 ? 256 : 1];
+
+  if (threadIdx.x < 32) find_row_tile(p, S::BM, s_group, s_r0, s_r1);
+  __syncthreads();
+  if (s_group < 0) return;
+  if constexpr (F == Format::NVFP4) fill_e2m1_bf16x2(e2m1_bf16);
+  const long long r0 = s_r0, r1 = s_r1;
+  const int group = s_group, rows = int(r1 - r0);
+  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int n0 = int(blockIdx.x) * BN + warp * kRows;  // the warp's first weight row
+  const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
+  const uint8_t* bsg = T::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
+  const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
+  unsigned char* tokens = smem;
+  unsigned char* wst = smem + chunk * S::kTokenTile + warp * S::kStages * S::kWStage;
+  const uint32_t wbase = smem_address(wst);
+
+  // the warp's weight pipeline: tile kt into stage kt % kStages, its lanes sharing the copies
+  const WarpCopy<F> copy(p, bg, bsg, n0, lane);
+  auto load_weights = [&](int kt) { copy.load(p, kt, wbase + uint32_t((kt % S::kStages) * S::kWStage), lane); };
+#pragma unroll
+  for (int s = 0; s < S::kStages - 1; ++s) {
+    if (s < k_tiles) load_weights(s);
+    cp_async_commit();
+  }
+  // the token rows past the group's are zeros, in every tile of the chunk buffer
+  for (int i = int(threadIdx.x); i < (S::BM - rows) * 8 * chunk; i += kThreads) {
+    const int tile = i / ((S::BM - rows) * 8), rest = i % ((S::BM - rows) * 8);
+    *reinterpret_cast<uint4*>(tokens + tile * S::kTokenTile + sw128(rows + rest / 8, rest % 8)) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  float acc[J][4];
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+  for (int c0 = 0; c0 < k_tiles; c0 += chunk) {
+    const int c1 = min(k_tiles, c0 + chunk);
+    if (c0 > 0) __syncthreads();  // every warp is done with the previous chunk's tokens
+    stage_tokens<F, S::BM>(p, r0, rows, c0, c1, tokens, e2m1_bf16);
+    __syncthreads();
+    for (int kt = c0; kt < c1; ++kt) {
+      cp_async_wait<S::kStages - 2>();  // tile kt has landed (this lane's copies) ...
+      __syncwarp();                     // ... every lane's; and every lane is done with tile kt - 1
+      if (kt + S::kStages - 1 < k_tiles) load_weights(kt + S::kStages - 1);
+      cp_async_commit();
+      uint32_t a[4][4];
+      weight_fragments<F>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, e2m1_bf16, a);
+      const uint32_t tok = smem_address(tokens + (kt - c0) * S::kTokenTile);
+#pragma unroll
+      for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // k16 steps 2 h, 2 h + 1
+          uint32_t b[4];
+          ldsm_x4<false>(b, tok + sw128(8 * j + (lane & 7), 4 * h + (lane >> 3)));
+          mma_bf16(acc[j], a[2 * h], b[0], b[1]);
+          mma_bf16(acc[j], a[2 * h + 1], b[2], b[3]);
+        }
+    }
+  }
+  cp_async_wait<0>();
+
+  // C[token, weight row] in NUMERICS' order (finish_value): acc[j] holds weight rows gid, gid + 8
+  // and tokens 8 j + 2 tig, + 1 of the warp's block.
+  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const long long row = r0 + 8 * j + 2 * tig + (e & 1);
+      const int col = n0 + gid + 8 * (e >> 1);
+      if (row >= r1 || col >= p.n) continue;
+      float* c = p.c + row * p.ldc + col;
+      *c = finish_value(p, sbo, acc[j][e], row, col, p.accumulate ? *c : 0.0f);
+    }
+}
+
+}  // namespace streaming
+
+}  // namespace hopper
+}  // namespace
+}  // namespace fourbit::ops::cuda

@@ -1,0 +1,413 @@
+// defines: hopper::tma_kernel, launch_tma (the training tile fed by TMA), hopper::tma_wgrad_kernel,
+//          launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their launch counters
+#pragma once
+
+#include <cuda.h>
+
+#include <atomic>
+
+#include "fourbit/ops/cuda/grouped_hopper.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+namespace hopper {
+
+// ---- the TMA form of the training tile (BF16 operands) -------------------------------------------
+//
+// The BF16 training tile of wgmma_kernel fed by TMA instead of cp.async from every thread, in
+// clusters of two CTAs on neighbouring column tiles that share their A tile: each CTA loads half
+// of it and multicasts that half into both, so a pair reads A from L2 once (a third less L2 -> SM
+// traffic, what bounds the cp.async loop). One producer thread issues the copies into a ring of
+// stages; per stage a "full" mbarrier counts the bytes in (its CTA's B tile and both A halves) and
+// an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
+// overwritten in either CTA. The consumers release a stage with a CTA-scope arrival: a cluster-scope
+// release costs a MEMBAR.GPU per K tile in every warpgroup, which held the loop at ~0.6 of
+// cuBLASLt (h200_gpu_grouped_gemm_cta_release.json has the times without it). The tile is
+// 256 x 128 on four consumer warpgroups with 4 stages, one CTA an SM. Two others measured slower
+// at every shape (while the arrivals still had that barrier) and were removed: 128 x 128 on two,
+// two CTAs an SM so that one's prologue and epilogue run under the other's MMAs
+// (bench/results/h200_gpu_grouped_gemm.json, "TMA 128-row ms"), and 128 x 256 on two warpgroups of
+// m64n256k16, which gives the same bits (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms").
+// The consumer warpgroups run the same m64n128k16 chain over the same 64-wide K tiles as
+// wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
+// read MN-major as wgmma_kernel's BT form reads it, two boxes of 64 N values x 64 K rows of a
+// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
+struct TmaParams {
+  CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
+  CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
+  GroupedArgs g;
+  int pairs, rows;  // the grid of cluster tiles: pairs of column tiles x row tiles (and slots past them)
+  int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
+};
+
+constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
+
+// Cluster tile c (of pairs x rows) in the tile order: clusters in turn walk bands of band_pairs
+// column pairs, row tiles fastest inside a band, so that the tiles in flight at once cover a
+// near-square block of C and share both operands in L2; walking all the column tiles of a row
+// tile first (band_pairs 0) reads the whole of B once per 66 tiles, from HBM where B is larger
+// than L2.
+__device__ __forceinline__ void tma_tile_of(const TmaParams& tp, int c, int& row_tile, int& pair) {
+  row_tile = c / tp.pairs;
+  pair = c % tp.pairs;
+  if (tp.band_pairs > 0 && tp.band_pairs < tp.pairs) {
+    const int band = c / (tp.band_pairs * tp.rows), first = band * tp.band_pairs;
+    const int width = min(tp.band_pairs, tp.pairs - first), in_band = c - first * tp.rows;
+    row_tile = in_band / width;
+    pair = first + in_band % width;
+  }
+}
+
+// Persistent: cluster i of the grid's n computes cluster tiles i, i + n, i + 2n, ... (both CTAs
+// the same row tile, neighbouring column tiles), and the K tiles of all of them run through one
+// ring of stages, so the producer loads the next tile's first stages while the consumers store
+// the last one's results, and a CTA's setup (barriers, cluster sync) is paid once. Every warp finds
+// each tile's group itself (row_tile_of); the slots past the last row tile are skipped by all.
+template <bool BT>
+__global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+  constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
+  const GroupedArgs& p = tp.g;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+
+  const uint32_t rank = cluster_ctarank();
+  const int tid = int(threadIdx.x), cluster = int(blockIdx.x) / 2, clusters = int(gridDim.x) / 2;
+  const int tiles = tp.pairs * tp.rows;
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, 2 * kTmaConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
+  const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
+
+  if (tid >= 128 * kTmaConsumers) {  // the producer warp: one thread issues every copy
+    int it = 0;                      // K tiles through the ring so far
+    for (int c = cluster; c < tiles; c += clusters) {
+      int row_tile, pair;
+      tma_tile_of(tp, c, row_tile, pair);
+      const RowTile t = row_tile_of(p, BM, row_tile);
+      if (t.group < 0) continue;
+      const int n0 = (2 * pair + int(rank)) * BN;
+      if (tid == 128 * kTmaConsumers) {
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int st = it % kStages, round = it / kStages;
+          if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
+          const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+          mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+          const int k0 = p.k_begin + kt * kBK;
+          tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(t.r0) + int(rank) * (BM / 2), bar,
+                                uint16_t(3));
+          if constexpr (BT) {
+            tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, t.group, bar);
+            tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, t.group, bar);
+          } else {
+            tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
+          }
+        }
+      }
+      __syncwarp();
+    }
+  } else {
+    const int wm = tid >> 7;
+    int it = 0;
+    for (int c = cluster; c < tiles; c += clusters) {
+      int row_tile, pair;
+      tma_tile_of(tp, c, row_tile, pair);
+      const RowTile t = row_tile_of(p, BM, row_tile);
+      if (t.group < 0) continue;
+      float acc[64];
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % kStages;
+        mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+        mma_k_tile<false, BT>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
+        wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage in both CTAs
+        pin(acc);
+        if (kt > 0 && (tid & 127) == 0) {
+          const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
+          mbarrier_arrive_cluster(bar, 0);
+          mbarrier_arrive_cluster(bar, 1);
+        }
+      }
+      wgmma_wait<0>();
+      pin(acc);
+      if (k_tiles > 0 && (tid & 127) == 0) {  // the tile's last stage, before its results are stored
+        const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
+        mbarrier_arrive_cluster(bar, 0);
+        mbarrier_arrive_cluster(bar, 1);
+      }
+      store_block<128, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
+    }
+  }
+  cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
+}
+
+// cuTensorMapEncodeTiled from the driver (no link against libcuda), or null.
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return EncodeTiled(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// A BF16 [rows, cols] operand with rows ld bytes apart as a TMA map of 64 x box_rows boxes in the
+// 128-byte swizzle, zeros outside; with slice_bytes > 0, a 3-D map [slices][rows][cols] with
+// slices slice_bytes apart and boxes of one slice.
+bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, uint64_t ld, uint32_t box_rows,
+              uint64_t slices = 1, uint64_t slice_bytes = 0) {
+  const EncodeTiled fn = encode_tiled();
+  if (!fn || rows == 0 || cols == 0 || slices == 0) return false;
+  const uint32_t rank = slice_bytes > 0 ? 3 : 2;
+  const cuuint64_t dims[3] = {cols, rows, slices}, strides[2] = {ld, slice_bytes};
+  const cuuint32_t box[3] = {uint32_t(kBK), box_rows, 1}, elem[3] = {1, 1, 1};
+  return fn(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides, box, elem,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+std::atomic<int64_t> g_tma_launches{0};
+// The TMA form's tile order (TmaParams::band_pairs): 8 pairs, 16 column tiles of 128, make the 132
+// CTAs resident at once ~8 row tiles x 16 column tiles, whose A (8 x 256 rows) and B (16 x 128
+// rows) are about as large.
+std::atomic<int> g_tile_band{8};
+std::atomic<bool> g_tma_persistent{true};
+
+// The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
+// slices not back to back, a map the driver will not encode, no driver entry point), and the
+// caller runs wgmma_kernel.
+template <bool BT>
+bool launch_tma(const GroupedArgs& p) {
+  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+  TmaParams tp{};
+  tp.g = p;
+  tp.band_pairs = g_tile_band.load(std::memory_order_relaxed);
+  if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
+  if constexpr (BT) {
+    const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
+    if (slice <= 0 || !bf16_map(tp.b, p.b.data, uint64_t(p.n), uint64_t(p.k_end), uint64_t(p.b.ld), 64,
+                                uint64_t(p.groups), uint64_t(slice)))
+      return false;
+  } else {
+    if (p.b.slice_bytes != int64_t(p.n) * p.b.ld ||
+        !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld), S::BN))
+      return false;
+  }
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(tma_kernel<BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  tp.pairs = int((p.n + 2 * S::BN - 1) / (2 * S::BN));
+  tp.rows = int((p.m + S::BM - 1) / S::BM + p.groups);
+  const int tiles = tp.pairs * tp.rows;
+  // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
+  // would not compile for the portable compute_80 code)
+  cudaLaunchConfig_t cfg{};
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = S::kSmemBytes;
+  cfg.stream = stream();
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 2;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster;
+  cfg.numAttrs = 1;
+  // as many clusters as fit on the device at once (one CTA an SM), or one a tile when not persistent
+  static const int resident = [&cfg] {
+    cudaLaunchConfig_t probe = cfg;
+    probe.gridDim = dim3(2 * 1024);
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<BT>, &probe) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = std::max(1, device_sm_count() / 2);
+    }
+    return n;
+  }();
+  const int clusters = g_tma_persistent.load(std::memory_order_relaxed) ? std::min(tiles, resident) : tiles;
+  cfg.gridDim = dim3(unsigned(2 * clusters));
+  // A cluster launch the device refuses (a configuration error, reported at once) leaves the
+  // tile to the cp.async form.
+  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT>, tp) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  g_tma_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// ---- the TMA form of the K-grouped weight gradients (BF16 operands, either layout) --------------
+//
+// wgrad_kernel<MN> fed by TMA from one producer thread, persistent: as many CTAs as there are
+// SMs, each looping over (output tile, problem) pairs with one ring of stages, so the next tile's
+// first K tiles load while the consumer warpgroups add the last one's sums into C. Every problem
+// has its own pair of 2-D maps over its token range only, so TMA zero-fills the K past an
+// expert's last token: the bits of the cp.async form, which zero-fills it too, from the same
+// m64n128k16 chain (mma_k_tile<MN, MN>) over the same 64-wide K tiles. MN-major (the bf16
+// recipe's token-major dY and X): A_j is k_j rows of m values, B_j k_j rows of n values, and a
+// stage is A's four 64-value panels and B's two, as load_tile_mn lays them. K-major (the decoded
+// Col-axis MXFP8 operands of the quantized recipes, [m, T] and [n, T] with an expert's tokens a
+// column range): A_j is m rows of k_j values, B_j n rows, one box of 64 K values x 256 (A) or
+// 128 (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them.
+constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
+
+struct TmaWgradParams {
+  CUtensorMap a[kMaxTmaKProblems];  // A_j: [k_j, m] BF16 (MN-major) or [m, k_j] (K-major), 128-byte swizzle
+  CUtensorMap b[kMaxTmaKProblems];  // B_j: [k_j, n] or [n, k_j]
+  float* c[kMaxTmaKProblems];
+  int k[kMaxTmaKProblems];
+  int m, n, count, tiles_m, tiles_n;
+  int64_t ldc;  // floats
+  bool accumulate;
+};
+
+constexpr int kWgradConsumers = 4, kWgradThreads = 128 * kWgradConsumers + 32;  // + the producer warp
+
+template <bool MN>
+__global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
+  using S = Shape<Format::BF16, kWgradConsumers, 1>;  // 256 x 128 tiles
+  constexpr int BM = S::BM, BN = S::BN;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int tid = int(threadIdx.x);
+  const int per_problem = tp.tiles_m * tp.tiles_n, tiles = per_problem * tp.count;
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, kWgradConsumers);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  // tile t: problem t / per_problem, then row tiles fastest
+  auto tile_of = [&](int t, int& j, int& m0, int& n0) {
+    j = t / per_problem;
+    const int r = t % per_problem;
+    m0 = (r % tp.tiles_m) * BM;
+    n0 = (r / tp.tiles_m) * BN;
+  };
+
+  if (tid >= 128 * kWgradConsumers) {  // the producer: one thread issues every copy
+    if (tid != 128 * kWgradConsumers) return;
+    int it = 0;
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      int j, m0, n0;
+      tile_of(t, j, m0, n0);
+      const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % kStages, round = it / kStages;
+        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+        const int k0 = kt * kBK;
+        if constexpr (MN) {
+#pragma unroll
+          for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
+#pragma unroll
+          for (int i = 0; i < BN / 64; ++i)
+            tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+        } else {
+          tma_load_2d(stage, &tp.a[j], k0, m0, bar);
+          tma_load_2d(stage + uint32_t(S::kATile), &tp.b[j], k0, n0, bar);
+        }
+      }
+    }
+    return;
+  }
+  const int wm = tid >> 7, t128 = tid & 127;
+  int it = 0;
+  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+    int j, m0, n0;
+    tile_of(t, j, m0, n0);
+    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    if (k_tiles == 0 && tp.accumulate) continue;  // no tokens: C unchanged (or zeroed below)
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int st = it % kStages;
+      mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
+      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+      // this warpgroup's 64 rows of A: 8 KB on (one MN-major panel, or 64 K-major rows)
+      mma_k_tile<MN, MN>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
+      wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage
+      pin(acc);
+      if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
+    }
+    wgmma_wait<0>();
+    pin(acc);
+    if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
+    store_wgrad_block(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
+  }
+}
+
+std::atomic<bool> g_wgrad_tma{true};
+std::atomic<int64_t> g_wgrad_tma_launches{0};
+
+// The TMA form of up to kMaxTmaKProblems problems; false where it does not apply (a map the
+// driver will not encode, strides off TMA's 16-byte grain, a launch refused), and the caller runs
+// wgrad_kernel<MN>.
+template <bool MN>
+bool launch_tma_wgrad(const KGroupedArgs& p) {
+  using S = Shape<Format::BF16, kWgradConsumers, 1>;
+  if (p.count > kMaxTmaKProblems) return false;
+  // ~8 KB of kernel parameters: kept off the stack
+  static thread_local TmaWgradParams tp;
+  tp = TmaWgradParams{};
+  tp.m = p.m;
+  tp.n = p.n;
+  tp.count = p.count;
+  tp.ldc = p.ldc;
+  tp.accumulate = p.accumulate;
+  tp.tiles_m = (p.m + S::BM - 1) / S::BM;
+  tp.tiles_n = (p.n + S::BN - 1) / S::BN;
+  for (int j = 0; j < p.count; ++j) {
+    const KProblemArgs& q = p.prob[j];
+    tp.c[j] = q.c;
+    tp.k[j] = q.k;
+    if (q.k == 0) continue;  // no copies: its tiles only store zeros, or nothing
+    if (q.lda % 16 != 0 || q.ldb % 16 != 0) return false;
+    const bool mapped =
+        MN ? bf16_map(tp.a[j], q.a, uint64_t(p.m), uint64_t(q.k), uint64_t(q.lda), 64) &&
+                 bf16_map(tp.b[j], q.b, uint64_t(p.n), uint64_t(q.k), uint64_t(q.ldb), 64)
+           : bf16_map(tp.a[j], q.a, uint64_t(q.k), uint64_t(p.m), uint64_t(q.lda), S::BM) &&
+                 bf16_map(tp.b[j], q.b, uint64_t(q.k), uint64_t(p.n), uint64_t(q.ldb), S::BN);
+    if (!mapped) return false;
+  }
+  static const bool attr = [] {
+    FOURBIT_CUDA_CHECK(
+        cudaFuncSetAttribute(tma_wgrad_kernel<MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    return true;
+  }();
+  (void)attr;
+  const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
+  const int ctas = std::min(tiles, device_sm_count());
+  if (ctas <= 0) return true;
+  tma_wgrad_kernel<MN><<<unsigned(ctas), kWgradThreads, S::kSmemBytes, stream()>>>(tp);
+  if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
+  g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+}  // namespace hopper
+}  // namespace
+}  // namespace fourbit::ops::cuda
