@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(kThreads)
 // shared memory, 18 us a call at one row on the H200): a warp per output element (m, n), reading A's
 // row m and B's row n straight from global memory. Lane l takes the k that rows_kernel's lane l
 // takes, the FMAs in the same order on the same values (zeros past K, as rows_kernel's staged B), and
-// the warp adds the 32 sums by the same butterfly, lane n's result stored (the lanes' butterfly
-// sums may differ in their last bit): each element gets rows_kernel's bits. VEC: A and B read 16
-// bytes at a time (the same values).
+// the warp adds the 32 sums by the same butterfly (every lane ends with the same sum; lane n stores
+// it, as there): each element gets rows_kernel's bits. VEC: A and B read 16 bytes at a time (the
+// same values).
 template <bool VEC>
 __global__ void __launch_bounds__(kThreads)
     cols_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
