@@ -434,8 +434,8 @@ int main(int argc, char** argv) {
                            "by cp.async; launch-order ms: TMA, a row tile's columns before the next's; a cluster a tile "
                            "ms: TMA, not persistent); for decode-sized groups the streaming kernel (a warp per 16 "
                            "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
-                           "rows a group, else 64x128 or 64x32 tiles of one warpgroup; 64-wide K tiles; mma.sync "
-                           "m16n8k16 main loop for comparison"},
+                           "rows a group (64 for packed operands), else 64x128 or 64x32 tiles of one warpgroup; "
+                           "64-wide K tiles; mma.sync m16n8k16 main loop for comparison"},
                 {"note", "speeds are ratios of times on the same shape (>1: the grouped kernel is faster); gap is "
                          "1 - 2<x,y>/(|x|^2+|y|^2) between the grouped and per-expert results"}};
   if (!decode_only) table.print();

@@ -157,8 +157,8 @@ int main(int argc, char** argv) {
                        {"choose_s", s.choose_s},
                        {"prefill_s", s.prefill_s}});
             std::printf("%s, %s cache, forward %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
-                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
-                        (long long)s.decode_forwards);
+                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", experts.c_str(), (long long)B,
+                        double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             (void)out;
           }
         }

@@ -4,9 +4,9 @@
 // every format and outer-scale kind the recipes use, with ragged and empty groups, N off the tile,
 // accumulate on and off; a row's bits the same between the training tile (M = 8192), the 64 x 128
 // tiles that replace it where it would leave SMs idle, and the decode tiles (M = 1, 7, 64, 1000
-// rows of one group), also through ops::grouped_gemm with one
-// group (a linear layer's forward: BF16, MXFP8 and NVFP4 pairs, N off the 8-column step); shapes
-// it does not take are declined. Both main loops (wgmma on Hopper, mma.sync) are run.
+// rows of one group), also through ops::grouped_gemm with one group (a linear layer's forward:
+// BF16, MXFP8 and NVFP4 pairs, N off the 8-column step); shapes it does not take are declined.
+// Both main loops (wgmma on Hopper, mma.sync) are run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -143,8 +143,8 @@ TEST(CudaGroupedFused, RowsAreTheSameAcrossBatchSizesAndTiles) {
 // [N, K] weight) at the shapes of gpu-small's LM head (N = 260, not a multiple of 8) and K/V
 // projections (N = 256): rows 1, 7, 64 and 1000 of a batch get the bits they get in the 4096-row
 // training GEMM (on the training tile), under every decode configuration (1000 rows: the 64 x 128
-// tiles, as the training tile's 12 or 16 would leave SMs idle), for the dense BF16 pair (bf16 recipe) and the
-// block-scaled ones (mxfp8's attention, nvidia-nvfp4's per-tensor NVFP4). The sampler's decode
+// tiles, as the training tile's 12 or 16 would leave SMs idle), for the dense BF16 pair (bf16
+// recipe) and the block-scaled ones (mxfp8's attention, nvidia-nvfp4's per-tensor NVFP4). The sampler's decode
 // steps and the trainer's forward rely on it.
 TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -152,7 +152,8 @@ TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {
   const Tensor x = randn_cuda({M, K}, 71, 1.0f);
   for (const int64_t N : {260, 256}) {
     const Tensor w = randn_cuda({N, K}, 72 + uint64_t(N), 0.03f);
-    Tensor x16 = Tensor::empty({M, K}, DType::BF16, Device::CUDA), w16 = Tensor::empty({N, K}, DType::BF16, Device::CUDA);
+    Tensor x16 = Tensor::empty({M, K}, DType::BF16, Device::CUDA);
+    Tensor w16 = Tensor::empty({N, K}, DType::BF16, Device::CUDA);
     ops::convert(x, x16);
     ops::convert(w, w16);
     const QTensor xm = ops::quantize(x, spec(Format::MXFP8_E4M3, OuterScale::None)),
@@ -163,7 +164,8 @@ TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {
       const char* name;
       ops::Operand a, b;
     };
-    for (const Pair& p : {Pair{"bf16", ops::Operand(x16), ops::Operand(w16)}, Pair{"mxfp8", ops::Operand(xm), ops::Operand(wm)},
+    for (const Pair& p : {Pair{"bf16", ops::Operand(x16), ops::Operand(w16)},
+                          Pair{"mxfp8", ops::Operand(xm), ops::Operand(wm)},
                           Pair{"nvfp4 per-tensor", ops::Operand(xn), ops::Operand(wn)}}) {
       SCOPED_TRACE(std::string(p.name) + " N=" + std::to_string(N));
       Tensor full = Tensor::zeros({M, N}, DType::F32, Device::CUDA);

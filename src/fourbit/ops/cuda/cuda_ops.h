@@ -152,8 +152,9 @@ void set_grouped_wgmma(bool on);
 // same bits, for tests and benchmarks that compare the two.
 void set_grouped_tma(bool on);
 // Groups of at most 64 rows on average (the sampler's decode) run a kernel that streams the
-// weights over all of K: by default (0) the streaming kernel where groups average at most 16 rows
-// (each warp 16 weight rows, decoded in registers as the MMA's A operand), else 64 x WN tiles of
+// weights over all of K: by default (0) the streaming kernel where groups average at most 16 rows,
+// 64 for packed block-scaled operands (each warp 16 weight rows, decoded in registers as the MMA's
+// A operand), else 64 x WN tiles of
 // one warpgroup, WN = 128 where that gives every SM a CTA, else 32. Forced: 16 (the streaming
 // kernel), 32 or 128, or -1 for the 64 x 256 tile of two warpgroups. The same bits every way; for
 // benchmarks and the tests.

@@ -118,14 +118,19 @@ void launch_stream(const GroupedArgs& p, int64_t rows_per_group) {
 // slower than cuBLASLt on BF16 decodes. Row tiles with rows: counted from host offsets; with
 // device offsets at most min(G, M).
 constexpr int64_t kStreamRows = 16, kStreamRowsPacked = 64;
+
+// The row tiles of bm rows that groups with rows need, from host offsets.
+int64_t host_row_tiles(const GroupedArgs& p, int64_t bm) {
+  int64_t tiles = 0;
+  for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + bm - 1) / bm;
+  return tiles;
+}
+
 int decode_width(const GroupedArgs& p, int64_t rows_per_group, bool packed) {
   const int forced = g_decode_width.load(std::memory_order_relaxed);
   if (forced != 0) return forced;
   if (rows_per_group <= (packed ? kStreamRowsPacked : kStreamRows)) return kStreamWidth;
-  int64_t tiles = 0;
-  if (p.offsets) tiles = std::min<int64_t>(p.groups, p.m);
-  else
-    for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + 63) / 64;
+  const int64_t tiles = p.offsets ? std::min<int64_t>(p.groups, p.m) : host_row_tiles(p, 64);
   return tiles * ((p.n + 127) / 128) >= device_sm_count() ? 128 : 32;
 }
 
@@ -140,9 +145,7 @@ constexpr int64_t kNarrowMaxRows = 1024;
 std::atomic<bool> g_narrow_tiles{true};
 bool few_training_tiles(const GroupedArgs& p) {
   if (p.offsets || p.m > kNarrowMaxRows || !g_narrow_tiles.load(std::memory_order_relaxed)) return false;
-  int64_t tiles = 0;
-  for (int g = 0; g < p.groups; ++g) tiles += (int64_t(p.host_offsets[g + 1]) - p.host_offsets[g] + 255) / 256;
-  return tiles * ((p.n + 127) / 128) < device_sm_count();
+  return host_row_tiles(p, 256) * ((p.n + 127) / 128) < device_sm_count();
 }
 
 // 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`); where the groups average

@@ -160,8 +160,10 @@ bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, i
     const bool vec = aligned(A, a.ld);
     if (M <= kColsMaxRows) {
       const unsigned grid = unsigned((M * N + kThreads / 32 - 1) / (kThreads / 32));
-      if (vec && aligned(B, b.ld)) cols_kernel<true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
-      else cols_kernel<false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+      if (vec && aligned(B, b.ld))
+        cols_kernel<true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+      else
+        cols_kernel<false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
     } else if (N <= 16) {
       constexpr int kRows = 4;
       const unsigned grid = unsigned((M + 8 * kRows - 1) / (8 * kRows));
