@@ -9,7 +9,7 @@
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
-//                    [--forward-gemms grouped,gemm] [--json FILE]
+//                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -18,6 +18,9 @@
 // (its allocations: KV caches of the full length) that no row counts. --forward-gemms: the linear
 // layers' forward GEMMs on the grouped kernel family (grouped, the default: forward_gemm) or on
 // ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
+// --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
+// the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
+// (layer, the path before it); the same samples, rows adjacent per batch.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -86,9 +89,8 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",      "kv_cache",          "forward",     "experts",
-                     "batch",       "decode_tok_per_s",  "ms_per_step", "prefill_tok_per_s",
-                     "kv_cache_MiB"};
+    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",     "experts", "batch",
+                     "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
     std::vector<int> widths;
     for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     if (device == Device::CPU && widths != std::vector<int>{0})
@@ -99,6 +101,12 @@ int main(int argc, char** argv) {
       forward_grouped.push_back(f == "grouped");
     }
     if (forward_grouped.empty()) fail("--forward-gemms names no path");
+    std::vector<bool> routing_deferred;
+    for (const std::string& f : split(arg(argc, argv, "--routing", "deferred"))) {
+      if (f != "deferred" && f != "layer") fail("--routing takes deferred or layer, not {}", f);
+      routing_deferred.push_back(f == "deferred");
+    }
+    if (routing_deferred.empty()) fail("--routing names no path");
     std::vector<DType> kv_storages;
     for (const std::string& kv : split(arg(argc, argv, "--kv-cache", "default"))) {
       if (kv != "default" && kv != "bf16" && kv != "f32") fail("--kv-cache takes bf16, f32 or default, not {}", kv);
@@ -125,11 +133,14 @@ int main(int argc, char** argv) {
         for (int64_t B : batches) {
           sampler.set_kv_storage(storage);
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() > 1) sampler.sample(random_prompts(B, P, 3), opt);
+          if (widths.size() * forward_grouped.size() * routing_deferred.size() > 1)
+            sampler.sample(random_prompts(B, P, 3), opt);
           for (const bool fwd : forward_grouped)
+          for (const bool deferred : routing_deferred)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
             if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(width);
             set_forward_gemms_grouped(fwd);
+            set_moe_routing_waits_deferred(deferred);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
                                         : width < 0   ? "64x256"
@@ -145,6 +156,7 @@ int main(int argc, char** argv) {
             table.add({{"recipe", recipe},
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
+                       {"routing", deferred ? "deferred" : "layer"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -156,14 +168,16 @@ int main(int argc, char** argv) {
                        {"decode_s", s.decode_s},
                        {"choose_s", s.choose_s},
                        {"prefill_s", s.prefill_s}});
-            std::printf("%s, %s cache, forward %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
-                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", experts.c_str(), (long long)B,
-                        double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+            std::printf("%s, %s cache, forward %s, routing %s, experts %s, batch %lld: %.0f decode tokens/s (%lld "
+                        "steps)\n",
+                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
+                        experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             (void)out;
           }
         }
       if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(0);
       set_forward_gemms_grouped(true);
+      set_moe_routing_waits_deferred(true);
     }
     table.print();
     table.write_json(bench::json_path_arg(argc, argv));

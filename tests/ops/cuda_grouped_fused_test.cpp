@@ -5,7 +5,8 @@
 // accumulate on and off; a row's bits the same between the training tile (M = 8192), the 64 x 128
 // tiles that replace it where it would leave SMs idle, and the decode tiles (M = 1, 7, 64, 1000
 // rows of one group), also through ops::grouped_gemm with one group (a linear layer's forward:
-// BF16, MXFP8 and NVFP4 pairs, N off the 8-column step); shapes it does not take are declined.
+// BF16, MXFP8 and NVFP4 pairs, N off the 8-column step); with the offsets on the GPU, the host
+// offsets' bits; shapes it does not take are declined.
 // Both main loops (wgmma on Hopper, mma.sync) are run.
 #include <gtest/gtest.h>
 
@@ -187,6 +188,37 @@ TEST(CudaGroupedFused, OneGroupRowsAreTheSameAcrossBatchSizes) {
           const std::vector<uint8_t> got = bytes(out);
           EXPECT_EQ(0, std::memcmp(got.data(), want.data() + size_t(r0 * N) * 4, got.size())) << "rows=" << rows;
         }
+      }
+    }
+  }
+}
+
+// ops::grouped_gemm_device_offsets on block-scaled operands (the sampler's MoE layers, queued
+// before the router's counts reach the host) gives ops::grouped_gemm's bits with the same offsets
+// on the host, for every format and outer-scale kind: decode-sized groups (the packed operands in
+// the kernel on both sides), training-sized ones (decoded to BF16 first on both sides), and one
+// group of 130 rows among six, where the host's average over the filled groups (130) takes the
+// decode path and the device's over all six (22) the packed kernel; accumulating too.
+TEST(CudaGroupedFused, DeviceOffsetsGiveTheHostOffsetsBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t K = 384, N = 200, G = 6;
+  for (const std::vector<int32_t>& off : {std::vector<int32_t>{0, 1, 1, 9, 10, 10, 13},
+                                          std::vector<int32_t>{0, 150, 150, 420, 421, 421, 700},
+                                          std::vector<int32_t>{0, 0, 0, 0, 0, 130, 130}}) {
+    const int64_t M = off.back();
+    const std::vector<int64_t> host(off.begin(), off.end());
+    const Tensor dev_off = Tensor::from_host(off.data(), {G + 1}, DType::I32, Device::CUDA);
+    const Tensor x = randn_cuda({M, K}, 81, 1.0f), w = randn_cuda({G, N, K}, 82, 0.05f);
+    for (const Case& c : kCases) {
+      SCOPED_TRACE(std::string(c.name) + " M=" + std::to_string(M));
+      const QTensor xq = ops::quantize(x, spec(c.fmt, c.a_outer)), wq = ops::quantize(w, spec(c.fmt, c.b_outer));
+      EXPECT_TRUE(ops::grouped_gemm_reads_device_offsets(Device::CUDA, G, xq.padded_cols()));
+      for (bool acc : {false, true}) {
+        const Tensor init = randn_cuda({M, N}, 83, 1.0f);
+        Tensor want = init.clone(), got = init.clone();
+        ops::grouped_gemm(ops::Operand(xq), ops::Operand(wq), host, want, acc);
+        ops::grouped_gemm_device_offsets(ops::Operand(xq), ops::Operand(wq), dev_off, got, acc);
+        EXPECT_EQ(bytes(got), bytes(want)) << "acc=" << acc;
       }
     }
   }

@@ -1,6 +1,6 @@
 // defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
-// of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), and malformed offsets or
-// shapes fail with a message naming what was expected. (The GPU's implementation, one decode, one
+// of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), grouped_gemm_device_offsets
+// gives its bits, and malformed offsets or shapes fail with a message naming what was expected. (The GPU's implementation, one decode, one
 // launch of the grouped kernel, one epilogue, is checked group by group in CudaGroupedGemm.*.)
 #include <gtest/gtest.h>
 
@@ -72,6 +72,32 @@ TEST(GroupedGemm, EachGroupEqualsItsOwnGemm) {
   for (int64_t g = 0; g < G; ++g) slices.push_back(ops::qtensor_slice(wq, g));
   ops::grouped_gemm(xq, wq, offsets, c);
   EXPECT_TRUE(same_bits(c, per_group(ops::Operand(xq), {}, slices, offsets, N, false))) << "nvfp4";
+}
+
+// grouped_gemm_device_offsets with the offsets in a tensor on the CPU reads them and gives
+// grouped_gemm's bits, for dense and block-scaled operands (the GPU's forms:
+// CudaGroupedBf16.DeviceOffsetsGiveTheHostOffsetsBits, CudaGroupedFused.DeviceOffsets*); an
+// offsets tensor that does not match B's slices is a clear error.
+TEST(GroupedGemm, OffsetsInATensorGiveTheSameBits) {
+  const int64_t K = 64, N = 16, G = 3;
+  const std::vector<int64_t> offsets{0, 5, 5, 12};
+  const std::vector<int32_t> off32(offsets.begin(), offsets.end());
+  const Tensor off_t = Tensor::from_host(off32.data(), {G + 1}, DType::I32, Device::CPU);
+  const Tensor x = random_tensor({12, K}, DType::F32, 8), w = random_tensor({G, N, K}, DType::F32, 9);
+  QuantSpec sx, sw;
+  sx.fmt = sw.fmt = Format::MXFP8_E4M3;
+  const QTensor xq = ops::quantize(x, sx), wq = ops::quantize(w, sw);
+  for (const auto& [a, b] : {std::pair{ops::Operand(x), ops::Operand(w)}, std::pair{ops::Operand(xq), ops::Operand(wq)}}) {
+    Tensor want = Tensor::empty({12, N}, DType::F32), got = Tensor::empty({12, N}, DType::F32);
+    ops::grouped_gemm(a, b, offsets, want);
+    ops::grouped_gemm_device_offsets(a, b, off_t, got);
+    EXPECT_TRUE(same_bits(got, want)) << (a.q() ? "mxfp8" : "f32");
+  }
+  Tensor c = Tensor::empty({12, N}, DType::F32);
+  const Tensor short_off = Tensor::from_host(off32.data(), {G}, DType::I32, Device::CPU);
+  EXPECT_NE(error_of([&] { ops::grouped_gemm_device_offsets(xq, wq, short_off, c); })
+                .find("offsets must be I32 [G + 1] = [4]"),
+            std::string::npos);
 }
 
 TEST(GroupedGemm, BadOffsetsAndShapesAreClearErrors) {

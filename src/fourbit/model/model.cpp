@@ -2,6 +2,7 @@
 //          forward weights and the recorded input amax
 #include "fourbit/model/model.h"
 
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -13,6 +14,7 @@
 namespace fourbit {
 
 namespace {
+std::atomic<bool> g_routing_waits_deferred{true};
 
 // X as a layer's GEMMs consume it: the fprop operand, and the wgrad operand when it has to be
 // prepared in the forward pass from the high-precision X (quantized recipes that do not
@@ -141,6 +143,15 @@ struct ModelRunner {
     std::vector<double> prob_sums, frac;
   };
   std::vector<PendingAux> pending_aux{};
+  // A forward that keeps nothing for a backward and computes no load-balance loss needs the router
+  // counts on the host only to report a bad expert id (the plan's error record): its MoE layers
+  // run on the offsets where the GPU made them, and their read-backs are finished here once the
+  // forward is queued (finish_deferred_plans), not one wait a layer.
+  std::vector<ops::PendingRoutePlan> deferred_plans{};
+  void finish_deferred_plans() {
+    for (ops::PendingRoutePlan& p : deferred_plans) ops::route_plan_finish(p);
+    deferred_plans.clear();
+  }
   // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
   // with f_e the routed share (no gradient) and P_e the mean router probability.
   double aux_loss_value() {
@@ -487,15 +498,22 @@ struct ModelRunner {
     // plan, they read its offsets there: the dispatch, the experts and the combine are queued
     // before the host waits for the counts, which only the load-balance statistics and the backward
     // need, so the GPU does not idle through that wait. Elsewhere the host waits here.
-    const bool device_routed = plan.device_offsets.defined() && bf16_x && r.fprop.b.fmt == Format::BF16 &&
-                               !r.fprop.b.quantized() && wgrad_from_fwd &&
-                               ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
-                               ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
+    const bool offsets_on_gpu = plan.device_offsets.defined() &&
+                                ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
+                                ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
+    // A forward with no backward and no load-balance loss (the sampler's, evaluation's) needs no
+    // counts on the host at all: its plan is finished once the whole forward is queued
+    // (deferred_plans), whatever the experts' operands, FP32 ones excepted (cuBLASLt per expert).
+    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax &&
+                          g_routing_waits_deferred.load(std::memory_order_relaxed) &&
+                          r.fprop.a.fmt != Format::F32 && r.fprop.b.fmt != Format::F32;
+    const bool device_routed = deferred || (offsets_on_gpu && bf16_x && r.fprop.b.fmt == Format::BF16 &&
+                                            !r.fprop.b.quantized() && wgrad_from_fwd);
     // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
     // then the same wherever it is quantized), both come from the dispatched rows in one pass,
-    // X with its BF16 decode for the w1 and w3 GEMMs; otherwise each token is quantized once here
-    // and its packed row dispatched.
-    const bool pair_x = x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
+    // X with its BF16 decode for the w1 and w3 GEMMs; otherwise (and where no weight gradient
+    // follows) each token is quantized once here and its packed row dispatched.
+    const bool pair_x = !deferred && x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
     Prepared px;
     if (r.fprop.a.quantized() && !pair_x)
       px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
@@ -526,13 +544,13 @@ struct ModelRunner {
       xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
       ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
       x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
-    } else if (!r.fprop.a.quantized() || !wgrad_from_fwd) {
+    } else if (!r.fprop.a.quantized() || (!wgrad_from_fwd && !deferred)) {
       xn_perm = act({N * K, D});
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       if (!r.fprop.a.quantized())
         x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     }
-    if (!wgrad_from_fwd && !pair_x)
+    if (!wgrad_from_fwd && !pair_x && !deferred)
       x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                       expert_sites(name + "moe.w13/wgrad/X^T"), cls, log);
 
@@ -541,6 +559,10 @@ struct ModelRunner {
     Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, keep ? &inner : nullptr);
     Tensor out = act({N, D});
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
+    if (deferred) {
+      deferred_plans.push_back(std::move(pending_plan));
+      return out;
+    }
     ops::route_plan_finish(pending_plan);
     plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
@@ -970,6 +992,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     s->xf = std::move(xf_in).kept();
     s->positions = positions;
   }
+  run.finish_deferred_plans();
   return logits;
 }
 
@@ -1130,6 +1153,8 @@ void Model::backward() {
   ops::embedding_backward(dx, s->tokens.reshape({N}), g.embed, true);
   params_.settle_grads();
 }
+
+void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

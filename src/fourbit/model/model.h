@@ -1,4 +1,4 @@
-// defines: Model, ForwardStats, SavedBytes, LinearInfo
+// defines: Model, ForwardStats, SavedBytes, LinearInfo, set_moe_routing_waits_deferred
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -47,6 +47,13 @@ struct LinearInfo {
   LayerClass cls;
   int64_t layer;
 };
+
+// Whether a forward that keeps nothing for a backward and computes no load-balance loss (the
+// sampler's prefill and decode, Model::logits) runs its MoE layers on the GPU's routing offsets
+// and waits for the router counts once, after the whole forward is queued (true, the default), or
+// waits in every MoE layer as training does (the path before it), process-wide: for benchmarks
+// that compare the two in one process. Both give the same bits.
+void set_moe_routing_waits_deferred(bool on);
 
 class Model {
  public:

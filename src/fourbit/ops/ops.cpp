@@ -249,19 +249,20 @@ std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std:
   });
 }
 
-void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
-                  bool accumulate) {
-  const HostOpTimer host_timer("grouped_gemm");
-  const int64_t G = check_row_offsets("grouped_gemm", offsets, a.rows(), "A");
+namespace {
+// B's group shape (N, K) of a grouped GEMM of G groups, after checking a, b and c (grouped_gemm's
+// comment in ops.h).
+std::pair<int64_t, int64_t> grouped_shape(const char* op, const Operand& a, const Operand& b, int64_t G,
+                                          const Tensor& c) {
   if (a.trans() || (a.dense() && a.dense()->dim() != 2))
-    fail("grouped_gemm: a dense A must be [M, K], not transposed; got {}", a.dense()->str());
+    fail("{}: a dense A must be [M, K], not transposed; got {}", op, a.dense()->str());
   // B's groups: a QTensor's slices, or a dense [G, N, K] ([G, K, N] transposed) / [G * N, K].
   const QTensor* qb = b.q();
   const Tensor* db = b.dense();
   if (db && !(db->dim() == 3 || (db->dim() == 2 && !b.trans())))
-    fail("grouped_gemm: a dense B must be [G, N, K], [G, K, N] transposed or [G * N, K]; got {}", db->str());
+    fail("{}: a dense B must be [G, N, K], [G, K, N] transposed or [G * N, K]; got {}", op, db->str());
   const int64_t slices = qb ? qb->slices : db->dim() == 3 ? db->size(0) : G;
-  if (slices != G) fail("grouped_gemm: B has {} slices for {} groups", slices, G);
+  if (slices != G) fail("{}: B has {} slices for {} groups", op, slices, G);
   int64_t bn = 0, bk = 0;
   if (qb) {
     bn = qb->rows;
@@ -270,15 +271,25 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
     bn = db->size(b.trans() ? 2 : 1);
     bk = db->size(b.trans() ? 1 : 2);
   } else {
-    if (db->size(0) % G != 0) fail("grouped_gemm: a dense B of {} rows does not split into {} groups", db->size(0), G);
+    if (db->size(0) % G != 0) fail("{}: a dense B of {} rows does not split into {} groups", op, db->size(0), G);
     bn = db->size(0) / G;
     bk = db->size(1);
   }
-  if (a.k() != bk) fail("grouped_gemm: reduction sizes differ: A has K={}, B has K={}", a.k(), bk);
-  if (a.device() != b.device() || a.device() != c.device())
-    fail("grouped_gemm: operands and output must be on one device");
+  if (a.k() != bk) fail("{}: reduction sizes differ: A has K={}, B has K={}", op, a.k(), bk);
+  if (a.device() != b.device() || a.device() != c.device()) fail("{}: operands and output must be on one device", op);
   if (c.dim() != 2 || c.size(0) != a.rows() || c.size(1) != bn)
-    fail("grouped_gemm: output {} does not match [{}, {}]", c.str(), a.rows(), bn);
+    fail("{}: output {} does not match [{}, {}]", op, c.str(), a.rows(), bn);
+  return {bn, bk};
+}
+}  // namespace
+
+void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
+                  bool accumulate) {
+  const HostOpTimer host_timer("grouped_gemm");
+  const int64_t G = check_row_offsets("grouped_gemm", offsets, a.rows(), "A");
+  const auto [bn, bk] = grouped_shape("grouped_gemm", a, b, G, c);
+  const QTensor* qb = b.q();
+  const Tensor* db = b.dense();
 #if FOURBIT_HAS_CUDA
   if (c.device() == Device::CUDA && cuda::grouped_gemm(a, b, offsets, bn, bk, c, accumulate)) return;
 #endif
@@ -307,20 +318,20 @@ bool grouped_gemm_reads_device_offsets(Device device, int64_t groups, int64_t k)
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate) {
   const char* op = "grouped_gemm_device_offsets";
-  const Tensor *da = a.dense(), *db = b.dense();
-  if (!da || !db || a.trans() || b.trans() || da->dtype() != DType::BF16 || db->dtype() != DType::BF16 ||
-      da->dim() != 2 || db->dim() != 3)
-    fail("{}: takes dense BF16 operands, a [M, K] and b [G, N, K]; got a {}, b {}", op,
-         da ? da->str() : "quantized", db ? db->str() : "quantized");
-  if (!offsets.defined() || offsets.dtype() != DType::I32 || offsets.dim() != 1 || offsets.size(0) != db->size(0) + 1 ||
-      offsets.device() != da->device())
-    fail("{}: offsets must be I32 [G + 1] = [{}] on the operands' device, got {}", op, db->size(0) + 1,
-         offsets.defined() ? offsets.str() : "an undefined tensor");
+  // G: B's slices where B says (a QTensor, a dense [G, N, K] or [G, K, N]), else the offsets'
+  const int64_t slices = b.q() ? b.q()->slices : b.dense() && b.dense()->dim() == 3 ? b.dense()->size(0) : -1;
+  if (!offsets.defined() || offsets.dtype() != DType::I32 || offsets.dim() != 1 ||
+      (slices >= 0 ? offsets.size(0) != slices + 1 : offsets.size(0) < 2) || offsets.device() != c.device())
+    fail("{}: offsets must be I32 [G + 1] = [{}] on the operands' device, got {}", op,
+         slices >= 0 ? std::to_string(slices + 1) : "G + 1 >= 2", offsets.defined() ? offsets.str() : "an undefined tensor");
+  const auto [bn, bk] = grouped_shape(op, a, b, offsets.size(0) - 1, c);
 #if FOURBIT_HAS_CUDA
-  if (c.device() == Device::CUDA && da->device() == Device::CUDA && db->device() == Device::CUDA) {
+  if (c.device() == Device::CUDA) {
     const HostOpTimer host_timer("grouped_gemm");
-    if (cuda::grouped_gemm_device_offsets(*da, *db, offsets, c, accumulate)) return;
+    if (cuda::grouped_gemm_device_offsets(a, b, offsets, bn, bk, c, accumulate)) return;
   }
+#else
+  (void)bn, (void)bk;
 #endif
   const Tensor host = offsets.to(Device::CPU);
   const std::vector<int64_t> off(host.data<int32_t>(), host.data<int32_t>() + host.numel());

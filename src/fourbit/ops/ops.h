@@ -150,15 +150,17 @@ void gemm(const Operand& a, const Operand& b, Tensor& c, bool accumulate = false
 // applied in one pass.
 void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate = false);
-// grouped_gemm with the offsets an I32 [G + 1] tensor on the operands' device, for dense BF16
-// operands only (a [M, K], b [G, N, K]) into an F32 c: the GPU's kernel reads them there, so the
-// GEMM may be queued before the host has the router's counts (RoutePlan::device_offsets); the
-// CPU reads them and runs grouped_gemm. The bits of grouped_gemm with the same offsets.
+// grouped_gemm with the offsets an I32 [G + 1] tensor on the output's device: on the GPU the
+// grouped kernel reads them there (dense BF16 operands, or block-scaled ones of one format, where
+// grouped_gemm_reads_device_offsets), so the GEMM may be queued before the host has the router's
+// counts (RoutePlan::device_offsets); elsewhere (the CPU, FP32 operands) they are read back first
+// and grouped_gemm runs. The bits of grouped_gemm with the same offsets.
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate = false);
 // Whether grouped_gemm_device_offsets on `device` reads the offsets where they are for `groups`
-// groups and a reduction of k values (else it reads them back first: the GPU's grouped kernel
-// takes up to 128 groups and K a multiple of 8; the CPU always reads them).
+// groups and a reduction of k values, BF16 or block-scaled operands (else it reads them back
+// first: the GPU's grouped kernel takes up to 128 groups and K a multiple of 8; the CPU always
+// reads them).
 bool grouped_gemm_reads_device_offsets(Device device, int64_t groups, int64_t k);
 
 // One GEMM of a batch: c (+)= a . b^T, as ops::gemm(a, b, *c, accumulate).

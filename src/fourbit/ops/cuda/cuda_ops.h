@@ -1,6 +1,7 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, nonfinite_flag_address, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
-//          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows, grouped_rows_per_group, packed_operand,
+//          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows,
+//          grouped_rows_per_group, device_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
@@ -47,13 +48,15 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // check_recorded_index_errors() (or the next MoE route plan), never read or written past.
 void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c, bool accumulate,
                        int64_t k_begin = 0, int64_t k_end = -1);
-// ops::grouped_gemm_device_offsets on CUDA (operands checked by the caller): grouped_gemm_bf16
-// where ops::grouped_gemm would run dense BF16 groups through the grouped kernel
-// (grouped_gemm_reads_device_offsets, 16-byte aligned operands); false (nothing done) where it
-// would not: then ops::grouped_gemm's other path gives the bits.
+// ops::grouped_gemm_device_offsets on CUDA (operands checked by the caller; B's groups n x k):
+// dense BF16 operands by grouped_gemm_bf16, block-scaled ones (one format for A and B) as
+// grouped_gemm runs them with host offsets (packed into the kernel where the groups average at most
+// 64 rows, else decoded to BF16 first), reading the offsets on the GPU; where the grouped kernel
+// takes the groups (grouped_gemm_reads_device_offsets). false (nothing done) where it would not:
+// then ops::grouped_gemm's other path gives the bits.
 bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k);
-bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
-                                 bool accumulate);
+bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, int64_t n, int64_t k,
+                                 Tensor& c, bool accumulate);
 
 // One operand of grouped_gemm_rows: BF16 values or block-scaled codes (rows ld_bytes apart; B's
 // group g starts g * slice_bytes in), block scales (scale_ld bytes a row, B's group g at
@@ -93,6 +96,13 @@ struct GroupedOperand {
 // the trainer's alike.
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
                        int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
+// The same with the offsets an I32 [groups + 1] array on the GPU (its last value m, which the caller
+// gives), read by the kernel: no read-back. The row tile and decode configuration are picked by the
+// average rows a group (device_rows_per_group); every configuration gives the same bits, so these
+// are the host-offset form's bits. Offsets outside [0, m] or decreasing are recorded as index
+// errors (grouped_gemm_bf16).
+bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const int32_t* device_offsets,
+                       int64_t groups, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
 
 // One GEMM of grouped_gemm_k: C (F32 [m, n], rows ldc apart) (+)= A . B^T over k values, A and B
 // BF16, K-major (A [m, k], B [n, k], rows lda / ldb elements apart) or MN-major (stored [k, m] and
@@ -117,6 +127,8 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
 // The rows a non-empty group holds on average (rounded up; 0 without rows): what the grouped kernel
 // picks its row tile by, and ops::grouped_gemm its path for block-scaled operands.
 int64_t grouped_rows_per_group(const std::vector<int64_t>& offsets);
+// Where the offsets stay on the GPU: m rows over all groups, the empty ones included (rounded up).
+int64_t device_rows_per_group(int64_t groups, int64_t m);
 
 // A block-scaled CUDA QTensor as grouped_gemm_rows reads it, packed (as B, its slices are the groups).
 GroupedOperand packed_operand(const QTensor& q);

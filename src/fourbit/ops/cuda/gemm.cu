@@ -868,47 +868,116 @@ void set_grouped_kernel(bool on) { g_grouped_kernel.store(on, std::memory_order_
 void set_grouped_transposed_b(bool on) { g_grouped_transposed_b.store(on, std::memory_order_relaxed); }
 void set_fused_dequant(bool on) { g_fused_dequant.store(on, std::memory_order_relaxed); }
 
-// Packed block-scaled operands in small groups straight into the grouped kernel; otherwise one
-// decode of A and of every slice of B (one launch when they share a format), then every group in
-// one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
-// the operands, one cuBLASLt call per non-empty group (spread over the GPU lanes) and one scale
-// epilogue for all rows.
 bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k) {
   // where grouped_gemm runs dense BF16 groups through the grouped kernel (grouped_gemm_rows' limits)
   return g_grouped_kernel.load(std::memory_order_relaxed) && !native_block_scaled_gemm() && groups >= 1 &&
          groups <= kMaxEpilogueGroups && k % 8 == 0;
 }
 
-bool grouped_gemm_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
-                                 bool accumulate) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  if (!grouped_gemm_reads_device_offsets(b.size(0), b.size(2)) || !aligned(a.raw()) || !aligned(b.raw()))
-    return false;
-  grouped_gemm_bf16(a, b, offsets, c, accumulate);
-  return true;
+namespace {
+// A grouped GEMM's row offsets (G + 1 values from 0 to M): on the host, or (host null) an I32 array
+// on the GPU that the grouped kernel reads.
+struct RowOffsets {
+  const std::vector<int64_t>* host = nullptr;
+  const int32_t* device = nullptr;
+  int64_t groups = 0, rows = 0;
+  int64_t rows_per_group() const {
+    return host ? grouped_rows_per_group(*host) : device_rows_per_group(groups, rows);
+  }
+};
+bool grouped_rows(const GroupedOperand& a, const GroupedOperand& b, const RowOffsets& off, int64_t n, int64_t k,
+                  float* c, bool accumulate) {
+  return off.host ? grouped_gemm_rows(a, b, *off.host, n, k, c, n, accumulate)
+                  : grouped_gemm_rows(a, b, off.device, off.groups, off.rows, n, k, c, n, accumulate);
 }
 
-bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
-                  Tensor& c, bool accumulate) {
-  const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
-  if (G > kMaxEpilogueGroups || native_block_scaled_gemm()) return false;  // the caller loops
+// grouped_gemm's grouped-kernel paths: the packed operands in small groups, else the BF16 operands
+// (dense, or block-scaled ones decoded once) in one launch. false where the kernel does not take
+// them; with host offsets grouped_gemm then runs cuBLASLt group by group.
+bool grouped_kernel_gemm(const Operand& a, const Operand& b, const RowOffsets& off, int64_t N, int64_t K, Tensor& c,
+                         bool accumulate) {
+  const int64_t G = off.groups;
+  if (G > kMaxEpilogueGroups || native_block_scaled_gemm() || !g_grouped_kernel.load(std::memory_order_relaxed))
+    return false;
   expect_unsliced_scales(a);
   const QTensor* qb = b.q();
   // Block-scaled A and B of one format where the groups are small (the sampler's decode): read
   // packed by the grouped kernel, dequantized and scaled inside it, the bits of the decode path
   // below. Measured on the H200 (bench/gpu_grouped_gemm): 1.2-1.4x the decode path at decode sizes,
   // 0.6x at training sizes, where the in-kernel decode outweighs the BF16 copies it saves.
-  const bool small_groups = grouped_rows_per_group(offsets) <= 64;
-  if (a.q() && qb && small_groups && g_grouped_kernel.load(std::memory_order_relaxed) &&
-      g_fused_dequant.load(std::memory_order_relaxed) && a.q()->padded_cols() == qb->padded_cols() && qb->rows == N &&
-      grouped_gemm_rows(packed_operand(*a.q()), packed_operand(*qb), offsets, N, qb->padded_cols(), c.data<float>(),
-                        N, accumulate))
+  if (a.q() && qb && off.rows_per_group() <= 64 && g_fused_dequant.load(std::memory_order_relaxed) &&
+      a.q()->padded_cols() == qb->padded_cols() && qb->rows == N &&
+      grouped_rows(packed_operand(*a.q()), packed_operand(*qb), off, N, qb->padded_cols(), c.data<float>(),
+                   accumulate))
     return true;
   const int64_t k_eff = std::max(padded_k(a), qb ? qb->padded_cols() : K);
   const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
+  if (f32 || a.trans()) return false;
   // B as one operand of G stacked groups: slice g starts b_slice elements after slice 0.
   Tensor b2;
   BatchDecoder dec;  // A and B decoded in one launch where their formats agree
+  MatmulOperand B;
+  int64_t b_slice = 0;
+  if (qb) {
+    B = dec.get(Operand(*qb), k_eff, false).op;
+    b_slice = N * B.ld;
+  } else if (!b.trans()) {
+    b2 = b.dense()->reshape({G * N, K});
+    B = dec.get(Operand(b2), k_eff, false).op;
+    b_slice = N * B.ld;
+  } else {  // [G, K, N]: used in place, so it must not need padding
+    if (K != k_eff || !g_grouped_transposed_b.load(std::memory_order_relaxed)) return false;
+    B = MatmulOperand{b.dense()->raw(), true, N, 0};
+    b_slice = K * N;
+  }
+  const MatmulOperand A = dec.get(a, k_eff, false).op;
+  dec.run();
+  // BF16 operands (dense, or block-scaled ones decoded exactly): every group in one launch of the
+  // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
+  // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
+  // NVFP4 outer scales are applied in the kernel's epilogue (finish_value: the products, then
+  // the accumulation, in the scale epilogue's order), so C is written once, with no temporary
+  // and no epilogue pass. A transposed dense B ([G, K, N], the forward's weight of a dgrad) is
+  // read MN-major in place where the kernel can (Hopper).
+  GroupedOperand gb = with_outer(GroupedOperand::bf16(B.ptr, B.ld, b_slice), outer_scales_of(b));
+  gb.trans = B.trans;
+  return !A.trans && grouped_rows(with_outer(GroupedOperand::bf16(A.ptr, A.ld, 0), outer_scales_of(a)), gb, off, N,
+                                  k_eff, c.data<float>(), accumulate);
+}
+}  // namespace
+
+bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, int64_t n, int64_t k,
+                                 Tensor& c, bool accumulate) {
+  const int64_t G = offsets.numel() - 1, M = a.rows();
+  if (!grouped_gemm_reads_device_offsets(G, k)) return false;
+  const Tensor *da = a.dense(), *db = b.dense();
+  if (da && db && da->dtype() == DType::BF16 && db->dtype() == DType::BF16 && !b.trans() && db->dim() == 3) {
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (!aligned(da->raw()) || !aligned(db->raw())) return false;
+    grouped_gemm_bf16(*da, *db, offsets, c, accumulate);
+    return true;
+  }
+  return grouped_kernel_gemm(a, b, RowOffsets{nullptr, offsets.data<int32_t>(), G, M}, n, k, c, accumulate);
+}
+
+// Packed block-scaled operands in small groups straight into the grouped kernel; otherwise one
+// decode of A and of every slice of B (one launch when they share a format), then every group in
+// one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
+// the operands, one cuBLASLt call per non-empty group (spread over the GPU lanes) and one scale
+// epilogue for all rows.
+bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>& offsets, int64_t N, int64_t K,
+                  Tensor& c, bool accumulate) {
+  const int64_t G = int64_t(offsets.size()) - 1, M = a.rows();
+  if (G > kMaxEpilogueGroups || native_block_scaled_gemm()) return false;  // the caller loops
+  if (grouped_kernel_gemm(a, b, RowOffsets{&offsets, nullptr, G, M}, N, K, c, accumulate)) return true;
+  // cuBLASLt group by group on the lanes (FP32 operands, a transposed dense B off Hopper, or the
+  // grouped kernel switched off), the outer scales in one epilogue pass
+  expect_unsliced_scales(a);
+  const QTensor* qb = b.q();
+  const int64_t k_eff = std::max(padded_k(a), qb ? qb->padded_cols() : K);
+  const bool f32 = is_dense_f32(a) || (!qb && b.dense()->dtype() == DType::F32);
+  Tensor b2;
+  BatchDecoder dec;
   MatmulOperand B;
   int64_t b_slice = 0;
   if (qb) {
@@ -927,22 +996,6 @@ bool grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
   const MatmulOperand A = dec.get(a, k_eff, f32).op;
   dec.run();
   const size_t elem = f32 ? 4 : 2;
-  // BF16 operands (dense, or block-scaled ones decoded exactly): every group in one launch of the
-  // grouped kernel (grouped_mma.cu), whose rows are batch invariant by construction; the sampler's
-  // decode and the trainer's forward both come here, so their expert GEMMs stay the same sums.
-  // NVFP4 outer scales are applied in the kernel's epilogue (finish_value: the products, then
-  // the accumulation, in the scale epilogue's order), so C is written once, with no temporary
-  // and no epilogue pass. A transposed dense B ([G, K, N], the forward's weight of a dgrad) is
-  // read MN-major in place where the kernel can (Hopper), otherwise it goes to cuBLASLt group by
-  // group.
-  if (g_grouped_kernel.load(std::memory_order_relaxed) && !f32 && !A.trans &&
-      (!B.trans || g_grouped_transposed_b.load(std::memory_order_relaxed))) {
-    GroupedOperand gb = with_outer(GroupedOperand::bf16(B.ptr, B.ld, b_slice), sb);
-    gb.trans = B.trans;
-    if (grouped_gemm_rows(with_outer(GroupedOperand::bf16(A.ptr, A.ld, 0), sa), gb, offsets, N, k_eff,
-                          c.data<float>(), N, accumulate))
-      return true;
-  }
   EpilogueGroups groups;
   groups.count = int(G);
   for (int64_t g = 0; g <= G; ++g) groups.off[g] = offsets[size_t(g)];

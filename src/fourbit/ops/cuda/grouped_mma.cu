@@ -298,9 +298,11 @@ int64_t grouped_rows_per_group(const std::vector<int64_t>& offsets) {
   return filled ? (M + filled - 1) / filled : 0;
 }
 
-bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
-                       int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate) {
-  const int64_t G = int64_t(offsets.size()) - 1, M = offsets.empty() ? 0 : offsets.back();
+int64_t device_rows_per_group(int64_t groups, int64_t m) { return groups > 0 ? (m + groups - 1) / groups : 0; }
+
+namespace {
+// Whether grouped_gemm_rows takes these operands and sizes (its comment in cuda_ops.h).
+bool rows_form_fits(const GroupedOperand& a, const GroupedOperand& b, int64_t G, int64_t M, int64_t n, int64_t k) {
   const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
   const auto fits = [&](const GroupedOperand& o) {
     if (o.fmt != a.fmt || o.ld_bytes % 16 != 0 || o.slice_bytes % 16 != 0 || !aligned(o.data, 16)) return false;
@@ -310,16 +312,32 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
   const bool formats = a.fmt == Format::BF16 || a.fmt == Format::NVFP4 || a.fmt == Format::MXFP8_E4M3 ||
                        a.fmt == Format::MXFP8_E5M2;
   if (G < 1 || G > kMaxHostGroups || !formats || !fits(a) || !fits(b) || k % (a.fmt == Format::BF16 ? 8 : 32) != 0 ||
-      M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || offsets.front() != 0 || a.trans)
+      M > INT32_MAX || n > INT32_MAX || k > INT32_MAX || a.trans)
     return false;
   // An MN-major B: BF16 on the wgmma loop only, whole 16-byte chunks of N
-  if (b.trans && (b.fmt != Format::BF16 || n % 8 != 0 || b.ld_bytes < 2 * n || !g_wgmma.load(std::memory_order_relaxed) ||
-                  !hopper_device()))
-    return false;
+  return !(b.trans && (b.fmt != Format::BF16 || n % 8 != 0 || b.ld_bytes < 2 * n ||
+                       !g_wgmma.load(std::memory_order_relaxed) || !hopper_device()));
+}
+}  // namespace
+
+bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const std::vector<int64_t>& offsets,
+                       int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate) {
+  const int64_t G = int64_t(offsets.size()) - 1, M = offsets.empty() ? 0 : offsets.back();
+  if (!rows_form_fits(a, b, G, M, n, k) || offsets.front() != 0) return false;
   if (M == 0 || n == 0) return true;
   GroupedArgs p = make_args(a, b, c, ldc, M, n, 0, k, G, accumulate);
   for (int64_t g = 0; g <= G; ++g) p.host_offsets[g] = int32_t(offsets[size_t(g)]);
   launch(a.fmt, p, grouped_rows_per_group(offsets), "grouped_gemm");
+  return true;
+}
+
+bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const int32_t* device_offsets,
+                       int64_t groups, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate) {
+  if (!device_offsets || !rows_form_fits(a, b, groups, m, n, k)) return false;
+  if (m == 0 || n == 0) return true;
+  GroupedArgs p = make_args(a, b, c, ldc, m, n, 0, k, groups, accumulate);
+  p.offsets = device_offsets;
+  launch(a.fmt, p, device_rows_per_group(groups, m), "grouped_gemm");
   return true;
 }
 
@@ -382,7 +400,7 @@ void grouped_gemm_bf16(const Tensor& a, const Tensor& b, const Tensor& offsets, 
   GroupedArgs p = make_args(GroupedOperand::bf16(a.raw(), K, 0), GroupedOperand::bf16(b.raw(), K, N * K),
                             static_cast<float*>(c.raw()), N, M, N, k_begin, k_end, G, accumulate);
   p.offsets = static_cast<const int32_t*>(offsets.raw());
-  launch(Format::BF16, p, (M + G - 1) / G, op);
+  launch(Format::BF16, p, device_rows_per_group(G, M), op);
 }
 
 void set_grouped_wgmma(bool on) { g_wgmma.store(on, std::memory_order_relaxed); }
