@@ -4,12 +4,14 @@
 // sequence fills a cache of C positions (C - P + 1 new tokens: one from the prefill, the rest
 // from C - P decode steps), on seeded random weights of the config's model. Decode tokens/s
 // counts the tokens of the decode steps over their time (forwards, cache writes, the host-side
-// draws and log-probs); prefill is reported apart. Times are wall clock with the device
+// draws and log-probs); prefill is reported apart. host_ms_per_step: the host's time to queue one
+// decode forward (near ms_per_step, the step waits for the host). Times are wall clock with the device
 // synchronised at each phase's end, so this runs on the CPU as well (--device cpu).
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
-//                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--json FILE]
+//                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--attention group,head]
+//                    [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -20,7 +22,9 @@
 // ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
 // --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
-// (layer, the path before it); the same samples, rows adjacent per batch.
+// (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
+// step's attention a CTA per kv head group (group, the default: cuda::set_flash_head_rows) or per
+// q head (head, the path before it); the same samples, rows adjacent per batch.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -89,8 +93,9 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",     "experts", "batch",
-                     "decode_tok_per_s", "ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
+    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "experts",
+                     "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
+                     "kv_cache_MiB"};
     std::vector<int> widths;
     for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     if (device == Device::CPU && widths != std::vector<int>{0})
@@ -107,6 +112,14 @@ int main(int argc, char** argv) {
       routing_deferred.push_back(f == "deferred");
     }
     if (routing_deferred.empty()) fail("--routing names no path");
+    std::vector<bool> head_rows;
+    for (const std::string& f : split(arg(argc, argv, "--attention", "group"))) {
+      if (f != "group" && f != "head") fail("--attention takes group or head, not {}", f);
+      head_rows.push_back(f == "group");
+    }
+    if (head_rows.empty()) fail("--attention names no path");
+    if (device == Device::CPU && head_rows != std::vector<bool>{true})
+      fail("--attention: the decode attention's CTAs are the CUDA backend's; on the CPU give group");
     std::vector<DType> kv_storages;
     for (const std::string& kv : split(arg(argc, argv, "--kv-cache", "default"))) {
       if (kv != "default" && kv != "bf16" && kv != "f32") fail("--kv-cache takes bf16, f32 or default, not {}", kv);
@@ -133,12 +146,16 @@ int main(int argc, char** argv) {
         for (int64_t B : batches) {
           sampler.set_kv_storage(storage);
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() * routing_deferred.size() > 1)
+          if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           for (const bool fwd : forward_grouped)
           for (const bool deferred : routing_deferred)
+          for (const bool group_ctas : head_rows)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
-            if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(width);
+            if (device == Device::CUDA) {
+              ops::cuda::set_grouped_decode_width(width);
+              ops::cuda::set_flash_head_rows(group_ctas);
+            }
             set_forward_gemms_grouped(fwd);
             set_moe_routing_waits_deferred(deferred);
             const std::string experts = width == 0    ? "chosen"
@@ -157,6 +174,7 @@ int main(int argc, char** argv) {
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
                        {"routing", deferred ? "deferred" : "layer"},
+                       {"attention", group_ctas ? "group" : "head"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -166,16 +184,21 @@ int main(int argc, char** argv) {
                        {"decode_steps", s.decode_forwards},
                        {"sampled_tokens", s.sampled_tokens},
                        {"decode_s", s.decode_s},
+                       {"host_ms_per_step", 1e3 * s.decode_issue_s / double(s.decode_forwards)},
                        {"choose_s", s.choose_s},
                        {"prefill_s", s.prefill_s}});
-            std::printf("%s, %s cache, forward %s, routing %s, experts %s, batch %lld: %.0f decode tokens/s (%lld "
-                        "steps)\n",
+            std::printf("%s, %s cache, forward %s, routing %s, attention %s, experts %s, batch %lld: %.0f decode "
+                        "tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
-                        experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+                        group_ctas ? "group" : "head", experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
+                        (long long)s.decode_forwards);
             (void)out;
           }
         }
-      if (device == Device::CUDA) ops::cuda::set_grouped_decode_width(0);
+      if (device == Device::CUDA) {
+        ops::cuda::set_grouped_decode_width(0);
+        ops::cuda::set_flash_head_rows(true);
+      }
       set_forward_gemms_grouped(true);
       set_moe_routing_waits_deferred(true);
     }

@@ -3,7 +3,7 @@
 // accumulate mode, batch invariance of GEMM rows (M = 1 .. 4096) with a split-K negative
 // control, and attention forward/backward within the BF16-attention tolerance: the fused kernels
 // against the CPU and the materialized path, and bitwise the same rows in a batch, alone, and in
-// KV-cache decode and chunked prefill.
+// KV-cache decode (a CTA per q head or per kv head group) and chunked prefill.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -462,6 +462,64 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
     }
 }
 #endif
+
+// A one-token step of grouped-query attention (the sampler's decode) runs a CTA per kv head with
+// its group's q heads as rows (set_flash_head_rows): out, its BF16 copy and lse are the bits of a
+// CTA per q head, for every head size, group size (2, 4, 8), position (the first key block, its
+// last key, the next block's first, mid-block, the cache's end), both engines and every CTA shape.
+// Outputs start as NaN, so a row the packed form leaves unwritten fails.
+TEST(CudaAttention, OneTokenHeadRowsGiveTheBitsOfHeadCtas) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    ~Restore() {
+      ops::cuda::set_flash_head_rows(true);
+      ops::cuda::set_flash_wgmma(true);
+      ops::cuda::set_flash_cta(1, 2);
+    }
+  } restore;
+  auto nans = [](const Shape& shape, DType dt) {
+    const std::vector<float> v(size_t(shape_numel(shape)), std::numeric_limits<float>::quiet_NaN());
+    Tensor f = Tensor::from_host(v.data(), shape, DType::F32, Device::CUDA);
+    if (dt == DType::F32) return f;
+    Tensor b = Tensor::empty(shape, dt, Device::CUDA);
+    ops::convert(f, b);
+    return b;
+  };
+  const int64_t B = 3, S = 200, Hkv = 2;
+  for (const int64_t hd : {32, 64, 128})
+    for (const int64_t group : {2, 4, 8}) {
+      const int64_t Hq = Hkv * group;
+      const Tensor q = randn({B, 1, Hq, hd}, 71).to(Device::CUDA), k = randn({B, S, Hkv, hd}, 72).to(Device::CUDA),
+                   v = randn({B, S, Hkv, hd}, 73).to(Device::CUDA);
+      for (const int64_t pos0 : {0, 63, 64, 130, 199})
+        for (const bool wgmma : {true, false})
+          for (const auto& [wg, st] : {std::pair<int, int>{1, 2}, {2, 3}}) {
+            if (!wgmma && (wg != 1 || st != 2)) continue;  // mma.sync has one CTA shape
+            SCOPED_TRACE("hd=" + std::to_string(hd) + " group=" + std::to_string(group) + " pos0=" +
+                         std::to_string(pos0) + (wgmma ? " wgmma " : " mma.sync ") + std::to_string(wg) + "x" +
+                         std::to_string(st));
+            ops::cuda::set_flash_wgmma(wgmma);
+            ops::cuda::set_flash_cta(wg, st);
+            std::vector<std::vector<float>> results;
+            for (const bool head_rows : {false, true}) {
+              ops::cuda::set_flash_head_rows(head_rows);
+              Tensor out = nans(q.shape(), DType::F32), lse = nans({B, Hq, 1}, DType::F32),
+                     out16 = nans(q.shape(), DType::BF16);
+              ASSERT_TRUE(ops::cuda::flash_attention_forward(q, k, v, pos0, out, lse, &out16));
+              Tensor out16_f = Tensor::empty(q.shape(), DType::F32, Device::CUDA);
+              ops::convert(out16, out16_f);
+              std::vector<float> all;
+              for (const Tensor* t : {&out, &lse, &out16_f}) {
+                const Tensor h = t->to(Device::CPU);
+                all.insert(all.end(), h.data<float>(), h.data<float>() + h.numel());
+              }
+              for (float x : all) ASSERT_FALSE(std::isnan(x)) << "an output left unwritten, head_rows " << head_rows;
+              results.push_back(std::move(all));
+            }
+            EXPECT_EQ(0, std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)));
+          }
+    }
+}
 
 // Work spread over GPU lanes gives the bits of the same work issued in order: 16 "experts" of
 // different row counts, each quantizing its rows (MXFP8 with SR along the tokens, NVFP4 per

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <map>
 #include <numeric>
 #include <set>
@@ -118,32 +119,49 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
   stats_.prefill_s += seconds_since(t0, dev);
 
   while (true) {
-    // ---- the next token of every active row, and its policy log-prob ----
+    // ---- the next token of every active row ----
     t0 = Clock::now();
     const int64_t A = int64_t(rows.size());
     const Tensor h = logits.to(Device::CPU);
+    // The rows' draws are independent (each its own stream of uniforms): drawn on every core, the
+    // first failing row's error raised after the loop, as a loop in row order would.
+    std::vector<TokenDraw> draws(static_cast<size_t>(A));
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(A));
+#pragma omp parallel for schedule(dynamic, 8) if (A >= 16)
+    for (int64_t a = 0; a < A; ++a) {
+      try {
+        const Completion& c = out[rows[size_t(a)]];
+        const int64_t position = len(rows[size_t(a)]) + int64_t(c.tokens.size());
+        draws[size_t(a)] = draw_token(std::span<const float>(h.data<float>() + a * V, size_t(V)), opt,
+                                      c.sequence_id, position);
+      } catch (...) {
+        errors[size_t(a)] = std::current_exception();
+      }
+    }
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
     std::vector<int32_t> next(static_cast<size_t>(A));
     for (int64_t a = 0; a < A; ++a) {
       Completion& c = out[rows[size_t(a)]];
-      const float* row = h.data<float>() + a * V;
-      const int64_t position = len(rows[size_t(a)]) + int64_t(c.tokens.size());
-      const TokenDraw d = draw_token(std::span<const float>(row, size_t(V)), opt, c.sequence_id, position);
-      next[size_t(a)] = d.token;
-      c.tokens.push_back(d.token);
-      c.sample_logprobs.push_back(d.sample_logprob);
-      if (opt.keep_logits) c.logits.insert(c.logits.end(), row, row + V);
+      next[size_t(a)] = draws[size_t(a)].token;
+      c.tokens.push_back(draws[size_t(a)].token);
+      c.sample_logprobs.push_back(draws[size_t(a)].sample_logprob);
+      if (opt.keep_logits) c.logits.insert(c.logits.end(), h.data<float>() + a * V, h.data<float>() + (a + 1) * V);
     }
     // The trainer's per-token loss on this row and token, negated: the same op on the same bits.
+    // Read back behind the next decode forward (the finishes do not depend on it), so the GPU
+    // does not drain between the two.
     const Tensor targets = Tensor::from_host(next.data(), {A}, DType::I32, dev);
     Tensor losses = Tensor::empty({A}, DType::F32, dev);
     ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
-    const Tensor lh = losses.to(Device::CPU);
+    std::shared_ptr<PendingRead> loss_read;
+    if (dev != Device::CPU) loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
+    const std::vector<size_t> drawn_rows = rows;
     std::vector<size_t> keep_rows;
     std::vector<int64_t> keep_slots;
     for (int64_t a = 0; a < A; ++a) {
       const size_t r = rows[size_t(a)];
       Completion& c = out[r];
-      c.logprobs.push_back(-lh.data<float>()[a]);
       const int64_t n = int64_t(c.tokens.size());
       if (next[size_t(a)] == opt.stop_token) c.finish = Finish::Stop;
       else if (n == opt.max_new) c.finish = Finish::Length;
@@ -154,28 +172,36 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
       }
     }
     stats_.sampled_tokens += A;
-    stats_.choose_s += seconds_since(t0, dev);
-    if (keep_rows.empty()) break;
+    // host time only: the log-probs' GPU work is counted with the decode forward queued behind it
+    stats_.choose_s += std::chrono::duration<double>(Clock::now() - t0).count();
 
     // ---- one decode forward over the unfinished rows ----
     t0 = Clock::now();
-    if (int64_t(keep_rows.size()) < A) {
-      cache = cache.gather_slots(keep_slots);  // the finished leave (order kept: runs stay runs)
-      std::vector<int32_t> kept;
-      for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
-      next = std::move(kept);
-      rows = std::move(keep_rows);
+    const bool more = !keep_rows.empty();
+    if (more) {
+      if (int64_t(keep_rows.size()) < A) {
+        cache = cache.gather_slots(keep_slots);  // the finished leave (order kept: runs stay runs)
+        std::vector<int32_t> kept;
+        for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
+        next = std::move(kept);
+        rows = std::move(keep_rows);
+      }
+      const int64_t An = int64_t(rows.size());
+      KvBatch batch{1, {}};
+      for (int64_t a = 0; a < An; ++a) {
+        // the input is the token just drawn, at position prompt + tokens - 1
+        const int64_t pos = len(rows[size_t(a)]) + int64_t(out[rows[size_t(a)]].tokens.size()) - 1;
+        if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
+        else batch.groups.push_back(KvGroup{a, a + 1, pos});
+      }
+      const Tensor tokens = Tensor::from_host(next.data(), {An, 1}, DType::I32, dev);
+      logits = model_.forward_cached(tokens, batch, cache, sr_);
+      stats_.decode_issue_s += std::chrono::duration<double>(Clock::now() - t0).count();
     }
-    const int64_t An = int64_t(rows.size());
-    KvBatch batch{1, {}};
-    for (int64_t a = 0; a < An; ++a) {
-      // the input is the token just drawn, at position prompt + tokens - 1
-      const int64_t pos = len(rows[size_t(a)]) + int64_t(out[rows[size_t(a)]].tokens.size()) - 1;
-      if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
-      else batch.groups.push_back(KvGroup{a, a + 1, pos});
-    }
-    const Tensor tokens = Tensor::from_host(next.data(), {An, 1}, DType::I32, dev);
-    logits = model_.forward_cached(tokens, batch, cache, sr_);
+    // the drawn tokens' policy log-probs (their read was queued before the forward)
+    const float* loss = loss_read ? static_cast<const float*>(loss_read->wait()) : losses.data<float>();
+    for (int64_t a = 0; a < A; ++a) out[drawn_rows[size_t(a)]].logprobs.push_back(-loss[a]);
+    if (!more) break;
     stats_.decode_forwards += 1;
     stats_.decode_s += seconds_since(t0, dev);
   }

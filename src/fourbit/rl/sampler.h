@@ -53,7 +53,10 @@ struct SamplerStats {
   int64_t decode_forwards = 0;  // forward_cached calls with T = 1
   int64_t sampled_tokens = 0;
   double prefill_s = 0, decode_s = 0;  // forward passes (incl. the cache copies)
-  double choose_s = 0;                 // logits to the host, draws, log-probs
+  // the host's part of decode_s: until the decode forwards are queued (where it nears decode_s, the
+  // decode steps wait for the host, not the GPU)
+  double decode_issue_s = 0;
+  double choose_s = 0;  // logits to the host, draws, the log-probs' queueing
 };
 
 class Sampler {

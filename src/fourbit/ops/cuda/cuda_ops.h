@@ -10,8 +10,8 @@
 //          wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
-//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, flash_attention_forward, flash_attention_backward,
-//          materialized_attention_forward, materialized_attention_backward
+//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, flash_attention_forward,
+//          flash_attention_backward,//          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.
@@ -248,6 +248,11 @@ void set_flash_wgmma(bool on);
 // The wgmma kernels' CTA: 1 or 2 warpgroups (64 rows each) sharing a stream of blocks through 2 or
 // 3 buffers. Every shape gives the same bits; the default (1, 2) is the fastest measured on the H200.
 void set_flash_cta(int warpgroups, int stages);
+// Whether a one-token forward step of grouped-query attention (T = 1, Hq / Hkv of 2 to 64: the
+// sampler's decode) runs a CTA per kv head with the group's q heads as its rows (true, the default)
+// or a CTA per q head, each reading the group's keys and values again; the same bits (tests and
+// bench/gpu_sampler compare the two).
+void set_flash_head_rows(bool on);
 // q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,

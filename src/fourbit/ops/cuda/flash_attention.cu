@@ -1,11 +1,13 @@
 // defines: cuda::flash_attention_forward, cuda::flash_attention_backward, cuda::set_flash_wgmma,
-//          cuda::set_flash_cta
+//          cuda::set_flash_cta, cuda::set_flash_head_rows
 // Causal grouped-query attention fused into three kernels that never write the scores (the
 // FlashAttention-2 schedule, Dao 2023): BF16 tensor-core MMAs with FP32 accumulation on tiles of
 // 64 queries x 64 keys, with the softmax kept online in registers.
 //
 //   forward   one CTA per (64-query block, q head, sequence): S = Q K^T, running max and sum,
-//             O += P V with P rounded to BF16, O / l and lse = m + log l at the end.
+//             O += P V with P rounded to BF16, O / l and lse = m + log l at the end. A one-token
+//             step (decode) takes one CTA per (kv head, sequence) instead, the group's q heads
+//             as its rows: the keys and values are read once a group, the same bits.
 //   dQ        one CTA per (64-query block, q head, sequence): P again from lse,
 //             dS = P (dP - D) * scale with dP = dO V^T and D = rowsum(dO * O) (attention.cu's
 //             rowdot), dQ += dS K.
@@ -59,7 +61,7 @@ namespace {
 constexpr int kFaBlock = 64;     // queries and keys per tile
 constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 
-std::atomic<bool> g_flash_wgmma{true};
+std::atomic<bool> g_flash_wgmma{true}, g_flash_head_rows{true};
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -410,7 +412,11 @@ __device__ __forceinline__ void rescale(float (&o)[N][4], const float (&alpha)[2
     for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
 }
 
-template <class C>
+// Heads: the CTA's rows are the queries t0 .. of q head blockIdx.y; or (a one-token decode step,
+// HeadRows) the Hq / Hkv q heads that share kv head blockIdx.y, all at position pos0, so that the
+// group's keys and values are read once, not once a q head. A row's work is the same either way
+// (its own Q row, the same key blocks and masks; the MMAs' rows are independent), so are its bits.
+template <class C, bool HeadRows>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                          const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
@@ -421,20 +427,25 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   extern __shared__ unsigned char fa_smem[];
   const uint32_t q_tiles = tiles_base(fa_smem), ks = q_tiles + C::kWG * kTile, vs = ks + ST * kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / (d.Hq / d.Hkv);
+  const int group = d.Hq / d.Hkv, b = blockIdx.z;
+  // h: the q head of row 0 (HeadRows: row r is head h + r); hk its kv head; rows: the valid rows
+  const int h = HeadRows ? int(blockIdx.y) * group : int(blockIdx.y), hk = h / group;
+  const int rows = HeadRows ? group : d.T;
   const int t0 = qb * C::kRows, wt0 = t0 + kFaBlock * warpgroup();
   const uint32_t qs = q_tiles + warpgroup() * kTile;
   const __nv_bfloat16* kh = k + (int64_t(b) * d.S * d.Hkv + hk) * HD;
   const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
   const int64_t kv_stride = int64_t(d.Hkv) * HD;
   // the last key any row of the CTA (of the warpgroup) sees
-  const int cta_last = min(d.S - 1, d.pos0 + min(d.T - 1, t0 + C::kRows - 1));
-  const int wg_last_block = min(d.S - 1, d.pos0 + min(d.T - 1, wt0 + kFaBlock - 1)) / kFaBlock;
+  const int cta_last = min(d.S - 1, d.pos0 + (HeadRows ? 0 : min(d.T - 1, t0 + C::kRows - 1)));
+  const int wg_last_block = min(d.S - 1, d.pos0 + (HeadRows ? 0 : min(d.T - 1, wt0 + kFaBlock - 1))) / kFaBlock;
 
+  // a row's Q: HeadRows (T = 1) the group's heads, hd apart; else the head's tokens, Hq * hd apart
+  const __nv_bfloat16* q_rows = q + (int64_t(b) * d.T * d.Hq + h) * HD;
+  const int64_t q_stride = HeadRows ? HD : int64_t(d.Hq) * HD;
 #pragma unroll
   for (int w = 0; w < C::kWG; ++w)
-    load_tile_async<E, HD, C::kThreads>(q + (int64_t(b) * d.T * d.Hq + h) * HD, int64_t(d.Hq) * HD, t0 + kFaBlock * w,
-                                        d.T, q_tiles + w * kTile);
+    load_tile_async<E, HD, C::kThreads>(q_rows, q_stride, t0 + kFaBlock * w, rows, q_tiles + w * kTile);
   const auto keys = block_stream<C>(cta_last / kFaBlock + 1, [&](int j, int buf) {
     load_tile_async<E, HD, C::kThreads>(kh, kv_stride, j * kFaBlock, d.S, ks + buf * kTile);
     load_tile_async<E, HD, C::kThreads>(vh, kv_stride, j * kFaBlock, d.S, vs + buf * kTile);
@@ -444,8 +455,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const float scale2 = d.scale * kLog2e;  // scores in log2 units
   int pos[2];  // absolute positions of the thread's two rows, and of the warp's first
 #pragma unroll
-  for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + wt0 + warp_row() + frag_row(i);
-  const int pos_first = d.pos0 + wt0 + warp_row();
+  for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + (HeadRows ? 0 : wt0 + warp_row() + frag_row(i));
+  const int pos_first = d.pos0 + (HeadRows ? 0 : wt0 + warp_row());
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
@@ -463,13 +474,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   }
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int t = wt0 + warp_row() + frag_row(i);
+    const int r = wt0 + warp_row() + frag_row(i);
     const float sum = quad_sum(l[i]);
-    if (t >= d.T) continue;
-    const int64_t row = ((int64_t(b) * d.T + t) * d.Hq + h) * HD;
-    store_row(out + row, o, i, 1.0f / sum);  // O / l
-    if (out_bf16) store_row(out_bf16 + row, o, i, 1.0f / sum);  // the same values, rounded
-    if ((threadIdx.x & 3) == 0) lse[(int64_t(b) * d.Hq + h) * d.T + t] = m[i] * kLn2 + logf(sum);
+    if (r >= rows) continue;
+    // HeadRows: token 0 of head h + r; else token r of head h
+    const int64_t head_row = HeadRows ? int64_t(b) * d.Hq + h + r : (int64_t(b) * d.T + r) * d.Hq + h;
+    store_row(out + head_row * HD, o, i, 1.0f / sum);  // O / l
+    if (out_bf16) store_row(out_bf16 + head_row * HD, o, i, 1.0f / sum);  // the same values, rounded
+    if ((threadIdx.x & 3) == 0)
+      lse[HeadRows ? head_row : (int64_t(b) * d.Hq + h) * d.T + r] = m[i] * kLn2 + logf(sum);
   }
 }
 
@@ -734,6 +747,8 @@ void with_cta(int hd, Fn&& fn) {
 
 void set_flash_wgmma(bool on) { g_flash_wgmma.store(on, std::memory_order_relaxed); }
 
+void set_flash_head_rows(bool on) { g_flash_head_rows.store(on, std::memory_order_relaxed); }
+
 void set_flash_cta(int warpgroups, int stages) {
   if ((warpgroups != 1 && warpgroups != 2) || (stages != 2 && stages != 3))
     fail("set_flash_cta: warpgroups must be 1 or 2 and stages 2 or 3, not {} and {}", warpgroups, stages);
@@ -750,12 +765,24 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   if (d.T == 0 || d.B == 0) return true;
   const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v);
   __nv_bfloat16* ob = out_bf16 ? out_bf16->data<__nv_bfloat16>() : nullptr;
+  // a one-token step of grouped-query attention (the sampler's decode): a CTA per kv head, its
+  // group's q heads as rows
+  const int group = d.Hq / d.Hkv;
+  const bool head_rows = d.T == 1 && group > 1 && group <= kFaBlock && g_flash_head_rows.load(std::memory_order_relaxed);
   with_cta(hd, [&](auto cta) {
     using C = decltype(cta);
-    const dim3 grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B));
-    const size_t smem = launchable<flash_forward_kernel<C>>(tiles_bytes<C>(C::kWG + 2 * C::kStages));
-    flash_forward_kernel<C><<<grid, C::kThreads, smem, stream()>>>(bf16_data(qb), bf16_data(kb), bf16_data(vb), d,
-                                                                    out.data<float>(), lse.data<float>(), ob);
+    const size_t smem_bytes = tiles_bytes<C>(C::kWG + 2 * C::kStages);
+    if (head_rows) {
+      const dim3 grid(1, unsigned(d.Hkv), unsigned(d.B));
+      const size_t smem = launchable<flash_forward_kernel<C, true>>(smem_bytes);
+      flash_forward_kernel<C, true><<<grid, C::kThreads, smem, stream()>>>(
+          bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(), lse.data<float>(), ob);
+    } else {
+      const dim3 grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B));
+      const size_t smem = launchable<flash_forward_kernel<C, false>>(smem_bytes);
+      flash_forward_kernel<C, false><<<grid, C::kThreads, smem, stream()>>>(
+          bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(), lse.data<float>(), ob);
+    }
   });
   FOURBIT_LAUNCH_CHECK();
   return true;
