@@ -727,6 +727,33 @@ TEST(CudaLayers, RoutePlanProbabilitySumsAndTwoHalvesEqualCpu) {
   EXPECT_EQ(ops::route_plan(gpu(idx_b), E).offsets, want_b.offsets);
 }
 
+// A plan begun without its read-back (the sampler's MoE layers) has the CPU's slot maps and, on
+// the GPU only, its offsets (one-warp sort up to 4096 assignments, the multi-kernel one above);
+// the host's offsets stay empty, and a bad expert id is reported by check_index_errors.
+TEST(CudaLayers, RoutePlanWithoutReadBackKeepsTheOffsetsOnTheGpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t N : {int64_t(1), int64_t(256), int64_t(2048), int64_t(2049), int64_t(9000)}) {
+    const int64_t E = 16, k = 2;
+    const std::string name = cfg("N=%lld", N);
+    const Tensor idx = random_routing(N, E, k, 1100 + uint64_t(N));
+    const ops::RoutePlan want = ops::route_plan(idx, E);
+    const ops::PendingRoutePlan got = ops::route_plan_begin(gpu(idx), E, Tensor(), false);
+    EXPECT_TRUE(got.plan.offsets.empty()) << name;
+    EXPECT_FALSE(got.finish) << name;
+    const Tensor off = got.plan.device_offsets.to(Device::CPU);
+    EXPECT_EQ(std::vector<int64_t>(off.data<int32_t>(), off.data<int32_t>() + off.numel()), want.offsets) << name;
+    expect_bits("no read-back: token_of_slot " + name, got.plan.token_of_slot, want.token_of_slot);
+    expect_bits("no read-back: slot_of " + name, got.plan.slot_of, want.slot_of);
+  }
+  ops::check_index_errors(Device::CUDA);  // nothing recorded
+  expect_error(
+      [&] {
+        const ops::PendingRoutePlan bad = ops::route_plan_begin(gpu(int_tensor({0, 1, 64, 2}, {2, 2})), 64, Tensor(), false);
+        ops::check_index_errors(Device::CUDA);
+      },
+      "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");
+}
+
 // ---- gather / combine -----------------------------------------------------------------------------
 
 // The KV-cache write: the same rows land in the same places as on the CPU, for the 16-byte,

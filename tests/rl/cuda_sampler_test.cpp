@@ -3,14 +3,19 @@
 //          nvfp4-fwd (head dims 32, 64 and 128, so every fused attention kernel size; prompts
 //          and generations that cross 64-key blocks; 1 to 32 rows per decode step); nvidia-nvfp4
 //          is caught by the same comparison; samples do not depend on the batch on the GPU
-//          either; and the scatter/gather of the cache agree with the CPU.
+//          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs);
+//          and the scatter/gather of the cache agree with the CPU.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
+#include "fourbit/model/model.h"
 #include "fourbit/tensor/device_memory.h"
 #include "rl/rl_test_util.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
 
 using namespace fourbit;
 using namespace fourbit::rltest;
@@ -86,6 +91,37 @@ TEST(CudaSampler, KvCacheStorageDoesNotChangeSamples) {
               KvCache(c, 2, 16, DType::F32, Device::CUDA, DType::F32).bytes());
   }
 }
+
+#if FOURBIT_HAS_CUDA
+// The decode step's two A/B switches change no bit: the MoE layers on the routing's GPU offsets
+// with no read-back (set_moe_routing_waits_deferred) against a wait for the counts in every layer,
+// and the one-token attention a CTA per kv head group (set_flash_head_rows) against one per q
+// head; every recipe, nvidia-nvfp4 and fp32 included.
+TEST(CudaSampler, RoutingWaitsAndAttentionCtasDoNotChangeSamples) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    ~Restore() {
+      set_moe_routing_waits_deferred(true);
+      ops::cuda::set_flash_head_rows(true);
+    }
+  } restore;
+  for (const char* recipe : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) {
+    SCOPED_TRACE(recipe);
+    TinyModel tm(recipe, Device::CUDA, gpu_config(64));
+    rl::Sampler sampler(tm.model, tm.sr);
+    const rl::SamplingOptions opt = open_ended(10, 11);
+    std::vector<rl::SampleRequest> reqs;
+    for (uint64_t i = 0; i < 8; ++i) reqs.push_back({ragged_prompt(15 + int64_t(i) * 7, i), 500 + i});
+    const std::vector<rl::Completion> fast = sampler.sample(reqs, opt);
+    set_moe_routing_waits_deferred(false);
+    ops::cuda::set_flash_head_rows(false);
+    const std::vector<rl::Completion> before = sampler.sample(reqs, opt);
+    set_moe_routing_waits_deferred(true);
+    ops::cuda::set_flash_head_rows(true);
+    for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(fast[i], before[i], "deferred/group vs layer/head");
+  }
+}
+#endif
 
 TEST(CudaSampler, SamplesDoNotDependOnTheBatch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";

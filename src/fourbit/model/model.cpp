@@ -144,13 +144,13 @@ struct ModelRunner {
   };
   std::vector<PendingAux> pending_aux{};
   // A forward that keeps nothing for a backward and computes no load-balance loss needs the router
-  // counts on the host only to report a bad expert id (the plan's error record): its MoE layers
-  // run on the offsets where the GPU made them, and their read-backs are finished here once the
+  // counts on the host only to report a bad expert id: its MoE layers run on the offsets where the
+  // GPU made them, read nothing back, and the device's index-error record is checked once the
   // forward is queued (finish_deferred_plans), not one wait a layer.
-  std::vector<ops::PendingRoutePlan> deferred_plans{};
+  int64_t deferred_plans = 0;
   void finish_deferred_plans() {
-    for (ops::PendingRoutePlan& p : deferred_plans) ops::route_plan_finish(p);
-    deferred_plans.clear();
+    if (deferred_plans > 0) ops::check_index_errors(m.device_);
+    deferred_plans = 0;
   }
   // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
   // with f_e the routed share (no gradient) and P_e the mean router probability.
@@ -486,27 +486,28 @@ struct ModelRunner {
     gemm(px_router, weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router), logits);
     Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
     ops::router_topk(logits, K, probs, topk_idx, topk_w);
-    // The routing comes back to the host (the expert GEMMs' shapes); the work that does not depend
-    // on it is queued first, so that the GPU runs it while the host waits: the tokens' BF16 copy
-    // or quantization, and the shared expert.
-    ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor());
+    // A forward with no backward and no load-balance loss (the sampler's, evaluation's) needs no
+    // counts on the host at all where the experts' GEMMs read the plan's offsets on the GPU
+    // (every recipe's operands but FP32 ones, which run cuBLASLt per expert): nothing comes back,
+    // and a bad expert id is reported once the whole forward is queued (finish_deferred_plans).
+    const bool offsets_on_gpu = m.device_ != Device::CPU &&
+                                ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
+                                ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
+    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax &&
+                          g_routing_waits_deferred.load(std::memory_order_relaxed) &&
+                          r.fprop.a.fmt != Format::F32 && r.fprop.b.fmt != Format::F32;
+    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
+    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
+    // BF16 copy or quantization, and the shared expert.
+    ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred);
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
     const bool bf16_x = moe_reads_bf16_x();
     FOURBIT_CHECK(!bf16_x || xn16.defined(), "moe_forward: the norm's BF16 copy of the layer input is missing");
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
     // Where the experts' GEMMs take dense BF16 operands (the bf16 recipe) and the GPU made the
-    // plan, they read its offsets there: the dispatch, the experts and the combine are queued
-    // before the host waits for the counts, which only the load-balance statistics and the backward
-    // need, so the GPU does not idle through that wait. Elsewhere the host waits here.
-    const bool offsets_on_gpu = plan.device_offsets.defined() &&
-                                ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
-                                ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
-    // A forward with no backward and no load-balance loss (the sampler's, evaluation's) needs no
-    // counts on the host at all: its plan is finished once the whole forward is queued
-    // (deferred_plans), whatever the experts' operands, FP32 ones excepted (cuBLASLt per expert).
-    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax &&
-                          g_routing_waits_deferred.load(std::memory_order_relaxed) &&
-                          r.fprop.a.fmt != Format::F32 && r.fprop.b.fmt != Format::F32;
+    // plan, a training forward's read them there too: the dispatch, the experts and the combine
+    // are queued before the host waits for the counts, which only the load-balance statistics and
+    // the backward need, so the GPU does not idle through that wait. Elsewhere the host waits here.
     const bool device_routed = deferred || (offsets_on_gpu && bf16_x && r.fprop.b.fmt == Format::BF16 &&
                                             !r.fprop.b.quantized() && wgrad_from_fwd);
     // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
@@ -560,7 +561,7 @@ struct ModelRunner {
     Tensor out = act({N, D});
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
     if (deferred) {
-      deferred_plans.push_back(std::move(pending_plan));
+      deferred_plans += 1;
       return out;
     }
     ops::route_plan_finish(pending_plan);

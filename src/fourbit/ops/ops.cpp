@@ -520,7 +520,7 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   FOURBIT_DISPATCH(probs.device(), router_backward, probs, topk_idx, topk_w, d_topk_w, d_probs,
                    d_logits);
 }
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back) {
   if (probs.defined() && topk_idx.defined()) {  // (an undefined topk_idx: the backend says so)
     const int64_t N = topk_idx.dim() == 2 ? topk_idx.size(0) : -1;
     if (probs.dim() != 2 || probs.size(0) != N || probs.size(1) != n_experts ||
@@ -528,7 +528,14 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
       fail("route_plan: probs must be a float [N={}, E={}] tensor on topk_idx's device, got {}", N, n_experts,
            probs.str());
   }
-  FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs);
+  if (probs.defined() && !read_back) fail("route_plan: the probability sums come back with the counts (read_back)");
+  FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs, read_back);
+}
+void check_index_errors(Device device) {
+#if FOURBIT_HAS_CUDA
+  if (device == Device::CUDA) cuda::check_recorded_index_errors();
+#endif
+  (void)device;
 }
 void route_plan_finish(PendingRoutePlan& pending) {
   const HostOpTimer host_timer("route_plan_end (the wait for the counts)");

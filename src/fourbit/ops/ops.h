@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
-//          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish,
+//          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -351,7 +351,15 @@ struct PendingRoutePlan {
   RoutePlan plan;
   std::function<void(RoutePlan&)> finish;  // completes plan on the host; empty: already complete
 };
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
+// read_back false (GPU; no probs): nothing comes back, the host never waits for this plan (its
+// offsets stay empty: work reads device_offsets), and a bad expert id stays in the device's
+// index-error record until check_index_errors. The CPU's plan is complete either way.
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor(),
+                                  bool read_back = true);
+// Fails with the first bad index a GPU op recorded and has not reported yet (route_plan_begin
+// without read_back, grouped_gemm_device_offsets' offsets): waits for the GPU's queued work. On the
+// CPU every op fails at once, so nothing is left to check.
+void check_index_errors(Device device);
 RoutePlan route_plan_end(PendingRoutePlan pending);
 // route_plan_end in place: waits for the read-back and completes pending.plan (once).
 void route_plan_finish(PendingRoutePlan& pending);

@@ -206,7 +206,7 @@ std::vector<double> prob_sums_t(const T* p, int64_t N, int64_t E) {
 }
 }  // namespace
 
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool /*read_back*/) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CPU)

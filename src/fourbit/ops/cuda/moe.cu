@@ -493,6 +493,73 @@ void expect_token_of_slot(const char* op, const Tensor& token_of_slot) {
 
 }  // namespace
 
+// A small sort (a decode step's routing, up to kSmallSortKeys keys into at most kSmallSortBuckets
+// buckets) in one launch of one warp: the keys counted in index order, the counts scanned into
+// bucket_start, then each key placed after the earlier ones of its bucket (the kernels above with
+// a single chunk; the same permutation, as for any launch shape). Four launches and a table's
+// memset cost a decode step more host time than the sort takes on the GPU.
+constexpr int64_t kSmallSortKeys = 4096, kSmallSortBuckets = 1024;
+__global__ void __launch_bounds__(32)
+    bucket_sort_small_kernel(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
+                             IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
+                             int32_t* bucket_start) {
+  __shared__ int32_t next[kSmallSortBuckets];  // counts, then each bucket's next position
+  const int lane = lane_id();
+  for (int b = lane; b < buckets; b += 32) next[b] = 0;
+  __syncwarp();
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const int32_t key = i < n ? keys[i] : 0;
+    const bool valid = i < n && key >= 0 && key < buckets;
+    if (i < n && !valid) record_index_error(err, site, i, key, buckets, key_cols);
+    const unsigned active = __ballot_sync(kFullMask, valid);
+    if (valid) {
+      const unsigned peers = __match_any_sync(active, key);
+      if (lane == __ffs(peers) - 1) next[key] += __popc(peers);
+    }
+    __syncwarp();
+  }
+  // lane l scans the buckets [b0, b1), in order, after the lanes before it
+  const int per = (buckets + 31) / 32, b0 = min(buckets, lane * per), b1 = min(buckets, b0 + per);
+  int32_t own = 0;
+  for (int b = b0; b < b1; ++b) own += next[b];
+  int32_t incl = own;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int32_t up = __shfl_up_sync(kFullMask, incl, offset);
+    if (lane >= offset) incl += up;
+  }
+  int32_t running = incl - own;
+  for (int b = b0; b < b1; ++b) {
+    const int32_t count = next[b];
+    bucket_start[b] = running;
+    next[b] = running;
+    running += count;
+  }
+  if (lane == 31) bucket_start[buckets] = incl;  // lane 31's b1 is `buckets`
+  __syncwarp();
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const int32_t key = i < n ? keys[i] : 0;
+    const bool valid = i < n && key >= 0 && key < buckets;  // bad keys were recorded above
+    const unsigned active = __ballot_sync(kFullMask, valid);
+    if (valid) {
+      const unsigned peers = __match_any_sync(active, key);
+      const int leader = __ffs(peers) - 1;
+      int32_t first = 0;
+      if (lane == leader) {
+        first = next[key];
+        next[key] += __popc(peers);
+      }
+      first = __shfl_sync(active, first, leader);
+      const int32_t p = first + __popc(peers & ((1u << lane) - 1u));
+      order_out[p] = i / divisor;
+      if (pos_out) pos_out[i] = p;
+    }
+    __syncwarp();
+  }
+}
+
 void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSite site,
                         int64_t key_cols, int32_t divisor, int32_t* order_out, int32_t* pos_out,
                         int32_t* bucket_start) {
@@ -503,6 +570,12 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
     return;
   }
   FOURBIT_CHECK(divisor >= 1, "stable_bucket_sort: divisor {}", divisor);
+  if (n <= kSmallSortKeys && buckets <= kSmallSortBuckets) {
+    bucket_sort_small_kernel<<<1, 32, 0, stream()>>>(keys, int(n), int(buckets), site, key_cols, index_error_record(),
+                                                     divisor, order_out, pos_out, bucket_start);
+    FOURBIT_LAUNCH_CHECK();
+    return;
+  }
   // The chunking changes only the speed: the sorted order is one permutation whatever it is.
   int64_t max_chunks = kSortTableEntries / buckets;
   if (max_chunks > kSortMaxChunks) max_chunks = kSortMaxChunks;
@@ -579,7 +652,7 @@ __global__ void prob_sums_kernel(const float* __restrict__ p, int64_t N, int64_t
   }
 }
 
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CUDA)
@@ -622,6 +695,7 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   } else if (probs.defined()) {
     FOURBIT_CUDA_CHECK(cudaMemsetAsync(dev + sums_at, 0, sums_bytes, stream()));
   }
+  if (!read_back) return pending;  // the record keeps any bad id for check_index_errors
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
                                      cudaMemcpyDeviceToDevice, stream()));
   // The scratch lives as long as the plan's device_offsets; its reuse once freed is queued behind
