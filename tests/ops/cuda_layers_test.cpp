@@ -315,6 +315,64 @@ TEST(CudaLayers, RopeMatchesCpu) {
   }
 }
 
+// rope_qkv_to_cache's one kernel gives the bits of the ops it replaces on the GPU (rope_forward
+// into BF16 copies, convert, scatter_rows): q's copy and both caches' rows, the rows it does not
+// write left as they were; head sizes with and without 16-byte groups (64, 6), GQA heads, the
+// cache rows in a scrambled order; a bad cache row or position is reported as those ops report it.
+TEST(CudaLayers, RopeQkvToCacheIsTheSeparateOpsBits) {
+  SKIP_WITHOUT_GPU();
+  const int64_t max_pos = 100, N = 37, Hq = 4, Hkv = 2, R = 150;
+  for (const int64_t hd : {int64_t(64), int64_t(6)}) {
+    const std::string name = cfg("hd=%lld", hd);
+    const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
+    const Tensor pos = gpu(random_ints({N}, 0, int32_t(max_pos), 310));
+    std::vector<int32_t> rows(static_cast<size_t>(R));
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), std::mt19937(311));
+    rows.resize(size_t(N));
+    const Tensor dst = gpu(int_tensor(rows, {N}));
+    const Tensor q = gpu(random_tensor({N, Hq, hd}, DType::F32, 312, -2.0, 2.0)),
+                 k = gpu(random_tensor({N, Hkv, hd}, DType::F32, 313, -2.0, 2.0)),
+                 v = gpu(random_tensor({N, Hkv, hd}, DType::F32, 314, -2.0, 2.0));
+    Tensor cache0 = Tensor::empty({R, Hkv, hd}, DType::BF16, Device::CUDA);
+    ops::convert(gpu(random_tensor({R, Hkv, hd}, DType::F32, 315)), cache0);
+    // the separate ops
+    Tensor qa = Tensor::empty(q.shape(), DType::BF16, Device::CUDA), kb = Tensor::empty(k.shape(), DType::BF16, Device::CUDA),
+           vb = Tensor::empty(v.shape(), DType::BF16, Device::CUDA);
+    Tensor qq = q, kk = k;
+    ops::rope_forward(qq, pos, table, &qa, true);
+    ops::rope_forward(kk, pos, table, &kb, true);
+    ops::convert(v, vb);
+    Tensor kca = cache0.clone(), vca = cache0.clone();
+    Tensor kca2 = kca.reshape({R, Hkv * hd}), vca2 = vca.reshape({R, Hkv * hd});
+    ops::scatter_rows(kb.reshape({N, Hkv * hd}), dst, kca2);
+    ops::scatter_rows(vb.reshape({N, Hkv * hd}), dst, vca2);
+    // the one op
+    Tensor qf = Tensor::empty(q.shape(), DType::BF16, Device::CUDA), kcf = cache0.clone(), vcf = cache0.clone();
+    ops::rope_qkv_to_cache(q, k, v, pos, table, dst, qf, kcf, vcf);
+    expect_bits("rope_qkv_to_cache q " + name, qf, qa);
+    expect_bits("rope_qkv_to_cache k cache " + name, kcf, kca);
+    expect_bits("rope_qkv_to_cache v cache " + name, vcf, vca);
+  }
+  const int64_t hd = 8;
+  const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
+  const Tensor q = gpu(random_tensor({2, 2, hd}, DType::F32, 320)), k = gpu(random_tensor({2, 1, hd}, DType::F32, 321));
+  Tensor qb = Tensor::empty(q.shape(), DType::BF16, Device::CUDA), kc = Tensor::zeros({4, 1, hd}, DType::BF16, Device::CUDA),
+         vc = kc.clone();
+  expect_error(
+      [&] {
+        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 1}, {2})), table, gpu(int_tensor({1, 4}, {2})), qb, kc, vc);
+        ops::check_index_errors(Device::CUDA);
+      },
+      "scatter_rows: dst_rows[1] = 4 is outside [0, N=4)");
+  expect_error(
+      [&] {
+        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 100}, {2})), table, gpu(int_tensor({1, 2}, {2})), qb, kc, vc);
+        ops::check_index_errors(Device::CUDA);
+      },
+      "rope_forward: positions[1] = 100 is outside [0, max_pos=100)");
+}
+
 // ---- swiglu ---------------------------------------------------------------------------------------
 
 TEST(CudaLayers, SwigluMatchesCpu) {

@@ -230,6 +230,38 @@ TEST(RopeOps, ForwardMatchesRotationAndGradCheck) {
                "rope_forward: positions[1] = 16 is outside [0, max_pos=16)");
 }
 
+// rope_qkv_to_cache on the CPU: q's rotated BF16 copy and the cache rows of k's and v's, each the
+// BF16 rounding of rope_forward's and v's values; untouched cache rows stay; malformed arguments
+// are clear errors. (The GPU's one kernel against the separate ops: CudaLayers.RopeQkvToCache*.)
+TEST(RopeOps, QkvToCacheWritesTheRotatedCopies) {
+  const int64_t N = 3, Hq = 2, Hkv = 1, hd = 8, R = 5;
+  const Tensor table = ops::rope_table(16, hd, 10000.0, Device::CPU);
+  const Tensor pos = int_tensor({0, 5, 15}, {N}), dst = int_tensor({4, 0, 2}, {N});
+  const Tensor q = random_tensor({N, Hq, hd}, DType::F32, 40), k = random_tensor({N, Hkv, hd}, DType::F32, 41),
+               v = random_tensor({N, Hkv, hd}, DType::F32, 42);
+  Tensor qb = Tensor::empty({N, Hq, hd}, DType::BF16), kc = Tensor::zeros({R, Hkv, hd}, DType::BF16),
+         vc = Tensor::zeros({R, Hkv, hd}, DType::BF16);
+  ops::rope_qkv_to_cache(q, k, v, pos, table, dst, qb, kc, vc);
+  Tensor qr = q.clone(), kr = k.clone();
+  ops::rope_forward(qr, pos, table);
+  ops::rope_forward(kr, pos, table);
+  const auto bf16_at = [](const Tensor& t, int64_t i) { return num::bf16_decode(t.data<uint16_t>()[i]); };
+  for (int64_t i = 0; i < N * Hq * hd; ++i)
+    EXPECT_EQ(bf16_at(qb, i), num::bf16_decode(num::bf16_encode(qr.data<float>()[i]))) << "q " << i;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < hd; ++j) {
+      const int64_t row = dst.data<int32_t>()[n];
+      EXPECT_EQ(bf16_at(kc, row * hd + j), num::bf16_decode(num::bf16_encode(kr.data<float>()[n * hd + j])));
+      EXPECT_EQ(bf16_at(vc, row * hd + j), num::bf16_decode(num::bf16_encode(v.data<float>()[n * hd + j])));
+    }
+  for (int64_t j = 0; j < hd; ++j) EXPECT_EQ(bf16_at(kc, 1 * hd + j), 0.0f) << "cache row 1 is not written";
+  Tensor kc_f32 = Tensor::zeros({R, Hkv, hd}, DType::F32);
+  expect_error([&] { ops::rope_qkv_to_cache(q, k, v, pos, table, dst, qb, kc_f32, vc); },
+               "rope_qkv_to_cache: k_cache must be a bf16 [rows, Hkv=1, hd=8] tensor");
+  expect_error([&] { ops::rope_qkv_to_cache(q, k, q, pos, table, dst, qb, kc, vc); },
+               "rope_qkv_to_cache: k and v must be [N=3, Hkv, hd=8] alike");
+}
+
 // ---- swiglu ---------------------------------------------------------------------------------------
 
 TEST(SwigluOps, GradCheck) {

@@ -101,6 +101,22 @@ void KvStep::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tenso
   // The cache first, then attention reads this call's keys from it like every earlier one's.
   ops::scatter_rows(k.reshape({k.numel() / cache.kv_row_, cache.kv_row_}), dst_rows, kc2);
   ops::scatter_rows(v.reshape({v.numel() / cache.kv_row_, cache.kv_row_}), dst_rows, vc2);
+  attend_cached(layer, q, o, lse);
+}
+
+void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
+                         Tensor& q_bf16, Tensor& o, Tensor& lse) const {
+  if (cache.storage() != DType::BF16)
+    fail("cached forward: rope_attend writes a BF16 cache, this one stores {}", dtype_name(cache.storage()));
+  const int64_t rows = cache.slots() * cache.capacity(), hkv = k.size(1), hd = k.size(2);
+  Tensor kc = cache.k_.at(size_t(layer)).reshape({rows, hkv, hd}), vc = cache.v_.at(size_t(layer)).reshape({rows, hkv, hd});
+  Tensor q3 = q_bf16.reshape(q.shape());
+  ops::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q3, kc, vc);
+  attend_cached(layer, q_bf16, o, lse);
+}
+
+void KvStep::attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const {
+  const Tensor kc = cache.k_.at(size_t(layer)), vc = cache.v_.at(size_t(layer));
   for (const KvGroup& g : batch.groups) {
     const Tensor qg = q.slice_rows(g.begin, g.end);
     Tensor og = o.slice_rows(g.begin, g.end), lg = lse.slice_rows(g.begin, g.end);

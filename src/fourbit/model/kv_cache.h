@@ -82,6 +82,15 @@ struct KvStep {
   // then attention of q [B, T, Hq, hd] over the cache, one ops::attention_forward per group:
   // o [B, T, Hq, hd], lse [B, Hq, T]. q, k and v are in the cache's storage dtype.
   void attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const;
+  // The same from the projections' F32 q [B * T, Hq, hd], k and v [B * T, Hkv, hd] before RoPE,
+  // for a BF16 cache: RoPE, the BF16 roundings and the cache writes in one op
+  // (ops::rope_qkv_to_cache at this call's positions, `table` the model's RoPE table), then the
+  // attention of q's BF16 copy (q_bf16 [B, T, Hq, hd], written here) over the cache: attend's bits.
+  void rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
+                   Tensor& q_bf16, Tensor& o, Tensor& lse) const;
+
+ private:
+  void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const;
 };
 
 }  // namespace fourbit

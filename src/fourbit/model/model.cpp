@@ -398,27 +398,34 @@ struct ModelRunner {
     // keeps and the sampler's cache stores (KvCache::default_storage; an F32 cache takes F32).
     const bool bf16_qkv = m.dtype_ == DType::F32 && (kv ? kv->cache.storage() == DType::BF16
                                                          : ops::attention_reads_bf16(m.device_));
-    if (bf16_qkv) {
-      Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_), kb = Tensor::empty(k4.shape(), DType::BF16, m.device_),
-             vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
-      Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
-      // the rotated F32 q and k are never read (attention, the cache and the backward take the
-      // copies): rope writes the copies only
-      ops::rope_forward(q3, positions, m.rope_, &qb3, true);
-      ops::rope_forward(k3, positions, m.rope_, &kb3, true);
-      ops::convert(v4, vb);
-      q4 = qb;
-      k4 = kb;
-      v4 = vb;
-    } else {
-      ops::rope_forward(q3, positions, m.rope_);
-      ops::rope_forward(k3, positions, m.rope_);
-    }
     // The output projection's BF16 operand, written by attention's epilogue.
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
-    if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
-    if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
-    else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
+    if (kv && bf16_qkv) {
+      // the sampler's cached call: RoPE, the BF16 copies and the cache writes in one op, the bits
+      // of the path below
+      Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
+      kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse);
+    } else {
+      if (bf16_qkv) {
+        Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_),
+               kb = Tensor::empty(k4.shape(), DType::BF16, m.device_), vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
+        Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
+        // the rotated F32 q and k are never read (attention, the cache and the backward take the
+        // copies): rope writes the copies only
+        ops::rope_forward(q3, positions, m.rope_, &qb3, true);
+        ops::rope_forward(k3, positions, m.rope_, &kb3, true);
+        ops::convert(v4, vb);
+        q4 = qb;
+        k4 = kb;
+        v4 = vb;
+      } else {
+        ops::rope_forward(q3, positions, m.rope_);
+        ops::rope_forward(k3, positions, m.rope_);
+      }
+      if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
+      if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
+      else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
+    }
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
     LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);
     record_input_amax(name + "o", o2, r);

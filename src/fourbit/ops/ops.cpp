@@ -490,6 +490,46 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Ten
   if (bf16_only && !dx_bf16) fail("rope_backward: bf16_only writes only dx_bf16, and none was given");
   FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table, dx_bf16, bf16_only);
 }
+void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
+                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
+  const HostOpTimer host_timer("rope_qkv_to_cache");
+  const char* op = "rope_qkv_to_cache";
+  const auto f32_3d = [&](const char* name, const Tensor& t) {
+    if (!t.defined() || t.dtype() != DType::F32 || t.dim() != 3)
+      fail("{}: {} must be an f32 [N, H, hd] tensor, got {}", op, name, t.defined() ? t.str() : "undefined");
+  };
+  f32_3d("q", q);
+  f32_3d("k", k);
+  f32_3d("v", v);
+  const int64_t N = q.size(0), hd = q.size(2), Hkv = k.size(1);
+  if (k.size(0) != N || k.size(2) != hd || v.shape() != k.shape())
+    fail("{}: k and v must be [N={}, Hkv, hd={}] alike, got k {} and v {}", op, N, hd, k.str(), v.str());
+  if (!q_bf16.defined() || q_bf16.dtype() != DType::BF16 || q_bf16.shape() != q.shape() || q_bf16.device() != q.device())
+    fail("{}: q_bf16 must be a bf16 tensor {} on q's device, got {}", op, shape_str(q.shape()),
+         q_bf16.defined() ? q_bf16.str() : "undefined");
+  for (const auto& [name, c] : {std::pair<const char*, const Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}})
+    if (!c->defined() || c->dtype() != DType::BF16 || c->dim() != 3 || c->size(1) != Hkv || c->size(2) != hd ||
+        c->device() != q.device())
+      fail("{}: {} must be a bf16 [rows, Hkv={}, hd={}] tensor on q's device, got {}", op, name, Hkv, hd,
+           c->defined() ? c->str() : "undefined");
+  if (k_cache.shape() != v_cache.shape())
+    fail("{}: k_cache {} and v_cache {} differ", op, k_cache.str(), v_cache.str());
+  if (k.device() != q.device() || v.device() != q.device())
+    fail("{}: q, k and v must be on one device", op);
+#if FOURBIT_HAS_CUDA
+  if (q.device() == Device::CUDA && cuda::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q_bf16, k_cache, v_cache))
+    return;
+#endif
+  Tensor qq = q, kk = k, kb = Tensor::empty(k.shape(), DType::BF16, k.device()),
+         vb = Tensor::empty(v.shape(), DType::BF16, v.device());
+  rope_forward(qq, positions, table, &q_bf16, true);
+  rope_forward(kk, positions, table, &kb, true);
+  convert(v, vb);
+  const int64_t row = Hkv * hd;
+  Tensor kc = k_cache.reshape({k_cache.size(0), row}), vc = v_cache.reshape({v_cache.size(0), row});
+  scatter_rows(kb.reshape({N, row}), dst_rows, kc);
+  scatter_rows(vb.reshape({N, row}), dst_rows, vc);
+}
 bool attention_reads_bf16(Device device) { return device == Device::CUDA; }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
                        Tensor& out, Tensor& lse, Tensor* out_bf16) {

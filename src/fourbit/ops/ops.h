@@ -2,6 +2,7 @@
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
+//          rope_qkv_to_cache,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -277,6 +278,14 @@ void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tenso
                   bool bf16_only = false);
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16 = nullptr,
                    bool bf16_only = false);
+// A cached forward call's attention inputs in one pass (model/kv_cache.h, a BF16 cache): q [N, Hq, hd]
+// and k [N, Hkv, hd] rotated at `positions` and rounded to BF16, v [N, Hkv, hd] rounded to BF16;
+// q's into q_bf16 [N, Hq, hd], k's and v's into rows dst_rows[n] of k_cache and v_cache
+// ([R, Hkv, hd] BF16). The bits of rope_forward(q, positions, table, &q_bf16, true), the same for
+// k into a BF16 copy, convert(v) and scatter_rows of both copies (which the CPU runs; the GPU
+// runs one kernel: a decode step's five launches a layer were host time).
+void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
+                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
 
 // Causal attention with grouped-query heads. q [B, T, Hq, hd] holds positions pos0 .. pos0+T-1;
 // k, v [B, S, Hkv, hd] hold positions 0 .. S-1 (S >= pos0 + T; a KV cache or this batch's own

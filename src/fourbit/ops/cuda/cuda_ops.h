@@ -10,7 +10,7 @@
 //          wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
-//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, flash_attention_forward,
+//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache, flash_attention_forward,
 //          flash_attention_backward,//          materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -253,6 +253,11 @@ void set_flash_cta(int warpgroups, int stages);
 // or a CTA per q head, each reading the group's keys and values again; the same bits (tests and
 // bench/gpu_sampler compare the two).
 void set_flash_head_rows(bool on);
+// ops::rope_qkv_to_cache in one kernel (arguments checked by the caller; positions and dst_rows
+// are checked here and bad ones recorded as rope_forward and scatter_rows record them); false
+// (nothing done) where it does not apply: an odd head size.
+bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
+                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
 // q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,

@@ -8,7 +8,8 @@
 //  - the record is turned into fail(), with the same message the CPU gives, at a host
 //    synchronisation: at once in the ops that take user data (embedding tokens, cross_entropy
 //    targets: one small copy each), and otherwise at the next check (route_plan's offsets copy,
-//    which every MoE layer makes anyway).
+//    which every MoE layer of a training forward makes anyway; ops::check_index_errors, which a
+//    forward whose route plans read nothing back calls once it is queued).
 // Which bad index is recorded first when several race is unspecified; that a bad one is reported is
 // not. Kernels run on the default stream and fourbit uses one GPU per process, so one record serves.
 #pragma once

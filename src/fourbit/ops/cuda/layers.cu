@@ -1,6 +1,6 @@
 // defines: cuda::embedding_forward, cuda::embedding_backward, cuda::rmsnorm_forward,
 //          cuda::add_rmsnorm_forward, cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward,
-//          cuda::swiglu_forward, cuda::swiglu_backward, cuda::cross_entropy
+//          cuda::rope_qkv_to_cache, cuda::swiglu_forward, cuda::swiglu_backward, cuda::cross_entropy
 // The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
 // formula for formula: arithmetic in double, each output rounded once to float. Hopper runs FP64
 // at half the FP32 rate, which these memory-bound kernels barely feel, and it makes GPU and CPU
@@ -428,6 +428,62 @@ __global__ void __launch_bounds__(kEltThreads)
   }
 }
 
+// ops::rope_qkv_to_cache: one thread per (row n, head h, group g of 4 pairs), the heads being q's
+// Hq, then k's Hkv, then v's Hkv. q and k rotate by rope_kernel's arithmetic (sign 1) into their
+// BF16 copies (q_bf16; k's cache row dst[n]); v's values are rounded to BF16 into its cache row
+// (store4's bf16_encode: convert's bits). A bad position is recorded as rope_forward records it and
+// leaves the row's q and k unwritten; a bad cache row as scatter_rows records it, nothing written.
+__global__ void __launch_bounds__(kEltThreads)
+    rope_qkv_cache_kernel(const float* q, const float* k, const float* v, const int32_t* pos, const float* table,
+                          const int32_t* dst, int64_t N, int64_t Hq, int64_t Hkv, int64_t hd, int64_t max_pos,
+                          int64_t cache_rows, uint16_t* qb, uint16_t* kc, uint16_t* vc, bool vec, bool vec_b,
+                          IndexError* err) {
+  const int64_t half = hd / 2, groups = (half + 3) / 4, H = Hq + 2 * Hkv, items = N * H * groups;
+  for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = item % groups, nh = item / groups, n = nh / H, h = nh % H;
+    const float* src;
+    uint16_t* out;
+    if (h < Hq) {
+      src = q + (n * Hq + h) * hd;
+      out = qb + (n * Hq + h) * hd;
+    } else {
+      const int32_t d = dst[n];
+      if (d < 0 || d >= cache_rows) {  // recorded once per row; nothing written
+        if (g == 0 && h == Hq) record_index_error(err, IndexSite::ScatterRowsDstRows, n, d, cache_rows, 1);
+        continue;
+      }
+      const bool is_k = h < Hq + Hkv;
+      const int64_t hk = h - Hq - (is_k ? 0 : Hkv);
+      src = (is_k ? k : v) + (n * Hkv + hk) * hd;
+      out = (is_k ? kc : vc) + (int64_t(d) * Hkv + hk) * hd;
+    }
+    float a[4], b[4];
+    load4(src, 4 * g, half, vec, a);
+    load4(src + half, 4 * g, half, vec, b);
+    if (h < Hq + Hkv) {
+      const int32_t p = pos[n];
+      if (p < 0 || p >= max_pos) {  // recorded once per row, q and k left unwritten
+        if (g == 0 && h == 0) record_index_error(err, IndexSite::RopeForwardPositions, n, p, max_pos, 1);
+        continue;
+      }
+      const float* cs = table + int64_t(p) * hd;
+      float c[4], s[4];
+      load4(cs, 4 * g, half, vec, c);
+      load4(cs + half, 4 * g, half, vec, s);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const double cc = double(c[e]), ss = double(s[e]);
+        const double aa = double(a[e]), bb = double(b[e]);
+        a[e] = float(aa * cc - bb * ss);
+        b[e] = float(bb * cc + aa * ss);
+      }
+    }
+    store4(out, 4 * g, half, vec_b, a);
+    store4(out + half, 4 * g, half, vec_b, b);
+  }
+}
+
 // ---- swiglu -----------------------------------------------------------------------------------
 
 __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
@@ -750,6 +806,29 @@ void rope_forward(Tensor& x, const Tensor& positions, const Tensor& table, Tenso
 
 void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Tensor* dx_bf16, bool bf16_only) {
   rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0, dx_bf16, bf16_only);
+}
+
+bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
+                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
+  const char* op = "rope_qkv_to_cache";
+  const int64_t N = q.size(0), Hq = q.size(1), hd = q.size(2), Hkv = k.size(1);
+  if (hd % 2 != 0) return false;
+  expect_index(op, "positions", positions, {N}, "[N]");
+  expect_index(op, "dst_rows", dst_rows, {N}, "[N]");
+  expect_f32(op, "table", table, 2, "[max_pos, hd]");
+  if (table.size(1) != hd) fail("{}: table must be [max_pos, hd] with hd={}, got {}", op, hd, table.str());
+  const int64_t half = hd / 2, items = N * (Hq + 2 * Hkv) * ((half + 3) / 4);
+  if (items == 0) return true;
+  const bool vec = half % 4 == 0 && aligned16(q.raw()) && aligned16(k.raw()) && aligned16(v.raw()) &&
+                   aligned16(table.raw());
+  const auto aligned8 = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw()) % 8 == 0; };
+  const bool vec_b = half % 4 == 0 && aligned8(q_bf16) && aligned8(k_cache) && aligned8(v_cache);
+  rope_qkv_cache_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
+      q.data<float>(), k.data<float>(), v.data<float>(), positions.data<int32_t>(), table.data<float>(),
+      dst_rows.data<int32_t>(), N, Hq, Hkv, hd, table.size(0), k_cache.size(0), static_cast<uint16_t*>(q_bf16.raw()),
+      static_cast<uint16_t*>(k_cache.raw()), static_cast<uint16_t*>(v_cache.raw()), vec, vec_b, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+  return true;
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
