@@ -43,14 +43,15 @@ inline std::vector<int32_t> ragged_prompt(int64_t n, uint64_t seed) {
   return p;
 }
 
-// The trainer's logits (Model::logits, on the host) over prompt + completion without its last
-// token: row prompt.size() - 1 + i is the distribution completion[i] was drawn from.
+// The trainer's logits (Model::logits by the training forward's path, on the host) over prompt +
+// completion without its last token: row prompt.size() - 1 + i is the distribution completion[i]
+// was drawn from.
 inline Tensor trainer_logits(Model& m, const std::vector<int32_t>& prompt, const std::vector<int32_t>& completion,
                              const SrStreams& sr) {
   std::vector<int32_t> seq = prompt;
   seq.insert(seq.end(), completion.begin(), completion.end() - 1);
   const Tensor tokens = Tensor::from_host(seq.data(), {1, int64_t(seq.size())}, DType::I32, m.device());
-  return m.logits(tokens, sr).to(Device::CPU);
+  return m.logits(tokens, sr, /*as_trainer=*/true).to(Device::CPU);
 }
 
 // Tokens, finish, and the bits of the log-probs and kept logits.

@@ -86,6 +86,7 @@ struct ModelRunner {
   QuantLog* log;
   int64_t layer = 0;
   bool record_amax = false;  // a training forward: keep the running input amax (Model::input_amax)
+  bool training_path = false;  // a forward without a backward run as training runs it (Model::logits)
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   // The step's weight operands made at the start of the forward pass: BF16 copies in one launch,
@@ -500,7 +501,7 @@ struct ModelRunner {
     const bool offsets_on_gpu = m.device_ != Device::CPU &&
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
-    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax &&
+    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax && !training_path &&
                           g_routing_waits_deferred.load(std::memory_order_relaxed) &&
                           r.fprop.a.fmt != Format::F32 && r.fprop.b.fmt != Format::F32;
     // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
@@ -1186,11 +1187,12 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache
   return forward_logits(*this, run, tokens, nullptr, false, &kv, rows);
 }
 
-Tensor Model::logits(const Tensor& tokens, const SrStreams& sr) {
+Tensor Model::logits(const Tensor& tokens, const SrStreams& sr, bool as_trainer) {
   if (tokens.dtype() != DType::I32 || tokens.dim() != 2) fail("logits: tokens must be i32 [B, T], got {}", tokens.str());
   if (tokens.size(1) > cfg_.max_seq_len)
     fail("logits: sequence length {} exceeds max_seq_len {}", tokens.size(1), cfg_.max_seq_len);
   ModelRunner run{*this, cfg_, sr, nullptr};
+  run.training_path = as_trainer;
   return forward_logits(*this, run, tokens, nullptr, false);
 }
 

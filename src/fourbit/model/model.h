@@ -82,8 +82,11 @@ class Model {
                        bool for_backward, float loss_weight = 1.0f, const Tensor& token_weights = Tensor());
   void backward();
 
-  // Logits F32 [B*T, V] for tokens [B, T] (a full causal forward); no activations kept.
-  Tensor logits(const Tensor& tokens, const SrStreams& sr);
+  // Logits F32 [B*T, V] for tokens [B, T] (a full causal forward); no activations kept. as_trainer:
+  // by the training forward's own path (its MoE layers wait for the router counts and quantize
+  // as training does) rather than the inference one (set_moe_routing_waits_deferred); the same
+  // bits, but the sampler's checks compare against the trainer's path itself.
+  Tensor logits(const Tensor& tokens, const SrStreams& sr, bool as_trainer = false);
 
   // The sampler's forward (rl/sampler.h): tokens I32 [B, T] continue the sequences of cache slots
   // 0..B-1 at the positions `batch` gives; their K/V are written into `cache`. The same blocks,

@@ -51,7 +51,7 @@ std::vector<float> forward_logprobs(Model& model, const std::vector<int32_t>& pr
   seq.insert(seq.end(), completion.begin(), completion.end() - 1);
   const int64_t T = int64_t(seq.size()), P = int64_t(prompt.size()), n = int64_t(completion.size());
   const Tensor tokens = Tensor::from_host(seq.data(), {1, T}, DType::I32, model.device());
-  const Tensor logits = model.logits(tokens, sr);
+  const Tensor logits = model.logits(tokens, sr, /*as_trainer=*/true);
   // targets: the completion tokens at the positions that predict them, -1 (ignored) elsewhere
   std::vector<int32_t> tg(size_t(T), -1);
   for (int64_t i = 0; i < n; ++i) tg[size_t(P - 1 + i)] = completion[size_t(i)];

@@ -32,7 +32,7 @@ struct EvalResult {
 // Greedy answers to eval problems 0 .. count - 1 (max_new tokens each), scored.
 EvalResult evaluate_greedy(Sampler& sampler, const Task& task, uint64_t seed, int64_t count, int64_t max_new);
 
-// The trainer's log-prob of every completion token: Model::logits over prompt + completion
+// The trainer's log-prob of every completion token: Model::logits (as_trainer) over prompt + completion
 // (without its last token) and -ops::cross_entropy of each completion position, as a float.
 std::vector<float> forward_logprobs(Model& model, const std::vector<int32_t>& prompt,
                                     const std::vector<int32_t>& completion, const SrStreams& sr);
