@@ -337,8 +337,9 @@ TEST(CudaLayers, RopeQkvToCacheIsTheSeparateOpsBits) {
     Tensor cache0 = Tensor::empty({R, Hkv, hd}, DType::BF16, Device::CUDA);
     ops::convert(gpu(random_tensor({R, Hkv, hd}, DType::F32, 315)), cache0);
     // the separate ops
-    Tensor qa = Tensor::empty(q.shape(), DType::BF16, Device::CUDA), kb = Tensor::empty(k.shape(), DType::BF16, Device::CUDA),
-           vb = Tensor::empty(v.shape(), DType::BF16, Device::CUDA);
+    Tensor qa = Tensor::empty(q.shape(), DType::BF16, Device::CUDA);
+    Tensor kb = Tensor::empty(k.shape(), DType::BF16, Device::CUDA);
+    Tensor vb = Tensor::empty(v.shape(), DType::BF16, Device::CUDA);
     Tensor qq = q, kk = k;
     ops::rope_forward(qq, pos, table, &qa, true);
     ops::rope_forward(kk, pos, table, &kb, true);
@@ -357,17 +358,19 @@ TEST(CudaLayers, RopeQkvToCacheIsTheSeparateOpsBits) {
   const int64_t hd = 8;
   const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
   const Tensor q = gpu(random_tensor({2, 2, hd}, DType::F32, 320)), k = gpu(random_tensor({2, 1, hd}, DType::F32, 321));
-  Tensor qb = Tensor::empty(q.shape(), DType::BF16, Device::CUDA), kc = Tensor::zeros({4, 1, hd}, DType::BF16, Device::CUDA),
-         vc = kc.clone();
+  Tensor qb = Tensor::empty(q.shape(), DType::BF16, Device::CUDA);
+  Tensor kc = Tensor::zeros({4, 1, hd}, DType::BF16, Device::CUDA), vc = kc.clone();
   expect_error(
       [&] {
-        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 1}, {2})), table, gpu(int_tensor({1, 4}, {2})), qb, kc, vc);
+        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 1}, {2})), table, gpu(int_tensor({1, 4}, {2})), qb, kc,
+                               vc);
         ops::check_index_errors(Device::CUDA);
       },
       "scatter_rows: dst_rows[1] = 4 is outside [0, N=4)");
   expect_error(
       [&] {
-        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 100}, {2})), table, gpu(int_tensor({1, 2}, {2})), qb, kc, vc);
+        ops::rope_qkv_to_cache(q, k, k, gpu(int_tensor({0, 100}, {2})), table, gpu(int_tensor({1, 2}, {2})), qb, kc,
+                               vc);
         ops::check_index_errors(Device::CUDA);
       },
       "rope_forward: positions[1] = 100 is outside [0, max_pos=100)");
@@ -806,7 +809,8 @@ TEST(CudaLayers, RoutePlanWithoutReadBackKeepsTheOffsetsOnTheGpu) {
   ops::check_index_errors(Device::CUDA);  // nothing recorded
   expect_error(
       [&] {
-        const ops::PendingRoutePlan bad = ops::route_plan_begin(gpu(int_tensor({0, 1, 64, 2}, {2, 2})), 64, Tensor(), false);
+        const ops::PendingRoutePlan bad =
+            ops::route_plan_begin(gpu(int_tensor({0, 1, 64, 2}, {2, 2})), 64, Tensor(), false);
         ops::check_index_errors(Device::CUDA);
       },
       "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");

@@ -1,7 +1,8 @@
 // defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
 // of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), grouped_gemm_device_offsets
-// gives its bits, and malformed offsets or shapes fail with a message naming what was expected. (The GPU's implementation, one decode, one
-// launch of the grouped kernel, one epilogue, is checked group by group in CudaGroupedGemm.*.)
+// gives its bits, and malformed offsets or shapes fail with a message naming what was expected.
+// (The GPU's implementation, one decode, one launch of the grouped kernel, one epilogue, is checked
+// group by group in CudaGroupedGemm.*.)
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -87,7 +88,8 @@ TEST(GroupedGemm, OffsetsInATensorGiveTheSameBits) {
   QuantSpec sx, sw;
   sx.fmt = sw.fmt = Format::MXFP8_E4M3;
   const QTensor xq = ops::quantize(x, sx), wq = ops::quantize(w, sw);
-  for (const auto& [a, b] : {std::pair{ops::Operand(x), ops::Operand(w)}, std::pair{ops::Operand(xq), ops::Operand(wq)}}) {
+  for (const auto& [a, b] :
+       {std::pair{ops::Operand(x), ops::Operand(w)}, std::pair{ops::Operand(xq), ops::Operand(wq)}}) {
     Tensor want = Tensor::empty({12, N}, DType::F32), got = Tensor::empty({12, N}, DType::F32);
     ops::grouped_gemm(a, b, offsets, want);
     ops::grouped_gemm_device_offsets(a, b, off_t, got);

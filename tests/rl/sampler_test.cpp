@@ -3,7 +3,7 @@
 //          ragged prompts, groups of samples, sequences leaving the batch early (stop token,
 //          length, context) and any batch composition and order; nvidia-nvfp4 (per-tensor
 //          activation scales) is the negative control that the same comparison catches. Also:
-//          same seed, same samples whatever the batch; greedy is the argmax of the trainer's
+//          same seed, same samples whatever the batch or thread count; greedy is the argmax of the trainer's
 //          logits; bad requests and options fail before any work.
 #include <gtest/gtest.h>
 
@@ -93,6 +93,29 @@ TEST(Sampler, SamplesDoNotDependOnTheBatch) {
 }
 
 // Temperature 0 picks the trainer's argmax at every step, and its log-prob is the trainer's.
+// The rows' draws run on every core where a step has 16 rows or more: one thread and two give the
+// same samples, log-probs and logits.
+TEST(Sampler, DrawsDoNotDependOnTheThreadCount) {
+  TinyModel tm("bf16", Device::CPU);
+  rl::Sampler sampler(tm.model, tm.sr);
+  rl::SamplingOptions opt;
+  opt.max_new = 4;
+  opt.stop_token = -1;
+  opt.keep_logits = true;
+  std::vector<rl::SampleRequest> reqs;
+  for (uint64_t i = 0; i < 20; ++i) reqs.push_back({ragged_prompt(2 + int64_t(i % 4), i % 3), 700 + i});
+  std::vector<rl::Completion> one, two;
+  {
+    const OmpThreads threads(1);
+    one = sampler.sample(reqs, opt);
+  }
+  {
+    const OmpThreads threads(2);
+    two = sampler.sample(reqs, opt);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(one[i], two[i], "1 vs 2 threads");
+}
+
 TEST(Sampler, GreedyIsTheArgmaxOfTheTrainersLogits) {
   const OmpThreads one_thread(1);
   TinyModel tm("mxfp8", Device::CPU);

@@ -109,7 +109,8 @@ void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const 
   if (cache.storage() != DType::BF16)
     fail("cached forward: rope_attend writes a BF16 cache, this one stores {}", dtype_name(cache.storage()));
   const int64_t rows = cache.slots() * cache.capacity(), hkv = k.size(1), hd = k.size(2);
-  Tensor kc = cache.k_.at(size_t(layer)).reshape({rows, hkv, hd}), vc = cache.v_.at(size_t(layer)).reshape({rows, hkv, hd});
+  Tensor kc = cache.k_.at(size_t(layer)).reshape({rows, hkv, hd});
+  Tensor vc = cache.v_.at(size_t(layer)).reshape({rows, hkv, hd});
   Tensor q3 = q_bf16.reshape(q.shape());
   ops::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q3, kc, vc);
   attend_cached(layer, q_bf16, o, lse);

@@ -408,8 +408,9 @@ struct ModelRunner {
       kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse);
     } else {
       if (bf16_qkv) {
-        Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_),
-               kb = Tensor::empty(k4.shape(), DType::BF16, m.device_), vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
+        Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
+        Tensor kb = Tensor::empty(k4.shape(), DType::BF16, m.device_);
+        Tensor vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
         Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
         // the rotated F32 q and k are never read (attention, the cache and the backward take the
         // copies): rope writes the copies only

@@ -323,7 +323,8 @@ void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tenso
   if (!offsets.defined() || offsets.dtype() != DType::I32 || offsets.dim() != 1 ||
       (slices >= 0 ? offsets.size(0) != slices + 1 : offsets.size(0) < 2) || offsets.device() != c.device())
     fail("{}: offsets must be I32 [G + 1] = [{}] on the operands' device, got {}", op,
-         slices >= 0 ? std::to_string(slices + 1) : "G + 1 >= 2", offsets.defined() ? offsets.str() : "an undefined tensor");
+         slices >= 0 ? std::to_string(slices + 1) : "G + 1 >= 2",
+         offsets.defined() ? offsets.str() : "an undefined tensor");
   const auto [bn, bk] = grouped_shape(op, a, b, offsets.size(0) - 1, c);
 #if FOURBIT_HAS_CUDA
   if (c.device() == Device::CUDA) {
@@ -504,7 +505,8 @@ void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const int64_t N = q.size(0), hd = q.size(2), Hkv = k.size(1);
   if (k.size(0) != N || k.size(2) != hd || v.shape() != k.shape())
     fail("{}: k and v must be [N={}, Hkv, hd={}] alike, got k {} and v {}", op, N, hd, k.str(), v.str());
-  if (!q_bf16.defined() || q_bf16.dtype() != DType::BF16 || q_bf16.shape() != q.shape() || q_bf16.device() != q.device())
+  if (!q_bf16.defined() || q_bf16.dtype() != DType::BF16 || q_bf16.shape() != q.shape() ||
+      q_bf16.device() != q.device())
     fail("{}: q_bf16 must be a bf16 tensor {} on q's device, got {}", op, shape_str(q.shape()),
          q_bf16.defined() ? q_bf16.str() : "undefined");
   for (const auto& [name, c] : {std::pair<const char*, const Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}})
@@ -517,7 +519,8 @@ void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (k.device() != q.device() || v.device() != q.device())
     fail("{}: q, k and v must be on one device", op);
 #if FOURBIT_HAS_CUDA
-  if (q.device() == Device::CUDA && cuda::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q_bf16, k_cache, v_cache))
+  if (q.device() == Device::CUDA &&
+      cuda::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q_bf16, k_cache, v_cache))
     return;
 #endif
   Tensor qq = q, kk = k, kb = Tensor::empty(k.shape(), DType::BF16, k.device()),

@@ -10,8 +10,9 @@
 //          wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
-//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache, flash_attention_forward,
-//          flash_attention_backward,//          materialized_attention_forward, materialized_attention_backward
+//          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
+//          flash_attention_forward, flash_attention_backward, materialized_attention_forward,
+//          materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.

@@ -768,7 +768,8 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   // a one-token step of grouped-query attention (the sampler's decode): a CTA per kv head, its
   // group's q heads as rows
   const int group = d.Hq / d.Hkv;
-  const bool head_rows = d.T == 1 && group > 1 && group <= kFaBlock && g_flash_head_rows.load(std::memory_order_relaxed);
+  const bool head_rows =
+      d.T == 1 && group > 1 && group <= kFaBlock && g_flash_head_rows.load(std::memory_order_relaxed);
   with_cta(hd, [&](auto cta) {
     using C = decltype(cta);
     const size_t smem_bytes = tiles_bytes<C>(C::kWG + 2 * C::kStages);

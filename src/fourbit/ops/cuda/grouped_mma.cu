@@ -102,23 +102,23 @@ void launch_stream(const GroupedArgs& p, int64_t rows_per_group) {
 }
 
 // The decode configuration: the streaming kernel where groups average at most kStreamRows rows;
-// above, the 64 x WN tiles of one warpgroup, 128 columns where that gives at least 7/8 of the SMs
-// a CTA (the row tiles with rows times the column tiles), else 32, so that a decode step's few
-// weight matrices are streamed by 4x the CTAs. (BF16 experts at batch 256, 16 groups of ~32 rows
-// and 1024 columns, make 128 CTAs of 64 x 128 for the H200's 132 SMs: the sampler's decode step
-// ran 8% faster on them than on the 512 CTAs of 64 x 32.) Measured on the H200 (gpu_grouped_gemm's decode table, gpu-small's
-// w1|w3): the streaming kernel takes 0.6 (BF16) and 0.4 (NVFP4) of the best tile's time at batch
-// 1, 0.4 (NVFP4) at batch 16 and 64 (BF16 there: 1.0, 1.2), and 3x BF16's at 32 rows a group
-// (batch 256), where a group's rows take several CTAs; in the sampler it gains at every batch up
-// to 64. At batch 1 the 32-wide tile takes 0.74 (BF16) to 0.56 (NVFP4) of the 64 x 256 tile's
-// time; where the 128-wide tile fills the GPU the narrower ones are 2x slower (each CTA's fixed
-// cost and its K-long chain of barriers, not the weights' bytes, bound these tiles). Packed
-// (block-scaled) operands take the streaming kernel up to 64 rows a group: it decodes each weight
-// once per 32 rows where a tile decodes it per 64 x WN block on the warpgroup that issues the
-// MMAs; at 32 rows a group (batch 256) NVFP4 took 0.75 of the best tile's time, and a linear
-// layer's one group of 64 MXFP8 rows on the 64 x 32 tile made the sampler's decode step 18%
-// slower than cuBLASLt on BF16 decodes. Row tiles with rows: counted from host offsets; with
-// device offsets at most min(G, M).
+// above, the 64 x WN tiles of one warpgroup, 128 columns where that gives at least 7/8 of the SMs a
+// CTA (the row tiles with rows times the column tiles), else 32, so that a decode step's few weight
+// matrices are streamed by 4x the CTAs. (BF16 experts at batch 256, 16 groups of ~32 rows and 1024
+// columns, make 128 CTAs of 64 x 128 for the H200's 132 SMs: the sampler's decode step ran 8%
+// faster on them than on the 512 CTAs of 64 x 32.) Measured on the H200 (gpu_grouped_gemm's decode
+// table, gpu-small's w1|w3): the streaming kernel takes 0.6 (BF16) and 0.4 (NVFP4) of the best
+// tile's time at batch 1, 0.4 (NVFP4) at batch 16 and 64 (BF16 there: 1.0, 1.2), and 3x BF16's at
+// 32 rows a group (batch 256), where a group's rows take several CTAs; in the sampler it gains at
+// every batch up to 64. At batch 1 the 32-wide tile takes 0.74 (BF16) to 0.56 (NVFP4) of the 64 x
+// 256 tile's time; where the 128-wide tile fills the GPU the narrower ones are 2x slower (each
+// CTA's fixed cost and its K-long chain of barriers, not the weights' bytes, bound these tiles).
+// Packed (block-scaled) operands take the streaming kernel up to 64 rows a group: it decodes each
+// weight once per 32 rows where a tile decodes it per 64 x WN block on the warpgroup that issues
+// the MMAs; at 32 rows a group (batch 256) NVFP4 took 0.75 of the best tile's time, and a linear
+// layer's one group of 64 MXFP8 rows on the 64 x 32 tile made the sampler's decode step 18% slower
+// than cuBLASLt on BF16 decodes. Row tiles with rows: counted from host offsets; with device
+// offsets at most min(G, M).
 constexpr int64_t kStreamRows = 16, kStreamRowsPacked = 64;
 
 // The row tiles of bm rows that groups with rows need, from host offsets.
