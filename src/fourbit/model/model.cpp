@@ -148,10 +148,10 @@ struct ModelRunner {
   // counts on the host only to report a bad expert id: its MoE layers run on the offsets where the
   // GPU made them, read nothing back, and the device's index-error record is checked once the
   // forward is queued (finish_deferred_plans), not one wait a layer.
-  int64_t deferred_plans = 0;
+  bool deferred_plans = false;
   void finish_deferred_plans() {
-    if (deferred_plans > 0) ops::check_index_errors(m.device_);
-    deferred_plans = 0;
+    if (deferred_plans) ops::check_index_errors(m.device_);
+    deferred_plans = false;
   }
   // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
   // with f_e the routed share (no gradient) and P_e the mean router probability.
@@ -570,7 +570,7 @@ struct ModelRunner {
     Tensor out = act({N, D});
     ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
     if (deferred) {
-      deferred_plans += 1;
+      deferred_plans = true;
       return out;
     }
     ops::route_plan_finish(pending_plan);

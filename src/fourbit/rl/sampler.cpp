@@ -156,7 +156,6 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
     std::shared_ptr<PendingRead> loss_read;
     if (dev != Device::CPU) loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
-    const std::vector<size_t> drawn_rows = rows;
     std::vector<size_t> keep_rows;
     std::vector<int64_t> keep_slots;
     for (int64_t a = 0; a < A; ++a) {
@@ -184,13 +183,12 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
         std::vector<int32_t> kept;
         for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
         next = std::move(kept);
-        rows = std::move(keep_rows);
       }
-      const int64_t An = int64_t(rows.size());
+      const int64_t An = int64_t(keep_rows.size());
       KvBatch batch{1, {}};
       for (int64_t a = 0; a < An; ++a) {
         // the input is the token just drawn, at position prompt + tokens - 1
-        const int64_t pos = len(rows[size_t(a)]) + int64_t(out[rows[size_t(a)]].tokens.size()) - 1;
+        const int64_t pos = len(keep_rows[size_t(a)]) + int64_t(out[keep_rows[size_t(a)]].tokens.size()) - 1;
         if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
         else batch.groups.push_back(KvGroup{a, a + 1, pos});
       }
@@ -200,8 +198,9 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     }
     // the drawn tokens' policy log-probs (their read was queued before the forward)
     const float* loss = loss_read ? static_cast<const float*>(loss_read->wait()) : losses.data<float>();
-    for (int64_t a = 0; a < A; ++a) out[drawn_rows[size_t(a)]].logprobs.push_back(-loss[a]);
+    for (int64_t a = 0; a < A; ++a) out[rows[size_t(a)]].logprobs.push_back(-loss[a]);
     if (!more) break;
+    rows = std::move(keep_rows);
     stats_.decode_forwards += 1;
     stats_.decode_s += seconds_since(t0, dev);
   }
