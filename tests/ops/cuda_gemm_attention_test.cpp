@@ -461,7 +461,6 @@ TEST(CudaAttention, EnginesAndCtaShapesAgree) {
       for (size_t i = 0; i < 5; ++i) EXPECT_LT(diff(sync[i], ref[i]), 1e-8) << names[i] << ", mma.sync";
     }
 }
-#endif
 
 // A one-token step of grouped-query attention (the sampler's decode) runs a CTA per kv head with
 // its group's q heads as rows (set_flash_head_rows): out, its BF16 copy and lse are the bits of a
@@ -520,6 +519,7 @@ TEST(CudaAttention, OneTokenHeadRowsGiveTheBitsOfHeadCtas) {
           }
     }
 }
+#endif
 
 // Work spread over GPU lanes gives the bits of the same work issued in order: 16 "experts" of
 // different row counts, each quantizing its rows (MXFP8 with SR along the tokens, NVFP4 per
