@@ -11,7 +11,7 @@
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
 //                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--attention group,head]
-//                    [--json FILE]
+//                    [--graphs on,off] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -24,7 +24,10 @@
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
 // (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
 // step's attention a CTA per kv head group (group, the default: cuda::set_flash_head_rows) or per
-// q head (head, the path before it); the same samples, rows adjacent per batch.
+// q head (head, the path before it); the same samples, rows adjacent per batch. --graphs: the
+// decode steps as CUDA graphs (on, the default: Sampler::set_cuda_graphs) or issued op by op (off);
+// rows adjacent per batch, and the run fails unless both give the same completions. graph_captures
+// counts the graphs a row recorded; a row whose capture failed says why in graph_error.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -93,7 +96,7 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "experts",
+    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "graphs", "experts",
                      "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
                      "kv_cache_MiB"};
     std::vector<int> widths;
@@ -118,6 +121,12 @@ int main(int argc, char** argv) {
       head_rows.push_back(f == "group");
     }
     if (head_rows.empty()) fail("--attention names no path");
+    std::vector<bool> graph_modes;
+    for (const std::string& f : split(arg(argc, argv, "--graphs", "on"))) {
+      if (f != "on" && f != "off") fail("--graphs takes on or off, not {}", f);
+      graph_modes.push_back(f == "on");
+    }
+    if (graph_modes.empty()) fail("--graphs names no mode");
     if (device == Device::CPU && head_rows != std::vector<bool>{true})
       fail("--attention: the decode attention's CTAs are the CUDA backend's; on the CPU give group");
     std::vector<DType> kv_storages;
@@ -146,8 +155,11 @@ int main(int argc, char** argv) {
         for (int64_t B : batches) {
           sampler.set_kv_storage(storage);
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() > 1)
+          if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() *
+                  graph_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
+          std::vector<std::vector<int32_t>> graph_tokens;  // the first row's completions, to compare
+          for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
           for (const bool deferred : routing_deferred)
           for (const bool group_ctas : head_rows)
@@ -158,6 +170,7 @@ int main(int argc, char** argv) {
             }
             set_forward_gemms_grouped(fwd);
             set_moe_routing_waits_deferred(deferred);
+            sampler.set_cuda_graphs(graphs);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
                                         : width < 0   ? "64x256"
@@ -165,6 +178,14 @@ int main(int argc, char** argv) {
             sampler.reset_stats();
             const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
             const rl::SamplerStats& s = sampler.stats();
+            if (graph_modes.size() > 1) {  // graphs on and off must sample the same tokens
+              std::vector<std::vector<int32_t>> tokens;
+              for (const rl::Completion& c : out) tokens.push_back(c.tokens);
+              if (graph_tokens.empty()) graph_tokens = std::move(tokens);
+              else if (tokens != graph_tokens)
+                fail("{} batch {}: the decode as CUDA graphs and op by op sampled different tokens", recipe, B);
+            }
+            if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: graph capture failed: %s\n", s.graph_error.c_str());
             const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
             const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
             const double kv_mib = double(B) * double(C) * 2.0 *
@@ -175,6 +196,7 @@ int main(int argc, char** argv) {
                        {"forward", fwd ? "grouped" : "gemm"},
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
+                       {"graphs", graphs ? "on" : "off"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -186,12 +208,14 @@ int main(int argc, char** argv) {
                        {"decode_s", s.decode_s},
                        {"host_ms_per_step", 1e3 * s.decode_issue_s / double(s.decode_forwards)},
                        {"choose_s", s.choose_s},
-                       {"prefill_s", s.prefill_s}});
-            std::printf("%s, %s cache, forward %s, routing %s, attention %s, experts %s, batch %lld: %.0f decode "
-                        "tokens/s (%lld steps)\n",
+                       {"prefill_s", s.prefill_s},
+                       {"graph_captures", s.graph_captures},
+                       {"graph_error", s.graph_error}});
+            std::printf("%s, %s cache, forward %s, routing %s, attention %s, graphs %s, experts %s, batch %lld: %.0f "
+                        "decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
-                        group_ctas ? "group" : "head", experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
-                        (long long)s.decode_forwards);
+                        group_ctas ? "group" : "head", graphs ? "on" : "off", experts.c_str(), (long long)B,
+                        double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             (void)out;
           }
         }
@@ -201,6 +225,7 @@ int main(int argc, char** argv) {
       }
       set_forward_gemms_grouped(true);
       set_moe_routing_waits_deferred(true);
+      sampler.set_cuda_graphs(true);
     }
     table.print();
     table.write_json(bench::json_path_arg(argc, argv));

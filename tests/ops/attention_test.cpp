@@ -207,3 +207,37 @@ TEST(AttentionOps, Errors) {
   expect_error([&] { ops::attention_forward(x.q, x.k, x.v, 0, out, lse_bad); },
                "attention_forward: lse must be f32[B, Hq, T]=[2, 4, 4] cpu, got f32[2, 4, 5] cpu");
 }
+
+// attention_step (a decode step over sequences at their own positions, read from a tensor): row b
+// is the bits of attention_forward on that row alone at pos0 = positions[b], with repeated,
+// ascending and scattered positions (runs of equal ones go together on the CPU), the BF16 copy of
+// out too; a position outside the keys and bad shapes fail naming the argument.
+TEST(AttentionOps, StepIsEachRowAtItsOwnPosition) {
+  const int64_t B = 6, S = 20, Hq = 4, Hkv = 2, hd = 8;
+  const Qkv x = random_qkv(B, 1, S, Hq, Hkv, hd, DType::F32, 700);
+  const std::vector<int32_t> pos{3, 3, 0, 19, 7, 7};
+  const Tensor positions = int_tensor(pos, {B});
+  Tensor out = Tensor::empty(x.q.shape(), DType::F32), lse = Tensor::empty({B, Hq, 1}, DType::F32),
+         out16 = Tensor::empty(x.q.shape(), DType::BF16);
+  ops::attention_step(x.q, x.k, x.v, positions, out, lse, &out16);
+  for (int64_t b = 0; b < B; ++b) {
+    Tensor o = Tensor::empty({1, 1, Hq, hd}, DType::F32), l = Tensor::empty({1, Hq, 1}, DType::F32),
+           o16 = Tensor::empty({1, 1, Hq, hd}, DType::BF16);
+    ops::attention_forward(x.q.slice_rows(b, b + 1), x.k.slice_rows(b, b + 1), x.v.slice_rows(b, b + 1),
+                           pos[size_t(b)], o, l, &o16);
+    EXPECT_TRUE(bitwise_equal_range(out, b * Hq * hd, o, 0, Hq * hd)) << "row " << b;
+    EXPECT_TRUE(bitwise_equal_range(lse, b * Hq, l, 0, Hq)) << "row " << b;
+    EXPECT_EQ(0, std::memcmp(static_cast<const char*>(out16.raw()) + b * Hq * hd * 2, o16.raw(), size_t(Hq * hd * 2)))
+        << "row " << b;
+  }
+  expect_error([&] { ops::attention_step(x.q, x.k, x.v, int_tensor({3, 3, 0, 20, 7, 7}, {B}), out, lse); },
+               "attention_step: positions[3] = 20 is outside [0, S=20)");
+  expect_error([&] { ops::attention_step(x.q, x.k, x.v, int_tensor({3, 3, 0}, {3}), out, lse); },
+               "attention_step: positions must be i32 [6] on q's device (cpu), got i32[3] cpu");
+  const Qkv two = random_qkv(B, 2, S, Hq, Hkv, hd, DType::F32, 710);
+  expect_error([&] { ops::attention_step(two.q, two.k, two.v, positions, out, lse); },
+               "attention_step: q must be [B, 1, Hq, hd]");
+  Tensor lse_bad = Tensor::empty({B, Hq, 2}, DType::F32);
+  expect_error([&] { ops::attention_step(x.q, x.k, x.v, positions, out, lse_bad); },
+               "attention_step: out must be [6, 1, 4, 8] and lse [6, 4, 1]");
+}

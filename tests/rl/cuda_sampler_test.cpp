@@ -3,13 +3,15 @@
 //          nvfp4-fwd (head dims 32, 64 and 128, so every fused attention kernel size; prompts
 //          and generations that cross 64-key blocks; 1 to 32 rows per decode step); nvidia-nvfp4
 //          is caught by the same comparison; samples do not depend on the batch on the GPU
-//          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs);
-//          and the scatter/gather of the cache agree with the CPU.
+//          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs) or
+//          on CUDA graphs (the decode as graph replays gives the op-by-op bits; a graph fails
+//          once the weights change); and the scatter/gather of the cache agree with the CPU.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
+#include "fourbit/model/decode_graph.h"
 #include "fourbit/model/model.h"
 #include "fourbit/tensor/device_memory.h"
 #include "rl/rl_test_util.h"
@@ -122,6 +124,57 @@ TEST(CudaSampler, RoutingWaitsAndAttentionCtasDoNotChangeSamples) {
   }
 }
 #endif
+
+// The decode as CUDA graph replays gives the bits of the decode issued op by op, for every recipe:
+// prompts of eight lengths (attention reads each row's position on the GPU) and sequences that
+// reach the context's end at three different steps (the batch shrinks, and each new batch is
+// captured anew). Every decode step ran as a replay, and no capture failed.
+TEST(CudaSampler, GraphsGiveTheEagerSamples) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* recipe : {"fp32", "bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) {
+    SCOPED_TRACE(recipe);
+    TinyModel tm(recipe, Device::CUDA, gpu_config(64));
+    rl::Sampler sampler(tm.model, tm.sr);
+    const rl::SamplingOptions opt = open_ended(12, 17);
+    std::vector<rl::SampleRequest> reqs;
+    // max_seq_len 80: the prompts of 70, 72 and 75 tokens stop for the context after 11, 9 and 6 tokens
+    for (const int64_t len : {20, 40, 66, 70, 72, 75, 30, 50})
+      reqs.push_back({ragged_prompt(len, uint64_t(len)), 700 + uint64_t(len)});
+    sampler.set_cuda_graphs(false);
+    const std::vector<rl::Completion> eager = sampler.sample(reqs, opt);
+    EXPECT_EQ(sampler.stats().graph_captures, 0);
+    sampler.reset_stats();
+    sampler.set_cuda_graphs(true);
+    const std::vector<rl::Completion> graphs = sampler.sample(reqs, opt);
+    const rl::SamplerStats& s = sampler.stats();
+    EXPECT_EQ(s.graph_error, "");
+    EXPECT_EQ(s.graph_replays, s.decode_forwards);
+    EXPECT_EQ(s.graph_captures, 4);  // the first batch, then after each of the three context stops
+    for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(eager[i], graphs[i], "graphs vs op by op");
+    EXPECT_EQ(graphs[5].finish, rl::Finish::Context);
+    EXPECT_EQ(graphs[5].tokens.size(), 6u);
+  }
+}
+
+// A decode graph reads the model's cached weights where the capture found them: once the weights
+// change (invalidate_weight_cache) it fails rather than read freed memory; a token id outside the
+// vocabulary is reported after the replay, as the op-by-op forward reports it.
+TEST(CudaDecodeGraph, FailsOnChangedWeightsAndBadTokens) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  TinyModel tm("bf16", Device::CUDA, gpu_config(64));
+  Model& m = tm.model;
+  KvCache cache(m.config(), 2, 16, DType::F32, Device::CUDA);
+  const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6};
+  m.forward_cached(Tensor::from_host(ids.data(), {2, 3}, DType::I32, Device::CUDA), KvBatch{3, {{0, 2, 0}}}, cache,
+                   tm.sr);
+  DecodeGraph graph(m, cache, tm.sr);
+  const Tensor logits = graph.run({7, 8}, {3, 3});
+  EXPECT_EQ(logits.shape(), (Shape{2, m.config().vocab_size}));
+  expect_error([&] { graph.run({7, int32_t(m.config().vocab_size)}, {4, 4}); }, "embedding_forward: tokens[1]");
+  expect_error([&] { graph.run({7, 8}, {4, 16}); }, "do not fit the cache capacity 16");
+  m.invalidate_weight_cache();
+  expect_error([&] { graph.run({7, 8}, {4, 4}); }, "the model's weights changed after the capture");
+}
 
 TEST(CudaSampler, SamplesDoNotDependOnTheBatch) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";

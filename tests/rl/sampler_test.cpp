@@ -16,6 +16,7 @@
 #include "fourbit/rl/rollout.h"
 #include "fourbit/rl/sampler.h"
 #include "model/model_test_util.h"
+#include "ops/op_test_util.h"
 #include "rl/rl_test_util.h"
 
 using namespace fourbit;
@@ -214,4 +215,49 @@ TEST(KvCache, ForwardCachedChecksItsBatch) {
     EXPECT_EQ(std::memcmp(g.v(l).data<float>() + 2 * slot, cache.v(l).data<float>(), size_t(slot) * 4), 0);
   }
   expect_error([&] { cache.gather_slots({2}); }, "slot 2 is outside [0, 2)");
+}
+
+// A step bound to fixed position and cache-row buffers (KvStep's forms for a CUDA graph's inputs)
+// gives forward_cached's bits: the buffers are written by the checking constructor and read as
+// they are by the bound one; the checks and the buffers' shapes still fail by name. Also the
+// weights' version that a graph of the forward checks.
+TEST(KvCache, StepOnFixedBuffersIsTheCachedForward) {
+  TinyModel tm("nvfp4-fwd", Device::CPU);
+  Model& m = tm.model;
+  const std::vector<int32_t> prompt = {5, 9, 2, 7, 1, 3};
+  auto prefilled = [&] {
+    KvCache c(m.config(), 3, 10, DType::F32, Device::CPU);
+    std::vector<int32_t> ids;
+    for (int b = 0; b < 3; ++b) ids.insert(ids.end(), prompt.begin(), prompt.end());
+    m.forward_cached(Tensor::from_host(ids.data(), {3, 6}, DType::I32), KvBatch{6, {{0, 3, 0}}}, c, tm.sr);
+    return c;
+  };
+  KvCache a = prefilled(), b = prefilled();
+  const std::vector<int32_t> next = {11, 12, 13};
+  const Tensor tokens = Tensor::from_host(next.data(), {3, 1}, DType::I32);
+  // rows at positions 2, 6, 6 (the first rewrites a prompt position, as a decode never does, but
+  // the rows only need distinct caches)
+  const KvBatch batch{1, {{0, 1, 2}, {1, 3, 6}}};
+  const Tensor want = m.forward_cached(tokens, batch, a, tm.sr);
+  Tensor pos = Tensor::zeros({3}, DType::I32), dst = Tensor::zeros({3}, DType::I32);
+  const KvStep written(b, batch, m.config().max_seq_len, pos, dst);
+  EXPECT_EQ(std::vector<int32_t>(pos.data<int32_t>(), pos.data<int32_t>() + 3), (std::vector<int32_t>{2, 6, 6}));
+  EXPECT_EQ(std::vector<int32_t>(dst.data<int32_t>(), dst.data<int32_t>() + 3), (std::vector<int32_t>{2, 16, 26}));
+  const KvStep bound = KvStep::bound(b, KvBatch{1, {{0, 3, 0}}}, pos, dst);
+  const Tensor got = m.forward_cached(tokens, bound, tm.sr);
+  EXPECT_TRUE(optest::bitwise_equal(got, want));
+  for (int64_t l = 0; l < a.layers(); ++l) {
+    EXPECT_TRUE(optest::bitwise_equal(a.k(l), b.k(l))) << "layer " << l;
+    EXPECT_TRUE(optest::bitwise_equal(a.v(l), b.v(l))) << "layer " << l;
+  }
+  Tensor short_pos = Tensor::zeros({2}, DType::I32);
+  expect_error([&] { KvStep(b, batch, m.config().max_seq_len, short_pos, dst); },
+               "a step's positions and cache rows go into i32 [3] tensors on the cpu, got i32[2] cpu");
+  expect_error([&] { KvStep(b, KvBatch{1, {{0, 3, 10}}}, m.config().max_seq_len, pos, dst); },
+               "positions 10..10 of rows [0, 3) do not fit the cache capacity 10");
+  expect_error([&] { m.forward_cached(Tensor::from_host(next.data(), {1, 3}, DType::I32), bound, tm.sr); },
+               "tokens must be i32 [3, 1] on the cpu (the step's rows and T), got i32[1, 3] cpu");
+  const uint64_t version = m.weights_version();
+  m.invalidate_weight_cache();
+  EXPECT_EQ(m.weights_version(), version + 1);
 }

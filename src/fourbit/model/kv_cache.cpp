@@ -63,12 +63,14 @@ KvCache KvCache::gather_slots(const std::vector<int64_t>& src) const {
   return out;
 }
 
-KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len) : cache(c), batch(b) {
+void KvStep::rows_of(const KvCache& cache, const KvBatch& batch, int64_t max_seq_len, std::vector<int32_t>& pos,
+                     std::vector<int32_t>& dst) {
   const int64_t B = batch.rows(), T = batch.T;
   if (T < 1) fail("cached forward: T must be at least 1, got {}", T);
   if (B != cache.slots())
     fail("cached forward: the batch has {} rows but the cache {} slots (row b continues slot b)", B, cache.slots());
-  std::vector<int32_t> pos, dst;
+  pos.clear();
+  dst.clear();
   pos.reserve(size_t(B * T));
   dst.reserve(size_t(B * T));
   int64_t next = 0;
@@ -86,8 +88,35 @@ KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len) : cache(c), ba
       }
     next = g.end;
   }
-  positions = Tensor::from_host(pos.data(), {B * T}, DType::I32, cache.device());
-  dst_rows = Tensor::from_host(dst.data(), {B * T}, DType::I32, cache.device());
+}
+
+KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len) : cache(c), batch(b) {
+  std::vector<int32_t> pos, dst;
+  rows_of(cache, batch, max_seq_len, pos, dst);
+  positions = Tensor::from_host(pos.data(), {int64_t(pos.size())}, DType::I32, cache.device());
+  dst_rows = Tensor::from_host(dst.data(), {int64_t(dst.size())}, DType::I32, cache.device());
+}
+
+KvStep::KvStep(KvCache& c, const KvBatch& b, int64_t max_seq_len, Tensor pos_buf, Tensor dst_buf)
+    : cache(c), batch(b) {
+  std::vector<int32_t> pos, dst;
+  rows_of(cache, batch, max_seq_len, pos, dst);
+  const Shape shape{int64_t(pos.size())};
+  for (const Tensor* t : {&pos_buf, &dst_buf})
+    if (t->dtype() != DType::I32 || t->shape() != shape || t->device() != cache.device())
+      fail("cached forward: a step's positions and cache rows go into i32 [{}] tensors on the {}, got {}", shape[0],
+           device_name(cache.device()), t->str());
+  pos_buf.copy_from(Tensor::from_host(pos.data(), shape, DType::I32, Device::CPU));
+  dst_buf.copy_from(Tensor::from_host(dst.data(), shape, DType::I32, Device::CPU));
+  positions = std::move(pos_buf);
+  dst_rows = std::move(dst_buf);
+}
+
+KvStep KvStep::bound(KvCache& cache, const KvBatch& batch, Tensor positions, Tensor dst_rows) {
+  KvStep step(Unchecked{}, cache, batch);
+  step.positions = std::move(positions);
+  step.dst_rows = std::move(dst_rows);
+  return step;
 }
 
 void KvStep::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& o, Tensor& lse) const {
@@ -118,6 +147,10 @@ void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const 
 
 void KvStep::attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const {
   const Tensor kc = cache.k_.at(size_t(layer)), vc = cache.v_.at(size_t(layer));
+  if (batch.T == 1) {  // a decode step: every sequence at its own position, one op
+    ops::attention_step(q, kc, vc, positions, o, lse);
+    return;
+  }
   for (const KvGroup& g : batch.groups) {
     const Tensor qg = q.slice_rows(g.begin, g.end);
     Tensor og = o.slice_rows(g.begin, g.end), lg = lse.slice_rows(g.begin, g.end);

@@ -73,6 +73,13 @@ class KvCache {
 // cache row its K/V go to, on the cache's device.
 struct KvStep {
   KvStep(KvCache& cache, const KvBatch& batch, int64_t max_seq_len);
+  // The same batch's positions and cache rows written into `positions` and `dst_rows` (I32 [B * T]
+  // on the cache's device, made beforehand): inputs a CUDA graph reads from fixed buffers.
+  KvStep(KvCache& cache, const KvBatch& batch, int64_t max_seq_len, Tensor positions, Tensor dst_rows);
+  // Bound to positions and dst_rows as they are, without writing them: a capture of the call
+  // whose replays find the values written there since (by the constructor above). batch gives
+  // the rows and T only.
+  static KvStep bound(KvCache& cache, const KvBatch& batch, Tensor positions, Tensor dst_rows);
   KvCache& cache;
   KvBatch batch;
   Tensor positions;  // I32 [B * T]
@@ -91,6 +98,11 @@ struct KvStep {
 
  private:
   void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const;
+  struct Unchecked {};
+  KvStep(Unchecked, KvCache& cache, const KvBatch& batch) : cache(cache), batch(batch) {}
+  // batch's positions and cache rows, after checking them against the cache
+  static void rows_of(const KvCache& cache, const KvBatch& batch, int64_t max_seq_len, std::vector<int32_t>& pos,
+                      std::vector<int32_t>& dst);
 };
 
 }  // namespace fourbit

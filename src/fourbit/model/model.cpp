@@ -1188,6 +1188,19 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache
   return forward_logits(*this, run, tokens, nullptr, false, &kv, rows);
 }
 
+Tensor Model::forward_cached(const Tensor& tokens, const KvStep& kv, const SrStreams& sr) {
+  if (tokens.dtype() != DType::I32 || tokens.dim() != 2 || tokens.device() != device_ ||
+      tokens.size(0) != kv.batch.rows() || tokens.size(1) != kv.batch.T)
+    fail("cached forward: tokens must be i32 [{}, {}] on the {} (the step's rows and T), got {}", kv.batch.rows(),
+         kv.batch.T, device_name(device_), tokens.str());
+  if (kv.cache.layers() != cfg_.n_layers || kv.cache.device() != device_ || kv.cache.dtype() != dtype_)
+    fail("cached forward: the cache ({} layers, {} {}) was not made for this model ({} layers, {} {})",
+         kv.cache.layers(), dtype_name(kv.cache.dtype()), device_name(kv.cache.device()), cfg_.n_layers,
+         dtype_name(dtype_), device_name(device_));
+  ModelRunner run{*this, cfg_, sr, nullptr};
+  return forward_logits(*this, run, tokens, nullptr, false, &kv, Tensor());
+}
+
 Tensor Model::logits(const Tensor& tokens, const SrStreams& sr, bool as_trainer) {
   if (tokens.dtype() != DType::I32 || tokens.dim() != 2) fail("logits: tokens must be i32 [B, T], got {}", tokens.str());
   if (tokens.size(1) > cfg_.max_seq_len)

@@ -95,6 +95,9 @@ class Model {
   // Returns logits F32 [R, V] of rows logit_rows (indices into the B * T rows; empty: all rows).
   Tensor forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                         const std::vector<int32_t>& logit_rows = {});
+  // The same over a step already bound to its cache (KvStep's fixed-buffer forms: a CUDA graph's
+  // capture of a decode step, model/decode_graph.h); logits of every row.
+  Tensor forward_cached(const Tensor& tokens, const KvStep& step, const SrStreams& sr);
 
   // The load-balance loss's coefficient in forward() and backward(): the config's
   // model.aux_loss_coef until set here. A training setting, not architecture: a source that wants
@@ -115,6 +118,7 @@ class Model {
   // into bf16_weight_copies() (Optimizer::wrote_bf16_copies) and nothing else changes the weights
   // before the next forward, which then takes them instead of converting the weights again.
   void invalidate_weight_cache(bool bf16_copies_current = false) {
+    ++weights_version_;
     weight_cache_.clear();
     bf16_ahead_.clear();
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
@@ -125,6 +129,9 @@ class Model {
   // after the weights change, or the optimizer in its update (Optimizer::write_bf16_copies);
   // undefined where no linear needs one.
   const Bf16Copies& bf16_weight_copies();
+  // Counts invalidate_weight_cache calls: work recorded against the cached weights (a CUDA graph
+  // of a forward, model/decode_graph.h) is stale once it changes.
+  uint64_t weights_version() const { return weights_version_; }
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
 
@@ -187,6 +194,7 @@ class Model {
   QuantLog quant_log_;
   double aux_loss_coef_;
   bool keep_ffn_ = false;
+  uint64_t weights_version_ = 0;
 };
 
 }  // namespace fourbit

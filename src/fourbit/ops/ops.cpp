@@ -539,6 +539,40 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   expect_bf16_copy("attention_forward", "out_bf16", out_bf16, out);
   FOURBIT_DISPATCH(q.device(), attention_forward, q, k, v, pos0, out, lse, out_bf16);
 }
+void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
+                    Tensor& lse, Tensor* out_bf16) {
+  const HostOpTimer host_timer("attention_step");
+  if (q.dim() != 4 || q.size(1) != 1 || k.dim() != 4 || k.size(0) != q.size(0))
+    fail("attention_step: q must be [B, 1, Hq, hd] and k [B, S, Hkv, hd] of the same B, got q {} and k {}", q.str(),
+         k.str());
+  if (v.shape() != k.shape() || k.size(3) != q.size(3) || k.size(2) < 1 || q.size(2) % k.size(2) != 0)
+    fail("attention_step: k and v must be [B, S, Hkv, hd] with q's hd and Hkv dividing Hq, got q {}, k {}, v {}",
+         q.str(), k.str(), v.str());
+  const int64_t B = q.size(0), S = k.size(1);
+  if (positions.dtype() != DType::I32 || positions.shape() != Shape{B} || positions.device() != q.device())
+    fail("attention_step: positions must be i32 [{}] on q's device ({}), got {}", B, device_name(q.device()),
+         positions.str());
+  if (out.shape() != q.shape() || lse.shape() != Shape{B, q.size(2), 1})
+    fail("attention_step: out must be {} and lse [{}, {}, 1], got {} and {}", shape_str(q.shape()), B, q.size(2),
+         out.str(), lse.str());
+  expect_bf16_copy("attention_step", "out_bf16", out_bf16, out);
+#if FOURBIT_HAS_CUDA
+  if (q.device() == Device::CUDA && out.dtype() == DType::F32 && lse.dtype() == DType::F32 &&
+      cuda::flash_attention_step(q, k, v, positions, out, lse, out_bf16))
+    return;
+#endif
+  const Tensor pos = positions.to(Device::CPU);
+  const int32_t* p = pos.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    if (p[b] < 0 || p[b] >= S) fail("attention_step: positions[{}] = {} is outside [0, S={})", b, p[b], S);
+  for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {  // runs of equal positions, one attention_forward each
+    for (b1 = b0 + 1; b1 < B && p[b1] == p[b0];) ++b1;
+    Tensor o = out.slice_rows(b0, b1), l = lse.slice_rows(b0, b1), o16;
+    if (out_bf16) o16 = out_bf16->slice_rows(b0, b1);
+    attention_forward(q.slice_rows(b0, b1), k.slice_rows(b0, b1), v.slice_rows(b0, b1), p[b0], o, l,
+                      out_bf16 ? &o16 : nullptr);
+  }
+}
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
   FOURBIT_DISPATCH(q.device(), attention_backward, dout, q, k, v, out, lse, dq, dk, dv);

@@ -2,7 +2,7 @@
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
-//          rope_qkv_to_cache,
+//          rope_qkv_to_cache, attention_step,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -305,6 +305,15 @@ void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
 bool attention_reads_bf16(Device device);
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
                        Tensor& out, Tensor& lse, Tensor* out_bf16 = nullptr);
+// One query per sequence, each at its own position: q [B, 1, Hq, hd], sequence b's query at
+// position positions[b] (I32 [B] on q's device) over keys 0 .. positions[b] of k, v [B, S, Hkv, hd];
+// out [B, 1, Hq, hd], lse [B, Hq, 1]. Row b is the bits of attention_forward of that row alone at
+// pos0 = positions[b]. The GPU reads the positions in its kernel, so a decode step over sequences
+// at different positions is one launch, and a CUDA graph of it replays with new positions written
+// into the same tensor; elsewhere (the CPU, shapes the fused kernel does not take) the positions
+// are read on the host and runs of equal positions go to attention_forward.
+void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
+                    Tensor& lse, Tensor* out_bf16 = nullptr);
 // Gradients for pos0 == 0 and S == T (training). dq, dk, dv (F32) are overwritten.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);

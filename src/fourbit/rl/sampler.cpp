@@ -3,11 +3,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <exception>
 #include <map>
+#include <memory>
 #include <numeric>
 #include <set>
 
+#include "fourbit/model/decode_graph.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
@@ -117,6 +120,9 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     ops::gather_rows(prompt_logits, Tensor::from_host(slot_prompt32.data(), {A0}, DType::I32, dev), logits);
   }
   stats_.prefill_s += seconds_since(t0, dev);
+  // the decode step as a CUDA graph over `cache` as it is (reset when the cache is re-gathered)
+  bool graphs = cuda_graphs_ && dev == Device::CUDA;
+  std::unique_ptr<DecodeGraph> graph;
 
   while (true) {
     // ---- the next token of every active row ----
@@ -179,21 +185,41 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     const bool more = !keep_rows.empty();
     if (more) {
       if (int64_t(keep_rows.size()) < A) {
+        graph.reset();                           // it records the cache about to be replaced
         cache = cache.gather_slots(keep_slots);  // the finished leave (order kept: runs stay runs)
         std::vector<int32_t> kept;
         for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
         next = std::move(kept);
       }
       const int64_t An = int64_t(keep_rows.size());
-      KvBatch batch{1, {}};
-      for (int64_t a = 0; a < An; ++a) {
-        // the input is the token just drawn, at position prompt + tokens - 1
-        const int64_t pos = len(keep_rows[size_t(a)]) + int64_t(out[keep_rows[size_t(a)]].tokens.size()) - 1;
-        if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
-        else batch.groups.push_back(KvGroup{a, a + 1, pos});
+      std::vector<int64_t> positions(static_cast<size_t>(An));
+      for (int64_t a = 0; a < An; ++a)  // the input is the token just drawn, at position prompt + tokens - 1
+        positions[size_t(a)] = len(keep_rows[size_t(a)]) + int64_t(out[keep_rows[size_t(a)]].tokens.size()) - 1;
+      if (graphs && !graph) {
+        try {
+          graph = std::make_unique<DecodeGraph>(model_, cache, sr_);
+          stats_.graph_captures += 1;
+        } catch (const std::exception& e) {
+          graphs = false;  // this call decodes eagerly from here on
+          if (stats_.graph_error.empty()) stats_.graph_error = e.what();
+          if (!graph_warned_)  // the samples are the same either way; the speed is not
+            std::fprintf(stderr, "sampler: the decode step runs op by op, as a CUDA graph capture failed: %s\n", e.what());
+          graph_warned_ = true;
+        }
       }
-      const Tensor tokens = Tensor::from_host(next.data(), {An, 1}, DType::I32, dev);
-      logits = model_.forward_cached(tokens, batch, cache, sr_);
+      if (graph) {
+        logits = graph->run(next, positions);
+        stats_.graph_replays += 1;
+      } else {
+        KvBatch batch{1, {}};
+        for (int64_t a = 0; a < An; ++a) {
+          const int64_t pos = positions[size_t(a)];
+          if (!batch.groups.empty() && batch.groups.back().pos0 == pos) batch.groups.back().end = a + 1;
+          else batch.groups.push_back(KvGroup{a, a + 1, pos});
+        }
+        const Tensor tokens = Tensor::from_host(next.data(), {An, 1}, DType::I32, dev);
+        logits = model_.forward_cached(tokens, batch, cache, sr_);
+      }
       stats_.decode_issue_s += std::chrono::duration<double>(Clock::now() - t0).count();
     }
     // the drawn tokens' policy log-probs (their read was queued before the forward)

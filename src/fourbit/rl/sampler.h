@@ -13,11 +13,14 @@
 // Flow of sample(): identical prompts are prefilled once (one forward over the distinct prompts,
 // right-padded; logits only at each prompt's last token), their cache slots copied to every
 // sequence that starts from them, then one decode forward per new token over all unfinished
-// sequences. Sequences are ordered by prompt length, so the ones at equal positions form runs
-// (one attention call per run); finished sequences leave the batch and the cache at once.
+// sequences. Finished sequences leave the batch and the cache at once. On the GPU the decode
+// forward is a CUDA graph (model/decode_graph.h), recorded for each batch the decode runs (the first
+// step, and the step after sequences leave) and replayed for the steps in between: the same bits
+// as the forward it records.
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "fourbit/model/model.h"
@@ -57,6 +60,9 @@ struct SamplerStats {
   // decode steps wait for the host, not the GPU)
   double decode_issue_s = 0;
   double choose_s = 0;  // logits to the host, draws, the log-probs' queueing
+  int64_t graph_captures = 0;  // decode graphs recorded (counted in decode_s and decode_issue_s)
+  int64_t graph_replays = 0;   // decode forwards run as a graph replay (captures' first runs included)
+  std::string graph_error;     // why the first capture that failed did (the decode then ran eagerly)
 };
 
 class Sampler {
@@ -68,6 +74,9 @@ class Sampler {
   // The KV cache's storage dtype (KvCache): KvCache::default_storage unless set (F32 where the
   // default is BF16, for benchmarks comparing the two; both give the same samples).
   void set_kv_storage(std::optional<DType> storage) { kv_storage_ = storage; }
+  // Whether a GPU model's decode steps run as CUDA graphs (on by default; the same samples either
+  // way). Where a capture fails the call decodes eagerly and stats().graph_error says why.
+  void set_cuda_graphs(bool on) { cuda_graphs_ = on; }
 
   // One completion per request, in request order. Fails (before any work) on an empty or
   // out-of-vocabulary prompt, a prompt longer than max_seq_len, repeated sequence ids or bad
@@ -87,6 +96,8 @@ class Sampler {
   SrStreams sr_;
   SamplerStats stats_;
   std::optional<DType> kv_storage_;
+  bool cuda_graphs_ = true;
+  bool graph_warned_ = false;  // a failed capture is reported on stderr once
 };
 
 }  // namespace fourbit::rl

@@ -1,12 +1,13 @@
 // defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, zero_bytes,
 //          PendingRead, read_later, device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
-//          lanes_end, lanes_open, current_lane, current_stream
+//          lanes_end, lanes_open, current_lane, current_stream, DeviceGraph, GraphCapture, graph_capturing
 // The only door from tensor/ to a GPU. With CUDA built, device_memory_cuda.cu implements these
 // with a caching allocator and the GPU streams; without it, device_memory_none.cpp answers
 // "no GPU" and every device request fails with a clear message (the lane calls do nothing).
 #pragma once
 #include <cstddef>
 #include <memory>
+#include <vector>
 
 #include "fourbit/tensor/tensor.h"
 
@@ -49,5 +50,38 @@ void lanes_end();
 bool lanes_open();
 int current_lane();      // -1 outside lanes
 void* current_stream();  // the cudaStream_t kernels go to now; null = the default stream
+
+// CUDA graphs. The GPU work the host issues between a GraphCapture's start and finish() (kernels,
+// cuBLASLt calls, copies and memsets, on the current stream and its lanes) is recorded, not run,
+// into a DeviceGraph whose replay() runs all of it again with one launch and no host work per op.
+//  - Memory taken while capturing comes from a pool private to the capture: a replay writes the
+//    same addresses, so none of it goes back to the shared cache while the graph lives. Blocks
+//    still taken when the capture finishes must hold tensors of `keep` (the graph's outputs, which
+//    the graph keeps alive); any other fails finish() (a replay would write memory that something
+//    else may be given).
+//  - A host-to-GPU copy while capturing is recorded from a pinned copy of the bytes that the graph
+//    owns: every replay copies the bytes the capture saw. Inputs that change between replays go
+//    into fixed buffers (tensors made before the capture) before replay().
+//  - Nothing comes back to the host while capturing: a GPU-to-host copy, a read_later or a
+//    device_synchronize fails, naming the call, and the capture is discarded. A kernel's recorded
+//    index error (ops::check_index_errors) is left to the caller to check after replay().
+// One capture at a time, outside lanes, on the thread that issues GPU work.
+class DeviceGraph {
+ public:
+  virtual ~DeviceGraph() = default;
+  virtual void replay() = 0;  // queued on the default stream, ordered like a kernel
+};
+class GraphCapture {
+ public:
+  GraphCapture();   // fails without a GPU, while lanes are open or inside another capture
+  ~GraphCapture();  // discards a capture not finished (an exception left it)
+  GraphCapture(const GraphCapture&) = delete;
+  GraphCapture& operator=(const GraphCapture&) = delete;
+  std::unique_ptr<DeviceGraph> finish(const std::vector<Tensor>& keep);
+
+ private:
+  bool open_ = false;
+};
+bool graph_capturing();
 
 }  // namespace fourbit

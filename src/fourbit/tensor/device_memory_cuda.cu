@@ -3,7 +3,8 @@
 // slow and synchronising, so freed blocks are kept in per-size free lists and reused. Sizes are
 // rounded up (512 B granules below 1 MiB, 2 MiB above) so near-equal requests share blocks.
 // Also the GPU lanes (device_memory.h): a few non-blocking streams forked from and joined to the
-// default stream with events.
+// main stream with events; and CUDA graph capture (GraphCapture), which moves the main stream from
+// the default stream to a capturing one and takes memory from a pool private to the capture.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -59,6 +60,25 @@ struct Lanes {
 Lanes& lanes() {
   static Lanes* l = new Lanes();  // streams live for the process
   return *l;
+}
+
+// The capture in progress (GraphCapture): the stream it records, and the blocks it took. Blocks
+// freed while capturing go to the capture's own free lists, not the shared cache, and are reused
+// only inside the capture: a replay writes every block the capture used, so none of them may be
+// handed to anything else while the graph lives (DeviceGraph gives them back when destroyed).
+struct CapturePool {
+  std::map<size_t, std::vector<void*>> free_blocks;
+  std::vector<std::pair<size_t, void*>> deferred;  // freed while lanes are open
+  std::map<void*, size_t> taken;                    // handed out during the capture, not freed
+  std::vector<void*> pinned;                        // host bytes the recorded uploads copy
+};
+struct Capture {
+  cudaStream_t stream = nullptr;  // made once, non-blocking
+  std::unique_ptr<CapturePool> pool;  // null: not capturing
+};
+Capture& capture() {
+  static Capture* c = new Capture();  // the stream lives for the process
+  return *c;
 }
 
 // Host-to-GPU copies of up to kSlotBytes go through pinned staging slots, so the host need not
@@ -161,9 +181,23 @@ class DoneRead final : public PendingRead {
   std::vector<char> bytes_;
 };
 
+// The stream work goes to outside lanes: the default stream, or the capturing one.
+cudaStream_t main_stream() {
+  const Capture& cap = capture();
+  return cap.pool ? cap.stream : cudaStream_t(0);
+}
+
 cudaStream_t stream_now() {
   const Lanes& l = lanes();
-  return l.current < 0 ? cudaStream_t(0) : l.streams[l.current];
+  return l.current < 0 ? main_stream() : l.streams[l.current];
+}
+
+// Fails naming `what` while a capture is recording (nothing can come back to the host then).
+void not_while_capturing(const char* what) {
+  if (capture().pool)
+    fail("{} while a CUDA graph is being captured: nothing can come back to the host during a capture (it records "
+         "work, it does not run it)",
+         what);
 }
 
 cudaMemcpyKind kind_of(Device dst, Device src) {
@@ -195,12 +229,23 @@ void* device_alloc(size_t bytes) {
   Cache& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mu);
+    if (CapturePool* pool = capture().pool.get()) {  // the capture's own blocks first
+      auto it = pool->free_blocks.find(size);
+      if (it != pool->free_blocks.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        pool->taken[p] = size;
+        c.taken(size);
+        return p;
+      }
+    }
     auto it = c.free_blocks.find(size);
     if (it != c.free_blocks.end() && !it->second.empty()) {
       void* p = it->second.back();
       it->second.pop_back();
       c.cached_bytes -= size;
       c.taken(size);
+      if (CapturePool* pool = capture().pool.get()) pool->taken[p] = size;
       return p;
     }
   }
@@ -220,6 +265,7 @@ void* device_alloc(size_t bytes) {
   if (e != cudaSuccess) fail("cudaMalloc of {} bytes failed: {}", size, cudaGetErrorString(e));
   std::lock_guard<std::mutex> lock(c.mu);
   c.taken(size);
+  if (CapturePool* pool = capture().pool.get()) pool->taken[p] = size;
   return p;
 }
 
@@ -232,10 +278,18 @@ void device_free(void* p, size_t bytes) {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const size_t size = round_size(bytes);
+  c.in_use -= int64_t(size);
+  if (CapturePool* pool = capture().pool.get()) {
+    // A block freed while capturing stays the capture's, whenever it was taken: the graph may
+    // write it (and it is reused only by later work of the same capture, ordered after this).
+    pool->taken.erase(p);
+    if (lanes().open) pool->deferred.emplace_back(size, p);
+    else pool->free_blocks[size].push_back(p);
+    return;
+  }
   if (lanes().open) c.deferred.emplace_back(size, p);
   else c.free_blocks[size].push_back(p);
   c.cached_bytes += size;
-  c.in_use -= int64_t(size);
 }
 
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
@@ -245,6 +299,18 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
   const cudaStream_t s = stream_now();
+  if (CapturePool* pool = capture().pool.get()) {
+    if (dst_dev == Device::CPU) not_while_capturing("a GPU-to-host copy");
+    if (src_dev == Device::CPU) {  // recorded from a pinned copy the graph keeps: replays copy these bytes
+      void* h = nullptr;
+      FOURBIT_MEM_CHECK(cudaHostAlloc(&h, bytes, cudaHostAllocDefault));
+      pool->pinned.push_back(h);
+      std::memcpy(h, src, bytes);
+      src = h;
+    }
+    FOURBIT_MEM_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(dst_dev, src_dev), s));
+    return;
+  }
   // Host to GPU: through a pinned staging slot where one takes it, without waiting.
   if (src_dev == Device::CPU && staged_upload(dst, src, bytes, s)) return;
   FOURBIT_MEM_CHECK(cudaMemcpyAsync(dst, src, bytes, kind_of(dst_dev, src_dev), s));
@@ -263,6 +329,7 @@ void zero_bytes(void* p, Device dev, size_t bytes) {
 }
 
 std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes) {
+  not_while_capturing("read_later");
   const cudaStream_t s = stream_now();
   ReadSlot slot{nullptr, 0, nullptr};
   {
@@ -293,6 +360,7 @@ std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes) {
 }
 
 void device_synchronize() {
+  not_while_capturing("device_synchronize");
   if (cuda_device_count() > 0) FOURBIT_MEM_CHECK(cudaDeviceSynchronize());
 }
 
@@ -307,7 +375,7 @@ void lanes_begin(int n) {
       FOURBIT_MEM_CHECK(cudaEventCreateWithFlags(&l.done[i], cudaEventDisableTiming));
     }
   }
-  FOURBIT_MEM_CHECK(cudaEventRecord(l.fork, 0));
+  FOURBIT_MEM_CHECK(cudaEventRecord(l.fork, main_stream()));
   for (int i = 0; i < n; ++i) FOURBIT_MEM_CHECK(cudaStreamWaitEvent(l.streams[i], l.fork, 0));
   l.open = n;
   l.current = -1;
@@ -324,7 +392,7 @@ void lanes_end() {
   if (!l.open) return;
   for (int i = 0; i < l.open; ++i) {
     FOURBIT_MEM_CHECK(cudaEventRecord(l.done[i], l.streams[i]));
-    FOURBIT_MEM_CHECK(cudaStreamWaitEvent(0, l.done[i], 0));
+    FOURBIT_MEM_CHECK(cudaStreamWaitEvent(main_stream(), l.done[i], 0));
   }
   l.open = 0;
   l.current = -1;
@@ -332,9 +400,126 @@ void lanes_end() {
   std::lock_guard<std::mutex> lock(c.mu);
   for (const auto& [size, p] : c.deferred) c.free_blocks[size].push_back(p);
   c.deferred.clear();
+  if (CapturePool* pool = capture().pool.get()) {
+    for (const auto& [size, p] : pool->deferred) pool->free_blocks[size].push_back(p);
+    pool->deferred.clear();
+  }
 }
 
 bool lanes_open() { return lanes().open > 0; }
+
+namespace {
+
+// Gives a finished or discarded capture's free blocks to the shared cache and frees its pinned
+// bytes (blocks still taken belong to tensors, which give them to the shared cache when freed).
+void release_pool(CapturePool& pool) {
+  Cache& c = cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto give = [&](size_t size, void* p) {
+      c.free_blocks[size].push_back(p);
+      c.cached_bytes += size;
+    };
+    for (const auto& [size, blocks] : pool.free_blocks)
+      for (void* p : blocks) give(size, p);
+    for (const auto& [size, p] : pool.deferred) give(size, p);
+  }
+  for (void* h : pool.pinned) cudaFreeHost(h);
+  pool.free_blocks.clear();
+  pool.deferred.clear();
+  pool.pinned.clear();
+}
+
+class CudaGraph final : public DeviceGraph {
+ public:
+  CudaGraph(cudaGraphExec_t exec, std::unique_ptr<CapturePool> pool, std::vector<Tensor> keep)
+      : exec_(exec), pool_(std::move(pool)), keep_(std::move(keep)) {}
+  ~CudaGraph() override {
+    cudaDeviceSynchronize();  // a replay in flight still reads the pinned bytes and writes the blocks
+    cudaGraphExecDestroy(exec_);
+    release_pool(*pool_);
+  }
+  void replay() override {
+    if (capture().pool) fail("a CUDA graph cannot be replayed while another is being captured");
+    if (lanes_open()) fail("a CUDA graph replays on the default stream, not inside GPU lanes");
+    FOURBIT_MEM_CHECK(cudaGraphLaunch(exec_, cudaStream_t(0)));
+  }
+
+ private:
+  cudaGraphExec_t exec_;
+  std::unique_ptr<CapturePool> pool_;
+  std::vector<Tensor> keep_;  // the outputs: their blocks are written by every replay
+};
+
+}  // namespace
+
+GraphCapture::GraphCapture() {
+  if (cuda_device_count() == 0) fail("no CUDA device is visible: cannot capture a CUDA graph");
+  Capture& cap = capture();
+  if (cap.pool) fail("a CUDA graph is already being captured: captures do not nest");
+  if (lanes_open()) fail("a CUDA graph capture cannot begin while GPU lanes are open");
+  if (!cap.stream) FOURBIT_MEM_CHECK(cudaStreamCreateWithFlags(&cap.stream, cudaStreamNonBlocking));
+  // Relaxed: the allocator may still cudaMalloc a block the cache lacks while capturing.
+  FOURBIT_MEM_CHECK(cudaStreamBeginCapture(cap.stream, cudaStreamCaptureModeRelaxed));
+  cap.pool = std::make_unique<CapturePool>();
+  open_ = true;
+}
+
+GraphCapture::~GraphCapture() {
+  if (!open_) return;
+  Capture& cap = capture();
+  cudaGraph_t g = nullptr;
+  cudaStreamEndCapture(cap.stream, &g);  // fails where the capture was invalidated; nothing to keep either way
+  if (g) cudaGraphDestroy(g);
+  cudaGetLastError();
+  std::unique_ptr<CapturePool> pool = std::move(cap.pool);
+  release_pool(*pool);
+}
+
+std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>& keep) {
+  if (!open_) fail("GraphCapture::finish: this capture has already finished");
+  if (lanes_open()) fail("GraphCapture::finish: GPU lanes are still open (lanes_end joins them first)");
+  Capture& cap = capture();
+  cudaGraph_t g = nullptr;
+  const cudaError_t e = cudaStreamEndCapture(cap.stream, &g);
+  open_ = false;
+  std::unique_ptr<CapturePool> pool = std::move(cap.pool);
+  auto discard = [&] {
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    release_pool(*pool);
+  };
+  if (e != cudaSuccess || !g) {
+    discard();
+    fail("CUDA graph capture failed: {} (a call the capture could not record)", cudaGetErrorString(e));
+  }
+  for (const auto& taken : pool->taken) {
+    const char* begin = static_cast<const char*>(taken.first);
+    const size_t size = taken.second;
+    const bool held = std::any_of(keep.begin(), keep.end(), [&](const Tensor& t) {
+      const char* r = t.defined() && t.device() == Device::CUDA ? static_cast<const char*>(t.raw()) : nullptr;
+      return r && r >= begin && r < begin + size;
+    });
+    if (!held) {
+      discard();
+      fail("CUDA graph capture: a GPU buffer of {} bytes taken during the capture is still in use and is not one of the "
+           "graph's outputs (replays would write memory the graph does not own)",
+           size);
+    }
+  }
+  pool->taken.clear();  // those blocks are the kept tensors': the graph holds them
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  g = nullptr;
+  if (ie != cudaSuccess) {
+    discard();
+    fail("CUDA graph instantiation failed: {}", cudaGetErrorString(ie));
+  }
+  return std::make_unique<CudaGraph>(exec, std::move(pool), keep);
+}
+
+bool graph_capturing() { return capture().pool != nullptr; }
 int current_lane() { return lanes().current; }
 void* current_stream() { return stream_now(); }
 

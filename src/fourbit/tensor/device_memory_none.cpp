@@ -28,6 +28,12 @@ void lanes_end() {}
 bool lanes_open() { return false; }
 int current_lane() { return -1; }
 void* current_stream() { return nullptr; }
+GraphCapture::GraphCapture() { fail("this fourbit was built without CUDA: no CUDA graphs"); }
+GraphCapture::~GraphCapture() = default;
+std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>&) {
+  fail("this fourbit was built without CUDA: no CUDA graphs");
+}
+bool graph_capturing() { return false; }
 int64_t device_bytes_in_use() { return 0; }
 int64_t device_peak_bytes(bool) { return 0; }
 

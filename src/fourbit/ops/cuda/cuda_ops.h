@@ -11,7 +11,7 @@
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
-//          flash_attention_forward, flash_attention_backward, materialized_attention_forward,
+//          flash_attention_forward, flash_attention_step, flash_attention_backward, materialized_attention_forward,
 //          materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -263,6 +263,10 @@ bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,
                              Tensor* out_bf16 = nullptr);
+// ops::attention_step's fused kernel: sequence b's one query at position positions[b], read on the
+// GPU (a position outside [0, S) is recorded as an index error and its rows are left unwritten).
+bool flash_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
+                          Tensor& lse, Tensor* out_bf16 = nullptr);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);
 void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,

@@ -53,6 +53,7 @@
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
 
 namespace fourbit::ops::cuda {
@@ -360,6 +361,10 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* row, const float (&acc)
 struct FaDims {
   int B, T, S, Hq, Hkv, pos0;
   float scale;
+  // a one-token step (attention_step): sequence b's query at position pos_of_row[b], read on the
+  // GPU (a CUDA graph replays the launch as recorded); null: every query row at pos0 + t
+  const int32_t* pos_of_row = nullptr;
+  IndexError* errors = nullptr;  // where a position outside [0, S) is recorded (with pos_of_row)
 };
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -428,6 +433,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const uint32_t q_tiles = tiles_base(fa_smem), ks = q_tiles + C::kWG * kTile, vs = ks + ST * kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int group = d.Hq / d.Hkv, b = blockIdx.z;
+  const int pos0 = d.pos_of_row ? d.pos_of_row[b] : d.pos0;
+  if (d.pos_of_row && (pos0 < 0 || pos0 >= d.S)) {  // outside the cache: recorded, the rows left unwritten
+    if (threadIdx.x == 0 && blockIdx.y == 0)
+      record_index_error(d.errors, IndexSite::AttentionStepPositions, b, pos0, d.S, 1);
+    return;
+  }
   // h: the q head of row 0 (HeadRows: row r is head h + r); hk its kv head; rows: the valid rows
   const int h = HeadRows ? int(blockIdx.y) * group : int(blockIdx.y), hk = h / group;
   const int rows = HeadRows ? group : d.T;
@@ -437,8 +448,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const __nv_bfloat16* vh = v + (int64_t(b) * d.S * d.Hkv + hk) * HD;
   const int64_t kv_stride = int64_t(d.Hkv) * HD;
   // the last key any row of the CTA (of the warpgroup) sees
-  const int cta_last = min(d.S - 1, d.pos0 + (HeadRows ? 0 : min(d.T - 1, t0 + C::kRows - 1)));
-  const int wg_last_block = min(d.S - 1, d.pos0 + (HeadRows ? 0 : min(d.T - 1, wt0 + kFaBlock - 1))) / kFaBlock;
+  const int cta_last = min(d.S - 1, pos0 + (HeadRows ? 0 : min(d.T - 1, t0 + C::kRows - 1)));
+  const int wg_last_block = min(d.S - 1, pos0 + (HeadRows ? 0 : min(d.T - 1, wt0 + kFaBlock - 1))) / kFaBlock;
 
   // a row's Q: HeadRows (T = 1) the group's heads, hd apart; else the head's tokens, Hq * hd apart
   const __nv_bfloat16* q_rows = q + (int64_t(b) * d.T * d.Hq + h) * HD;
@@ -455,8 +466,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const float scale2 = d.scale * kLog2e;  // scores in log2 units
   int pos[2];  // absolute positions of the thread's two rows, and of the warp's first
 #pragma unroll
-  for (int i = 0; i < 2; ++i) pos[i] = d.pos0 + (HeadRows ? 0 : wt0 + warp_row() + frag_row(i));
-  const int pos_first = d.pos0 + (HeadRows ? 0 : wt0 + warp_row());
+  for (int i = 0; i < 2; ++i) pos[i] = pos0 + (HeadRows ? 0 : wt0 + warp_row() + frag_row(i));
+  const int pos_first = pos0 + (HeadRows ? 0 : wt0 + warp_row());
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   float o[ND][4];
   zero(o);
@@ -756,13 +767,11 @@ void set_flash_cta(int warpgroups, int stages) {
   g_flash_stages.store(stages, std::memory_order_relaxed);
 }
 
-bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
-                             Tensor& lse, Tensor* out_bf16) {
-  FaDims d;
-  int hd;
-  if (!fa_dims(q, k, pos0, {&out}, d, hd)) return false;
-  if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
-  if (d.T == 0 || d.B == 0) return true;
+namespace {
+
+// The forward kernels' launch for d (fa_dims' shape, pos0 or pos_of_row set).
+void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                          Tensor& lse, Tensor* out_bf16) {
   const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v);
   __nv_bfloat16* ob = out_bf16 ? out_bf16->data<__nv_bfloat16>() : nullptr;
   // a one-token step of grouped-query attention (the sampler's decode): a CTA per kv head, its
@@ -786,6 +795,31 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
     }
   });
   FOURBIT_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,
+                             Tensor& lse, Tensor* out_bf16) {
+  FaDims d;
+  int hd;
+  if (!fa_dims(q, k, pos0, {&out}, d, hd)) return false;
+  if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
+  if (d.T == 0 || d.B == 0) return true;
+  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16);
+  return true;
+}
+
+bool flash_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
+                          Tensor& lse, Tensor* out_bf16) {
+  FaDims d;
+  int hd;
+  if (!fa_dims(q, k, 0, {&out}, d, hd)) return false;
+  if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
+  if (d.B == 0) return true;
+  d.pos_of_row = positions.data<int32_t>();
+  d.errors = index_error_record();
+  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16);
   return true;
 }
 

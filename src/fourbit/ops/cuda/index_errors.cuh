@@ -39,6 +39,7 @@ enum class IndexSite : int32_t {
   ScatterRowsDstRows,
   GroupedGemmOffsets,            // outside [0, M]
   GroupedGemmOffsetsDecreasing,  // below the one before it
+  AttentionStepPositions,
 };
 
 struct IndexError {
@@ -95,6 +96,7 @@ inline IndexError* index_error_record() {
     case IndexSite::MoeCombineBackwardSlotOf:
     case IndexSite::MoeCombineBackwardSharedSlot: op = "moe_combine_backward", tensor = "slot_of", bound = "M"; break;
     case IndexSite::SegmentAmaxRows: op = "running_segment_amax", tensor = "rows", bound = "R"; break;
+    case IndexSite::AttentionStepPositions: op = "attention_step", tensor = "positions", bound = "S"; break;
     case IndexSite::GroupedGemmOffsets:
     case IndexSite::GroupedGemmOffsetsDecreasing: op = "grouped_gemm_bf16", tensor = "offsets", bound = "M + 1"; break;
   }
@@ -113,7 +115,10 @@ inline IndexError* index_error_record() {
 }
 
 // Synchronises (one small device-to-host copy) and fails if any kernel recorded a bad index.
+// While a CUDA graph is being captured nothing can be read back: the record keeps what the
+// graph's kernels find, and whoever replays the graph checks after each replay.
 inline void check_index_errors() {
+  if (graph_capturing()) return;
   IndexError e{};
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&e, index_error_record(), sizeof e, cudaMemcpyDeviceToHost, stream()));
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));
