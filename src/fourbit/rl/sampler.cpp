@@ -120,9 +120,12 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     ops::gather_rows(prompt_logits, Tensor::from_host(slot_prompt32.data(), {A0}, DType::I32, dev), logits);
   }
   stats_.prefill_s += seconds_since(t0, dev);
-  // the decode step as a CUDA graph over `cache` as it is (reset when the cache is re-gathered)
+  // The decode step as a CUDA graph over `cache` as it is (reset when the cache is re-gathered).
+  // A batch is captured at its second step: one that changes at every step (sequences stopping
+  // one after another) then runs op by op rather than paying a capture each step.
   bool graphs = cuda_graphs_ && dev == Device::CUDA;
   std::unique_ptr<DecodeGraph> graph;
+  int64_t steps_on_cache = 0;  // decode forwards run over `cache` as it is
 
   while (true) {
     // ---- the next token of every active row ----
@@ -186,6 +189,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     if (more) {
       if (int64_t(keep_rows.size()) < A) {
         graph.reset();                           // it records the cache about to be replaced
+        steps_on_cache = 0;
         cache = cache.gather_slots(keep_slots);  // the finished leave (order kept: runs stay runs)
         std::vector<int32_t> kept;
         for (int64_t a : keep_slots) kept.push_back(next[size_t(a)]);
@@ -195,7 +199,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
       std::vector<int64_t> positions(static_cast<size_t>(An));
       for (int64_t a = 0; a < An; ++a)  // the input is the token just drawn, at position prompt + tokens - 1
         positions[size_t(a)] = len(keep_rows[size_t(a)]) + int64_t(out[keep_rows[size_t(a)]].tokens.size()) - 1;
-      if (graphs && !graph) {
+      if (graphs && !graph && steps_on_cache >= 1) {
         try {
           graph = std::make_unique<DecodeGraph>(model_, cache, sr_);
           stats_.graph_captures += 1;
@@ -207,6 +211,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
           graph_warned_ = true;
         }
       }
+      steps_on_cache += 1;
       if (graph) {
         logits = graph->run(next, positions);
         stats_.graph_replays += 1;

@@ -14,9 +14,9 @@
 // right-padded; logits only at each prompt's last token), their cache slots copied to every
 // sequence that starts from them, then one decode forward per new token over all unfinished
 // sequences. Finished sequences leave the batch and the cache at once. On the GPU the decode
-// forward is a CUDA graph (model/decode_graph.h), recorded for each batch the decode runs (the first
-// step, and the step after sequences leave) and replayed for the steps in between: the same bits
-// as the forward it records.
+// forward is a CUDA graph (model/decode_graph.h), recorded at the second step of each batch the
+// decode runs (a batch changes when sequences leave) and replayed for the batch's later steps: the
+// same bits as the forward it records.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -61,7 +61,7 @@ struct SamplerStats {
   double decode_issue_s = 0;
   double choose_s = 0;  // logits to the host, draws, the log-probs' queueing
   int64_t graph_captures = 0;  // decode graphs recorded (counted in decode_s and decode_issue_s)
-  int64_t graph_replays = 0;   // decode forwards run as a graph replay (captures' first runs included)
+  int64_t graph_replays = 0;   // decode forwards run as a graph replay (a capture's first run included)
   std::string graph_error;     // why the first capture that failed did (the decode then ran eagerly)
 };
 
