@@ -361,10 +361,6 @@ __device__ __forceinline__ void store_row(__nv_bfloat16* row, const float (&acc)
 struct FaDims {
   int B, T, S, Hq, Hkv, pos0;
   float scale;
-  // a one-token step (attention_step): sequence b's query at position pos_of_row[b], read on the
-  // GPU (a CUDA graph replays the launch as recorded); null: every query row at pos0 + t
-  const int32_t* pos_of_row = nullptr;
-  IndexError* errors = nullptr;  // where a position outside [0, S) is recorded (with pos_of_row)
 };
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -417,15 +413,17 @@ __device__ __forceinline__ void rescale(float (&o)[N][4], const float (&alpha)[2
     for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e >> 1];
 }
 
-// Heads: the CTA's rows are the queries t0 .. of q head blockIdx.y; or (a one-token decode step,
-// HeadRows) the Hq / Hkv q heads that share kv head blockIdx.y, all at position pos0, so that the
-// group's keys and values are read once, not once a q head. A row's work is the same either way
-// (its own Q row, the same key blocks and masks; the MMAs' rows are independent), so are its bits.
+// A forward CTA's work, the queries of batch entry blockIdx.z at positions pos0 + t. Heads: the
+// CTA's rows are the queries t0 .. of q head blockIdx.y; or (a one-token decode step, HeadRows)
+// the Hq / Hkv q heads that share kv head blockIdx.y, all at position pos0, so that the group's
+// keys and values are read once, not once a q head. A row's work is the same either way (its own
+// Q row, the same key blocks and masks; the MMAs' rows are independent), so are its bits.
 template <class C, bool HeadRows>
-__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
-    flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
-                         const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
-                         float* __restrict__ lse, __nv_bfloat16* __restrict__ out_bf16) {
+__device__ __forceinline__ void flash_forward_cta(const __nv_bfloat16* __restrict__ q,
+                                                  const __nv_bfloat16* __restrict__ k,
+                                                  const __nv_bfloat16* __restrict__ v, FaDims d, int pos0,
+                                                  float* __restrict__ out, float* __restrict__ lse,
+                                                  __nv_bfloat16* __restrict__ out_bf16) {
   using E = typename C::Engine;
   constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
   // the CTA's Q tiles (one a warpgroup), then the K and V buffers
@@ -433,12 +431,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
   const uint32_t q_tiles = tiles_base(fa_smem), ks = q_tiles + C::kWG * kTile, vs = ks + ST * kTile;
   const int qb = int(gridDim.x) - 1 - int(blockIdx.x);  // the longest rows first
   const int group = d.Hq / d.Hkv, b = blockIdx.z;
-  const int pos0 = d.pos_of_row ? d.pos_of_row[b] : d.pos0;
-  if (d.pos_of_row && (pos0 < 0 || pos0 >= d.S)) {  // outside the cache: recorded, the rows left unwritten
-    if (threadIdx.x == 0 && blockIdx.y == 0)
-      record_index_error(d.errors, IndexSite::AttentionStepPositions, b, pos0, d.S, 1);
-    return;
-  }
   // h: the q head of row 0 (HeadRows: row r is head h + r); hk its kv head; rows: the valid rows
   const int h = HeadRows ? int(blockIdx.y) * group : int(blockIdx.y), hk = h / group;
   const int rows = HeadRows ? group : d.T;
@@ -495,6 +487,34 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     if ((threadIdx.x & 3) == 0)
       lse[HeadRows ? head_row : (int64_t(b) * d.Hq + h) * d.T + r] = m[i] * kLn2 + logf(sum);
   }
+}
+
+// The forward over queries at pos0 + t (training, prefill, and a decode step's group of sequences
+// at one position).
+template <class C, bool HeadRows>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                         const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
+                         float* __restrict__ lse, __nv_bfloat16* __restrict__ out_bf16) {
+  flash_forward_cta<C, HeadRows>(q, k, v, d, d.pos0, out, lse, out_bf16);
+}
+
+// attention_step (T = 1): sequence b's query at position pos_of_row[b], read here, so that a CUDA
+// graph's replay of the launch takes the positions written since; one outside [0, S) is recorded
+// in `errors` and its rows are left unwritten.
+template <class C, bool HeadRows>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
+    flash_step_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
+                      const __nv_bfloat16* __restrict__ v, FaDims d, const int32_t* __restrict__ pos_of_row,
+                      IndexError* errors, float* __restrict__ out, float* __restrict__ lse,
+                      __nv_bfloat16* __restrict__ out_bf16) {
+  const int b = blockIdx.z, pos0 = pos_of_row[b];
+  if (pos0 < 0 || pos0 >= d.S) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+      record_index_error(errors, IndexSite::AttentionStepPositions, b, pos0, d.S, 1);
+    return;
+  }
+  flash_forward_cta<C, HeadRows>(q, k, v, d, pos0, out, lse, out_bf16);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -770,8 +790,9 @@ void set_flash_cta(int warpgroups, int stages) {
 namespace {
 
 // The forward kernels' launch for d (fa_dims' shape, pos0 or pos_of_row set).
+// pos_of_row: attention_step's positions (flash_step_kernel), or null (flash_forward_kernel at d.pos0).
 void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                          Tensor& lse, Tensor* out_bf16) {
+                          Tensor& lse, Tensor* out_bf16, const int32_t* pos_of_row = nullptr) {
   const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v);
   __nv_bfloat16* ob = out_bf16 ? out_bf16->data<__nv_bfloat16>() : nullptr;
   // a one-token step of grouped-query attention (the sampler's decode): a CTA per kv head, its
@@ -782,17 +803,21 @@ void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor
   with_cta(hd, [&](auto cta) {
     using C = decltype(cta);
     const size_t smem_bytes = tiles_bytes<C>(C::kWG + 2 * C::kStages);
-    if (head_rows) {
-      const dim3 grid(1, unsigned(d.Hkv), unsigned(d.B));
-      const size_t smem = launchable<flash_forward_kernel<C, true>>(smem_bytes);
-      flash_forward_kernel<C, true><<<grid, C::kThreads, smem, stream()>>>(
-          bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(), lse.data<float>(), ob);
-    } else {
-      const dim3 grid(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B));
-      const size_t smem = launchable<flash_forward_kernel<C, false>>(smem_bytes);
-      flash_forward_kernel<C, false><<<grid, C::kThreads, smem, stream()>>>(
-          bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(), lse.data<float>(), ob);
-    }
+    auto launch = [&](auto head_rows_c, dim3 grid) {
+      constexpr bool HR = decltype(head_rows_c)::value;
+      if (pos_of_row) {
+        const size_t smem = launchable<flash_step_kernel<C, HR>>(smem_bytes);
+        flash_step_kernel<C, HR><<<grid, C::kThreads, smem, stream()>>>(
+            bf16_data(qb), bf16_data(kb), bf16_data(vb), d, pos_of_row, index_error_record(), out.data<float>(),
+            lse.data<float>(), ob);
+      } else {
+        const size_t smem = launchable<flash_forward_kernel<C, HR>>(smem_bytes);
+        flash_forward_kernel<C, HR><<<grid, C::kThreads, smem, stream()>>>(
+            bf16_data(qb), bf16_data(kb), bf16_data(vb), d, out.data<float>(), lse.data<float>(), ob);
+      }
+    };
+    if (head_rows) launch(std::true_type{}, dim3(1, unsigned(d.Hkv), unsigned(d.B)));
+    else launch(std::false_type{}, dim3(blocks_of(d.T, C::kRows), unsigned(d.Hq), unsigned(d.B)));
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -817,9 +842,7 @@ bool flash_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, con
   if (!fa_dims(q, k, 0, {&out}, d, hd)) return false;
   if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
   if (d.B == 0) return true;
-  d.pos_of_row = positions.data<int32_t>();
-  d.errors = index_error_record();
-  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16);
+  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16, positions.data<int32_t>());
   return true;
 }
 
