@@ -210,9 +210,13 @@ __global__ void wgmma_probe_kernel(int* out) {
 }
 
 // Whether this device runs the wgmma loop: compute capability 9.x, and its code has sm_90a's
-// features (probed once, one synchronisation).
+// features (probed once, one synchronisation). Not while a CUDA graph is being captured: the probe
+// would be recorded rather than run and answer no for the whole process; the throw leaves the
+// answer unmade, to be probed at the next call outside the capture.
 bool hopper_device() {
   static const bool yes = [] {
+    if (graph_capturing())
+      fail("the GPU's wgmma probe was first needed inside a CUDA graph capture: run the work once before capturing it");
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major != 9) {
