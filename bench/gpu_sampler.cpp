@@ -27,7 +27,7 @@
 // q head (head, the path before it); the same samples, rows adjacent per batch. --graphs: the
 // decode steps as CUDA graphs (on, the default: Sampler::set_cuda_graphs) or issued op by op (off);
 // rows adjacent per batch, and the run fails unless both give the same completions. graph_captures
-// counts the graphs a row recorded; a row whose capture failed says why in graph_error.
+// counts the graphs a row recorded; a row that decoded op by op with graphs on says why in graph_error.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
               else if (tokens != graph_tokens)
                 fail("{} batch {}: the decode as CUDA graphs and op by op sampled different tokens", recipe, B);
             }
-            if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: graph capture failed: %s\n", s.graph_error.c_str());
+            if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
             const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
             const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
             const double kv_mib = double(B) * double(C) * 2.0 *

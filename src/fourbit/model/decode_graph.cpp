@@ -12,6 +12,9 @@ DecodeGraph::DecodeGraph(Model& model, KvCache& cache, const SrStreams& sr)
     fail("decode graph: a CUDA graph records GPU work; the model is on the {} and the cache on the {}",
          device_name(model.device()), device_name(cache.device()));
   if (slots_ < 1) fail("decode graph: the cache has no slots");
+  if (!model.forward_cached_stays_on_device())
+    fail("decode graph: this model's cached forward reads the MoE routing counts back to the host (FP32 experts, or "
+         "set_moe_routing_waits_deferred(false)), which a CUDA graph cannot record");
   tokens_ = Tensor::zeros({slots_, 1}, DType::I32, Device::CUDA);
   positions_ = Tensor::zeros({slots_}, DType::I32, Device::CUDA);
   dst_rows_ = Tensor::zeros({slots_}, DType::I32, Device::CUDA);

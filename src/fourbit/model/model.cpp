@@ -16,6 +16,16 @@ namespace fourbit {
 namespace {
 std::atomic<bool> g_routing_waits_deferred{true};
 
+// Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
+// offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
+// (cuBLASLt per expert) on the GPU, unless set_moe_routing_waits_deferred(false).
+bool inference_routing_on_gpu(Device device, const ModelConfig& c, const LayerRecipe& r) {
+  return device != Device::CPU && ops::grouped_gemm_reads_device_offsets(device, c.n_experts, c.d_model) &&
+         ops::grouped_gemm_reads_device_offsets(device, c.n_experts, c.d_expert) &&
+         g_routing_waits_deferred.load(std::memory_order_relaxed) && r.fprop.a.fmt != Format::F32 &&
+         r.fprop.b.fmt != Format::F32;
+}
+
 // X as a layer's GEMMs consume it: the fprop operand, and the wgrad operand when it has to be
 // prepared in the forward pass from the high-precision X (quantized recipes that do not
 // re-quantize the saved forward operand).
@@ -502,9 +512,8 @@ struct ModelRunner {
     const bool offsets_on_gpu = m.device_ != Device::CPU &&
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
-    const bool deferred = offsets_on_gpu && !s && !aux && !record_amax && !training_path &&
-                          g_routing_waits_deferred.load(std::memory_order_relaxed) &&
-                          r.fprop.a.fmt != Format::F32 && r.fprop.b.fmt != Format::F32;
+    const bool deferred =
+        !s && !aux && !record_amax && !training_path && inference_routing_on_gpu(m.device_, c, r);
     // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
     // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
     // BF16 copy or quantization, and the shared expert.
@@ -1199,6 +1208,15 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvStep& kv, const SrStr
          dtype_name(dtype_), device_name(device_));
   ModelRunner run{*this, cfg_, sr, nullptr};
   return forward_logits(*this, run, tokens, nullptr, false, &kv, Tensor());
+}
+
+bool Model::forward_cached_stays_on_device() const {
+  if (device_ == Device::CPU) return false;
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    if (cfg_.is_moe_layer(l) &&
+        !inference_routing_on_gpu(device_, cfg_, recipe_.layer(LayerClass::Expert, l, cfg_.n_layers)))
+      return false;
+  return true;
 }
 
 Tensor Model::logits(const Tensor& tokens, const SrStreams& sr, bool as_trainer) {

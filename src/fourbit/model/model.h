@@ -98,6 +98,10 @@ class Model {
   // The same over a step already bound to its cache (KvStep's fixed-buffer forms: a CUDA graph's
   // capture of a decode step, model/decode_graph.h); logits of every row.
   Tensor forward_cached(const Tensor& tokens, const KvStep& step, const SrStreams& sr);
+  // Whether a cached forward on the GPU reads nothing back to the host (its MoE layers run on the
+  // routing's GPU offsets: not with FP32 experts, nor after set_moe_routing_waits_deferred(false)),
+  // so that a CUDA graph can record it; false on the CPU.
+  bool forward_cached_stays_on_device() const;
 
   // The load-balance loss's coefficient in forward() and backward(): the config's
   // model.aux_loss_coef until set here. A training setting, not architecture: a source that wants

@@ -124,6 +124,12 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
   // A batch is captured at its second step: one that changes at every step (sequences stopping
   // one after another) then runs op by op rather than paying a capture each step.
   bool graphs = cuda_graphs_ && dev == Device::CUDA;
+  if (graphs && !model_.forward_cached_stays_on_device()) {  // a known case, not a failure: no warning
+    graphs = false;
+    if (stats_.graph_error.empty())
+      stats_.graph_error = "the forward reads the MoE routing counts back to the host (FP32 experts, or "
+                           "set_moe_routing_waits_deferred(false)): it cannot be recorded";
+  }
   std::unique_ptr<DecodeGraph> graph;
   int64_t steps_on_cache = 0;  // decode forwards run over `cache` as it is
 

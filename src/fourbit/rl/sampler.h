@@ -62,7 +62,8 @@ struct SamplerStats {
   double choose_s = 0;  // logits to the host, draws, the log-probs' queueing
   int64_t graph_captures = 0;  // decode graphs recorded (counted in decode_s and decode_issue_s)
   int64_t graph_replays = 0;   // decode forwards run as a graph replay (a capture's first run included)
-  std::string graph_error;     // why the first capture that failed did (the decode then ran eagerly)
+  std::string graph_error;     // why the decode did not run as graphs (a capture failed, or the model's
+                               // forward reads back: Model::forward_cached_stays_on_device); empty if it did
 };
 
 class Sampler {
@@ -75,7 +76,8 @@ class Sampler {
   // default is BF16, for benchmarks comparing the two; both give the same samples).
   void set_kv_storage(std::optional<DType> storage) { kv_storage_ = storage; }
   // Whether a GPU model's decode steps run as CUDA graphs (on by default; the same samples either
-  // way). Where a capture fails the call decodes eagerly and stats().graph_error says why.
+  // way). Not where the model's forward reads back to the host (FP32 experts); where a capture
+  // fails the call decodes op by op. stats().graph_error says why in either case.
   void set_cuda_graphs(bool on) { cuda_graphs_ = on; }
 
   // One completion per request, in request order. Fails (before any work) on an empty or
