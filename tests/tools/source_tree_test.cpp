@@ -7,12 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 #include <regex>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "tools/cli_test_util.h"
 
 namespace fs = std::filesystem;
 
@@ -85,13 +86,6 @@ std::vector<std::string> violations(const std::vector<Line>& lines, const std::s
   return out;
 }
 
-std::string read(const fs::path& p) {
-  std::ifstream f(p);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 // The check itself finds a call after the guard's #endif (the shape of the test that broke CI's
@@ -134,7 +128,7 @@ TEST(SourceTree, CudaOnlyCodeIsGuarded) {
       if (rel.find("/ops/cuda/") != std::string::npos || rel.rfind("bench/gpu_", 0) == 0 ||
           rel == "src/fourbit/dist/nccl_communicator.cpp")
         continue;
-      files.emplace_back(rel, scan(read(e.path())));
+      files.emplace_back(rel, scan(fourbit::clitest::slurp(e.path().string())));
     }
   ASSERT_GT(files.size(), 100u) << "the tree under " << root << " was not found";
   // CUDA-only headers, named as the tree's includes name them (from tests/, from src/)
