@@ -11,7 +11,7 @@
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
 //                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--attention group,head]
-//                    [--graphs on,off] [--json FILE]
+//                    [--graphs on,off] [--traffic on|off] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -28,6 +28,18 @@
 // decode steps as CUDA graphs (on, the default: Sampler::set_cuda_graphs) or issued op by op (off);
 // rows adjacent per batch, and the run fails unless both give the same completions. graph_captures
 // counts the graphs a row recorded; a row that decoded op by op with graphs on says why in graph_error.
+// --traffic (on by default): the memory traffic a decode step cannot avoid, and the rate it ran at.
+// After a batch's timed rows, one more sample of the same prompts (untimed, op by op with a wait for
+// the router counts in every MoE layer, Model::set_routing_observer) counts the routed experts that each
+// decode step's MoE layers send a token to (experts_per_layer). A decode step reads at least every
+// other weight as the forward stores it (forward_weight_bytes: codes and scales, or the BF16
+// matrix), one routed expert's weights for each expert touched (expert_MB), and the KV rows its
+// attention reads (P + j + 1 positions of every sequence at decode step j), and writes its new
+// K/V rows: MB_per_step, their mean over the decode steps, a lower bound (activations, the
+// embedding rows and the logits are left out). GB_per_s: MB_per_step over ms_per_step; of_copy:
+// that over a device-to-device copy measured in the same process (CUDA only). speed_vs_bf16: the
+// decode tokens/s over the bf16 row's at the same batch and settings; bytes_vs_bf16: bf16's
+// MB_per_step over this row's, the speed-up a step that reads at bf16's rate would reach.
 #include <cstdio>
 #include <random>
 #include <sstream>
@@ -35,6 +47,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/gpu_bench_util.h"
 #include "fourbit/model/model.h"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/rl/sampler.h"
@@ -71,6 +84,51 @@ std::vector<rl::SampleRequest> random_prompts(int64_t B, int64_t P, uint64_t see
   return out;
 }
 
+// The experts each MoE layer of a decode step sends a token to, summed over the layers, for every
+// decode step of one sample() call: the first forward of the call is its prefill, each later one
+// a decode step (the sampler's order); a forward is the MoE layers' events in layer order.
+class ExpertCensus {
+ public:
+  ExpertCensus(const ModelConfig& cfg, const ForwardWeightBytes& bytes) : bytes_(bytes) {
+    for (int64_t l = 0; l < cfg.n_layers; ++l)
+      if (cfg.is_moe_layer(l)) ++moe_layers_;
+  }
+  void operator()(const RoutingEvent& ev) {
+    if (events_ % moe_layers_ == 0) steps_.push_back({0, 0});  // a forward begins
+    ++events_;
+    int64_t touched = 0;
+    for (size_t e = 0; e + 1 < ev.offsets.size(); ++e) touched += ev.offsets[e + 1] > ev.offsets[e] ? 1 : 0;
+    steps_.back().experts += touched;
+    steps_.back().bytes += touched * bytes_.expert_by_layer.at(ev.layer);
+  }
+  // Over the decode steps (every forward after the first); fails unless there are `decode_steps`.
+  double experts_per_layer(int64_t decode_steps) const { return mean(decode_steps, true) / double(moe_layers_); }
+  double expert_bytes_per_step(int64_t decode_steps) const { return mean(decode_steps, false); }
+
+ private:
+  struct Step {
+    int64_t experts, bytes;
+  };
+  double mean(int64_t decode_steps, bool experts) const {
+    if (int64_t(steps_.size()) != decode_steps + 1 || events_ % moe_layers_ != 0)
+      fail("traffic census: {} MoE layer events in {} forwards, expected a prefill and {} decode steps of {} layers",
+           events_, steps_.size(), decode_steps, moe_layers_);
+    double sum = 0;
+    for (size_t i = 1; i < steps_.size(); ++i) sum += double(experts ? steps_[i].experts : steps_[i].bytes);
+    return sum / double(decode_steps);
+  }
+  const ForwardWeightBytes& bytes_;
+  int64_t moe_layers_ = 0, events_ = 0;
+  std::vector<Step> steps_;
+};
+
+bool same_tokens(const std::vector<rl::Completion>& a, const std::vector<rl::Completion>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].tokens != b[i].tokens) return false;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -99,6 +157,13 @@ int main(int argc, char** argv) {
     table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "graphs", "experts",
                      "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
                      "kv_cache_MiB"};
+    const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
+    if (traffic_arg != "on" && traffic_arg != "off") fail("--traffic takes on or off, not {}", traffic_arg);
+    const bool traffic = traffic_arg == "on";
+    if (traffic)
+      for (const char* c : {"experts_per_layer", "expert_MB", "MB_per_step", "GB_per_s", "of_copy", "speed_vs_bf16",
+                            "bytes_vs_bf16"})
+        table.columns.push_back(c);
     std::vector<int> widths;
     for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     if (device == Device::CPU && widths != std::vector<int>{0})
@@ -138,6 +203,8 @@ int main(int argc, char** argv) {
     }
     table.meta = {
         {"config", config_path}, {"device", device_name(device)}, {"prompt_tokens", P}, {"cache_positions", C}};
+    const double copy_gbs = traffic && device == Device::CUDA ? bench::copy_bandwidth_gbs(10) : 0.0;
+    if (copy_gbs > 0) table.meta["copy_GB_per_s"] = copy_gbs;
     rl::SamplingOptions opt;
     opt.temperature = 1.0;
     opt.stop_token = -1;
@@ -146,6 +213,7 @@ int main(int argc, char** argv) {
       Model model(cfg.model, recipe_by_name(recipe), device);
       init_params(model.params(), cfg.model, 1234);
       rl::Sampler sampler(model);
+      const ForwardWeightBytes weight_bytes = forward_weight_bytes(model);
       {  // warm-up: GEMM plans, weight quantization (cached for the whole run, as in one RL step)
         rl::SamplingOptions w = opt;
         w.max_new = 4;
@@ -158,6 +226,8 @@ int main(int argc, char** argv) {
           if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() *
                   graph_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
+          const size_t first_row = table.rows.size();
+          std::vector<rl::Completion> timed_out;  // the last timed row's, for the census's check
           std::vector<std::vector<int32_t>> graph_tokens;  // the first row's completions, to compare
           for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
@@ -216,7 +286,43 @@ int main(int argc, char** argv) {
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
                         group_ctas ? "group" : "head", graphs ? "on" : "off", experts.c_str(), (long long)B,
                         double(decode_tokens) / decode_s, (long long)s.decode_forwards);
-            (void)out;
+            timed_out = out;
+          }
+          if (traffic) {
+            // The same prompts once more, untimed, op by op with the counts on the host in every layer
+            // (a replayed graph calls no host code).
+            set_moe_routing_waits_deferred(false);
+            sampler.set_cuda_graphs(false);
+            ExpertCensus census(cfg.model, weight_bytes);
+            model.set_routing_observer([&](const RoutingEvent& ev) { census(ev); });
+            sampler.reset_stats();
+            const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
+            model.set_routing_observer({});
+            const int64_t S = sampler.stats().decode_forwards;
+            const bool same = same_tokens(out, timed_out);
+            // decode step j reads P + j + 1 positions of each sequence (K and V, every layer) and
+            // writes one
+            const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
+                                  double(dtype_size(storage));
+            const double kv_bytes =
+                double(B) * kv_row * (double(S) * double(P + 1) + double(S) * double(S - 1) / 2.0 + double(S)) /
+                double(S);
+            const double expert_bytes = census.expert_bytes_per_step(S);
+            const double step_bytes = double(weight_bytes.other) + expert_bytes + kv_bytes;
+            for (size_t i = first_row; i < table.rows.size(); ++i) {
+              nlohmann::json& row = table.rows[i];
+              const double gbs = step_bytes / (row["ms_per_step"].get<double>() * 1e6);
+              row["experts_per_layer"] = census.experts_per_layer(S);
+              row["expert_MB"] = expert_bytes / 1e6;
+              row["MB_per_step"] = step_bytes / 1e6;
+              row["GB_per_s"] = gbs;
+              if (copy_gbs > 0) row["of_copy"] = gbs / copy_gbs;
+              row["kv_MB_per_step"] = kv_bytes / 1e6;
+              row["other_weights_MB"] = double(weight_bytes.other) / 1e6;
+              row["census_same_samples"] = same;
+            }
+            set_moe_routing_waits_deferred(true);
+            sampler.set_cuda_graphs(true);
           }
         }
       if (device == Device::CUDA) {
@@ -227,6 +333,19 @@ int main(int argc, char** argv) {
       set_moe_routing_waits_deferred(true);
       sampler.set_cuda_graphs(true);
     }
+    if (traffic)  // each row against the bf16 row of the same batch and settings, where there is one
+      for (nlohmann::json& row : table.rows) {
+        if (row["recipe"] == "bf16") continue;
+        for (const nlohmann::json& base : table.rows) {
+          bool match = base["recipe"] == "bf16";
+          for (const char* k : {"kv_cache", "forward", "routing", "attention", "graphs", "experts", "batch"})
+            match = match && base[k] == row[k];
+          if (!match) continue;
+          row["speed_vs_bf16"] = row["decode_tok_per_s"].get<double>() / base["decode_tok_per_s"].get<double>();
+          row["bytes_vs_bf16"] = base["MB_per_step"].get<double>() / row["MB_per_step"].get<double>();
+          break;
+        }
+      }
     table.print();
     table.write_json(bench::json_path_arg(argc, argv));
   } catch (const std::exception& e) {

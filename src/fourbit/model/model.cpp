@@ -584,6 +584,7 @@ struct ModelRunner {
     }
     ops::route_plan_finish(pending_plan);
     plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
+    if (m.routing_observer_) m.routing_observer_(RoutingEvent{layer, N, plan.offsets});
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
     // term is summed after the forward.
     std::vector<double> frac(static_cast<size_t>(E));
@@ -1279,6 +1280,29 @@ Prepared Model::forward_weight(const std::string& linear_name) {
   const Tensor partner = gate ? linear(stem + "3").weight : up ? linear(stem + "1").weight : Tensor{};
   return weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls, SrStreams{},
                 partner.defined() ? &partner : nullptr);
+}
+
+int64_t ForwardWeightBytes::experts_total() const {
+  int64_t total = 0;
+  for (const auto& [layer, bytes] : expert_by_layer) total += bytes;
+  return total;
+}
+
+ForwardWeightBytes forward_weight_bytes(Model& model) {
+  ForwardWeightBytes out;
+  const int64_t E = model.config().n_experts;
+  for (const LinearInfo& li : model.linears()) {
+    const int64_t bytes = model.forward_weight(li.name).bytes();
+    // routed experts' weights are [E, R, C]; a shared expert's and every other linear's are 2-D
+    if (li.cls == LayerClass::Expert && li.weight.dim() == 3) {
+      if (bytes % E != 0) fail("forward_weight_bytes: {} holds {} bytes, not a whole number per each of {} experts",
+                               li.name, bytes, E);
+      out.expert_by_layer[li.layer] += bytes / E;
+    } else {
+      out.other += bytes;
+    }
+  }
+  return out;
 }
 
 std::string Model::input_amax_key(const std::string& linear_name) {

@@ -1,10 +1,12 @@
-// defines: Model, ForwardStats, SavedBytes, LinearInfo, set_moe_routing_waits_deferred
+// defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
+//          forward_weight_bytes, set_moe_routing_waits_deferred
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
 // load-balance loss) or dense SwiGLU FFN -> residual]; final RMSNorm; LM head (optionally tied).
 // Every linear GEMM takes its operand formats from the Recipe; the model never names a recipe.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -54,6 +56,16 @@ struct LinearInfo {
 // waits in every MoE layer as training does (the path before it), process-wide: for benchmarks
 // that compare the two in one process. Both give the same bits.
 void set_moe_routing_waits_deferred(bool on);
+
+// One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
+// step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e
+// took rows offsets[e] .. offsets[e + 1] of the tokens x top_k slots).
+struct RoutingEvent {
+  int64_t layer;
+  int64_t tokens;
+  const std::vector<int64_t>& offsets;
+};
+using RoutingObserver = std::function<void(const RoutingEvent&)>;
 
 class Model {
  public:
@@ -138,6 +150,11 @@ class Model {
   uint64_t weights_version() const { return weights_version_; }
   const SavedBytes& saved_bytes() const { return saved_bytes_; }
   QuantLog& quant_log() { return quant_log_; }
+  // Called with each MoE layer's routing wherever a forward has the router counts on the host:
+  // every forward on the CPU, every training forward, and the GPU's inference forwards with
+  // set_moe_routing_waits_deferred(false). A deferred forward reads no counts back and calls
+  // nothing, nor does a replayed CUDA graph. Empty (the default): off.
+  void set_routing_observer(RoutingObserver observer) { routing_observer_ = std::move(observer); }
 
   // Every linear layer (attention, routed and shared experts, dense FFN, router, LM head) in
   // layout order, and one of them by name.
@@ -199,6 +216,18 @@ class Model {
   double aux_loss_coef_;
   bool keep_ffn_ = false;
   uint64_t weights_version_ = 0;
+  RoutingObserver routing_observer_;
 };
+
+// The bytes of every linear's forward weight operand as the model stores it for its GEMMs
+// (Model::forward_weight: codes, block and outer scales of a quantized one; the BF16 or F32
+// matrix of a dense one), the least a forward that uses them all must read: the routed experts
+// apart, per expert, since a decode step reads only those that received a token.
+struct ForwardWeightBytes {
+  int64_t other = 0;                           // attention, dense and shared FFNs, routers, LM head
+  std::map<int64_t, int64_t> expert_by_layer;  // MoE layer -> one routed expert's w1 + w3 + w2
+  int64_t experts_total() const;               // one expert of each MoE layer, summed
+};
+ForwardWeightBytes forward_weight_bytes(Model& model);
 
 }  // namespace fourbit
