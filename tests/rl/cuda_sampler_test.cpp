@@ -4,8 +4,8 @@
 //          and generations that cross 64-key blocks; 1 to 32 rows per decode step); nvidia-nvfp4
 //          is caught by the same comparison; samples do not depend on the batch on the GPU
 //          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs) or
-//          on CUDA graphs (the decode as graph replays gives the op-by-op bits; a graph fails
-//          once the weights change); and the scatter/gather of the cache agree with the CPU.
+//          on CUDA graphs (the decode as graph replays gives the op-by-op bits; a graph fails,
+//          before replaying, on changed weights, a replaced cache or a bad token); and the scatter/gather of the cache agree with the CPU.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -14,6 +14,7 @@
 #include "fourbit/model/decode_graph.h"
 #include "fourbit/model/model.h"
 #include "fourbit/tensor/device_memory.h"
+#include "ops/op_test_util.h"
 #include "rl/rl_test_util.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -178,13 +179,27 @@ TEST(CudaDecodeGraph, FailsOnChangedWeightsAndBadTokens) {
   const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6};
   m.forward_cached(Tensor::from_host(ids.data(), {2, 3}, DType::I32, Device::CUDA), KvBatch{3, {{0, 2, 0}}}, cache,
                    tm.sr);
+  // one step op by op first, as the sampler's first step (the one-token kernels loaded before the capture)
+  const std::vector<int32_t> step1 = {7, 8}, step2 = {9, 10};
+  m.forward_cached(Tensor::from_host(step1.data(), {2, 1}, DType::I32, Device::CUDA), KvBatch{1, {{0, 2, 3}}}, cache,
+                   tm.sr);
   DecodeGraph graph(m, cache, tm.sr);
-  const Tensor logits = graph.run({7, 8}, {3, 3});
-  EXPECT_EQ(logits.shape(), (Shape{2, m.config().vocab_size}));
-  expect_error([&] { graph.run({7, int32_t(m.config().vocab_size)}, {4, 4}); }, "embedding_forward: tokens[1]");
-  expect_error([&] { graph.run({7, 8}, {4, 16}); }, "do not fit the cache capacity 16");
+  const Tensor replayed = graph.run(step2, {4, 4}).to(Device::CPU);
+  EXPECT_EQ(replayed.shape(), (Shape{2, m.config().vocab_size}));
+  // the same step op by op (its K/V rows written again with the same bits): the same logits
+  const Tensor eager = m.forward_cached(Tensor::from_host(step2.data(), {2, 1}, DType::I32, Device::CUDA),
+                                        KvBatch{1, {{0, 2, 4}}}, cache, tm.sr)
+                           .to(Device::CPU);
+  EXPECT_TRUE(optest::bitwise_equal(replayed, eager));
+  expect_error([&] { graph.run({7, int32_t(m.config().vocab_size)}, {5, 5}); },
+               "slot 1's token id 260 is outside the vocabulary [0, 260)");
+  expect_error([&] { graph.run({7, 8}, {5, 16}); }, "do not fit the cache capacity 16");
+  KvCache saved = cache;
+  cache = cache.gather_slots({1, 0});
+  expect_error([&] { graph.run({7, 8}, {5, 5}); }, "the KV cache holds other tensors than at the capture");
+  cache = saved;
   m.invalidate_weight_cache();
-  expect_error([&] { graph.run({7, 8}, {4, 4}); }, "the model's weights changed after the capture");
+  expect_error([&] { graph.run({7, 8}, {5, 5}); }, "the model's weights changed after the capture");
 }
 
 TEST(CudaSampler, SamplesDoNotDependOnTheBatch) {

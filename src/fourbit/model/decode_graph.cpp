@@ -7,7 +7,12 @@
 namespace fourbit {
 
 DecodeGraph::DecodeGraph(Model& model, KvCache& cache, const SrStreams& sr)
-    : model_(model), cache_(cache), slots_(cache.slots()), weights_version_(model.weights_version()) {
+    : model_(model),
+      cache_(cache),
+      slots_(cache.slots()),
+      weights_version_(model.weights_version()),
+      k0_(cache.k(0).raw()),
+      v0_(cache.v(0).raw()) {
   if (model.device() != Device::CUDA || cache.device() != Device::CUDA)
     fail("decode graph: a CUDA graph records GPU work; the model is on the {} and the cache on the {}",
          device_name(model.device()), device_name(cache.device()));
@@ -30,8 +35,17 @@ DecodeGraph::DecodeGraph(Model& model, KvCache& cache, const SrStreams& sr)
 const Tensor& DecodeGraph::run(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions) {
   if (model_.weights_version() != weights_version_)
     fail("decode graph: the model's weights changed after the capture (its cached weights are gone): capture again");
+  if (cache_.slots() != slots_ || cache_.k(0).raw() != k0_ || cache_.v(0).raw() != v0_)
+    fail("decode graph: the KV cache holds other tensors than at the capture (a gathered or new cache): capture "
+         "again");
   if (int64_t(tokens.size()) != slots_ || int64_t(positions.size()) != slots_)
     fail("decode graph: {} tokens and {} positions for a graph of {} slots", tokens.size(), positions.size(), slots_);
+  // Checked here too, not only by the embedding kernel: the replay would write the slot's K/V into
+  // the cache before check_index_errors reports it.
+  const int64_t V = model_.config().vocab_size;
+  for (int64_t b = 0; b < slots_; ++b)
+    if (tokens[size_t(b)] < 0 || tokens[size_t(b)] >= V)
+      fail("decode graph: slot {}'s token id {} is outside the vocabulary [0, {})", b, tokens[size_t(b)], V);
   // The batch as forward_cached takes it (runs of equal positions), checked and written into the
   // fixed buffers ahead of the replay; the tokens likewise.
   KvBatch batch{1, {}};

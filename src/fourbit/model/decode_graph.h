@@ -29,8 +29,9 @@ class DecodeGraph {
 
   // Slot b's next token tokens[b] at position positions[b] (checked as forward_cached checks a
   // batch): its K/V go into the cache and the logits F32 [slots, V] come back, the graph's own
-  // output tensor, which the next run() overwrites (work queued before then may read it). Fails
-  // once the model's weights have changed since the capture, and on a bad token id.
+  // output tensor, which the next run() overwrites (work queued before then may read it). Fails,
+  // before the replay, once the model's weights have changed since the capture, when `cache`
+  // holds other tensors than at the capture, and on a token id outside the vocabulary.
   const Tensor& run(const std::vector<int32_t>& tokens, const std::vector<int64_t>& positions);
 
   int64_t slots() const { return slots_; }
@@ -40,6 +41,7 @@ class DecodeGraph {
   KvCache& cache_;
   int64_t slots_;
   uint64_t weights_version_;
+  const void *k0_, *v0_;  // the cache's first K and V tensors at the capture
   Tensor tokens_, positions_, dst_rows_;  // the fixed inputs, I32 [slots, 1], [slots], [slots]
   Tensor logits_;                         // the fixed output
   std::unique_ptr<DeviceGraph> graph_;

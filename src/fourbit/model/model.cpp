@@ -812,6 +812,10 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
     quant_log_.add(cls, role, 'b', spec, false);
     return it->second;
   }
+  // A capture only records work: an operand prepared inside one would sit in the cache unmade.
+  if (graph_capturing())
+    fail("model: the weight operand {} is not cached, and a CUDA graph being captured cannot make it (run the "
+         "forward once before capturing it)", key);
   // A dense (BF16, FP32) dgrad weight is the forward's operand read transposed: the same rounding
   // of the same weights, so it is not converted a second time.
   if (role == GemmRole::Dgrad && !spec.quantized()) {
@@ -892,6 +896,9 @@ const Bf16Copies& Model::bf16_weight_copies() {
 
 void Model::convert_bf16_weights_ahead() {
   if (!weight_cache_.empty() || !bf16_ahead_.empty() || dtype_ != DType::F32) return;
+  if (graph_capturing())
+    fail("model: the weight cache is empty, and a CUDA graph being captured cannot fill it (run the forward once "
+         "before capturing it)");
   const Bf16Copies& copies = bf16_weight_copies();
   if (!copies.defined()) return;
   std::vector<Tensor> src, dst;

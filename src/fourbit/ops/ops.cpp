@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <exception>
 #include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
@@ -119,8 +120,16 @@ Device Operand::device() const { return q_ ? q_->device() : dense_->device(); }
 Lanes::Lanes(Device device, int n) : active_(device == Device::CUDA && n > 1 && !lanes_open()) {
   if (active_) lanes_begin(n);
 }
-Lanes::~Lanes() {
-  if (active_) lanes_end();
+Lanes::~Lanes() noexcept(false) {
+  if (!active_) return;
+  if (std::uncaught_exceptions() == 0) {
+    lanes_end();
+    return;
+  }
+  try {
+    lanes_end();
+  } catch (const std::exception&) {
+  }
 }
 void Lanes::use(int64_t i) {
   if (active_) lanes_use(int(i));

@@ -200,7 +200,9 @@ bool native_block_scaled_gemm(Device device);
 class Lanes {
  public:
   Lanes(Device device, int n);
-  ~Lanes();
+  // lanes_end. While an exception unwinds the stack its errors are dropped (the one in flight is
+  // the first); otherwise they are thrown.
+  ~Lanes() noexcept(false);
   Lanes(const Lanes&) = delete;
   Lanes& operator=(const Lanes&) = delete;
   void use(int64_t i);

@@ -124,6 +124,10 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
   // A batch is captured at its second step: one that changes at every step (sequences stopping
   // one after another) then runs op by op rather than paying a capture each step.
   bool graphs = cuda_graphs_ && dev == Device::CUDA;
+  if (graphs && !graph_failure_.empty()) {
+    graphs = false;
+    if (stats_.graph_error.empty()) stats_.graph_error = graph_failure_;
+  }
   if (graphs && !model_.forward_cached_stays_on_device()) {  // a known case, not a failure: no warning
     graphs = false;
     if (stats_.graph_error.empty())
@@ -210,7 +214,8 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
           graph = std::make_unique<DecodeGraph>(model_, cache, sr_);
           stats_.graph_captures += 1;
         } catch (const std::exception& e) {
-          graphs = false;  // this call decodes eagerly from here on
+          graphs = false;  // this call and later ones decode eagerly from here on
+          graph_failure_ = e.what();
           if (stats_.graph_error.empty()) stats_.graph_error = e.what();
           if (!graph_warned_)  // the samples are the same either way; the speed is not
             std::fprintf(stderr, "sampler: the decode step runs op by op, as a CUDA graph capture failed: %s\n", e.what());

@@ -77,8 +77,12 @@ class Sampler {
   void set_kv_storage(std::optional<DType> storage) { kv_storage_ = storage; }
   // Whether a GPU model's decode steps run as CUDA graphs (on by default; the same samples either
   // way). Not where the model's forward reads back to the host (FP32 experts); where a capture
-  // fails the call decodes op by op. stats().graph_error says why in either case.
-  void set_cuda_graphs(bool on) { cuda_graphs_ = on; }
+  // fails the call decodes op by op, and so do later calls until set_cuda_graphs(true) is called
+  // again (a failure is paid once, not once a call). stats().graph_error says why in either case.
+  void set_cuda_graphs(bool on) {
+    cuda_graphs_ = on;
+    graph_failure_.clear();
+  }
 
   // One completion per request, in request order. Fails (before any work) on an empty or
   // out-of-vocabulary prompt, a prompt longer than max_seq_len, repeated sequence ids or bad
@@ -100,6 +104,7 @@ class Sampler {
   std::optional<DType> kv_storage_;
   bool cuda_graphs_ = true;
   bool graph_warned_ = false;  // a failed capture is reported on stderr once
+  std::string graph_failure_;  // why a capture failed, since set_cuda_graphs
 };
 
 }  // namespace fourbit::rl

@@ -251,6 +251,11 @@ void* device_alloc(size_t bytes) {
   }
   void* p = nullptr;
   cudaError_t e = cudaMalloc(&p, size);
+  if (e == cudaErrorMemoryAllocation && capture().pool) {
+    // The retry below synchronises the device, which would break the capture.
+    cudaGetLastError();
+    fail("cudaMalloc of {} bytes failed while a CUDA graph was being captured: out of GPU memory", size);
+  }
   if (e == cudaErrorMemoryAllocation) {
     // Give the cached blocks back to the driver and try once more.
     cudaGetLastError();
@@ -390,12 +395,20 @@ void lanes_use(int i) {
 void lanes_end() {
   Lanes& l = lanes();
   if (!l.open) return;
-  for (int i = 0; i < l.open; ++i) {
-    FOURBIT_MEM_CHECK(cudaEventRecord(l.done[i], l.streams[i]));
-    FOURBIT_MEM_CHECK(cudaStreamWaitEvent(main_stream(), l.done[i], 0));
-  }
+  // The lanes are closed whatever happens below, so that work after an error (a failed capture's
+  // clean-up, the sampler's op-by-op fallback) does not run on them.
+  const int n = l.open;
   l.open = 0;
   l.current = -1;
+  cudaError_t err = cudaSuccess;
+  for (int i = 0; i < n; ++i) {
+    cudaError_t e = cudaEventRecord(l.done[i], l.streams[i]);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(main_stream(), l.done[i], 0);
+    if (err == cudaSuccess) err = e;
+  }
+  // Without the joins the blocks freed while the lanes were open may still be read by them: they
+  // stay out of use.
+  if (err != cudaSuccess) fail("lanes_end: joining the GPU lanes to the main stream failed: {}", cudaGetErrorString(err));
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   for (const auto& [size, p] : c.deferred) c.free_blocks[size].push_back(p);

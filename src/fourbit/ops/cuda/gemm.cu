@@ -60,7 +60,12 @@ void* cublas_workspace(size_t* bytes) {
   static void* ws[kSlots] = {};
   const int slot = current_lane() + 1;
   if (slot < 0 || slot >= kSlots) fail("cublas_workspace: lane {} out of range", slot - 1);
-  if (!ws[slot]) ws[slot] = device_alloc(kBytes);
+  if (!ws[slot]) {
+    // A block allocated while a CUDA graph is being captured belongs to the graph's pool; the
+    // workspaces outlive every graph, so one first needed there comes from the driver.
+    if (graph_capturing()) FOURBIT_CUDA_CHECK(cudaMalloc(&ws[slot], kBytes));
+    else ws[slot] = device_alloc(kBytes);
+  }
   *bytes = kBytes;
   return ws[slot];
 }

@@ -244,9 +244,13 @@ bool launch_tma(const GroupedArgs& p) {
   const int clusters = g_tma_persistent.load(std::memory_order_relaxed) ? std::min(tiles, resident) : tiles;
   cfg.gridDim = dim3(unsigned(2 * clusters));
   // A cluster launch the device refuses (a configuration error, reported at once) leaves the
-  // tile to the cp.async form.
+  // tile to the cp.async form, from then on: a refusal inside a CUDA graph capture would end the
+  // capture, so one seen eagerly is not tried again there.
+  static std::atomic<bool> refused{false};
+  if (refused.load(std::memory_order_relaxed)) return false;
   if (cudaLaunchKernelEx(&cfg, tma_kernel<BT>, tp) != cudaSuccess) {
     cudaGetLastError();
+    refused.store(true, std::memory_order_relaxed);
     return false;
   }
   g_tma_launches.fetch_add(1, std::memory_order_relaxed);
