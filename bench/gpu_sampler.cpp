@@ -222,6 +222,9 @@ int main(int argc, char** argv) {
       for (const DType storage : kv_storages)
         for (int64_t B : batches) {
           sampler.set_kv_storage(storage);
+          // one cached position: K and V of every layer
+          const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
+                                double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
           if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() *
                   graph_modes.size() > 1)
@@ -258,9 +261,7 @@ int main(int argc, char** argv) {
             if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
             const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
             const double decode_s = s.decode_s + s.choose_s * double(decode_tokens) / double(s.sampled_tokens);
-            const double kv_mib = double(B) * double(C) * 2.0 *
-                                  double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
-                                  double(dtype_size(storage)) / 1048576.0;
+            const double kv_mib = double(B) * double(C) * kv_row / 1048576.0;
             table.add({{"recipe", recipe},
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
@@ -300,19 +301,16 @@ int main(int argc, char** argv) {
             model.set_routing_observer({});
             const int64_t S = sampler.stats().decode_forwards;
             const bool same = same_tokens(out, timed_out);
-            // decode step j reads P + j + 1 positions of each sequence (K and V, every layer) and
-            // writes one
-            const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
-                                  double(dtype_size(storage));
+            // decode step j reads P + j + 1 positions of each sequence and writes one
             const double kv_bytes =
                 double(B) * kv_row * (double(S) * double(P + 1) + double(S) * double(S - 1) / 2.0 + double(S)) /
                 double(S);
-            const double expert_bytes = census.expert_bytes_per_step(S);
+            const double expert_bytes = census.expert_bytes_per_step(S), experts = census.experts_per_layer(S);
             const double step_bytes = double(weight_bytes.other) + expert_bytes + kv_bytes;
             for (size_t i = first_row; i < table.rows.size(); ++i) {
               nlohmann::json& row = table.rows[i];
               const double gbs = step_bytes / (row["ms_per_step"].get<double>() * 1e6);
-              row["experts_per_layer"] = census.experts_per_layer(S);
+              row["experts_per_layer"] = experts;
               row["expert_MB"] = expert_bytes / 1e6;
               row["MB_per_step"] = step_bytes / 1e6;
               row["GB_per_s"] = gbs;

@@ -133,7 +133,7 @@ TEST(SourceTree, CudaOnlyCodeIsGuarded) {
   ASSERT_GT(files.size(), 100u) << "the tree under " << root << " was not found";
   // CUDA-only headers, named as the tree's includes name them (from tests/, from src/)
   auto cuda_only_header = [](const std::string& rel, const std::vector<Line>& lines) {
-    return rel.size() > 2 && rel.substr(rel.size() - 2) == ".h" && includes_cuda_ops(lines);
+    return rel.ends_with(".h") && includes_cuda_ops(lines);
   };
   std::set<std::string> cuda_headers{"fourbit/ops/cuda/cuda_ops.h"};
   for (const auto& [rel, lines] : files)
