@@ -10,8 +10,8 @@
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
-//                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--attention group,head]
-//                    [--traffic on|off] [--json FILE]
+//                    [--forward-gemms grouped,gemm] [--fused on,off] [--routing deferred,layer]
+//                    [--attention group,head] [--traffic on|off] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -20,6 +20,9 @@
 // (its allocations: KV caches of the full length) that no row counts. --forward-gemms: the linear
 // layers' forward GEMMs on the grouped kernel family (grouped, the default: forward_gemm) or on
 // ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
+// --fused: the GEMMs that read one input as one GEMM on their weights' rows stacked (on, the
+// default: set_fused_forward_gemms; wq | wk | wv, every FFN's w1 | w3) or one GEMM each (off, the
+// path before it); the same samples, rows adjacent per batch.
 // --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
 // (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
@@ -151,8 +154,8 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "experts",
-                     "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
+    table.columns = {"recipe",           "kv_cache",    "forward",           "fused",        "routing",
+                     "attention",        "experts",     "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
                      "kv_cache_MiB"};
     const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
     if (traffic_arg != "on" && traffic_arg != "off") fail("--traffic takes on or off, not {}", traffic_arg);
@@ -171,6 +174,12 @@ int main(int argc, char** argv) {
       forward_grouped.push_back(f == "grouped");
     }
     if (forward_grouped.empty()) fail("--forward-gemms names no path");
+    std::vector<bool> fusions;
+    for (const std::string& f : split(arg(argc, argv, "--fused", "on"))) {
+      if (f != "on" && f != "off") fail("--fused takes on or off, not {}", f);
+      fusions.push_back(f == "on");
+    }
+    if (fusions.empty()) fail("--fused names no path");
     std::vector<bool> routing_deferred;
     for (const std::string& f : split(arg(argc, argv, "--routing", "deferred"))) {
       if (f != "deferred" && f != "layer") fail("--routing takes deferred or layer, not {}", f);
@@ -217,11 +226,12 @@ int main(int argc, char** argv) {
           const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() > 1)
+          if (widths.size() * forward_grouped.size() * fusions.size() * routing_deferred.size() * head_rows.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
           std::vector<rl::Completion> timed_out;  // the last timed row's, for the census's check
           for (const bool fwd : forward_grouped)
+          for (const bool fused : fusions)
           for (const bool deferred : routing_deferred)
           for (const bool group_ctas : head_rows)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
@@ -230,6 +240,7 @@ int main(int argc, char** argv) {
               ops::cuda::set_flash_head_rows(group_ctas);
             }
             set_forward_gemms_grouped(fwd);
+            set_fused_forward_gemms(fused);
             set_moe_routing_waits_deferred(deferred);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
@@ -244,6 +255,7 @@ int main(int argc, char** argv) {
             table.add({{"recipe", recipe},
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
+                       {"fused", fused ? "on" : "off"},
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
                        {"experts", experts},
@@ -258,9 +270,10 @@ int main(int argc, char** argv) {
                        {"host_ms_per_step", 1e3 * s.decode_issue_s / double(s.decode_forwards)},
                        {"choose_s", s.choose_s},
                        {"prefill_s", s.prefill_s}});
-            std::printf("%s, %s cache, forward %s, routing %s, attention %s, experts %s, batch %lld: %.0f decode "
-                        "tokens/s (%lld steps)\n",
-                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
+            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, experts %s, batch %lld: %.0f "
+                        "decode tokens/s (%lld steps)\n",
+                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
+                        deferred ? "deferred" : "layer",
                         group_ctas ? "group" : "head", experts.c_str(), (long long)B, double(decode_tokens) / decode_s,
                         (long long)s.decode_forwards);
             timed_out = out;
@@ -301,6 +314,7 @@ int main(int argc, char** argv) {
         ops::cuda::set_flash_head_rows(true);
       }
       set_forward_gemms_grouped(true);
+      set_fused_forward_gemms(true);
       set_moe_routing_waits_deferred(true);
     }
     if (traffic)  // each row against the bf16 row of the same batch and settings, where there is one
@@ -308,7 +322,7 @@ int main(int argc, char** argv) {
         if (row["recipe"] == "bf16") continue;
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
-          for (const char* k : {"kv_cache", "forward", "routing", "attention", "experts", "batch"})
+          for (const char* k : {"kv_cache", "forward", "fused", "routing", "attention", "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;
           row["speed_vs_bf16"] = row["decode_tok_per_s"].get<double>() / base["decode_tok_per_s"].get<double>();

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "fourbit/model/config.h"
@@ -88,9 +89,15 @@ struct KvStep {
   // attention of q's BF16 copy (q_bf16 [B, T, Hq, hd], written here) over the cache: attend's bits.
   void rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
                    Tensor& q_bf16, Tensor& o, Tensor& lse) const;
+  // The same from the fused projection's qkv [B * T, Hq + 2 Hkv, hd] (ops::rope_fused_qkv_to_cache,
+  // Hq = n_heads): rope_attend's bits on its three parts.
+  void rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table, Tensor& q_bf16,
+                         Tensor& o, Tensor& lse) const;
 
  private:
   void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const;
+  // Layer `layer`'s K and V caches as [slots * capacity, hkv, hd] views; fails unless they store BF16.
+  std::pair<Tensor, Tensor> bf16_cache_rows(int64_t layer, int64_t hkv, int64_t hd) const;
 };
 
 }  // namespace fourbit
