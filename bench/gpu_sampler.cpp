@@ -10,8 +10,8 @@
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
-//                    [--forward-gemms grouped,gemm] [--routing deferred,layer] [--attention group,head]
-//                    [--graphs on,off] [--traffic on|off] [--json FILE]
+//                    [--forward-gemms grouped,gemm] [--fused on,off] [--routing deferred,layer]
+//                    [--attention group,head] [--graphs on,off] [--traffic on|off] [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -20,6 +20,9 @@
 // (its allocations: KV caches of the full length) that no row counts. --forward-gemms: the linear
 // layers' forward GEMMs on the grouped kernel family (grouped, the default: forward_gemm) or on
 // ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
+// --fused: the GEMMs that read one input as one GEMM on their weights' rows stacked (on, the
+// default: set_fused_forward_gemms; wq | wk | wv, every FFN's w1 | w3) or one GEMM each (off, the
+// path before it); the same samples, rows adjacent per batch.
 // --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
 // (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
@@ -154,8 +157,9 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "forward",           "routing",      "attention", "graphs", "experts",
-                     "batch",            "decode_tok_per_s", "ms_per_step", "host_ms_per_step", "prefill_tok_per_s",
+    table.columns = {"recipe",           "kv_cache",    "forward",           "fused",        "routing",
+                     "attention",        "graphs",      "experts",           "batch",        "decode_tok_per_s",
+                     "ms_per_step",      "host_ms_per_step", "prefill_tok_per_s",
                      "kv_cache_MiB"};
     const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
     if (traffic_arg != "on" && traffic_arg != "off") fail("--traffic takes on or off, not {}", traffic_arg);
@@ -174,6 +178,12 @@ int main(int argc, char** argv) {
       forward_grouped.push_back(f == "grouped");
     }
     if (forward_grouped.empty()) fail("--forward-gemms names no path");
+    std::vector<bool> fusions;
+    for (const std::string& f : split(arg(argc, argv, "--fused", "on"))) {
+      if (f != "on" && f != "off") fail("--fused takes on or off, not {}", f);
+      fusions.push_back(f == "on");
+    }
+    if (fusions.empty()) fail("--fused names no path");
     std::vector<bool> routing_deferred;
     for (const std::string& f : split(arg(argc, argv, "--routing", "deferred"))) {
       if (f != "deferred" && f != "layer") fail("--routing takes deferred or layer, not {}", f);
@@ -226,7 +236,7 @@ int main(int argc, char** argv) {
           const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() * routing_deferred.size() * head_rows.size() *
+          if (widths.size() * forward_grouped.size() * fusions.size() * routing_deferred.size() * head_rows.size() *
                   graph_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
@@ -234,6 +244,7 @@ int main(int argc, char** argv) {
           std::vector<std::vector<int32_t>> graph_tokens;  // the first row's completions, to compare
           for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
+          for (const bool fused : fusions)
           for (const bool deferred : routing_deferred)
           for (const bool group_ctas : head_rows)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
@@ -242,6 +253,7 @@ int main(int argc, char** argv) {
               ops::cuda::set_flash_head_rows(group_ctas);
             }
             set_forward_gemms_grouped(fwd);
+            set_fused_forward_gemms(fused);
             set_moe_routing_waits_deferred(deferred);
             sampler.set_cuda_graphs(graphs);
             const std::string experts = width == 0    ? "chosen"
@@ -265,6 +277,7 @@ int main(int argc, char** argv) {
             table.add({{"recipe", recipe},
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
+                       {"fused", fused ? "on" : "off"},
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
                        {"graphs", graphs ? "on" : "off"},
@@ -282,11 +295,11 @@ int main(int argc, char** argv) {
                        {"prefill_s", s.prefill_s},
                        {"graph_captures", s.graph_captures},
                        {"graph_error", s.graph_error}});
-            std::printf("%s, %s cache, forward %s, routing %s, attention %s, graphs %s, experts %s, batch %lld: %.0f "
-                        "decode tokens/s (%lld steps)\n",
-                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", deferred ? "deferred" : "layer",
-                        group_ctas ? "group" : "head", graphs ? "on" : "off", experts.c_str(), (long long)B,
-                        double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, experts %s, batch "
+                        "%lld: %.0f decode tokens/s (%lld steps)\n",
+                        recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
+                        deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
+                        experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             timed_out = out;
           }
           if (traffic) {
@@ -328,6 +341,7 @@ int main(int argc, char** argv) {
         ops::cuda::set_flash_head_rows(true);
       }
       set_forward_gemms_grouped(true);
+      set_fused_forward_gemms(true);
       set_moe_routing_waits_deferred(true);
       sampler.set_cuda_graphs(true);
     }
@@ -336,7 +350,7 @@ int main(int argc, char** argv) {
         if (row["recipe"] == "bf16") continue;
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
-          for (const char* k : {"kv_cache", "forward", "routing", "attention", "graphs", "experts", "batch"})
+          for (const char* k : {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;
           row["speed_vs_bf16"] = row["decode_tok_per_s"].get<double>() / base["decode_tok_per_s"].get<double>();

@@ -1,19 +1,23 @@
 // defines: GPU model tests (skipped without a GPU): 30 lockstep steps of configs/tiny.toml on the
 // GPU against the CPU for every recipe (the same loss on the same weights, no drift); two GPU
 // runs write byte-identical metrics; a sequence's logits on the GPU are bitwise the same alone
-// and inside a batch of 8 (every recipe with per-token activation scales).
+// and inside a batch of 8 (every recipe with per-token activation scales); the fused forward GEMMs
+// give the bits of the GEMMs apart.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "fourbit/model/kv_cache.h"
 #include "fourbit/model/model.h"
 #include "fourbit/train/trainer.h"
 #include "fourbit/tensor/device_memory.h"
@@ -119,3 +123,55 @@ INSTANTIATE_TEST_SUITE_P(Recipes, CudaBatchInvariance, ::testing::Values("fp32",
                              if (c == '-') c = '_';
                            return s;
                          });
+
+// The fused forward GEMMs on the GPU (set_fused_forward_gemms): the sampler's cached prefill and
+// decode steps on a BF16 cache, where wq | wk | wv run as one GEMM into
+// rope_fused_qkv_to_cache, and every FFN's w1 | w3 as one into swiglu_forward_fused, give the
+// bytes of the GEMMs run apart, on the grouped kernel's decode and training tiles alike; so do
+// Model::logits. NVIDIA's recipe keeps its per-tensor-scaled q, k and v apart.
+TEST(CudaModel, FusedForwardGemmsGiveTheSameBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
+  const ModelConfig& c = cfg.model;
+  std::mt19937 g(21);
+  const int64_t B = 4, P = 24;
+  std::vector<int32_t> prompt(size_t(B * P));
+  for (auto& t : prompt) t = int32_t(g() % 256);
+  for (const char* recipe : {"bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"}) {
+    SCOPED_TRACE(recipe);
+    Model m(c, recipe_by_name(recipe), Device::CUDA);
+    init_params(m.params(), c, 6);
+    const auto run = [&] {
+      std::vector<Tensor> out;
+      KvCache cache(c, B, 40, DType::F32, Device::CUDA);
+      out.push_back(m.forward_cached(Tensor::from_host(prompt.data(), {B, P}, DType::I32, Device::CUDA),
+                                     KvBatch{P, {{0, B, 0}}}, cache, SrStreams{})
+                        .to(Device::CPU));
+      for (int64_t step = 0; step < 4; ++step) {
+        std::vector<int32_t> next(static_cast<size_t>(B));
+        for (auto& t : next) t = int32_t(g() % 256);
+        out.push_back(m.forward_cached(Tensor::from_host(next.data(), {B, 1}, DType::I32, Device::CUDA),
+                                       KvBatch{1, {{0, B, P + step}}}, cache, SrStreams{})
+                          .to(Device::CPU));
+      }
+      out.push_back(m.logits(Tensor::from_host(prompt.data(), {B, P}, DType::I32, Device::CUDA), SrStreams{})
+                        .to(Device::CPU));
+      return out;
+    };
+    const std::mt19937 g0 = g;
+    set_fused_forward_gemms(true);
+    const std::vector<Tensor> fused = run();
+    const auto wqkv = m.fused_weights().find("layers.1.attn.wqkv/fprop");
+    ASSERT_TRUE(wqkv != m.fused_weights().end());
+    EXPECT_EQ(wqkv->second.defined(), std::string(recipe) != "nvidia-nvfp4");
+    const auto w13 = m.fused_weights().find("layers.1.moe.w13/fprop");
+    EXPECT_TRUE(w13 != m.fused_weights().end() && w13->second.defined());
+    g = g0;  // the same decode tokens
+    set_fused_forward_gemms(false);
+    const std::vector<Tensor> apart = run();
+    set_fused_forward_gemms(true);
+    ASSERT_EQ(fused.size(), apart.size());
+    for (size_t i = 0; i < fused.size(); ++i)
+      EXPECT_EQ(0, std::memcmp(fused[i].raw(), apart[i].raw(), size_t(fused[i].nbytes()))) << "call " << i;
+  }
+}

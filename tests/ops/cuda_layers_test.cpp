@@ -376,6 +376,37 @@ TEST(CudaLayers, RopeQkvToCacheIsTheSeparateOpsBits) {
       "rope_forward: positions[1] = 100 is outside [0, max_pos=100)");
 }
 
+// rope_fused_qkv_to_cache reads q, k and v in place from the fused projection's rows and writes
+// the bits of rope_qkv_to_cache on the three parts: q's copy and both caches' rows, with and
+// without float4 groups (hd 64, 6).
+TEST(CudaLayers, RopeFusedQkvToCacheIsTheThreePartsBits) {
+  SKIP_WITHOUT_GPU();
+  const int64_t max_pos = 100, N = 37, Hq = 4, Hkv = 2, R = 150;
+  for (const int64_t hd : {int64_t(64), int64_t(6)}) {
+    const std::string name = cfg("hd=%lld", hd);
+    const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
+    const Tensor pos = gpu(random_ints({N}, 0, int32_t(max_pos), 330));
+    std::vector<int32_t> rows(static_cast<size_t>(R));
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), std::mt19937(331));
+    rows.resize(size_t(N));
+    const Tensor dst = gpu(int_tensor(rows, {N}));
+    const Tensor qkv = random_tensor({N, (Hq + 2 * Hkv) * hd}, DType::F32, 332, -2.0, 2.0);
+    Tensor cache0 = Tensor::empty({R, Hkv, hd}, DType::BF16, Device::CUDA);
+    ops::convert(gpu(random_tensor({R, Hkv, hd}, DType::F32, 333)), cache0);
+    Tensor qa = Tensor::empty({N, Hq, hd}, DType::BF16, Device::CUDA), kca = cache0.clone(), vca = cache0.clone();
+    ops::rope_qkv_to_cache(gpu(column_block(qkv, 0, Hq * hd)).reshape({N, Hq, hd}),
+                           gpu(column_block(qkv, Hq * hd, Hkv * hd)).reshape({N, Hkv, hd}),
+                           gpu(column_block(qkv, (Hq + Hkv) * hd, Hkv * hd)).reshape({N, Hkv, hd}), pos, table, dst,
+                           qa, kca, vca);
+    Tensor qf = Tensor::empty({N, Hq, hd}, DType::BF16, Device::CUDA), kcf = cache0.clone(), vcf = cache0.clone();
+    ops::rope_fused_qkv_to_cache(gpu(qkv).reshape({N, Hq + 2 * Hkv, hd}), Hq, pos, table, dst, qf, kcf, vcf);
+    expect_bits("rope_fused_qkv_to_cache q " + name, qf, qa);
+    expect_bits("rope_fused_qkv_to_cache k cache " + name, kcf, kca);
+    expect_bits("rope_fused_qkv_to_cache v cache " + name, vcf, vca);
+  }
+}
+
 // ---- swiglu ---------------------------------------------------------------------------------------
 
 TEST(CudaLayers, SwigluMatchesCpu) {
@@ -396,6 +427,25 @@ TEST(CudaLayers, SwigluMatchesCpu) {
     ops::swiglu_backward(gpu(da), h1g, h3g, d1g, d3g);
     expect_close(name + " backward dh1", d1g, d1c, kElementwiseTol);
     expect_close(name + " backward dh3", d3g, d3c, kElementwiseTol);
+  }
+}
+
+// swiglu_forward_fused reads the gate and up halves of each fused row in place and gives
+// swiglu_forward's bits on the two halves, F32 and BF16 outputs: F a multiple of 4 (float4 groups)
+// and not (element by element).
+TEST(CudaLayers, SwigluFusedIsSwigluForwardsBits) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t F : {int64_t(1024), int64_t(64), int64_t(13), int64_t(6)}) {
+    const int64_t N = 77;
+    const std::string name = cfg("N=%lld F=%lld", N, F);
+    const Tensor h13 = random_tensor({N, 2 * F}, DType::F32, 410, -8.0, 8.0);
+    const Tensor h1 = gpu(column_block(h13, 0, F)), h3 = gpu(column_block(h13, F, F)), h13g = gpu(h13);
+    for (const DType out : {DType::F32, DType::BF16}) {
+      Tensor a = Tensor::empty({N, F}, out, Device::CUDA), af = Tensor::empty({N, F}, out, Device::CUDA);
+      ops::swiglu_forward(h1, h3, a);
+      ops::swiglu_forward_fused(h13g, af);
+      expect_bits("swiglu_forward_fused " + name + " " + dtype_name(out), af, a);
+    }
   }
 }
 

@@ -262,7 +262,63 @@ TEST(RopeOps, QkvToCacheWritesTheRotatedCopies) {
                "rope_qkv_to_cache: k and v must be [N=3, Hkv, hd=8] alike");
 }
 
+
+// rope_fused_qkv_to_cache on the fused projection's rows writes the bits of rope_qkv_to_cache on
+// its three parts: q's copy and the cache rows (the GPU's reading in place:
+// CudaLayers.RopeFusedQkvToCacheIsTheThreePartsBits); a row of another head count is refused.
+TEST(RopeOps, FusedQkvToCacheIsTheThreePartsBits) {
+  const int64_t N = 3, Hq = 4, Hkv = 2, hd = 8, R = 5;
+  const Tensor table = ops::rope_table(16, hd, 10000.0, Device::CPU);
+  const Tensor pos = int_tensor({0, 5, 15}, {N}), dst = int_tensor({4, 0, 2}, {N});
+  const Tensor qkv = random_tensor({N, Hq + 2 * Hkv, hd}, DType::F32, 43);
+  Tensor qa = Tensor::empty({N, Hq, hd}, DType::BF16), kca = Tensor::zeros({R, Hkv, hd}, DType::BF16),
+         vca = kca.clone();
+  const Tensor rows = qkv.reshape({N, (Hq + 2 * Hkv) * hd});
+  ops::rope_qkv_to_cache(column_block(rows, 0, Hq * hd).reshape({N, Hq, hd}),
+                         column_block(rows, Hq * hd, Hkv * hd).reshape({N, Hkv, hd}),
+                         column_block(rows, (Hq + Hkv) * hd, Hkv * hd).reshape({N, Hkv, hd}), pos, table, dst, qa, kca,
+                         vca);
+  Tensor qf = Tensor::empty({N, Hq, hd}, DType::BF16), kcf = Tensor::zeros({R, Hkv, hd}, DType::BF16),
+         vcf = kcf.clone();
+  ops::rope_fused_qkv_to_cache(qkv, Hq, pos, table, dst, qf, kcf, vcf);
+  EXPECT_TRUE(bitwise_equal(qf, qa));
+  EXPECT_TRUE(bitwise_equal(kcf, kca));
+  EXPECT_TRUE(bitwise_equal(vcf, vca));
+  expect_error([&] { ops::rope_fused_qkv_to_cache(qkv, 3, pos, table, dst, qf, kcf, vcf); },
+               "rope_fused_qkv_to_cache: qkv f32[3, 8, 8] cpu must hold Hq=3 query heads and then the caches' Hkv=2 "
+               "key and Hkv value heads a row");
+  Tensor v_wrong = vcf.reshape({R, 1, 2 * hd});
+  expect_error([&] { ops::rope_fused_qkv_to_cache(qkv, Hq, pos, table, dst, qa, kcf, v_wrong); },
+               "rope_fused_qkv_to_cache: v_cache must be a bf16 [rows, Hkv=2, hd=8] tensor");
+}
+
 // ---- swiglu ---------------------------------------------------------------------------------------
+
+// swiglu_forward_fused on the fused gate|up rows gives swiglu_forward's bits on the two halves, in
+// every dtype and into a BF16 output; an odd last dimension is refused.
+TEST(SwigluOps, FusedHalvesAreSwigluForwardsBits) {
+  const int64_t N = 7, F = 13;
+  for (const DType dt : {DType::F32, DType::F64}) {
+    const Tensor h13 = random_tensor({N, 2 * F}, dt, 44, -8.0, 8.0);
+    const Tensor h1 = column_block(h13, 0, F), h3 = column_block(h13, F, F);
+    Tensor a = Tensor::empty({N, F}, dt), af = a.clone();
+    ops::swiglu_forward(h1, h3, a);
+    ops::swiglu_forward_fused(h13, af);
+    EXPECT_TRUE(bitwise_equal(af, a)) << dtype_name(dt);
+    if (dt == DType::F32) {
+      Tensor a16 = Tensor::empty({N, F}, DType::BF16), af16 = a16.clone();
+      ops::swiglu_forward(h1, h3, a16);
+      ops::swiglu_forward_fused(h13, af16);
+      EXPECT_TRUE(bitwise_equal(af16, a16));
+    }
+  }
+  Tensor a = Tensor::empty({N, F}, DType::F32);
+  expect_error([&] { ops::swiglu_forward_fused(random_tensor({N, 2 * F + 1}, DType::F32, 45), a); },
+               "swiglu_forward_fused: h13 must be [..., 2F] (gate then up), an even last dimension, got f32[7, 27] cpu");
+  Tensor a_wrong = a.reshape({F, N});
+  expect_error([&] { ops::swiglu_forward_fused(random_tensor({N, 2 * F}, DType::F32, 45), a_wrong); },
+               "swiglu_forward_fused: a must be");
+}
 
 TEST(SwigluOps, GradCheck) {
   Tensor h1 = random_tensor({4, 6}, DType::F64, 40, -4.0, 4.0);

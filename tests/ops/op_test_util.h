@@ -1,5 +1,5 @@
 // defines: test helpers for the layer ops: random tensors and routings, bitwise comparison, error-message
-//          expectations, time_slice, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
+//          expectations, column_block, time_slice, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
 #pragma once
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -79,6 +79,14 @@ inline bool bitwise_equal_range(const Tensor& a, int64_t a_off, const Tensor& b,
   const int64_t es = dtype_size(a.dtype());
   return std::memcmp(static_cast<const char*>(a.raw()) + a_off * es,
                      static_cast<const char*>(b.raw()) + b_off * es, size_t(n * es)) == 0;
+}
+
+// Columns [c0, c0 + count) of a host [R, C] tensor, copied: a fused GEMM output's part.
+inline Tensor column_block(const Tensor& x, int64_t c0, int64_t count) {
+  const int64_t R = x.size(0), C = x.size(1);
+  Tensor out = Tensor::empty({R, count}, x.dtype());
+  for (int64_t r = 0; r < R; ++r) out.view(r * count, {count}).copy_from(x.view(r * C + c0, {count}));
+  return out;
 }
 
 // Positions [t0, t1) of a host [B, L, H, hd] tensor, copied.

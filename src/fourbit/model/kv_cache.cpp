@@ -133,15 +133,26 @@ void KvStep::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tenso
   attend_cached(layer, q, o, lse);
 }
 
-void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
-                         Tensor& q_bf16, Tensor& o, Tensor& lse) const {
+std::pair<Tensor, Tensor> KvStep::bf16_cache_rows(int64_t layer, int64_t hkv, int64_t hd) const {
   if (cache.storage() != DType::BF16)
     fail("cached forward: rope_attend writes a BF16 cache, this one stores {}", dtype_name(cache.storage()));
-  const int64_t rows = cache.slots() * cache.capacity(), hkv = k.size(1), hd = k.size(2);
-  Tensor kc = cache.k_.at(size_t(layer)).reshape({rows, hkv, hd});
-  Tensor vc = cache.v_.at(size_t(layer)).reshape({rows, hkv, hd});
+  const int64_t rows = cache.slots() * cache.capacity();
+  return {cache.k_.at(size_t(layer)).reshape({rows, hkv, hd}), cache.v_.at(size_t(layer)).reshape({rows, hkv, hd})};
+}
+
+void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
+                         Tensor& q_bf16, Tensor& o, Tensor& lse) const {
+  auto [kc, vc] = bf16_cache_rows(layer, k.size(1), k.size(2));
   Tensor q3 = q_bf16.reshape(q.shape());
   ops::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q3, kc, vc);
+  attend_cached(layer, q_bf16, o, lse);
+}
+
+void KvStep::rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table,
+                               Tensor& q_bf16, Tensor& o, Tensor& lse) const {
+  auto [kc, vc] = bf16_cache_rows(layer, (qkv.size(1) - n_heads) / 2, qkv.size(2));
+  Tensor q3 = q_bf16.reshape({qkv.size(0), n_heads, qkv.size(2)});
+  ops::rope_fused_qkv_to_cache(qkv, n_heads, positions, table, dst_rows, q3, kc, vc);
   attend_cached(layer, q_bf16, o, lse);
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "fourbit/model/config.h"
@@ -95,6 +96,10 @@ struct KvStep {
   // attention of q's BF16 copy (q_bf16 [B, T, Hq, hd], written here) over the cache: attend's bits.
   void rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
                    Tensor& q_bf16, Tensor& o, Tensor& lse) const;
+  // The same from the fused projection's qkv [B * T, Hq + 2 Hkv, hd] (ops::rope_fused_qkv_to_cache,
+  // Hq = n_heads): rope_attend's bits on its three parts.
+  void rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table, Tensor& q_bf16,
+                         Tensor& o, Tensor& lse) const;
 
  private:
   void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const;
@@ -103,6 +108,8 @@ struct KvStep {
   // batch's positions and cache rows, after checking them against the cache
   static void rows_of(const KvCache& cache, const KvBatch& batch, int64_t max_seq_len, std::vector<int32_t>& pos,
                       std::vector<int32_t>& dst);
+  // Layer `layer`'s K and V caches as [slots * capacity, hkv, hd] views; fails unless they store BF16.
+  std::pair<Tensor, Tensor> bf16_cache_rows(int64_t layer, int64_t hkv, int64_t hd) const;
 };
 
 }  // namespace fourbit

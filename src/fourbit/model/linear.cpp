@@ -1,5 +1,5 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm,
+//          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
@@ -254,6 +254,96 @@ void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate) {
 namespace {
 std::atomic<bool> g_forward_grouped{true};
 }  // namespace
+
+namespace {
+
+// ts[p] holds `slices` blocks of rows[p] rows of C values each (as [slices * rows[p], C] or any
+// shape of that size): a new [slices * sum(rows), C] tensor whose slice s is the parts' blocks s
+// one after another.
+Tensor stack_slices(const std::vector<Tensor>& ts, const std::vector<int64_t>& rows, int64_t slices, int64_t C) {
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  Tensor out = Tensor::empty({slices * total, C}, ts[0].dtype(), ts[0].device());
+  for (int64_t s = 0; s < slices; ++s) {
+    int64_t at = s * total;
+    for (size_t p = 0; p < ts.size(); ++p) {
+      out.view(at * C, {rows[p], C}).copy_from(ts[p].view(s * rows[p] * C, {rows[p], C}));
+      at += rows[p];
+    }
+  }
+  return out;
+}
+
+Prepared stack_quantized(const std::vector<Prepared>& parts, bool shared_outer) {
+  const QTensor& q0 = parts[0].q;
+  if (q0.axis != BlockAxis::Row) return {};
+  if ((q0.outer == OuterScale::Tensor || q0.outer == OuterScale::PerSlice) && !shared_outer) return {};
+  std::vector<int64_t> rows;
+  bool all_bf16 = true;
+  for (const Prepared& p : parts) {
+    const QTensor& q = p.q;
+    if (!p.is_quantized() || q.fmt != q0.fmt || q.axis != q0.axis || q.outer != q0.outer || q.slices != q0.slices ||
+        q.cols != q0.cols || q.tile_2d != q0.tile_2d || q.hadamard != q0.hadamard ||
+        q.hadamard_signs != q0.hadamard_signs || q.device() != q0.device())
+      return {};
+    if (q.tile_2d && q.rows % 16 != 0) return {};  // keep every 16-row tile within one part
+    rows.push_back(q.rows);
+    all_bf16 = all_bf16 && q.bf16.defined();
+  }
+  const auto field = [&](Tensor QTensor::*member) {
+    std::vector<Tensor> ts;
+    for (const Prepared& p : parts) ts.push_back(p.q.*member);
+    return ts;
+  };
+  QTensor out = q0;
+  out.rows = 0;
+  for (int64_t r : rows) out.rows += r;
+  out.codes = stack_slices(field(&QTensor::codes), rows, q0.slices, q0.code_row_bytes());
+  out.block_scales = stack_slices(field(&QTensor::block_scales), rows, q0.slices, q0.blocks_per_row());
+  // per row: the parts' own rows' scales; per tensor or slice: one amax was shared, so part 0's
+  // scales are every part's
+  if (q0.outer == OuterScale::PerRow)
+    out.outer_scales = stack_slices(field(&QTensor::outer_scales), rows, q0.slices, 1).reshape({q0.slices * out.rows});
+  out.bf16 = all_bf16 ? stack_slices(field(&QTensor::bf16), rows, q0.slices, q0.padded_cols()) : Tensor{};
+  Prepared p;
+  p.q = std::move(out);
+  return p;
+}
+
+Prepared stack_dense(const std::vector<Prepared>& parts) {
+  const Tensor& d0 = parts[0].dense;
+  const bool stacked = d0.dim() == 3;
+  if (d0.dim() != 2 && !stacked) return {};
+  const int64_t slices = stacked ? d0.size(0) : 1, K = d0.size(-1);
+  std::vector<int64_t> rows;
+  std::vector<Tensor> ts;
+  bool adjacent = !stacked;  // one buffer, each part right after the one before
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Tensor& d = parts[i].dense;
+    if (parts[i].is_quantized() || !d.defined() || parts[i].trans || d.dtype() != d0.dtype() || d.dim() != d0.dim() ||
+        d.size(-1) != K || (stacked && d.size(0) != slices) || d.device() != d0.device())
+      return {};
+    rows.push_back(d.size(-2));
+    ts.push_back(d);
+    if (i > 0)
+      adjacent = adjacent && d.shares_storage(d0) &&
+                 static_cast<const char*>(d.raw()) ==
+                     static_cast<const char*>(parts[i - 1].dense.raw()) + parts[i - 1].dense.nbytes();
+  }
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  Prepared p;
+  if (adjacent) p.dense = d0.view(0, {total, K});
+  else p.dense = stack_slices(ts, rows, slices, K).reshape(stacked ? Shape{slices, total, K} : Shape{total, K});
+  return p;
+}
+
+}  // namespace
+
+Prepared stack_fprop_weights(const std::vector<Prepared>& parts, bool shared_outer) {
+  FOURBIT_CHECK(parts.size() >= 2, "stack_fprop_weights: stacking needs two parts or more");
+  return parts[0].is_quantized() ? stack_quantized(parts, shared_outer) : stack_dense(parts);
+}
 
 void forward_gemm(const Prepared& a, const Prepared& b, Tensor& c) {
   if (g_forward_grouped.load(std::memory_order_relaxed)) ops::grouped_gemm(a.op(), b.op(), {0, a.op().rows()}, c);

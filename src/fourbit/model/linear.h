@@ -1,6 +1,6 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_weight_both,
-//          requantize_saved, requantize_saved_segments, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm
+//          requantize_saved, requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
@@ -132,6 +132,16 @@ Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole
 std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
                                                 const QuantSpec& spec, GemmRole role, char side,
                                                 const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log);
+
+// The fprop weight operands `parts` (each [rows_p, K], or [slices, rows_p, K] for expert stacks)
+// stacked along their output rows, slice by slice: the B of one GEMM whose output columns are the
+// parts' outputs side by side (wq | wk | wv; an FFN's w1 | w3, per expert). Every output element is
+// then the product of the same operand rows over the same K as in its part's own GEMM. A view where
+// dense parts lie back to back in one buffer (the BF16 copies of consecutive parameters), else a
+// copy. Undefined where the parts do not stack exactly: different formats, block layouts, a
+// transposed or Col-axis operand, or outer scales that differ between them (Tensor and PerSlice
+// scales stack only with shared_outer: the parts were quantized with one shared amax).
+Prepared stack_fprop_weights(const std::vector<Prepared>& parts, bool shared_outer);
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);

@@ -15,6 +15,7 @@ namespace fourbit {
 
 namespace {
 std::atomic<bool> g_routing_waits_deferred{true};
+std::atomic<bool> g_fused_forward_gemms{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -97,6 +98,8 @@ struct ModelRunner {
   int64_t layer = 0;
   bool record_amax = false;  // a training forward: keep the running input amax (Model::input_amax)
   bool training_path = false;  // a forward without a backward run as training runs it (Model::logits)
+  // A forward without a backward whose GEMMs that read one input run as one (set_fused_forward_gemms).
+  bool fuse = false;
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   // The step's weight operands made at the start of the forward pass: BF16 copies in one launch,
@@ -343,10 +346,21 @@ struct ModelRunner {
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
     LinearInput x = prepare_input(xn, r, cls, w.name + ".w13", true);
     record_input_amax(w.name + ".x", xn, r);
-    Tensor h1 = act({N, F}), h3 = act({N, F}), a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
-    forward_gemm(x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
-    forward_gemm(x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
-    ops::swiglu_forward(h1, h3, a);
+    Tensor h1, h3, a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
+    const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
+    const Prepared w3 = weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
+    const Prepared w13 = fuse && !saved ? m.fused_weight(w.name + ".w13", {w1, w3}, true) : Prepared{};
+    if (w13.defined()) {
+      Tensor h13 = act({N, 2 * F});
+      forward_gemm(x.fwd, w13, h13);
+      ops::swiglu_forward_fused(h13, a);
+    } else {
+      h1 = act({N, F});
+      h3 = act({N, F});
+      forward_gemm(x.fwd, w1, h1);
+      forward_gemm(x.fwd, w3, h3);
+      ops::swiglu_forward(h1, h3, a);
+    }
     record_input_amax(w.name + ".a", a, r);
     const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
     forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
@@ -398,45 +412,61 @@ struct ModelRunner {
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
     LinearInput x = prepare_input(xn, r, cls, name + "wqkv", true);
     record_input_amax(name + "x", xn, r);
-    Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
-    forward_gemm(x.fwd, weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls), q);
-    forward_gemm(x.fwd, weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls), k);
-    forward_gemm(x.fwd, weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls), v);
-    Tensor q4 = q.reshape({B, T, Hq, hd}), k4 = k.reshape({B, T, Hkv, hd}), v4 = v.reshape({B, T, Hkv, hd});
-    Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
     // Where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k rounded to
     // BF16 as well, v is converted once, and attention reads those copies, which the backward
     // keeps and the sampler's cache stores (KvCache::default_storage; an F32 cache takes F32).
     const bool bf16_qkv = m.dtype_ == DType::F32 && (kv ? kv->cache.storage() == DType::BF16
                                                          : ops::attention_reads_bf16(m.device_));
+    const Prepared wq = weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared wk = weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared wv = weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls);
     // The output projection's BF16 operand, written by attention's epilogue.
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
-    if (kv && bf16_qkv) {
-      // the sampler's cached call: RoPE, the BF16 copies and the cache writes in one op, the bits
-      // of the path below
-      Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
-      kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse);
+    Tensor q4, k4, v4;  // attention's operands, which the backward keeps
+    const Prepared wqkv = fuse && kv && bf16_qkv ? m.fused_weight(name + "wqkv", {wq, wk, wv}, false) : Prepared{};
+    if (wqkv.defined()) {
+      // the sampler's cached call on the fused projection: one GEMM, then RoPE, the BF16 copies
+      // and the cache writes reading q, k and v where it left them (rope_attend's bits)
+      Tensor qkv = act({N, (Hq + 2 * Hkv) * hd});
+      forward_gemm(x.fwd, wqkv, qkv);
+      Tensor qb = Tensor::empty({B, T, Hq, hd}, DType::BF16, m.device_);
+      kv->rope_attend_fused(layer, qkv.reshape({N, Hq + 2 * Hkv, hd}), Hq, m.rope_, qb, o, lse);
     } else {
-      if (bf16_qkv) {
+      Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
+      forward_gemm(x.fwd, wq, q);
+      forward_gemm(x.fwd, wk, k);
+      forward_gemm(x.fwd, wv, v);
+      q4 = q.reshape({B, T, Hq, hd});
+      k4 = k.reshape({B, T, Hkv, hd});
+      v4 = v.reshape({B, T, Hkv, hd});
+      Tensor q3 = q.reshape({N, Hq, hd}), k3 = k.reshape({N, Hkv, hd});
+      if (kv && bf16_qkv) {
+        // the sampler's cached call: RoPE, the BF16 copies and the cache writes in one op, the
+        // bits of the path below
         Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
-        Tensor kb = Tensor::empty(k4.shape(), DType::BF16, m.device_);
-        Tensor vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
-        Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
-        // the rotated F32 q and k are never read (attention, the cache and the backward take the
-        // copies): rope writes the copies only
-        ops::rope_forward(q3, positions, m.rope_, &qb3, true);
-        ops::rope_forward(k3, positions, m.rope_, &kb3, true);
-        ops::convert(v4, vb);
-        q4 = qb;
-        k4 = kb;
-        v4 = vb;
+        kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse);
       } else {
-        ops::rope_forward(q3, positions, m.rope_);
-        ops::rope_forward(k3, positions, m.rope_);
+        if (bf16_qkv) {
+          Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
+          Tensor kb = Tensor::empty(k4.shape(), DType::BF16, m.device_);
+          Tensor vb = Tensor::empty(v4.shape(), DType::BF16, m.device_);
+          Tensor qb3 = qb.reshape(q3.shape()), kb3 = kb.reshape(k3.shape());
+          // the rotated F32 q and k are never read (attention, the cache and the backward take
+          // the copies): rope writes the copies only
+          ops::rope_forward(q3, positions, m.rope_, &qb3, true);
+          ops::rope_forward(k3, positions, m.rope_, &kb3, true);
+          ops::convert(v4, vb);
+          q4 = qb;
+          k4 = kb;
+          v4 = vb;
+        } else {
+          ops::rope_forward(q3, positions, m.rope_);
+          ops::rope_forward(k3, positions, m.rope_);
+        }
+        if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
+        if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
+        else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
       }
-      if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
-      if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
-      else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
     }
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
     LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);
@@ -665,10 +695,19 @@ struct ModelRunner {
     const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
-    Tensor h1 = act({rows, F}), h3 = act({rows, F}), a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
-    expert_gemm(x_perm, w1, plan, h1);
-    expert_gemm(x_perm, w3, plan, h3);
-    ops::swiglu_forward(h1, h3, a);
+    Tensor h1, h3, a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
+    const Prepared w13 = fuse && !inner ? m.fused_weight(name + "moe.w13", {w1, w3}, true) : Prepared{};
+    if (w13.defined()) {  // each expert's w1 and w3 rows stacked: one GEMM, its SwiGLU on the halves
+      Tensor h13 = act({rows, 2 * F});
+      expert_gemm(x_perm, w13, plan, h13);
+      ops::swiglu_forward_fused(h13, a);
+    } else {
+      h1 = act({rows, F});
+      h3 = act({rows, F});
+      expert_gemm(x_perm, w1, plan, h1);
+      expert_gemm(x_perm, w3, plan, h3);
+      ops::swiglu_forward(h1, h3, a);
+    }
     record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's. For
     // the backward pass (`inner`), w2's weight-gradient operand a^T comes in the same pass where
@@ -838,6 +877,17 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   if (ahead != bf16_ahead_.end()) bf16_ahead_.erase(ahead);
   weight_cache_.emplace(key, p);
   return p;
+}
+
+Prepared Model::fused_weight(const std::string& name, const std::vector<Prepared>& parts, bool shared_outer) {
+  const std::string key = name + "/" + gemm_role_name(GemmRole::Fprop);
+  auto it = fused_cache_.find(key);
+  if (it != fused_cache_.end()) return it->second;
+  // as weight(): a capture would leave the stacked copy unmade in the cache
+  if (graph_capturing())
+    fail("model: the fused weight operand {} is not cached, and a CUDA graph being captured cannot make it (run the "
+         "forward once before capturing it)", key);
+  return fused_cache_.emplace(key, stack_fprop_weights(parts, shared_outer)).first->second;
 }
 
 // On the GPU, every weight whose fprop and dgrad operands are MXFP8 of one format, both rounded
@@ -1182,6 +1232,7 @@ void Model::backward() {
 }
 
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
+void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {
@@ -1202,6 +1253,7 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache
     rows = Tensor::from_host(logit_rows.data(), {int64_t(logit_rows.size())}, DType::I32, device_);
   }
   ModelRunner run{*this, cfg_, sr, nullptr};
+  run.fuse = g_fused_forward_gemms.load(std::memory_order_relaxed);
   return forward_logits(*this, run, tokens, nullptr, false, &kv, rows);
 }
 
@@ -1215,6 +1267,7 @@ Tensor Model::forward_cached(const Tensor& tokens, const KvStep& kv, const SrStr
          kv.cache.layers(), dtype_name(kv.cache.dtype()), device_name(kv.cache.device()), cfg_.n_layers,
          dtype_name(dtype_), device_name(device_));
   ModelRunner run{*this, cfg_, sr, nullptr};
+  run.fuse = g_fused_forward_gemms.load(std::memory_order_relaxed);
   return forward_logits(*this, run, tokens, nullptr, false, &kv, Tensor());
 }
 
@@ -1233,6 +1286,7 @@ Tensor Model::logits(const Tensor& tokens, const SrStreams& sr, bool as_trainer)
     fail("logits: sequence length {} exceeds max_seq_len {}", tokens.size(1), cfg_.max_seq_len);
   ModelRunner run{*this, cfg_, sr, nullptr};
   run.training_path = as_trainer;
+  run.fuse = !as_trainer && g_fused_forward_gemms.load(std::memory_order_relaxed);
   return forward_logits(*this, run, tokens, nullptr, false);
 }
 

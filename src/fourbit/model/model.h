@@ -1,5 +1,5 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
-//          forward_weight_bytes, set_moe_routing_waits_deferred
+//          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -56,6 +56,17 @@ struct LinearInfo {
 // waits in every MoE layer as training does (the path before it), process-wide: for benchmarks
 // that compare the two in one process. Both give the same bits.
 void set_moe_routing_waits_deferred(bool on);
+
+// Whether a forward that keeps nothing for a backward (the sampler's prefill and decode,
+// Model::logits but as_trainer) runs the GEMMs that read one input as one GEMM on their weights'
+// rows stacked (stack_fprop_weights): wq, wk and wv's (where they stack: not NVIDIA's recipe, whose
+// per-tensor scales differ) into RoPE and the cache writes straight from the fused rows
+// (ops::rope_fused_qkv_to_cache), and every FFN's w1 and w3 (per expert for the routed ones) into
+// the SwiGLU of the fused rows (ops::swiglu_forward_fused): one launch each, on wider tiles, where
+// a decode step is bound by launches (true, the default). Otherwise one GEMM each, as training
+// runs them. Process-wide, for benchmarks and tests that compare the two in one process. Every
+// output element is the same chain of products over K either way: the same bits.
+void set_fused_forward_gemms(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e
@@ -136,6 +147,7 @@ class Model {
   void invalidate_weight_cache(bool bf16_copies_current = false) {
     ++weights_version_;
     weight_cache_.clear();
+    fused_cache_.clear();
     bf16_ahead_.clear();
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
   }
@@ -166,6 +178,10 @@ class Model {
   // The prepared weights forward() has cached since the last invalidate_weight_cache(), by
   // "<linear>/<gemm role>" (tests check forward_weight against them).
   const std::map<std::string, Prepared>& weight_cache() const { return weight_cache_; }
+  // The stacked operands of the fused forward GEMMs (set_fused_forward_gemms) made since then, by
+  // "<fused name>/fprop" ("layers.3.attn.wqkv", "layers.3.moe.w13"): undefined where the parts
+  // did not stack and ran apart.
+  const std::map<std::string, Prepared>& fused_weights() const { return fused_cache_; }
 
   // Running max of |x| over the inputs of each NVFP4-quantized linear seen by training forwards
   // (for_backward), per input: "layers.3.moe.x" (w1 and w3, one value per expert, over the
@@ -191,6 +207,10 @@ class Model {
   // operand is BF16, made in one ops::convert_each (one launch on the GPU, instead of one per
   // weight as each layer first asks for it); weight() then takes them as prepare's conversion.
   void convert_bf16_weights_ahead();
+  // The operand of the fused GEMM `name` ("layers.3.attn.wqkv", "layers.3.moe.w13") stacked from
+  // its parts' cached operands (stack_fprop_weights), cached with them until the weights change;
+  // undefined (also cached) where they do not stack.
+  Prepared fused_weight(const std::string& name, const std::vector<Prepared>& parts, bool shared_outer);
   void quantize_weights_ahead(const SrStreams& sr);
   struct Bf16Ahead {
     const void* source;  // the weight's storage: a copy is only used for the weight it was made of
@@ -205,6 +225,7 @@ class Model {
   Tensor positions_;  // training_positions' for (positions_B_, positions_T_)
   int64_t positions_B_ = 0, positions_T_ = 0;
   std::map<std::string, Prepared> weight_cache_;
+  std::map<std::string, Prepared> fused_cache_;  // fused_weight's, by "<name>/fprop"
   std::map<std::string, Bf16Ahead> bf16_ahead_;  // by weight_cache_ key, until weight() takes it
   Bf16Copies bf16_copies_;            // bf16_weight_copies()
   bool bf16_copies_made_ = false;

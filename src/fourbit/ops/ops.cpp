@@ -500,6 +500,24 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Ten
   if (bf16_only && !dx_bf16) fail("rope_backward: bf16_only writes only dx_bf16, and none was given");
   FOURBIT_DISPATCH(dx.device(), rope_backward, dx, positions, table, dx_bf16, bf16_only);
 }
+namespace {
+// rope_qkv_to_cache's destinations for queries of q_shape [N, Hq, hd] and Hkv key/value heads.
+void check_qkv_destinations(const char* op, const Shape& q_shape, int64_t Hkv, Device device, const Tensor& q_bf16,
+                            const Tensor& k_cache, const Tensor& v_cache) {
+  const int64_t hd = q_shape[2];
+  if (!q_bf16.defined() || q_bf16.dtype() != DType::BF16 || q_bf16.shape() != q_shape || q_bf16.device() != device)
+    fail("{}: q_bf16 must be a bf16 tensor {} on q's device, got {}", op, shape_str(q_shape),
+         q_bf16.defined() ? q_bf16.str() : "undefined");
+  for (const auto& [name, c] : {std::pair<const char*, const Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}})
+    if (!c->defined() || c->dtype() != DType::BF16 || c->dim() != 3 || c->size(1) != Hkv || c->size(2) != hd ||
+        c->device() != device)
+      fail("{}: {} must be a bf16 [rows, Hkv={}, hd={}] tensor on q's device, got {}", op, name, Hkv, hd,
+           c->defined() ? c->str() : "undefined");
+  if (k_cache.shape() != v_cache.shape())
+    fail("{}: k_cache {} and v_cache {} differ", op, k_cache.str(), v_cache.str());
+}
+}  // namespace
+
 void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
                        const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
   const HostOpTimer host_timer("rope_qkv_to_cache");
@@ -514,19 +532,9 @@ void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const int64_t N = q.size(0), hd = q.size(2), Hkv = k.size(1);
   if (k.size(0) != N || k.size(2) != hd || v.shape() != k.shape())
     fail("{}: k and v must be [N={}, Hkv, hd={}] alike, got k {} and v {}", op, N, hd, k.str(), v.str());
-  if (!q_bf16.defined() || q_bf16.dtype() != DType::BF16 || q_bf16.shape() != q.shape() ||
-      q_bf16.device() != q.device())
-    fail("{}: q_bf16 must be a bf16 tensor {} on q's device, got {}", op, shape_str(q.shape()),
-         q_bf16.defined() ? q_bf16.str() : "undefined");
-  for (const auto& [name, c] : {std::pair<const char*, const Tensor*>{"k_cache", &k_cache}, {"v_cache", &v_cache}})
-    if (!c->defined() || c->dtype() != DType::BF16 || c->dim() != 3 || c->size(1) != Hkv || c->size(2) != hd ||
-        c->device() != q.device())
-      fail("{}: {} must be a bf16 [rows, Hkv={}, hd={}] tensor on q's device, got {}", op, name, Hkv, hd,
-           c->defined() ? c->str() : "undefined");
-  if (k_cache.shape() != v_cache.shape())
-    fail("{}: k_cache {} and v_cache {} differ", op, k_cache.str(), v_cache.str());
   if (k.device() != q.device() || v.device() != q.device())
     fail("{}: q, k and v must be on one device", op);
+  check_qkv_destinations(op, q.shape(), Hkv, q.device(), q_bf16, k_cache, v_cache);
 #if FOURBIT_HAS_CUDA
   if (q.device() == Device::CUDA &&
       cuda::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q_bf16, k_cache, v_cache))
@@ -541,6 +549,38 @@ void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
   Tensor kc = k_cache.reshape({k_cache.size(0), row}), vc = v_cache.reshape({v_cache.size(0), row});
   scatter_rows(kb.reshape({N, row}), dst_rows, kc);
   scatter_rows(vb.reshape({N, row}), dst_rows, vc);
+}
+void rope_fused_qkv_to_cache(const Tensor& qkv, int64_t n_heads, const Tensor& positions, const Tensor& table,
+                             const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
+  const HostOpTimer host_timer("rope_fused_qkv_to_cache");
+  const char* op = "rope_fused_qkv_to_cache";
+  if (!qkv.defined() || qkv.dtype() != DType::F32 || qkv.dim() != 3)
+    fail("{}: qkv must be an f32 [N, Hq + 2 Hkv, hd] tensor, got {}", op, qkv.defined() ? qkv.str() : "undefined");
+  const int64_t N = qkv.size(0), H = qkv.size(1), hd = qkv.size(2);
+  const int64_t Hkv = k_cache.defined() && k_cache.dim() == 3 ? k_cache.size(1) : -1;
+  if (n_heads < 1 || Hkv < 1 || H != n_heads + 2 * Hkv)
+    fail("{}: qkv {} must hold Hq={} query heads and then the caches' Hkv={} key and Hkv value heads a row", op,
+         qkv.str(), n_heads, Hkv);
+  check_qkv_destinations(op, {N, n_heads, hd}, Hkv, qkv.device(), q_bf16, k_cache, v_cache);
+#if FOURBIT_HAS_CUDA
+  if (qkv.device() == Device::CUDA &&
+      cuda::rope_fused_qkv_to_cache(qkv, n_heads, positions, table, dst_rows, q_bf16, k_cache, v_cache))
+    return;
+#endif
+  // Elsewhere the three heads' ranges are taken apart (a copy: the same values), then the
+  // three-tensor form runs.
+  std::vector<int32_t> rows_q, rows_k, rows_v;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      (h < n_heads ? rows_q : h < n_heads + Hkv ? rows_k : rows_v).push_back(int32_t(n * H + h));
+  const Tensor heads = qkv.reshape({N * H, hd});
+  const auto take = [&](const std::vector<int32_t>& rows, int64_t count) {
+    Tensor out = Tensor::empty({N * count, hd}, DType::F32, qkv.device());
+    gather_rows(heads, Tensor::from_host(rows.data(), {int64_t(rows.size())}, DType::I32, qkv.device()), out);
+    return out.reshape({N, count, hd});
+  };
+  rope_qkv_to_cache(take(rows_q, n_heads), take(rows_k, Hkv), take(rows_v, Hkv), positions, table, dst_rows, q_bf16,
+                    k_cache, v_cache);
 }
 bool attention_reads_bf16(Device device) { return device == Device::CUDA; }
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0,
@@ -588,6 +628,11 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 }
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   FOURBIT_DISPATCH(h1.device(), swiglu_forward, h1, h3, a);
+}
+void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+  if (h13.defined() && (h13.dim() < 1 || h13.size(h13.dim() - 1) % 2 != 0))
+    fail("swiglu_forward_fused: h13 must be [..., 2F] (gate then up), an even last dimension, got {}", h13.str());
+  FOURBIT_DISPATCH(h13.device(), swiglu_forward_fused, h13, a);
 }
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,
                      Tensor& dh3) {

@@ -2,7 +2,7 @@
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
-//          rope_qkv_to_cache, attention_step,
+//          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -288,6 +288,11 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Ten
 // runs one kernel: a decode step's five launches a layer were host time).
 void rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
                        const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
+// The same from the fused q|k|v projection (one GEMM on wq, wk and wv's rows stacked): qkv F32
+// [N, Hq + 2 Hkv, hd], each row q's Hq heads, then k's Hkv, then v's Hkv (Hq = n_heads; Hkv the
+// caches'). The bits of rope_qkv_to_cache on the three parts; the GPU reads them in place.
+void rope_fused_qkv_to_cache(const Tensor& qkv, int64_t n_heads, const Tensor& positions, const Tensor& table,
+                             const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
 
 // Causal attention with grouped-query heads. q [B, T, Hq, hd] holds positions pos0 .. pos0+T-1;
 // k, v [B, S, Hkv, hd] hold positions 0 .. S-1 (S >= pos0 + T; a KV cache or this batch's own
@@ -322,6 +327,10 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 
 // a = silu(h1) * h3 elementwise (silu(z) = z * sigmoid(z)).
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a);
+// SwiGLU of an FFN's fused gate|up GEMM (one GEMM on w1 and w3's rows stacked): h13 [..., 2F]
+// holds w1's outputs in its first F columns and w3's in its last F; a [..., F] (F32, or BF16 as
+// swiglu_forward's a). The bits of swiglu_forward on the two halves.
+void swiglu_forward_fused(const Tensor& h13, Tensor& a);
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1, Tensor& dh3);
 
 // Softmax cross-entropy over logits [N, V] with targets I32 [N] (-1 = ignored). Writes the

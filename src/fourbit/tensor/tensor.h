@@ -66,6 +66,8 @@ class Tensor {
   Tensor reshape(const Shape& shape) const { return view(0, shape); }
   // Rows [begin, end) of the leading dimension.
   Tensor slice_rows(int64_t begin, int64_t end) const;
+  // Whether both are views of one storage (one allocation, or one flat buffer's).
+  bool shares_storage(const Tensor& other) const { return storage_ != nullptr && storage_ == other.storage_; }
 
   Tensor to(Device d) const;            // a copy on d (a copy even when already there)
   Tensor clone() const { return to(device_); }

@@ -1,6 +1,6 @@
 // defines: cpu::embedding_forward, cpu::embedding_backward, cpu::rmsnorm_forward,
 //          cpu::add_rmsnorm_forward, cpu::rmsnorm_backward, cpu::rope_forward, cpu::rope_backward,
-//          cpu::swiglu_forward, cpu::swiglu_backward, cpu::cross_entropy
+//          cpu::swiglu_forward, cpu::swiglu_forward_fused, cpu::swiglu_backward, cpu::cross_entropy
 // The CPU reference of the per-token layers, for F32 and F64 tensors. Arithmetic runs in double
 // and each output is rounded once to the tensor's dtype; every reduction runs sequentially in
 // ascending index order. Rows are independent and spread over OpenMP threads; the reductions
@@ -170,6 +170,18 @@ void swiglu_forward_t(const T* h1, const T* h3, T* a, int64_t n) {
   }
 }
 
+// The same over rows of the fused gate|up output: row r's gate values at h13[r * 2F, r * 2F + F),
+// its up values right after them.
+template <typename T>
+void swiglu_forward_fused_t(const T* h13, T* a, int64_t rows, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < F; ++i) {
+      const double z = double(h13[r * 2 * F + i]);
+      a[r * F + i] = T(z * sigmoid(z) * double(h13[r * 2 * F + F + i]));
+    }
+}
+
 // d silu(z)/dz = s (1 + z (1 - s)) with s = sigmoid(z).
 template <typename T>
 void swiglu_backward_t(const T* da, const T* h1, const T* h3, T* dh1, T* dh3, int64_t n) {
@@ -307,6 +319,21 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   with_float(dt, [&](auto tag) {
     using T = decltype(tag);
     swiglu_forward_t(h1.data<T>(), h3.data<T>(), out.data<T>(), h1.numel());
+  });
+  if (out.raw() != a.raw()) convert(out, a);
+}
+
+void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+  const char* op = "swiglu_forward_fused";
+  const DType dt = expect_float(op, "h13", h13, h13.defined() ? h13.dim() : 0, "[..., 2F]");
+  const int64_t F = h13.size(h13.dim() - 1) / 2, rows = F > 0 ? h13.numel() / (2 * F) : 0;
+  Shape a_shape = h13.shape();
+  a_shape.back() = F;
+  expect_out(op, "a", a, dt, a_shape, "[..., F]");
+  Tensor out = f32_stand_in(a);
+  with_float(dt, [&](auto tag) {
+    using T = decltype(tag);
+    swiglu_forward_fused_t(h13.data<T>(), out.data<T>(), rows, F);
   });
   if (out.raw() != a.raw()) convert(out, a);
 }

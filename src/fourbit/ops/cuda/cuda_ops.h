@@ -11,7 +11,8 @@
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
-//          flash_attention_forward, flash_attention_step, flash_attention_backward, materialized_attention_forward,
+//          rope_fused_qkv_to_cache, flash_attention_forward, flash_attention_step, flash_attention_backward,
+//          materialized_attention_forward,
 //          materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -259,6 +260,9 @@ void set_flash_head_rows(bool on);
 // (nothing done) where it does not apply: an odd head size.
 bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
                        const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
+// The same for ops::rope_fused_qkv_to_cache: q, k and v read in place from the fused projection's rows.
+bool rope_fused_qkv_to_cache(const Tensor& qkv, int64_t Hq, const Tensor& positions, const Tensor& table,
+                             const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
 // q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,

@@ -1,6 +1,7 @@
 // defines: cuda::embedding_forward, cuda::embedding_backward, cuda::rmsnorm_forward,
 //          cuda::add_rmsnorm_forward, cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward,
-//          cuda::rope_qkv_to_cache, cuda::swiglu_forward, cuda::swiglu_backward, cuda::cross_entropy
+//          cuda::rope_qkv_to_cache, cuda::rope_fused_qkv_to_cache,
+//          cuda::swiglu_forward, cuda::swiglu_forward_fused, cuda::swiglu_backward, cuda::cross_entropy
 // The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
 // formula for formula: arithmetic in double, each output rounded once to float. Hopper runs FP64
 // at half the FP32 rate, which these memory-bound kernels barely feel, and it makes GPU and CPU
@@ -433,11 +434,13 @@ __global__ void __launch_bounds__(kEltThreads)
 // BF16 copies (q_bf16; k's cache row dst[n]); v's values are rounded to BF16 into its cache row
 // (store4's bf16_encode: convert's bits). A bad position is recorded as rope_forward records it and
 // leaves the row's q and k unwritten; a bad cache row as scatter_rows records it, nothing written.
+// ldq, ldkv: floats from one row n of q (of k and v) to the next: Hq * hd and Hkv * hd for three
+// tensors, (Hq + 2 Hkv) * hd for the fused projection's rows (ops::rope_fused_qkv_to_cache).
 __global__ void __launch_bounds__(kEltThreads)
-    rope_qkv_cache_kernel(const float* q, const float* k, const float* v, const int32_t* pos, const float* table,
-                          const int32_t* dst, int64_t N, int64_t Hq, int64_t Hkv, int64_t hd, int64_t max_pos,
-                          int64_t cache_rows, uint16_t* qb, uint16_t* kc, uint16_t* vc, bool vec, bool vec_b,
-                          IndexError* err) {
+    rope_qkv_cache_kernel(const float* q, const float* k, const float* v, int64_t ldq, int64_t ldkv,
+                          const int32_t* pos, const float* table, const int32_t* dst, int64_t N, int64_t Hq,
+                          int64_t Hkv, int64_t hd, int64_t max_pos, int64_t cache_rows, uint16_t* qb, uint16_t* kc,
+                          uint16_t* vc, bool vec, bool vec_b, IndexError* err) {
   const int64_t half = hd / 2, groups = (half + 3) / 4, H = Hq + 2 * Hkv, items = N * H * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
        item += int64_t(gridDim.x) * blockDim.x) {
@@ -445,7 +448,7 @@ __global__ void __launch_bounds__(kEltThreads)
     const float* src;
     uint16_t* out;
     if (h < Hq) {
-      src = q + (n * Hq + h) * hd;
+      src = q + n * ldq + h * hd;
       out = qb + (n * Hq + h) * hd;
     } else {
       const int32_t d = dst[n];
@@ -455,7 +458,7 @@ __global__ void __launch_bounds__(kEltThreads)
       }
       const bool is_k = h < Hq + Hkv;
       const int64_t hk = h - Hq - (is_k ? 0 : Hkv);
-      src = (is_k ? k : v) + (n * Hkv + hk) * hd;
+      src = (is_k ? k : v) + n * ldkv + hk * hd;
       out = (is_k ? kc : vc) + (int64_t(d) * Hkv + hk) * hd;
     }
     float a[4], b[4];
@@ -488,22 +491,25 @@ __global__ void __launch_bounds__(kEltThreads)
 
 __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
 
-// O: float, or uint16_t for a BF16 output (vec4.cuh's store4 encodes it).
+// O: float, or uint16_t for a BF16 output (vec4.cuh's store4 encodes it). rows of F values: h1's
+// and h3's row r start ld floats after row r - 1's, a's F values after it (one row of n values for
+// two tensors; rows of the fused gate|up output, h3 = h1 + F, ld = 2F, for swiglu_forward_fused).
 template <typename O>
 __global__ void __launch_bounds__(kEltThreads)
-    swiglu_forward_kernel(const float* h1, const float* h3, O* a, int64_t n, bool vec) {
-  const int64_t groups = (n + 3) / 4;
-  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
-       g += int64_t(gridDim.x) * blockDim.x) {
+    swiglu_forward_kernel(const float* h1, const float* h3, O* a, int64_t rows, int64_t F, int64_t ld, bool vec) {
+  const int64_t row_groups = (F + 3) / 4, groups = rows * row_groups;
+  for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < groups;
+       item += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = item / row_groups, g = item % row_groups;
     float z[4], u[4], out[4];
-    load4(h1, 4 * g, n, vec, z);
-    load4(h3, 4 * g, n, vec, u);
+    load4(h1 + r * ld, 4 * g, F, vec, z);
+    load4(h3 + r * ld, 4 * g, F, vec, u);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const double zz = double(z[c]);
       out[c] = float(zz * sigmoid(zz) * double(u[c]));
     }
-    store4(a, 4 * g, n, vec, out);
+    store4(a + r * F, 4 * g, F, vec, out);
   }
 }
 
@@ -808,10 +814,14 @@ void rope_backward(Tensor& dx, const Tensor& positions, const Tensor& table, Ten
   rope("rope_backward", IndexSite::RopeBackwardPositions, dx, positions, table, -1.0, dx_bf16, bf16_only);
 }
 
-bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
-                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
-  const char* op = "rope_qkv_to_cache";
-  const int64_t N = q.size(0), Hq = q.size(1), hd = q.size(2), Hkv = k.size(1);
+namespace {
+
+// The kernel over q, k and v given as row pointers and strides (floats): the three tensors, or
+// three column ranges of the fused projection.
+bool rope_qkv_rows_to_cache(const char* op, const float* q, const float* k, const float* v, int64_t ldq, int64_t ldkv,
+                            int64_t N, int64_t Hq, int64_t Hkv, int64_t hd, const Tensor& positions,
+                            const Tensor& table, const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache,
+                            Tensor& v_cache) {
   if (hd % 2 != 0) return false;
   expect_index(op, "positions", positions, {N}, "[N]");
   expect_index(op, "dst_rows", dst_rows, {N}, "[N]");
@@ -819,16 +829,32 @@ bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
   if (table.size(1) != hd) fail("{}: table must be [max_pos, hd] with hd={}, got {}", op, hd, table.str());
   const int64_t half = hd / 2, items = N * (Hq + 2 * Hkv) * ((half + 3) / 4);
   if (items == 0) return true;
-  const bool vec = half % 4 == 0 && aligned16(q.raw()) && aligned16(k.raw()) && aligned16(v.raw()) &&
+  const bool vec = half % 4 == 0 && ldq % 4 == 0 && ldkv % 4 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
                    aligned16(table.raw());
-  const auto aligned8 = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.raw()) % 8 == 0; };
-  const bool vec_b = half % 4 == 0 && aligned8(q_bf16) && aligned8(k_cache) && aligned8(v_cache);
+  const bool vec_b = half % 4 == 0 && aligned8(q_bf16.raw()) && aligned8(k_cache.raw()) && aligned8(v_cache.raw());
   rope_qkv_cache_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
-      q.data<float>(), k.data<float>(), v.data<float>(), positions.data<int32_t>(), table.data<float>(),
-      dst_rows.data<int32_t>(), N, Hq, Hkv, hd, table.size(0), k_cache.size(0), static_cast<uint16_t*>(q_bf16.raw()),
-      static_cast<uint16_t*>(k_cache.raw()), static_cast<uint16_t*>(v_cache.raw()), vec, vec_b, index_error_record());
+      q, k, v, ldq, ldkv, positions.data<int32_t>(), table.data<float>(), dst_rows.data<int32_t>(), N, Hq, Hkv, hd,
+      table.size(0), k_cache.size(0), static_cast<uint16_t*>(q_bf16.raw()), static_cast<uint16_t*>(k_cache.raw()),
+      static_cast<uint16_t*>(v_cache.raw()), vec, vec_b, index_error_record());
   FOURBIT_LAUNCH_CHECK();
   return true;
+}
+
+}  // namespace
+
+bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, const Tensor& table,
+                       const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
+  const int64_t N = q.size(0), Hq = q.size(1), hd = q.size(2), Hkv = k.size(1);
+  return rope_qkv_rows_to_cache("rope_qkv_to_cache", q.data<float>(), k.data<float>(), v.data<float>(), Hq * hd,
+                                Hkv * hd, N, Hq, Hkv, hd, positions, table, dst_rows, q_bf16, k_cache, v_cache);
+}
+
+bool rope_fused_qkv_to_cache(const Tensor& qkv, int64_t Hq, const Tensor& positions, const Tensor& table,
+                             const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache) {
+  const int64_t N = qkv.size(0), H = qkv.size(1), hd = qkv.size(2), Hkv = (H - Hq) / 2;
+  const float* q = qkv.data<float>();
+  return rope_qkv_rows_to_cache("rope_fused_qkv_to_cache", q, q + Hq * hd, q + (Hq + Hkv) * hd, H * hd, H * hd, N,
+                                Hq, Hkv, hd, positions, table, dst_rows, q_bf16, k_cache, v_cache);
 }
 
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
@@ -842,8 +868,27 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
-    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(), a.data<O>(), n,
-                                                               vec);
+    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(), a.data<O>(), 1, n,
+                                                               n, vec);
+  });
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+  const char* op = "swiglu_forward_fused";
+  expect_f32(op, "h13", h13, h13.defined() ? h13.dim() : 0, "[..., 2F]");
+  const int64_t F = h13.size(h13.dim() - 1) / 2, rows = F > 0 ? h13.numel() / (2 * F) : 0;
+  Shape a_shape = h13.shape();
+  a_shape.back() = F;
+  const DType out_dt = expect_out(op, "a", a, a_shape, "[..., F]");
+  if (rows == 0 || F == 0) return;
+  const float* h1 = h13.data<float>();
+  // the groups of four of a row stay within it: vectorised where every row's start is aligned
+  const bool vec = F % 4 == 0 && aligned16(h1) && out_aligned(a);
+  const unsigned grid = grid_for(rows * ((F + 3) / 4), kEltThreads);
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1, h1 + F, a.data<O>(), rows, F, 2 * F, vec);
   });
   FOURBIT_LAUNCH_CHECK();
 }
