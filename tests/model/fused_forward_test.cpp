@@ -124,7 +124,7 @@ TEST(FusedForward, StackingIsAViewWhereTheBuffersAdjoinAndRefusedWhereScalesDiff
 }
 
 // Inference forwards on the CPU, fusion on and off: the same logits, bytes, for every recipe; the
-// FFNs' w1 | w3 ran stacked (the attention's need the GPU's BF16 cache).
+// FFNs' w1 | w3 ran stacked but for fp32 (the attention's need the GPU's BF16 cache).
 TEST(FusedForward, InferenceForwardsAreTheSameBytesOnAndOff) {
   const ModelConfig c = tiny_moe_config(4, 32);  // layer 0 dense, 1-2 MoE with a shared expert, 3 the tail
   const Tensor tokens = random_tokens(2, 8, 11);
@@ -153,10 +153,13 @@ TEST(FusedForward, InferenceForwardsAreTheSameBytesOnAndOff) {
       const FusedGemms on(true);
       fused = sample();
     }
+    // fp32's F32 operands run apart (on the GPU its GEMMs are cuBLASLt's, chosen per N)
+    const bool fp32 = std::string(recipe) == "fp32";
+    EXPECT_EQ(m.fused_weights().empty(), fp32);
     for (const char* key : {"layers.0.mlp.w13/fprop", "layers.1.moe.w13/fprop", "layers.2.moe.shared.w13/fprop",
                             "layers.3.moe.w13/fprop"}) {
       const auto it = m.fused_weights().find(key);
-      EXPECT_TRUE(it != m.fused_weights().end() && it->second.defined()) << key;
+      if (!fp32) EXPECT_TRUE(it != m.fused_weights().end() && it->second.defined()) << key;
     }
     m.invalidate_weight_cache();
     {

@@ -1,5 +1,6 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm,
+//          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
+//          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
@@ -8,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 
 namespace fourbit {
@@ -259,17 +261,17 @@ namespace {
 
 // ts[p] holds `slices` blocks of rows[p] rows of C values each (as [slices * rows[p], C] or any
 // shape of that size): a new [slices * sum(rows), C] tensor whose slice s is the parts' blocks s
-// one after another.
+// one after another (one strided copy a part).
 Tensor stack_slices(const std::vector<Tensor>& ts, const std::vector<int64_t>& rows, int64_t slices, int64_t C) {
   int64_t total = 0;
   for (int64_t r : rows) total += r;
   Tensor out = Tensor::empty({slices * total, C}, ts[0].dtype(), ts[0].device());
-  for (int64_t s = 0; s < slices; ++s) {
-    int64_t at = s * total;
-    for (size_t p = 0; p < ts.size(); ++p) {
-      out.view(at * C, {rows[p], C}).copy_from(ts[p].view(s * rows[p] * C, {rows[p], C}));
-      at += rows[p];
-    }
+  const size_t es = size_t(dtype_size(out.dtype()));
+  int64_t at = 0;
+  for (size_t p = 0; p < ts.size(); ++p) {
+    copy_bytes_2d(static_cast<char*>(out.raw()) + size_t(at * C) * es, size_t(total * C) * es, ts[p].raw(),
+                  size_t(rows[p] * C) * es, size_t(rows[p] * C) * es, size_t(slices), out.device());
+    at += rows[p];
   }
   return out;
 }
@@ -351,6 +353,7 @@ void forward_gemm(const Prepared& a, const Prepared& b, Tensor& c) {
 }
 
 void set_forward_gemms_grouped(bool on) { g_forward_grouped.store(on, std::memory_order_relaxed); }
+bool forward_gemms_grouped() { return g_forward_grouped.load(std::memory_order_relaxed); }
 
 void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,
                   bool accumulate) {

@@ -1,6 +1,7 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_weight_both,
-//          requantize_saved, requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped, grouped_gemm
+//          requantize_saved, requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
+//          forward_gemms_grouped, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
@@ -157,6 +158,7 @@ void forward_gemm(const Prepared& a, const Prepared& b, Tensor& c);
 // on the GPU, the path before it), process-wide: for benchmarks that compare the two in one
 // process. They give different bits on the GPU, so a sampler and its trainer share one setting.
 void set_forward_gemms_grouped(bool on);
+bool forward_gemms_grouped();
 // The experts' GEMMs in one call: rows offsets[e] .. offsets[e+1] of A and C use expert e's slice
 // of B (ops::grouped_gemm).
 void grouped_gemm(const Prepared& a, const Prepared& b, const std::vector<int64_t>& offsets, Tensor& c,

@@ -880,6 +880,17 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
 }
 
 Prepared Model::fused_weight(const std::string& name, const std::vector<Prepared>& parts, bool shared_outer) {
+  // Only where a GEMM's element is the same chain over K whatever its N: the CPU's GEMM, and on
+  // the GPU the grouped kernel family, which takes BF16 and block-scaled operands (forward_gemm's
+  // default). F32 operands (the fp32 recipe: views of the weights themselves) and a GPU GEMM on
+  // cuBLASLt, whose algorithm is chosen per N, run their parts apart.
+  const Prepared& p0 = parts.at(0);
+  if (!p0.is_quantized() && (!p0.dense.defined() || p0.dense.dtype() != DType::BF16)) return {};
+  const int64_t slices = p0.is_quantized() ? p0.q.slices : p0.dense.dim() == 3 ? p0.dense.size(0) : 1;
+  const int64_t K = p0.is_quantized() ? p0.q.cols : p0.dense.size(-1);
+  if (device_ != Device::CPU &&
+      (!forward_gemms_grouped() || !ops::grouped_gemm_reads_device_offsets(device_, slices, K)))
+    return {};
   const std::string key = name + "/" + gemm_role_name(GemmRole::Fprop);
   auto it = fused_cache_.find(key);
   if (it != fused_cache_.end()) return it->second;

@@ -65,7 +65,9 @@ void set_moe_routing_waits_deferred(bool on);
 // the SwiGLU of the fused rows (ops::swiglu_forward_fused): one launch each, on wider tiles, where
 // a decode step is bound by launches (true, the default). Otherwise one GEMM each, as training
 // runs them. Process-wide, for benchmarks and tests that compare the two in one process. Every
-// output element is the same chain of products over K either way: the same bits.
+// output element is the same chain of products over K either way: the same bits. Only where the
+// GEMM's order over K does not depend on N: not for F32 operands (the fp32 recipe) nor on the
+// GPU where the forward GEMMs run on cuBLASLt (set_forward_gemms_grouped(false)).
 void set_fused_forward_gemms(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
@@ -209,7 +211,8 @@ class Model {
   void convert_bf16_weights_ahead();
   // The operand of the fused GEMM `name` ("layers.3.attn.wqkv", "layers.3.moe.w13") stacked from
   // its parts' cached operands (stack_fprop_weights), cached with them until the weights change;
-  // undefined (also cached) where they do not stack.
+  // undefined (also cached) where they do not stack, and (not cached) where a fused GEMM would not
+  // give its parts' bits (set_fused_forward_gemms).
   Prepared fused_weight(const std::string& name, const std::vector<Prepared>& parts, bool shared_outer);
   void quantize_weights_ahead(const SrStreams& sr);
   struct Bf16Ahead {

@@ -1,4 +1,4 @@
-// defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, zero_bytes,
+// defines: cuda_built, cuda_device_count, device_alloc, device_free, copy_bytes, copy_bytes_2d, zero_bytes,
 //          PendingRead, read_later, device_synchronize, device_bytes_in_use, device_peak_bytes, lanes_begin, lanes_use,
 //          lanes_end, lanes_open, current_lane, current_stream, DeviceGraph, GraphCapture, graph_capturing
 // The only door from tensor/ to a GPU. With CUDA built, device_memory_cuda.cu implements these
@@ -22,6 +22,11 @@ void device_free(void* p, size_t bytes);
 // its buffer; up to 1 MiB through pinned staging without waiting for the GPU, larger copies wait).
 // GPU to GPU: the host goes on.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes);
+// `height` rows of `width` bytes from src (rows src_pitch bytes apart) to dst (dst_pitch apart),
+// both on `dev`: one strided copy on the current stream (one call for every row), ordered there
+// like a kernel.
+void copy_bytes_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                   Device dev);
 void zero_bytes(void* p, Device dev, size_t bytes);
 // A GPU-to-host copy the host collects later: read_later queues it on the current stream into
 // pinned memory and returns at once, so that work queued after it keeps the GPU busy while the

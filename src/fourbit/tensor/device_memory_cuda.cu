@@ -324,6 +324,18 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
   if (dst_dev == Device::CPU || src_dev == Device::CPU) FOURBIT_MEM_CHECK(cudaStreamSynchronize(s));
 }
 
+void copy_bytes_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                   Device dev) {
+  if (!width || !height) return;
+  if (dev == Device::CPU) {
+    for (size_t r = 0; r < height; ++r)
+      std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+    return;
+  }
+  FOURBIT_MEM_CHECK(
+      cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDeviceToDevice, stream_now()));
+}
+
 void zero_bytes(void* p, Device dev, size_t bytes) {
   if (!bytes) return;
   if (dev == Device::CPU) {

@@ -14,6 +14,12 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     fail("this fourbit was built without CUDA: no GPU tensors");
   if (bytes) std::memcpy(dst, src, bytes);
 }
+void copy_bytes_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                   Device dev) {
+  if (dev != Device::CPU) fail("this fourbit was built without CUDA: no GPU tensors");
+  for (size_t r = 0; r < height; ++r)
+    std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+}
 void zero_bytes(void* p, Device dev, size_t bytes) {
   if (dev != Device::CPU) fail("this fourbit was built without CUDA: no GPU tensors");
   if (bytes) std::memset(p, 0, bytes);
