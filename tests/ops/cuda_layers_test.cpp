@@ -315,6 +315,17 @@ TEST(CudaLayers, RopeMatchesCpu) {
   }
 }
 
+namespace {
+// N distinct cache rows out of R in a scrambled order: a cached call's destinations, on the GPU.
+Tensor scrambled_rows(int64_t N, int64_t R, uint64_t seed) {
+  std::vector<int32_t> rows(static_cast<size_t>(R));
+  std::iota(rows.begin(), rows.end(), 0);
+  std::shuffle(rows.begin(), rows.end(), std::mt19937(seed));
+  rows.resize(size_t(N));
+  return gpu(int_tensor(rows, {N}));
+}
+}  // namespace
+
 // rope_qkv_to_cache's one kernel gives the bits of the ops it replaces on the GPU (rope_forward
 // into BF16 copies, convert, scatter_rows): q's copy and both caches' rows, the rows it does not
 // write left as they were; head sizes with and without 16-byte groups (64, 6), GQA heads, the
@@ -326,11 +337,7 @@ TEST(CudaLayers, RopeQkvToCacheIsTheSeparateOpsBits) {
     const std::string name = cfg("hd=%lld", hd);
     const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
     const Tensor pos = gpu(random_ints({N}, 0, int32_t(max_pos), 310));
-    std::vector<int32_t> rows(static_cast<size_t>(R));
-    std::iota(rows.begin(), rows.end(), 0);
-    std::shuffle(rows.begin(), rows.end(), std::mt19937(311));
-    rows.resize(size_t(N));
-    const Tensor dst = gpu(int_tensor(rows, {N}));
+    const Tensor dst = scrambled_rows(N, R, 311);
     const Tensor q = gpu(random_tensor({N, Hq, hd}, DType::F32, 312, -2.0, 2.0)),
                  k = gpu(random_tensor({N, Hkv, hd}, DType::F32, 313, -2.0, 2.0)),
                  v = gpu(random_tensor({N, Hkv, hd}, DType::F32, 314, -2.0, 2.0));
@@ -386,11 +393,7 @@ TEST(CudaLayers, RopeFusedQkvToCacheIsTheThreePartsBits) {
     const std::string name = cfg("hd=%lld", hd);
     const Tensor table = ops::rope_table(max_pos, hd, 10000.0, Device::CUDA);
     const Tensor pos = gpu(random_ints({N}, 0, int32_t(max_pos), 330));
-    std::vector<int32_t> rows(static_cast<size_t>(R));
-    std::iota(rows.begin(), rows.end(), 0);
-    std::shuffle(rows.begin(), rows.end(), std::mt19937(331));
-    rows.resize(size_t(N));
-    const Tensor dst = gpu(int_tensor(rows, {N}));
+    const Tensor dst = scrambled_rows(N, R, 331);
     const Tensor qkv = random_tensor({N, (Hq + 2 * Hkv) * hd}, DType::F32, 332, -2.0, 2.0);
     Tensor cache0 = Tensor::empty({R, Hkv, hd}, DType::BF16, Device::CUDA);
     ops::convert(gpu(random_tensor({R, Hkv, hd}, DType::F32, 333)), cache0);
