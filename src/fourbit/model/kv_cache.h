@@ -94,15 +94,17 @@ struct KvStep {
   // for a BF16 cache: RoPE, the BF16 roundings and the cache writes in one op
   // (ops::rope_qkv_to_cache at this call's positions, `table` the model's RoPE table), then the
   // attention of q's BF16 copy (q_bf16 [B, T, Hq, hd], written here) over the cache: attend's bits.
+  // o_bf16 (optional, o's shape, BF16): o rounded to BF16 as well, written by attention's epilogue
+  // (ops::attention_forward's out_bf16: the output projection's BF16 operand without a convert).
   void rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
-                   Tensor& q_bf16, Tensor& o, Tensor& lse) const;
+                   Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
   // The same from the fused projection's qkv [B * T, Hq + 2 Hkv, hd] (ops::rope_fused_qkv_to_cache,
   // Hq = n_heads): rope_attend's bits on its three parts.
   void rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table, Tensor& q_bf16,
-                         Tensor& o, Tensor& lse) const;
+                         Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
 
  private:
-  void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse) const;
+  void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
   struct Unchecked {};
   KvStep(Unchecked, KvCache& cache, const KvBatch& batch) : cache(cache), batch(batch) {}
   // batch's positions and cache rows, after checking them against the cache

@@ -420,8 +420,11 @@ struct ModelRunner {
     const Prepared wq = weight(w.wq, name + "wq", GemmRole::Fprop, r.fprop.b, cls);
     const Prepared wk = weight(w.wk, name + "wk", GemmRole::Fprop, r.fprop.b, cls);
     const Prepared wv = weight(w.wv, name + "wv", GemmRole::Fprop, r.fprop.b, cls);
-    // The output projection's BF16 operand, written by attention's epilogue.
+    // The output projection's BF16 operand where it reads one, written by attention's epilogue
+    // (training's attention and the sampler's cached one alike).
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
+    if (bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
+    Tensor* ob = o_bf16.defined() ? &o_bf16 : nullptr;
     Tensor q4, k4, v4;  // attention's operands, which the backward keeps
     const Prepared wqkv = fuse && kv && bf16_qkv ? m.fused_weight(name + "wqkv", {wq, wk, wv}, false) : Prepared{};
     if (wqkv.defined()) {
@@ -430,7 +433,7 @@ struct ModelRunner {
       Tensor qkv = act({N, (Hq + 2 * Hkv) * hd});
       forward_gemm(x.fwd, wqkv, qkv);
       Tensor qb = Tensor::empty({B, T, Hq, hd}, DType::BF16, m.device_);
-      kv->rope_attend_fused(layer, qkv.reshape({N, Hq + 2 * Hkv, hd}), Hq, m.rope_, qb, o, lse);
+      kv->rope_attend_fused(layer, qkv.reshape({N, Hq + 2 * Hkv, hd}), Hq, m.rope_, qb, o, lse, ob);
     } else {
       Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
       forward_gemm(x.fwd, wq, q);
@@ -444,7 +447,7 @@ struct ModelRunner {
         // the sampler's cached call: RoPE, the BF16 copies and the cache writes in one op, the
         // bits of the path below
         Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
-        kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse);
+        kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse, ob);
       } else {
         if (bf16_qkv) {
           Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
@@ -463,9 +466,9 @@ struct ModelRunner {
           ops::rope_forward(q3, positions, m.rope_);
           ops::rope_forward(k3, positions, m.rope_);
         }
-        if (!kv && bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
+        // (kv here: an F32 cache, so no BF16 operands and no o_bf16)
         if (kv) kv->attend(layer, q4, k4.reshape(k.shape()), v4.reshape(v.shape()), o, lse);
-        else ops::attention_forward(q4, k4, v4, 0, o, lse, o_bf16.defined() ? &o_bf16 : nullptr);
+        else ops::attention_forward(q4, k4, v4, 0, o, lse, ob);
       }
     }
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
