@@ -341,10 +341,18 @@ struct ModelRunner {
     std::string name;
   };
 
-  Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, Model::Saved::Ffn* saved) {
+  // x_fwd: xn's fprop operand made already under this spec, rounded to nearest (the same bits as
+  // preparing it here), taken where nothing is saved: a MoE layer's routed-expert tokens for its
+  // shared expert.
+  Tensor ffn_forward(const Tensor& xn, const FfnRefs& w, LayerClass cls, Model::Saved::Ffn* saved,
+                     const Prepared* x_fwd = nullptr) {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), F = w.w1.size(0), D = w.w2.size(0);
-    LinearInput x = prepare_input(xn, r, cls, w.name + ".w13", true);
+    FOURBIT_CHECK(!x_fwd || (!saved && r.fprop.a.rounding == num::Rounding::RNE),
+                  "ffn_forward: a prepared input is taken only by a forward that saves nothing, rounded to nearest");
+    LinearInput x;
+    if (x_fwd) x.fwd = *x_fwd;
+    else x = prepare_input(xn, r, cls, w.name + ".w13", true);
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1, h3, a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
@@ -572,7 +580,10 @@ struct ModelRunner {
     Tensor ys;
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
-      ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr);
+      // an inference forward's shared expert reads the routed experts' quantized tokens: the
+      // same spec rounded to nearest gives the same bits, one quantizer launch a layer fewer
+      const bool reuse_px = fuse && !s && px.is_quantized() && r.fprop.a.rounding == num::Rounding::RNE;
+      ys = ffn_forward(bf16_x ? xn16 : xn, sref, cls, s ? &s->shared : nullptr, reuse_px ? &px : nullptr);
     }
     if (!device_routed) ops::route_plan_finish(pending_plan);
 
