@@ -32,8 +32,7 @@ struct FusedGemms {
 QuantSite site(uint64_t s) { return QuantSite{"fused." + std::to_string(s), ops::RngKey{91, s}}; }
 
 bool same_bytes(const Tensor& a, const Tensor& b) {
-  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
-         std::memcmp(a.raw(), b.raw(), size_t(a.nbytes())) == 0;
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && optest::bitwise_equal(a, b);
 }
 
 // ops::grouped_gemm of x with one operand over `offsets` (one group: a 2-D weight).

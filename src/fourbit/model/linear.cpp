@@ -6,6 +6,7 @@
 #include "fourbit/model/linear.h"
 
 #include <atomic>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -263,8 +264,7 @@ namespace {
 // shape of that size): a new [slices * sum(rows), C] tensor whose slice s is the parts' blocks s
 // one after another (one strided copy a part).
 Tensor stack_slices(const std::vector<Tensor>& ts, const std::vector<int64_t>& rows, int64_t slices, int64_t C) {
-  int64_t total = 0;
-  for (int64_t r : rows) total += r;
+  const int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t(0));
   Tensor out = Tensor::empty({slices * total, C}, ts[0].dtype(), ts[0].device());
   const size_t es = size_t(dtype_size(out.dtype()));
   int64_t at = 0;
@@ -298,8 +298,7 @@ Prepared stack_quantized(const std::vector<Prepared>& parts, bool shared_outer) 
     return ts;
   };
   QTensor out = q0;
-  out.rows = 0;
-  for (int64_t r : rows) out.rows += r;
+  out.rows = std::accumulate(rows.begin(), rows.end(), int64_t(0));
   out.codes = stack_slices(field(&QTensor::codes), rows, q0.slices, q0.code_row_bytes());
   out.block_scales = stack_slices(field(&QTensor::block_scales), rows, q0.slices, q0.blocks_per_row());
   // per row: the parts' own rows' scales; per tensor or slice: one amax was shared, so part 0's
@@ -332,8 +331,7 @@ Prepared stack_dense(const std::vector<Prepared>& parts) {
                  static_cast<const char*>(d.raw()) ==
                      static_cast<const char*>(parts[i - 1].dense.raw()) + parts[i - 1].dense.nbytes();
   }
-  int64_t total = 0;
-  for (int64_t r : rows) total += r;
+  const int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t(0));
   Prepared p;
   if (adjacent) p.dense = d0.view(0, {total, K});
   else p.dense = stack_slices(ts, rows, slices, K).reshape(stacked ? Shape{slices, total, K} : Shape{total, K});
