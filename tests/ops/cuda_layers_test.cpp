@@ -292,6 +292,52 @@ TEST(CudaLayers, RmsNormMatchesCpuDeterministicAndBatchInvariant) {
   }
 }
 
+// The forward's order written out on the host: lane l sums the squares of groups l, l + 32, ... in
+// order (in double), the 32 lane sums meet in the xor butterfly, rstd = float(1 / sqrt(ss / D +
+// eps)) and y = float(x * rstd * w) in double. The kernel loads its groups in batches (all of a
+// decode row's at once): rows of one batch (D = 1024), of two (1028: lane 0 has 9 groups; 4100)
+// and of one partial group (6) must give these bits exactly, so a group skipped, read twice or
+// added to the wrong row fails. (Another order of the same exact squares moves ss by an ulp of a
+// double, which shows in the float rstd only in rare rows; the trainer = sampler tests run this
+// one kernel on both sides.)
+TEST(CudaLayers, RmsNormForwardIsTheLaneOrderBits) {
+  SKIP_WITHOUT_GPU();
+  const float eps = 1e-5f;
+  for (const int64_t D : {int64_t(6), int64_t(1024), int64_t(1028), int64_t(4100)}) {
+    for (const int64_t N : {int64_t(1), int64_t(3), int64_t(77)}) {
+      const std::string name = cfg("N=%lld D=%lld", N, D);
+      // values over ~40 binades, so that the order of the double sums can show in rstd's rounding
+      std::mt19937_64 rng(900 + uint64_t(D) * 7 + uint64_t(N));
+      std::uniform_real_distribution<double> mant(-1.0, 1.0);
+      std::uniform_int_distribution<int> expo(-30, 10);
+      Tensor x = Tensor::empty({N, D}, DType::F32);
+      for (int64_t i = 0; i < N * D; ++i) x.data<float>()[i] = float(std::ldexp(mant(rng), expo(rng)));
+      const Tensor w = random_tensor({D}, DType::F32, 901, 0.5, 1.5);
+      Tensor y_want = Tensor::empty({N, D}, DType::F32), r_want = Tensor::empty({N}, DType::F32);
+      const int64_t groups = (D + 3) / 4;
+      for (int64_t n = 0; n < N; ++n) {
+        const float* xr = x.data<float>() + n * D;
+        double lane[32] = {};
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t i = 4 * g; i < std::min(4 * g + 4, D); ++i) lane[g % 32] += double(xr[i]) * double(xr[i]);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          double next[32];
+          for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ offset];
+          std::copy(next, next + 32, lane);
+        }
+        const float rs = float(1.0 / std::sqrt(lane[0] / double(D) + double(eps)));
+        r_want.data<float>()[n] = rs;
+        for (int64_t i = 0; i < D; ++i)
+          y_want.data<float>()[n * D + i] = float(double(xr[i]) * double(rs) * double(w.data<float>()[i]));
+      }
+      Tensor y = Tensor::empty({N, D}, DType::F32, Device::CUDA), r = Tensor::empty({N}, DType::F32, Device::CUDA);
+      ops::rmsnorm_forward(gpu(x), gpu(w), eps, y, r);
+      expect_bits("rmsnorm rstd " + name, r, r_want);
+      expect_bits("rmsnorm y " + name, y, y_want);
+    }
+  }
+}
+
 // ---- rope -----------------------------------------------------------------------------------------
 
 TEST(CudaLayers, RopeMatchesCpu) {

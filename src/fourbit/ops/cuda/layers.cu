@@ -183,6 +183,12 @@ __global__ void __launch_bounds__(kBigBucketWarps * 32)
 
 // With `b` (add_rmsnorm_forward): x + b (add_'s FP32 sum) is normed and written to `sum`, and the
 // second pass reads the sum back from the thread's own writes (the same groups of the same row).
+// A lane sums its groups g = lane, lane + 32, ... in that order, then the warp's butterfly: the
+// order fixes the bits. The groups go kNormBatch at a time, all their loads issued before the
+// first use: at decode sizes (a few rows, D = 1024: 8 groups a lane) the row is one batch, so a
+// pass costs one memory latency instead of 8 in a row.
+constexpr int kNormBatch = 8;
+
 template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
@@ -193,34 +199,51 @@ __global__ void __launch_bounds__(kRowThreads)
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
     const float* xr = b ? sum + n * D : x + n * D;
     double ss = 0.0;
-    for (int64_t g = lane; g < groups; g += 32) {
-      float v[4];
-      if (b) {
-        float u[4];
-        load4(x + n * D, 4 * g, D, vec, v);
-        load4(b + n * D, 4 * g, D, vec, u);
+    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
+      float v[kNormBatch][4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) v[c] = num::add_rn(v[c], u[c]);
-        store4(sum + n * D, 4 * g, D, vec, v);
-      } else {
-        load4(xr, 4 * g, D, vec, v);
+      for (int u = 0; u < kNormBatch; ++u) {
+        const int64_t g = g0 + 32 * u;
+        if (g >= groups) continue;
+        load4(x + n * D, 4 * g, D, vec, v[u]);
+        if (b) {
+          float bv[4];
+          load4(b + n * D, 4 * g, D, vec, bv);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) v[u][c] = num::add_rn(v[u][c], bv[c]);
+          store4(sum + n * D, 4 * g, D, vec, v[u]);
+        }
       }
 #pragma unroll
-      for (int c = 0; c < 4; ++c) ss += double(v[c]) * double(v[c]);
+      for (int u = 0; u < kNormBatch; ++u)
+        if (g0 + 32 * u < groups)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) ss += double(v[u][c]) * double(v[u][c]);
     }
     ss = warp_sum(ss);
     // The stored rstd is what backward sees, so y is computed from the rounded value too.
     const float rs = float(1.0 / sqrt(ss / double(D) + eps));
     if (lane == 0) rstd[n] = rs;
     O* yr = y + n * D;
-    for (int64_t g = lane; g < groups; g += 32) {
-      float xv[4], wv[4], out[4];
-      load4(xr, 4 * g, D, vec, xv);
-      load4(w, 4 * g, D, vec, wv);
+    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
+      float xv[kNormBatch][4], wv[kNormBatch][4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) out[c] = float(double(xv[c]) * double(rs) * double(wv[c]));
-      store4(yr, 4 * g, D, vec, out);
-      if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
+      for (int u = 0; u < kNormBatch; ++u) {
+        const int64_t g = g0 + 32 * u;
+        if (g >= groups) continue;
+        load4(xr, 4 * g, D, vec, xv[u]);
+        load4(w, 4 * g, D, vec, wv[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kNormBatch; ++u) {
+        const int64_t g = g0 + 32 * u;
+        if (g >= groups) continue;
+        float out[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[c] = float(double(xv[u][c]) * double(rs) * double(wv[u][c]));
+        store4(yr, 4 * g, D, vec, out);
+        if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
+      }
     }
   }
 }
