@@ -4,8 +4,11 @@
 //          follow the softmax; a higher temperature flattens; NaN logits fail.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -97,4 +100,63 @@ TEST(Sampling, BadLogitsFail) {
   expect_error([&] { rl::draw_token(nan, o, 3, 4); }, "the logits of sequence 3 at position 4 hold NaN (token 2)");
   const std::vector<float> dead(3, -INFINITY);
   expect_error([&] { rl::draw_token(dead, o, 3, 4); }, "every logit of sequence 3 at position 4 is -inf");
+}
+
+// The walk order (decreasing logit, equal logits by increasing id; -0 equal to +0) written as a
+// stable sort on the logits: every draw, token and log-prob bits, equals one taken in that order,
+// on rows with many ties, signed zeros and -inf, under truncation and temperature.
+TEST(Sampling, DrawsWalkTheTokensByLogitThenId) {
+  auto reference = [](const std::vector<float>& l, const rl::SamplingOptions& o, uint64_t seq, int64_t pos) {
+    std::vector<int32_t> order(l.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[size_t(a)] > l[size_t(b)]; });
+    const double max = double(l[size_t(order[0])]);
+    size_t keep = o.top_k > 0 ? std::min(size_t(o.top_k), l.size()) : l.size();
+    std::vector<double> p(keep);
+    double total = 0;
+    for (size_t i = 0; i < keep; ++i) total += p[i] = std::exp((double(l[size_t(order[i])]) - max) / o.temperature);
+    if (o.top_p < 1) {
+      double cum = 0;
+      size_t cut = keep;
+      for (size_t i = 0; i < keep; ++i)
+        if ((cum += p[i]) >= o.top_p * total) {
+          cut = i + 1;
+          break;
+        }
+      keep = cut;
+      total = 0;
+      for (size_t i = 0; i < keep; ++i) total += p[i];
+    }
+    const double target = rl::sampling_uniform(o.seed, o.step, seq, pos) * total;
+    double acc = 0;
+    size_t pick = keep;
+    for (size_t i = 0; i < keep; ++i)
+      if ((acc += p[i]) > target) {
+        pick = i;
+        break;
+      }
+    if (pick == keep)
+      for (pick = keep - 1; pick > 0 && p[pick] == 0; --pick) {
+      }
+    return rl::TokenDraw{order[pick], std::log(p[pick] / total)};
+  };
+  std::mt19937_64 rng(31);
+  std::uniform_int_distribution<int> level(-6, 6), kind(0, 19);
+  for (int row = 0; row < 400; ++row) {
+    std::vector<float> l(size_t(1 + row % 300));
+    for (float& x : l) {  // a few levels only: many ties
+      const int k = kind(rng);
+      x = k == 0 ? -INFINITY : k == 1 ? -0.0f : k == 2 ? 0.0f : 0.5f * float(level(rng));
+    }
+    if (std::all_of(l.begin(), l.end(), [](float x) { return x == -INFINITY; })) l[0] = 1.0f;
+    rl::SamplingOptions o;
+    o.temperature = row % 3 == 0 ? 0.7 : 1.0;
+    o.top_k = row % 4 == 1 ? 5 : 0;
+    o.top_p = row % 5 == 2 ? 0.6 : 1.0;
+    for (int64_t pos = 0; pos < 8; ++pos) {
+      const rl::TokenDraw got = rl::draw_token(l, o, uint64_t(row), pos), want = reference(l, o, uint64_t(row), pos);
+      ASSERT_EQ(got.token, want.token) << "row " << row << " position " << pos;
+      ASSERT_EQ(got.sample_logprob, want.sample_logprob) << "row " << row << " position " << pos;
+    }
+  }
 }

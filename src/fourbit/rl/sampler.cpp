@@ -142,11 +142,12 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     t0 = Clock::now();
     const int64_t A = int64_t(rows.size());
     const Tensor h = logits.to(Device::CPU);
-    // The rows' draws are independent (each its own stream of uniforms): drawn on every core, the
-    // first failing row's error raised after the loop, as a loop in row order would.
+    // The rows' draws are independent (each its own stream of uniforms): drawn on every core, an
+    // even share of the rows each (so at batch 16 one row a core: the GPU waits for the slowest),
+    // the first failing row's error raised after the loop, as a loop in row order would.
     std::vector<TokenDraw> draws(static_cast<size_t>(A));
     std::vector<std::exception_ptr> errors(static_cast<size_t>(A));
-#pragma omp parallel for schedule(dynamic, 8) if (A >= 16)
+#pragma omp parallel for schedule(static) if (A >= 16)
     for (int64_t a = 0; a < A; ++a) {
       try {
         const Completion& c = out[rows[size_t(a)]];
