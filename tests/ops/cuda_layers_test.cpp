@@ -766,34 +766,6 @@ TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {
   }, "cross_entropy: targets[3] = 260 is outside [0, V=260) and is not -1 (ignored)");
 }
 
-// Under ops::DeferredIndexChecks the ops that check user indices at once leave a bad one in the
-// record: nothing fails in the op, the next check_index_errors fails with the op's own message,
-// and the record is then clear. Outside the guard they fail at once again.
-TEST(CudaLayers, DeferredIndexChecksFailAtTheNextCheck) {
-  SKIP_WITHOUT_GPU();
-  const Tensor logits = gpu(random_tensor({4, 260}, DType::F32, 503));
-  const Tensor bad_targets = gpu(int_tensor({1, -1, 5, 260}, {4}));
-  Tensor loss = Tensor::empty({4}, DType::F32, Device::CUDA);
-  {
-    const ops::DeferredIndexChecks deferred;
-    EXPECT_TRUE(ops::index_checks_deferred());
-    ops::cross_entropy(logits, bad_targets, loss, nullptr, 0.0);
-  }
-  EXPECT_FALSE(ops::index_checks_deferred());
-  expect_error([] { ops::check_index_errors(Device::CUDA); },
-               "cross_entropy: targets[3] = 260 is outside [0, V=260) and is not -1 (ignored)");
-  ops::check_index_errors(Device::CUDA);  // reported once
-  const Tensor table = gpu(random_tensor({260, 8}, DType::F32, 504));
-  Tensor out = Tensor::empty({4, 8}, DType::F32, Device::CUDA);
-  {
-    const ops::DeferredIndexChecks deferred;
-    ops::embedding_forward(gpu(int_tensor({1, 2, 261, 3}, {4})), table, out);
-  }
-  expect_error([] { ops::check_index_errors(Device::CUDA); }, "embedding_forward: tokens[2] = 261 is outside [0, V=260)");
-  expect_error([&] { ops::cross_entropy(logits, bad_targets, loss, nullptr, 0.0); },
-               "cross_entropy: targets[3] = 260 is outside");
-}
-
 // ---- router ---------------------------------------------------------------------------------------
 
 TEST(CudaLayers, RouterMatchesCpuAndIsBatchInvariant) {

@@ -668,12 +668,6 @@ void check_index_errors(Device device) {
 #endif
   (void)device;
 }
-namespace {
-thread_local int deferred_index_checks = 0;
-}
-DeferredIndexChecks::DeferredIndexChecks() { ++deferred_index_checks; }
-DeferredIndexChecks::~DeferredIndexChecks() { --deferred_index_checks; }
-bool index_checks_deferred() { return deferred_index_checks > 0; }
 void route_plan_finish(PendingRoutePlan& pending) {
   const HostOpTimer host_timer("route_plan_end (the wait for the counts)");
   if (pending.finish) pending.finish(pending.plan);

@@ -2,7 +2,6 @@
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
-//          DeferredIndexChecks, index_checks_deferred,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
@@ -390,19 +389,6 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
 // without read_back, grouped_gemm_device_offsets' offsets): waits for the GPU's queued work. On the
 // CPU every op fails at once, so nothing is left to check.
 void check_index_errors(Device device);
-// While one lives on this thread, the GPU ops that check user-supplied indices at once
-// (embedding_forward's tokens, cross_entropy's targets: a read-back and a host wait each) leave a
-// bad index in the device's record instead, for the holder's next check_index_errors (the message
-// is the same). For indices the caller made itself, such as the sampler's drawn tokens, where the
-// wait would only idle the GPU. The CPU's ops check on the host either way.
-class DeferredIndexChecks {
- public:
-  DeferredIndexChecks();
-  ~DeferredIndexChecks();
-  DeferredIndexChecks(const DeferredIndexChecks&) = delete;
-  DeferredIndexChecks& operator=(const DeferredIndexChecks&) = delete;
-};
-bool index_checks_deferred();
 RoutePlan route_plan_end(PendingRoutePlan pending);
 // route_plan_end in place: waits for the read-back and completes pending.plan (once).
 void route_plan_finish(PendingRoutePlan& pending);

@@ -171,14 +171,9 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     // The trainer's per-token loss on this row and token, negated: the same op on the same bits.
     // Read back behind the next decode forward (the finishes do not depend on it), so the GPU
     // does not drain between the two.
-    // The targets are the draws, ids below V by construction: their check waits for the next one
-    // (the replay's, or the eager forward's embedding), not for this op, while the GPU idles.
     const Tensor targets = Tensor::from_host(next.data(), {A}, DType::I32, dev);
     Tensor losses = Tensor::empty({A}, DType::F32, dev);
-    {
-      const ops::DeferredIndexChecks deferred;
-      ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
-    }
+    ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
     std::shared_ptr<PendingRead> loss_read;
     if (dev != Device::CPU) loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
     std::vector<size_t> keep_rows;
@@ -247,10 +242,7 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     // the drawn tokens' policy log-probs (their read was queued before the forward)
     const float* loss = loss_read ? static_cast<const float*>(loss_read->wait()) : losses.data<float>();
     for (int64_t a = 0; a < A; ++a) out[rows[size_t(a)]].logprobs.push_back(-loss[a]);
-    if (!more) {
-      ops::check_index_errors(dev);  // the last log-probs' targets
-      break;
-    }
+    if (!more) break;
     rows = std::move(keep_rows);
     stats_.decode_forwards += 1;
     stats_.decode_s += seconds_since(t0, dev);

@@ -700,8 +700,7 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
       tokens.data<int32_t>(), table.data<float>(), out.data<float>(), N, V, D, vec,
       index_error_record());
   FOURBIT_LAUNCH_CHECK();
-  // token ids are user data: a bad one fails here, as on the CPU (or at the holder's check)
-  if (!index_checks_deferred()) check_index_errors();
+  check_index_errors();  // token ids are user data: a bad one fails here, as on the CPU
 }
 
 void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable, bool tokens_checked) {
@@ -986,8 +985,7 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
     default: launch(cross_entropy_kernel<kXentThreads>, kXentThreads); break;
   }
   FOURBIT_LAUNCH_CHECK();
-  // targets are user data: a bad one fails here, as on the CPU (or at the holder's check)
-  if (!index_checks_deferred()) check_index_errors();
+  check_index_errors();  // targets are user data: a bad one fails here, as on the CPU
 }
 
 }  // namespace fourbit::ops::cuda
