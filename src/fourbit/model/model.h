@@ -63,12 +63,13 @@ void set_moe_routing_waits_deferred(bool on);
 // per-tensor scales differ) into RoPE and the cache writes straight from the fused rows
 // (ops::rope_fused_qkv_to_cache), and every FFN's w1 and w3 (per expert for the routed ones) into
 // the SwiGLU of the fused rows (ops::swiglu_forward_fused): one launch each, on wider tiles, where
-// a decode step is bound by launches (true, the default). With it, a MoE layer's shared expert
-// reads the routed experts' quantized tokens (the same spec, rounded to nearest: the same bits)
-// instead of quantizing them again. Otherwise one GEMM each, as training runs them. Process-wide, for benchmarks and tests that compare the two in one process. Every
-// output element is the same chain of products over K either way: the same bits. Only where the
-// GEMM's order over K does not depend on N: not for F32 operands (the fp32 recipe) nor on the
-// GPU where the forward GEMMs run on cuBLASLt (set_forward_gemms_grouped(false)).
+// a decode step is bound by launches (true, the default); otherwise one GEMM each, as training
+// runs them. With it, a MoE layer's shared expert also reads the routed experts' quantized tokens
+// (the same spec, rounded to nearest: the same bits) instead of quantizing them again.
+// Process-wide, for benchmarks and tests that compare the two in one process. Every output element
+// is the same chain of products over K either way: the same bits. Only where the GEMM's order over
+// K does not depend on N: not for F32 operands (the fp32 recipe) nor on the GPU where the forward
+// GEMMs run on cuBLASLt (set_forward_gemms_grouped(false)).
 void set_fused_forward_gemms(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
