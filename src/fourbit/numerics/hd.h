@@ -1,5 +1,6 @@
-// defines: FOURBIT_HD, FOURBIT_UNROLL, bits_of, float_of, is_finite_bits, is_nan_bits, pow2f, abs_bits,
-//          mul_rn, add_rn, sub_rn, div_rn, sqrt_rn, max_abs_finite
+// defines: FOURBIT_HD, FOURBIT_UNROLL, bits_of, float_of, bits_of64, double_of, is_finite_bits, is_nan_bits,
+//          pow2f, abs_bits, mul_rn, add_rn, sub_rn, div_rn, sqrt_rn, dmul_rn, dadd_rn, dsub_rn, ddiv_rn,
+//          dfma_rn, max_abs_finite
 // The host/device qualifier and the few bit-level helpers every codec needs. Everything in
 // numerics/ is header-only and compiled both by the host compiler and by nvcc, so one definition
 // of each rounding rule serves the CPU loops and the CUDA kernels (NUMERICS: "one scalar definition").
@@ -32,6 +33,26 @@ FOURBIT_HD float float_of(uint32_t u) {
   return __uint_as_float(u);
 #else
   float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+FOURBIT_HD uint64_t bits_of64(double x) {
+#if defined(__CUDA_ARCH__)
+  return uint64_t(__double_as_longlong(x));
+#else
+  uint64_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+FOURBIT_HD double double_of(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double((long long)u);
+#else
+  double x;
   std::memcpy(&x, &u, sizeof x);
   return x;
 #endif
@@ -88,6 +109,45 @@ FOURBIT_HD float sqrt_rn(float a) {
   return __fsqrt_rn(a);
 #else
   return __builtin_sqrtf(a);
+#endif
+}
+
+// The same for double, and the fused multiply-add where a formula asks for one (one rounding of
+// a * b + c, on the host by the FMA instruction or libm's exact emulation): the operations from
+// which exp_hd and log_hd (numerics/exp_log.h) build results every backend rounds alike.
+FOURBIT_HD double dmul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FOURBIT_HD double dadd_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FOURBIT_HD double dsub_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+FOURBIT_HD double ddiv_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+FOURBIT_HD double dfma_rn(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return __builtin_fma(a, b, c);
 #endif
 }
 

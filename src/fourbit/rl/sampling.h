@@ -3,7 +3,8 @@
 // optional top-k / top-p truncation. The draw is a pure function of the logits row, the options
 // and (seed, step, sequence id, position): one Philox-4x32-10 call per token, so a sequence's
 // samples never depend on which other sequences share its batch, on the batch order or on the
-// backend's thread layout.
+// backend's thread layout. Its arithmetic is numerics/draw.h's (exp and log from IEEE operations,
+// running sums in chunks of 256 tokens), which a GPU kernel can compute to the same bits.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -35,7 +36,8 @@ struct TokenDraw {
 
 // A uniform double in [0, 1) (53 random bits) for the token at absolute `position` of sequence
 // `sequence_id` in `step`: Philox-4x32-10 keyed by the seed, counter (position, stream) with the
-// stream mixed from (step, sequence id) and a tag that keeps it apart from the SR streams.
+// stream mixed from (step, sequence id) and a tag that keeps it apart from the SR streams
+// (num::draw_uniform).
 double sampling_uniform(uint64_t seed, uint64_t step, uint64_t sequence_id, int64_t position);
 
 // The next token from logits [V] (fails on a NaN logit; -inf logits are never drawn).
