@@ -183,7 +183,7 @@ TEST(Sampling, DrawsWalkTheTokensByLogitThenId) {
 TEST(Sampling, ChunkedWalkIsTheTokenByTokenWalk) {
   std::mt19937_64 rng(5);
   std::uniform_real_distribution<double> weight(0.0, 1.0), unit(0.0, 1.0);
-  for (int64_t keep : {1, 2, 255, 256, 257, 511, 512, 513, 1000, 2048, 3001}) {
+  for (int64_t keep : {1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 2048, 3001}) {
     std::vector<double> p(static_cast<size_t>(keep));
     for (double& x : p) x = rng() % 5 == 0 ? 0.0 : weight(rng);
     p[0] = 1;

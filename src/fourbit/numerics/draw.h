@@ -60,7 +60,8 @@ FOURBIT_HD uint64_t draw_key(float logit, int32_t id) {
   return (uint64_t(draw_key_high(logit)) << 32) | uint64_t(uint32_t(id));
 }
 
-inline constexpr int64_t kDrawChunk = 256;
+// 64: a kernel's one thread walks at most V/64 chunk sums and 64 tokens (96 at V = 2048, 69 at 260).
+inline constexpr int64_t kDrawChunk = 64;
 
 // p = e^((logit - max) / temperature), max the row's largest logit (finite), temperature > 0.
 FOURBIT_HD double draw_weight(float logit, double max, double temperature) {

@@ -61,8 +61,8 @@ TokenDraw draw_token(std::span<const float> logits, const SamplingOptions& o, ui
   std::vector<double> chunk_sums;
   for (int64_t c = 0; c < keep; c += num::kDrawChunk)
     chunk_sums.push_back(num::draw_chunk_sum(p.data(), c, std::min(c + num::kDrawChunk, keep)));
-  const num::DrawPick pick =
-      num::draw_pick(p.data(), chunk_sums.data(), keep, o.top_p, sampling_uniform(o.seed, o.step, sequence_id, position));
+  const double u = sampling_uniform(o.seed, o.step, sequence_id, position);
+  const num::DrawPick pick = num::draw_pick(p.data(), chunk_sums.data(), keep, o.top_p, u);
   return TokenDraw{token(pick.index), pick.logprob};
 }
 

@@ -4,7 +4,7 @@
 // and (seed, step, sequence id, position): one Philox-4x32-10 call per token, so a sequence's
 // samples never depend on which other sequences share its batch, on the batch order or on the
 // backend's thread layout. Its arithmetic is numerics/draw.h's (exp and log from IEEE operations,
-// running sums in chunks of 256 tokens), which a GPU kernel can compute to the same bits.
+// running sums in chunks of 64 tokens), which a GPU kernel can compute to the same bits.
 #pragma once
 #include <cstdint>
 #include <span>
