@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "fourbit/numerics/philox.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
 
@@ -66,14 +67,9 @@ void record(QuantLog* log, const QuantSite& site, const QuantSpec& spec, uint64_
 ops::RngKey SrStreams::key(std::string_view site_name) const {
   // Each field is folded in through the splitmix64 finaliser in turn, so no two fields share
   // bits (packing them by shifts lets one field's carry reach another's).
-  auto mix = [](uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  };
-  uint64_t z = mix(step + 0x5EED5EEDull);
-  z = mix(z ^ micro);
-  z = mix(z ^ fnv1a64(site_name.data(), site_name.size()));
+  uint64_t z = num::mix64(step + 0x5EED5EEDull);
+  z = num::mix64(z ^ micro);
+  z = num::mix64(z ^ fnv1a64(site_name.data(), site_name.size()));
   return ops::RngKey{seed, z};
 }
 

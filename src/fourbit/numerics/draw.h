@@ -24,23 +24,13 @@
 
 namespace fourbit::num {
 
-namespace draw_detail {
-
-FOURBIT_HD uint64_t mix(uint64_t z) {  // splitmix64's finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace draw_detail
-
 // A uniform double in [0, 1) (53 random bits) for the token at `position` of `sequence_id` in
 // `step`: Philox-4x32-10 keyed by the seed, counter (position, stream) with the stream folded from
-// (step, sequence id) by splitmix64's finaliser (as SrStreams::key folds its fields), after a tag
-// no SR stream starts from.
+// (step, sequence id) by mix64 (as SrStreams::key folds its fields), after a tag no SR stream
+// starts from.
 FOURBIT_HD double draw_uniform(uint64_t seed, uint64_t step, uint64_t sequence_id, int64_t position) {
-  uint64_t stream = draw_detail::mix(0x53414D504C45ull /* "SAMPLE" */ ^ step);
-  stream = draw_detail::mix(stream ^ sequence_id);
+  uint64_t stream = mix64(0x53414D504C45ull /* "SAMPLE" */ ^ step);
+  stream = mix64(stream ^ sequence_id);
   const Philox4x32 r = random_bits4(seed, stream, uint64_t(position));
   // the top 27 bits of word 0 and the top 26 of word 1
   const uint64_t bits = (uint64_t(r.v[0] >> 5) << 26) | uint64_t(r.v[1] >> 6);

@@ -1,4 +1,5 @@
-// defines: Philox4x32, philox4x32_10, random_bits4, random_bits, RandomBits, kSrPerCall, sr_bits_of, sr_bits, SrBits
+// defines: Philox4x32, philox4x32_10, random_bits4, random_bits, RandomBits, kSrPerCall, sr_bits_of, sr_bits, SrBits,
+//          mix64
 // Counter-based random numbers (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 // SC'11): Philox-4x32 with 10 rounds. A draw is a pure function of (seed, stream, index), so the
 // stochastic rounding of element i is the same on the CPU, on the GPU and under any thread layout
@@ -25,6 +26,14 @@ FOURBIT_HD Philox4x32 philox4x32_10(Philox4x32 ctr, uint32_t key0, uint32_t key1
     key1 += kWeyl1;
   }
   return ctr;
+}
+
+// splitmix64's finaliser: how a stream id is folded from several key fields (each xored in, then
+// mixed), so that no two fields share bits (SrStreams::key, the sampler's draws, task problems).
+FOURBIT_HD uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
 }
 
 // The four 32-bit words for elements 4*group .. 4*group+3 of (seed, stream). Counter layout:

@@ -20,12 +20,6 @@ namespace fourbit::rl {
 
 namespace {
 
-uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 uint64_t fnv1a(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char ch : s) {
@@ -82,12 +76,12 @@ std::string options_help(const Task& t) {
 const char* split_name(Split s) { return s == Split::Train ? "train" : "eval"; }
 
 Split Task::split_of(std::string_view key) {
-  return mix64(fnv1a(key)) % 10 == 0 ? Split::Eval : Split::Train;
+  return num::mix64(fnv1a(key)) % 10 == 0 ? Split::Eval : Split::Train;
 }
 
 Problem Task::problem(uint64_t seed, Split split, uint64_t index) const {
   // One Philox stream per (task, split, index); attempts read on along it.
-  const uint64_t stream = mix64(mix64(mix64(fnv1a(name())) ^ uint64_t(split)) ^ index);
+  const uint64_t stream = num::mix64(num::mix64(num::mix64(fnv1a(name())) ^ uint64_t(split)) ^ index);
   num::RandomBits bits(seed, stream);
   uint64_t next = 0;
   const std::function<uint32_t()> rand = [&] { return bits.at(next++); };
