@@ -106,11 +106,10 @@ FOURBIT_HD DrawPick draw_pick(const double* p, const double* chunk_sums, int64_t
   const double inf = double_of(0x7ff0000000000000ull);
   double total = draw_detail::first_crossing(p, chunk_sums, keep, inf, false).acc;
   if (top_p < 1.0) {
+    // found: top_p * total <= total, the sum through keep - 1
     const draw_detail::Crossing cut = draw_detail::first_crossing(p, chunk_sums, keep, dmul_rn(top_p, total), true);
-    if (cut.index < keep) {  // always: top_p * total <= total
-      keep = cut.index + 1;
-      total = cut.acc;
-    }
+    keep = cut.index + 1;
+    total = cut.acc;
   }
   int64_t pick = draw_detail::first_crossing(p, chunk_sums, keep, dmul_rn(u, total), false).index;
   if (pick == keep)  // rounding left u * total at or past the last sum
