@@ -46,15 +46,10 @@ void QuantLog::add(LayerClass c, GemmRole r, char operand, const QuantSpec& s, b
 }
 
 namespace {
-uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
 uint64_t hash_tensor(const Tensor& t, uint64_t h = 0xcbf29ce484222325ull) {
   if (!t.defined()) return h;
   const Tensor c = t.device() == Device::CPU ? t : t.to(Device::CPU);
-  return fnv1a64(c.raw(), size_t(c.nbytes()), h);
+  return num::fnv1a64(c.raw(), size_t(c.nbytes()), h);
 }
 uint64_t hash_qtensor(const QTensor& q) {
   return hash_tensor(q.outer_scales, hash_tensor(q.block_scales, hash_tensor(q.codes)));
@@ -69,7 +64,7 @@ ops::RngKey SrStreams::key(std::string_view site_name) const {
   // bits (packing them by shifts lets one field's carry reach another's).
   uint64_t z = num::mix64(step + 0x5EED5EEDull);
   z = num::mix64(z ^ micro);
-  z = num::mix64(z ^ fnv1a64(site_name.data(), site_name.size()));
+  z = num::mix64(z ^ num::fnv1a64(site_name.data(), site_name.size()));
   return ops::RngKey{seed, z};
 }
 

@@ -1,5 +1,5 @@
 // defines: Philox4x32, philox4x32_10, random_bits4, random_bits, RandomBits, kSrPerCall, sr_bits_of, sr_bits, SrBits,
-//          mix64
+//          mix64, fnv1a64
 // Counter-based random numbers (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 // SC'11): Philox-4x32 with 10 rounds. A draw is a pure function of (seed, stream, index), so the
 // stochastic rounding of element i is the same on the CPU, on the GPU and under any thread layout
@@ -34,6 +34,14 @@ FOURBIT_HD uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+// FNV-1a (64-bit) of n bytes, from h: how a name or a tensor's bytes become a key field (a site
+// name in SrStreams::key, a task's name, a problem's text, the weights a cache was made from).
+FOURBIT_HD uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
 }
 
 // The four 32-bit words for elements 4*group .. 4*group+3 of (seed, stream). Counter layout:

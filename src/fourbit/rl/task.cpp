@@ -20,15 +20,6 @@ namespace fourbit::rl {
 
 namespace {
 
-uint64_t fnv1a(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char ch : s) {
-    h ^= ch;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 struct Registry {
   std::mutex mu;
   std::map<std::string, TaskFactory> factories;
@@ -76,12 +67,14 @@ std::string options_help(const Task& t) {
 const char* split_name(Split s) { return s == Split::Train ? "train" : "eval"; }
 
 Split Task::split_of(std::string_view key) {
-  return num::mix64(fnv1a(key)) % 10 == 0 ? Split::Eval : Split::Train;
+  return num::mix64(num::fnv1a64(key.data(), key.size())) % 10 == 0 ? Split::Eval : Split::Train;
 }
 
 Problem Task::problem(uint64_t seed, Split split, uint64_t index) const {
   // One Philox stream per (task, split, index); attempts read on along it.
-  const uint64_t stream = num::mix64(num::mix64(num::mix64(fnv1a(name())) ^ uint64_t(split)) ^ index);
+  const std::string task = name();
+  const uint64_t stream =
+      num::mix64(num::mix64(num::mix64(num::fnv1a64(task.data(), task.size())) ^ uint64_t(split)) ^ index);
   num::RandomBits bits(seed, stream);
   uint64_t next = 0;
   const std::function<uint32_t()> rand = [&] { return bits.at(next++); };
