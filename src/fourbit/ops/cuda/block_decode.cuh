@@ -1,5 +1,5 @@
-// defines: fill_e2m1_pairs, bf16x2_bits, E2m1Bf16x2Table, kE2m1Bf16x2, fill_e2m1_bf16x2, ue4m3_bf16x2, ue4m3x4_bf16x2,
-//          e2m1x2_times, decode8_scale, decode2_bits, decode8_bits
+// defines: fill_e2m1_pairs, bf16x2_bits, ue4m3_bf16x2, ue4m3x4_bf16x2, e2m1x2_times, decode8_scale, decode2_bits,
+//          decode8_bits
 // Exact BF16 decodes of 8 consecutive values of a block-scaled row (NVFP4: 4 code bytes, MXFP8
 // E4M3/E5M2: 8), shared by the decode pass of gemm.cu and the grouped GEMM that dequantizes its
 // tiles in shared memory (grouped_mma.cu), so the two give the same bits. Each value is the float
@@ -7,7 +7,8 @@
 // E4M3/E5M2 x 2^E — converted once to BF16 (RNE). The byte -> two E2M1 values table lives in
 // shared memory; FP8 codes go through the hardware conversion. The grouped GEMM's streaming kernel
 // decodes two values at a time into its MMA fragments: MXFP8 with decode2_bits, NVFP4 with
-// e2m1x2_times, the same products formed in BF16 (exact there, so the same bits).
+// e2m1x2_times, the same products formed in BF16 arithmetic without a table (exact there, so the
+// same bits).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -37,27 +38,6 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// Byte -> two E2M1 values as BF16 (low nibble in the low 16 bits), built at compile time from
-// num::e2m1_bits (an E2M1 value has 2 significant bits: its BF16 pattern is the float32 one's top
-// half) and copied into shared memory by the CTAs that use it (fill_e2m1_bf16x2): the streaming
-// kernel's NVFP4 decode (e2m1x2_times).
-struct E2m1Bf16x2Table {
-  uint32_t pair[256];
-};
-constexpr E2m1Bf16x2Table make_e2m1_bf16x2_table() {
-  E2m1Bf16x2Table t{};
-  for (uint32_t i = 0; i < 256; ++i)
-    t.pair[i] = (num::e2m1_bits(i & 15u) >> 16) | (num::e2m1_bits(i >> 4) & 0xFFFF0000u);
-  return t;
-}
-__device__ const E2m1Bf16x2Table kE2m1Bf16x2 = make_e2m1_bf16x2_table();
-
-// The table into shared memory, by the whole CTA.
-__device__ __forceinline__ void fill_e2m1_bf16x2(uint32_t* table) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) table[i] = kE2m1Bf16x2.pair[i];
-  __syncthreads();
-}
-
 // A UE4M3 block scale (the low byte of code) as a BF16 pair of its value, exact: E4M3 -> FP16
 // (hardware, exact), -> FP32, -> BF16 (4 significant bits at most). The sign bit is dropped and
 // 0x7F stays NaN, as ue4m3_decode.
@@ -79,14 +59,22 @@ __device__ __forceinline__ void ue4m3x4_bf16x2(uint32_t word, uint32_t (&s)[4]) 
   }
 }
 
-// The two E2M1 values of code byte `byte` of `word` (their pair in `table`, fill_e2m1_bf16x2)
-// times a UE4M3 scale (a BF16 pair, ue4m3_bf16x2), in one BF16 pair FMA with a -0 addend: the
-// products are exact in BF16 (at most 6 significant bits, magnitudes in [2^-10, 2688]), so these
-// are decode2_bits' bits, the sign of a zero kept.
-__device__ __forceinline__ uint32_t e2m1x2_times(const uint32_t* table, uint32_t word, int byte, uint32_t scale) {
-  uint32_t d;
-  const uint32_t pair = table[(word >> (8 * byte)) & 0xFFu];
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(pair), "r"(scale), "r"(0x80008000u));
+// The two E2M1 values of code byte `byte` of `word` times a UE4M3 scale (a BF16 pair,
+// ue4m3_bf16x2), as a BF16 pair (low nibble in the low 16 bits), in integer and BF16-pair
+// arithmetic only. The nibbles are moved into a BF16 pair (sign to bit 15, exponent and mantissa
+// bits to bits 8..6, the lowest exponent bits), which reads each value times 2^-126 exactly (the
+// zero-exponent codes 0 and 0.5 land on BF16 subnormals); one FMA by 2^126 gives the E2M1 values,
+// a second their product with the scale, both with a -0 addend and exact (at most 6 significant
+// bits, magnitudes in [2^-10, 2688]): decode2_bits' bits, the sign of a zero kept. (A table of
+// the 256 byte pairs in shared memory took 10-23% longer in the streaming kernel, H100: its
+// lookups queued on the shared-memory pipe and conflicted on its banks.)
+__device__ __forceinline__ uint32_t e2m1x2_times(uint32_t word, int byte, uint32_t scale) {
+  const uint32_t y = __byte_perm(word, 0u, 0x4440u | uint32_t(byte));  // the byte, alone
+  const uint32_t em = (y * 0x00040040u) & 0x01C001C0u;                   // y << 6 | y << 18
+  const uint32_t x = em | ((y * 0x01001000u) & 0x80008000u);             // signs: y << 12 | y << 24
+  uint32_t v, d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(v) : "r"(x), "r"(0x7E807E80u), "r"(0x80008000u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(v), "r"(scale), "r"(0x80008000u));
   return d;
 }
 

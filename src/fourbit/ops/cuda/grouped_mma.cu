@@ -66,7 +66,7 @@ void launch_shape(const GroupedArgs& p) {
     return true;
   }();
   (void)attr;
-  const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
+  const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned(row_tile_bound(p, S::BM)));
   wgmma_kernel<F, WGM, WGN, BT, ST, WN><<<grid, S::kThreads, S::kSmemBytes, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
@@ -90,7 +90,7 @@ void launch_stream_j(const GroupedArgs& p) {
   (void)attr;
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
   const int chunk = std::max(1, std::min(k_tiles, S::kMaxChunk));
-  const dim3 grid(unsigned((p.n + streaming::BN - 1) / streaming::BN), unsigned((p.m + S::BM - 1) / S::BM + p.groups));
+  const dim3 grid(unsigned((p.n + streaming::BN - 1) / streaming::BN), unsigned(row_tile_bound(p, S::BM)));
   streaming::stream_kernel<F, J><<<grid, streaming::kThreads, S::smem_bytes(chunk), stream()>>>(p, chunk);
   FOURBIT_LAUNCH_CHECK();
 }
@@ -166,7 +166,7 @@ void launch_format(const GroupedArgs& p, int64_t rows_per_group, bool tma) {
     return;
   }
   const int w = decode_width(p, rows_per_group, F != Format::BF16);
-  if (w == kStreamWidth && !BT && (p.m + 7) / 8 + p.groups <= 65535) launch_stream<F>(p, rows_per_group);
+  if (w == kStreamWidth && !BT && row_tile_bound(p, 8) <= 65535) launch_stream<F>(p, rows_per_group);
   else if (w < 0) hopper::launch_shape<F, 1, 2, BT>(p);
   else if (BT || w >= 128) hopper::launch_shape<F, 1, 1, BT, decode_stages(128), 128>(p);
   else hopper::launch_shape<F, 1, 1, false, decode_stages(32), 32>(p);
@@ -183,7 +183,7 @@ void launch_shape(const GroupedArgs& p) {
     return true;
   }();
   (void)attr;
-  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned((p.m + BM - 1) / BM + p.groups));
+  const dim3 grid(unsigned((p.n + kBN - 1) / kBN), unsigned(row_tile_bound(p, BM)));
   grouped_kernel<F, BM><<<grid, kThreads, T::kSmemBytes, stream()>>>(p);
   FOURBIT_LAUNCH_CHECK();
 }
@@ -252,7 +252,7 @@ void launch_any(const GroupedArgs& p, int64_t rows_per_group) {
 
 void launch(Format fmt, GroupedArgs& p, int64_t rows_per_group, const char* op) {
   p.err = index_error_record();
-  const int64_t row_tiles = (p.m + 15) / 16 + p.groups;
+  const int64_t row_tiles = row_tile_bound(p, 16);
   if (row_tiles > 65535)
     fail("{}: {} row tiles exceed the grid's 65535 (M = {}, G = {})", op, row_tiles, p.m, p.groups);
   switch (fmt) {

@@ -52,7 +52,7 @@ struct Shape {
 // `rows` are left as they are (zeroed once by the caller).
 template <Format F, int BM>
 __device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0, int rows, int kt0, int kt1,
-                                             unsigned char* dst, const uint32_t* e2m1_bf16) {
+                                             unsigned char* dst) {
   using T = Tile<F>;
   constexpr int kUnits = T::kPacked ? 4 : 8;  // units of a row's K tile: 16 values, or one BF16 chunk
   const int tiles = kt1 - kt0;
@@ -75,8 +75,8 @@ __device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0,
           uint32_t* h = reinterpret_cast<uint32_t*>(&hi);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            l[j] = e2m1x2_times(e2m1_bf16, w.x, j, sc);
-            h[j] = e2m1x2_times(e2m1_bf16, w.y, j, sc);
+            l[j] = e2m1x2_times(w.x, j, sc);
+            h[j] = e2m1x2_times(w.y, j, sc);
           }
         } else {
           const float sv = decode8_scale<F>(p.a.scales[(r0 + row) * p.a.scale_ld + k / block_values<F>()]);
@@ -142,11 +142,10 @@ struct WarpCopy {
 // product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by a table of
 // E2M1 pairs and one BF16-pair FMA a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
 template <Format F>
-__device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, const uint32_t* e2m1_bf16,
-                                                 uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, uint32_t (&a)[4][4]) {
   using T = Tile<F>;
   if constexpr (!T::kPacked) {
-    (void)k0, (void)e2m1_bf16;
+    (void)k0;
     const uint32_t base = smem_address(st);
 #pragma unroll
     for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], base + sw128(lane & 15, 2 * s + (lane >> 4)));
@@ -169,8 +168,8 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
         ue4m3x4_bf16x2(scales, sc);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {  // codes of k 16 s + 2 tig, + 1 (word 2 s) and + 8, + 9 (word 2 s + 1)
-          a[s][h] = e2m1x2_times(e2m1_bf16, w[2 * s], tig, sc[s]);
-          a[s][2 + h] = e2m1x2_times(e2m1_bf16, w[2 * s + 1], tig, sc[s]);
+          a[s][h] = e2m1x2_times(w[2 * s], tig, sc[s]);
+          a[s][2 + h] = e2m1x2_times(w[2 * s + 1], tig, sc[s]);
         }
       } else {
         const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in the word
@@ -196,12 +195,10 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
   __shared__ long long s_r0, s_r1;
-  __shared__ uint32_t e2m1_bf16[F == Format::NVFP4 ? 256 : 1];
 
   if (threadIdx.x < 32) find_row_tile(p, S::BM, s_group, s_r0, s_r1);
   __syncthreads();
   if (s_group < 0) return;
-  if constexpr (F == Format::NVFP4) fill_e2m1_bf16x2(e2m1_bf16);
   const long long r0 = s_r0, r1 = s_r1;
   const int group = s_group, rows = int(r1 - r0);
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
@@ -236,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   for (int c0 = 0; c0 < k_tiles; c0 += chunk) {
     const int c1 = min(k_tiles, c0 + chunk);
     if (c0 > 0) __syncthreads();  // every warp is done with the previous chunk's tokens
-    stage_tokens<F, S::BM>(p, r0, rows, c0, c1, tokens, e2m1_bf16);
+    stage_tokens<F, S::BM>(p, r0, rows, c0, c1, tokens);
     __syncthreads();
     for (int kt = c0; kt < c1; ++kt) {
       cp_async_wait<S::kStages - 2>();  // tile kt has landed (this lane's copies) ...
@@ -244,7 +241,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
       if (kt + S::kStages - 1 < k_tiles) load_weights(kt + S::kStages - 1);
       cp_async_commit();
       uint32_t a[4][4];
-      weight_fragments<F>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, e2m1_bf16, a);
+      weight_fragments<F>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
       const uint32_t tok = smem_address(tokens + (kt - c0) * S::kTokenTile);
 #pragma unroll
       for (int j = 0; j < J; ++j)

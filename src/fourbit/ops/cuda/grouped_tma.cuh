@@ -215,7 +215,7 @@ bool launch_tma(const GroupedArgs& p) {
   }();
   (void)attr;
   tp.pairs = int((p.n + 2 * S::BN - 1) / (2 * S::BN));
-  tp.rows = int((p.m + S::BM - 1) / S::BM + p.groups);
+  tp.rows = int(row_tile_bound(p, S::BM));
   const int tiles = tp.pairs * tp.rows;
   // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
   // would not compile for the portable compute_80 code)
