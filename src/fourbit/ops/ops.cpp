@@ -642,6 +642,10 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
                    double grad_scale, const Tensor* weights) {
   FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale, weights);
 }
+void draw_tokens(const Tensor& logits, const DrawSpec& spec, const Tensor& keys, Tensor& tokens, Tensor& logprobs,
+                 Tensor& status) {
+  FOURBIT_DISPATCH(logits.device(), draw_tokens, logits, spec, keys, tokens, logprobs, status);
+}
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx,
                  Tensor& topk_w) {
   FOURBIT_DISPATCH(logits.device(), router_topk, logits, k, probs, topk_idx, topk_w);

@@ -4,6 +4,7 @@
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
+//          DrawSpec, draw_tokens,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
@@ -342,6 +343,24 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 // same bits as before weights existed.
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
                    double grad_scale, const Tensor* weights = nullptr);
+
+// Token draws (rl/sampling.h's draw, in numerics/draw.h's arithmetic) for every row of logits
+// [A, V] F32 at once, where the logits are, so that a GPU sampler reads back tokens instead of
+// logits. Row a is keyed by keys[a] = (sequence id, position) (I64 [A, 2], on the logits' device)
+// with the spec's seed and step; tokens I32 [A], logprobs F64 [A] (the log-probability the token
+// was drawn with; 0 when greedy), status I32 [A]: kDrawOk, kDrawAllNegInf (no finite largest logit
+// to draw from), or the id of the row's first NaN logit (the row's token is then 0). Every backend
+// gives the same tokens and log-prob bits. On the GPU, rows of at most kGpuDrawMaxVocab logits.
+struct DrawSpec {
+  double temperature = 1.0;  // 0: greedy (the first largest logit); else finite and > 0
+  int64_t top_k = 0;         // > 0: the k most likely tokens only
+  double top_p = 1.0;        // in (0, 1]
+  uint64_t seed = 0, step = 0;
+};
+inline constexpr int32_t kDrawOk = -1, kDrawAllNegInf = -2;
+inline constexpr int64_t kGpuDrawMaxVocab = 2048;
+void draw_tokens(const Tensor& logits, const DrawSpec& spec, const Tensor& keys, Tensor& tokens, Tensor& logprobs,
+                 Tensor& status);
 
 // Router: probs = softmax(logits [N, E]); top-k by probability (ties: lower expert index first),
 // topk_idx I32 [N, k] in descending order, topk_w [N, k] = renormalised probabilities.

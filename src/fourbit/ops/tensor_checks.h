@@ -1,6 +1,6 @@
 // defines: str_or_undef, expect_dims_on, expect_like_on, expect_out_on, expect_add_args,
 //          expect_add_inplace_args, CombineShape, expect_combine_args, GatherShape, expect_gather_args,
-//          expect_scatter_args, expect_router_backward_args, expect_segment_amax_args
+//          expect_scatter_args, expect_router_backward_args, expect_segment_amax_args, expect_draw_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "fourbit/ops/ops.h"
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit::ops {
@@ -156,6 +157,28 @@ inline GatherShape expect_scatter_args(Device dev, const char* op, const Tensor&
   expect_dims_on(dev, op, "dst_rows", dst_rows, DType::I32, {g.M}, "[M]");
   expect_dims_on(dev, op, "x", x, out.dtype(), {g.M, g.D}, "[M, D]");
   return g;
+}
+
+// draw_tokens: logits f32 [A, V] (V >= 1), keys i64 [A, 2], tokens i32 [A], logprobs f64 [A],
+// status i32 [A], all on dev; the spec's ranges (rl::check_sampling_options' for the same fields).
+// Returns V.
+inline int64_t expect_draw_args(Device dev, const char* op, const Tensor& logits, const DrawSpec& spec,
+                                const Tensor& keys, const Tensor& tokens, const Tensor& logprobs,
+                                const Tensor& status) {
+  if (!logits.defined() || logits.dim() != 2 || logits.dtype() != DType::F32 || logits.device() != dev ||
+      logits.size(1) < 1)
+    fail("{}: logits must be f32[A, V] {} with V >= 1, got {}", op, device_name(dev),
+         logits.defined() ? logits.str() : "an undefined tensor");
+  const int64_t A = logits.size(0);
+  expect_dims_on(dev, op, "keys", keys, DType::I64, {A, 2}, "[A, 2]");
+  expect_dims_on(dev, op, "tokens", tokens, DType::I32, {A}, "[A]");
+  expect_dims_on(dev, op, "logprobs", logprobs, DType::F64, {A}, "[A]");
+  expect_dims_on(dev, op, "status", status, DType::I32, {A}, "[A]");
+  if (!(spec.temperature >= 0) || spec.temperature > 1.7976931348623157e308)
+    fail("{}: temperature must be a finite value >= 0 (0 = greedy), got {}", op, spec.temperature);
+  if (spec.top_k < 0) fail("{}: top_k must be >= 0 (0 = all tokens), got {}", op, spec.top_k);
+  if (!(spec.top_p > 0 && spec.top_p <= 1)) fail("{}: top_p must be in (0, 1] (1 = all tokens), got {}", op, spec.top_p);
+  return logits.size(1);
 }
 
 }  // namespace fourbit::ops

@@ -1,4 +1,5 @@
-// defines: SamplingOptions, TokenDraw, check_sampling_options, sampling_uniform, draw_token
+// defines: SamplingOptions, TokenDraw, check_sampling_options, sampling_uniform, draw_spec, fail_bad_draw,
+//          draw_token
 // Choosing the next token from one row of logits: greedy, or a draw at a temperature with
 // optional top-k / top-p truncation. The draw is a pure function of the logits row, the options
 // and (seed, step, sequence id, position): one Philox-4x32-10 call per token, so a sequence's
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <span>
 
+#include "fourbit/ops/ops.h"
 #include "fourbit/train/tokenizer.h"
 
 namespace fourbit::rl {
@@ -40,7 +42,15 @@ struct TokenDraw {
 // (num::draw_uniform).
 double sampling_uniform(uint64_t seed, uint64_t step, uint64_t sequence_id, int64_t position);
 
-// The next token from logits [V] (fails on a NaN logit; -inf logits are never drawn).
+// The draw's fields of the options, for ops::draw_tokens (the backends' draws of a batch of rows).
+ops::DrawSpec draw_spec(const SamplingOptions& o);
+
+// Fails with the row's message where a draw's status is not ops::kDrawOk: a NaN logit (naming the
+// first), or no finite largest logit.
+void fail_bad_draw(int32_t status, uint64_t sequence_id, int64_t position);
+
+// The next token from logits [V] (fails on a NaN logit; -inf logits are never drawn): one row of
+// ops::draw_tokens on the CPU.
 TokenDraw draw_token(std::span<const float> logits, const SamplingOptions& o, uint64_t sequence_id,
                      int64_t position);
 
