@@ -11,7 +11,8 @@
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
 //                    [--forward-gemms grouped,gemm] [--fused on,off] [--routing deferred,layer]
-//                    [--attention group,head] [--graphs on,off] [--traffic on|off] [--json FILE]
+//                    [--attention group,head] [--graphs on,off] [--draws gpu,host] [--traffic on|off]
+//                    [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
 // GEMMs' decode configuration per run (cuda::set_grouped_decode_width: 0 chosen per call, 16 the
@@ -31,6 +32,8 @@
 // decode steps as CUDA graphs (on, the default: Sampler::set_cuda_graphs) or issued op by op (off);
 // rows adjacent per batch, and the run fails unless both give the same completions. graph_captures
 // counts the graphs a row recorded; a row that decoded op by op with graphs on says why in graph_error.
+// --draws: the tokens drawn on the GPU (gpu, the default: Sampler::set_gpu_draws) or on the host from the
+// logits read back (host); the same samples (the run fails otherwise), rows adjacent per batch.
 // --traffic (on by default): the memory traffic a decode step cannot avoid, and the rate it ran at.
 // After a batch's timed rows, one more sample of the same prompts (untimed, op by op with a wait for
 // the router counts in every MoE layer, Model::set_routing_observer) counts the routed experts that each
@@ -44,6 +47,7 @@
 // decode tokens/s over the bf16 row's at the same batch and settings; bytes_vs_bf16: bf16's
 // MB_per_step over this row's, the speed-up a step that reads at bf16's rate would reach.
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
@@ -132,6 +136,15 @@ bool same_tokens(const std::vector<rl::Completion>& a, const std::vector<rl::Com
   return true;
 }
 
+// The same doubles bit for bit, row by row.
+bool same_bits(const std::vector<std::vector<double>>& a, const std::vector<std::vector<double>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(double)) != 0)
+      return false;
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,7 +171,8 @@ int main(int argc, char** argv) {
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
     table.columns = {"recipe",           "kv_cache",    "forward",           "fused",        "routing",
-                     "attention",        "graphs",      "experts",           "batch",        "decode_tok_per_s",
+                     "attention",        "graphs",      "draws",             "experts",      "batch",
+                     "decode_tok_per_s",
                      "ms_per_step",      "host_ms_per_step", "prefill_tok_per_s",
                      "kv_cache_MiB"};
     const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
@@ -202,6 +216,12 @@ int main(int argc, char** argv) {
       graph_modes.push_back(f == "on");
     }
     if (graph_modes.empty()) fail("--graphs names no mode");
+    std::vector<bool> draw_modes;
+    for (const std::string& f : split(arg(argc, argv, "--draws", "gpu"))) {
+      if (f != "gpu" && f != "host") fail("--draws takes gpu or host, not {}", f);
+      draw_modes.push_back(f == "gpu");
+    }
+    if (draw_modes.empty()) fail("--draws names no mode");
     if (device == Device::CPU && head_rows != std::vector<bool>{true})
       fail("--attention: the decode attention's CTAs are the CUDA backend's; on the CPU give group");
     std::vector<DType> kv_storages;
@@ -237,11 +257,13 @@ int main(int argc, char** argv) {
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
           if (widths.size() * forward_grouped.size() * fusions.size() * routing_deferred.size() * head_rows.size() *
-                  graph_modes.size() > 1)
+                  graph_modes.size() * draw_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
           std::vector<rl::Completion> timed_out;  // the last timed row's, for the census's check
-          std::vector<std::vector<int32_t>> graph_tokens;  // the first row's completions, to compare
+          std::vector<std::vector<int32_t>> first_tokens;  // the first row's completions, to compare
+          std::vector<std::vector<double>> first_draw_logprobs;
+          for (const bool gpu_draws : draw_modes)
           for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
           for (const bool fused : fusions)
@@ -256,6 +278,7 @@ int main(int argc, char** argv) {
             set_fused_forward_gemms(fused);
             set_moe_routing_waits_deferred(deferred);
             sampler.set_cuda_graphs(graphs);
+            sampler.set_gpu_draws(gpu_draws);
             const std::string experts = width == 0    ? "chosen"
                                         : width == 16 ? "stream"
                                         : width < 0   ? "64x256"
@@ -263,12 +286,18 @@ int main(int argc, char** argv) {
             sampler.reset_stats();
             const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
             const rl::SamplerStats& s = sampler.stats();
-            if (graph_modes.size() > 1) {  // graphs on and off must sample the same tokens
+            if (graph_modes.size() * draw_modes.size() > 1) {  // graphs on/off, draws gpu/host: the same samples
               std::vector<std::vector<int32_t>> tokens;
-              for (const rl::Completion& c : out) tokens.push_back(c.tokens);
-              if (graph_tokens.empty()) graph_tokens = std::move(tokens);
-              else if (tokens != graph_tokens)
-                fail("{} batch {}: the decode as CUDA graphs and op by op sampled different tokens", recipe, B);
+              std::vector<std::vector<double>> draw_logprobs;
+              for (const rl::Completion& c : out) tokens.push_back(c.tokens), draw_logprobs.push_back(c.sample_logprobs);
+              if (first_tokens.empty()) {
+                first_tokens = std::move(tokens);
+                first_draw_logprobs = std::move(draw_logprobs);
+              } else if (tokens != first_tokens || !same_bits(draw_logprobs, first_draw_logprobs)) {
+                fail("{} batch {}: graphs {} with draws on the {} sampled other tokens or draw log-probs than the first "
+                     "row",
+                     recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host");
+              }
             }
             if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
             const int64_t decode_tokens = s.sampled_tokens - B;  // the first token of each came from the prefill
@@ -281,6 +310,7 @@ int main(int argc, char** argv) {
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
                        {"graphs", graphs ? "on" : "off"},
+                       {"draws", gpu_draws ? "gpu" : "host"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -295,11 +325,11 @@ int main(int argc, char** argv) {
                        {"prefill_s", s.prefill_s},
                        {"graph_captures", s.graph_captures},
                        {"graph_error", s.graph_error}});
-            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, experts %s, batch "
-                        "%lld: %.0f decode tokens/s (%lld steps)\n",
+            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, draws %s, experts %s, "
+                        "batch %lld: %.0f decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
                         deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
-                        experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+                        gpu_draws ? "gpu" : "host", experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             timed_out = out;
           }
           if (traffic) {
@@ -344,13 +374,15 @@ int main(int argc, char** argv) {
       set_fused_forward_gemms(true);
       set_moe_routing_waits_deferred(true);
       sampler.set_cuda_graphs(true);
+      sampler.set_gpu_draws(true);
     }
     if (traffic)  // each row against the bf16 row of the same batch and settings, where there is one
       for (nlohmann::json& row : table.rows) {
         if (row["recipe"] == "bf16") continue;
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
-          for (const char* k : {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "experts", "batch"})
+          for (const char* k :
+               {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "draws", "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;
           row["speed_vs_bf16"] = row["decode_tok_per_s"].get<double>() / base["decode_tok_per_s"].get<double>();

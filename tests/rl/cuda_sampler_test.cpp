@@ -168,6 +168,43 @@ TEST(CudaSampler, GraphsGiveTheEagerSamples) {
   }
 }
 
+// Tokens drawn on the GPU (ops::draw_tokens, the default) are the host's draws: the same tokens,
+// policy and draw log-prob bits, finishes and logits, greedy and sampled with temperature, top-k,
+// top-p and a stop token, with and without kept logits, eager and as graphs.
+TEST(CudaSampler, GpuDrawsGiveTheHostsSamples) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* recipe : {"bf16", "nvfp4-fwd"}) {
+    TinyModel tm(recipe, Device::CUDA, gpu_config(64));
+    rl::Sampler sampler(tm.model, tm.sr);
+    std::vector<rl::SampleRequest> reqs;
+    for (const int64_t len : {20, 40, 66, 75, 30, 50, 9, 33})
+      reqs.push_back({ragged_prompt(len, uint64_t(len) + 3), 900 + uint64_t(len)});
+    std::vector<rl::SamplingOptions> opts(5, open_ended(10, 23));
+    opts[1].temperature = 0.0;
+    opts[2].temperature = 0.7, opts[2].top_k = 5;
+    opts[3].top_p = 0.6, opts[3].keep_logits = false;
+    opts[4].keep_logits = false;  // and a stop token sequence 0 meets: its 4th token of options 0
+    for (size_t o = 0; o < opts.size(); ++o) {
+      if (o == 4) {
+        sampler.set_gpu_draws(false);
+        opts[4].stop_token = sampler.sample(reqs, opts[0])[0].tokens[3];
+      }
+      for (const bool graphs : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << recipe << " options " << o << " graphs " << graphs);
+        sampler.set_cuda_graphs(graphs);
+        sampler.set_gpu_draws(false);
+        const std::vector<rl::Completion> host = sampler.sample(reqs, opts[o]);
+        sampler.set_gpu_draws(true);
+        const std::vector<rl::Completion> gpu = sampler.sample(reqs, opts[o]);
+        for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(gpu[i], host[i], "gpu vs host draws");
+        if (o == 4) {
+          EXPECT_EQ(gpu[0].finish, rl::Finish::Stop);
+        }
+      }
+    }
+  }
+}
+
 // A decode graph reads the model's cached weights where the capture found them: once the weights
 // change (invalidate_weight_cache) it fails rather than read freed memory; a token id outside the
 // vocabulary is reported after the replay, as the op-by-op forward reports it.

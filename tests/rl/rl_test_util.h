@@ -61,6 +61,10 @@ inline void expect_same_completion(const rl::Completion& a, const rl::Completion
   EXPECT_EQ(a.finish, b.finish) << what;
   ASSERT_EQ(a.logprobs.size(), b.logprobs.size()) << what;
   EXPECT_EQ(std::memcmp(a.logprobs.data(), b.logprobs.data(), a.logprobs.size() * sizeof(float)), 0) << what;
+  ASSERT_EQ(a.sample_logprobs.size(), b.sample_logprobs.size()) << what;
+  EXPECT_EQ(std::memcmp(a.sample_logprobs.data(), b.sample_logprobs.data(), a.sample_logprobs.size() * sizeof(double)),
+            0)
+      << what;
   ASSERT_EQ(a.logits.size(), b.logits.size()) << what;
   EXPECT_EQ(std::memcmp(a.logits.data(), b.logits.data(), a.logits.size() * sizeof(float)), 0) << what;
 }

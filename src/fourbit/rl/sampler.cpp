@@ -136,46 +136,73 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
   }
   std::unique_ptr<DecodeGraph> graph;
   int64_t steps_on_cache = 0;  // decode forwards run over `cache` as it is
+  // Draws on the GPU where the rows fit its kernel; else on the host, from the logits read back.
+  const bool device_draws = gpu_draws_ && dev == Device::CUDA && V <= ops::kGpuDrawMaxVocab;
+  const ops::DrawSpec spec = draw_spec(opt);
 
   while (true) {
     // ---- the next token of every active row ----
     t0 = Clock::now();
     const int64_t A = int64_t(rows.size());
-    const Tensor h = logits.to(Device::CPU);
-    // The rows' draws are independent (each its own stream of uniforms): drawn on every core, an
-    // even share of the rows each (so at batch 16 one row a core: the GPU waits for the slowest),
-    // the first failing row's error raised after the loop, as a loop in row order would.
-    std::vector<TokenDraw> draws(static_cast<size_t>(A));
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(A));
-#pragma omp parallel for schedule(static) if (A >= 16)
-    for (int64_t a = 0; a < A; ++a) {
-      try {
-        const Completion& c = out[rows[size_t(a)]];
-        const int64_t position = len(rows[size_t(a)]) + int64_t(c.tokens.size());
-        draws[size_t(a)] = draw_token(std::span<const float>(h.data<float>() + a * V, size_t(V)), opt,
-                                      c.sequence_id, position);
-      } catch (...) {
-        errors[size_t(a)] = std::current_exception();
-      }
-    }
-    for (const std::exception_ptr& e : errors)
-      if (e) std::rethrow_exception(e);
     std::vector<int32_t> next(static_cast<size_t>(A));
+    std::vector<double> sample_lp(static_cast<size_t>(A));
+    Tensor targets, losses = Tensor::empty({A}, DType::F32, dev);
+    std::shared_ptr<PendingRead> draw_read, loss_read;
+    Tensor h;  // the logits on the host: host draws, keep_logits
+    if (opt.keep_logits || !device_draws) h = logits.to(Device::CPU);
+    if (device_draws) {
+      // Drawn where the logits are (ops::draw_tokens, the host's bits): only the tokens and their
+      // statuses come back before the next step (one buffer, one copy); the draw log-probs come
+      // back with the policy log-probs, behind the next decode forward.
+      std::vector<int64_t> keys(static_cast<size_t>(2 * A));
+      for (int64_t a = 0; a < A; ++a) {
+        const Completion& c = out[rows[size_t(a)]];
+        keys[size_t(2 * a)] = int64_t(c.sequence_id);
+        keys[size_t(2 * a + 1)] = len(rows[size_t(a)]) + int64_t(c.tokens.size());
+      }
+      Tensor drawn = Tensor::empty({2 * A}, DType::I32, dev), draw_lp = Tensor::empty({A}, DType::F64, dev);
+      Tensor status = drawn.view(A, {A});
+      targets = drawn.view(0, {A});
+      ops::draw_tokens(logits, spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64, dev), targets, draw_lp,
+                       status);
+      ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
+      loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
+      draw_read = read_later(draw_lp.raw(), size_t(A) * sizeof(double));
+      const Tensor back = drawn.to(Device::CPU);
+      for (int64_t a = 0; a < A; ++a) {
+        const Completion& c = out[rows[size_t(a)]];
+        fail_bad_draw(back.data<int32_t>()[A + a], c.sequence_id, len(rows[size_t(a)]) + int64_t(c.tokens.size()));
+        next[size_t(a)] = back.data<int32_t>()[a];
+      }
+    } else {
+      // The rows' draws are independent (each its own stream of uniforms): ops::draw_tokens on
+      // the host spreads them over the cores.
+      std::vector<int64_t> keys(static_cast<size_t>(2 * A));
+      for (int64_t a = 0; a < A; ++a) {
+        const Completion& c = out[rows[size_t(a)]];
+        keys[size_t(2 * a)] = int64_t(c.sequence_id);
+        keys[size_t(2 * a + 1)] = len(rows[size_t(a)]) + int64_t(c.tokens.size());
+      }
+      Tensor tok = Tensor::empty({A}, DType::I32), lp = Tensor::empty({A}, DType::F64),
+             status = Tensor::empty({A}, DType::I32);
+      ops::draw_tokens(h, spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64), tok, lp, status);
+      for (int64_t a = 0; a < A; ++a) {
+        fail_bad_draw(status.data<int32_t>()[a], out[rows[size_t(a)]].sequence_id, keys[size_t(2 * a + 1)]);
+        next[size_t(a)] = tok.data<int32_t>()[a];
+        sample_lp[size_t(a)] = lp.data<double>()[a];
+      }
+      // The trainer's per-token loss on this row and token, negated: the same op on the same bits.
+      // Read back behind the next decode forward (the finishes do not depend on it), so the GPU
+      // does not drain between the two.
+      targets = Tensor::from_host(next.data(), {A}, DType::I32, dev);
+      ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
+      if (dev != Device::CPU) loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
+    }
     for (int64_t a = 0; a < A; ++a) {
       Completion& c = out[rows[size_t(a)]];
-      next[size_t(a)] = draws[size_t(a)].token;
-      c.tokens.push_back(draws[size_t(a)].token);
-      c.sample_logprobs.push_back(draws[size_t(a)].sample_logprob);
+      c.tokens.push_back(next[size_t(a)]);
       if (opt.keep_logits) c.logits.insert(c.logits.end(), h.data<float>() + a * V, h.data<float>() + (a + 1) * V);
     }
-    // The trainer's per-token loss on this row and token, negated: the same op on the same bits.
-    // Read back behind the next decode forward (the finishes do not depend on it), so the GPU
-    // does not drain between the two.
-    const Tensor targets = Tensor::from_host(next.data(), {A}, DType::I32, dev);
-    Tensor losses = Tensor::empty({A}, DType::F32, dev);
-    ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
-    std::shared_ptr<PendingRead> loss_read;
-    if (dev != Device::CPU) loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
     std::vector<size_t> keep_rows;
     std::vector<int64_t> keep_slots;
     for (int64_t a = 0; a < A; ++a) {
@@ -241,7 +268,11 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     }
     // the drawn tokens' policy log-probs (their read was queued before the forward)
     const float* loss = loss_read ? static_cast<const float*>(loss_read->wait()) : losses.data<float>();
-    for (int64_t a = 0; a < A; ++a) out[rows[size_t(a)]].logprobs.push_back(-loss[a]);
+    const double* drawn_lp = draw_read ? static_cast<const double*>(draw_read->wait()) : sample_lp.data();
+    for (int64_t a = 0; a < A; ++a) {
+      out[rows[size_t(a)]].logprobs.push_back(-loss[a]);
+      out[rows[size_t(a)]].sample_logprobs.push_back(drawn_lp[a]);
+    }
     if (!more) break;
     rows = std::move(keep_rows);
     stats_.decode_forwards += 1;

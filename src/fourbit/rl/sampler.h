@@ -59,7 +59,7 @@ struct SamplerStats {
   // the host's part of decode_s: until the decode forwards are queued (where it nears decode_s, the
   // decode steps wait for the host, not the GPU)
   double decode_issue_s = 0;
-  double choose_s = 0;  // logits to the host, draws, the log-probs' queueing
+  double choose_s = 0;  // the draws (on the GPU: queued, and the tokens read back), the log-probs' queueing
   int64_t graph_captures = 0;  // decode graphs recorded (counted in decode_s and decode_issue_s)
   int64_t graph_replays = 0;   // decode forwards run as a graph replay (a capture's first run included)
   std::string graph_error;     // why the decode did not run as graphs (a capture failed, or the model's
@@ -84,6 +84,10 @@ class Sampler {
     graph_failure_.clear();
   }
 
+  // Whether a GPU model's tokens are drawn on the GPU (ops::draw_tokens; on by default where the
+  // vocabulary fits its kernel, ops::kGpuDrawMaxVocab): only the tokens come back to the host
+  // each step, not the logits. Off: drawn on the host from the logits. The same samples either way.
+  void set_gpu_draws(bool on) { gpu_draws_ = on; }
   // One completion per request, in request order. Fails (before any work) on an empty or
   // out-of-vocabulary prompt, a prompt longer than max_seq_len, repeated sequence ids or bad
   // options. A prompt of exactly max_seq_len tokens gets one token.
@@ -103,6 +107,7 @@ class Sampler {
   SamplerStats stats_;
   std::optional<DType> kv_storage_;
   bool cuda_graphs_ = true;
+  bool gpu_draws_ = true;
   bool graph_warned_ = false;  // a failed capture is reported on stderr once
   std::string graph_failure_;  // why a capture failed, since set_cuda_graphs
 };
