@@ -20,31 +20,6 @@ using namespace fourbit::optest;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                     \
-  do {                                                                         \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device is visible"; \
-  } while (0)
-
-struct Draws {
-  std::vector<int32_t> tokens, status;
-  std::vector<uint64_t> logprob_bits;
-};
-
-Draws draw_on(Device dev, const Tensor& logits, const ops::DrawSpec& spec, const std::vector<int64_t>& keys) {
-  const int64_t A = logits.size(0);
-  Tensor tokens = Tensor::empty({A}, DType::I32, dev), logprobs = Tensor::empty({A}, DType::F64, dev),
-         status = Tensor::empty({A}, DType::I32, dev);
-  ops::draw_tokens(logits.to(dev), spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64, dev), tokens, logprobs,
-                   status);
-  const Tensor t = tokens.to(Device::CPU), l = logprobs.to(Device::CPU), s = status.to(Device::CPU);
-  Draws d;
-  d.tokens.assign(t.data<int32_t>(), t.data<int32_t>() + A);
-  d.status.assign(s.data<int32_t>(), s.data<int32_t>() + A);
-  d.logprob_bits.resize(size_t(A));
-  std::memcpy(d.logprob_bits.data(), l.data<double>(), size_t(A) * sizeof(double));
-  return d;
-}
-
 // Rows of V logits: N(0, 3) draws, with special rows mixed in.
 Tensor rows_of(int64_t A, int64_t V, uint64_t seed) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
@@ -94,8 +69,8 @@ TEST(CudaDrawTokens, TokensLogprobsAndStatusesAreTheCpus) {
     std::vector<int64_t> keys;
     for (int64_t a = 0; a < A; ++a) keys.insert(keys.end(), {int64_t(a * 31 + 5), int64_t(a % 9)});
     for (size_t s = 0; s < specs.size(); ++s) {
-      const Draws cpu = draw_on(Device::CPU, logits, specs[s], keys);
-      const Draws gpu = draw_on(Device::CUDA, logits, specs[s], keys);
+      const DrawnRows cpu = draw_rows(Device::CPU, logits, specs[s], keys);
+      const DrawnRows gpu = draw_rows(Device::CUDA, logits, specs[s], keys);
       for (int64_t a = 0; a < A; ++a) {
         SCOPED_TRACE(::testing::Message() << "V " << V << " spec " << s << " row " << a);
         ASSERT_EQ(gpu.status[size_t(a)], cpu.status[size_t(a)]);
@@ -105,7 +80,7 @@ TEST(CudaDrawTokens, TokensLogprobsAndStatusesAreTheCpus) {
       }
       // a row alone: the same as in the batch
       const int64_t a = int64_t(s) % A;
-      const Draws alone = draw_on(Device::CUDA, logits.slice_rows(a, a + 1).clone(), specs[s],
+      const DrawnRows alone = draw_rows(Device::CUDA, logits.slice_rows(a, a + 1).clone(), specs[s],
                                   {keys[size_t(2 * a)], keys[size_t(2 * a + 1)]});
       EXPECT_EQ(alone.tokens[0], gpu.tokens[size_t(a)]);
       EXPECT_EQ(alone.logprob_bits[0], gpu.logprob_bits[size_t(a)]);

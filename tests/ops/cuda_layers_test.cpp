@@ -30,11 +30,6 @@ using namespace fourbit::optest;
 
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                     \
-  do {                                                                         \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device is visible"; \
-  } while (0)
-
 constexpr double kElementwiseTol = 1e-5;
 constexpr double kReductionTol = 1e-4;
 

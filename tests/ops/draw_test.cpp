@@ -18,27 +18,8 @@ using namespace fourbit::optest;
 
 namespace {
 
-struct Draws {
-  std::vector<int32_t> tokens, status;
-  std::vector<double> logprobs;
-};
-
-Draws draw(const Tensor& logits, const ops::DrawSpec& spec, const std::vector<int64_t>& keys) {
-  const int64_t A = logits.size(0);
-  Tensor tokens = Tensor::empty({A}, DType::I32), logprobs = Tensor::empty({A}, DType::F64),
-         status = Tensor::empty({A}, DType::I32);
-  ops::draw_tokens(logits, spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64), tokens, logprobs, status);
-  Draws d;
-  d.tokens.assign(tokens.data<int32_t>(), tokens.data<int32_t>() + A);
-  d.status.assign(status.data<int32_t>(), status.data<int32_t>() + A);
-  d.logprobs.assign(logprobs.data<double>(), logprobs.data<double>() + A);
-  return d;
-}
-
-uint64_t bits(double x) {
-  uint64_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
+DrawnRows draw(const Tensor& logits, const ops::DrawSpec& spec, const std::vector<int64_t>& keys) {
+  return draw_rows(Device::CPU, logits, spec, keys);
 }
 
 TEST(DrawTokens, EachRowIsItsDrawAloneWhateverTheBatchAndThreads) {
@@ -52,18 +33,18 @@ TEST(DrawTokens, EachRowIsItsDrawAloneWhateverTheBatchAndThreads) {
   for (int64_t a = 0; a < A; ++a) keys.insert(keys.end(), {int64_t(1000 + 7 * a), int64_t(a % 11)});
   for (const ops::DrawSpec& spec : {ops::DrawSpec{1.0, 0, 1.0, 3, 9}, ops::DrawSpec{0.7, 40, 0.9, 3, 9},
                                     ops::DrawSpec{0.0, 0, 1.0, 3, 9}, ops::DrawSpec{1.3, 0, 0.5, 8, 1}}) {
-    Draws batch, one_thread;
+    DrawnRows batch, one_thread;
     with_threads(4, [&] { batch = draw(logits, spec, keys); });
     with_threads(1, [&] { one_thread = draw(logits, spec, keys); });
     for (int64_t a = 0; a < A; ++a) {
       const Tensor row = logits.slice_rows(a, a + 1).clone();
-      const Draws alone = draw(row, spec, {keys[size_t(2 * a)], keys[size_t(2 * a + 1)]});
+      const DrawnRows alone = draw(row, spec, {keys[size_t(2 * a)], keys[size_t(2 * a + 1)]});
       SCOPED_TRACE(::testing::Message() << "row " << a << " T " << spec.temperature);
       EXPECT_EQ(batch.status[size_t(a)], ops::kDrawOk);
       EXPECT_EQ(batch.tokens[size_t(a)], alone.tokens[0]);
-      EXPECT_EQ(bits(batch.logprobs[size_t(a)]), bits(alone.logprobs[0]));
+      EXPECT_EQ(batch.logprob_bits[size_t(a)], alone.logprob_bits[0]);
       EXPECT_EQ(one_thread.tokens[size_t(a)], batch.tokens[size_t(a)]);
-      EXPECT_EQ(bits(one_thread.logprobs[size_t(a)]), bits(batch.logprobs[size_t(a)]));
+      EXPECT_EQ(one_thread.logprob_bits[size_t(a)], batch.logprob_bits[size_t(a)]);
     }
   }
 }
@@ -76,13 +57,13 @@ TEST(DrawTokens, BadRowsGetTheirStatusAndTheOthersTheirTokens) {
                                    -inf, -1.0f, -inf, -inf};  // fine: one finite logit
   const Tensor logits = Tensor::from_host(rows.data(), {4, 4}, DType::F32);
   const std::vector<int64_t> keys = {1, 0, 2, 0, 3, 0, 4, 0};
-  const Draws d = draw(logits, ops::DrawSpec{1.0, 0, 1.0, 0, 0}, keys);
+  const DrawnRows d = draw(logits, ops::DrawSpec{1.0, 0, 1.0, 0, 0}, keys);
   EXPECT_EQ(d.status, (std::vector<int32_t>{1, ops::kDrawAllNegInf, ops::kDrawOk, ops::kDrawOk}));
   EXPECT_TRUE(d.tokens[2] == 1 || d.tokens[2] == 3);
   EXPECT_EQ(d.tokens[3], 1);
-  EXPECT_EQ(d.logprobs[3], 0.0);  // log 1
+  EXPECT_EQ(d.logprob_bits[3], 0u);  // log 1 = +0
   // greedy: the first largest; all -inf is a row like any other there
-  const Draws g = draw(logits, ops::DrawSpec{0.0, 0, 1.0, 0, 0}, keys);
+  const DrawnRows g = draw(logits, ops::DrawSpec{0.0, 0, 1.0, 0, 0}, keys);
   EXPECT_EQ(g.status, (std::vector<int32_t>{1, ops::kDrawOk, ops::kDrawOk, ops::kDrawOk}));
   EXPECT_EQ(g.tokens[1], 0);
   EXPECT_EQ(g.tokens[2], 1);

@@ -1,5 +1,5 @@
 // defines: test helpers for the layer ops: random tensors and routings, bitwise comparison, error-message
-//          expectations, column_block, time_slice, with_threads, and fd_check (central finite differences of L = sum(r * outputs)).
+//          expectations, column_block, time_slice, with_threads, SKIP_WITHOUT_GPU, draw_rows, and fd_check (central finite differences of L = sum(r * outputs)).
 #pragma once
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -14,6 +14,13 @@
 #include <vector>
 
 #include "fourbit/ops/ops.h"
+#include "fourbit/tensor/device_memory.h"
+
+// Skips a GPU test where no CUDA device is visible (CI, this machine without one).
+#define SKIP_WITHOUT_GPU()                                                                \
+  do {                                                                                    \
+    if (::fourbit::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device is visible"; \
+  } while (0)
 
 namespace fourbit::optest {
 
@@ -165,6 +172,29 @@ inline double fd_check(Tensor& x, const Tensor& analytic, const std::vector<Weig
   }
   forward();  // leave the outputs at x
   return worst;
+}
+
+
+// ops::draw_tokens on `dev` over logits [A, V] (copied there) with keys {sequence id, position}
+// a row, read back: tokens, statuses and the log-probs' bits.
+struct DrawnRows {
+  std::vector<int32_t> tokens, status;
+  std::vector<uint64_t> logprob_bits;
+};
+inline DrawnRows draw_rows(Device dev, const Tensor& logits, const ops::DrawSpec& spec,
+                           const std::vector<int64_t>& keys) {
+  const int64_t A = logits.size(0);
+  Tensor tokens = Tensor::empty({A}, DType::I32, dev), logprobs = Tensor::empty({A}, DType::F64, dev),
+         status = Tensor::empty({A}, DType::I32, dev);
+  ops::draw_tokens(logits.to(dev), spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64, dev), tokens, logprobs,
+                   status);
+  const Tensor t = tokens.to(Device::CPU), l = logprobs.to(Device::CPU), st = status.to(Device::CPU);
+  DrawnRows d;
+  d.tokens.assign(t.data<int32_t>(), t.data<int32_t>() + A);
+  d.status.assign(st.data<int32_t>(), st.data<int32_t>() + A);
+  d.logprob_bits.resize(size_t(A));
+  std::memcpy(d.logprob_bits.data(), l.data<double>(), size_t(A) * sizeof(double));
+  return d;
 }
 
 }  // namespace fourbit::optest
