@@ -149,40 +149,33 @@ std::vector<Completion> Sampler::sample(const std::vector<SampleRequest>& reques
     Tensor targets, losses = Tensor::empty({A}, DType::F32, dev);
     std::shared_ptr<PendingRead> draw_read, loss_read;
     Tensor h;  // the logits on the host: host draws, keep_logits
-    if (opt.keep_logits || !device_draws) h = logits.to(Device::CPU);
+    // Each row's draw key: (sequence id, the position of the token drawn).
+    std::vector<int64_t> keys(static_cast<size_t>(2 * A));
+    for (int64_t a = 0; a < A; ++a) {
+      keys[size_t(2 * a)] = int64_t(out[rows[size_t(a)]].sequence_id);
+      keys[size_t(2 * a + 1)] = len(rows[size_t(a)]) + int64_t(out[rows[size_t(a)]].tokens.size());
+    }
+    if (opt.keep_logits || !device_draws) h = dev == Device::CPU ? logits : logits.to(Device::CPU);
     if (device_draws) {
       // Drawn where the logits are (ops::draw_tokens, the host's bits): only the tokens and their
       // statuses come back before the next step (one buffer, one copy); the draw log-probs come
       // back with the policy log-probs, behind the next decode forward.
-      std::vector<int64_t> keys(static_cast<size_t>(2 * A));
-      for (int64_t a = 0; a < A; ++a) {
-        const Completion& c = out[rows[size_t(a)]];
-        keys[size_t(2 * a)] = int64_t(c.sequence_id);
-        keys[size_t(2 * a + 1)] = len(rows[size_t(a)]) + int64_t(c.tokens.size());
-      }
       Tensor drawn = Tensor::empty({2 * A}, DType::I32, dev), draw_lp = Tensor::empty({A}, DType::F64, dev);
       Tensor status = drawn.view(A, {A});
       targets = drawn.view(0, {A});
       ops::draw_tokens(logits, spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64, dev), targets, draw_lp,
                        status);
-      ops::cross_entropy(logits, targets, losses, nullptr, 0.0);
+      ops::cross_entropy(logits, targets, losses, nullptr, 0.0);  // the policy log-probs, as below
       loss_read = read_later(losses.raw(), size_t(A) * sizeof(float));
       draw_read = read_later(draw_lp.raw(), size_t(A) * sizeof(double));
       const Tensor back = drawn.to(Device::CPU);
       for (int64_t a = 0; a < A; ++a) {
-        const Completion& c = out[rows[size_t(a)]];
-        fail_bad_draw(back.data<int32_t>()[A + a], c.sequence_id, len(rows[size_t(a)]) + int64_t(c.tokens.size()));
+        fail_bad_draw(back.data<int32_t>()[A + a], out[rows[size_t(a)]].sequence_id, keys[size_t(2 * a + 1)]);
         next[size_t(a)] = back.data<int32_t>()[a];
       }
     } else {
       // The rows' draws are independent (each its own stream of uniforms): ops::draw_tokens on
       // the host spreads them over the cores.
-      std::vector<int64_t> keys(static_cast<size_t>(2 * A));
-      for (int64_t a = 0; a < A; ++a) {
-        const Completion& c = out[rows[size_t(a)]];
-        keys[size_t(2 * a)] = int64_t(c.sequence_id);
-        keys[size_t(2 * a + 1)] = len(rows[size_t(a)]) + int64_t(c.tokens.size());
-      }
       Tensor tok = Tensor::empty({A}, DType::I32), lp = Tensor::empty({A}, DType::F64),
              status = Tensor::empty({A}, DType::I32);
       ops::draw_tokens(h, spec, Tensor::from_host(keys.data(), {A, 2}, DType::I64), tok, lp, status);
