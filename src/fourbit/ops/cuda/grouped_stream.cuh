@@ -139,8 +139,8 @@ struct WarpCopy {
 // This thread's A fragments (mma_bf16's layout: rows gid and gid + 8 of the warp's 16, k 2 tig ..
 // and 2 tig + 8 .. of each k16 step) of the warp's K tile at `st` (WarpCopy's layout): BF16 by
 // ldmatrix from the 128-byte swizzle; packed ones decoded from the rows' codes, each value the
-// product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by a table of
-// E2M1 pairs and one BF16-pair FMA a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
+// product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by integer moves
+// and two BF16-pair FMAs a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
 template <Format F>
 __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, uint32_t (&a)[4][4]) {
   using T = Tile<F>;
