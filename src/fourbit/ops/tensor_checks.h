@@ -1,10 +1,12 @@
 // defines: str_or_undef, expect_dims_on, expect_like_on, expect_out_on, expect_add_args,
 //          expect_add_inplace_args, CombineShape, expect_combine_args, GatherShape, expect_gather_args,
-//          expect_scatter_args, expect_router_backward_args, expect_segment_amax_args, expect_draw_args
+//          expect_scatter_args, expect_router_backward_args, expect_segment_amax_args, check_draw_spec,
+//          expect_draw_args
 // Argument checks shared by both backends' layer ops, so a shape error reads the same on either
 // ("rmsnorm_forward: w must be f32[D]=[64] cpu, got f32[32] cpu"). Each backend's checks header
 // binds the device (cpu/checks.h, cuda/checks.cuh).
 #pragma once
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -159,8 +161,17 @@ inline GatherShape expect_scatter_args(Device dev, const char* op, const Tensor&
   return g;
 }
 
+// A draw spec's ranges, the message starting with `who` (draw_tokens, and rl's sampling options).
+inline void check_draw_spec(const char* who, const DrawSpec& spec) {
+  if (!(spec.temperature >= 0) || !std::isfinite(spec.temperature))
+    fail("{}: temperature must be a finite value >= 0 (0 = greedy), got {}", who, spec.temperature);
+  if (spec.top_k < 0) fail("{}: top_k must be >= 0 (0 = all tokens), got {}", who, spec.top_k);
+  if (!(spec.top_p > 0 && spec.top_p <= 1))
+    fail("{}: top_p must be in (0, 1] (1 = all tokens), got {}", who, spec.top_p);
+}
+
 // draw_tokens: logits f32 [A, V] (V >= 1), keys i64 [A, 2], tokens i32 [A], logprobs f64 [A],
-// status i32 [A], all on dev; the spec's ranges (rl::check_sampling_options' for the same fields).
+// status i32 [A], all on dev; the spec's ranges (check_draw_spec).
 // Returns V.
 inline int64_t expect_draw_args(Device dev, const char* op, const Tensor& logits, const DrawSpec& spec,
                                 const Tensor& keys, const Tensor& tokens, const Tensor& logprobs,
@@ -174,10 +185,7 @@ inline int64_t expect_draw_args(Device dev, const char* op, const Tensor& logits
   expect_dims_on(dev, op, "tokens", tokens, DType::I32, {A}, "[A]");
   expect_dims_on(dev, op, "logprobs", logprobs, DType::F64, {A}, "[A]");
   expect_dims_on(dev, op, "status", status, DType::I32, {A}, "[A]");
-  if (!(spec.temperature >= 0) || spec.temperature > 1.7976931348623157e308)
-    fail("{}: temperature must be a finite value >= 0 (0 = greedy), got {}", op, spec.temperature);
-  if (spec.top_k < 0) fail("{}: top_k must be >= 0 (0 = all tokens), got {}", op, spec.top_k);
-  if (!(spec.top_p > 0 && spec.top_p <= 1)) fail("{}: top_p must be in (0, 1] (1 = all tokens), got {}", op, spec.top_p);
+  check_draw_spec(op, spec);
   return logits.size(1);
 }
 

@@ -1,19 +1,16 @@
 // defines: check_sampling_options, sampling_uniform, draw_spec, fail_bad_draw, draw_token (sampling.h)
 #include "fourbit/rl/sampling.h"
 
-#include <cmath>
 #include <cstdint>
 
 #include "fourbit/numerics/draw.h"
+#include "fourbit/ops/tensor_checks.h"
 #include "fourbit/tensor/error.h"
 
 namespace fourbit::rl {
 
 void check_sampling_options(const SamplingOptions& o, int64_t vocab) {
-  if (!(o.temperature >= 0) || !std::isfinite(o.temperature))
-    fail("sampling: temperature must be a finite value >= 0 (0 = greedy), got {}", o.temperature);
-  if (o.top_k < 0) fail("sampling: top_k must be >= 0 (0 = all tokens), got {}", o.top_k);
-  if (!(o.top_p > 0 && o.top_p <= 1)) fail("sampling: top_p must be in (0, 1] (1 = all tokens), got {}", o.top_p);
+  ops::check_draw_spec("sampling", draw_spec(o));
   if (o.max_new < 0) fail("sampling: max_new must be >= 0, got {}", o.max_new);
   if (o.stop_token < -1 || o.stop_token >= vocab)
     fail("sampling: stop_token must be -1 (none) or a token id below the vocabulary size {}, got {}", vocab,

@@ -174,7 +174,6 @@ __device__ __forceinline__ void dequantize_tile(const unsigned char* src, int k0
   }
 }
 
-// A row tile: its group (-1 for the tiles past the last) and rows [r0, r1).
 // The grid's row tiles of bm rows: enough for every group's, whatever the offsets. Groups without
 // rows need none, and the others at most one more than their rows / bm, so ceil(M / bm) + min(G, M)
 // (at decode, a few rows among many experts: 3 at batch 1 of top-2 where M / bm + G gave 17, so
@@ -184,6 +183,7 @@ inline int64_t row_tile_bound(const GroupedArgs& p, int64_t bm) {
   return std::max<int64_t>(1, (p.m + bm - 1) / bm + std::min<int64_t>(p.groups, p.m));
 }
 
+// A row tile: its group (-1 for the tiles past the last) and rows [r0, r1).
 struct RowTile {
   int group;
   long long r0, r1;
