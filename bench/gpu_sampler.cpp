@@ -11,7 +11,8 @@
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
 //                    [--forward-gemms grouped,gemm] [--fused on,off] [--routing deferred,layer]
-//                    [--attention group,head] [--graphs on,off] [--draws gpu,host] [--traffic on|off]
+//                    [--attention group,head] [--graphs on,off] [--draws gpu,host]
+//                    [--dependent-launches on,off] [--traffic on|off]
 //                    [--json FILE]
 // --kv-cache: the KV cache's storage per run (KvCache: BF16 is the GPU's default, F32 the cache
 // before it; the same samples), each a row of the table. --decode-widths: the grouped expert
@@ -34,6 +35,9 @@
 // counts the graphs a row recorded; a row that decoded op by op with graphs on says why in graph_error.
 // --draws: the tokens drawn on the GPU (gpu, the default: Sampler::set_gpu_draws) or on the host from the
 // logits read back (host); the same samples (the run fails otherwise), rows adjacent per batch.
+// --dependent-launches: a decode step's kernels as programmatic dependent launches (on, the default on
+// compute capability 9.0+: cuda::set_dependent_launches) or plain launches (off); the same samples (the
+// run fails otherwise), rows adjacent per batch.
 // --traffic (on by default): the memory traffic a decode step cannot avoid, and the rate it ran at.
 // After a batch's timed rows, one more sample of the same prompts (untimed, op by op with a wait for
 // the router counts in every MoE layer, Model::set_routing_observer) counts the routed experts that each
@@ -222,6 +226,12 @@ int main(int argc, char** argv) {
       draw_modes.push_back(f == "gpu");
     }
     if (draw_modes.empty()) fail("--draws names no mode");
+    std::vector<bool> pdl_modes;
+    for (const std::string& f : split(arg(argc, argv, "--dependent-launches", "on"))) {
+      if (f != "on" && f != "off") fail("--dependent-launches takes on or off, not {}", f);
+      pdl_modes.push_back(f == "on");
+    }
+    if (pdl_modes.empty()) fail("--dependent-launches names no mode");
     if (device == Device::CPU && head_rows != std::vector<bool>{true})
       fail("--attention: the decode attention's CTAs are the CUDA backend's; on the CPU give group");
     std::vector<DType> kv_storages;
@@ -257,12 +267,13 @@ int main(int argc, char** argv) {
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
           if (widths.size() * forward_grouped.size() * fusions.size() * routing_deferred.size() * head_rows.size() *
-                  graph_modes.size() * draw_modes.size() > 1)
+                  graph_modes.size() * draw_modes.size() * pdl_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
           std::vector<rl::Completion> timed_out;  // the last timed row's, for the census's check
           std::vector<std::vector<int32_t>> first_tokens;  // the first row's completions, to compare
           std::vector<std::vector<double>> first_draw_logprobs;
+          for (const bool pdl : pdl_modes)
           for (const bool gpu_draws : draw_modes)
           for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
@@ -273,6 +284,7 @@ int main(int argc, char** argv) {
             if (device == Device::CUDA) {
               ops::cuda::set_grouped_decode_width(width);
               ops::cuda::set_flash_head_rows(group_ctas);
+              ops::cuda::set_dependent_launches(pdl);
             }
             set_forward_gemms_grouped(fwd);
             set_fused_forward_gemms(fused);
@@ -286,7 +298,7 @@ int main(int argc, char** argv) {
             sampler.reset_stats();
             const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
             const rl::SamplerStats& s = sampler.stats();
-            if (graph_modes.size() * draw_modes.size() > 1) {  // graphs on/off, draws gpu/host: the same samples
+            if (graph_modes.size() * draw_modes.size() * pdl_modes.size() > 1) {  // any of these: the same samples
               std::vector<std::vector<int32_t>> tokens;
               std::vector<std::vector<double>> draw_logprobs;
               for (const rl::Completion& c : out) tokens.push_back(c.tokens), draw_logprobs.push_back(c.sample_logprobs);
@@ -294,9 +306,9 @@ int main(int argc, char** argv) {
                 first_tokens = std::move(tokens);
                 first_draw_logprobs = std::move(draw_logprobs);
               } else if (tokens != first_tokens || !same_bits(draw_logprobs, first_draw_logprobs)) {
-                fail("{} batch {}: graphs {} with draws on the {} sampled other tokens or draw log-probs than the first "
-                     "row",
-                     recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host");
+                fail("{} batch {}: graphs {} with draws on the {} and dependent launches {} sampled other tokens "
+                     "or draw log-probs than the first row",
+                     recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host", pdl ? "on" : "off");
               }
             }
             if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
@@ -311,6 +323,7 @@ int main(int argc, char** argv) {
                        {"attention", group_ctas ? "group" : "head"},
                        {"graphs", graphs ? "on" : "off"},
                        {"draws", gpu_draws ? "gpu" : "host"},
+                       {"dependent_launches", pdl ? "on" : "off"},
                        {"experts", experts},
                        {"batch", B},
                        {"decode_tok_per_s", double(decode_tokens) / decode_s},
@@ -325,11 +338,12 @@ int main(int argc, char** argv) {
                        {"prefill_s", s.prefill_s},
                        {"graph_captures", s.graph_captures},
                        {"graph_error", s.graph_error}});
-            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, draws %s, experts %s, "
-                        "batch %lld: %.0f decode tokens/s (%lld steps)\n",
+            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, draws %s, "
+                        "dependent launches %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
                         deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
-                        gpu_draws ? "gpu" : "host", experts.c_str(), (long long)B, double(decode_tokens) / decode_s, (long long)s.decode_forwards);
+                        gpu_draws ? "gpu" : "host", pdl ? "on" : "off", experts.c_str(), (long long)B,
+                        double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             timed_out = out;
           }
           if (traffic) {
@@ -369,6 +383,7 @@ int main(int argc, char** argv) {
       if (device == Device::CUDA) {
         ops::cuda::set_grouped_decode_width(0);
         ops::cuda::set_flash_head_rows(true);
+        ops::cuda::set_dependent_launches(true);
       }
       set_forward_gemms_grouped(true);
       set_fused_forward_gemms(true);
@@ -382,7 +397,8 @@ int main(int argc, char** argv) {
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
           for (const char* k :
-               {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "draws", "experts", "batch"})
+               {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "draws", "dependent_launches",
+                "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;
           row["speed_vs_bf16"] = row["decode_tok_per_s"].get<double>() / base["decode_tok_per_s"].get<double>();

@@ -3,7 +3,8 @@
 //          nvfp4-fwd (head dims 32, 64 and 128, so every fused attention kernel size; prompts
 //          and generations that cross 64-key blocks; 1 to 32 rows per decode step); nvidia-nvfp4
 //          is caught by the same comparison; samples do not depend on the batch on the GPU
-//          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs) or
+//          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs,
+//          programmatic dependent launches) or
 //          on CUDA graphs (the decode as graph replays gives the op-by-op bits; a graph fails,
 //          before replaying, on changed weights, a replaced cache or a bad token); and the scatter/gather of the cache agree with the CPU.
 #include <gtest/gtest.h>
@@ -34,6 +35,16 @@ ModelConfig gpu_config(int64_t hd) {
   c.d_expert = 64;
   c.max_seq_len = 80;
   return c;
+}
+
+// Prompts of eight lengths, sequence ids id0 + length. With max_seq_len 80 and 12 new tokens, those
+// of 70, 72 and 75 tokens stop for the context after 11, 9 and 6 tokens: the decode batch shrinks
+// three times (8, 7, 6, then 5 rows).
+std::vector<rl::SampleRequest> context_edge_requests(uint64_t salt, uint64_t id0) {
+  std::vector<rl::SampleRequest> reqs;
+  for (const int64_t len : {20, 40, 66, 70, 72, 75, 30, 50})
+    reqs.push_back({ragged_prompt(len, uint64_t(len) + salt), id0 + uint64_t(len)});
+  return reqs;
 }
 
 // Sampling at temperature 1 without a stop token, keeping every logits row.
@@ -124,6 +135,37 @@ TEST(CudaSampler, RoutingWaitsAndAttentionCtasDoNotChangeSamples) {
     for (size_t i = 0; i < reqs.size(); ++i) expect_same_completion(fast[i], before[i], "deferred/group vs layer/head");
   }
 }
+
+// The decode step's kernels as programmatic dependent launches (the default) give the samples of
+// plain launches, op by op and as CUDA graphs (captured with the launches' programmatic edges: no
+// capture failed), with the batch shrinking as sequences reach the context's end.
+TEST(CudaSampler, DependentLaunchesDoNotChangeSamples) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    ~Restore() { ops::cuda::set_dependent_launches(true); }
+  } restore;
+  for (const char* recipe : {"bf16", "mxfp8", "nvfp4-fwd"}) {
+    SCOPED_TRACE(recipe);
+    TinyModel tm(recipe, Device::CUDA, gpu_config(64));
+    rl::Sampler sampler(tm.model, tm.sr);
+    const rl::SamplingOptions opt = open_ended(12, 29);
+    const std::vector<rl::SampleRequest> reqs = context_edge_requests(5, 800);
+    ops::cuda::set_dependent_launches(false);
+    sampler.set_cuda_graphs(false);
+    const std::vector<rl::Completion> plain = sampler.sample(reqs, opt);
+    ops::cuda::set_dependent_launches(true);
+    for (const bool graphs : {false, true}) {
+      SCOPED_TRACE(graphs ? "graphs" : "op by op");
+      sampler.set_cuda_graphs(graphs);
+      sampler.reset_stats();
+      const std::vector<rl::Completion> dependent = sampler.sample(reqs, opt);
+      EXPECT_EQ(sampler.stats().graph_error, "");
+      EXPECT_EQ(sampler.stats().graph_replays, graphs ? 7 : 0);
+      for (size_t i = 0; i < reqs.size(); ++i)
+        expect_same_completion(dependent[i], plain[i], "dependent vs plain launches");
+    }
+  }
+}
 #endif
 
 // The decode as CUDA graph replays gives the bits of the decode issued op by op, for every recipe
@@ -138,10 +180,7 @@ TEST(CudaSampler, GraphsGiveTheEagerSamples) {
     TinyModel tm(recipe, Device::CUDA, gpu_config(64));
     rl::Sampler sampler(tm.model, tm.sr);
     const rl::SamplingOptions opt = open_ended(12, 17);
-    std::vector<rl::SampleRequest> reqs;
-    // max_seq_len 80: the prompts of 70, 72 and 75 tokens stop for the context after 11, 9 and 6 tokens
-    for (const int64_t len : {20, 40, 66, 70, 72, 75, 30, 50})
-      reqs.push_back({ragged_prompt(len, uint64_t(len)), 700 + uint64_t(len)});
+    const std::vector<rl::SampleRequest> reqs = context_edge_requests(0, 700);
     sampler.set_cuda_graphs(false);
     const std::vector<rl::Completion> eager = sampler.sample(reqs, opt);
     EXPECT_EQ(sampler.stats().graph_captures, 0);

@@ -7,7 +7,7 @@
 //          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
-//          wgmma_available,
+//          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
@@ -195,6 +195,14 @@ int64_t grouped_tma_launches();
 // benchmarks. grouped_wgrad_tma_launches: how many launches took the TMA form in this process.
 void set_grouped_wgrad_tma(bool on);
 int64_t grouped_wgrad_tma_launches();
+
+// Whether the kernels of a decode step (the streaming GEMM, norms, attention step, router, MoE
+// gathers and combine, SwiGLU, the row quantizers, cross-entropy, token draws) are launched as
+// programmatic dependent launches (dependent_launch.cuh; the default, on compute capability 9.0+):
+// each may be scheduled while the kernel before it runs and waits for it on the device, so kernels
+// of a few microseconds do not each pay a launch between them. The same bits either way; for the
+// benchmarks' A/B and the tests. A CUDA graph keeps the setting it was captured with.
+void set_dependent_launches(bool on);
 
 // Whether this device runs that Hopper loop at all: compute capability 9.x and a build with sm_90a
 // code (the default CMAKE_CUDA_ARCHITECTURES); elsewhere the grouped kernel is the mma.sync one.

@@ -13,6 +13,7 @@
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -30,6 +31,7 @@ __device__ __forceinline__ bool greedy_before(float av, int ai, float bv, int bi
 __global__ void __launch_bounds__(kDrawThreads)
     draw_tokens_kernel(const float* __restrict__ logits, int V, DrawSpec spec, const int64_t* __restrict__ keys,
                        int32_t* __restrict__ tokens, double* __restrict__ logprobs, int32_t* __restrict__ status) {
+  dependent_launch_prologue();
   __shared__ float x[kMaxV];
   __shared__ __align__(8) unsigned char key_or_p[kMaxV * 8];  // walk keys, then the weights in walk order
   __shared__ int order[kMaxV];
@@ -125,9 +127,8 @@ void draw_tokens(const Tensor& logits, const DrawSpec& spec, const Tensor& keys,
   const int64_t A = logits.size(0);
   if (A == 0) return;
   if (A > 0x7fffffff) fail("{}: {} rows exceed the grid", op, A);
-  draw_tokens_kernel<<<unsigned(A), kDrawThreads, 0, stream()>>>(logits.data<float>(), int(V), spec,
-                                                                  keys.data<int64_t>(), tokens.data<int32_t>(),
-                                                                  logprobs.data<double>(), status.data<int32_t>());
+  launch_dependent(draw_tokens_kernel, unsigned(A), kDrawThreads, 0, logits.data<float>(), int(V), spec,
+                   keys.data<int64_t>(), tokens.data<int32_t>(), logprobs.data<double>(), status.data<int32_t>());
   FOURBIT_LAUNCH_CHECK();
 }
 

@@ -53,6 +53,7 @@
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
 
@@ -508,6 +509,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
                       const __nv_bfloat16* __restrict__ v, FaDims d, const int32_t* __restrict__ pos_of_row,
                       IndexError* errors, float* __restrict__ out, float* __restrict__ lse,
                       __nv_bfloat16* __restrict__ out_bf16) {
+  dependent_launch_prologue();
   const int b = blockIdx.z, pos0 = pos_of_row[b];
   if (pos0 < 0 || pos0 >= d.S) {
     if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)
@@ -807,9 +809,8 @@ void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor
       constexpr bool HR = decltype(head_rows_c)::value;
       if (pos_of_row) {
         const size_t smem = launchable<flash_step_kernel<C, HR>>(smem_bytes);
-        flash_step_kernel<C, HR><<<grid, C::kThreads, smem, stream()>>>(
-            bf16_data(qb), bf16_data(kb), bf16_data(vb), d, pos_of_row, index_error_record(), out.data<float>(),
-            lse.data<float>(), ob);
+        launch_dependent(flash_step_kernel<C, HR>, grid, C::kThreads, smem, bf16_data(qb), bf16_data(kb), bf16_data(vb),
+                         d, pos_of_row, index_error_record(), out.data<float>(), lse.data<float>(), ob);
       } else {
         const size_t smem = launchable<flash_forward_kernel<C, HR>>(smem_bytes);
         flash_forward_kernel<C, HR><<<grid, C::kThreads, smem, stream()>>>(

@@ -91,8 +91,7 @@ void launch_stream_j(const GroupedArgs& p) {
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
   const int chunk = std::max(1, std::min(k_tiles, S::kMaxChunk));
   const dim3 grid(unsigned((p.n + streaming::BN - 1) / streaming::BN), unsigned(row_tile_bound(p, S::BM)));
-  streaming::stream_kernel<F, J><<<grid, streaming::kThreads, S::smem_bytes(chunk), stream()>>>(p, chunk);
-  FOURBIT_LAUNCH_CHECK();
+  launch_dependent(streaming::stream_kernel<F, J>, grid, streaming::kThreads, S::smem_bytes(chunk), p, chunk);
 }
 template <Format F>
 void launch_stream(const GroupedArgs& p, int64_t rows_per_group) {

@@ -1,6 +1,7 @@
 // defines: hopper::streaming (the streaming decode kernel: stream_kernel, its Shape and warp copies)
 #pragma once
 
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/grouped_hopper.cuh"
 
 namespace fourbit::ops::cuda {
@@ -190,6 +191,7 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
 
 template <Format F, int J>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant__ GroupedArgs p, int chunk) {
+  dependent_launch_prologue();
   using T = Tile<F>;
   using S = Shape<F, J>;
   extern __shared__ __align__(128) unsigned char smem[];

@@ -29,6 +29,7 @@
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
@@ -61,6 +62,7 @@ unsigned warp_row_grid(int64_t rows) { return grid_for(rows, kRowWarps); }
 __global__ void __launch_bounds__(kRowThreads)
     embedding_forward_kernel(const int32_t* tok, const float* table, float* out, int64_t N,
                              int64_t V, int64_t D, bool vec, IndexError* err) {
+  dependent_launch_prologue();
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
@@ -194,6 +196,7 @@ __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
                            int64_t N, int64_t D, bool vec, uint16_t* yb, bool vec_b, const float* b,
                            float* sum) {
+  dependent_launch_prologue();
   const int lane = lane_id();
   const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
@@ -464,6 +467,7 @@ __global__ void __launch_bounds__(kEltThreads)
                           const int32_t* pos, const float* table, const int32_t* dst, int64_t N, int64_t Hq,
                           int64_t Hkv, int64_t hd, int64_t max_pos, int64_t cache_rows, uint16_t* qb, uint16_t* kc,
                           uint16_t* vc, bool vec, bool vec_b, IndexError* err) {
+  dependent_launch_prologue();
   const int64_t half = hd / 2, groups = (half + 3) / 4, H = Hq + 2 * Hkv, items = N * H * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
        item += int64_t(gridDim.x) * blockDim.x) {
@@ -520,6 +524,7 @@ __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z
 template <typename O>
 __global__ void __launch_bounds__(kEltThreads)
     swiglu_forward_kernel(const float* h1, const float* h3, O* a, int64_t rows, int64_t F, int64_t ld, bool vec) {
+  dependent_launch_prologue();
   const int64_t row_groups = (F + 3) / 4, groups = rows * row_groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < groups;
        item += int64_t(gridDim.x) * blockDim.x) {
@@ -587,6 +592,7 @@ template <int T>
 __global__ void __launch_bounds__(T)
     cross_entropy_kernel(const float* logits, const int32_t* tgt, const float* weights, float* losses,
                          float* dlogits, float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
+  dependent_launch_prologue();
   static_assert(T % 32 == 0 && T <= kXentThreads, "whole warps, at most kXentThreads");
   __shared__ float max_scratch[T / 32];
   __shared__ double sum_scratch[T / 32];
@@ -696,9 +702,8 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   expect_dims(op, "out", out, DType::F32, {N, D}, "[N, D]");
   if (N == 0) return;
   const bool vec = D % 4 == 0 && aligned16(table.raw()) && aligned16(out.raw());
-  embedding_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-      tokens.data<int32_t>(), table.data<float>(), out.data<float>(), N, V, D, vec,
-      index_error_record());
+  launch_dependent(embedding_forward_kernel, warp_row_grid(N), kRowThreads, 0, tokens.data<int32_t>(),
+                   table.data<float>(), out.data<float>(), N, V, D, vec, index_error_record());
   FOURBIT_LAUNCH_CHECK();
   check_index_errors();  // token ids are user data: a bad one fails here, as on the CPU
 }
@@ -749,9 +754,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
-    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        x.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b,
-        nullptr, nullptr);
+    launch_dependent(rmsnorm_forward_kernel<O>, warp_row_grid(N), kRowThreads, 0, x.data<float>(), w.data<float>(),
+                     double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b, nullptr, nullptr);
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -774,9 +778,9 @@ void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Te
   uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
-    rmsnorm_forward_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-        a.data<float>(), w.data<float>(), double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b,
-        b.data<float>(), sum.data<float>());
+    launch_dependent(rmsnorm_forward_kernel<O>, warp_row_grid(N), kRowThreads, 0, a.data<float>(), w.data<float>(),
+                     double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b, b.data<float>(),
+                     sum.data<float>());
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -855,10 +859,11 @@ bool rope_qkv_rows_to_cache(const char* op, const float* q, const float* k, cons
   const bool vec = half % 4 == 0 && ldq % 4 == 0 && ldkv % 4 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
                    aligned16(table.raw());
   const bool vec_b = half % 4 == 0 && aligned8(q_bf16.raw()) && aligned8(k_cache.raw()) && aligned8(v_cache.raw());
-  rope_qkv_cache_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
-      q, k, v, ldq, ldkv, positions.data<int32_t>(), table.data<float>(), dst_rows.data<int32_t>(), N, Hq, Hkv, hd,
-      table.size(0), k_cache.size(0), static_cast<uint16_t*>(q_bf16.raw()), static_cast<uint16_t*>(k_cache.raw()),
-      static_cast<uint16_t*>(v_cache.raw()), vec, vec_b, index_error_record());
+  launch_dependent(rope_qkv_cache_kernel, grid_for(items, kEltThreads), kEltThreads, 0, q, k, v, ldq, ldkv,
+                   positions.data<int32_t>(), table.data<float>(), dst_rows.data<int32_t>(), N, Hq, Hkv, hd,
+                   table.size(0), k_cache.size(0), static_cast<uint16_t*>(q_bf16.raw()),
+                   static_cast<uint16_t*>(k_cache.raw()), static_cast<uint16_t*>(v_cache.raw()), vec, vec_b,
+                   index_error_record());
   FOURBIT_LAUNCH_CHECK();
   return true;
 }
@@ -891,8 +896,8 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   const unsigned grid = grid_for((n + 3) / 4, kEltThreads);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
-    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1.data<float>(), h3.data<float>(), a.data<O>(), 1, n,
-                                                               n, vec);
+    launch_dependent(swiglu_forward_kernel<O>, grid, kEltThreads, 0, h1.data<float>(), h3.data<float>(),
+                     a.data<O>(), 1, n, n, vec);
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -911,7 +916,7 @@ void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
   const unsigned grid = grid_for(rows * ((F + 3) / 4), kEltThreads);
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
-    swiglu_forward_kernel<<<grid, kEltThreads, 0, stream()>>>(h1, h1 + F, a.data<O>(), rows, F, 2 * F, vec);
+    launch_dependent(swiglu_forward_kernel<O>, grid, kEltThreads, 0, h1, h1 + F, a.data<O>(), rows, F, 2 * F, vec);
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -973,10 +978,9 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
                    (!want_grad || aligned16(dlogits->raw()));
   const int threads = cross_entropy_threads(V);
   auto launch = [&](auto kernel, int t) {
-    kernel<<<grid_for(N, 1, int64_t(device_sm_count()) * (2048 / t)), t, 0, stream()>>>(
-        logits.data<float>(), targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr,
-        losses.data<float>(), want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec,
-        index_error_record());
+    launch_dependent(kernel, grid_for(N, 1, int64_t(device_sm_count()) * (2048 / t)), t, 0, logits.data<float>(),
+                     targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr, losses.data<float>(),
+                     want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec, index_error_record());
   };
   switch (threads) {
     case 128: launch(cross_entropy_kernel<128>, 128); break;

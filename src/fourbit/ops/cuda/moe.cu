@@ -22,6 +22,7 @@
 #include "fourbit/ops/cuda/checks.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
@@ -208,6 +209,7 @@ __global__ void __launch_bounds__(kSortWarps * 32)
 __global__ void __launch_bounds__(kRowThreads)
     router_topk_kernel(const float* logits, int64_t k, float* probs, int32_t* topk_idx,
                        float* topk_w, int64_t N, int64_t E) {
+  dependent_launch_prologue();
   const int lane = lane_id();
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
     const float* x = logits + n * E;
@@ -312,6 +314,7 @@ template <typename U>
 __global__ void __launch_bounds__(kRowThreads)
     gather_rows_kernel(const U* x, const int32_t* token_of_slot, U* out, int64_t M, int64_t N,
                        int64_t row_units, IndexError* err) {
+  dependent_launch_prologue();
   const int lane = lane_id();
   for (int64_t s = first_row_of_warp(); s < M; s += warp_row_stride()) {
     const int32_t n = token_of_slot[s];
@@ -333,18 +336,15 @@ void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t
   const unsigned grid = warp_row_grid(M);
   IndexError* err = index_error_record();
   if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))
-    gather_rows_kernel<uint4><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint4*>(x), token_of_slot,
-                                                     static_cast<uint4*>(out), M, N,
-                                                     row_bytes / 16, err);
+    launch_dependent(gather_rows_kernel<uint4>, grid, kRowThreads, 0, static_cast<const uint4*>(x), token_of_slot,
+                     static_cast<uint4*>(out), M, N, row_bytes / 16, err);
   else if (row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 &&
            reinterpret_cast<uintptr_t>(out) % 4 == 0)
-    gather_rows_kernel<uint32_t><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint32_t*>(x),
-                                                        token_of_slot, static_cast<uint32_t*>(out),
-                                                        M, N, row_bytes / 4, err);
+    launch_dependent(gather_rows_kernel<uint32_t>, grid, kRowThreads, 0, static_cast<const uint32_t*>(x), token_of_slot,
+                     static_cast<uint32_t*>(out), M, N, row_bytes / 4, err);
   else
-    gather_rows_kernel<uint8_t><<<grid, kRowThreads, 0, stream()>>>(static_cast<const uint8_t*>(x),
-                                                       token_of_slot, static_cast<uint8_t*>(out),
-                                                       M, N, row_bytes, err);
+    launch_dependent(gather_rows_kernel<uint8_t>, grid, kRowThreads, 0, static_cast<const uint8_t*>(x), token_of_slot,
+                     static_cast<uint8_t*>(out), M, N, row_bytes, err);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -407,6 +407,7 @@ __global__ void __launch_bounds__(kEltThreads)
 __global__ void __launch_bounds__(kEltThreads)
     moe_combine_kernel(const float* y_perm, const int32_t* slot_of, const float* w, float* out,
                        int64_t N, int64_t M, int64_t k, int64_t D, bool vec, IndexError* err, const float* plus) {
+  dependent_launch_prologue();
   const int64_t groups = (D + 3) / 4, items = N * groups;
   for (int64_t item = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; item < items;
        item += int64_t(gridDim.x) * blockDim.x) {
@@ -503,6 +504,7 @@ __global__ void __launch_bounds__(32)
     bucket_sort_small_kernel(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
                              IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
                              int32_t* bucket_start) {
+  dependent_launch_prologue();
   __shared__ int32_t next[kSmallSortBuckets];  // counts, then each bucket's next position
   const int lane = lane_id();
   for (int b = lane; b < buckets; b += 32) next[b] = 0;
@@ -571,8 +573,8 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
   }
   FOURBIT_CHECK(divisor >= 1, "stable_bucket_sort: divisor {}", divisor);
   if (n <= kSmallSortKeys && buckets <= kSmallSortBuckets) {
-    bucket_sort_small_kernel<<<1, 32, 0, stream()>>>(keys, int(n), int(buckets), site, key_cols, index_error_record(),
-                                                     divisor, order_out, pos_out, bucket_start);
+    launch_dependent(bucket_sort_small_kernel, 1, 32, 0, keys, int(n), int(buckets), site, key_cols,
+                     index_error_record(), divisor, order_out, pos_out, bucket_start);
     FOURBIT_LAUNCH_CHECK();
     return;
   }
@@ -610,9 +612,8 @@ void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_id
   expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
   expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
   if (N == 0) return;
-  router_topk_kernel<<<warp_row_grid(N), kRowThreads, 0, stream()>>>(
-      logits.data<float>(), k, probs.data<float>(), topk_idx.data<int32_t>(),
-      topk_w.data<float>(), N, E);
+  launch_dependent(router_topk_kernel, warp_row_grid(N), kRowThreads, 0, logits.data<float>(), k, probs.data<float>(),
+                   topk_idx.data<int32_t>(), topk_w.data<float>(), N, E);
   FOURBIT_LAUNCH_CHECK();
 }
 
@@ -810,9 +811,9 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
   const int64_t items = N * ((D + 3) / 4);
   if (items == 0) return;
   const bool vec = D % 4 == 0 && aligned16(y_perm.raw()) && aligned16(out.raw()) && (!plus || aligned16(plus->raw()));
-  moe_combine_kernel<<<grid_for(items, kEltThreads), kEltThreads, 0, stream()>>>(
-      y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k,
-      D, vec, index_error_record(), plus ? plus->data<float>() : nullptr);
+  launch_dependent(moe_combine_kernel, grid_for(items, kEltThreads), kEltThreads, 0, y_perm.data<float>(),
+                   slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k, D, vec, index_error_record(),
+                   plus ? plus->data<float>() : nullptr);
   FOURBIT_LAUNCH_CHECK();
 }
 

@@ -14,6 +14,7 @@
 
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/matmul.cuh"
 
 namespace fourbit::ops::cuda {
@@ -107,6 +108,7 @@ template <bool VEC>
 __global__ void __launch_bounds__(kThreads)
     cols_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
                 float* __restrict__ C, int64_t ldc, int64_t M, int N, int64_t K, bool accumulate) {
+  dependent_launch_prologue();
   const int lane = threadIdx.x % 32;
   const int64_t e = int64_t(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32;
   if (e >= M * N) return;  // the warp's element: all its lanes leave together
@@ -161,9 +163,9 @@ bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, i
     if (M <= kColsMaxRows) {
       const unsigned grid = unsigned((M * N + kThreads / 32 - 1) / (kThreads / 32));
       if (vec && aligned(B, b.ld))
-        cols_kernel<true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+        launch_dependent(cols_kernel<true>, grid, kThreads, 0, A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
       else
-        cols_kernel<false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
+        launch_dependent(cols_kernel<false>, grid, kThreads, 0, A, a.ld, B, b.ld, c, ldc, M, int(N), K, accumulate);
     } else if (N <= 16) {
       constexpr int kRows = 4;
       const unsigned grid = unsigned((M + 8 * kRows - 1) / (8 * kRows));

@@ -10,6 +10,7 @@
 
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -76,6 +77,7 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
 
 template <int kExpBits, bool kRowSR, bool kColSR>
 __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams p) {
+  dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
   constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
   extern __shared__ __align__(16) unsigned char pair_smem[];
@@ -259,7 +261,7 @@ void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row
       constexpr auto kernel =
           mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value, decltype(col_sr_c)::value>;
       allow_smem<kernel>(kPairSmem);
-      kernel<<<grid, kThreads, kPairSmem, stream()>>>(p);
+      launch_dependent(kernel, grid, kThreads, kPairSmem, p);
     };
     using T = std::true_type;
     using F = std::false_type;

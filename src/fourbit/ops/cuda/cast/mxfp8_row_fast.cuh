@@ -3,6 +3,7 @@
 // input: one warp per run of 32 blocks.
 #pragma once
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -14,6 +15,7 @@ namespace {
 // per 8 elements), against the ~50 a 75%-of-copy rate allows.
 template <int kExpBits, bool kSR>
 __global__ void __launch_bounds__(kThreads, 3) mxfp8_row_fast_kernel(const FastRowParams p) {
+  dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
   __shared__ __align__(16) float stage[kWarps][kFastRunBlocks * B];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -45,7 +47,7 @@ void launch_mxfp8_row_fast(FastRowParams f, bool e5m2, bool sr) {
   f.runs_per_row = (f.nb + kFastRunBlocks - 1) / kFastRunBlocks;
   const unsigned ctas = grid_of((f.rows * f.runs_per_row + kWarps - 1) / kWarps, "quantize");
   with_mxfp8_variant(e5m2, sr, [&](auto exp_bits, auto sr_c) {
-    mxfp8_row_fast_kernel<decltype(exp_bits)::value, decltype(sr_c)::value><<<ctas, kThreads, 0, stream()>>>(f);
+    launch_dependent(mxfp8_row_fast_kernel<decltype(exp_bits)::value, decltype(sr_c)::value>, ctas, kThreads, 0, f);
   });
 }
 

@@ -4,6 +4,7 @@
 // activations of nvfp4-fwd. One pass, persistent CTAs.
 #pragma once
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -33,6 +34,7 @@ namespace {
 template <int kRuns, bool kFos, num::ScaleMetric kMetric>
 __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
+  dependent_launch_prologue();
   constexpr int B = num::kNvfp4Block;
   constexpr int kWarpFloats = kRuns * kFastRunBlocks * B;  // one warp's runs
   // [2][warps][kWarpFloats]; blocks 64-byte aligned in the shared window (read_run_at XORs bits 4-5)
@@ -225,7 +227,7 @@ void launch_persistent(const FastRowParams& f, int64_t groups, int threads, size
     c.store(per_sm, std::memory_order_relaxed);
   }
   const int64_t ctas = std::min<int64_t>(groups, int64_t(per_sm) * sm_count());
-  kernel<<<grid_of(ctas, "quantize"), threads, smem, stream()>>>(f);
+  launch_dependent(kernel, grid_of(ctas, "quantize"), threads, smem, f);
   FOURBIT_LAUNCH_CHECK();
 }
 
