@@ -4,9 +4,9 @@
 //          and generations that cross 64-key blocks; 1 to 32 rows per decode step); nvidia-nvfp4
 //          is caught by the same comparison; samples do not depend on the batch on the GPU
 //          either, nor on the decode step's A/B switches (MoE routing waits, attention CTAs,
-//          programmatic dependent launches) or
-//          on CUDA graphs (the decode as graph replays gives the op-by-op bits; a graph fails,
-//          before replaying, on changed weights, a replaced cache or a bad token); and the scatter/gather of the cache agree with the CPU.
+//          programmatic dependent launches) or on CUDA graphs (the decode as graph replays
+//          gives the op-by-op bits; a graph fails, before replaying, on changed weights, a
+//          replaced cache or a bad token); and the scatter/gather of the cache agree with the CPU.
 #include <gtest/gtest.h>
 
 #include <string>
