@@ -82,6 +82,19 @@ std::vector<std::string> split(const std::string& s) {
   return out;
 }
 
+// A flag listing runs of one of two settings ("--graphs on,off"): true for `yes`, false for `no`,
+// in the order given (each an A/B row); `fallback` where the flag is absent.
+std::vector<bool> two_way(int argc, char** argv, const std::string& name, const std::string& yes,
+                          const std::string& no, const std::string& fallback) {
+  std::vector<bool> out;
+  for (const std::string& f : split(arg(argc, argv, name, fallback))) {
+    if (f != yes && f != no) fail("{} takes {} or {}, not {}", name, yes, no, f);
+    out.push_back(f == yes);
+  }
+  if (out.empty()) fail("{} names no setting", name);
+  return out;
+}
+
 std::vector<rl::SampleRequest> random_prompts(int64_t B, int64_t P, uint64_t seed) {
   std::mt19937_64 g(seed);
   std::uniform_int_distribution<int32_t> u(0, 255);
@@ -190,48 +203,13 @@ int main(int argc, char** argv) {
     for (const std::string& w : split(arg(argc, argv, "--decode-widths", "0"))) widths.push_back(std::stoi(w));
     if (device == Device::CPU && widths != std::vector<int>{0})
       fail("--decode-widths: the grouped GEMM's decode configurations are the CUDA backend's; on the CPU give 0");
-    std::vector<bool> forward_grouped;
-    for (const std::string& f : split(arg(argc, argv, "--forward-gemms", "grouped"))) {
-      if (f != "grouped" && f != "gemm") fail("--forward-gemms takes grouped or gemm, not {}", f);
-      forward_grouped.push_back(f == "grouped");
-    }
-    if (forward_grouped.empty()) fail("--forward-gemms names no path");
-    std::vector<bool> fusions;
-    for (const std::string& f : split(arg(argc, argv, "--fused", "on"))) {
-      if (f != "on" && f != "off") fail("--fused takes on or off, not {}", f);
-      fusions.push_back(f == "on");
-    }
-    if (fusions.empty()) fail("--fused names no path");
-    std::vector<bool> routing_deferred;
-    for (const std::string& f : split(arg(argc, argv, "--routing", "deferred"))) {
-      if (f != "deferred" && f != "layer") fail("--routing takes deferred or layer, not {}", f);
-      routing_deferred.push_back(f == "deferred");
-    }
-    if (routing_deferred.empty()) fail("--routing names no path");
-    std::vector<bool> head_rows;
-    for (const std::string& f : split(arg(argc, argv, "--attention", "group"))) {
-      if (f != "group" && f != "head") fail("--attention takes group or head, not {}", f);
-      head_rows.push_back(f == "group");
-    }
-    if (head_rows.empty()) fail("--attention names no path");
-    std::vector<bool> graph_modes;
-    for (const std::string& f : split(arg(argc, argv, "--graphs", "on"))) {
-      if (f != "on" && f != "off") fail("--graphs takes on or off, not {}", f);
-      graph_modes.push_back(f == "on");
-    }
-    if (graph_modes.empty()) fail("--graphs names no mode");
-    std::vector<bool> draw_modes;
-    for (const std::string& f : split(arg(argc, argv, "--draws", "gpu"))) {
-      if (f != "gpu" && f != "host") fail("--draws takes gpu or host, not {}", f);
-      draw_modes.push_back(f == "gpu");
-    }
-    if (draw_modes.empty()) fail("--draws names no mode");
-    std::vector<bool> pdl_modes;
-    for (const std::string& f : split(arg(argc, argv, "--dependent-launches", "on"))) {
-      if (f != "on" && f != "off") fail("--dependent-launches takes on or off, not {}", f);
-      pdl_modes.push_back(f == "on");
-    }
-    if (pdl_modes.empty()) fail("--dependent-launches names no mode");
+    const std::vector<bool> forward_grouped = two_way(argc, argv, "--forward-gemms", "grouped", "gemm", "grouped");
+    const std::vector<bool> fusions = two_way(argc, argv, "--fused", "on", "off", "on");
+    const std::vector<bool> routing_deferred = two_way(argc, argv, "--routing", "deferred", "layer", "deferred");
+    const std::vector<bool> head_rows = two_way(argc, argv, "--attention", "group", "head", "group");
+    const std::vector<bool> graph_modes = two_way(argc, argv, "--graphs", "on", "off", "on");
+    const std::vector<bool> draw_modes = two_way(argc, argv, "--draws", "gpu", "host", "gpu");
+    const std::vector<bool> pdl_modes = two_way(argc, argv, "--dependent-launches", "on", "off", "on");
     if (device == Device::CPU && head_rows != std::vector<bool>{true})
       fail("--attention: the decode attention's CTAs are the CUDA backend's; on the CPU give group");
     std::vector<DType> kv_storages;
