@@ -47,7 +47,8 @@ inline bool dependent_launches_on() {
 }
 
 // kernel<<<grid, block, smem, stream()>>>(args...), as a programmatic dependent launch where
-// dependent_launches_on(). The kernel must follow the rules above.
+// dependent_launches_on(), the launch checked (no FOURBIT_LAUNCH_CHECK needed after it). The kernel
+// must follow the rules above.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   cudaLaunchAttribute attr{};

@@ -129,7 +129,6 @@ void draw_tokens(const Tensor& logits, const DrawSpec& spec, const Tensor& keys,
   if (A > 0x7fffffff) fail("{}: {} rows exceed the grid", op, A);
   launch_dependent(draw_tokens_kernel, unsigned(A), kDrawThreads, 0, logits.data<float>(), int(V), spec,
                    keys.data<int64_t>(), tokens.data<int32_t>(), logprobs.data<double>(), status.data<int32_t>());
-  FOURBIT_LAUNCH_CHECK();
 }
 
 }  // namespace fourbit::ops::cuda

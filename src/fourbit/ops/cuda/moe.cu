@@ -345,7 +345,6 @@ void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t
   else
     launch_dependent(gather_rows_kernel<uint8_t>, grid, kRowThreads, 0, static_cast<const uint8_t*>(x), token_of_slot,
                      static_cast<uint8_t*>(out), M, N, row_bytes, err);
-  FOURBIT_LAUNCH_CHECK();
 }
 
 // The inverse copy: row s of x goes to out row dst_rows[s], one warp per input row. Rows are
@@ -575,7 +574,6 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
   if (n <= kSmallSortKeys && buckets <= kSmallSortBuckets) {
     launch_dependent(bucket_sort_small_kernel, 1, 32, 0, keys, int(n), int(buckets), site, key_cols,
                      index_error_record(), divisor, order_out, pos_out, bucket_start);
-    FOURBIT_LAUNCH_CHECK();
     return;
   }
   // The chunking changes only the speed: the sorted order is one permutation whatever it is.
@@ -614,7 +612,6 @@ void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_id
   if (N == 0) return;
   launch_dependent(router_topk_kernel, warp_row_grid(N), kRowThreads, 0, logits.data<float>(), k, probs.data<float>(),
                    topk_idx.data<int32_t>(), topk_w.data<float>(), N, E);
-  FOURBIT_LAUNCH_CHECK();
 }
 
 void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& topk_w,
@@ -814,7 +811,6 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
   launch_dependent(moe_combine_kernel, grid_for(items, kEltThreads), kEltThreads, 0, y_perm.data<float>(),
                    slot_of.data<int32_t>(), w.data<float>(), out.data<float>(), N, M, k, D, vec, index_error_record(),
                    plus ? plus->data<float>() : nullptr);
-  FOURBIT_LAUNCH_CHECK();
 }
 
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,

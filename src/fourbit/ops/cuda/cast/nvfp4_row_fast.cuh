@@ -228,7 +228,6 @@ void launch_persistent(const FastRowParams& f, int64_t groups, int threads, size
   }
   const int64_t ctas = std::min<int64_t>(groups, int64_t(per_sm) * sm_count());
   launch_dependent(kernel, grid_of(ctas, "quantize"), threads, smem, f);
-  FOURBIT_LAUNCH_CHECK();
 }
 
 template <int kRuns>
