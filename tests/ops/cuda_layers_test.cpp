@@ -664,6 +664,144 @@ TEST(CudaLayers, AddRmsNormIsAddThenRmsNorm) {
   }
 }
 
+// ---- quantized outputs (ops.h "Quantized outputs") --------------------------------------------------
+
+namespace {
+// Row-axis specs: the ones fused_rows.cu takes (MXFP8 E4M3 / E5M2 under both scale rules, per-token
+// NVFP4 with and without Four Over Six) and one it does not (MXFP8 under SR: the op, then quantize).
+std::vector<QuantSpec> row_quant_specs() {
+  std::vector<QuantSpec> out;
+  for (const Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2})
+    for (const num::MxScaleRule rule : {num::MxScaleRule::RCEIL, num::MxScaleRule::FLOOR}) {
+      QuantSpec s;
+      s.fmt = f;
+      s.outer = OuterScale::None;
+      s.mx_rule = rule;
+      out.push_back(s);
+    }
+  for (const int variant : {0, 1, 2}) {  // 4/6 by MSE, 4/6 by MAE, no 4/6
+    QuantSpec s;
+    s.fmt = Format::NVFP4;
+    s.outer = OuterScale::PerRow;
+    s.four_over_six = variant < 2;
+    s.metric = variant == 1 ? num::ScaleMetric::MAE : num::ScaleMetric::MSE;
+    out.push_back(s);
+  }
+  QuantSpec sr = out[0];
+  sr.rounding = num::Rounding::SR;
+  out.push_back(sr);
+  return out;
+}
+
+// The quantized output equals quantize of the op's F32 output on the CPU (the reference numerics),
+// codes, block scales and outer scales byte for byte.
+void expect_quantized_rows(const std::string& what, const QTensor& got, const Tensor& y, const ops::RowQuant& rq) {
+  const QTensor want = ops::quantize(host(y), rq.spec, rq.rng);
+  ASSERT_EQ(got.device(), Device::CUDA) << what;
+  ASSERT_EQ(got.logical_shape(), want.logical_shape()) << what;
+  expect_bits(what + " codes", got.codes, want.codes);
+  expect_bits(what + " block scales", got.block_scales, want.block_scales);
+  ASSERT_EQ(got.outer_scales.defined(), want.outer_scales.defined()) << what;
+  if (want.outer_scales.defined()) expect_bits(what + " outer scales", got.outer_scales, want.outer_scales);
+}
+
+// Columns of w (or of h13's gate half) that drive rows' blocks off the quantizers' fast paths:
+// huge values (the per-token group outside Four Over Six's exact range), tiny ones (subnormal
+// block scales), and a NaN (non-finite blocks, the sticky flag).
+Tensor with_columns(Tensor t, int64_t rows, int64_t cols, const std::vector<std::pair<int64_t, float>>& cols_vals) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (const auto& [c, v] : cols_vals)
+      if (c < cols) t.data<float>()[r * cols + c] = v;
+  return t;
+}
+}  // namespace
+
+// rmsnorm_forward and add_rmsnorm_forward with y quantized: y, rstd, the sum and y's BF16 copy are
+// the plain op's bits, and the quantized y is quantize(y)'s, for every spec on rows the fused kernel
+// takes (D = 96, 1000, 1024, 4096, 12288: one to 24 warp runs, partial blocks and runs) and rows it
+// does not (D = 13, 16388: the op, then quantize), for 1, 5 and 77 rows. The weights' variants put
+// huge, tiny and NaN values in rows, and a NaN raises the non-finite flag.
+TEST(CudaLayers, NormQuantizedOutputIsTheNormThenQuantize) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<QuantSpec> specs = row_quant_specs();
+  for (const int64_t D : {int64_t(96), int64_t(1000), int64_t(1024), int64_t(4096), int64_t(12288), int64_t(13),
+                          int64_t(16388)}) {
+    for (const int64_t N : {int64_t(1), int64_t(5), int64_t(77)}) {
+      if (D > 4096 && N == 77) continue;
+      const Tensor a = gpu(random_tensor({N, D}, DType::F32, 930 + uint64_t(D + N), -2.0, 2.0));
+      const Tensor b = gpu(random_tensor({N, D}, DType::F32, 931, -2.0, 2.0));
+      const Tensor w_plain = random_tensor({D}, DType::F32, 932, 0.5, 1.5);
+      for (const int wv : {0, 1, 2}) {  // plain weights, huge and tiny columns, a NaN column
+        const Tensor w = gpu(wv == 0   ? w_plain
+                             : wv == 1 ? with_columns(w_plain.clone(), 1, D, {{3, 3e30f}, {40, 1e-32f}})
+                                       : with_columns(w_plain.clone(), 1, D, {{7, NAN}}));
+        for (const bool add : {false, true}) {
+          Tensor sum_ref = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_ref = sum_ref.clone();
+          Tensor r_ref = Tensor::empty({N}, DType::F32, Device::CUDA), y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+          if (add) ops::add_rmsnorm_forward(a, b, sum_ref, w, 1e-5f, y_ref, r_ref, &y16_ref);
+          else ops::rmsnorm_forward(a, w, 1e-5f, y_ref, r_ref, &y16_ref);
+          for (const QuantSpec& spec : specs) {
+            const std::string name = cfg("N=%lld D=%lld weights %lld ", N, D, wv) + (add ? "add_rmsnorm " : "rmsnorm ") +
+                                     describe(spec);
+            SCOPED_TRACE(name);
+#if FOURBIT_HAS_CUDA
+            EXPECT_EQ(ops::cuda::row_quant_fused(spec, D),
+                      spec.rounding == num::Rounding::RNE && D % 4 == 0 && D <= 12288);
+#endif
+            Tensor sum = Tensor::empty({N, D}, DType::F32, Device::CUDA), y = sum.clone(), r = r_ref.clone();
+            Tensor y16 = y16_ref.clone();
+            QTensor q;
+            const ops::RowQuant rq{spec, ops::RngKey{11, 7}, &q};
+            ops::nonfinite_seen(true);
+            if (add) ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y, r, &y16, &rq);
+            else ops::rmsnorm_forward(a, w, 1e-5f, y, r, &y16, &rq);
+            EXPECT_EQ(ops::nonfinite_seen(true), wv == 2);
+            expect_bits(name + " y", y, y_ref);
+            expect_bits(name + " rstd", r, r_ref);
+            expect_bits(name + " y copy", y16, y16_ref);
+            if (add) expect_bits(name + " sum", sum, sum_ref);
+            expect_quantized_rows(name, q, y_ref, rq);
+          }
+        }
+      }
+    }
+  }
+}
+
+// swiglu_forward_fused with a quantized: a is the plain op's bits and the quantized a is
+// quantize(a)'s, on the widths above (F = 4100 and past: the op, then quantize) and gate values
+// that are huge, tiny or NaN in some columns.
+TEST(CudaLayers, SwigluQuantizedOutputIsTheSwigluThenQuantize) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<QuantSpec> specs = row_quant_specs();
+  for (const int64_t F : {int64_t(96), int64_t(1000), int64_t(1024), int64_t(4096), int64_t(12288), int64_t(13),
+                          int64_t(16388)}) {
+    for (const int64_t N : {int64_t(1), int64_t(5), int64_t(77)}) {
+      if (F > 4096 && N == 77) continue;
+      const Tensor h13_plain = random_tensor({N, 2 * F}, DType::F32, 940 + uint64_t(F + N), -6.0, 6.0);
+      for (const int hv : {0, 1, 2}) {
+        const Tensor h13 = gpu(hv == 0   ? h13_plain
+                               : hv == 1 ? with_columns(h13_plain.clone(), N, 2 * F, {{5, 4e30f}, {F + 5, 1e3f}, {33, 1e-35f}})
+                                         : with_columns(h13_plain.clone(), N, 2 * F, {{F + 9, NAN}}));
+        Tensor a_ref = Tensor::empty({N, F}, DType::F32, Device::CUDA);
+        ops::swiglu_forward_fused(h13, a_ref);
+        for (const QuantSpec& spec : specs) {
+          const std::string name = cfg("N=%lld F=%lld gate %lld ", N, F, hv) + describe(spec);
+          SCOPED_TRACE(name);
+          Tensor a = Tensor::empty({N, F}, DType::F32, Device::CUDA);
+          QTensor q;
+          const ops::RowQuant rq{spec, ops::RngKey{12, 9}, &q};
+          ops::nonfinite_seen(true);
+          ops::swiglu_forward_fused(h13, a, &rq);
+          EXPECT_EQ(ops::nonfinite_seen(true), hv == 2);
+          expect_bits(name + " a", a, a_ref);
+          expect_quantized_rows(name, q, a_ref, rq);
+        }
+      }
+    }
+  }
+}
+
 // ---- cross entropy --------------------------------------------------------------------------------
 
 TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {

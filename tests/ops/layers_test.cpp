@@ -200,6 +200,56 @@ TEST(RmsNormOps, Errors) {
                "rmsnorm_forward: x must be a 2-D f32 or f64 cpu tensor [N, D], got i32[2] cpu");
 }
 
+// A quantized output (ops.h "Quantized outputs"): on the CPU the op, then quantize, the same bits
+// as calling the two; the request is checked before anything runs (somewhere to put it, a
+// block-scaled Row-axis spec, an F32 [rows, cols] output).
+TEST(RmsNormOps, QuantizedOutputIsTheNormThenQuantize) {
+  const Tensor a = random_tensor({5, 96}, DType::F32, 30, -2.0, 2.0), b = random_tensor({5, 96}, DType::F32, 31);
+  const Tensor w = random_tensor({96}, DType::F32, 32, 0.5, 1.5);
+  QuantSpec nv;
+  nv.fmt = Format::NVFP4;
+  nv.outer = OuterScale::PerRow;
+  nv.four_over_six = true;
+  Tensor sum = Tensor::empty({5, 96}, DType::F32), y = sum.clone(), y_ref = sum.clone(), sum_ref = sum.clone();
+  Tensor r = Tensor::empty({5}, DType::F32), r_ref = r.clone();
+  ops::add_rmsnorm_forward(a, b, sum_ref, w, 1e-5f, y_ref, r_ref);
+  QTensor q;
+  const ops::RowQuant rq{nv, ops::RngKey{3, 4}, &q};
+  ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y, r, nullptr, &rq);
+  EXPECT_TRUE(bitwise_equal(y, y_ref));
+  const QTensor want = ops::quantize(y_ref, nv, rq.rng);
+  EXPECT_TRUE(bitwise_equal(q.codes, want.codes) && bitwise_equal(q.block_scales, want.block_scales) &&
+              bitwise_equal(q.outer_scales, want.outer_scales));
+
+  QuantSpec mx;
+  mx.fmt = Format::MXFP8_E4M3;
+  mx.outer = OuterScale::None;
+  Tensor h13 = random_tensor({5, 192}, DType::F32, 33, -4.0, 4.0), act = Tensor::empty({5, 96}, DType::F32);
+  const ops::RowQuant mx_rq{mx, {}, &q};
+  ops::swiglu_forward_fused(h13, act, &mx_rq);
+  const QTensor mx_want = ops::quantize(act, mx);
+  EXPECT_TRUE(bitwise_equal(q.codes, mx_want.codes) && bitwise_equal(q.block_scales, mx_want.block_scales));
+
+  const ops::RowQuant nowhere{mx, {}, nullptr};
+  expect_error([&] { ops::rmsnorm_forward(a, w, 1e-5f, y, r, nullptr, &nowhere); },
+               "rmsnorm_forward: the quantized y has nowhere to go (RowQuant::out is null)");
+  QuantSpec col = mx;
+  col.axis = BlockAxis::Col;
+  const ops::RowQuant col_rq{col, {}, &q};
+  expect_error([&] { ops::rmsnorm_forward(a, w, 1e-5f, y, r, nullptr, &col_rq); },
+               "rmsnorm_forward: the quantized y needs a block-scaled Row-axis spec, got");
+  QuantSpec dense;
+  dense.fmt = Format::BF16;
+  const ops::RowQuant dense_rq{dense, {}, &q};
+  expect_error([&] { ops::swiglu_forward_fused(h13, act, &dense_rq); },
+               "swiglu_forward_fused: the quantized a needs a block-scaled Row-axis spec, got");
+  Tensor y64 = Tensor::empty({5, 96}, DType::F64);
+  expect_error([&] {
+    ops::rmsnorm_forward(random_tensor({5, 96}, DType::F64, 34), random_tensor({96}, DType::F64, 35), 1e-5f, y64, r,
+                         nullptr, &mx_rq);
+  }, "rmsnorm_forward: a quantized y needs an f32 [rows, cols] y, got f64[5, 96] cpu");
+}
+
 // ---- rope -----------------------------------------------------------------------------------------
 
 TEST(RopeOps, ForwardMatchesRotationAndGradCheck) {

@@ -459,16 +459,41 @@ void expect_bf16_copy(const char* op, const char* what, const Tensor* copy, cons
     fail("{}: {} must be a BF16 tensor of the f32 output's shape {} on its device, got {} for {}", op, what,
          shape_str(of.shape()), copy->defined() ? copy->str() : "undefined", of.str());
 }
+
+// A quantized output's request (ops.h "Quantized outputs"): somewhere to put it, a block-scaled
+// Row-axis spec, and a 2-D F32 output to quantize.
+void expect_row_quant(const char* op, const char* what, const RowQuant* rq, const Tensor& of) {
+  if (!rq) return;
+  if (!rq->out) fail("{}: the quantized {} has nowhere to go (RowQuant::out is null)", op, what);
+  if (!rq->spec.quantized() || rq->spec.axis != BlockAxis::Row)
+    fail("{}: the quantized {} needs a block-scaled Row-axis spec, got {}", op, what, describe(rq->spec));
+  if (!of.defined() || of.dtype() != DType::F32 || of.dim() != 2)
+    fail("{}: a quantized {} needs an f32 [rows, cols] {}, got {}", op, what, what,
+         of.defined() ? of.str() : "undefined");
+}
 }  // namespace
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16,
+                     const RowQuant* yq) {
   expect_bf16_copy("rmsnorm_forward", "y_bf16", y_bf16, y);
-  FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd, y_bf16);
+  expect_row_quant("rmsnorm_forward", "y", yq, y);
+#if FOURBIT_HAS_CUDA
+  if (yq && x.device() == Device::CUDA && cuda::rmsnorm_forward_quantized(x, w, eps, y, rstd, y_bf16, *yq)) return;
+#endif
+  [&] { FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd, y_bf16); }();
+  if (yq) *yq->out = quantize(y, yq->spec, yq->rng);
 }
 void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
-                         Tensor& rstd, Tensor* y_bf16) {
+                         Tensor& rstd, Tensor* y_bf16, const RowQuant* yq) {
   expect_bf16_copy("add_rmsnorm_forward", "y_bf16", y_bf16, y);
-  FOURBIT_DISPATCH(a.device(), add_rmsnorm_forward, a, b, sum, w, eps, y, rstd, y_bf16);
+  expect_row_quant("add_rmsnorm_forward", "y", yq, y);
+#if FOURBIT_HAS_CUDA
+  if (yq && a.device() == Device::CUDA &&
+      cuda::add_rmsnorm_forward_quantized(a, b, sum, w, eps, y, rstd, y_bf16, *yq))
+    return;
+#endif
+  [&] { FOURBIT_DISPATCH(a.device(), add_rmsnorm_forward, a, b, sum, w, eps, y, rstd, y_bf16); }();
+  if (yq) *yq->out = quantize(y, yq->spec, yq->rng);
 }
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
@@ -629,10 +654,15 @@ void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, co
 void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   FOURBIT_DISPATCH(h1.device(), swiglu_forward, h1, h3, a);
 }
-void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+void swiglu_forward_fused(const Tensor& h13, Tensor& a, const RowQuant* aq) {
   if (h13.defined() && (h13.dim() < 1 || h13.size(h13.dim() - 1) % 2 != 0))
     fail("swiglu_forward_fused: h13 must be [..., 2F] (gate then up), an even last dimension, got {}", h13.str());
-  FOURBIT_DISPATCH(h13.device(), swiglu_forward_fused, h13, a);
+  expect_row_quant("swiglu_forward_fused", "a", aq, a);
+#if FOURBIT_HAS_CUDA
+  if (aq && h13.device() == Device::CUDA && cuda::swiglu_forward_fused_quantized(h13, a, *aq)) return;
+#endif
+  [&] { FOURBIT_DISPATCH(h13.device(), swiglu_forward_fused, h13, a); }();
+  if (aq) *aq->out = quantize(a, aq->spec, aq->rng);
 }
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,
                      Tensor& dh3) {

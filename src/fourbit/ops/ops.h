@@ -3,7 +3,7 @@
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
-//          the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
+//          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -241,6 +241,18 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
 // are BF16 GEMM operands (the bf16 recipe's): each element is then the F32 value the op would write,
 // rounded to BF16 (RNE), i.e. the bits of convert() of the F32 output, without writing that output
 // and converting it in a second pass. The CPU reference computes the F32 output and converts it.
+// Quantized outputs: rmsnorm_forward's and add_rmsnorm_forward's y and swiglu_forward_fused's a
+// may be quantized along their rows by the op that writes them, for an output whose next reader
+// is a GEMM taking it as a block-scaled fprop operand: *out = quantize(output, spec, rng), bit for
+// bit (spec's axis Row), with the F32 output written as well. Where the backend has a kernel for
+// the spec (CUDA: MXFP8 E4M3/E5M2 and per-row NVFP4, rounded to nearest, no RHT, rows of a few
+// thousand values) the row is quantized from the registers and shared memory that computed it,
+// one launch instead of two; otherwise the op runs, then quantize.
+struct RowQuant {
+  QuantSpec spec;
+  RngKey rng;
+  QTensor* out = nullptr;
+};
 // tokens: I32 [N]; table [V, D]; out [N, D]. Backward accumulates into dtable, rows in token order.
 // An id outside [0, V) is an error naming it. tokens_checked: these tokens already went through
 // embedding_forward's check (a model's backward of its own forward), so the GPU's backward does
@@ -256,12 +268,14 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
 // ParamStore::grad_accumulate), the bits of adding it to zeros; dw's old values are not read.
 // y_bf16 (optional, for an F32 y): y rounded to BF16 as well (a second output, for a y that both
 // an F32 reader and BF16 GEMMs read: the MoE router and the experts).
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16 = nullptr);
+// yq (optional, for an F32 y): y quantized along its rows as well (ops.h "Quantized outputs").
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16 = nullptr,
+                     const RowQuant* yq = nullptr);
 // The residual stream's add and the next norm: sum = a + b (F32, add's bits), then
-// rmsnorm_forward(sum, w, eps, y, rstd, y_bf16), the bits of the two ops; one pass on the GPU,
+// rmsnorm_forward(sum, w, eps, y, rstd, y_bf16, yq), the bits of the two ops; one pass on the GPU,
 // which reads the sum back from its own writes instead of a second kernel reading it again.
 void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
-                         Tensor& rstd, Tensor* y_bf16 = nullptr);
+                         Tensor& rstd, Tensor* y_bf16 = nullptr, const RowQuant* yq = nullptr);
 // dx_bf16 (optional): dx's new values rounded to BF16 as well (the residual stream's gradient is
 // the next linear's dY: a BF16 GEMM operand in the bf16 recipe).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -331,7 +345,7 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a);
 // SwiGLU of an FFN's fused gate|up GEMM (one GEMM on w1 and w3's rows stacked): h13 [..., 2F]
 // holds w1's outputs in its first F columns and w3's in its last F; a [..., F] (F32, or BF16 as
 // swiglu_forward's a). The bits of swiglu_forward on the two halves.
-void swiglu_forward_fused(const Tensor& h13, Tensor& a);
+void swiglu_forward_fused(const Tensor& h13, Tensor& a, const RowQuant* aq = nullptr);
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1, Tensor& dh3);
 
 // Softmax cross-entropy over logits [N, V] with targets I32 [N] (-1 = ignored). Writes the

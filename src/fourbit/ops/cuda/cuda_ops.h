@@ -11,7 +11,8 @@
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
-//          rope_fused_qkv_to_cache, flash_attention_forward, flash_attention_step, flash_attention_backward,
+//          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
+//          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step, flash_attention_backward,
 //          materialized_attention_forward,
 //          materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
@@ -271,6 +272,17 @@ bool rope_qkv_to_cache(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // The same for ops::rope_fused_qkv_to_cache: q, k and v read in place from the fused projection's rows.
 bool rope_fused_qkv_to_cache(const Tensor& qkv, int64_t Hq, const Tensor& positions, const Tensor& table,
                              const Tensor& dst_rows, Tensor& q_bf16, Tensor& k_cache, Tensor& v_cache);
+// ops::rmsnorm_forward, add_rmsnorm_forward and swiglu_forward_fused with a quantized output
+// (ops.h "Quantized outputs") in one kernel each (arguments checked here, the RowQuant by the
+// caller); false (nothing done) where the spec or the shapes are not the fused kernels' (then the
+// op runs, then quantize).
+bool rmsnorm_forward_quantized(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16,
+                               const RowQuant& yq);
+bool add_rmsnorm_forward_quantized(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                                   Tensor& rstd, Tensor* y_bf16, const RowQuant& yq);
+bool swiglu_forward_fused_quantized(const Tensor& h13, Tensor& a, const RowQuant& aq);
+// Whether those kernels take spec for rows of `cols` values.
+bool row_quant_fused(const QuantSpec& spec, int64_t cols);
 // q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,

@@ -1,7 +1,9 @@
 // defines: cuda::embedding_forward, cuda::embedding_backward, cuda::rmsnorm_forward,
 //          cuda::add_rmsnorm_forward, cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward,
 //          cuda::rope_qkv_to_cache, cuda::rope_fused_qkv_to_cache,
-//          cuda::swiglu_forward, cuda::swiglu_forward_fused, cuda::swiglu_backward, cuda::cross_entropy
+//          cuda::swiglu_forward, cuda::swiglu_forward_fused, cuda::swiglu_backward, cuda::cross_entropy,
+//          cuda::rmsnorm_forward_quantized, cuda::add_rmsnorm_forward_quantized,
+//          cuda::swiglu_forward_fused_quantized (the kernels: fused_rows.cu)
 // The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
 // formula for formula: arithmetic in double, each output rounded once to float. Hopper runs FP64
 // at half the FP32 rate, which these memory-bound kernels barely feel, and it makes GPU and CPU
@@ -30,9 +32,12 @@
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
+#include "fourbit/ops/cuda/fused_rows.h"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
+#include "fourbit/ops/cuda/row_math.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
+#include "fourbit/ops/quant_layout.h"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -183,71 +188,20 @@ __global__ void __launch_bounds__(kBigBucketWarps * 32)
 
 // ---- rmsnorm ----------------------------------------------------------------------------------
 
-// With `b` (add_rmsnorm_forward): x + b (add_'s FP32 sum) is normed and written to `sum`, and the
-// second pass reads the sum back from the thread's own writes (the same groups of the same row).
-// A lane sums its groups g = lane, lane + 32, ... in that order, then the warp's butterfly: the
-// order fixes the bits. The groups go kNormBatch at a time, all their loads issued before the
-// first use: at decode sizes (a few rows, D = 1024: 8 groups a lane) the row is one batch, so a
-// pass costs one memory latency instead of 8 in a row.
-constexpr int kNormBatch = 8;
-
+// With `b` (add_rmsnorm_forward): x + b (add_'s FP32 sum) is normed and written to `sum`
+// (rmsnorm_row, row_math.cuh: the lane order that fixes the bits).
 template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_forward_kernel(const float* x, const float* w, double eps, O* y, float* rstd,
                            int64_t N, int64_t D, bool vec, uint16_t* yb, bool vec_b, const float* b,
                            float* sum) {
   dependent_launch_prologue();
-  const int lane = lane_id();
-  const int64_t groups = (D + 3) / 4;
   for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
-    const float* xr = b ? sum + n * D : x + n * D;
-    double ss = 0.0;
-    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
-      float v[kNormBatch][4];
-#pragma unroll
-      for (int u = 0; u < kNormBatch; ++u) {
-        const int64_t g = g0 + 32 * u;
-        if (g >= groups) continue;
-        load4(x + n * D, 4 * g, D, vec, v[u]);
-        if (b) {
-          float bv[4];
-          load4(b + n * D, 4 * g, D, vec, bv);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) v[u][c] = num::add_rn(v[u][c], bv[c]);
-          store4(sum + n * D, 4 * g, D, vec, v[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kNormBatch; ++u)
-        if (g0 + 32 * u < groups)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) ss += double(v[u][c]) * double(v[u][c]);
-    }
-    ss = warp_sum(ss);
-    // The stored rstd is what backward sees, so y is computed from the rounded value too.
-    const float rs = float(1.0 / sqrt(ss / double(D) + eps));
-    if (lane == 0) rstd[n] = rs;
     O* yr = y + n * D;
-    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
-      float xv[kNormBatch][4], wv[kNormBatch][4];
-#pragma unroll
-      for (int u = 0; u < kNormBatch; ++u) {
-        const int64_t g = g0 + 32 * u;
-        if (g >= groups) continue;
-        load4(xr, 4 * g, D, vec, xv[u]);
-        load4(w, 4 * g, D, vec, wv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kNormBatch; ++u) {
-        const int64_t g = g0 + 32 * u;
-        if (g >= groups) continue;
-        float out[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) out[c] = float(double(xv[u][c]) * double(rs) * double(wv[u][c]));
-        store4(yr, 4 * g, D, vec, out);
-        if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
-      }
-    }
+    rmsnorm_row(x, w, eps, rstd, n, D, vec, b, sum, [&](int64_t g, const float (&out)[4]) {
+      store4(yr, 4 * g, D, vec, out);
+      if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
+    });
   }
 }
 
@@ -516,8 +470,6 @@ __global__ void __launch_bounds__(kEltThreads)
 
 // ---- swiglu -----------------------------------------------------------------------------------
 
-__device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z)); }
-
 // O: float, or uint16_t for a BF16 output (vec4.cuh's store4 encodes it). rows of F values: h1's
 // and h3's row r start ld floats after row r - 1's, a's F values after it (one row of n values for
 // two tensors; rows of the fused gate|up output, h3 = h1 + F, ld = 2F, for swiglu_forward_fused).
@@ -533,10 +485,7 @@ __global__ void __launch_bounds__(kEltThreads)
     load4(h1 + r * ld, 4 * g, F, vec, z);
     load4(h3 + r * ld, 4 * g, F, vec, u);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const double zz = double(z[c]);
-      out[c] = float(zz * sigmoid(zz) * double(u[c]));
-    }
+    for (int c = 0; c < 4; ++c) out[c] = swiglu_value(z[c], u[c]);
     store4(a + r * F, 4 * g, F, vec, out);
   }
 }
@@ -739,47 +688,81 @@ void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable
   if (!tokens_checked) check_index_errors();
 }
 
-void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
-  const char* op = "rmsnorm_forward";
-  expect_f32(op, "x", x, 2, "[N, D]");
-  const int64_t N = x.size(0), D = x.size(1);
-  expect_dims(op, "w", w, DType::F32, {D}, "[D]");
-  const DType out_dt = expect_out(op, "y", y, {N, D}, "[N, D]");
-  expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
-  if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
-  if (N == 0) return;
-  const bool vec = D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && out_aligned(y);
+namespace {
+// rmsnorm_forward's and add_rmsnorm_forward's arguments, checked (b and sum: the add's, or null;
+// x is the add's a), and what their kernels take.
+struct NormArgs {
+  int64_t N, D;
+  DType out_dt;
+  bool vec;  // float4 loads and stores: D % 4 == 0, every row 16-byte aligned
+  uint16_t* yb;
   bool vec_b;
-  uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
-  with_out_type(out_dt, [&](auto tag) {
+};
+NormArgs norm_args(const char* op, const Tensor& x, const Tensor* b, const Tensor* sum, const Tensor& w, float eps,
+                   const Tensor& y, const Tensor& rstd, Tensor* y_bf16) {
+  expect_f32(op, b ? "a" : "x", x, 2, "[N, D]");
+  NormArgs n{};
+  n.N = x.size(0);
+  n.D = x.size(1);
+  if (b) {
+    expect_dims(op, "b", *b, DType::F32, {n.N, n.D}, "[N, D]");
+    expect_dims(op, "sum", *sum, DType::F32, {n.N, n.D}, "[N, D]");
+  }
+  expect_dims(op, "w", w, DType::F32, {n.D}, "[D]");
+  n.out_dt = expect_out(op, "y", y, {n.N, n.D}, "[N, D]");
+  expect_dims(op, "rstd", rstd, DType::F32, {n.N}, "[N]");
+  if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
+  n.vec = n.D % 4 == 0 && aligned16(x.raw()) && aligned16(w.raw()) && out_aligned(y) &&
+          (!b || (aligned16(b->raw()) && aligned16(sum->raw())));
+  n.yb = bf16_copy_ptr(y_bf16, n.D, n.vec_b);
+  return n;
+}
+
+void norm_forward(const NormArgs& n, const Tensor& x, const Tensor* b, Tensor* sum, const Tensor& w, float eps,
+                  Tensor& y, Tensor& rstd) {
+  if (n.N == 0) return;
+  with_out_type(n.out_dt, [&](auto tag) {
     using O = decltype(tag);
-    launch_dependent(rmsnorm_forward_kernel<O>, warp_row_grid(N), kRowThreads, 0, x.data<float>(), w.data<float>(),
-                     double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b, nullptr, nullptr);
+    launch_dependent(rmsnorm_forward_kernel<O>, warp_row_grid(n.N), kRowThreads, 0, x.data<float>(), w.data<float>(),
+                     double(eps), y.data<O>(), rstd.data<float>(), n.N, n.D, n.vec, n.yb, n.vec_b,
+                     b ? b->data<float>() : nullptr, sum ? sum->data<float>() : nullptr);
   });
+}
+
+// The norm with y quantized in the same kernel (fused_rows.cu), where it takes the spec and y's
+// layout; false (nothing done) otherwise.
+bool norm_forward_quantized(const NormArgs& n, const Tensor& x, const Tensor* b, Tensor* sum, const Tensor& w,
+                            float eps, Tensor& y, Tensor& rstd, const RowQuant& yq) {
+  if (n.N == 0 || n.out_dt != DType::F32 || !n.vec || !row_quant_fused(yq.spec, n.D)) return false;
+  *yq.out = alloc_qtensor(yq.spec, quant_shape(y, yq.spec), Device::CUDA);
+  launch_rmsnorm_rows_quantized(x.data<float>(), w.data<float>(), double(eps), y.data<float>(), rstd.data<float>(),
+                                n.N, n.D, n.yb, n.vec_b, b ? b->data<float>() : nullptr,
+                                sum ? sum->data<float>() : nullptr, yq.spec, *yq.out);
+  return true;
+}
+}  // namespace
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
+  const NormArgs n = norm_args("rmsnorm_forward", x, nullptr, nullptr, w, eps, y, rstd, y_bf16);
+  norm_forward(n, x, nullptr, nullptr, w, eps, y, rstd);
 }
 
 void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
                          Tensor& rstd, Tensor* y_bf16) {
-  const char* op = "add_rmsnorm_forward";
-  expect_f32(op, "a", a, 2, "[N, D]");
-  const int64_t N = a.size(0), D = a.size(1);
-  expect_dims(op, "b", b, DType::F32, {N, D}, "[N, D]");
-  expect_dims(op, "sum", sum, DType::F32, {N, D}, "[N, D]");
-  expect_dims(op, "w", w, DType::F32, {D}, "[D]");
-  const DType out_dt = expect_out(op, "y", y, {N, D}, "[N, D]");
-  expect_dims(op, "rstd", rstd, DType::F32, {N}, "[N]");
-  if (!(eps >= 0.0f)) fail("{}: eps must be >= 0, got {}", op, eps);
-  if (N == 0) return;
-  const bool vec = D % 4 == 0 && aligned16(a.raw()) && aligned16(b.raw()) && aligned16(sum.raw()) &&
-                   aligned16(w.raw()) && out_aligned(y);
-  bool vec_b;
-  uint16_t* yb = bf16_copy_ptr(y_bf16, D, vec_b);
-  with_out_type(out_dt, [&](auto tag) {
-    using O = decltype(tag);
-    launch_dependent(rmsnorm_forward_kernel<O>, warp_row_grid(N), kRowThreads, 0, a.data<float>(), w.data<float>(),
-                     double(eps), y.data<O>(), rstd.data<float>(), N, D, vec, yb, vec_b, b.data<float>(),
-                     sum.data<float>());
-  });
+  const NormArgs n = norm_args("add_rmsnorm_forward", a, &b, &sum, w, eps, y, rstd, y_bf16);
+  norm_forward(n, a, &b, &sum, w, eps, y, rstd);
+}
+
+bool rmsnorm_forward_quantized(const Tensor& x, const Tensor& w, float eps, Tensor& y, Tensor& rstd, Tensor* y_bf16,
+                               const RowQuant& yq) {
+  const NormArgs n = norm_args("rmsnorm_forward", x, nullptr, nullptr, w, eps, y, rstd, y_bf16);
+  return norm_forward_quantized(n, x, nullptr, nullptr, w, eps, y, rstd, yq);
+}
+
+bool add_rmsnorm_forward_quantized(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
+                                   Tensor& rstd, Tensor* y_bf16, const RowQuant& yq) {
+  const NormArgs n = norm_args("add_rmsnorm_forward", a, &b, &sum, w, eps, y, rstd, y_bf16);
+  return norm_forward_quantized(n, a, &b, &sum, w, eps, y, rstd, yq);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
@@ -898,22 +881,47 @@ void swiglu_forward(const Tensor& h1, const Tensor& h3, Tensor& a) {
   });
 }
 
-void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+namespace {
+// swiglu_forward_fused's arguments, checked: F, the rows of h13 [..., 2F] and a's type.
+struct SwigluArgs {
+  int64_t F, rows;
+  DType out_dt;
+};
+SwigluArgs swiglu_fused_args(const Tensor& h13, const Tensor& a) {
   const char* op = "swiglu_forward_fused";
   expect_f32(op, "h13", h13, h13.defined() ? h13.dim() : 0, "[..., 2F]");
-  const int64_t F = h13.size(h13.dim() - 1) / 2, rows = F > 0 ? h13.numel() / (2 * F) : 0;
+  SwigluArgs s{};
+  s.F = h13.size(h13.dim() - 1) / 2;
+  s.rows = s.F > 0 ? h13.numel() / (2 * s.F) : 0;
   Shape a_shape = h13.shape();
-  a_shape.back() = F;
-  const DType out_dt = expect_out(op, "a", a, a_shape, "[..., F]");
+  a_shape.back() = s.F;
+  s.out_dt = expect_out(op, "a", a, a_shape, "[..., F]");
+  return s;
+}
+}  // namespace
+
+void swiglu_forward_fused(const Tensor& h13, Tensor& a) {
+  const SwigluArgs s = swiglu_fused_args(h13, a);
+  const int64_t F = s.F, rows = s.rows;
   if (rows == 0 || F == 0) return;
   const float* h1 = h13.data<float>();
   // the groups of four of a row stay within it: vectorised where every row's start is aligned
   const bool vec = F % 4 == 0 && aligned16(h1) && out_aligned(a);
   const unsigned grid = grid_for(rows * ((F + 3) / 4), kEltThreads);
-  with_out_type(out_dt, [&](auto tag) {
+  with_out_type(s.out_dt, [&](auto tag) {
     using O = decltype(tag);
     launch_dependent(swiglu_forward_kernel<O>, grid, kEltThreads, 0, h1, h1 + F, a.data<O>(), rows, F, 2 * F, vec);
   });
+}
+
+bool swiglu_forward_fused_quantized(const Tensor& h13, Tensor& a, const RowQuant& aq) {
+  const SwigluArgs s = swiglu_fused_args(h13, a);
+  if (s.rows == 0 || s.out_dt != DType::F32 || !aligned16(h13.raw()) || !aligned16(a.raw()) ||
+      !row_quant_fused(aq.spec, s.F))
+    return false;
+  *aq.out = alloc_qtensor(aq.spec, quant_shape(a, aq.spec), Device::CUDA);
+  launch_swiglu_rows_quantized(h13.data<float>(), a.data<float>(), s.rows, s.F, aq.spec, *aq.out);
+  return true;
 }
 
 void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tensor& dh1,

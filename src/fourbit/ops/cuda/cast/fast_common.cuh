@@ -2,7 +2,8 @@
 //          shared_address, read_run_address, read_run_at, read_run, stage_run,
 //          finite_amax_counting, mxfp8_generic_block, store_mx_codes, mxfp8_sr_word,
 //          mxfp8_sr_block, opaque_ptr,
-//          prefetch_run, mxfp8_fast_words, mxfp8_fast_block, fast_row_input, fast_row_params, with_mxfp8_variant
+//          prefetch_run, mxfp8_fast_words, mxfp8_fast_block, nvfp4_row_block_scales, nvfp4_row_block,
+//          fast_row_input, fast_row_params, with_mxfp8_variant
 // What the register-resident kernels share (nvfp4_row_fast, mxfp8_row_fast, mxfp8_col_fast and
 // requantize_transposed): warp runs of 32 blocks staged through swizzled shared memory, the
 // cp.async copies, and the MXFP8 block encoders (fast_quant.h's forms, the generic quantizer for
@@ -284,6 +285,55 @@ __device__ __forceinline__ uint8_t mxfp8_fast_block(const float (&v)[num::kMxBlo
   const uint8_t scale = mxfp8_fast_words<kExpBits, kSR>(v, n, rule, seed, stream, index0, w, nonfinite);
   store_mx_codes(dst, w);
   return scale;
+}
+
+// ---- per-token NVFP4 blocks (nvfp4_row_fast_kernel and the producers' row quantizers) ------------------
+
+// The warp-converged part of a per-token NVFP4 block, run by every lane of the warp, live block
+// or not: under Four Over Six the block's scales and whether every block of the warp's run stays
+// below the saturation bound (fos_bounded), so that the unclamped quantizer serves all of them.
+template <bool kFos>
+__device__ __forceinline__ void nvfp4_row_block_scales(float amax, float s_enc, const num::FosGroup& grp,
+                                                       num::FosBlockScales& scales, bool& bounded) {
+  scales = num::FosBlockScales{};
+  bounded = false;
+  if constexpr (kFos) {
+    scales = num::fos_block_scales(amax, s_enc, grp);
+    bounded = __all_sync(0xffffffffu, num::fos_bounded(amax, scales));
+  }
+}
+
+// One block of a per-token NVFP4 row, RNE, with or without Four Over Six: v its 16 values (zeros
+// past n), amax their finite amax, scales and bounded from nvfp4_row_block_scales. generic: the
+// block holds NaN/Inf or its row's group is outside FosGroup::exact, so the generic quantizer
+// takes a copy; otherwise fast_quant.h's forms (proven equal to it). chose_four counts Four Over
+// Six's 1.5x picks (one add in each branch: where the choice is made).
+template <bool kFos, num::ScaleMetric kMetric>
+__device__ __forceinline__ num::Nvfp4Block nvfp4_row_block(const float (&v)[num::kNvfp4Block], int n, float amax,
+                                                          float s_enc, float s_dec, const num::FosBlockScales& scales,
+                                                          bool bounded, bool generic, unsigned& chose_four) {
+  constexpr int B = num::kNvfp4Block;
+  num::Nvfp4Block out;
+  if (!generic) {
+    if constexpr (kFos) {
+      if (bounded) {
+        out = num::fos_quantize_block<kMetric, true>(v, scales);
+        chose_four += unsigned(out.chose_four);
+      } else {
+        out = num::fos_quantize_block<kMetric, false>(v, scales);  // a run with a subnormal s_b
+        chose_four += unsigned(out.chose_four);
+      }
+    } else {
+      out = num::nvfp4_quantize_block_fast<false>(v, amax, s_enc, s_dec);
+    }
+  } else {
+    float copy[B];
+#pragma unroll
+    for (int i = 0; i < B; ++i) copy[i] = v[i];
+    out = num::nvfp4_quantize_block(copy, n, amax, s_enc, s_dec, kFos, kMetric, num::Rounding::RNE, 0, 0, 0);
+    chose_four += unsigned(out.chose_four);
+  }
+  return out;
 }
 
 // ---- launching the register-resident fast paths ------------------------------------------------------

@@ -160,35 +160,13 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
 #pragma unroll
     for (int k = 0; k < kRuns; ++k) {
       const int blk = blk0 + k * kFastRunBlocks + lane;
-      num::FosBlockScales scales{};
-      bool bounded = false;  // every block of the warp's run: the unclamped quantizer (fos_bounded)
-      if constexpr (kFos) {
-        scales = num::fos_block_scales(amax[k], s_enc, grp);
-        bounded = __all_sync(0xffffffffu, num::fos_bounded(amax[k], scales));
-      }
+      num::FosBlockScales scales;
+      bool bounded;  // every block of the warp's run: the unclamped quantizer (fos_bounded)
+      nvfp4_row_block_scales<kFos>(amax[k], s_enc, grp, scales, bounded);
       if (!live || !((lane_runs >> k) & 1u)) continue;
       const int n = min(B, cols - blk * B);
-      num::Nvfp4Block out;
-      if (!((generic_runs >> k) & 1u)) {
-        if constexpr (kFos) {  // (chose_four counted in each branch: one add where the choice is made)
-          if (bounded) {
-            out = num::fos_quantize_block<kMetric, true>(v[k], scales);
-            chose_four += unsigned(out.chose_four);
-          } else {
-            out = num::fos_quantize_block<kMetric, false>(v[k], scales);  // a run with a subnormal s_b
-            chose_four += unsigned(out.chose_four);
-          }
-        } else {
-          out = num::nvfp4_quantize_block_fast<false>(v[k], amax[k], s_enc, s_dec);
-        }
-      } else {
-        float copy[B];
-#pragma unroll
-        for (int i = 0; i < B; ++i) copy[i] = v[k][i];
-        out = num::nvfp4_quantize_block(copy, n, amax[k], s_enc, s_dec, kFos, kMetric,
-                                        num::Rounding::RNE, 0, 0, 0);
-        chose_four += unsigned(out.chose_four);
-      }
+      const num::Nvfp4Block out = nvfp4_row_block<kFos, kMetric>(v[k], n, amax[k], s_enc, s_dec, scales, bounded,
+                                                                 (generic_runs >> k) & 1u, chose_four);
       if constexpr (kRuns > 1) {
         *reinterpret_cast<uint64_t*>(codes_row + k * kFastRunBlocks * 8) = out.packed;
         scales_row[k * kFastRunBlocks] = out.scale;

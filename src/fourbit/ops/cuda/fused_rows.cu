@@ -1,0 +1,280 @@
+// defines: cuda::row_quant_fused, cuda::launch_rmsnorm_rows_quantized, cuda::launch_swiglu_rows_quantized
+// Producers that quantize the rows they write (ops.h "Quantized outputs"): RMSNorm (with or
+// without the residual add) and SwiGLU over a fused gate|up row. A warp computes one row with the
+// formulas of layers.cu's kernels (row_math.cuh: the same bits), writes the F32 output as they do,
+// and hands each float4 to its shared-memory stage in the layout of the register-resident
+// quantizers' warp runs (cast/fast_common.cuh: lane l ends up owning block l of each run of 32
+// blocks). The warp then quantizes the row from there with those kernels' block encoders:
+// mxfp8_fast_block for MXFP8, and for per-token NVFP4 the row's amax (a first pass over the
+// stage), S_enc and S_dec, then nvfp4_row_block per block, exactly as nvfp4_row_fast_kernel. The
+// bits are quantize()'s, one launch instead of two, and the row never goes through memory twice.
+//
+// At decode a step's activation quantizers were ~60 kernels of 2-4 us each (docs/cuda.md); the
+// ones whose input is an RMSNorm or a SwiGLU output now ride along in the producer's launch.
+//
+// The row lives in shared memory (runs of 32 blocks, 2 KB of floats a run for NVFP4, 4 KB for
+// MXFP8), so a CTA holds as many rows (warps, up to 8) as kStageBudget allows; rows of up to 8192
+// values fit one warp. Columns past the row's end are zeros in the stage (as the quantizers load
+// them); a non-finite value raises the quantizers' sticky flag through its address.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "fourbit/ops/cuda/cast/fast_common.cuh"
+#include "fourbit/ops/cuda/common.cuh"
+#include "fourbit/ops/cuda/cuda_ops.h"
+#include "fourbit/ops/cuda/dependent_launch.cuh"
+#include "fourbit/ops/cuda/fused_rows.h"
+#include "fourbit/ops/cuda/row_math.cuh"
+
+namespace fourbit::ops::cuda {
+namespace {
+
+constexpr int kRowsMaxWarps = 8;            // rows (warps) a CTA
+constexpr int kStageBudget = 48 * 1024;     // a CTA's stages: dynamic shared memory without an opt-in
+constexpr int kRunValues = kFastRunBlocks;  // blocks a run (one per lane); a run holds 32 * block values
+
+// Where a row's quantized form goes: q's storage, row-major.
+struct RowQuantArgs {
+  uint8_t* codes;
+  uint8_t* scales;
+  float* outer;      // NVFP4: S_dec per row
+  int64_t code_ld;   // code bytes a row
+  int64_t nb;        // blocks a row
+  int runs;          // warp runs a row
+  int stage_floats;  // a warp's stage: runs * 32 * block
+  num::MxScaleRule mx_rule;
+  unsigned* nonfinite_flag;  // the quantizers' sticky flag (nonfinite_flag_address)
+};
+
+// Group g (columns 4g .. 4g + 3) of the row into the warp's stage: run g / (8 B), and in it float4
+// l + 32 j with l = g % 32 (the lane that computed it: producers give lane l the groups l + 32 u)
+// lands where stage_run puts lane l's chunk j.
+template <int B>
+__device__ __forceinline__ void stage_group(float* buf, int64_t g, const float (&v)[4]) {
+  constexpr int kChunks = B / 4, kRunGroups = kRunValues * B / 4;
+  const int k = int(g / kRunGroups), r = int(g % kRunGroups), l = r % 32, j = r / 32;
+  const int b = l / kChunks + j * (32 / kChunks), c = l % kChunks;
+  *reinterpret_cast<float4*>(buf + k * kRunValues * B + B * b + 4 * (c ^ stage_swizzle<B>(b))) =
+      make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// Zeros in the stage's groups past the row's cols values (never written by the rows).
+template <int B>
+__device__ __forceinline__ void zero_stage_tail(float* buf, int64_t cols, int runs) {
+  const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t g = cols / 4 + threadIdx.x % 32; g < int64_t(runs) * kRunValues * B / 4; g += 32)
+    stage_group<B>(buf, g, zero);
+}
+
+// MXFP8 (E4M3 / E5M2 by kExpBits), RNE: every block on its own (mxfp8_row_fast_kernel's encoder).
+template <int kExpBits>
+struct MxRows {
+  static constexpr int B = num::kMxBlock;
+  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q,
+                                  unsigned& nonfinite) {
+    const int lane = int(threadIdx.x % 32);
+    for (int k = 0; k < q.runs; ++k) {
+      float v[B];
+      read_run<B>(buf + k * kRunValues * B, v);
+      const int64_t blk = int64_t(k) * kRunValues + lane;
+      if (blk >= q.nb) continue;
+      const int n = int(min64(B, cols - blk * B));
+      uint8_t* codes = q.codes + row * q.code_ld + blk * B;
+      q.scales[row * q.nb + blk] = mxfp8_fast_block<kExpBits, false>(v, n, q.mx_rule, 0, 0, 0, codes, nonfinite);
+    }
+  }
+};
+
+// Per-token NVFP4, RNE, with or without Four Over Six: nvfp4_row_fast_kernel's row.
+template <bool kFos, num::ScaleMetric kMetric>
+struct Nvfp4Rows {
+  static constexpr int B = num::kNvfp4Block;
+  // The block's finite amax; `finite`: it held no NaN/Inf (else nonfinite counts them, if asked).
+  __device__ static float block_amax(const float (&v)[B], bool& finite, unsigned* nonfinite) {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < B; ++i) a = num::max_abs_nan(a, v[i]);
+    finite = num::is_finite_bits(a);
+    if (finite) return a;
+    unsigned ignored = 0;
+    return finite_amax_counting(v, nonfinite ? *nonfinite : ignored);
+  }
+  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q,
+                                  unsigned& nonfinite) {
+    const int lane = int(threadIdx.x % 32);
+    uint32_t row_amax = 0;  // bits: a max of non-negative floats, order-free
+    for (int k = 0; k < q.runs; ++k) {
+      float v[B];
+      read_run<B>(buf + k * kRunValues * B, v);
+      bool finite;
+      row_amax = max(row_amax, num::bits_of(block_amax(v, finite, nullptr)));
+    }
+    row_amax = __reduce_max_sync(0xffffffffu, row_amax);
+    const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
+    const float s_dec = num::nvfp4_s_dec(s_enc);
+    if (lane == 0) q.outer[row] = s_dec;
+    num::FosGroup grp{};
+    if constexpr (kFos) grp = num::fos_group(s_dec);  // the whole warp: its lookups are shuffles
+    const bool generic_row = kFos && !grp.exact;
+    unsigned chose_four = 0;
+    for (int k = 0; k < q.runs; ++k) {
+      float v[B];
+      read_run<B>(buf + k * kRunValues * B, v);
+      bool finite;
+      const float a = block_amax(v, finite, &nonfinite);
+      num::FosBlockScales scales;
+      bool bounded;
+      nvfp4_row_block_scales<kFos>(a, s_enc, grp, scales, bounded);  // every lane (a vote)
+      const int64_t blk = int64_t(k) * kRunValues + lane;
+      if (blk >= q.nb) continue;
+      const int n = int(min64(B, cols - blk * B));
+      const num::Nvfp4Block out =
+          nvfp4_row_block<kFos, kMetric>(v, n, a, s_enc, s_dec, scales, bounded, !finite || generic_row, chose_four);
+      *reinterpret_cast<uint64_t*>(q.codes + row * q.code_ld + blk * 8) = out.packed;
+      q.scales[row * q.nb + blk] = out.scale;
+    }
+  }
+};
+
+// Called by every thread of the CTA after its rows: raises the sticky flag for a NaN/Inf seen.
+__device__ __forceinline__ void raise_nonfinite(unsigned* flag, unsigned nonfinite) {
+  if (__syncthreads_or(nonfinite != 0) && threadIdx.x == 0) atomicOr(flag, 1u);
+}
+
+template <class Q>
+__global__ void __launch_bounds__(32 * kRowsMaxWarps)
+    rmsnorm_rows_quantized_kernel(const float* x, const float* w, double eps, float* y, float* rstd, int64_t N,
+                                  int64_t D, uint16_t* yb, bool vec_b, const float* b, float* sum, RowQuantArgs q) {
+  dependent_launch_prologue();
+  extern __shared__ __align__(16) float stages[];
+  const int warps = int(blockDim.x / 32), warp = int(threadIdx.x / 32);
+  float* buf = stages + warp * q.stage_floats;
+  zero_stage_tail<Q::B>(buf, D, q.runs);
+  unsigned nonfinite = 0;
+  for (int64_t n = int64_t(blockIdx.x) * warps + warp; n < N; n += int64_t(gridDim.x) * warps) {
+    float* yr = y + n * D;
+    rmsnorm_row(x, w, eps, rstd, n, D, true, b, sum, [&](int64_t g, const float (&out)[4]) {
+      store4(yr, 4 * g, D, true, out);
+      if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
+      stage_group<Q::B>(buf, g, out);
+    });
+    __syncwarp();
+    Q::quantize(buf, n, D, q, nonfinite);
+    __syncwarp();  // the stage is the next row's
+  }
+  raise_nonfinite(q.nonfinite_flag, nonfinite);
+}
+
+// swiglu_forward_kernel's elements, a row per warp: lane l takes the groups l + 32 u, kNormBatch
+// of them a batch with all their loads issued first.
+template <class Q>
+__global__ void __launch_bounds__(32 * kRowsMaxWarps)
+    swiglu_rows_quantized_kernel(const float* h13, float* a, int64_t rows, int64_t F, RowQuantArgs q) {
+  dependent_launch_prologue();
+  extern __shared__ __align__(16) float stages[];
+  const int warps = int(blockDim.x / 32), warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  float* buf = stages + warp * q.stage_floats;
+  zero_stage_tail<Q::B>(buf, F, q.runs);
+  const int64_t groups = F / 4;
+  unsigned nonfinite = 0;
+  for (int64_t r = int64_t(blockIdx.x) * warps + warp; r < rows; r += int64_t(gridDim.x) * warps) {
+    const float* h1 = h13 + r * 2 * F;
+    const float* h3 = h1 + F;
+    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
+      float z[kNormBatch][4], u[kNormBatch][4];
+#pragma unroll
+      for (int i = 0; i < kNormBatch; ++i) {
+        const int64_t g = g0 + 32 * i;
+        if (g >= groups) continue;
+        load4(h1, 4 * g, F, true, z[i]);
+        load4(h3, 4 * g, F, true, u[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kNormBatch; ++i) {
+        const int64_t g = g0 + 32 * i;
+        if (g >= groups) continue;
+        float out[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) out[c] = swiglu_value(z[i][c], u[i][c]);
+        store4(a + r * F, 4 * g, F, true, out);
+        stage_group<Q::B>(buf, g, out);
+      }
+    }
+    __syncwarp();
+    Q::quantize(buf, r, F, q, nonfinite);
+    __syncwarp();
+  }
+  raise_nonfinite(q.nonfinite_flag, nonfinite);
+}
+
+int stage_floats(const QuantSpec& spec, int64_t cols) {
+  const int64_t run = int64_t(kRunValues) * spec.block();
+  return int((cols + run - 1) / run * run);
+}
+
+// launch(Q{}) with the row quantizer of spec (row_quant_fused's specs).
+template <typename Launch>
+void with_row_quantizer(const QuantSpec& spec, Launch&& launch) {
+  switch (spec.fmt) {
+    case Format::MXFP8_E4M3: return launch(MxRows<4>{});
+    case Format::MXFP8_E5M2: return launch(MxRows<5>{});
+    default:
+      if (!spec.four_over_six) return launch(Nvfp4Rows<false, num::ScaleMetric::MSE>{});
+      if (spec.metric == num::ScaleMetric::MSE) return launch(Nvfp4Rows<true, num::ScaleMetric::MSE>{});
+      return launch(Nvfp4Rows<true, num::ScaleMetric::MAE>{});
+  }
+}
+
+RowQuantArgs row_quant_args(const QuantSpec& spec, int64_t cols, QTensor& q) {
+  RowQuantArgs a{};
+  a.codes = q.codes.data<uint8_t>();
+  a.scales = q.block_scales.data<uint8_t>();
+  a.outer = q.outer_scales.defined() ? q.outer_scales.data<float>() : nullptr;
+  a.code_ld = q.code_row_bytes();
+  a.nb = q.blocks_per_row();
+  a.stage_floats = stage_floats(spec, cols);
+  a.runs = int(a.stage_floats / (int64_t(kRunValues) * spec.block()));
+  a.mx_rule = spec.mx_rule;
+  a.nonfinite_flag = nonfinite_flag_address();
+  return a;
+}
+
+// As many rows a CTA as the stages allow, one CTA per group of rows (grid_for caps the grid; the
+// kernels stride over the rest).
+template <typename Kernel, typename... Args>
+void launch_rows(Kernel kernel, int64_t rows, const RowQuantArgs& q, Args... args) {
+  const int stage_bytes = q.stage_floats * int(sizeof(float));
+  const int warps = std::clamp(kStageBudget / stage_bytes, 1, kRowsMaxWarps);
+  launch_dependent(kernel, grid_for(rows, warps), 32 * warps, size_t(warps) * stage_bytes, args..., q);
+}
+
+}  // namespace
+
+bool row_quant_fused(const QuantSpec& spec, int64_t cols) {
+  const bool mx = (spec.fmt == Format::MXFP8_E4M3 || spec.fmt == Format::MXFP8_E5M2);
+  const bool nvfp4 = spec.fmt == Format::NVFP4 && spec.outer == OuterScale::PerRow;
+  return (mx || nvfp4) && spec.axis == BlockAxis::Row && spec.rounding == num::Rounding::RNE && spec.hadamard == 0 &&
+         !spec.tile_2d && cols > 0 && cols % 4 == 0 &&
+         int64_t(stage_floats(spec, cols)) * int64_t(sizeof(float)) <= kStageBudget;
+}
+
+void launch_rmsnorm_rows_quantized(const float* x, const float* w, double eps, float* y, float* rstd, int64_t N,
+                                   int64_t D, uint16_t* yb, bool vec_b, const float* b, float* sum,
+                                   const QuantSpec& spec, QTensor& q) {
+  const RowQuantArgs args = row_quant_args(spec, D, q);
+  with_row_quantizer(spec, [&](auto quantizer) {
+    launch_rows(rmsnorm_rows_quantized_kernel<decltype(quantizer)>, N, args, x, w, eps, y, rstd, N, D, yb, vec_b, b,
+                sum);
+  });
+}
+
+void launch_swiglu_rows_quantized(const float* h13, float* a, int64_t rows, int64_t F, const QuantSpec& spec,
+                                  QTensor& q) {
+  const RowQuantArgs args = row_quant_args(spec, F, q);
+  with_row_quantizer(spec, [&](auto quantizer) {
+    launch_rows(swiglu_rows_quantized_kernel<decltype(quantizer)>, rows, args, h13, a, rows, F);
+  });
+}
+
+}  // namespace fourbit::ops::cuda
