@@ -10,7 +10,8 @@
 // Usage: gpu_sampler [--config configs/gpu-small.toml] [--device auto|cuda|cpu]
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
-//                    [--forward-gemms grouped,gemm] [--fused on,off] [--routing deferred,layer]
+//                    [--forward-gemms grouped,gemm] [--fused on,off] [--producer-quant on,off]
+//                    [--routing deferred,layer]
 //                    [--attention group,head] [--graphs on,off] [--draws gpu,host]
 //                    [--dependent-launches on,off] [--traffic on|off]
 //                    [--json FILE]
@@ -24,7 +25,10 @@
 // ops::gemm's cuBLASLt (gemm, the path before it), rows adjacent per batch as the widths'.
 // --fused: the GEMMs that read one input as one GEMM on their weights' rows stacked (on, the
 // default: set_fused_forward_gemms; wq | wk | wv, every FFN's w1 | w3) or one GEMM each (off, the
-// path before it); the same samples, rows adjacent per batch.
+// path before it); the same samples, rows adjacent per batch. --producer-quant: in those fused
+// forwards, the block-scaled GEMM inputs quantized by the RMSNorm or SwiGLU that writes them (on,
+// the default: set_producer_quantizers) or by a quantizer of their own after it (off, the path
+// before it); the same samples (the run fails otherwise), rows adjacent per batch.
 // --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
 // (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
@@ -187,11 +191,9 @@ int main(int argc, char** argv) {
     bench::BenchTable table;
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
-    table.columns = {"recipe",           "kv_cache",    "forward",           "fused",        "routing",
-                     "attention",        "graphs",      "draws",             "experts",      "batch",
-                     "decode_tok_per_s",
-                     "ms_per_step",      "host_ms_per_step", "prefill_tok_per_s",
-                     "kv_cache_MiB"};
+    table.columns = {"recipe",  "kv_cache", "forward",          "fused",        "producer_quant",   "routing",
+                     "attention", "graphs", "draws",            "experts",      "batch",            "decode_tok_per_s",
+                     "ms_per_step",         "host_ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
     const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
     if (traffic_arg != "on" && traffic_arg != "off") fail("--traffic takes on or off, not {}", traffic_arg);
     const bool traffic = traffic_arg == "on";
@@ -205,6 +207,7 @@ int main(int argc, char** argv) {
       fail("--decode-widths: the grouped GEMM's decode configurations are the CUDA backend's; on the CPU give 0");
     const std::vector<bool> forward_grouped = two_way(argc, argv, "--forward-gemms", "grouped", "gemm", "grouped");
     const std::vector<bool> fusions = two_way(argc, argv, "--fused", "on", "off", "on");
+    const std::vector<bool> producer_quants = two_way(argc, argv, "--producer-quant", "on", "off", "on");
     const std::vector<bool> routing_deferred = two_way(argc, argv, "--routing", "deferred", "layer", "deferred");
     const std::vector<bool> head_rows = two_way(argc, argv, "--attention", "group", "head", "group");
     const std::vector<bool> graph_modes = two_way(argc, argv, "--graphs", "on", "off", "on");
@@ -244,8 +247,9 @@ int main(int argc, char** argv) {
           const double kv_row = 2.0 * double(cfg.model.n_layers * cfg.model.n_kv_heads * cfg.model.hd()) *
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
-          if (widths.size() * forward_grouped.size() * fusions.size() * routing_deferred.size() * head_rows.size() *
-                  graph_modes.size() * draw_modes.size() * pdl_modes.size() > 1)
+          if (widths.size() * forward_grouped.size() * fusions.size() * producer_quants.size() *
+                  routing_deferred.size() * head_rows.size() * graph_modes.size() * draw_modes.size() *
+                  pdl_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
           std::vector<rl::Completion> timed_out;  // the last timed row's, for the census's check
@@ -256,6 +260,7 @@ int main(int argc, char** argv) {
           for (const bool graphs : graph_modes)
           for (const bool fwd : forward_grouped)
           for (const bool fused : fusions)
+          for (const bool producer_quant : producer_quants)
           for (const bool deferred : routing_deferred)
           for (const bool group_ctas : head_rows)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
@@ -266,6 +271,7 @@ int main(int argc, char** argv) {
             }
             set_forward_gemms_grouped(fwd);
             set_fused_forward_gemms(fused);
+            set_producer_quantizers(producer_quant);
             set_moe_routing_waits_deferred(deferred);
             sampler.set_cuda_graphs(graphs);
             sampler.set_gpu_draws(gpu_draws);
@@ -276,7 +282,8 @@ int main(int argc, char** argv) {
             sampler.reset_stats();
             const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
             const rl::SamplerStats& s = sampler.stats();
-            if (graph_modes.size() * draw_modes.size() * pdl_modes.size() > 1) {  // any of these: the same samples
+            if (graph_modes.size() * draw_modes.size() * pdl_modes.size() * producer_quants.size() > 1) {
+              // any of these: the same samples
               std::vector<std::vector<int32_t>> tokens;
               std::vector<std::vector<double>> draw_logprobs;
               for (const rl::Completion& c : out) tokens.push_back(c.tokens), draw_logprobs.push_back(c.sample_logprobs);
@@ -284,9 +291,10 @@ int main(int argc, char** argv) {
                 first_tokens = std::move(tokens);
                 first_draw_logprobs = std::move(draw_logprobs);
               } else if (tokens != first_tokens || !same_bits(draw_logprobs, first_draw_logprobs)) {
-                fail("{} batch {}: graphs {} with draws on the {} and dependent launches {} sampled other tokens "
-                     "or draw log-probs than the first row",
-                     recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host", pdl ? "on" : "off");
+                fail("{} batch {}: graphs {} with draws on the {}, dependent launches {} and producer quantizers {} "
+                     "sampled other tokens or draw log-probs than the first row",
+                     recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host", pdl ? "on" : "off",
+                     producer_quant ? "on" : "off");
               }
             }
             if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
@@ -297,6 +305,7 @@ int main(int argc, char** argv) {
                        {"kv_cache", dtype_name(storage)},
                        {"forward", fwd ? "grouped" : "gemm"},
                        {"fused", fused ? "on" : "off"},
+                       {"producer_quant", producer_quant ? "on" : "off"},
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
                        {"graphs", graphs ? "on" : "off"},
@@ -316,10 +325,10 @@ int main(int argc, char** argv) {
                        {"prefill_s", s.prefill_s},
                        {"graph_captures", s.graph_captures},
                        {"graph_error", s.graph_error}});
-            std::printf("%s, %s cache, forward %s, fused %s, routing %s, attention %s, graphs %s, draws %s, "
-                        "dependent launches %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
+            std::printf("%s, %s cache, forward %s, fused %s, producer quant %s, routing %s, attention %s, graphs %s, "
+                        "draws %s, dependent launches %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
-                        deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
+                        producer_quant ? "on" : "off", deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
                         gpu_draws ? "gpu" : "host", pdl ? "on" : "off", experts.c_str(), (long long)B,
                         double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             timed_out = out;
@@ -365,6 +374,7 @@ int main(int argc, char** argv) {
       }
       set_forward_gemms_grouped(true);
       set_fused_forward_gemms(true);
+      set_producer_quantizers(true);
       set_moe_routing_waits_deferred(true);
       sampler.set_cuda_graphs(true);
       sampler.set_gpu_draws(true);
@@ -375,7 +385,7 @@ int main(int argc, char** argv) {
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
           for (const char* k :
-               {"kv_cache", "forward", "fused", "routing", "attention", "graphs", "draws", "dependent_launches",
+               {"kv_cache", "forward", "fused", "producer_quant", "routing", "attention", "graphs", "draws", "dependent_launches",
                 "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;

@@ -126,9 +126,11 @@ INSTANTIATE_TEST_SUITE_P(Recipes, CudaBatchInvariance, ::testing::Values("fp32",
 
 // The fused forward GEMMs on the GPU (set_fused_forward_gemms): the sampler's cached prefill and
 // decode steps on a BF16 cache, where wq | wk | wv run as one GEMM into
-// rope_fused_qkv_to_cache, and every FFN's w1 | w3 as one into swiglu_forward_fused, give the
-// bytes of the GEMMs run apart, on the grouped kernel's decode and training tiles alike; so do
-// Model::logits. NVIDIA's recipe keeps its per-tensor-scaled q, k and v apart, fp32 every GEMM.
+// rope_fused_qkv_to_cache, and every FFN's w1 | w3 as one into swiglu_forward_fused, with the
+// block-scaled fprop inputs quantized by the norms and SwiGLUs that write them (ops.h "Quantized
+// outputs": mxfp8 and nvfp4-fwd), give the bytes of the GEMMs and quantizers run apart, on the
+// grouped kernel's decode and training tiles alike; so do Model::logits. NVIDIA's recipe keeps its
+// per-tensor-scaled q, k and v apart (and its inputs' quantizers: per-tensor scales), fp32 every GEMM.
 TEST(CudaModel, FusedForwardGemmsGiveTheSameBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");

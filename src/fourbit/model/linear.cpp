@@ -1,4 +1,4 @@
-// defines: Prepared, SrStreams, QuantLog, prepare, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
+// defines: Prepared, SrStreams, QuantLog, prepare, producer_quant, producer_quantized, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
 //          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col,
@@ -120,6 +120,26 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), site.key, nullptr, group_amax);
       return p;
   }
+}
+
+ops::RowQuant producer_quant(const QuantSpec& spec, GemmRole role, char side, const QuantSite& site, QTensor* out) {
+  FOURBIT_CHECK(spec.quantized() && axis_for(role, side) == BlockAxis::Row,
+                "producer_quant: {} operand {} of {} is not quantized along its rows", describe(spec), side,
+                gemm_role_name(role));
+  QuantSpec s = spec;
+  s.axis = BlockAxis::Row;
+  return ops::RowQuant{s, site.key, out};
+}
+
+Prepared producer_quantized(QTensor q, const Tensor& t, const QuantSpec& spec, GemmRole role, char side,
+                            const QuantSite& site, LayerClass cls, QuantLog* log) {
+  FOURBIT_CHECK(q.fmt == spec.fmt && q.axis == axis_for(role, side) && q.logical_shape() == t.shape(),
+                "producer_quantized: {} is not {} of {}", q.codes.str(), describe(spec), t.str());
+  if (log) log->add(cls, role, side, spec, false);
+  if (log && log->record_calls) record(log, site, spec, hash_tensor(t));
+  Prepared p;
+  p.q = std::move(q);
+  return p;
 }
 
 Tensor shared_outer_amax(const std::vector<Tensor>& ws, const QuantSpec& spec, GemmRole role) {

@@ -1,4 +1,5 @@
-// defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, shared_outer_amax, prepare_segments,
+// defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
+//          shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -81,6 +82,15 @@ struct SrStreams {
 // still records t).
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
                  LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr, const Tensor* converted = nullptr);
+
+// prepare(t, spec, role, side, site, ...) of a block-scaled spec whose blocks run along t's rows,
+// made by the op that writes t (ops.h "Quantized outputs"): producer_quant is the request to hand
+// that op (the spec on role's axis, site's stream; the result lands in *out), and
+// producer_quantized(*out, t, ...) the Prepared it gives, logged as prepare logs it. The same
+// bits as prepare.
+ops::RowQuant producer_quant(const QuantSpec& spec, GemmRole role, char side, const QuantSite& site, QTensor* out);
+Prepared producer_quantized(QTensor q, const Tensor& t, const QuantSpec& spec, GemmRole role, char side,
+                            const QuantSite& site, LayerClass cls, QuantLog* log);
 
 // ops::outer_amax of the weights that share one outer scale under spec on role's block axis (an
 // FFN's w1 and w3), or an undefined tensor where spec has no outer scale.

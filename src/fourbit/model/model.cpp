@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "fourbit/ops/host_profile.h"
@@ -16,6 +18,7 @@ namespace fourbit {
 namespace {
 std::atomic<bool> g_routing_waits_deferred{true};
 std::atomic<bool> g_fused_forward_gemms{true};
+std::atomic<bool> g_producer_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -229,6 +232,23 @@ struct ModelRunner {
     return in;
   }
 
+  // Where the forward keeps nothing (fuse: the sampler's, evaluation's), a block-scaled fprop input
+  // rounded to nearest is quantized by the op that writes it (ops.h "Quantized outputs": an RMSNorm
+  // or a SwiGLU), with prepare's bits and one launch fewer. producer_quant: the request for the
+  // input at `point` (an input group, as prepare_input names it) of a class-cls layer, landing in
+  // *out, or none; producer_quantized: the fprop operand it made of x.
+  std::optional<ops::RowQuant> producer_quant(LayerClass cls, const std::string& point, QTensor* out) const {
+    const QuantSpec& a = recipe(cls).fprop.a;
+    if (!fuse || !g_producer_quantizers.load(std::memory_order_relaxed) || !a.quantized() ||
+        a.rounding != num::Rounding::RNE)
+      return std::nullopt;
+    return fourbit::producer_quant(a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), out);
+  }
+  Prepared producer_quantized(QTensor q, const Tensor& x, LayerClass cls, const std::string& point) {
+    return fourbit::producer_quantized(std::move(q), x, recipe(cls).fprop.a, GemmRole::Fprop, 'a',
+                                       site(point + "/fprop/X"), cls, log);
+  }
+
   // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments); at_site: where a
   // requantization draws its stream.
   Prepared wgrad_input(const Prepared& fwd, const Prepared& wgrad, const LayerRecipe& r,
@@ -358,10 +378,13 @@ struct ModelRunner {
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w13 = fuse && !saved ? m.fused_weight(w.name + ".w13", {w1, w3}, true) : Prepared{};
+    QTensor aq;
+    std::optional<ops::RowQuant> aq_req;
     if (w13.defined()) {
       Tensor h13 = act({N, 2 * F});
       forward_gemm(x.fwd, w13, h13);
-      ops::swiglu_forward_fused(h13, a);
+      aq_req = producer_quant(cls, w.name + ".w2", &aq);
+      ops::swiglu_forward_fused(h13, a, aq_req ? &*aq_req : nullptr);
     } else {
       h1 = act({N, F});
       h3 = act({N, F});
@@ -370,7 +393,8 @@ struct ModelRunner {
       ops::swiglu_forward(h1, h3, a);
     }
     record_input_amax(w.name + ".a", a, r);
-    const Prepared pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
+    const Prepared pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
+                               : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
     forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
       saved->x = std::move(x).kept();
@@ -412,13 +436,15 @@ struct ModelRunner {
   // ---- attention block ----------------------------------------------------------------------
   // With `kv` (the sampler), K/V go into the cache and the queries attend over it; otherwise over
   // this batch's own K/V from position 0 (training).
+  // x_fwd: xn's fprop operand made by the norm (producer_quant), where nothing is saved.
   Tensor attention_forward(const Tensor& xn, const LayerWeights& w, const std::string& name,
                            Model::Saved::Layer* s, const Tensor& positions, int64_t B, int64_t T,
-                           const KvStep* kv = nullptr) {
+                           const KvStep* kv = nullptr, const Prepared* x_fwd = nullptr) {
     const LayerClass cls = LayerClass::Attention;
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
-    LinearInput x = prepare_input(xn, r, cls, name + "wqkv", true);
+    FOURBIT_CHECK(!x_fwd || !s, "attention_forward: a prepared input is taken only by a forward that saves nothing");
+    LinearInput x = x_fwd ? LinearInput{*x_fwd, Prepared{}} : prepare_input(xn, r, cls, name + "wqkv", true);
     record_input_amax(name + "x", xn, r);
     // Where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k rounded to
     // BF16 as well, v is converted once, and attention reads those copies, which the backward
@@ -533,8 +559,10 @@ struct ModelRunner {
   // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
   // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert. xn16: xn's BF16
   // copy written by the norm where moe_reads_bf16_x(), else undefined.
+  // x_fwd: the routed experts' quantized tokens made by the norm (producer_quant), where nothing
+  // is saved.
   Tensor moe_forward(const Tensor& xn, const LayerWeights& w, LayerWeights& g, const std::string& name,
-                     Model::Saved::Layer* s, bool aux, const Tensor& xn16) {
+                     Model::Saved::Layer* s, bool aux, const Tensor& xn16, const Prepared* x_fwd = nullptr) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -573,9 +601,11 @@ struct ModelRunner {
     // then the same wherever it is quantized), both come from the dispatched rows in one pass,
     // X with its BF16 decode for the w1 and w3 GEMMs; otherwise (and where no weight gradient
     // follows) each token is quantized once here and its packed row dispatched.
-    const bool pair_x = !deferred && x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
+    FOURBIT_CHECK(!x_fwd || !s, "moe_forward: prepared tokens are taken only by a forward that saves nothing");
+    const bool pair_x = !deferred && !x_fwd && x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
     Prepared px;
-    if (r.fprop.a.quantized() && !pair_x)
+    if (x_fwd) px = *x_fwd;
+    else if (r.fprop.a.quantized() && !pair_x)
       px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     Tensor ys;
     if (c.n_shared_experts) {
@@ -711,10 +741,13 @@ struct ModelRunner {
     const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1, h3, a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
     const Prepared w13 = fuse && !inner ? m.fused_weight(name + "moe.w13", {w1, w3}, true) : Prepared{};
+    QTensor aq;
+    std::optional<ops::RowQuant> aq_req;
     if (w13.defined()) {  // each expert's w1 and w3 rows stacked: one GEMM, its SwiGLU on the halves
       Tensor h13 = act({rows, 2 * F});
       expert_gemm(x_perm, w13, plan, h13);
-      ops::swiglu_forward_fused(h13, a);
+      aq_req = producer_quant(cls, name + "moe.w2", &aq);
+      ops::swiglu_forward_fused(h13, a, aq_req ? &*aq_req : nullptr);
     } else {
       h1 = act({rows, F});
       h3 = act({rows, F});
@@ -734,6 +767,8 @@ struct ModelRunner {
                                          cls, log, true, false);
       pa = std::move(p.row);
       a_wgrad = std::move(p.col);
+    } else if (aq_req) {
+      pa = producer_quantized(std::move(aq), a, cls, name + "moe.w2");
     } else {
       pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     }
@@ -1021,10 +1056,13 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   // The residual stream's x + f of the block before, where one is pending: added by the next
   // norm (add_rmsnorm_forward: the bits of the add, then the norm).
   Tensor pending;
-  auto norm = [&](const Tensor& w_norm, Tensor& y, Tensor& rstd, Tensor* y_bf16) {
-    if (!pending.defined()) return ops::rmsnorm_forward(x, w_norm, float(cfg.norm_eps), y, rstd, y_bf16);
+  // yq: y's fprop operand made by the norm (ModelRunner::producer_quant), or none.
+  auto norm = [&](const Tensor& w_norm, Tensor& y, Tensor& rstd, Tensor* y_bf16,
+                  const std::optional<ops::RowQuant>& yq = std::nullopt) {
+    const ops::RowQuant* q = yq ? &*yq : nullptr;
+    if (!pending.defined()) return ops::rmsnorm_forward(x, w_norm, float(cfg.norm_eps), y, rstd, y_bf16, q);
     Tensor sum = run.act({N, D});
-    ops::add_rmsnorm_forward(x, pending, sum, w_norm, float(cfg.norm_eps), y, rstd, y_bf16);
+    ops::add_rmsnorm_forward(x, pending, sum, w_norm, float(cfg.norm_eps), y, rstd, y_bf16, q);
     x = sum;
     pending = Tensor{};
   };
@@ -1039,23 +1077,34 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     // (F32) in a MoE layer.
     Tensor xn = run.act_bf16_if(ModelRunner::bf16_input(run.recipe(LayerClass::Attention)), {N, D});
     Tensor rstd1 = run.act({N});
-    norm(lw.attn_norm, xn, rstd1, nullptr);
+    QTensor xq;
+    const auto xq_req = run.producer_quant(LayerClass::Attention, name + "attn.wqkv", &xq);
+    norm(lw.attn_norm, xn, rstd1, nullptr, xq_req);
+    const Prepared x_fwd =
+        xq_req ? run.producer_quantized(std::move(xq), xn, LayerClass::Attention, name + "attn.wqkv") : Prepared{};
     const Tensor x_in = x;
-    pending = run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv);
+    pending = run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv, xq_req ? &x_fwd : nullptr);
     // FFN block
     Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
                                  {N, D});
     Tensor rstd2 = run.act({N});
     Tensor xn2_16;
     if (cfg.is_moe_layer(l) && run.moe_reads_bf16_x()) xn2_16 = Tensor::empty({N, D}, DType::BF16, m.device());
-    norm(lw.ffn_norm, xn2, rstd2, xn2_16.defined() ? &xn2_16 : nullptr);
+    const bool moe = cfg.is_moe_layer(l);
+    const LayerClass ffn_cls = moe ? LayerClass::Expert : LayerClass::Dense;
+    const std::string ffn_point = name + (moe ? "moe.w13" : "mlp.w13");
+    QTensor xq2;
+    const auto xq2_req = run.producer_quant(ffn_cls, ffn_point, &xq2);
+    norm(lw.ffn_norm, xn2, rstd2, xn2_16.defined() ? &xn2_16 : nullptr, xq2_req);
+    const Prepared x2_fwd = xq2_req ? run.producer_quantized(std::move(xq2), xn2, ffn_cls, ffn_point) : Prepared{};
+    const Prepared* x2_in = xq2_req ? &x2_fwd : nullptr;
     const Tensor x_mid = x;
     Tensor f;
-    if (cfg.is_moe_layer(l)) {
-      f = run.moe_forward(xn2, lw, lg, name, sl, aux, xn2_16);
+    if (moe) {
+      f = run.moe_forward(xn2, lw, lg, name, sl, aux, xn2_16, x2_in);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
-      f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr);
+      f = run.ffn_forward(xn2, dref, LayerClass::Dense, sl ? &sl->dense : nullptr, x2_in);
     }
     pending = f;
     if (sl) {
@@ -1258,6 +1307,7 @@ void Model::backward() {
 
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
+void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

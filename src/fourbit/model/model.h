@@ -1,5 +1,5 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
-//          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms
+//          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -71,6 +71,11 @@ void set_moe_routing_waits_deferred(bool on);
 // K does not depend on N: not for F32 operands (the fp32 recipe) nor on the GPU where the forward
 // GEMMs run on cuBLASLt (set_forward_gemms_grouped(false)).
 void set_fused_forward_gemms(bool on);
+// In those forwards (set_fused_forward_gemms on), a block-scaled fprop input rounded to nearest is
+// quantized by the RMSNorm or SwiGLU that writes it (ops.h "Quantized outputs": one launch instead
+// of two, the same bits) where this is on (the default); off, a quantizer of its own after the
+// producer, as before. Process-wide, for benchmarks and tests that compare the two in one process.
+void set_producer_quantizers(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e
