@@ -1,21 +1,25 @@
 // defines: cuda::row_quant_fused, cuda::launch_rmsnorm_rows_quantized, cuda::launch_swiglu_rows_quantized
 // Producers that quantize the rows they write (ops.h "Quantized outputs"): RMSNorm (with or
-// without the residual add) and SwiGLU over a fused gate|up row. A warp computes one row with the
-// formulas of layers.cu's kernels (row_math.cuh: the same bits), writes the F32 output as they do,
-// and hands each float4 to its shared-memory stage in the layout of the register-resident
-// quantizers' warp runs (cast/fast_common.cuh: lane l ends up owning block l of each run of 32
-// blocks). The warp then quantizes the row from there with those kernels' block encoders:
-// mxfp8_fast_block for MXFP8, and for per-token NVFP4 the row's amax (a first pass over the
-// stage), S_enc and S_dec, then nvfp4_row_block per block, exactly as nvfp4_row_fast_kernel. The
-// bits are quantize()'s, one launch instead of two, and the row never goes through memory twice.
+// without the residual add) and SwiGLU over a fused gate|up row. A CTA takes a row: it computes it
+// with the formulas of layers.cu's kernels (row_math.cuh: the same bits; the norm's sum of squares
+// by one warp in the lane order that fixes them, the elementwise part by every thread), writes the
+// F32 output as they do, and hands each float4 to a shared-memory stage in the layout of the
+// register-resident quantizers' warp runs (cast/fast_common.cuh: lane l of the warp reading a run
+// owns block l of it). The CTA's warps then quantize the row's runs from there with those kernels'
+// block encoders: mxfp8_fast_block for MXFP8; for per-token NVFP4 the row's amax (a first pass,
+// the warps' maxes met in shared memory), S_enc and S_dec, then nvfp4_row_block per block, exactly
+// as nvfp4_row_fast_kernel. The bits are quantize()'s, one launch instead of two.
 //
 // At decode a step's activation quantizers were ~60 kernels of 2-4 us each (docs/cuda.md); the
-// ones whose input is an RMSNorm or a SwiGLU output now ride along in the producer's launch.
+// ones whose input is an RMSNorm or a SwiGLU output now ride along in the producer's launch. A
+// warp per row (the norm's own layout) was tried first and lost: a decode row's 1024 SwiGLU
+// values, each an FP64 exp, and its NVFP4 blocks in one warp took longer than the two launches
+// they replaced (docs/cuda.md, session 45).
 //
-// The row lives in shared memory (runs of 32 blocks, 2 KB of floats a run for NVFP4, 4 KB for
-// MXFP8), so a CTA holds as many rows (warps, up to 8) as kStageBudget allows; rows of up to 8192
-// values fit one warp. Columns past the row's end are zeros in the stage (as the quantizers load
-// them); a non-finite value raises the quantizers' sticky flag through its address.
+// The stage holds one row (runs of 32 blocks: 2 KB of floats a run for NVFP4, 4 KB for MXFP8),
+// at most kStageBudget, so rows of up to 12288 values. Columns past the row's end are zeros in the
+// stage (as the quantizers load them); a non-finite value raises the quantizers' sticky flag
+// through its address.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,8 +34,9 @@
 namespace fourbit::ops::cuda {
 namespace {
 
-constexpr int kRowsMaxWarps = 8;            // rows (warps) a CTA
-constexpr int kStageBudget = 48 * 1024;     // a CTA's stages: dynamic shared memory without an opt-in
+constexpr int kRowWarps = 8;                // a CTA (one row at a time)
+constexpr int kRowThreads = 32 * kRowWarps;
+constexpr int kStageBudget = 48 * 1024;     // the row's stage: dynamic shared memory without an opt-in
 constexpr int kRunValues = kFastRunBlocks;  // blocks a run (one per lane); a run holds 32 * block values
 
 // Where a row's quantized form goes: q's storage, row-major.
@@ -42,14 +47,13 @@ struct RowQuantArgs {
   int64_t code_ld;   // code bytes a row
   int64_t nb;        // blocks a row
   int runs;          // warp runs a row
-  int stage_floats;  // a warp's stage: runs * 32 * block
+  int stage_floats;  // the row's stage: runs * 32 * block
   num::MxScaleRule mx_rule;
   unsigned* nonfinite_flag;  // the quantizers' sticky flag (nonfinite_flag_address)
 };
 
-// Group g (columns 4g .. 4g + 3) of the row into the warp's stage: run g / (8 B), and in it float4
-// l + 32 j with l = g % 32 (the lane that computed it: producers give lane l the groups l + 32 u)
-// lands where stage_run puts lane l's chunk j.
+// Group g (columns 4g .. 4g + 3) of the row into the stage: run g / (8 B), and in it float4
+// l + 32 j with l = g % 32 lands where stage_run puts lane l's chunk j (whichever thread made it).
 template <int B>
 __device__ __forceinline__ void stage_group(float* buf, int64_t g, const float (&v)[4]) {
   constexpr int kChunks = B / 4, kRunGroups = kRunValues * B / 4;
@@ -59,22 +63,27 @@ __device__ __forceinline__ void stage_group(float* buf, int64_t g, const float (
       make_float4(v[0], v[1], v[2], v[3]);
 }
 
-// Zeros in the stage's groups past the row's cols values (never written by the rows).
+// Zeros in the stage's groups past the row's cols values (never written by the rows); the CTA's
+// threads, before its first row.
 template <int B>
 __device__ __forceinline__ void zero_stage_tail(float* buf, int64_t cols, int runs) {
   const float zero[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t g = cols / 4 + threadIdx.x % 32; g < int64_t(runs) * kRunValues * B / 4; g += 32)
+  for (int64_t g = cols / 4 + threadIdx.x; g < int64_t(runs) * kRunValues * B / 4; g += blockDim.x)
     stage_group<B>(buf, g, zero);
 }
+
+// The row in the stage quantized by the CTA's warps, warp w taking runs w, w + 8, ...; every
+// thread calls it (between barriers: the stage is complete, and nothing rewrites it until all
+// have returned). amax: the CTA's kRowWarps words of shared memory.
 
 // MXFP8 (E4M3 / E5M2 by kExpBits), RNE: every block on its own (mxfp8_row_fast_kernel's encoder).
 template <int kExpBits>
 struct MxRows {
   static constexpr int B = num::kMxBlock;
-  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q,
+  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q, uint32_t*,
                                   unsigned& nonfinite) {
-    const int lane = int(threadIdx.x % 32);
-    for (int k = 0; k < q.runs; ++k) {
+    const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+    for (int k = warp; k < q.runs; k += kRowWarps) {
       float v[B];
       read_run<B>(buf + k * kRunValues * B, v);
       const int64_t blk = int64_t(k) * kRunValues + lane;
@@ -90,7 +99,7 @@ struct MxRows {
 template <bool kFos, num::ScaleMetric kMetric>
 struct Nvfp4Rows {
   static constexpr int B = num::kNvfp4Block;
-  // The block's finite amax; `finite`: it held no NaN/Inf (else nonfinite counts them, if asked).
+  // The block's finite amax; `finite`: it held no NaN/Inf (else nonfinite counts them, if given).
   __device__ static float block_amax(const float (&v)[B], bool& finite, unsigned* nonfinite) {
     float a = 0.0f;
 #pragma unroll
@@ -100,25 +109,28 @@ struct Nvfp4Rows {
     unsigned ignored = 0;
     return finite_amax_counting(v, nonfinite ? *nonfinite : ignored);
   }
-  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q,
+  __device__ static void quantize(const float* buf, int64_t row, int64_t cols, const RowQuantArgs& q, uint32_t* amax,
                                   unsigned& nonfinite) {
-    const int lane = int(threadIdx.x % 32);
-    uint32_t row_amax = 0;  // bits: a max of non-negative floats, order-free
-    for (int k = 0; k < q.runs; ++k) {
+    const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
+    uint32_t bits = 0;  // a max of non-negative floats as bits: order-free
+    for (int k = warp; k < q.runs; k += kRowWarps) {
       float v[B];
       read_run<B>(buf + k * kRunValues * B, v);
       bool finite;
-      row_amax = max(row_amax, num::bits_of(block_amax(v, finite, nullptr)));
+      bits = max(bits, num::bits_of(block_amax(v, finite, nullptr)));
     }
-    row_amax = __reduce_max_sync(0xffffffffu, row_amax);
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (lane == 0) amax[warp] = bits;
+    __syncthreads();
+    const uint32_t row_amax = __reduce_max_sync(0xffffffffu, lane < kRowWarps ? amax[lane] : 0u);
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
-    if (lane == 0) q.outer[row] = s_dec;
+    if (threadIdx.x == 0) q.outer[row] = s_dec;
     num::FosGroup grp{};
     if constexpr (kFos) grp = num::fos_group(s_dec);  // the whole warp: its lookups are shuffles
     const bool generic_row = kFos && !grp.exact;
     unsigned chose_four = 0;
-    for (int k = 0; k < q.runs; ++k) {
+    for (int k = warp; k < q.runs; k += kRowWarps) {
       float v[B];
       read_run<B>(buf + k * kRunValues * B, v);
       bool finite;
@@ -142,68 +154,70 @@ __device__ __forceinline__ void raise_nonfinite(unsigned* flag, unsigned nonfini
   if (__syncthreads_or(nonfinite != 0) && threadIdx.x == 0) atomicOr(flag, 1u);
 }
 
+// One row a CTA: warp 0 takes the sum of squares (rmsnorm_row_rstd: the plain kernel's pass, lane
+// for lane), then every thread computes groups tid, tid + 256, ... of y from the row as that pass
+// left it (x, or the sum it wrote: visible to the CTA after the barrier).
 template <class Q>
-__global__ void __launch_bounds__(32 * kRowsMaxWarps)
+__global__ void __launch_bounds__(kRowThreads)
     rmsnorm_rows_quantized_kernel(const float* x, const float* w, double eps, float* y, float* rstd, int64_t N,
                                   int64_t D, uint16_t* yb, bool vec_b, const float* b, float* sum, RowQuantArgs q) {
   dependent_launch_prologue();
-  extern __shared__ __align__(16) float stages[];
-  const int warps = int(blockDim.x / 32), warp = int(threadIdx.x / 32);
-  float* buf = stages + warp * q.stage_floats;
-  zero_stage_tail<Q::B>(buf, D, q.runs);
+  extern __shared__ __align__(16) float stage[];
+  __shared__ uint32_t amax[kRowWarps];
+  __shared__ float row_rs;
+  zero_stage_tail<Q::B>(stage, D, q.runs);
+  const int64_t groups = D / 4;
   unsigned nonfinite = 0;
-  for (int64_t n = int64_t(blockIdx.x) * warps + warp; n < N; n += int64_t(gridDim.x) * warps) {
-    float* yr = y + n * D;
-    rmsnorm_row(x, w, eps, rstd, n, D, true, b, sum, [&](int64_t g, const float (&out)[4]) {
-      store4(yr, 4 * g, D, true, out);
+  for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+    if (threadIdx.x < 32) {
+      const float rs = rmsnorm_row_rstd(x, eps, rstd, n, D, true, b, sum);
+      if (threadIdx.x == 0) row_rs = rs;
+    }
+    __syncthreads();
+    const float rs = row_rs;
+    const float* xr = b ? sum + n * D : x + n * D;
+    for (int64_t g = threadIdx.x; g < groups; g += kRowThreads) {
+      float xv[4], wv[4], out[4];
+      load4(xr, 4 * g, D, true, xv);
+      load4(w, 4 * g, D, true, wv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) out[c] = rmsnorm_value(xv[c], rs, wv[c]);
+      store4(y + n * D, 4 * g, D, true, out);
       if (yb) store4(yb + n * D, 4 * g, D, vec_b, out);
-      stage_group<Q::B>(buf, g, out);
-    });
-    __syncwarp();
-    Q::quantize(buf, n, D, q, nonfinite);
-    __syncwarp();  // the stage is the next row's
+      stage_group<Q::B>(stage, g, out);
+    }
+    __syncthreads();
+    Q::quantize(stage, n, D, q, amax, nonfinite);
+    __syncthreads();  // the stage, row_rs and amax are the next row's
   }
   raise_nonfinite(q.nonfinite_flag, nonfinite);
 }
 
-// swiglu_forward_kernel's elements, a row per warp: lane l takes the groups l + 32 u, kNormBatch
-// of them a batch with all their loads issued first.
+// swiglu_forward_kernel's elements, a row a CTA, every thread taking groups tid, tid + 256, ...
 template <class Q>
-__global__ void __launch_bounds__(32 * kRowsMaxWarps)
+__global__ void __launch_bounds__(kRowThreads)
     swiglu_rows_quantized_kernel(const float* h13, float* a, int64_t rows, int64_t F, RowQuantArgs q) {
   dependent_launch_prologue();
-  extern __shared__ __align__(16) float stages[];
-  const int warps = int(blockDim.x / 32), warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32);
-  float* buf = stages + warp * q.stage_floats;
-  zero_stage_tail<Q::B>(buf, F, q.runs);
+  extern __shared__ __align__(16) float stage[];
+  __shared__ uint32_t amax[kRowWarps];
+  zero_stage_tail<Q::B>(stage, F, q.runs);
   const int64_t groups = F / 4;
   unsigned nonfinite = 0;
-  for (int64_t r = int64_t(blockIdx.x) * warps + warp; r < rows; r += int64_t(gridDim.x) * warps) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const float* h1 = h13 + r * 2 * F;
     const float* h3 = h1 + F;
-    for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
-      float z[kNormBatch][4], u[kNormBatch][4];
+    for (int64_t g = threadIdx.x; g < groups; g += kRowThreads) {
+      float z[4], u[4], out[4];
+      load4(h1, 4 * g, F, true, z);
+      load4(h3, 4 * g, F, true, u);
 #pragma unroll
-      for (int i = 0; i < kNormBatch; ++i) {
-        const int64_t g = g0 + 32 * i;
-        if (g >= groups) continue;
-        load4(h1, 4 * g, F, true, z[i]);
-        load4(h3, 4 * g, F, true, u[i]);
-      }
-#pragma unroll
-      for (int i = 0; i < kNormBatch; ++i) {
-        const int64_t g = g0 + 32 * i;
-        if (g >= groups) continue;
-        float out[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) out[c] = swiglu_value(z[i][c], u[i][c]);
-        store4(a + r * F, 4 * g, F, true, out);
-        stage_group<Q::B>(buf, g, out);
-      }
+      for (int c = 0; c < 4; ++c) out[c] = swiglu_value(z[c], u[c]);
+      store4(a + r * F, 4 * g, F, true, out);
+      stage_group<Q::B>(stage, g, out);
     }
-    __syncwarp();
-    Q::quantize(buf, r, F, q, nonfinite);
-    __syncwarp();
+    __syncthreads();
+    Q::quantize(stage, r, F, q, amax, nonfinite);
+    __syncthreads();
   }
   raise_nonfinite(q.nonfinite_flag, nonfinite);
 }
@@ -240,13 +254,10 @@ RowQuantArgs row_quant_args(const QuantSpec& spec, int64_t cols, QTensor& q) {
   return a;
 }
 
-// As many rows a CTA as the stages allow, one CTA per group of rows (grid_for caps the grid; the
-// kernels stride over the rest).
+// A CTA a row (grid_for caps the grid; the kernels stride over the rest).
 template <typename Kernel, typename... Args>
 void launch_rows(Kernel kernel, int64_t rows, const RowQuantArgs& q, Args... args) {
-  const int stage_bytes = q.stage_floats * int(sizeof(float));
-  const int warps = std::clamp(kStageBudget / stage_bytes, 1, kRowsMaxWarps);
-  launch_dependent(kernel, grid_for(rows, warps), 32 * warps, size_t(warps) * stage_bytes, args..., q);
+  launch_dependent(kernel, grid_for(rows, 1), kRowThreads, size_t(q.stage_floats) * sizeof(float), args..., q);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// defines: kNormBatch, rmsnorm_row, sigmoid, swiglu_value
+// defines: kNormBatch, rmsnorm_row_rstd, rmsnorm_value, rmsnorm_row, sigmoid, swiglu_value
 // The per-row formulas of rmsnorm_forward and swiglu_forward, shared by their kernels (layers.cu)
 // and the kernels that also quantize the rows they write (fused_rows.cu), so that both give the
 // same bits: arithmetic in double, each output rounded once to float (layers.cu's header).
@@ -17,16 +17,15 @@ namespace {
 // g = lane, lane + 32, ... in that order, then the warp's butterfly: the order fixes the bits. The
 // groups go kNormBatch at a time, all their loads issued before the first use: at decode sizes (a
 // few rows, D = 1024: 8 groups a lane) the row is one batch, so a pass costs one memory latency
-// instead of 8 in a row. Lane 0 stores the row's rstd; emit(g, out) takes group g's four outputs
-// (columns 4g .. 4g + 3, fewer in a last partial group).
+// instead of 8 in a row.
 constexpr int kNormBatch = 8;
 
-template <typename Emit>
-__device__ __forceinline__ void rmsnorm_row(const float* x, const float* w, double eps, float* rstd, int64_t n,
-                                            int64_t D, bool vec, const float* b, float* sum, Emit&& emit) {
+// The first pass: the row's rstd, rounded to float (the stored value, which backward sees, so y
+// is computed from it too), stored by lane 0 and returned to every lane.
+__device__ __forceinline__ float rmsnorm_row_rstd(const float* x, double eps, float* rstd, int64_t n, int64_t D,
+                                                  bool vec, const float* b, float* sum) {
   const int lane = int(threadIdx.x % 32);
   const int64_t groups = (D + 3) / 4;
-  const float* xr = b ? sum + n * D : x + n * D;
   double ss = 0.0;
   for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
     float v[kNormBatch][4];
@@ -50,9 +49,25 @@ __device__ __forceinline__ void rmsnorm_row(const float* x, const float* w, doub
         for (int c = 0; c < 4; ++c) ss += double(v[u][c]) * double(v[u][c]);
   }
   ss = warp_sum(ss);
-  // The stored rstd is what backward sees, so y is computed from the rounded value too.
   const float rs = float(1.0 / sqrt(ss / double(D) + eps));
   if (lane == 0) rstd[n] = rs;
+  return rs;
+}
+
+// y = x * rstd * w of one element, in double, rounded once.
+__device__ __forceinline__ float rmsnorm_value(float x, float rs, float w) {
+  return float(double(x) * double(rs) * double(w));
+}
+
+// The whole row by one warp: the first pass, then emit(g, out) takes group g's four outputs
+// (columns 4g .. 4g + 3, fewer in a last partial group).
+template <typename Emit>
+__device__ __forceinline__ void rmsnorm_row(const float* x, const float* w, double eps, float* rstd, int64_t n,
+                                            int64_t D, bool vec, const float* b, float* sum, Emit&& emit) {
+  const int lane = int(threadIdx.x % 32);
+  const int64_t groups = (D + 3) / 4;
+  const float* xr = b ? sum + n * D : x + n * D;
+  const float rs = rmsnorm_row_rstd(x, eps, rstd, n, D, vec, b, sum);
   for (int64_t g0 = lane; g0 < groups; g0 += 32 * kNormBatch) {
     float xv[kNormBatch][4], wv[kNormBatch][4];
 #pragma unroll
@@ -68,7 +83,7 @@ __device__ __forceinline__ void rmsnorm_row(const float* x, const float* w, doub
       if (g >= groups) continue;
       float out[4];
 #pragma unroll
-      for (int c = 0; c < 4; ++c) out[c] = float(double(xv[u][c]) * double(rs) * double(wv[u][c]));
+      for (int c = 0; c < 4; ++c) out[c] = rmsnorm_value(xv[u][c], rs, wv[u][c]);
       emit(g, out);
     }
   }
