@@ -249,6 +249,14 @@ struct ModelRunner {
                                        site(point + "/fprop/X"), cls, log);
   }
 
+  // prepare_input's fprop operand alone (the same bits), for a forward that keeps nothing for a
+  // backward: no weight-gradient form made for nothing (an MXFP8 input's column pass).
+  LinearInput prepare_fprop_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
+                                  const Tensor* converted = nullptr) {
+    return LinearInput{prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted),
+                       Prepared{}};
+  }
+
   // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments); at_site: where a
   // requantization draws its stream.
   Prepared wgrad_input(const Prepared& fwd, const Prepared& wgrad, const LayerRecipe& r,
@@ -372,7 +380,7 @@ struct ModelRunner {
                   "ffn_forward: a prepared input is taken only by a forward that saves nothing, rounded to nearest");
     LinearInput x;
     if (x_fwd) x.fwd = *x_fwd;
-    else x = prepare_input(xn, r, cls, w.name + ".w13", true);
+    else x = saved ? prepare_input(xn, r, cls, w.name + ".w13", true) : prepare_fprop_input(xn, r, cls, w.name + ".w13");
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1, h3, a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
@@ -444,7 +452,9 @@ struct ModelRunner {
     const LayerRecipe& r = recipe(cls);
     const int64_t N = xn.size(0), hd = c.hd(), Hq = c.n_heads, Hkv = c.n_kv_heads;
     FOURBIT_CHECK(!x_fwd || !s, "attention_forward: a prepared input is taken only by a forward that saves nothing");
-    LinearInput x = x_fwd ? LinearInput{*x_fwd, Prepared{}} : prepare_input(xn, r, cls, name + "wqkv", true);
+    LinearInput x = x_fwd ? LinearInput{*x_fwd, Prepared{}}
+                    : s   ? prepare_input(xn, r, cls, name + "wqkv", true)
+                          : prepare_fprop_input(xn, r, cls, name + "wqkv");
     record_input_amax(name + "x", xn, r);
     // Where attention reads BF16 operands (ops.h "BF16 operands"): rope writes q and k rounded to
     // BF16 as well, v is converted once, and attention reads those copies, which the backward
@@ -506,7 +516,9 @@ struct ModelRunner {
       }
     }
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
-    LinearInput o_in = prepare_input(o2, r, cls, name + "wo", true, o2_bf16.defined() ? &o2_bf16 : nullptr);
+    const Tensor* o2_converted = o2_bf16.defined() ? &o2_bf16 : nullptr;
+    LinearInput o_in = s ? prepare_input(o2, r, cls, name + "wo", true, o2_converted)
+                         : prepare_fprop_input(o2, r, cls, name + "wo", o2_converted);
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     forward_gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);
@@ -1133,8 +1145,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
   norm(w.final_norm, xf, rstd_f, nullptr);
   run.record_input_amax("lm_head.x", xf, rh);
   LinearInput xf_in = s ? run.prepare_input(xf, rh, LayerClass::LmHead, "lm_head", true)
-                        : LinearInput{prepare(xf, rh.fprop.a, GemmRole::Fprop, 'a', run.site("lm_head/fprop/X"),
-                                              LayerClass::LmHead, nullptr), Prepared{}};
+                        : run.prepare_fprop_input(xf, rh, LayerClass::LmHead, "lm_head");
   Tensor logits = Tensor::empty({N, V}, m.dtype(), m.device());
   forward_gemm(xf_in.fwd, run.weight(w.lm_head, "lm_head", GemmRole::Fprop, rh.fprop.b, LayerClass::LmHead), logits);
   if (s) {

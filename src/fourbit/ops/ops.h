@@ -245,9 +245,9 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
 // may be quantized along their rows by the op that writes them, for an output whose next reader
 // is a GEMM taking it as a block-scaled fprop operand: *out = quantize(output, spec, rng), bit for
 // bit (spec's axis Row), with the F32 output written as well. Where the backend has a kernel for
-// the spec (CUDA: MXFP8 E4M3/E5M2 and per-row NVFP4, rounded to nearest, no RHT, rows of a few
-// thousand values) the row is quantized from the registers and shared memory that computed it,
-// one launch instead of two; otherwise the op runs, then quantize.
+// the spec (CUDA: MXFP8 E4M3/E5M2 and per-row NVFP4, rounded to nearest, no RHT, rows of up to
+// 16384 values, a multiple of 4) the row is quantized from the shared memory that computed it, one
+// launch instead of two; otherwise the op runs, then quantize.
 struct RowQuant {
   QuantSpec spec;
   RngKey rng;

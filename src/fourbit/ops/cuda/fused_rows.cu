@@ -17,7 +17,7 @@
 // they replaced (docs/cuda.md, session 45).
 //
 // The stage holds one row (runs of 32 blocks: 2 KB of floats a run for NVFP4, 4 KB for MXFP8),
-// at most kStageBudget, so rows of up to 12288 values. Columns past the row's end are zeros in the
+// at most kStageBudget, so rows of up to 16384 values (the per-token quantizer's kFusedMaxCols). Columns past the row's end are zeros in the
 // stage (as the quantizers load them); a non-finite value raises the quantizers' sticky flag
 // through its address.
 #include <cuda_runtime.h>
@@ -36,7 +36,7 @@ namespace {
 
 constexpr int kRowWarps = 8;                // a CTA (one row at a time)
 constexpr int kRowThreads = 32 * kRowWarps;
-constexpr int kStageBudget = 48 * 1024;     // the row's stage: dynamic shared memory without an opt-in
+constexpr int kStageBudget = 64 * 1024;     // the row's stage (dynamic shared memory)
 constexpr int kRunValues = kFastRunBlocks;  // blocks a run (one per lane); a run holds 32 * block values
 
 // Where a row's quantized form goes: q's storage, row-major.
@@ -254,10 +254,13 @@ RowQuantArgs row_quant_args(const QuantSpec& spec, int64_t cols, QTensor& q) {
   return a;
 }
 
-// A CTA a row (grid_for caps the grid; the kernels stride over the rest).
-template <typename Kernel, typename... Args>
-void launch_rows(Kernel kernel, int64_t rows, const RowQuantArgs& q, Args... args) {
-  launch_dependent(kernel, grid_for(rows, 1), kRowThreads, size_t(q.stage_floats) * sizeof(float), args..., q);
+// A CTA a row (grid_for caps the grid; the kernels stride over the rest), with the row's stage
+// in dynamic shared memory (opted in past 48 KB: the kernels' own few words come on top).
+template <auto kernel, typename... Args>
+void launch_rows(int64_t rows, const RowQuantArgs& q, Args... args) {
+  const size_t smem = size_t(q.stage_floats) * sizeof(float);
+  allow_smem<kernel>(smem);
+  launch_dependent(kernel, grid_for(rows, 1), kRowThreads, smem, args..., q);
 }
 
 }  // namespace
@@ -275,8 +278,8 @@ void launch_rmsnorm_rows_quantized(const float* x, const float* w, double eps, f
                                    const QuantSpec& spec, QTensor& q) {
   const RowQuantArgs args = row_quant_args(spec, D, q);
   with_row_quantizer(spec, [&](auto quantizer) {
-    launch_rows(rmsnorm_rows_quantized_kernel<decltype(quantizer)>, N, args, x, w, eps, y, rstd, N, D, yb, vec_b, b,
-                sum);
+    launch_rows<rmsnorm_rows_quantized_kernel<decltype(quantizer)>>(N, args, x, w, eps, y, rstd, N, D, yb, vec_b, b,
+                                                                     sum);
   });
 }
 
@@ -284,7 +287,7 @@ void launch_swiglu_rows_quantized(const float* h13, float* a, int64_t rows, int6
                                   QTensor& q) {
   const RowQuantArgs args = row_quant_args(spec, F, q);
   with_row_quantizer(spec, [&](auto quantizer) {
-    launch_rows(swiglu_rows_quantized_kernel<decltype(quantizer)>, rows, args, h13, a, rows, F);
+    launch_rows<swiglu_rows_quantized_kernel<decltype(quantizer)>>(rows, args, h13, a, rows, F);
   });
 }
 
