@@ -255,11 +255,17 @@ RowQuantArgs row_quant_args(const QuantSpec& spec, int64_t cols, QTensor& q) {
 }
 
 // A CTA a row (grid_for caps the grid; the kernels stride over the rest), with the row's stage
-// in dynamic shared memory (opted in past 48 KB: the kernels' own few words come on top).
+// in dynamic shared memory, opted in where it and the kernel's own few static words pass 48 KB
+// (without an opt-in the two together must fit: a 48 KB stage alone does not).
 template <auto kernel, typename... Args>
 void launch_rows(int64_t rows, const RowQuantArgs& q, Args... args) {
+  static const size_t static_smem = [] {
+    cudaFuncAttributes a{};
+    FOURBIT_CUDA_CHECK(cudaFuncGetAttributes(&a, kernel));
+    return a.sharedSizeBytes;
+  }();
   const size_t smem = size_t(q.stage_floats) * sizeof(float);
-  allow_smem<kernel>(smem);
+  allow_smem<kernel>(smem + static_smem);
   launch_dependent(kernel, grid_for(rows, 1), kRowThreads, smem, args..., q);
 }
 
