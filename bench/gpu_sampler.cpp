@@ -328,7 +328,8 @@ int main(int argc, char** argv) {
             std::printf("%s, %s cache, forward %s, fused %s, producer quant %s, routing %s, attention %s, graphs %s, "
                         "draws %s, dependent launches %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
-                        producer_quant ? "on" : "off", deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
+                        producer_quant ? "on" : "off",
+                        deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
                         gpu_draws ? "gpu" : "host", pdl ? "on" : "off", experts.c_str(), (long long)B,
                         double(decode_tokens) / decode_s, (long long)s.decode_forwards);
             timed_out = out;
@@ -385,7 +386,8 @@ int main(int argc, char** argv) {
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
           for (const char* k :
-               {"kv_cache", "forward", "fused", "producer_quant", "routing", "attention", "graphs", "draws", "dependent_launches",
+               {"kv_cache", "forward", "fused", "producer_quant", "routing", "attention", "graphs", "draws",
+                "dependent_launches",
                 "experts", "batch"})
             match = match && base[k] == row[k];
           if (!match) continue;

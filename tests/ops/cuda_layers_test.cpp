@@ -738,12 +738,13 @@ TEST(CudaLayers, NormQuantizedOutputIsTheNormThenQuantize) {
                                        : with_columns(w_plain.clone(), 1, D, {{7, NAN}}));
         for (const bool add : {false, true}) {
           Tensor sum_ref = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_ref = sum_ref.clone();
-          Tensor r_ref = Tensor::empty({N}, DType::F32, Device::CUDA), y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+          Tensor r_ref = Tensor::empty({N}, DType::F32, Device::CUDA);
+          Tensor y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
           if (add) ops::add_rmsnorm_forward(a, b, sum_ref, w, 1e-5f, y_ref, r_ref, &y16_ref);
           else ops::rmsnorm_forward(a, w, 1e-5f, y_ref, r_ref, &y16_ref);
           for (const QuantSpec& spec : specs) {
-            const std::string name = cfg("N=%lld D=%lld weights %lld ", N, D, wv) + (add ? "add_rmsnorm " : "rmsnorm ") +
-                                     describe(spec);
+            const std::string name =
+                cfg("N=%lld D=%lld weights %lld ", N, D, wv) + (add ? "add_rmsnorm " : "rmsnorm ") + describe(spec);
             SCOPED_TRACE(name);
 #if FOURBIT_HAS_CUDA
             EXPECT_EQ(ops::cuda::row_quant_fused(spec, D),
@@ -781,9 +782,10 @@ TEST(CudaLayers, SwigluQuantizedOutputIsTheSwigluThenQuantize) {
       if (F > 4096 && N == 77) continue;
       const Tensor h13_plain = random_tensor({N, 2 * F}, DType::F32, 940 + uint64_t(F + N), -6.0, 6.0);
       for (const int hv : {0, 1, 2}) {
-        const Tensor h13 = gpu(hv == 0   ? h13_plain
-                               : hv == 1 ? with_columns(h13_plain.clone(), N, 2 * F, {{5, 4e30f}, {F + 5, 1e3f}, {33, 1e-35f}})
-                                         : with_columns(h13_plain.clone(), N, 2 * F, {{F + 9, NAN}}));
+        const Tensor h13 =
+            gpu(hv == 0   ? h13_plain
+                : hv == 1 ? with_columns(h13_plain.clone(), N, 2 * F, {{5, 4e30f}, {F + 5, 1e3f}, {33, 1e-35f}})
+                          : with_columns(h13_plain.clone(), N, 2 * F, {{F + 9, NAN}}));
         Tensor a_ref = Tensor::empty({N, F}, DType::F32, Device::CUDA);
         ops::swiglu_forward_fused(h13, a_ref);
         for (const QuantSpec& spec : specs) {

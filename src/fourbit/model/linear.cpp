@@ -1,4 +1,5 @@
-// defines: Prepared, SrStreams, QuantLog, prepare, producer_quant, producer_quantized, reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
+// defines: Prepared, SrStreams, QuantLog, prepare, producer_quant, producer_quantized,
+//          reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
 //          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col,

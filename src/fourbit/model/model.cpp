@@ -253,8 +253,8 @@ struct ModelRunner {
   // backward: no weight-gradient form made for nothing (an MXFP8 input's column pass).
   LinearInput prepare_fprop_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
                                   const Tensor* converted = nullptr) {
-    return LinearInput{prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted),
-                       Prepared{}};
+    return LinearInput{
+        prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted), Prepared{}};
   }
 
   // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments); at_site: where a
@@ -380,7 +380,8 @@ struct ModelRunner {
                   "ffn_forward: a prepared input is taken only by a forward that saves nothing, rounded to nearest");
     LinearInput x;
     if (x_fwd) x.fwd = *x_fwd;
-    else x = saved ? prepare_input(xn, r, cls, w.name + ".w13", true) : prepare_fprop_input(xn, r, cls, w.name + ".w13");
+    else if (saved) x = prepare_input(xn, r, cls, w.name + ".w13", true);
+    else x = prepare_fprop_input(xn, r, cls, w.name + ".w13");
     record_input_amax(w.name + ".x", xn, r);
     Tensor h1, h3, a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
@@ -1097,12 +1098,11 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
     const Tensor x_in = x;
     pending = run.attention_forward(xn, lw, name + "attn.", sl, positions, B, T, kv, xq_req ? &x_fwd : nullptr);
     // FFN block
-    Tensor xn2 = run.act_bf16_if(!cfg.is_moe_layer(l) && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)),
-                                 {N, D});
+    const bool moe = cfg.is_moe_layer(l);
+    Tensor xn2 = run.act_bf16_if(!moe && ModelRunner::bf16_input(run.recipe(LayerClass::Dense)), {N, D});
     Tensor rstd2 = run.act({N});
     Tensor xn2_16;
-    if (cfg.is_moe_layer(l) && run.moe_reads_bf16_x()) xn2_16 = Tensor::empty({N, D}, DType::BF16, m.device());
-    const bool moe = cfg.is_moe_layer(l);
+    if (moe && run.moe_reads_bf16_x()) xn2_16 = Tensor::empty({N, D}, DType::BF16, m.device());
     const LayerClass ffn_cls = moe ? LayerClass::Expert : LayerClass::Dense;
     const std::string ffn_point = name + (moe ? "moe.w13" : "mlp.w13");
     QTensor xq2;
@@ -1124,7 +1124,7 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
       sl->rstd1 = rstd1;
       sl->x_mid = x_mid;
       sl->rstd2 = rstd2;
-      sl->moe = cfg.is_moe_layer(l);
+      sl->moe = moe;
     }
   }
   if (logit_rows.defined()) {  // every op after the layer stack is per token: a subset of rows

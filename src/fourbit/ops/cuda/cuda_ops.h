@@ -12,9 +12,8 @@
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
-//          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step, flash_attention_backward,
-//          materialized_attention_forward,
-//          materialized_attention_backward
+//          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step,
+//          flash_attention_backward, materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
 // (losses, counts) synchronise.
