@@ -693,6 +693,18 @@ std::vector<QuantSpec> row_quant_specs() {
   return out;
 }
 
+// (rows, cols) of the quantized-output tests: widths the fused kernels take (96, 1000, 1024, 4096,
+// 12288: one to 24 warp runs, more runs than warps, partial blocks and runs, a stage past 48 KB of
+// shared memory) and widths they do not (13, 16388: the op, then quantize), 1, 5 and 77 rows
+// (the widest rows not 77 of them).
+std::vector<std::pair<int64_t, int64_t>> row_quant_shapes() {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const int64_t cols : {96, 1000, 1024, 4096, 12288, 13, 16388})
+    for (const int64_t rows : {1, 5, 77})
+      if (cols <= 4096 || rows < 77) out.emplace_back(rows, cols);
+  return out;
+}
+
 // The quantized output equals quantize of the op's F32 output on the CPU (the reference numerics),
 // codes, block scales and outer scales byte for byte.
 void expect_quantized_rows(const std::string& what, const QTensor& got, const Tensor& y, const ops::RowQuant& rq) {
@@ -718,52 +730,46 @@ Tensor with_columns(Tensor t, int64_t rows, int64_t cols, const std::vector<std:
 
 // rmsnorm_forward and add_rmsnorm_forward with y quantized: y, rstd, the sum and y's BF16 copy are
 // the plain op's bits, and the quantized y is quantize(y)'s, for every spec on rows the fused kernel
-// takes (D = 96, 1000, 1024, 4096, 12288: one to 24 warp runs, more runs than warps, partial blocks
-// and runs, a stage past 48 KB of shared memory) and rows it does not (D = 13, 16388: the op, then
-// quantize), for 1, 5 and 77 rows. The weights' variants put
-// huge, tiny and NaN values in rows, and a NaN raises the non-finite flag.
+// takes and rows it does not (row_quant_shapes). The weights' variants put huge, tiny and NaN
+// values in rows, and a NaN raises the non-finite flag.
 TEST(CudaLayers, NormQuantizedOutputIsTheNormThenQuantize) {
   SKIP_WITHOUT_GPU();
   const std::vector<QuantSpec> specs = row_quant_specs();
-  for (const int64_t D : {int64_t(96), int64_t(1000), int64_t(1024), int64_t(4096), int64_t(12288), int64_t(13),
-                          int64_t(16388)}) {
-    for (const int64_t N : {int64_t(1), int64_t(5), int64_t(77)}) {
-      if (D > 4096 && N == 77) continue;
-      const Tensor a = gpu(random_tensor({N, D}, DType::F32, 930 + uint64_t(D + N), -2.0, 2.0));
-      const Tensor b = gpu(random_tensor({N, D}, DType::F32, 931, -2.0, 2.0));
-      const Tensor w_plain = random_tensor({D}, DType::F32, 932, 0.5, 1.5);
-      for (const int wv : {0, 1, 2}) {  // plain weights, huge and tiny columns, a NaN column
-        const Tensor w = gpu(wv == 0   ? w_plain
-                             : wv == 1 ? with_columns(w_plain.clone(), 1, D, {{3, 3e30f}, {40, 1e-32f}})
-                                       : with_columns(w_plain.clone(), 1, D, {{7, NAN}}));
-        for (const bool add : {false, true}) {
-          Tensor sum_ref = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_ref = sum_ref.clone();
-          Tensor r_ref = Tensor::empty({N}, DType::F32, Device::CUDA);
-          Tensor y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
-          if (add) ops::add_rmsnorm_forward(a, b, sum_ref, w, 1e-5f, y_ref, r_ref, &y16_ref);
-          else ops::rmsnorm_forward(a, w, 1e-5f, y_ref, r_ref, &y16_ref);
-          for (const QuantSpec& spec : specs) {
-            const std::string name =
-                cfg("N=%lld D=%lld weights %lld ", N, D, wv) + (add ? "add_rmsnorm " : "rmsnorm ") + describe(spec);
-            SCOPED_TRACE(name);
+  for (const auto& [N, D] : row_quant_shapes()) {
+    const Tensor a = gpu(random_tensor({N, D}, DType::F32, 930 + uint64_t(D + N), -2.0, 2.0));
+    const Tensor b = gpu(random_tensor({N, D}, DType::F32, 931, -2.0, 2.0));
+    const Tensor w_plain = random_tensor({D}, DType::F32, 932, 0.5, 1.5);
+    for (const int wv : {0, 1, 2}) {  // plain weights, huge and tiny columns, a NaN column
+      const Tensor w = gpu(wv == 0   ? w_plain
+                           : wv == 1 ? with_columns(w_plain.clone(), 1, D, {{3, 3e30f}, {40, 1e-32f}})
+                                     : with_columns(w_plain.clone(), 1, D, {{7, NAN}}));
+      for (const bool add : {false, true}) {
+        Tensor sum_ref = Tensor::empty({N, D}, DType::F32, Device::CUDA), y_ref = sum_ref.clone();
+        Tensor r_ref = Tensor::empty({N}, DType::F32, Device::CUDA);
+        Tensor y16_ref = Tensor::empty({N, D}, DType::BF16, Device::CUDA);
+        if (add) ops::add_rmsnorm_forward(a, b, sum_ref, w, 1e-5f, y_ref, r_ref, &y16_ref);
+        else ops::rmsnorm_forward(a, w, 1e-5f, y_ref, r_ref, &y16_ref);
+        for (const QuantSpec& spec : specs) {
+          const std::string name =
+              cfg("N=%lld D=%lld weights %lld ", N, D, wv) + (add ? "add_rmsnorm " : "rmsnorm ") + describe(spec);
+          SCOPED_TRACE(name);
 #if FOURBIT_HAS_CUDA
-            EXPECT_EQ(ops::cuda::row_quant_fused(spec, D),
-                      spec.rounding == num::Rounding::RNE && D % 4 == 0 && D <= 16384);
+          EXPECT_EQ(ops::cuda::row_quant_fused(spec, D),
+                    spec.rounding == num::Rounding::RNE && D % 4 == 0 && D <= 16384);
 #endif
-            Tensor sum = Tensor::empty({N, D}, DType::F32, Device::CUDA), y = sum.clone(), r = r_ref.clone();
-            Tensor y16 = y16_ref.clone();
-            QTensor q;
-            const ops::RowQuant rq{spec, ops::RngKey{11, 7}, &q};
-            ops::nonfinite_seen(true);
-            if (add) ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y, r, &y16, &rq);
-            else ops::rmsnorm_forward(a, w, 1e-5f, y, r, &y16, &rq);
-            EXPECT_EQ(ops::nonfinite_seen(true), wv == 2);
-            expect_bits(name + " y", y, y_ref);
-            expect_bits(name + " rstd", r, r_ref);
-            expect_bits(name + " y copy", y16, y16_ref);
-            if (add) expect_bits(name + " sum", sum, sum_ref);
-            expect_quantized_rows(name, q, y_ref, rq);
-          }
+          Tensor sum = Tensor::empty({N, D}, DType::F32, Device::CUDA), y = sum.clone(), r = r_ref.clone();
+          Tensor y16 = y16_ref.clone();
+          QTensor q;
+          const ops::RowQuant rq{spec, ops::RngKey{11, 7}, &q};
+          ops::nonfinite_seen(true);
+          if (add) ops::add_rmsnorm_forward(a, b, sum, w, 1e-5f, y, r, &y16, &rq);
+          else ops::rmsnorm_forward(a, w, 1e-5f, y, r, &y16, &rq);
+          EXPECT_EQ(ops::nonfinite_seen(true), wv == 2);
+          expect_bits(name + " y", y, y_ref);
+          expect_bits(name + " rstd", r, r_ref);
+          expect_bits(name + " y copy", y16, y16_ref);
+          if (add) expect_bits(name + " sum", sum, sum_ref);
+          expect_quantized_rows(name, q, y_ref, rq);
         }
       }
     }
@@ -771,35 +777,30 @@ TEST(CudaLayers, NormQuantizedOutputIsTheNormThenQuantize) {
 }
 
 // swiglu_forward_fused with a quantized: a is the plain op's bits and the quantized a is
-// quantize(a)'s, on the widths above (F = 13 and 16388: the op, then quantize) and gate values
-// that are huge, tiny or NaN in some columns.
+// quantize(a)'s, on row_quant_shapes and gate values that are huge, tiny or NaN in some columns.
 TEST(CudaLayers, SwigluQuantizedOutputIsTheSwigluThenQuantize) {
   SKIP_WITHOUT_GPU();
   const std::vector<QuantSpec> specs = row_quant_specs();
-  for (const int64_t F : {int64_t(96), int64_t(1000), int64_t(1024), int64_t(4096), int64_t(12288), int64_t(13),
-                          int64_t(16388)}) {
-    for (const int64_t N : {int64_t(1), int64_t(5), int64_t(77)}) {
-      if (F > 4096 && N == 77) continue;
-      const Tensor h13_plain = random_tensor({N, 2 * F}, DType::F32, 940 + uint64_t(F + N), -6.0, 6.0);
-      for (const int hv : {0, 1, 2}) {
-        const Tensor h13 =
-            gpu(hv == 0   ? h13_plain
-                : hv == 1 ? with_columns(h13_plain.clone(), N, 2 * F, {{5, 4e30f}, {F + 5, 1e3f}, {33, 1e-35f}})
-                          : with_columns(h13_plain.clone(), N, 2 * F, {{F + 9, NAN}}));
-        Tensor a_ref = Tensor::empty({N, F}, DType::F32, Device::CUDA);
-        ops::swiglu_forward_fused(h13, a_ref);
-        for (const QuantSpec& spec : specs) {
-          const std::string name = cfg("N=%lld F=%lld gate %lld ", N, F, hv) + describe(spec);
-          SCOPED_TRACE(name);
-          Tensor a = Tensor::empty({N, F}, DType::F32, Device::CUDA);
-          QTensor q;
-          const ops::RowQuant rq{spec, ops::RngKey{12, 9}, &q};
-          ops::nonfinite_seen(true);
-          ops::swiglu_forward_fused(h13, a, &rq);
-          EXPECT_EQ(ops::nonfinite_seen(true), hv == 2);
-          expect_bits(name + " a", a, a_ref);
-          expect_quantized_rows(name, q, a_ref, rq);
-        }
+  for (const auto& [N, F] : row_quant_shapes()) {
+    const Tensor h13_plain = random_tensor({N, 2 * F}, DType::F32, 940 + uint64_t(F + N), -6.0, 6.0);
+    for (const int hv : {0, 1, 2}) {
+      const Tensor h13 =
+          gpu(hv == 0   ? h13_plain
+              : hv == 1 ? with_columns(h13_plain.clone(), N, 2 * F, {{5, 4e30f}, {F + 5, 1e3f}, {33, 1e-35f}})
+                        : with_columns(h13_plain.clone(), N, 2 * F, {{F + 9, NAN}}));
+      Tensor a_ref = Tensor::empty({N, F}, DType::F32, Device::CUDA);
+      ops::swiglu_forward_fused(h13, a_ref);
+      for (const QuantSpec& spec : specs) {
+        const std::string name = cfg("N=%lld F=%lld gate %lld ", N, F, hv) + describe(spec);
+        SCOPED_TRACE(name);
+        Tensor a = Tensor::empty({N, F}, DType::F32, Device::CUDA);
+        QTensor q;
+        const ops::RowQuant rq{spec, ops::RngKey{12, 9}, &q};
+        ops::nonfinite_seen(true);
+        ops::swiglu_forward_fused(h13, a, &rq);
+        EXPECT_EQ(ops::nonfinite_seen(true), hv == 2);
+        expect_bits(name + " a", a, a_ref);
+        expect_quantized_rows(name, q, a_ref, rq);
       }
     }
   }
