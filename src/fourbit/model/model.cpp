@@ -610,12 +610,13 @@ struct ModelRunner {
     // the backward need, so the GPU does not idle through that wait. Elsewhere the host waits here.
     const bool device_routed = deferred || (offsets_on_gpu && bf16_x && r.fprop.b.fmt == Format::BF16 &&
                                             !r.fprop.b.quantized() && wgrad_from_fwd);
-    // Where the experts' X and X^T pair (MXFP8 both, X rounded to nearest: a token's blocks are
-    // then the same wherever it is quantized), both come from the dispatched rows in one pass,
-    // X with its BF16 decode for the w1 and w3 GEMMs; otherwise (and where no weight gradient
-    // follows) each token is quantized once here and its packed row dispatched.
+    // Where a weight gradient follows (s) and the experts' X and X^T pair (MXFP8 both, X rounded
+    // to nearest: a token's blocks are then the same wherever it is quantized), both come from the
+    // dispatched rows in one pass, X with its BF16 decode for the w1 and w3 GEMMs; otherwise each
+    // token is quantized once here (or by the norm: x_fwd) and its packed row dispatched, and a
+    // forward that keeps nothing makes no X^T.
     FOURBIT_CHECK(!x_fwd || !s, "moe_forward: prepared tokens are taken only by a forward that saves nothing");
-    const bool pair_x = !deferred && !x_fwd && x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
+    const bool pair_x = s && x_pairs(r) && r.fprop.a.rounding == num::Rounding::RNE;
     Prepared px;
     if (x_fwd) px = *x_fwd;
     else if (r.fprop.a.quantized() && !pair_x)
@@ -650,13 +651,13 @@ struct ModelRunner {
       xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
       ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
       x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
-    } else if (!r.fprop.a.quantized() || (!wgrad_from_fwd && !deferred)) {
+    } else if (!r.fprop.a.quantized() || (s && !wgrad_from_fwd)) {
       xn_perm = act({N * K, D});
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       if (!r.fprop.a.quantized())
         x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     }
-    if (!wgrad_from_fwd && !pair_x && !deferred)
+    if (s && !wgrad_from_fwd && !pair_x)
       x_perm_wgrad = prepare_segments(xn_perm, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                       expert_sites(name + "moe.w13/wgrad/X^T"), cls, log);
 
