@@ -18,8 +18,8 @@
 //
 // The stage holds one row (runs of 32 blocks: 2 KB of floats a run for NVFP4, 4 KB for MXFP8),
 // at most kStageBudget, so rows of up to 16384 values (the per-token quantizer's kFusedMaxCols).
-// Columns past the row's end are zeros in the stage (as the quantizers load them); a non-finite value raises the quantizers' sticky flag
-// through its address.
+// Columns past the row's end are zeros in the stage (as the quantizers load them); a non-finite
+// value raises the quantizers' sticky flag through its address.
 #include <cuda_runtime.h>
 
 #include <algorithm>
