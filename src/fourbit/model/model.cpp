@@ -253,8 +253,8 @@ struct ModelRunner {
   // backward: no weight-gradient form made for nothing (an MXFP8 input's column pass).
   LinearInput prepare_fprop_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
                                   const Tensor* converted = nullptr) {
-    return LinearInput{
-        prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted), Prepared{}};
+    Prepared fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted);
+    return LinearInput{std::move(fwd), Prepared{}};
   }
 
   // X^T for wgrad from a saved input (fwd / wgrad forms, possibly row segments); at_site: where a
