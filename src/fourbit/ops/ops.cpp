@@ -478,7 +478,10 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
   expect_bf16_copy("rmsnorm_forward", "y_bf16", y_bf16, y);
   expect_row_quant("rmsnorm_forward", "y", yq, y);
 #if FOURBIT_HAS_CUDA
-  if (yq && x.device() == Device::CUDA && cuda::rmsnorm_forward_quantized(x, w, eps, y, rstd, y_bf16, *yq)) return;
+  if (yq && x.device() == Device::CUDA) {
+    const HostOpTimer host_timer("rmsnorm_forward_quantized");
+    if (cuda::rmsnorm_forward_quantized(x, w, eps, y, rstd, y_bf16, *yq)) return;
+  }
 #endif
   [&] { FOURBIT_DISPATCH(x.device(), rmsnorm_forward, x, w, eps, y, rstd, y_bf16); }();
   if (yq) *yq->out = quantize(y, yq->spec, yq->rng);
@@ -488,9 +491,10 @@ void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Te
   expect_bf16_copy("add_rmsnorm_forward", "y_bf16", y_bf16, y);
   expect_row_quant("add_rmsnorm_forward", "y", yq, y);
 #if FOURBIT_HAS_CUDA
-  if (yq && a.device() == Device::CUDA &&
-      cuda::add_rmsnorm_forward_quantized(a, b, sum, w, eps, y, rstd, y_bf16, *yq))
-    return;
+  if (yq && a.device() == Device::CUDA) {
+    const HostOpTimer host_timer("add_rmsnorm_forward_quantized");
+    if (cuda::add_rmsnorm_forward_quantized(a, b, sum, w, eps, y, rstd, y_bf16, *yq)) return;
+  }
 #endif
   [&] { FOURBIT_DISPATCH(a.device(), add_rmsnorm_forward, a, b, sum, w, eps, y, rstd, y_bf16); }();
   if (yq) *yq->out = quantize(y, yq->spec, yq->rng);
@@ -659,7 +663,10 @@ void swiglu_forward_fused(const Tensor& h13, Tensor& a, const RowQuant* aq) {
     fail("swiglu_forward_fused: h13 must be [..., 2F] (gate then up), an even last dimension, got {}", h13.str());
   expect_row_quant("swiglu_forward_fused", "a", aq, a);
 #if FOURBIT_HAS_CUDA
-  if (aq && h13.device() == Device::CUDA && cuda::swiglu_forward_fused_quantized(h13, a, *aq)) return;
+  if (aq && h13.device() == Device::CUDA) {
+    const HostOpTimer host_timer("swiglu_forward_fused_quantized");
+    if (cuda::swiglu_forward_fused_quantized(h13, a, *aq)) return;
+  }
 #endif
   [&] { FOURBIT_DISPATCH(h13.device(), swiglu_forward_fused, h13, a); }();
   if (aq) *aq->out = quantize(a, aq->spec, aq->rng);
