@@ -56,10 +56,9 @@ struct RowQuantArgs {
 // l + 32 j with l = g % 32 lands where stage_run puts lane l's chunk j (whichever thread made it).
 template <int B>
 __device__ __forceinline__ void stage_group(float* buf, int64_t g, const float (&v)[4]) {
-  constexpr int kChunks = B / 4, kRunGroups = kRunValues * B / 4;
-  const int k = int(g / kRunGroups), r = int(g % kRunGroups), l = r % 32, j = r / 32;
-  const int b = l / kChunks + j * (32 / kChunks), c = l % kChunks;
-  *reinterpret_cast<float4*>(buf + k * kRunValues * B + B * b + 4 * (c ^ stage_swizzle<B>(b))) =
+  constexpr int kRunGroups = kRunValues * B / 4;
+  const int k = int(g / kRunGroups), r = int(g % kRunGroups);
+  *reinterpret_cast<float4*>(buf + k * kRunValues * B + stage_offset<B>(r % 32, r / 32)) =
       make_float4(v[0], v[1], v[2], v[3]);
 }
 

@@ -1,4 +1,4 @@
-// defines: kWarps, kFastRunBlocks, kNvfp4FastMaxWarps, FastRowParams, stage_swizzle, load_run,
+// defines: kWarps, kFastRunBlocks, kNvfp4FastMaxWarps, FastRowParams, stage_swizzle, stage_offset, load_run,
 //          shared_address, read_run_address, read_run_at, read_run, stage_run,
 //          finite_amax_counting, mxfp8_generic_block, store_mx_codes, mxfp8_sr_word,
 //          mxfp8_sr_block, opaque_ptr,
@@ -60,6 +60,15 @@ __device__ __forceinline__ int stage_swizzle(int b) {
   return B == 16 ? (b >> 1) & 3 : b & 7;
 }
 
+// Where float4 l + 32 j of a run (columns 4 (l + 32 j) .. + 3, as lane l loads it) lives in the
+// run's shared buffer: chunk l % (B / 4) of block l / (B / 4) + j * (32 / (B / 4)), in floats.
+template <int B>
+__device__ __forceinline__ int stage_offset(int l, int j) {
+  constexpr int kChunks = B / 4;
+  const int b = l / kChunks + j * (32 / kChunks), c = l % kChunks;
+  return B * b + 4 * (c ^ stage_swizzle<B>(b));
+}
+
 // Loads the run starting at column col0 of `row`: float4 j of lane l is float4 l + 32 j of the run.
 template <int B>
 __device__ __forceinline__ void load_run(const float* row, int64_t cols, int64_t col0, bool live,
@@ -114,13 +123,9 @@ __device__ __forceinline__ void read_run(const float* buf, float (&v)[B]) {
 // Passes a loaded run through the warp's shared buffer: v = the B values of block `lane`.
 template <int B>
 __device__ __forceinline__ void stage_run(float* buf, const float4 (&raw)[B / 4], float (&v)[B]) {
-  constexpr int kChunks = B / 4;
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const int b = lane / kChunks + j * (32 / kChunks), c = lane % kChunks;
-    *reinterpret_cast<float4*>(buf + B * b + 4 * (c ^ stage_swizzle<B>(b))) = raw[j];
-  }
+  for (int j = 0; j < B / 4; ++j) *reinterpret_cast<float4*>(buf + stage_offset<B>(lane, j)) = raw[j];
   __syncwarp();
   read_run<B>(buf, v);
   __syncwarp();  // the buffer is reused by the next run
@@ -229,16 +234,13 @@ __device__ __forceinline__ const float* opaque_ptr(const float* q) {
 }
 template <int B>
 __device__ __forceinline__ void prefetch_run(float* buf, const float* row, int cols, int col0, bool live) {
-  constexpr int kChunks = B / 4;
   const int lane = threadIdx.x & 31;
   row = opaque_ptr(row);
 #pragma unroll
-  for (int j = 0; j < kChunks; ++j) {
-    const int b = lane / kChunks + j * (32 / kChunks), c = lane % kChunks;
+  for (int j = 0; j < B / 4; ++j) {
     const int col = col0 + 4 * (lane + 32 * j);
     const bool in = live && col < cols;
-    cp_async16(buf + B * b + 4 * (c ^ stage_swizzle<B>(b)), row + uint32_t(col < cols ? col : 0),
-               in ? 16 : 0);
+    cp_async16(buf + stage_offset<B>(lane, j), row + uint32_t(col < cols ? col : 0), in ? 16 : 0);
   }
 }
 
