@@ -1166,28 +1166,53 @@ TEST(CudaLayers, MoeCombineBackwardZeroesOnlyUnclaimedSlots) {
 
 TEST(CudaLayers, QTensorGatherMatchesCpuBytes) {
   SKIP_WITHOUT_GPU();
-  const int64_t N = 77, C = 96, E = 8, k = 2;
-  const Tensor x = random_tensor({N, C}, DType::F32, 900, -3.0, 3.0);
+  // One launch copies a row's codes, block scales and per-row outer scale, each part in its own
+  // copy unit: 96 columns make 48-byte NVFP4 code rows (16-byte units) and 6-byte scale rows
+  // (bytes), 1024 columns 16-byte units throughout.
+  const int64_t N = 77, E = 8, k = 2;
   const Tensor idx = random_routing(N, E, k, 901);
   const ops::RoutePlan plan = ops::route_plan(idx, E);
   const ops::RoutePlan plan_g = ops::route_plan(gpu(idx), E);
-  for (const OuterScale outer : {OuterScale::PerRow, OuterScale::Tensor}) {
-    QuantSpec spec;
-    spec.fmt = Format::NVFP4;
-    spec.outer = outer;
-    const QTensor q = ops::quantize(x, spec);  // on the CPU; the GPU gets a copy of the bytes
-    const QTensor g_c = ops::gather_rows(q, plan.token_of_slot);
-    const QTensor g_g = ops::gather_rows(q.to(Device::CUDA), plan_g.token_of_slot);
-    const std::string name = outer == OuterScale::PerRow ? "per-row outer" : "tensor outer";
-    EXPECT_EQ(g_g.rows, g_c.rows);
-    EXPECT_EQ(g_g.cols, g_c.cols);
-    EXPECT_EQ(g_g.outer, g_c.outer);
-    EXPECT_EQ(g_g.device(), Device::CUDA);
-    expect_bits("gather_rows QTensor codes, " + name, g_g.codes, g_c.codes);
-    expect_bits("gather_rows QTensor block scales, " + name, g_g.block_scales, g_c.block_scales);
-    ASSERT_TRUE(g_g.outer_scales.defined());
-    expect_bits("gather_rows QTensor outer scales, " + name, g_g.outer_scales, g_c.outer_scales);
+  for (const int64_t C : {int64_t(96), int64_t(1024)})
+    for (const Format fmt : {Format::NVFP4, Format::MXFP8_E4M3})
+      for (const OuterScale outer : {OuterScale::PerRow, OuterScale::Tensor}) {
+        if (fmt != Format::NVFP4 && outer != OuterScale::Tensor) continue;
+        const Tensor x = random_tensor({N, C}, DType::F32, 900 + C, -3.0, 3.0);
+        QuantSpec spec;
+        spec.fmt = fmt;
+        if (fmt == Format::NVFP4) spec.outer = outer;
+        const QTensor q = ops::quantize(x, spec);  // on the CPU; the GPU gets a copy of the bytes
+        const QTensor g_c = ops::gather_rows(q, plan.token_of_slot);
+        const QTensor g_g = ops::gather_rows(q.to(Device::CUDA), plan_g.token_of_slot);
+        const std::string name = std::string(format_name(fmt)) + ", " + std::to_string(C) + " columns, " +
+                                 (outer == OuterScale::PerRow ? "per-row outer" : "tensor outer");
+        EXPECT_EQ(g_g.rows, g_c.rows);
+        EXPECT_EQ(g_g.cols, g_c.cols);
+        EXPECT_EQ(g_g.outer, g_c.outer);
+        EXPECT_EQ(g_g.device(), Device::CUDA);
+        expect_bits("gather_rows QTensor codes, " + name, g_g.codes, g_c.codes);
+        expect_bits("gather_rows QTensor block scales, " + name, g_g.block_scales, g_c.block_scales);
+        EXPECT_EQ(g_g.outer_scales.defined(), g_c.outer_scales.defined()) << name;
+        if (g_c.outer_scales.defined())
+          expect_bits("gather_rows QTensor outer scales, " + name, g_g.outer_scales, g_c.outer_scales);
+      }
+  // A slot naming a token out of range: recorded, and every part of its row is zeros.
+  QuantSpec spec;
+  spec.fmt = Format::NVFP4;
+  spec.outer = OuterScale::PerRow;
+  const QTensor q = ops::quantize(random_tensor({4, 96}, DType::F32, 902, -3.0, 3.0), spec).to(Device::CUDA);
+  const QTensor g = ops::gather_rows(q, gpu(int_tensor({2, 4}, {2})));
+  expect_error([&] { ops::route_plan(gpu(int_tensor({0, 1}, {1, 2})), 2); },
+               "gather_rows: token_of_slot[1] = 4 is outside [0, N=4)");
+  const QTensor h = g.to(Device::CPU), want = ops::quantize(random_tensor({4, 96}, DType::F32, 902, -3.0, 3.0), spec);
+  for (int64_t b = 0; b < h.code_row_bytes(); ++b) {
+    EXPECT_EQ(h.codes.data<uint8_t>()[b], want.codes.data<uint8_t>()[2 * want.code_row_bytes() + b]);
+    EXPECT_EQ(h.codes.data<uint8_t>()[h.code_row_bytes() + b], 0u) << "byte " << b;
   }
+  for (int64_t b = 0; b < h.blocks_per_row(); ++b)
+    EXPECT_EQ(h.block_scales.data<uint8_t>()[h.blocks_per_row() + b], 0u) << "scale " << b;
+  EXPECT_EQ(h.outer_scales.data<float>()[0], want.outer_scales.data<float>()[2]);
+  EXPECT_EQ(h.outer_scales.data<float>()[1], 0.0f);
 }
 
 TEST(CudaLayers, DeferredIndexErrorsAreReportedAtTheNextCheck) {

@@ -309,42 +309,72 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // ---- permutation ------------------------------------------------------------------------------
 
-// Row copies of any dtype as units U (16, 4 or 1 bytes), one warp per output row.
+// A row gather copies up to three parts of each row (a QTensor's codes, block scales and per-row
+// outer scale; a dense tensor is one part), each with its own row length and copy unit, so a
+// quantized dispatch is one launch rather than one a part (a decode step made 31 gathers of them).
+struct RowPart {
+  const unsigned char* src = nullptr;
+  unsigned char* dst = nullptr;
+  int64_t row_bytes = 0;
+  int unit = 1;  // 16, 4 or 1 bytes: the widest that row_bytes and both pointers' alignment allow
+};
+struct RowParts {
+  static constexpr int kMax = 3;
+  RowPart part[kMax];
+  int count = 0;
+  void add(const void* src, void* dst, int64_t row_bytes) {
+    const auto aligned = [&](uintptr_t a) {
+      return row_bytes % a == 0 && reinterpret_cast<uintptr_t>(src) % a == 0 && reinterpret_cast<uintptr_t>(dst) % a == 0;
+    };
+    if (row_bytes > 0)
+      part[count++] = {static_cast<const unsigned char*>(src), static_cast<unsigned char*>(dst), row_bytes,
+                       aligned(16) ? 16 : aligned(4) ? 4 : 1};
+  }
+};
+
 template <typename U>
+__device__ __forceinline__ void copy_row_units(const unsigned char* src, unsigned char* dst, int64_t units, int lane) {
+  for (int64_t u = lane; u < units; u += 32)
+    reinterpret_cast<U*>(dst)[u] = src ? reinterpret_cast<const U*>(src)[u] : U{};
+}
+// Row n of the part to row s (a null source: zeros), by the warp.
+__device__ __forceinline__ void copy_part_row(const RowPart& q, const unsigned char* src, int64_t s, int lane) {
+  unsigned char* dst = q.dst + s * q.row_bytes;
+  if (q.unit == 16) copy_row_units<uint4>(src, dst, q.row_bytes / 16, lane);
+  else if (q.unit == 4) copy_row_units<uint32_t>(src, dst, q.row_bytes / 4, lane);
+  else copy_row_units<uint8_t>(src, dst, q.row_bytes, lane);
+}
+
+// out[s] = x[token_of_slot[s]] for every part, one warp per output row.
 __global__ void __launch_bounds__(kRowThreads)
-    gather_rows_kernel(const U* x, const int32_t* token_of_slot, U* out, int64_t M, int64_t N,
-                       int64_t row_units, IndexError* err) {
+    gather_rows_kernel(const __grid_constant__ RowParts parts, const int32_t* token_of_slot, int64_t M, int64_t N,
+                       IndexError* err) {
   dependent_launch_prologue();
   const int lane = lane_id();
   for (int64_t s = first_row_of_warp(); s < M; s += warp_row_stride()) {
     const int32_t n = token_of_slot[s];
-    U* o = out + s * row_units;
-    if (n < 0 || n >= N) {  // recorded; the row is zeroed, never read out of bounds
-      if (lane == 0) record_index_error(err, IndexSite::GatherRowsTokenOfSlot, s, n, N, 1);
-      for (int64_t u = lane; u < row_units; u += 32) o[u] = U{};
-      continue;
+    const bool ok = n >= 0 && n < N;
+    if (!ok && lane == 0)  // recorded; the row is zeroed, never read out of bounds
+      record_index_error(err, IndexSite::GatherRowsTokenOfSlot, s, n, N, 1);
+    for (int i = 0; i < parts.count; ++i) {
+      const RowPart& q = parts.part[i];
+      copy_part_row(q, ok ? q.src + int64_t(n) * q.row_bytes : nullptr, s, lane);
     }
-    const U* src = x + int64_t(n) * row_units;
-    for (int64_t u = lane; u < row_units; u += 32) o[u] = src[u];
   }
+}
+
+void gather_row_parts(const RowParts& parts, int64_t N, const int32_t* token_of_slot, int64_t M) {
+  if (M == 0 || parts.count == 0) return;
+  launch_dependent(gather_rows_kernel, warp_row_grid(M), kRowThreads, 0, parts, token_of_slot, M, N,
+                   index_error_record());
 }
 
 // out[s, :] = x[token_of_slot[s], :] for rows of row_bytes bytes.
 void gather_row_bytes(const void* x, int64_t N, int64_t row_bytes, const int32_t* token_of_slot,
                       int64_t M, void* out) {
-  if (M == 0 || row_bytes == 0) return;
-  const unsigned grid = warp_row_grid(M);
-  IndexError* err = index_error_record();
-  if (row_bytes % 16 == 0 && aligned16(x) && aligned16(out))
-    launch_dependent(gather_rows_kernel<uint4>, grid, kRowThreads, 0, static_cast<const uint4*>(x), token_of_slot,
-                     static_cast<uint4*>(out), M, N, row_bytes / 16, err);
-  else if (row_bytes % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 &&
-           reinterpret_cast<uintptr_t>(out) % 4 == 0)
-    launch_dependent(gather_rows_kernel<uint32_t>, grid, kRowThreads, 0, static_cast<const uint32_t*>(x), token_of_slot,
-                     static_cast<uint32_t*>(out), M, N, row_bytes / 4, err);
-  else
-    launch_dependent(gather_rows_kernel<uint8_t>, grid, kRowThreads, 0, static_cast<const uint8_t*>(x), token_of_slot,
-                     static_cast<uint8_t*>(out), M, N, row_bytes, err);
+  RowParts parts;
+  parts.add(x, out, row_bytes);
+  gather_row_parts(parts, N, token_of_slot, M);
 }
 
 // The inverse copy: row s of x goes to out row dst_rows[s], one warp per input row. Rows are
@@ -768,18 +798,18 @@ QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
   out.bf16 = Tensor{};  // new codes: the input's decode does not describe them
   out.codes = Tensor::empty({M, x.code_row_bytes()}, DType::U8, Device::CUDA);
   out.block_scales = Tensor::empty({M, x.blocks_per_row()}, DType::U8, Device::CUDA);
-  gather_row_bytes(x.codes.raw(), x.rows, x.code_row_bytes(), tok, M, out.codes.raw());
-  gather_row_bytes(x.block_scales.raw(), x.rows, x.blocks_per_row(), tok, M,
-                   out.block_scales.raw());
+  RowParts parts;  // one launch for all of a row's parts
+  parts.add(x.codes.raw(), out.codes.raw(), x.code_row_bytes());
+  parts.add(x.block_scales.raw(), out.block_scales.raw(), x.blocks_per_row());
   // Per-row (per-token) scales travel with their rows; Tensor/None (and the single PerSlice
   // scale of a one-slice tensor) apply to every row and are copied as they are.
   if (per_row) {
     out.outer_scales = Tensor::empty({M}, DType::F32, Device::CUDA);
-    gather_row_bytes(x.outer_scales.raw(), x.rows, sizeof(float), tok, M,
-                     out.outer_scales.raw());
+    parts.add(x.outer_scales.raw(), out.outer_scales.raw(), sizeof(float));
   } else if (x.outer_scales.defined()) {
     out.outer_scales = x.outer_scales.clone();
   }
+  gather_row_parts(parts, x.rows, tok, M);
   return out;
 }
 
