@@ -241,3 +241,40 @@ TEST(AttentionOps, StepIsEachRowAtItsOwnPosition) {
   expect_error([&] { ops::attention_step(x.q, x.k, x.v, positions, out, lse_bad); },
                "attention_step: out must be [6, 1, 4, 8] and lse [6, 4, 1]");
 }
+
+// attention_step with a quantized out (ops.h "Quantized outputs"): on the CPU the step, then
+// quantize of out's [B, Hq * hd] rows, the same bits; a request with nowhere to put it, or a spec
+// whose blocks do not run along the rows, fails naming it.
+TEST(AttentionOps, StepQuantizedOutputIsTheStepThenQuantize) {
+  const int64_t B = 3, S = 40, Hq = 4, Hkv = 2, hd = 32;
+  const Qkv x = random_qkv(B, 1, S, Hq, Hkv, hd, DType::F32, 720);
+  const Tensor positions = int_tensor({5, 39, 0}, {B});
+  Tensor out_ref = Tensor::empty(x.q.shape(), DType::F32), lse_ref = Tensor::empty({B, Hq, 1}, DType::F32);
+  ops::attention_step(x.q, x.k, x.v, positions, out_ref, lse_ref);
+  for (const Format f : {Format::MXFP8_E4M3, Format::NVFP4}) {
+    QuantSpec spec;
+    spec.fmt = f;
+    spec.outer = f == Format::NVFP4 ? OuterScale::PerRow : OuterScale::None;
+    QTensor q;
+    const ops::RowQuant rq{spec, ops::RngKey{3, 4}, &q};
+    Tensor out = Tensor::empty(x.q.shape(), DType::F32), lse = Tensor::empty({B, Hq, 1}, DType::F32);
+    ops::attention_step(x.q, x.k, x.v, positions, out, lse, nullptr, &rq);
+    EXPECT_TRUE(bitwise_equal(out, out_ref));
+    EXPECT_TRUE(bitwise_equal(lse, lse_ref));
+    const QTensor want = ops::quantize(out_ref.reshape({B, Hq * hd}), spec, rq.rng);
+    EXPECT_EQ(q.logical_shape(), want.logical_shape());
+    EXPECT_TRUE(bitwise_equal(q.codes, want.codes));
+    EXPECT_TRUE(bitwise_equal(q.block_scales, want.block_scales));
+  }
+  Tensor out = Tensor::empty(x.q.shape(), DType::F32), lse = Tensor::empty({B, Hq, 1}, DType::F32);
+  QuantSpec spec;
+  spec.fmt = Format::MXFP8_E4M3;
+  const ops::RowQuant nowhere{spec, ops::RngKey{}, nullptr};
+  expect_error([&] { ops::attention_step(x.q, x.k, x.v, positions, out, lse, nullptr, &nowhere); },
+               "attention_step: the quantized out has nowhere to go (RowQuant::out is null)");
+  QTensor q;
+  spec.axis = BlockAxis::Col;
+  const ops::RowQuant cols{spec, ops::RngKey{}, &q};
+  expect_error([&] { ops::attention_step(x.q, x.k, x.v, positions, out, lse, nullptr, &cols); },
+               "attention_step: the quantized out needs a block-scaled Row-axis spec");
+}

@@ -806,6 +806,67 @@ TEST(CudaLayers, SwigluQuantizedOutputIsTheSwigluThenQuantize) {
   }
 }
 
+// attention_step with a quantized out: out, lse and out's BF16 copy are the plain step's bits, and
+// the quantized out is quantize(out)'s over its [B, Hq * hd] rows, for every row_quant_specs spec
+// (the step's epilogue takes the MXFP8 ones rounded to nearest), every head size, a CTA a q head
+// (group 1) and the head-rows CTA (group 4), both engines, positions in the first and the last key
+// block, and values a kv head of v scales huge or tiny, or an Inf in v (non-finite blocks, the
+// sticky flag).
+TEST(CudaLayers, AttentionStepQuantizedOutputIsTheStepThenQuantize) {
+  SKIP_WITHOUT_GPU();
+#if FOURBIT_HAS_CUDA
+  struct Restore {
+    ~Restore() { ops::cuda::set_flash_wgmma(true); }
+  } restore;
+  const std::vector<QuantSpec> specs = row_quant_specs();
+  const int64_t B = 3, S = 150, Hkv = 2;
+  const Tensor positions = gpu(int_tensor({0, 77, 149}, {B}));
+  for (const int64_t hd : {32, 64, 128})
+    for (const int64_t group : {1, 4}) {
+      const int64_t Hq = Hkv * group;
+      const Tensor q = gpu(random_tensor({B, 1, Hq, hd}, DType::F32, 950 + uint64_t(hd), -2.0, 2.0));
+      const Tensor k = gpu(random_tensor({B, S, Hkv, hd}, DType::F32, 951, -2.0, 2.0));
+      const Tensor v_plain = random_tensor({B, S, Hkv, hd}, DType::F32, 952, -2.0, 2.0);
+      for (const int vv : {0, 1, 2}) {  // plain; kv head 0 huge and 1 tiny; an Inf at key 10
+        Tensor vh = v_plain.clone();
+        float* pv = vh.data<float>();
+        for (int64_t i = 0; i < vh.numel(); ++i) {
+          const int64_t head = i / hd % Hkv, key = i / (hd * Hkv) % S;
+          if (vv == 1) pv[i] *= head == 0 ? 1e30f : 1e-35f;
+          if (vv == 2 && head == 0 && key == 10 && i % hd == 5) pv[i] = INFINITY;
+        }
+        const Tensor v = gpu(vh);
+        for (const bool wgmma : {true, false}) {
+          ops::cuda::set_flash_wgmma(wgmma);
+          Tensor out_ref = Tensor::empty(q.shape(), DType::F32, Device::CUDA),
+                 lse_ref = Tensor::empty({B, Hq, 1}, DType::F32, Device::CUDA),
+                 o16_ref = Tensor::empty(q.shape(), DType::BF16, Device::CUDA);
+          ops::attention_step(q, k, v, positions, out_ref, lse_ref, &o16_ref);
+          for (const QuantSpec& spec : specs) {
+            const std::string name = cfg("hd=%lld group=%lld values %lld ", hd, group, vv) +
+                                     (wgmma ? "wgmma " : "mma.sync ") + describe(spec);
+            SCOPED_TRACE(name);
+            EXPECT_EQ(ops::cuda::attention_step_quant_fused(spec, hd),
+                      spec.fmt != Format::NVFP4 && spec.rounding == num::Rounding::RNE);
+            Tensor out = Tensor::empty(q.shape(), DType::F32, Device::CUDA),
+                   lse = Tensor::empty({B, Hq, 1}, DType::F32, Device::CUDA),
+                   o16 = Tensor::empty(q.shape(), DType::BF16, Device::CUDA);
+            QTensor oq;
+            const ops::RowQuant rq{spec, ops::RngKey{13, 5}, &oq};
+            ops::nonfinite_seen(true);
+            ops::attention_step(q, k, v, positions, out, lse, &o16, &rq);
+            EXPECT_EQ(ops::nonfinite_seen(true), vv == 2);
+            expect_bits(name + " out", out, out_ref);
+            expect_bits(name + " lse", lse, lse_ref);
+            expect_bits(name + " out copy", o16, o16_ref);
+            expect_quantized_rows(name, oq, out_ref.reshape({B, Hq * hd}), rq);
+          }
+        }
+      }
+    }
+#endif
+}
+
 // ---- cross entropy --------------------------------------------------------------------------------
 
 TEST(CudaLayers, CrossEntropyMatchesCpuAndIsBatchInvariant) {

@@ -141,25 +141,27 @@ std::pair<Tensor, Tensor> KvStep::bf16_cache_rows(int64_t layer, int64_t hkv, in
 }
 
 void KvStep::rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
-                         Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16) const {
+                         Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16, const ops::RowQuant* oq) const {
   auto [kc, vc] = bf16_cache_rows(layer, k.size(1), k.size(2));
   Tensor q3 = q_bf16.reshape(q.shape());
   ops::rope_qkv_to_cache(q, k, v, positions, table, dst_rows, q3, kc, vc);
-  attend_cached(layer, q_bf16, o, lse, o_bf16);
+  attend_cached(layer, q_bf16, o, lse, o_bf16, oq);
 }
 
 void KvStep::rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table,
-                               Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16) const {
+                               Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16,
+                               const ops::RowQuant* oq) const {
   auto [kc, vc] = bf16_cache_rows(layer, (qkv.size(1) - n_heads) / 2, qkv.size(2));
   Tensor q3 = q_bf16.reshape({qkv.size(0), n_heads, qkv.size(2)});
   ops::rope_fused_qkv_to_cache(qkv, n_heads, positions, table, dst_rows, q3, kc, vc);
-  attend_cached(layer, q_bf16, o, lse, o_bf16);
+  attend_cached(layer, q_bf16, o, lse, o_bf16, oq);
 }
 
-void KvStep::attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse, Tensor* o_bf16) const {
+void KvStep::attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse, Tensor* o_bf16,
+                           const ops::RowQuant* oq) const {
   const Tensor kc = cache.k_.at(size_t(layer)), vc = cache.v_.at(size_t(layer));
   if (batch.T == 1) {  // a decode step: every sequence at its own position, one op
-    ops::attention_step(q, kc, vc, positions, o, lse, o_bf16);
+    ops::attention_step(q, kc, vc, positions, o, lse, o_bf16, oq);
     return;
   }
   for (const KvGroup& g : batch.groups) {
@@ -170,6 +172,7 @@ void KvStep::attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& ls
     ops::attention_forward(qg, kc.slice_rows(g.begin, g.end), vc.slice_rows(g.begin, g.end), g.pos0, og, lg,
                            o_bf16 ? &obg : nullptr);
   }
+  if (oq) *oq->out = ops::quantize(o.reshape({o.size(0) * o.size(1), o.size(2) * o.size(3)}), oq->spec, oq->rng);
 }
 
 }  // namespace fourbit

@@ -14,6 +14,10 @@
 #include "fourbit/model/config.h"
 #include "fourbit/tensor/tensor.h"
 
+namespace fourbit::ops {
+struct RowQuant;  // ops/ops.h
+}
+
 namespace fourbit {
 
 // Rows [begin, end) of a cached call's tokens [B, T] continue the sequences in cache slots
@@ -96,15 +100,19 @@ struct KvStep {
   // attention of q's BF16 copy (q_bf16 [B, T, Hq, hd], written here) over the cache: attend's bits.
   // o_bf16 (optional, o's shape, BF16): o rounded to BF16 as well, written by attention's epilogue
   // (ops::attention_forward's out_bf16: the output projection's BF16 operand without a convert).
+  // oq (optional): o's [B * T, Hq * hd] rows quantized as well (ops.h "Quantized outputs": in the
+  // attention step's epilogue where T = 1 and the backend takes the spec; otherwise after it).
   void rope_attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& table,
-                   Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
+                   Tensor& q_bf16, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr,
+                   const ops::RowQuant* oq = nullptr) const;
   // The same from the fused projection's qkv [B * T, Hq + 2 Hkv, hd] (ops::rope_fused_qkv_to_cache,
   // Hq = n_heads): rope_attend's bits on its three parts.
   void rope_attend_fused(int64_t layer, const Tensor& qkv, int64_t n_heads, const Tensor& table, Tensor& q_bf16,
-                         Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
+                         Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr, const ops::RowQuant* oq = nullptr) const;
 
  private:
-  void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr) const;
+  void attend_cached(int64_t layer, const Tensor& q, Tensor& o, Tensor& lse, Tensor* o_bf16 = nullptr,
+                     const ops::RowQuant* oq = nullptr) const;
   struct Unchecked {};
   KvStep(Unchecked, KvCache& cache, const KvBatch& batch) : cache(cache), batch(batch) {}
   // batch's positions and cache rows, after checking them against the cache

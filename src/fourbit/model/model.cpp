@@ -233,10 +233,11 @@ struct ModelRunner {
   }
 
   // Where the forward keeps nothing (fuse: the sampler's, evaluation's), a block-scaled fprop input
-  // rounded to nearest is quantized by the op that writes it (ops.h "Quantized outputs": an RMSNorm
-  // or a SwiGLU), with prepare's bits and one launch fewer. producer_quant: the request for the
-  // input at `point` (an input group, as prepare_input names it) of a class-cls layer, landing in
-  // *out, or none; producer_quantized: the fprop operand it made of x.
+  // rounded to nearest is quantized by the op that writes it (ops.h "Quantized outputs": an
+  // RMSNorm, a SwiGLU, a decode step's attention), with prepare's bits and one launch fewer.
+  // producer_quant: the request for the input at `point` (an input group, as prepare_input names
+  // it) of a class-cls layer, landing in *out, or none; producer_quantized: the fprop operand it
+  // made of x.
   std::optional<ops::RowQuant> producer_quant(LayerClass cls, const std::string& point, QTensor* out) const {
     const QuantSpec& a = recipe(cls).fprop.a;
     if (!fuse || !g_producer_quantizers.load(std::memory_order_relaxed) || !a.quantized() ||
@@ -470,6 +471,10 @@ struct ModelRunner {
     Tensor o = act({B, T, Hq, hd}), lse = act({B, Hq, T}), o_bf16;
     if (bf16_qkv && bf16_input(r)) o_bf16 = Tensor::empty(o.shape(), DType::BF16, m.device_);
     Tensor* ob = o_bf16.defined() ? &o_bf16 : nullptr;
+    // A decode step's o quantized by the attention step for the output projection (producer_quant).
+    QTensor oq;
+    const auto oq_req = kv && bf16_qkv && T == 1 ? producer_quant(cls, name + "wo", &oq) : std::nullopt;
+    const ops::RowQuant* oqp = oq_req ? &*oq_req : nullptr;
     Tensor q4, k4, v4;  // attention's operands, which the backward keeps
     const Prepared wqkv = fuse && kv && bf16_qkv ? m.fused_weight(name + "wqkv", {wq, wk, wv}, false) : Prepared{};
     if (wqkv.defined()) {
@@ -478,7 +483,7 @@ struct ModelRunner {
       Tensor qkv = act({N, (Hq + 2 * Hkv) * hd});
       forward_gemm(x.fwd, wqkv, qkv);
       Tensor qb = Tensor::empty({B, T, Hq, hd}, DType::BF16, m.device_);
-      kv->rope_attend_fused(layer, qkv.reshape({N, Hq + 2 * Hkv, hd}), Hq, m.rope_, qb, o, lse, ob);
+      kv->rope_attend_fused(layer, qkv.reshape({N, Hq + 2 * Hkv, hd}), Hq, m.rope_, qb, o, lse, ob, oqp);
     } else {
       Tensor q = act({N, Hq * hd}), k = act({N, Hkv * hd}), v = act({N, Hkv * hd});
       forward_gemm(x.fwd, wq, q);
@@ -492,7 +497,7 @@ struct ModelRunner {
         // the sampler's cached call: RoPE, the BF16 copies and the cache writes in one op, the
         // bits of the path below
         Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
-        kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse, ob);
+        kv->rope_attend(layer, q3, k3, v.reshape({N, Hkv, hd}), m.rope_, qb, o, lse, ob, oqp);
       } else {
         if (bf16_qkv) {
           Tensor qb = Tensor::empty(q4.shape(), DType::BF16, m.device_);
@@ -518,8 +523,9 @@ struct ModelRunner {
     }
     Tensor o2 = o.reshape({N, Hq * hd}), o2_bf16 = o_bf16.defined() ? o_bf16.reshape({N, Hq * hd}) : Tensor{};
     const Tensor* o2_converted = o2_bf16.defined() ? &o2_bf16 : nullptr;
-    LinearInput o_in = s ? prepare_input(o2, r, cls, name + "wo", true, o2_converted)
-                         : prepare_fprop_input(o2, r, cls, name + "wo", o2_converted);
+    LinearInput o_in = oq_req ? LinearInput{producer_quantized(std::move(oq), o2, cls, name + "wo"), Prepared{}}
+                       : s    ? prepare_input(o2, r, cls, name + "wo", true, o2_converted)
+                              : prepare_fprop_input(o2, r, cls, name + "wo", o2_converted);
     record_input_amax(name + "o", o2, r);
     Tensor y = act({N, c.d_model});
     forward_gemm(o_in.fwd, weight(w.wo, name + "wo", GemmRole::Fprop, r.fprop.b, cls), y);

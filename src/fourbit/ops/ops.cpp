@@ -618,7 +618,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
   FOURBIT_DISPATCH(q.device(), attention_forward, q, k, v, pos0, out, lse, out_bf16);
 }
 void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
-                    Tensor& lse, Tensor* out_bf16) {
+                    Tensor& lse, Tensor* out_bf16, const RowQuant* oq) {
   const HostOpTimer host_timer("attention_step");
   if (q.dim() != 4 || q.size(1) != 1 || k.dim() != 4 || k.size(0) != q.size(0))
     fail("attention_step: q must be [B, 1, Hq, hd] and k [B, S, Hkv, hd] of the same B, got q {} and k {}", q.str(),
@@ -634,10 +634,20 @@ void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     fail("attention_step: out must be {} and lse [{}, {}, 1], got {} and {}", shape_str(q.shape()), B, q.size(2),
          out.str(), lse.str());
   expect_bf16_copy("attention_step", "out_bf16", out_bf16, out);
+  const Tensor out_rows = oq ? out.reshape({B, q.size(2) * q.size(3)}) : Tensor{};
+  expect_row_quant("attention_step", "out", oq, out_rows);
+  // the op, then its quantized output where the kernel did not make it
+  const auto quantize_out = [&] {
+    if (oq) *oq->out = quantize(out_rows, oq->spec, oq->rng);
+  };
 #if FOURBIT_HAS_CUDA
-  if (q.device() == Device::CUDA && out.dtype() == DType::F32 && lse.dtype() == DType::F32 &&
-      cuda::flash_attention_step(q, k, v, positions, out, lse, out_bf16))
-    return;
+  if (q.device() == Device::CUDA && out.dtype() == DType::F32 && lse.dtype() == DType::F32) {
+    const bool fused_q = oq && cuda::attention_step_quant_fused(oq->spec, q.size(3));
+    if (cuda::flash_attention_step(q, k, v, positions, out, lse, out_bf16, fused_q ? oq : nullptr)) {
+      if (!fused_q) quantize_out();
+      return;
+    }
+  }
 #endif
   const Tensor pos = positions.to(Device::CPU);
   const int32_t* p = pos.data<int32_t>();
@@ -650,6 +660,7 @@ void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     attention_forward(q.slice_rows(b0, b1), k.slice_rows(b0, b1), v.slice_rows(b0, b1), p[b0], o, l,
                       out_bf16 ? &o16 : nullptr);
   }
+  quantize_out();
 }
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {

@@ -241,13 +241,16 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
 // are BF16 GEMM operands (the bf16 recipe's): each element is then the F32 value the op would write,
 // rounded to BF16 (RNE), i.e. the bits of convert() of the F32 output, without writing that output
 // and converting it in a second pass. The CPU reference computes the F32 output and converts it.
-// Quantized outputs: rmsnorm_forward's and add_rmsnorm_forward's y and swiglu_forward_fused's a
-// may be quantized along their rows by the op that writes them, for an output whose next reader
-// is a GEMM taking it as a block-scaled fprop operand: *out = quantize(output, spec, rng), bit for
-// bit (spec's axis Row), with the F32 output written as well. Where the backend has a kernel for
-// the spec (CUDA: MXFP8 E4M3/E5M2 and per-row NVFP4, rounded to nearest, no RHT, rows of up to
-// 16384 values, a multiple of 4) the row is quantized from the shared memory that computed it, one
-// launch instead of two; otherwise the op runs, then quantize.
+// Quantized outputs: rmsnorm_forward's and add_rmsnorm_forward's y, swiglu_forward_fused's a and
+// attention_step's out (as [B, Hq * hd] rows) may be quantized along their rows by the op that
+// writes them, for an output whose next reader is a GEMM taking it as a block-scaled fprop
+// operand: *out = quantize(output, spec, rng), bit for bit (spec's axis Row), with the F32 output
+// written as well. Where the backend has a kernel for the spec the row is quantized where it was
+// computed, one launch instead of two: CUDA's norms and SwiGLU for MXFP8 E4M3/E5M2 and per-row
+// NVFP4, rounded to nearest, no RHT, rows of up to 16384 values, a multiple of 4 (from the shared
+// memory that computed the row); its attention step for MXFP8 E4M3/E5M2 rounded to nearest, no
+// RHT, hd a multiple of 32 (each head's blocks in the epilogue of the CTA that computed the head).
+// Otherwise the op runs, then quantize.
 struct RowQuant {
   QuantSpec spec;
   RngKey rng;
@@ -334,8 +337,9 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_
 // at different positions is one launch, and a CUDA graph of it replays with new positions written
 // into the same tensor; elsewhere (the CPU, shapes the fused kernel does not take) the positions
 // are read on the host and runs of equal positions go to attention_forward.
+// oq (optional, for an F32 out): out's [B, Hq * hd] rows quantized as well ("Quantized outputs").
 void attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
-                    Tensor& lse, Tensor* out_bf16 = nullptr);
+                    Tensor& lse, Tensor* out_bf16 = nullptr, const RowQuant* oq = nullptr);
 // Gradients for pos0 == 0 and S == T (training). dq, dk, dv (F32) are overwritten.
 void attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv);

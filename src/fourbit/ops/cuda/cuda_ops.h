@@ -13,6 +13,7 @@
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
 //          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step,
+//          attention_step_quant_fused,
 //          flash_attention_backward, materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -288,8 +289,11 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
                              Tensor* out_bf16 = nullptr);
 // ops::attention_step's fused kernel: sequence b's one query at position positions[b], read on the
 // GPU (a position outside [0, S) is recorded as an index error and its rows are left unwritten).
+// oq (where attention_step_quant_fused(oq->spec, hd)): out's [B, Hq * hd] rows quantized in the
+// kernel's epilogue as well (ops.h "Quantized outputs"), MXFP8 RNE, each 32-value block within a head.
 bool flash_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
-                          Tensor& lse, Tensor* out_bf16 = nullptr);
+                          Tensor& lse, Tensor* out_bf16 = nullptr, const RowQuant* oq = nullptr);
+bool attention_step_quant_fused(const QuantSpec& spec, int64_t hd);
 bool flash_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& lse,
                               const Tensor& D, Tensor& dq, Tensor& dk_heads, Tensor& dv_heads);
 void materialized_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out,

@@ -1,4 +1,5 @@
-// defines: cuda::flash_attention_forward, cuda::flash_attention_backward, cuda::set_flash_wgmma,
+// defines: cuda::flash_attention_forward, cuda::flash_attention_step, cuda::attention_step_quant_fused,
+//          cuda::flash_attention_backward, cuda::set_flash_wgmma,
 //          cuda::set_flash_cta, cuda::set_flash_head_rows
 // Causal grouped-query attention fused into three kernels that never write the scores (the
 // FlashAttention-2 schedule, Dao 2023): BF16 tensor-core MMAs with FP32 accumulation on tiles of
@@ -51,11 +52,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/mma.cuh"
+#include "fourbit/ops/quant_layout.h"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -364,6 +367,45 @@ struct FaDims {
   float scale;
 };
 
+// The forward's output quantized along its rows as well (ops.h "Quantized outputs"): MXFP8, RNE,
+// in out's [B, T, Hq * hd] rows, so a 32-value block lies within one head's hd values and the CTA
+// that computes a head's row has all of its blocks (flash_step_kernel<..., Quant>). codes null: none.
+struct FaQuant {
+  uint8_t* codes = nullptr;   // [B * T, Hq * hd]
+  uint8_t* scales = nullptr;  // [B * T, Hq * hd / 32]
+  int exp_bits = 4;           // E4M3 or E5M2
+  num::MxScaleRule rule{};
+  unsigned* nonfinite = nullptr;  // the quantizers' sticky flag
+};
+
+// Row `half` of the thread's two rows of a 16 x HD output accumulator, times inv (store_row's
+// values), quantized as MXFP8 blocks of 32 (mxfp8_fast_block, the row quantizer's encoder) into
+// row head_row of q's storage, HD / 32 blocks a row. Every lane of the warp calls it (shuffles):
+// lane tig of a row's quad gathers block tig's 32 values from the quad and encodes it where the
+// row is one of the CTA's (valid).
+template <int HD>
+__device__ __forceinline__ void quantize_head_row(const float (&acc)[HD / 8][4], int half, float inv, bool valid,
+                                                  int64_t head_row, const FaQuant& q) {
+  constexpr int kBlocks = HD / num::kMxBlock;
+  const int lane = int(threadIdx.x & 31), tig = lane & 3;
+  float v[num::kMxBlock];
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk)
+#pragma unroll
+    for (int j = 0; j < num::kMxBlock; ++j) {
+      const int c = blk * num::kMxBlock + j;  // column c: n-tile c / 8, held by quad lane (c % 8) / 2
+      const float t = __shfl_sync(0xffffffffu, acc[c / 8][2 * half + (c & 1)] * inv, (lane & ~3) | ((c % 8) / 2));
+      if (tig == blk) v[j] = t;
+    }
+  if (!valid || tig >= kBlocks) return;
+  unsigned nonfinite = 0;
+  uint8_t* codes = q.codes + head_row * HD + tig * num::kMxBlock;
+  q.scales[head_row * kBlocks + tig] =
+      q.exp_bits == 4 ? mxfp8_fast_block<4, false>(v, num::kMxBlock, q.rule, 0, 0, 0, codes, nonfinite)
+                      : mxfp8_fast_block<5, false>(v, num::kMxBlock, q.rule, 0, 0, 0, codes, nonfinite);
+  if (nonfinite) atomicOr(q.nonfinite, 1u);
+}
+
 // ---- forward ----------------------------------------------------------------------------------
 
 // The online softmax of one key block: scores s (unscaled) of keys s0 .. for the thread's rows at
@@ -419,12 +461,12 @@ __device__ __forceinline__ void rescale(float (&o)[N][4], const float (&alpha)[2
 // the Hq / Hkv q heads that share kv head blockIdx.y, all at position pos0, so that the group's
 // keys and values are read once, not once a q head. A row's work is the same either way (its own
 // Q row, the same key blocks and masks; the MMAs' rows are independent), so are its bits.
-template <class C, bool HeadRows>
+template <class C, bool HeadRows, bool Quant = false>
 __device__ __forceinline__ void flash_forward_cta(const __nv_bfloat16* __restrict__ q,
                                                   const __nv_bfloat16* __restrict__ k,
                                                   const __nv_bfloat16* __restrict__ v, FaDims d, int pos0,
                                                   float* __restrict__ out, float* __restrict__ lse,
-                                                  __nv_bfloat16* __restrict__ out_bf16) {
+                                                  __nv_bfloat16* __restrict__ out_bf16, const FaQuant& oq) {
   using E = typename C::Engine;
   constexpr int HD = C::kHd, ND = HD / 8, kTile = C::kTile, ST = C::kStages;
   // the CTA's Q tiles (one a warpgroup), then the K and V buffers
@@ -480,9 +522,10 @@ __device__ __forceinline__ void flash_forward_cta(const __nv_bfloat16* __restric
   for (int i = 0; i < 2; ++i) {
     const int r = wt0 + warp_row() + frag_row(i);
     const float sum = quad_sum(l[i]);
-    if (r >= rows) continue;
     // HeadRows: token 0 of head h + r; else token r of head h
     const int64_t head_row = HeadRows ? int64_t(b) * d.Hq + h + r : (int64_t(b) * d.T + r) * d.Hq + h;
+    if constexpr (Quant) quantize_head_row<HD>(o, i, 1.0f / sum, r < rows, head_row, oq);
+    if (r >= rows) continue;
     store_row(out + head_row * HD, o, i, 1.0f / sum);  // O / l
     if (out_bf16) store_row(out_bf16 + head_row * HD, o, i, 1.0f / sum);  // the same values, rounded
     if ((threadIdx.x & 3) == 0)
@@ -497,18 +540,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     flash_forward_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                          const __nv_bfloat16* __restrict__ v, FaDims d, float* __restrict__ out,
                          float* __restrict__ lse, __nv_bfloat16* __restrict__ out_bf16) {
-  flash_forward_cta<C, HeadRows>(q, k, v, d, d.pos0, out, lse, out_bf16);
+  flash_forward_cta<C, HeadRows>(q, k, v, d, d.pos0, out, lse, out_bf16, FaQuant{});
 }
 
 // attention_step (T = 1): sequence b's query at position pos_of_row[b], read here, so that a CUDA
 // graph's replay of the launch takes the positions written since; one outside [0, S) is recorded
 // in `errors` and its rows are left unwritten.
-template <class C, bool HeadRows>
+template <class C, bool HeadRows, bool Quant>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     flash_step_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k,
                       const __nv_bfloat16* __restrict__ v, FaDims d, const int32_t* __restrict__ pos_of_row,
                       IndexError* errors, float* __restrict__ out, float* __restrict__ lse,
-                      __nv_bfloat16* __restrict__ out_bf16) {
+                      __nv_bfloat16* __restrict__ out_bf16, const FaQuant oq) {
   dependent_launch_prologue();
   const int b = blockIdx.z, pos0 = pos_of_row[b];
   if (pos0 < 0 || pos0 >= d.S) {
@@ -516,7 +559,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
       record_index_error(errors, IndexSite::AttentionStepPositions, b, pos0, d.S, 1);
     return;
   }
-  flash_forward_cta<C, HeadRows>(q, k, v, d, pos0, out, lse, out_bf16);
+  flash_forward_cta<C, HeadRows, Quant>(q, k, v, d, pos0, out, lse, out_bf16, oq);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -794,7 +837,8 @@ namespace {
 // The forward kernels' launch for d (fa_dims' shape, pos0 or pos_of_row set).
 // pos_of_row: attention_step's positions (flash_step_kernel), or null (flash_forward_kernel at d.pos0).
 void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                          Tensor& lse, Tensor* out_bf16, const int32_t* pos_of_row = nullptr) {
+                          Tensor& lse, Tensor* out_bf16, const int32_t* pos_of_row = nullptr,
+                          const FaQuant& oq = FaQuant{}) {
   const Tensor qb = bf16_operand(q), kb = bf16_operand(k), vb = bf16_operand(v);
   __nv_bfloat16* ob = out_bf16 ? out_bf16->data<__nv_bfloat16>() : nullptr;
   // a one-token step of grouped-query attention (the sampler's decode): a CTA per kv head, its
@@ -808,9 +852,15 @@ void launch_flash_forward(const FaDims& d, int hd, const Tensor& q, const Tensor
     auto launch = [&](auto head_rows_c, dim3 grid) {
       constexpr bool HR = decltype(head_rows_c)::value;
       if (pos_of_row) {
-        const size_t smem = launchable<flash_step_kernel<C, HR>>(smem_bytes);
-        launch_dependent(flash_step_kernel<C, HR>, grid, C::kThreads, smem, bf16_data(qb), bf16_data(kb), bf16_data(vb),
-                         d, pos_of_row, index_error_record(), out.data<float>(), lse.data<float>(), ob);
+        auto step = [&](auto quant_c) {
+          constexpr bool Q = decltype(quant_c)::value;
+          const size_t smem = launchable<flash_step_kernel<C, HR, Q>>(smem_bytes);
+          launch_dependent(flash_step_kernel<C, HR, Q>, grid, C::kThreads, smem, bf16_data(qb), bf16_data(kb),
+                           bf16_data(vb), d, pos_of_row, index_error_record(), out.data<float>(), lse.data<float>(),
+                           ob, oq);
+        };
+        if (oq.codes) step(std::true_type{});
+        else step(std::false_type{});
       } else {
         const size_t smem = launchable<flash_forward_kernel<C, HR>>(smem_bytes);
         flash_forward_kernel<C, HR><<<grid, C::kThreads, smem, stream()>>>(
@@ -836,14 +886,29 @@ bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, 
   return true;
 }
 
+bool attention_step_quant_fused(const QuantSpec& spec, int64_t hd) {
+  return (spec.fmt == Format::MXFP8_E4M3 || spec.fmt == Format::MXFP8_E5M2) && spec.axis == BlockAxis::Row &&
+         spec.rounding == num::Rounding::RNE && spec.hadamard == 0 && !spec.tile_2d && hd % num::kMxBlock == 0;
+}
+
 bool flash_attention_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& positions, Tensor& out,
-                          Tensor& lse, Tensor* out_bf16) {
+                          Tensor& lse, Tensor* out_bf16, const RowQuant* oq) {
   FaDims d;
   int hd;
   if (!fa_dims(q, k, 0, {&out}, d, hd)) return false;
   if (out_bf16 && reinterpret_cast<uintptr_t>(out_bf16->raw()) % 16 != 0) return false;
+  FaQuant fq;
+  if (oq) {
+    FOURBIT_CHECK(attention_step_quant_fused(oq->spec, hd), "flash_attention_step: a quantized output it cannot make");
+    *oq->out = alloc_qtensor(oq->spec, quant_shape(out.reshape({d.B, int64_t(d.Hq) * hd}), oq->spec), Device::CUDA);
+    fq.codes = oq->out->codes.data<uint8_t>();
+    fq.scales = oq->out->block_scales.data<uint8_t>();
+    fq.exp_bits = oq->spec.fmt == Format::MXFP8_E4M3 ? 4 : 5;
+    fq.rule = oq->spec.mx_rule;
+    fq.nonfinite = nonfinite_flag_address();
+  }
   if (d.B == 0) return true;
-  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16, positions.data<int32_t>());
+  launch_flash_forward(d, hd, q, k, v, out, lse, out_bf16, positions.data<int32_t>(), fq);
   return true;
 }
 
