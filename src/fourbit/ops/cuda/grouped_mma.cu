@@ -43,6 +43,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "fourbit/ops/cuda/cuda_ops.h"
@@ -78,26 +80,44 @@ constexpr int kStreamWidth = 16;
 
 // The streaming kernel, its tokens in n8 blocks: one where groups average at most 4 rows, two up to
 // 8, else four (a group of more rows than a CTA's takes several CTAs, each reading its weights
-// again, mostly from L2). Any choice gives the same bits.
-template <Format F, int J>
+// again, mostly from L2). Any choice gives the same bits. A warp takes 16 weight rows, or 8 where
+// the call has at most kStreamRows8 rows in all: there a warp's K loop is what the call waits for
+// (one warp a sub-partition, issuing its whole decode), and 8 rows halve each warp's decode (NVFP4:
+// 160 instructions a K tile instead of 241) while twice the warps stream the matrix. Measured in
+// the sampler's decode on an H100 (two calls, each A/B in adjacent processes): nvfp4-fwd +5–7%,
+// bf16 +3–4% at batch 1 and 4 (8 rows in all); at 32 rows (batch 16) the isolated kernel's single
+// runs went both ways (NVFP4 faster, MXFP8 slower), so larger calls keep 16.
+// FOURBIT_STREAM_ROWS=16 keeps 16 rows a warp everywhere (an A/B switch, read once).
+constexpr int64_t kStreamRows8 = 8;
+
+template <Format F, int J, int R>
 void launch_stream_j(const GroupedArgs& p) {
-  using S = streaming::Shape<F, J>;
+  using S = streaming::Shape<F, J, R>;
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(streaming::stream_kernel<F, J>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            S::smem_bytes(S::kMaxChunk)));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(streaming::stream_kernel<F, J, R>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, S::smem_bytes(S::kMaxChunk)));
     return true;
   }();
   (void)attr;
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
   const int chunk = std::max(1, std::min(k_tiles, S::kMaxChunk));
-  const dim3 grid(unsigned((p.n + streaming::BN - 1) / streaming::BN), unsigned(row_tile_bound(p, S::BM)));
-  launch_dependent(streaming::stream_kernel<F, J>, grid, streaming::kThreads, S::smem_bytes(chunk), p, chunk);
+  const dim3 grid(unsigned((p.n + S::BN - 1) / S::BN), unsigned(row_tile_bound(p, S::BM)));
+  launch_dependent(streaming::stream_kernel<F, J, R>, grid, streaming::kThreads, S::smem_bytes(chunk), p, chunk);
 }
 template <Format F>
 void launch_stream(const GroupedArgs& p, int64_t rows_per_group) {
-  if (rows_per_group <= 4) launch_stream_j<F, 1>(p);
-  else if (rows_per_group <= 8) launch_stream_j<F, 2>(p);
-  else launch_stream_j<F, 4>(p);
+  static const bool rows16 = [] {
+    const char* e = std::getenv("FOURBIT_STREAM_ROWS");
+    return e && std::string(e) == "16";
+  }();
+  if (rows_per_group <= 4) {
+    if (rows16 || p.m > kStreamRows8) launch_stream_j<F, 1, 16>(p);
+    else launch_stream_j<F, 1, 8>(p);
+  } else if (rows_per_group <= 8) {
+    launch_stream_j<F, 2, 16>(p);
+  } else {
+    launch_stream_j<F, 4, 16>(p);
+  }
 }
 
 // The decode configuration: the streaming kernel where groups average at most kStreamRows rows;

@@ -28,17 +28,21 @@ namespace hopper {
 // the training tile, bit for bit).
 namespace streaming {
 
-constexpr int kWarps = 4, kThreads = 32 * kWarps, kRows = 16;  // kRows weight rows (C columns) a warp
-constexpr int BN = kWarps * kRows;                              // C columns a CTA
-constexpr int kTokenBytes = 64 * 1024;                          // the tokens' BF16 copy: at most
+constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kTokenBytes = 64 * 1024;  // the tokens' BF16 copy: at most
 
-template <Format F, int J>
+// R weight rows (C columns) a warp: 16, the MMA's rows, or 8 (rows 8 .. 15 of every A fragment
+// zero), which halves each warp's decode and doubles the warps streaming a matrix.
+template <Format F, int J, int R>
 struct Shape {
+  static_assert(R == 16 || R == 8, "rows a warp");
   using T = Tile<F>;
-  static constexpr int BM = 8 * J;   // tokens a CTA
-  static constexpr int kStages = 8;  // a warp's K tiles of weights in flight, plus the one it works on
-  static constexpr int kScaleBytes = T::kPacked ? kRows * 4 : 0;
-  static constexpr int kWStage = kRows * T::kRowBytes + kScaleBytes;  // a warp's stage (load_tile's layout)
+  static constexpr int kRows = R;
+  static constexpr int BN = kWarps * R;  // C columns a CTA
+  static constexpr int BM = 8 * J;       // tokens a CTA
+  static constexpr int kStages = 8;      // a warp's K tiles of weights in flight, plus the one it works on
+  static constexpr int kScaleBytes = T::kPacked ? R * 4 : 0;
+  static constexpr int kWStage = R * T::kRowBytes + kScaleBytes;  // a warp's stage (load_tile's layout)
   static constexpr int kTokenTile = BM * 128;                         // a K tile of the tokens, BF16, sw128
   static constexpr int kMaxChunk = kTokenBytes / kTokenTile;          // K tiles of tokens held at once
   static constexpr int kWeightBytes = kWarps * kStages * kWStage;
@@ -92,14 +96,15 @@ __device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0,
   }
 }
 
-// A warp's copies of its weight rows' K tiles into its pipeline stages, in load_tile's layout
+// A warp's copies of its R weight rows' K tiles into its pipeline stages, in load_tile's layout
 // (codes then one block-scale word a row; BF16 rows in the 128-byte swizzle), each lane's sources
 // and destinations worked out once: tile kt is kRowBytes further along every row. Rows past N and
 // 16-byte units starting past k_end are zero-filled, as load_tile does.
-template <Format F>
+template <Format F, int kRows>
 struct WarpCopy {
   using T = Tile<F>;
-  static constexpr int kCopies = kRows * T::kChunks / 32;  // 16-byte copies a lane, a K tile
+  static constexpr int kUnits = kRows * T::kChunks;         // 16-byte copies a K tile
+  static constexpr int kCopies = (kUnits + 31) / 32;        // a lane's (lanes past kUnits: none)
   static constexpr int kChunkValues = 128 / T::kBits;
   const unsigned char* src[kCopies];  // null: a row past N
   const unsigned char* any;            // a readable address for the zero-filling copies (which read nothing)
@@ -113,7 +118,7 @@ struct WarpCopy {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int idx = lane + 32 * i, row = idx / T::kChunks, chunk = idx % T::kChunks;
-      const bool ok = n0 + row < p.n;
+      const bool ok = idx < kUnits && n0 + row < p.n;
       src[i] = ok ? bg + (long long)(n0 + row) * p.b.ld + (long long)p.k_begin * T::kBits / 8 + chunk * 16 : nullptr;
       dst[i] = T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk);
       k_first[i] = p.k_begin + chunk * kChunkValues;
@@ -125,6 +130,7 @@ struct WarpCopy {
   __device__ __forceinline__ void load(const GroupedArgs& p, int kt, uint32_t st, int lane) const {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
+      if (kUnits % 32 != 0 && lane + 32 * i >= kUnits) continue;  // no unit of this lane's
       const bool ok = src[i] && k_first[i] + kt * 64 < p.k_end;
       cp_async16(st + dst[i], ok ? src[i] + kt * T::kRowBytes : any, ok ? 16 : 0);
     }
@@ -141,20 +147,34 @@ struct WarpCopy {
 // and 2 tig + 8 .. of each k16 step) of the warp's K tile at `st` (WarpCopy's layout): BF16 by
 // ldmatrix from the 128-byte swizzle; packed ones decoded from the rows' codes, each value the
 // product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by integer moves
-// and two BF16-pair FMAs a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
-template <Format F>
+// and two BF16-pair FMAs a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits. With 8 rows a
+// warp, rows gid + 8 are zeros.
+template <Format F, int kRows>
 __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, uint32_t (&a)[4][4]) {
   using T = Tile<F>;
+  if constexpr (kRows == 8) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) a[s][1] = a[s][3] = 0u;
+  }
   if constexpr (!T::kPacked) {
     (void)k0;
     const uint32_t base = smem_address(st);
+    if constexpr (kRows == 16) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], base + sw128(lane & 15, 2 * s + (lane >> 4)));
+      for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], base + sw128(lane & 15, 2 * s + (lane >> 4)));
+    } else {  // matrices (rows 0..7) x chunks 4 q .. 4 q + 3: k16 steps 2 q, 2 q + 1
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        uint32_t r[4];
+        ldsm_x4<false>(r, base + sw128(lane & 7, 4 * q + (lane >> 3)));
+        a[2 * q][0] = r[0], a[2 * q][2] = r[1], a[2 * q + 1][0] = r[2], a[2 * q + 1][2] = r[3];
+      }
+    }
   } else {
     const int gid = lane >> 2, tig = lane & 3;
     constexpr int kWords = T::kRowBytes / 4;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // rows gid, gid + 8
+    for (int h = 0; h < kRows / 8; ++h) {  // rows gid, gid + 8
       const int row = gid + 8 * h;
       uint32_t w[kWords];
 #pragma unroll
@@ -189,11 +209,12 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
   }
 }
 
-template <Format F, int J>
+template <Format F, int J, int R>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant__ GroupedArgs p, int chunk) {
   dependent_launch_prologue();
   using T = Tile<F>;
-  using S = Shape<F, J>;
+  using S = Shape<F, J, R>;
+  constexpr int kRows = R;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
   __shared__ long long s_r0, s_r1;
@@ -204,7 +225,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   const long long r0 = s_r0, r1 = s_r1;
   const int group = s_group, rows = int(r1 - r0);
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const int n0 = int(blockIdx.x) * BN + warp * kRows;  // the warp's first weight row
+  const int n0 = int(blockIdx.x) * S::BN + warp * kRows;  // the warp's first weight row
   const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
   const uint8_t* bsg = T::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
@@ -213,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   const uint32_t wbase = smem_address(wst);
 
   // the warp's weight pipeline: tile kt into stage kt % kStages, its lanes sharing the copies
-  const WarpCopy<F> copy(p, bg, bsg, n0, lane);
+  const WarpCopy<F, kRows> copy(p, bg, bsg, n0, lane);
   auto load_weights = [&](int kt) { copy.load(p, kt, wbase + uint32_t((kt % S::kStages) * S::kWStage), lane); };
 #pragma unroll
   for (int s = 0; s < S::kStages - 1; ++s) {
@@ -243,7 +264,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
       if (kt + S::kStages - 1 < k_tiles) load_weights(kt + S::kStages - 1);
       cp_async_commit();
       uint32_t a[4][4];
-      weight_fragments<F>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
+      weight_fragments<F, kRows>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
       const uint32_t tok = smem_address(tokens + (kt - c0) * S::kTokenTile);
 #pragma unroll
       for (int j = 0; j < J; ++j)
@@ -268,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
     for (int e = 0; e < 4; ++e) {
       const long long row = r0 + 8 * j + 2 * tig + (e & 1);
       const int col = n0 + gid + 8 * (e >> 1);
-      if (row >= r1 || col >= p.n) continue;
+      if ((kRows == 8 && e >= 2) || row >= r1 || col >= p.n) continue;
       float* c = p.c + row * p.ldc + col;
       *c = finish_value(p, sbo, acc[j][e], row, col, p.accumulate ? *c : 0.0f);
     }
