@@ -15,7 +15,8 @@ namespace hopper {
 // weights in its shared-memory B operand, so every packed weight tile is decoded by the whole CTA
 // into shared memory and the MMAs wait behind a barrier for it: Nsight Compute showed those tiles
 // bound by that chain, not by bytes. Here the roles are swapped: C^T = B . A^T, each warp owning 16
-// weight rows (16 columns of C) over the whole of K. A warp streams its rows' K tiles as stored
+// weight rows (16 columns of C; or 8, Shape's R, the fragments' other rows zero) over the whole of
+// K. A warp streams its rows' K tiles as stored
 // (codes and block scales, or BF16) by its own cp.async pipeline, decodes each thread's share of
 // a tile in registers straight into mma.sync's A fragment and multiplies it by the tokens,
 // 8 J of them as J n8 blocks of the B fragment, read with ldmatrix from a BF16 copy the CTA
