@@ -38,7 +38,6 @@ template <Format F, int J, int R>
 struct Shape {
   static_assert(R == 16 || R == 8, "rows a warp");
   using T = Tile<F>;
-  static constexpr int kRows = R;
   static constexpr int BN = kWarps * R;  // C columns a CTA
   static constexpr int BM = 8 * J;       // tokens a CTA
   static constexpr int kStages = 8;      // a warp's K tiles of weights in flight, plus the one it works on
@@ -215,7 +214,6 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   dependent_launch_prologue();
   using T = Tile<F>;
   using S = Shape<F, J, R>;
-  constexpr int kRows = R;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_group;
   __shared__ long long s_r0, s_r1;
@@ -226,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   const long long r0 = s_r0, r1 = s_r1;
   const int group = s_group, rows = int(r1 - r0);
   const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
-  const int n0 = int(blockIdx.x) * S::BN + warp * kRows;  // the warp's first weight row
+  const int n0 = int(blockIdx.x) * S::BN + warp * R;  // the warp's first weight row
   const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
   const uint8_t* bsg = T::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
@@ -235,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   const uint32_t wbase = smem_address(wst);
 
   // the warp's weight pipeline: tile kt into stage kt % kStages, its lanes sharing the copies
-  const WarpCopy<F, kRows> copy(p, bg, bsg, n0, lane);
+  const WarpCopy<F, R> copy(p, bg, bsg, n0, lane);
   auto load_weights = [&](int kt) { copy.load(p, kt, wbase + uint32_t((kt % S::kStages) * S::kWStage), lane); };
 #pragma unroll
   for (int s = 0; s < S::kStages - 1; ++s) {
@@ -265,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
       if (kt + S::kStages - 1 < k_tiles) load_weights(kt + S::kStages - 1);
       cp_async_commit();
       uint32_t a[4][4];
-      weight_fragments<F, kRows>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
+      weight_fragments<F, R>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
       const uint32_t tok = smem_address(tokens + (kt - c0) * S::kTokenTile);
 #pragma unroll
       for (int j = 0; j < J; ++j)
@@ -290,7 +288,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
     for (int e = 0; e < 4; ++e) {
       const long long row = r0 + 8 * j + 2 * tig + (e & 1);
       const int col = n0 + gid + 8 * (e >> 1);
-      if ((kRows == 8 && e >= 2) || row >= r1 || col >= p.n) continue;
+      if ((R == 8 && e >= 2) || row >= r1 || col >= p.n) continue;
       float* c = p.c + row * p.ldc + col;
       *c = finish_value(p, sbo, acc[j][e], row, col, p.accumulate ? *c : 0.0f);
     }
