@@ -10,11 +10,11 @@
 // the warps' maxes met in shared memory), S_enc and S_dec, then nvfp4_row_block per block, exactly
 // as nvfp4_row_fast_kernel. The bits are quantize()'s, one launch instead of two.
 //
-// At decode a step's activation quantizers were ~60 kernels of 2-4 us each (docs/cuda.md); the
-// ones whose input is an RMSNorm or a SwiGLU output now ride along in the producer's launch. A
-// warp per row (the norm's own layout) was tried first and lost: a decode row's 1024 SwiGLU
-// values, each an FP64 exp, and its NVFP4 blocks in one warp took longer than the two launches
-// they replaced (docs/cuda.md, session 45).
+// At decode a step's activation quantizers were ~60 kernels of 2-4 us each; the ones whose input is
+// an RMSNorm or a SwiGLU output now ride along in the producer's launch. A warp per row (the
+// norm's own layout) was tried first and lost: a decode row's 1024 SwiGLU values, each an FP64
+// exp, and its NVFP4 blocks in one warp took longer than the two launches they replaced
+// (bench/results/cuda-log.md, session 45).
 //
 // The stage holds one row (runs of 32 blocks: 2 KB of floats a run for NVFP4, 4 KB for MXFP8),
 // at most kStageBudget, so rows of up to 16384 values (the per-token quantizer's kFusedMaxCols).
