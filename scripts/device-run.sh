@@ -7,10 +7,10 @@
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
 # `ncu` (not part of `all`): Nsight Compute's full section set on the grouped kernel's first TMA-form
-# launches in gpu_grouped_gemm (gpu-small's expert shape), on its decode tiles at batch 1, and on the
-# fused attention's three wgmma kernels in gpu_attention, their details pages and source views (stall samples per SASS
-# instruction); it reads hardware counters on the Firecracker runtime only
-# (the device library's KINDS.md), with the clocks left alone.
+# launches in gpu_grouped_gemm (gpu-small's expert shape), on the streaming decode kernel at batch 1
+# and 16, and on the fused attention's three wgmma kernels in gpu_attention, their details pages and
+# source views (stall samples per SASS instruction); it reads hardware counters on the Firecracker
+# runtime only (the device library's KINDS.md), with the clocks left alone.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -144,17 +144,19 @@ if [[ " ${steps[*]} " == *" ncu "* ]]; then
   ncu --import "$OUT/ncu_attention.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_attention_sass.csv" 2>&1
   grep -E "flash_|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|No Eligible" \
     "$OUT/ncu_attention.txt" | head -30
-  # the grouped kernel's decode tiles at batch 1 (gpu_grouped_gemm --decode-only): NVFP4 64 x 128 and
-  # 64 x 32, BF16 64 x 128 (template arguments: format, WGM, WGN, MN-major B, stages, tile width)
-  for spec in "nvfp4_128:4, .int.1, .int.1, .bool.0, .int.4, .int.128>" "nvfp4_32:4, .int.1, .int.1, .bool.0, .int.8, .int.32>" \
-              "bf16_128:1, .int.1, .int.1, .bool.0, .int.4, .int.128>"; do
+  # the streaming decode kernel (gpu_grouped_gemm --decode-only, gpu-small's w1|w3): the first launch
+  # of each instance is batch 1 (2 rows, 8-row warps) for NVFP4 and BF16, and batch 16 (32 rows,
+  # 16-row warps) for NVFP4. Template arguments: format (BF16 1, NVFP4 4), n8 token blocks, rows a warp.
+  for spec in "stream_nvfp4_1:4, (.int.)?1, (.int.)?8>" "stream_bf16_1:1, (.int.)?1, (.int.)?8>" \
+              "stream_nvfp4_16:4, (.int.)?1, (.int.)?16>"; do
     name=${spec%%:*}
-    ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:wgmma_kernel<.fourbit::Format.${spec#*:}" \
-      --launch-count 1 --set full --import-source yes -o "$OUT/ncu_decode_$name" "$BUILD/bench/gpu_grouped_gemm" \
-      --decode-only --reps 1 > "$OUT/ncu_decode_$name.log" 2>&1; tail -1 "$OUT/ncu_decode_$name.log"
-    ncu --import "$OUT/ncu_decode_$name.ncu-rep" --page details > "$OUT/ncu_decode_$name.txt" 2>&1
-    ncu --import "$OUT/ncu_decode_$name.ncu-rep" --page source --csv --print-source sass \
-      > "$OUT/ncu_decode_${name}_sass.csv" 2>&1
+    ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:stream_kernel<.fourbit::Format.${spec#*:}" \
+      --launch-count 1 --set full --import-source yes -o "$OUT/ncu_$name" "$BUILD/bench/gpu_grouped_gemm" \
+      --decode-only --reps 1 > "$OUT/ncu_$name.log" 2>&1; tail -1 "$OUT/ncu_$name.log"
+    ncu --import "$OUT/ncu_$name.ncu-rep" --page details > "$OUT/ncu_$name.txt" 2>&1
+    ncu --import "$OUT/ncu_$name.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${name}_sass.csv" 2>&1
+    grep -E "Duration|DRAM Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|No Eligible" \
+      "$OUT/ncu_$name.txt" | head -8
   done
   log ncu done
 fi
