@@ -96,61 +96,116 @@ __device__ __forceinline__ void stage_tokens(const GroupedArgs& p, long long r0,
   }
 }
 
+// Keeps v, worked out once before the K loop, in a register: nvcc otherwise recomputes such lane-
+// and warp-derived addresses from the thread index and the kernel's arguments inside the loop,
+// every K tile.
+__device__ __forceinline__ void hold(uint32_t& v) { asm volatile("" : "+r"(v)); }
+__device__ __forceinline__ void hold(int& v) { asm volatile("" : "+r"(v)); }
+template <class V>
+__device__ __forceinline__ void hold(const V*& v) { asm volatile("" : "+l"(v)); }
+
 // A warp's copies of its R weight rows' K tiles into its pipeline stages, in load_tile's layout
 // (codes then one block-scale word a row; BF16 rows in the 128-byte swizzle), each lane's sources
-// and destinations worked out once: tile kt is kRowBytes further along every row. Rows past N and
-// 16-byte units starting past k_end are zero-filled, as load_tile does.
+// and destinations worked out once: tile kt is kRowBytes kt further along every row. Rows past N
+// and 16-byte units starting past k_end are zero-filled, as load_tile does; a row past N names row
+// 0 (so that a tile inside K needs no test), and only the last tile may reach past k_end.
 template <Format F, int kRows>
 struct WarpCopy {
   using T = Tile<F>;
   static constexpr int kUnits = kRows * T::kChunks;         // 16-byte copies a K tile
   static constexpr int kCopies = (kUnits + 31) / 32;        // a lane's (lanes past kUnits: none)
   static constexpr int kChunkValues = 128 / T::kBits;
-  const unsigned char* src[kCopies];  // null: a row past N
+  static_assert(32 % T::kChunks == 0, "a lane copies the same chunk of each of its rows");
+  const unsigned char* src[kCopies];  // tile 0's
+  int src_bytes[kCopies];             // 16, or 0: a row past N (src: row 0's)
   const unsigned char* any;            // a readable address for the zero-filling copies (which read nothing)
-  uint32_t dst[kCopies];
-  int k_first[kCopies];  // the value index of a copy's first code in tile 0
-  const uint8_t* scale_src;
-  bool scale_row;
+  uint32_t dst[kCopies];               // shared address in stage 0
+  int k_first;  // the value index of the lane's first code in tile 0 (the same chunk of each row)
+  const uint8_t* scale_src;            // the lane's row's block scales (a row past N: row 0's)
+  int scale_bytes;                     // 4, or 0: a row past N
+  uint32_t scale_dst;
+  unsigned first_block;                // the block holding tile 0's first value (k_begin >= 0)
+  // stages: the warp's first stage's shared address
   __device__ __forceinline__ WarpCopy(const GroupedArgs& p, const unsigned char* bg, const uint8_t* bsg, int n0,
-                                      int lane)
+                                      int lane, uint32_t stages)
       : any(bg) {
+    const int chunk = lane % T::kChunks;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int idx = lane + 32 * i, row = idx / T::kChunks, chunk = idx % T::kChunks;
-      const bool ok = idx < kUnits && n0 + row < p.n;
-      src[i] = ok ? bg + (long long)(n0 + row) * p.b.ld + (long long)p.k_begin * T::kBits / 8 + chunk * 16 : nullptr;
-      dst[i] = T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk);
-      k_first[i] = p.k_begin + chunk * kChunkValues;
+      const int idx = lane + 32 * i, row = idx / T::kChunks;
+      const bool row_ok = idx < kUnits && n0 + row < p.n;
+      src[i] = bg + (long long)(row_ok ? n0 + row : 0) * p.b.ld + (long long)p.k_begin * T::kBits / 8 + chunk * 16;
+      src_bytes[i] = row_ok ? 16 : 0;
+      dst[i] = stages + (T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk));
+      hold(src[i]);
+      hold(src_bytes[i]);
+      hold(dst[i]);
     }
-    scale_row = T::kPacked && lane < kRows && n0 + lane < p.n;
-    scale_src = scale_row ? bsg + (long long)(n0 + lane) * p.b.scale_ld : nullptr;
+    k_first = p.k_begin + chunk * kChunkValues;
+    const bool scale_row = T::kPacked && lane < kRows && n0 + lane < p.n;
+    scale_src = T::kPacked ? bsg + (long long)(scale_row ? n0 + lane : 0) * p.b.scale_ld : nullptr;
+    scale_bytes = scale_row ? 4 : 0;
+    scale_dst = stages + uint32_t(kRows * T::kRowBytes + 4 * lane);
+    first_block = unsigned(p.k_begin) / block_values<F>();
+    hold(scale_src);
+    hold(scale_bytes);
+    hold(scale_dst);
   }
-  // Starts the copies of K tile kt into the stage at shared address st.
-  __device__ __forceinline__ void load(const GroupedArgs& p, int kt, uint32_t st, int lane) const {
+  // Starts the copies of K tile kt (< k_tiles) into the stage `stage` bytes on. kInside: the tile
+  // ends at or before k_end, so no unit of it starts past k_end. A tile's first value is before
+  // k_end, and with it its scale word: copied wherever its row is.
+  template <bool kInside>
+  __device__ __forceinline__ void load(const GroupedArgs& p, int kt, uint32_t stage, int lane) const {
+    const unsigned tile_bytes = unsigned(kt) * T::kRowBytes;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      if (kUnits % 32 != 0 && lane + 32 * i >= kUnits) continue;  // no unit of this lane's
-      const bool ok = src[i] && k_first[i] + kt * 64 < p.k_end;
-      cp_async16(st + dst[i], ok ? src[i] + kt * T::kRowBytes : any, ok ? 16 : 0);
+      const unsigned char* from = src[i] + tile_bytes;
+      int bytes = src_bytes[i];
+      if constexpr (!kInside) {
+        const bool ok = bytes != 0 && k_first + kt * 64 < p.k_end;
+        from = ok ? from : any;
+        bytes = ok ? 16 : 0;
+      }
+      // lanes past kUnits have no unit: their copy predicated off, not branched around
+      if constexpr (kUnits % 32 == 0) cp_async16(dst[i] + stage, from, bytes);
+      else cp_async16_if(lane + 32 * i < kUnits, dst[i] + stage, from, bytes);
     }
     if constexpr (T::kPacked) {
-      const int k0 = p.k_begin + kt * 64, word = (k0 / block_values<F>()) & ~3;
-      if (lane < kRows)
-        cp_async4(st + uint32_t(kRows * T::kRowBytes + 4 * lane), scale_row ? scale_src + word : any,
-                  scale_row && k0 < p.k_end ? 4 : 0);
+      const unsigned word = (first_block + unsigned(kt) * (64 / block_values<F>())) & ~3u;
+      if (lane < kRows) cp_async4(scale_dst + stage, scale_src + word, scale_bytes);
+    }
+  }
+};
+
+// The shared addresses weight_fragments reads in a warp's stage 0: BF16, each ldmatrix's row for
+// this lane (16 rows: one a k16 step; 8 rows: one a pair of steps); packed, its row gid's codes
+// (row gid + 8's kRowBytes 8 on) and block-scale word.
+template <Format F, int kRows>
+struct FragmentAddresses {
+  using T = Tile<F>;
+  static constexpr int kCount = !T::kPacked && kRows == 16 ? 4 : 2;
+  uint32_t at[kCount];
+  __device__ __forceinline__ FragmentAddresses(int lane, uint32_t stages) {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      if constexpr (T::kPacked) at[i] = i == 0 ? (lane >> 2) * T::kRowBytes : kRows * T::kRowBytes + 4 * (lane >> 2);
+      else if constexpr (kRows == 16) at[i] = sw128(lane & 15, 2 * i + (lane >> 4));
+      else at[i] = sw128(lane & 7, 4 * i + (lane >> 3));  // matrices (rows 0..7) x chunks 4 i .. 4 i + 3
+      at[i] += stages;
+      hold(at[i]);
     }
   }
 };
 
 // This thread's A fragments (mma_bf16's layout: rows gid and gid + 8 of the warp's 16, k 2 tig ..
-// and 2 tig + 8 .. of each k16 step) of the warp's K tile at `st` (WarpCopy's layout): BF16 by
-// ldmatrix from the 128-byte swizzle; packed ones decoded from the rows' codes, each value the
-// product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by integer moves
-// and two BF16-pair FMAs a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits. With 8 rows a
-// warp, rows gid + 8 are zeros.
+// and 2 tig + 8 .. of each k16 step) of the warp's K tile in the stage `stage` bytes on (WarpCopy's
+// layout): BF16 by ldmatrix from the 128-byte swizzle; packed ones decoded from the rows' codes,
+// each value the product code x block scale rounded once to BF16, as decode8_bits has it: NVFP4 by
+// integer moves and two BF16-pair FMAs a code byte (e2m1x2_times, exact), MXFP8 by decode2_bits.
+// With 8 rows a warp, rows gid + 8 are zeros.
 template <Format F, int kRows>
-__device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0, int lane, uint32_t (&a)[4][4]) {
+__device__ __forceinline__ void weight_fragments(const FragmentAddresses<F, kRows>& fa, uint32_t stage, int k0,
+                                                 int lane, uint32_t (&a)[4][4]) {
   using T = Tile<F>;
   if constexpr (kRows == 8) {
 #pragma unroll
@@ -158,31 +213,29 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
   }
   if constexpr (!T::kPacked) {
     (void)k0;
-    const uint32_t base = smem_address(st);
     if constexpr (kRows == 16) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], base + sw128(lane & 15, 2 * s + (lane >> 4)));
-    } else {  // matrices (rows 0..7) x chunks 4 q .. 4 q + 3: k16 steps 2 q, 2 q + 1
+      for (int s = 0; s < 4; ++s) ldsm_x4<false>(a[s], fa.at[s] + stage);
+    } else {  // k16 steps 2 q, 2 q + 1
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         uint32_t r[4];
-        ldsm_x4<false>(r, base + sw128(lane & 7, 4 * q + (lane >> 3)));
+        ldsm_x4<false>(r, fa.at[q] + stage);
         a[2 * q][0] = r[0], a[2 * q][2] = r[1], a[2 * q + 1][0] = r[2], a[2 * q + 1][2] = r[3];
       }
     }
   } else {
-    const int gid = lane >> 2, tig = lane & 3;
+    const int tig = lane & 3;
     constexpr int kWords = T::kRowBytes / 4;
 #pragma unroll
     for (int h = 0; h < kRows / 8; ++h) {  // rows gid, gid + 8
-      const int row = gid + 8 * h;
       uint32_t w[kWords];
 #pragma unroll
       for (int i = 0; i < kWords / 4; ++i) {
-        const uint4 v = *reinterpret_cast<const uint4*>(st + row * T::kRowBytes + 16 * i);
+        const uint4 v = ld_shared_v4(fa.at[0] + stage + uint32_t(8 * h * T::kRowBytes + 16 * i));
         w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
       }
-      const uint32_t scales = *reinterpret_cast<const uint32_t*>(st + kRows * T::kRowBytes + 4 * row);
+      const uint32_t scales = ld_shared_u32(fa.at[1] + stage + uint32_t(32 * h));
       if constexpr (F == Format::NVFP4) {
         // a 64-wide tile starts a scale word (k0 is a multiple of 64 where K is packed)
         uint32_t sc[4];
@@ -193,7 +246,7 @@ __device__ __forceinline__ void weight_fragments(const unsigned char* st, int k0
           a[s][2 + h] = e2m1x2_times(w[2 * s + 1], tig, sc[s]);
         }
       } else {
-        const int first_block = (k0 / block_values<F>()) & 3;  // the tile's first scale in the word
+        const int first_block = (unsigned(k0) / block_values<F>()) & 3;  // the tile's first scale in the word (k0 >= 0)
         const float sv[2] = {decode8_scale<F>(uint8_t(scales >> (8 * first_block))),
                              decode8_scale<F>(uint8_t(scales >> (8 * (first_block + 1))))};
         const bool odd = tig >= 2;  // a selection, not an index: w stays in registers
@@ -223,21 +276,35 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   if (s_group < 0) return;
   const long long r0 = s_r0, r1 = s_r1;
   const int group = s_group, rows = int(r1 - r0);
-  const int warp = int(threadIdx.x) >> 5, lane = int(threadIdx.x) & 31;
+  const int warp = int(threadIdx.x) >> 5;
+  int lane = int(threadIdx.x) & 31;
+  hold(lane);
   const int n0 = int(blockIdx.x) * S::BN + warp * R;  // the warp's first weight row
   const unsigned char* bg = p.b.data + group * p.b.slice_bytes;
   const uint8_t* bsg = T::kPacked ? p.b.scales + group * p.b.scale_slice : nullptr;
   const int k_tiles = (p.k_end - p.k_begin + 63) / 64;
+  const int k_inside = (p.k_end - p.k_begin) / 64;  // tiles ending at or before k_end: all but a partial last
   unsigned char* tokens = smem;
-  unsigned char* wst = smem + chunk * S::kTokenTile + warp * S::kStages * S::kWStage;
-  const uint32_t wbase = smem_address(wst);
+  const uint32_t stages = smem_address(smem + chunk * S::kTokenTile + warp * S::kStages * S::kWStage);
 
-  // the warp's weight pipeline: tile kt into stage kt % kStages, its lanes sharing the copies
-  const WarpCopy<F, R> copy(p, bg, bsg, n0, lane);
-  auto load_weights = [&](int kt) { copy.load(p, kt, wbase + uint32_t((kt % S::kStages) * S::kWStage), lane); };
+  // the warp's weight pipeline: tile kt into stage kt % kStages (kWStage (kt % kStages) bytes on
+  // from the warp's first), its lanes sharing the copies
+  const WarpCopy<F, R> copy(p, bg, bsg, n0, lane, stages);
+  auto load_weights = [&](int kt, uint32_t stage) {
+    if (kt < k_inside) copy.template load<true>(p, kt, stage, lane);
+    else if (kt < k_tiles) copy.template load<false>(p, kt, stage, lane);
+  };
+  const FragmentAddresses<F, R> fragment_addresses(lane, stages);
+  // this lane's ldmatrix row of the tokens' k16 steps 2 h, 2 h + 1 in tile 0 of the chunk (n8 block 0)
+  uint32_t token_rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    token_rows[h] = smem_address(tokens) + sw128(lane & 7, 4 * h + (lane >> 3));
+    hold(token_rows[h]);
+  }
 #pragma unroll
   for (int s = 0; s < S::kStages - 1; ++s) {
-    if (s < k_tiles) load_weights(s);
+    load_weights(s, uint32_t(s * S::kWStage));
     cp_async_commit();
   }
   // the token rows past the group's are zeros, in every tile of the chunk buffer
@@ -252,28 +319,35 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const __grid_constant_
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+  // tile kt's stage and tile kt - 1's, which takes tile kt + kStages - 1: stepped, not worked out
+  // from kt (nvcc would multiply at every address)
+  constexpr uint32_t kLastStage = (S::kStages - 1) * S::kWStage;
+  uint32_t stage = 0, previous_stage = kLastStage;
   for (int c0 = 0; c0 < k_tiles; c0 += chunk) {
     const int c1 = min(k_tiles, c0 + chunk);
     if (c0 > 0) __syncthreads();  // every warp is done with the previous chunk's tokens
     stage_tokens<F, S::BM>(p, r0, rows, c0, c1, tokens);
     __syncthreads();
+    uint32_t token_tile = 0;  // tile kt's in the chunk's tokens
     for (int kt = c0; kt < c1; ++kt) {
       cp_async_wait<S::kStages - 2>();  // tile kt has landed (this lane's copies) ...
       __syncwarp();                     // ... every lane's; and every lane is done with tile kt - 1
-      if (kt + S::kStages - 1 < k_tiles) load_weights(kt + S::kStages - 1);
+      load_weights(kt + S::kStages - 1, previous_stage);
       cp_async_commit();
       uint32_t a[4][4];
-      weight_fragments<F, R>(wst + (kt % S::kStages) * S::kWStage, p.k_begin + kt * 64, lane, a);
-      const uint32_t tok = smem_address(tokens + (kt - c0) * S::kTokenTile);
+      weight_fragments<F, R>(fragment_addresses, stage, p.k_begin + kt * 64, lane, a);
 #pragma unroll
       for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // k16 steps 2 h, 2 h + 1
           uint32_t b[4];
-          ldsm_x4<false>(b, tok + sw128(8 * j + (lane & 7), 4 * h + (lane >> 3)));
+          ldsm_x4<false>(b, token_rows[h] + token_tile + uint32_t(8 * j * 128));  // rows 8 j .. of block j
           mma_bf16(acc[j], a[2 * h], b[0], b[1]);
           mma_bf16(acc[j], a[2 * h + 1], b[2], b[3]);
         }
+      previous_stage = stage;
+      stage = stage == kLastStage ? 0 : stage + S::kWStage;
+      token_tile += S::kTokenTile;
     }
   }
   cp_async_wait<0>();

@@ -1,4 +1,5 @@
-// defines: smem_address, cp_async16, cp_async4, cp_async_commit, cp_async_wait, ldsm_x4, mma_bf16,
+// defines: smem_address, cp_async16, cp_async4, cp_async16_if, cp_async_commit, cp_async_wait,
+//          ld_shared_u32, ld_shared_v4, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
 //          wgmma_m64n128k16, wgmma_m64n64k16_ss, wgmma_m64n32k16_ss, wgmma_m64nNk16_rs, mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx,
 //          mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
@@ -32,12 +33,33 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
   cp_async4(smem_address(dst), src, src_bytes);
 }
+// cp_async16 issued only where `issue`: a predicate on the instruction rather than a branch around
+// it (which costs a divergent warp its branch and reconvergence).
+__device__ __forceinline__ void cp_async16_if(bool issue, uint32_t dst, const void* src, int src_bytes) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+      "l"(src), "r"(src_bytes), "r"(int(issue))
+      : "memory");
+}
 // Closes the thread's current group of copies.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 // Waits until at most kPending of the thread's committed groups are still in flight (the newest).
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Loads from shared address addr (4 or 16 bytes, aligned). Volatile, as ldsm_x4: kept after the
+// waits and barriers that make the data visible.
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
 }
 
 // ldmatrix .x4: four 8x8 BF16 matrices, lane l giving the shared address of row l % 8 of matrix
