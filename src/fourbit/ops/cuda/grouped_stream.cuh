@@ -142,10 +142,13 @@ struct WarpCopy {
       hold(dst[i]);
     }
     k_first = p.k_begin + chunk * kChunkValues;
-    const bool scale_row = T::kPacked && lane < kRows && n0 + lane < p.n;
-    scale_src = T::kPacked ? bsg + (long long)(scale_row ? n0 + lane : 0) * p.b.scale_ld : nullptr;
+    // every lane copies a row's word, lanes past kRows lane % kRows's again (the same bytes to the
+    // same place): no divergent branch around the copy in the K loop
+    const int scale_lane = lane % kRows;
+    const bool scale_row = T::kPacked && n0 + scale_lane < p.n;
+    scale_src = T::kPacked ? bsg + (long long)(scale_row ? n0 + scale_lane : 0) * p.b.scale_ld : nullptr;
     scale_bytes = scale_row ? 4 : 0;
-    scale_dst = stages + uint32_t(kRows * T::kRowBytes + 4 * lane);
+    scale_dst = stages + uint32_t(kRows * T::kRowBytes + 4 * scale_lane);
     first_block = unsigned(p.k_begin) / block_values<F>();
     hold(scale_src);
     hold(scale_bytes);
@@ -172,7 +175,7 @@ struct WarpCopy {
     }
     if constexpr (T::kPacked) {
       const unsigned word = (first_block + unsigned(kt) * (64 / block_values<F>())) & ~3u;
-      if (lane < kRows) cp_async4(scale_dst + stage, scale_src + word, scale_bytes);
+      cp_async4(scale_dst + stage, scale_src + word, scale_bytes);
     }
   }
 };
