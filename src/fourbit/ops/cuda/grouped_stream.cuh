@@ -116,6 +116,9 @@ struct WarpCopy {
   static constexpr int kCopies = (kUnits + 31) / 32;        // a lane's (lanes past kUnits: none)
   static constexpr int kChunkValues = 128 / T::kBits;
   static_assert(32 % T::kChunks == 0, "a lane copies the same chunk of each of its rows");
+  // a lane's copies are 32 / kChunks rows apart; those kRepeat apart are rows a multiple of 8 apart
+  // (the same swizzle), so their destinations differ by a constant
+  static constexpr int kRowsApart = 32 / T::kChunks, kRepeat = T::kPacked ? 1 : 8 / kRowsApart;
   const unsigned char* src[kCopies];  // tile 0's
   int src_bytes[kCopies];             // 16, or 0: a row past N (src: row 0's)
   const unsigned char* any;            // a readable address for the zero-filling copies (which read nothing)
@@ -136,10 +139,14 @@ struct WarpCopy {
       const bool row_ok = idx < kUnits && n0 + row < p.n;
       src[i] = bg + (long long)(row_ok ? n0 + row : 0) * p.b.ld + (long long)p.k_begin * T::kBits / 8 + chunk * 16;
       src_bytes[i] = row_ok ? 16 : 0;
-      dst[i] = stages + (T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk));
       hold(src[i]);
       hold(src_bytes[i]);
-      hold(dst[i]);
+      if (i < kRepeat) {
+        dst[i] = stages + (T::kPacked ? uint32_t(row * T::kRowBytes + chunk * 16) : T::bf16_offset(row, chunk));
+        hold(dst[i]);
+      } else {
+        dst[i] = dst[i - kRepeat] + uint32_t(kRepeat * kRowsApart * T::kRowBytes);
+      }
     }
     k_first = p.k_begin + chunk * kChunkValues;
     // every lane copies a row's word, lanes past kRows lane % kRows's again (the same bytes to the
