@@ -121,7 +121,7 @@ struct WarpCopy {
   static constexpr int kRowsApart = 32 / T::kChunks, kRepeat = T::kPacked ? 1 : 8 / kRowsApart;
   const unsigned char* src[kCopies];  // tile 0's
   int src_bytes[kCopies];             // 16, or 0: a row past N (src: row 0's)
-  const unsigned char* any;            // a readable address for the zero-filling copies (which read nothing)
+  const unsigned char* any;            // a readable address for the last tile's copies past k_end (which read nothing)
   uint32_t dst[kCopies];               // shared address in stage 0
   int k_first;  // the value index of the lane's first code in tile 0 (the same chunk of each row)
   const uint8_t* scale_src;            // the lane's row's block scales (a row past N: row 0's)
@@ -161,9 +161,9 @@ struct WarpCopy {
     hold(scale_bytes);
     hold(scale_dst);
   }
-  // Starts the copies of K tile kt (< k_tiles) into the stage `stage` bytes on. kInside: the tile
-  // ends at or before k_end, so no unit of it starts past k_end. A tile's first value is before
-  // k_end, and with it its scale word: copied wherever its row is.
+  // Starts the copies of K tile kt (< k_tiles) into the stage `stage` bytes past stage 0. kInside:
+  // the tile ends at or before k_end, so no unit of it starts past k_end. A tile's first value is
+  // before k_end, and with it its scale word: copied wherever its row is.
   template <bool kInside>
   __device__ __forceinline__ void load(const GroupedArgs& p, int kt, uint32_t stage, int lane) const {
     const unsigned tile_bytes = unsigned(kt) * T::kRowBytes;
