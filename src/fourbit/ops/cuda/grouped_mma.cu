@@ -83,7 +83,8 @@ constexpr int kStreamWidth = 16;
 // again, mostly from L2). Any choice gives the same bits. A warp takes 16 weight rows, or 8 where
 // the call has at most kStreamRows8 rows in all: there a warp's K loop is what the call waits for
 // (one warp a sub-partition, issuing its whole decode), and 8 rows halve each warp's decode (NVFP4:
-// 114 instructions a K tile instead of 177) while twice the warps stream the matrix. Measured in
+// 114 instructions a K tile instead of 177; 160 and 241 before the loop's addresses were held in
+// registers, when the gain was measured) while twice the warps stream the matrix. Measured in
 // the sampler's decode on an H100 (two calls, each A/B in adjacent processes): nvfp4-fwd +5–7%,
 // bf16 +3–7% at batch 1 and 4 (8 rows in all); at 32 rows (batch 16) the isolated kernel's single
 // runs went both ways (NVFP4 faster, MXFP8 slower), so larger calls keep 16.
