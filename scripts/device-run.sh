@@ -27,7 +27,7 @@ if has build; then
   log build
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFOURBIT_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a-real > "$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention gpu_sampler gpu_grouped_gemm fourbit_kprof > "$OUT/build.log" 2>&1 \
+  ninja -C "$BUILD" -j 16 fourbit_tests fourbit_cli train_bench gpu_quant gpu_attention gpu_sampler gpu_grouped_gemm gpu_chain fourbit_kprof > "$OUT/build.log" 2>&1 \
     || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   log build done
 fi
@@ -46,6 +46,8 @@ if has bench; then
   log gpu_sampler
   "$BUILD/bench/gpu_sampler" --config configs/gpu-small.toml --device cuda --json "$OUT/gpu_sampler.json" 2>&1 \
     | tee "$OUT/gpu_sampler.log" | tail -16
+  log gpu_chain
+  "$BUILD/bench/gpu_chain" --json "$OUT/gpu_chain.json" 2>&1 | tee "$OUT/gpu_chain.log" | tail -10
   log gpu_grouped_gemm
   "$BUILD/bench/gpu_grouped_gemm" --json "$OUT/gpu_grouped_gemm.json" 2>&1 | tee "$OUT/gpu_grouped_gemm.log" | tail -9
   log train_bench
