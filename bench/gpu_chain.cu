@@ -147,18 +147,14 @@ void kernel_chain(const Buffers& buf, int links) {
                                 const_cast<const float*>(i % 2 ? buf.b : buf.a), i % 2 ? buf.a : buf.b);
 }
 
-void cooperative(void (*kernel)(float*, float*, int, unsigned*, unsigned*), const Buffers& buf, int links) {
-  unsigned* count = buf.sync;
-  unsigned* generation = buf.sync + 1;
-  void* args[] = {const_cast<float**>(&buf.a), const_cast<float**>(&buf.b), &links, &count, &generation};
+// One launch of a persistent kernel, every CTA resident at once (a cooperative launch fails
+// rather than leave one waiting on a barrier no CTA can reach). The counters are buf.sync's.
+template <typename... Counters>
+void cooperative(void (*kernel)(float*, float*, int, Counters...), const Buffers& buf, int links, Counters... counters) {
+  float* a = buf.a;
+  float* b = buf.b;
+  void* args[] = {&a, &b, &links, &counters...};
   BENCH_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kernel), dim3(unsigned(buf.ctas)),
-                                               dim3(kThreads), args, 0, ops::cuda::stream()));
-}
-
-void cooperative_flags(const Buffers& buf, int links) {
-  unsigned* done = buf.sync + 2;
-  void* args[] = {const_cast<float**>(&buf.a), const_cast<float**>(&buf.b), &links, &done};
-  BENCH_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<void*>(flag_chain_kernel), dim3(unsigned(buf.ctas)),
                                                dim3(kThreads), args, 0, ops::cuda::stream()));
 }
 
@@ -224,10 +220,11 @@ int main(int argc, char** argv) {
       add(dependent ? "kernels, graph, dependent launches" : "kernels, graph", [&] { graph->replay(); }, ctas);
     }
     ops::cuda::set_dependent_launches(true);
-    add("persistent, grid barrier a link", [&] { cooperative(barrier_chain_kernel, buf, links); }, ctas);
+    const auto barriers = [&] { cooperative(barrier_chain_kernel, buf, links, buf.sync, buf.sync + 1); };
+    add("persistent, grid barrier a link", barriers, ctas);
     // The flag chain works on row 0 only: its rows are the 1-CTA chain's.
-    if (ctas == 1) add("persistent, one CTA (the work alone)", [&] { cooperative_flags(buf, links); }, 1);
-    else add("persistent, a flag a link, the next CTA", [&] { cooperative_flags(buf, links); }, 1);
+    const auto flags = [&] { cooperative(flag_chain_kernel, buf, links, buf.sync + 2); };
+    add(ctas == 1 ? "persistent, one CTA (the work alone)" : "persistent, a flag a link, the next CTA", flags, 1);
   }
   table.print();
   table.write_json(bench::json_path_arg(argc, argv));
