@@ -150,7 +150,8 @@ void kernel_chain(const Buffers& buf, int links) {
 // One launch of a persistent kernel, every CTA resident at once (a cooperative launch fails
 // rather than leave one waiting on a barrier no CTA can reach). The counters are buf.sync's.
 template <typename... Counters>
-void cooperative(void (*kernel)(float*, float*, int, Counters...), const Buffers& buf, int links, Counters... counters) {
+void cooperative(void (*kernel)(float*, float*, int, Counters...), const Buffers& buf, int links,
+                 Counters... counters) {
   float* a = buf.a;
   float* b = buf.b;
   void* args[] = {&a, &b, &links, &counters...};
