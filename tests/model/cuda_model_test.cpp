@@ -129,7 +129,8 @@ INSTANTIATE_TEST_SUITE_P(Recipes, CudaBatchInvariance, ::testing::Values("fp32",
 // rope_fused_qkv_to_cache, and every FFN's w1 | w3 as one into swiglu_forward_fused, with the
 // block-scaled fprop inputs quantized by the norms and SwiGLUs that write them (ops.h "Quantized
 // outputs": mxfp8 and nvfp4-fwd), give the bytes of the GEMMs and quantizers run apart, on the
-// grouped kernel's decode and training tiles alike; so do Model::logits. NVIDIA's recipe keeps its
+// grouped kernel's decode and training tiles alike, and so do those of a MoE layer's shared expert
+// run as one more group of the routed experts' GEMMs (or apart); so do Model::logits. NVIDIA's recipe keeps its
 // per-tensor-scaled q, k and v apart (and its inputs' quantizers: per-tensor scales), fp32 every GEMM.
 TEST(CudaModel, FusedForwardGemmsGiveTheSameBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -169,15 +170,26 @@ TEST(CudaModel, FusedForwardGemmsGiveTheSameBits) {
       const auto wqkv = m.fused_weights().find("layers.1.attn.wqkv/fprop");
       ASSERT_TRUE(wqkv != m.fused_weights().end());
       EXPECT_EQ(wqkv->second.defined(), std::string(recipe) != "nvidia-nvfp4");
-      const auto w13 = m.fused_weights().find("layers.1.moe.w13/fprop");
+      // the shared expert runs as one more group of the routed experts' GEMMs (set_shared_expert_grouped)
+      // but with NVIDIA's per-tensor token scales
+      const bool grouped = std::string(recipe) != "nvidia-nvfp4";
+      const auto w13 = m.fused_weights().find(grouped ? "layers.1.moe.w13+shared/fprop" : "layers.1.moe.w13/fprop");
       EXPECT_TRUE(w13 != m.fused_weights().end() && w13->second.defined());
     }
     g = g0;  // the same decode tokens
+    m.invalidate_weight_cache();
+    set_shared_expert_grouped(false);
+    const std::vector<Tensor> ungrouped = run();
+    set_shared_expert_grouped(true);
+    g = g0;
     set_fused_forward_gemms(false);
     const std::vector<Tensor> apart = run();
     set_fused_forward_gemms(true);
     ASSERT_EQ(fused.size(), apart.size());
-    for (size_t i = 0; i < fused.size(); ++i)
+    ASSERT_EQ(ungrouped.size(), apart.size());
+    for (size_t i = 0; i < fused.size(); ++i) {
       EXPECT_EQ(0, std::memcmp(fused[i].raw(), apart[i].raw(), size_t(fused[i].nbytes()))) << "call " << i;
+      EXPECT_EQ(0, std::memcmp(ungrouped[i].raw(), apart[i].raw(), size_t(fused[i].nbytes()))) << "call " << i;
+    }
   }
 }

@@ -21,10 +21,17 @@ using namespace fourbit::modeltest;
 
 namespace {
 
-// set_fused_forward_gemms for the scope, restored to the default (on) after.
+// set_fused_forward_gemms and set_shared_expert_grouped for the scope, restored to the defaults
+// (on) after.
 struct FusedGemms {
-  explicit FusedGemms(bool on) { set_fused_forward_gemms(on); }
-  ~FusedGemms() { set_fused_forward_gemms(true); }
+  explicit FusedGemms(bool on, bool shared_grouped = true) {
+    set_fused_forward_gemms(on);
+    set_shared_expert_grouped(shared_grouped);
+  }
+  ~FusedGemms() {
+    set_fused_forward_gemms(true);
+    set_shared_expert_grouped(true);
+  }
   FusedGemms(const FusedGemms&) = delete;
   FusedGemms& operator=(const FusedGemms&) = delete;
 };
@@ -122,8 +129,51 @@ TEST(FusedForward, StackingIsAViewWhereTheBuffersAdjoinAndRefusedWhereScalesDiff
   EXPECT_FALSE(stack_fprop_weights({adj[0], pm}, false).defined());
 }
 
-// Inference forwards on the CPU, fusion on and off: the same logits, bytes, for every recipe; the
-// FFNs' w1 | w3 ran stacked but for fp32 (the attention's need the GPU's BF16 cache).
+// A MoE layer's routed experts' fprop weights (4 slices) and its shared expert's (one matrix)
+// appended: each group of a grouped GEMM over the result gives its part's own GEMM, bit for bit.
+TEST(FusedForward, AppendedSlicesGiveEachPartsGemmBits) {
+  const int64_t K = 64, R = 32, M = 37;
+  for (const char* recipe : {"bf16", "mxfp8", "nvfp4-fwd"}) {
+    SCOPED_TRACE(recipe);
+    const LayerRecipe& r = recipe_by_name(recipe).layer(LayerClass::Expert, 0, 6);
+    const Prepared routed = prepare(optest::random_tensor({4, R, K}, DType::F32, 530, -3.0, 3.0), r.fprop.b,
+                                    GemmRole::Fprop, 'b', site(1), LayerClass::Expert, nullptr);
+    const Prepared shared = prepare(optest::random_tensor({R, K}, DType::F32, 531, -2.0, 2.0), r.fprop.b,
+                                    GemmRole::Fprop, 'b', site(2), LayerClass::Expert, nullptr);
+    const Prepared all = append_weight_slices({routed, shared});
+    ASSERT_TRUE(all.defined());
+    EXPECT_EQ(all.is_quantized() ? all.q.slices : all.dense.size(0), 5);
+    const Prepared x = prepare(optest::random_tensor({M, K}, DType::F32, 532), r.fprop.a, GemmRole::Fprop, 'a',
+                               site(3), LayerClass::Expert, nullptr);
+    const std::vector<int64_t> offsets{0, 5, 5, 17, 24, M};  // an empty expert; the shared group last
+    const Tensor got = gemm_out(x, all, offsets, R);
+    const Tensor want_routed = gemm_out(x.rows(0, 24), routed, {0, 5, 5, 17, 24}, R);
+    const Tensor want_shared = gemm_out(x.rows(24, M), shared, {0, M - 24}, R);
+    EXPECT_TRUE(same_bytes(got.slice_rows(0, 24), want_routed));
+    EXPECT_TRUE(same_bytes(got.slice_rows(24, M), want_shared));
+  }
+  // refused: different formats, row counts, per-tensor outer scales, F32 dense parts
+  const LayerRecipe& mx = recipe_by_name("mxfp8").expert;
+  const LayerRecipe& fp = recipe_by_name("nvfp4-fwd").expert;
+  const Tensor w = optest::random_tensor({R, K}, DType::F32, 533);
+  const Prepared pm = prepare(w, mx.fprop.b, GemmRole::Fprop, 'b', site(4), LayerClass::Expert, nullptr);
+  const Prepared pf = prepare(w, fp.fprop.b, GemmRole::Fprop, 'b', site(5), LayerClass::Expert, nullptr);
+  EXPECT_FALSE(append_weight_slices({pm, pf}).defined());
+  const Prepared short_m = prepare(optest::random_tensor({R / 2, K}, DType::F32, 534), mx.fprop.b, GemmRole::Fprop,
+                                   'b', site(6), LayerClass::Expert, nullptr);
+  EXPECT_FALSE(append_weight_slices({pm, short_m}).defined());
+  const LayerRecipe& nv = recipe_by_name("nvidia-nvfp4").attention;  // per-tensor weight scales
+  const Prepared pt = prepare(w, nv.fprop.b, GemmRole::Fprop, 'b', site(7), LayerClass::Attention, nullptr);
+  EXPECT_FALSE(append_weight_slices({pt, pt}).defined());
+  Prepared f32;
+  f32.dense = w;
+  EXPECT_FALSE(append_weight_slices({f32, f32}).defined());
+}
+
+// Inference forwards on the CPU, fusion on and off, and with the shared expert as a group of the
+// routed experts' GEMMs or apart: the same logits, bytes, for every recipe; the FFNs' w1 | w3 ran
+// stacked but for fp32 (the attention's need the GPU's BF16 cache), and the shared expert with the
+// routed experts where the recipe quantizes tokens per row (not NVIDIA's per-tensor scales).
 TEST(FusedForward, InferenceForwardsAreTheSameBytesOnAndOff) {
   const ModelConfig c = tiny_moe_config(4, 32);  // layer 0 dense, 1-2 MoE with a shared expert, 3 the tail
   const Tensor tokens = random_tokens(2, 8, 11);
@@ -147,20 +197,37 @@ TEST(FusedForward, InferenceForwardsAreTheSameBytesOnAndOff) {
       out.push_back(m.logits(tokens, sr));
       return out;
     };
-    std::vector<Tensor> fused, apart;
+    // fp32's F32 operands run apart (on the GPU its GEMMs are cuBLASLt's, chosen per N)
+    const bool fp32 = std::string(recipe) == "fp32";
+    // NVIDIA's recipe quantizes tokens with per-tensor scales, but its tail layer (3) is BF16
+    const bool nvidia = std::string(recipe) == "nvidia-nvfp4";
+    const auto made = [&](const char* key) {
+      const auto it = m.fused_weights().find(key);
+      return it != m.fused_weights().end() && it->second.defined();
+    };
+    std::vector<Tensor> fused, ungrouped, apart;
     {
       const FusedGemms on(true);
       fused = sample();
     }
-    // fp32's F32 operands run apart (on the GPU its GEMMs are cuBLASLt's, chosen per N)
-    const bool fp32 = std::string(recipe) == "fp32";
     EXPECT_EQ(m.fused_weights().empty(), fp32);
-    for (const char* key : {"layers.0.mlp.w13/fprop", "layers.1.moe.w13/fprop", "layers.2.moe.shared.w13/fprop",
-                            "layers.3.moe.w13/fprop"}) {
-      if (fp32) continue;
-      const auto it = m.fused_weights().find(key);
-      EXPECT_TRUE(it != m.fused_weights().end() && it->second.defined()) << key;
+    if (!fp32) EXPECT_TRUE(made("layers.0.mlp.w13/fprop"));
+    for (const char* layer : {"layers.1.moe", "layers.2.moe", "layers.3.moe"}) {
+      const std::string l = layer;
+      SCOPED_TRACE(l);
+      const bool grouped = !fp32 && (!nvidia || l == "layers.3.moe");
+      EXPECT_EQ(made((l + ".w13+shared/fprop").c_str()), grouped);
+      EXPECT_EQ(made((l + ".w2+shared/fprop").c_str()), grouped);
+      EXPECT_EQ(made((l + ".w13/fprop").c_str()), !fp32 && !grouped);
+      EXPECT_EQ(made((l + ".shared.w13/fprop").c_str()), !fp32 && !grouped);
     }
+    m.invalidate_weight_cache();
+    {
+      const FusedGemms on_apart(true, false);
+      ungrouped = sample();
+    }
+    if (!fp32) EXPECT_TRUE(made("layers.1.moe.w13/fprop") && made("layers.2.moe.shared.w13/fprop"));
+    EXPECT_FALSE(made("layers.1.moe.w13+shared/fprop"));
     m.invalidate_weight_cache();
     {
       const FusedGemms off(false);
@@ -168,6 +235,10 @@ TEST(FusedForward, InferenceForwardsAreTheSameBytesOnAndOff) {
     }
     EXPECT_TRUE(m.fused_weights().empty());
     ASSERT_EQ(fused.size(), apart.size());
-    for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(same_bytes(fused[i], apart[i])) << "call " << i;
+    ASSERT_EQ(ungrouped.size(), apart.size());
+    for (size_t i = 0; i < fused.size(); ++i) {
+      EXPECT_TRUE(same_bytes(fused[i], apart[i])) << "call " << i;
+      EXPECT_TRUE(same_bytes(ungrouped[i], apart[i])) << "call " << i;
+    }
   }
 }

@@ -1113,6 +1113,29 @@ TEST(CudaLayers, RoutePlanWithoutReadBackKeepsTheOffsetsOnTheGpu) {
       "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");
 }
 
+// With extra rows (a MoE layer's shared expert as one more group), the one-warp sort, the
+// multi-kernel one and an empty routing give the CPU's plan, with and without the read-back.
+TEST(CudaLayers, RoutePlanExtraRowsEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  const int64_t E = 16, k = 2;
+  for (const int64_t N : {int64_t(0), int64_t(1), int64_t(64), int64_t(2048), int64_t(2049), int64_t(9000)}) {
+    const Tensor idx = random_routing(N, E, k, 1150 + uint64_t(N));
+    for (const int64_t extra : {N, N / 2}) {
+      const std::string name = cfg("N=%lld extra=%lld", N, extra);
+      const ops::RoutePlan want = ops::route_plan_end(ops::route_plan_begin(idx, E, Tensor(), true, extra));
+      const ops::RoutePlan got = ops::route_plan_end(ops::route_plan_begin(gpu(idx), E, Tensor(), true, extra));
+      EXPECT_EQ(got.offsets, want.offsets) << name;
+      expect_bits("extra rows: token_of_slot " + name, got.token_of_slot, want.token_of_slot);
+      expect_bits("extra rows: slot_of " + name, got.slot_of, want.slot_of);
+      const ops::PendingRoutePlan dev = ops::route_plan_begin(gpu(idx), E, Tensor(), false, extra);
+      const Tensor off = dev.plan.device_offsets.to(Device::CPU);
+      EXPECT_EQ(std::vector<int64_t>(off.data<int32_t>(), off.data<int32_t>() + off.numel()), want.offsets) << name;
+      expect_bits("extra rows, no read-back: token_of_slot " + name, dev.plan.token_of_slot, want.token_of_slot);
+    }
+  }
+  ops::check_index_errors(Device::CUDA);  // nothing recorded
+}
+
 // ---- gather / combine -----------------------------------------------------------------------------
 
 // The KV-cache write: the same rows land in the same places as on the CPU, for the 16-byte,

@@ -171,6 +171,28 @@ TEST(MoeOps, RoutePlanInvariants) {
   }
 }
 
+// extra_rows (ops.h): one more group after the experts' slots, tokens 0 .. extra_rows - 1 in
+// order; the experts' part of the plan is route_plan's without it.
+TEST(MoeOps, RoutePlanExtraRowsAreOneMoreGroupOfTheFirstTokens) {
+  const int64_t N = 23, E = 5, k = 2;
+  const Tensor idx = random_routing(N, E, k, 870);
+  const ops::RoutePlan base = ops::route_plan(idx, E);
+  for (const int64_t extra : {int64_t(0), int64_t(1), int64_t(N)}) {
+    const ops::RoutePlan plan = ops::route_plan_end(ops::route_plan_begin(idx, E, Tensor(), true, extra));
+    std::vector<int64_t> want = base.offsets;
+    if (extra > 0) want.push_back(N * k + extra);
+    EXPECT_EQ(plan.offsets, want) << extra;
+    ASSERT_EQ(plan.token_of_slot.numel(), N * k + extra);
+    EXPECT_EQ(0, std::memcmp(plan.token_of_slot.raw(), base.token_of_slot.raw(), size_t(N * k) * sizeof(int32_t)));
+    for (int64_t t = 0; t < extra; ++t) EXPECT_EQ(plan.token_of_slot.data<int32_t>()[N * k + t], t);
+    EXPECT_EQ(0, std::memcmp(plan.slot_of.raw(), base.slot_of.raw(), size_t(N * k) * sizeof(int32_t)));
+  }
+  for (const int64_t bad : {int64_t(-1), N + 1})
+    EXPECT_NE(testutil::error_of([&] { ops::route_plan_begin(idx, E, Tensor(), true, bad); })
+                  .find("route_plan: extra_rows must be in [0, N=23] (rows of the tokens), got"),
+              std::string::npos);
+}
+
 TEST(MoeOps, GatherAndCombineOnRandomRoutings) {
   const int64_t N = 37, E = 5, k = 2, D = 12;
   const Tensor idx = random_routing(N, E, k, 900);

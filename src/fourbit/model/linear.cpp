@@ -1,6 +1,7 @@
 // defines: Prepared, SrStreams, QuantLog, prepare, producer_quant, producer_quantized,
 //          reuse_dense, shared_outer_amax, prepare_segments, requantize_saved,
-//          requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
+//          requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
+//          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col,
 //          prepare_weight_both (linear.h)
@@ -350,7 +351,71 @@ Prepared stack_dense(const std::vector<Prepared>& parts) {
   return p;
 }
 
+Prepared append_quantized(const std::vector<Prepared>& parts) {
+  const QTensor& q0 = parts[0].q;
+  if (q0.axis != BlockAxis::Row || q0.outer == OuterScale::Tensor) return {};
+  std::vector<Tensor> codes, scales, outers, bf16;
+  std::vector<int64_t> rows;  // each part's storage rows, all slices
+  int64_t slices = 0;
+  bool all_bf16 = true;
+  for (const Prepared& p : parts) {
+    const QTensor& q = p.q;
+    if (!p.is_quantized() || p.trans || q.fmt != q0.fmt || q.axis != q0.axis || q.outer != q0.outer ||
+        q.rows != q0.rows || q.cols != q0.cols || q.tile_2d != q0.tile_2d || q.hadamard != q0.hadamard ||
+        q.hadamard_signs != q0.hadamard_signs || q.device() != q0.device())
+      return {};
+    slices += q.slices;
+    rows.push_back(q.total_rows());
+    codes.push_back(q.codes);
+    scales.push_back(q.block_scales);
+    if (q.outer != OuterScale::None) outers.push_back(q.outer_scales.reshape({q.outer_scales.numel(), 1}));
+    bf16.push_back(q.bf16);
+    all_bf16 = all_bf16 && q.bf16.defined();
+  }
+  QTensor out = q0;
+  out.slices = slices;
+  out.codes = stack_slices(codes, rows, 1, q0.code_row_bytes());
+  out.block_scales = stack_slices(scales, rows, 1, q0.blocks_per_row());
+  if (q0.outer != OuterScale::None) {  // PerRow: a scale a storage row; PerSlice: one a slice
+    std::vector<int64_t> n;
+    for (const Tensor& t : outers) n.push_back(t.size(0));
+    const Tensor all = stack_slices(outers, n, 1, 1);
+    out.outer_scales = all.reshape({all.size(0)});
+  }
+  out.bf16 = all_bf16 ? stack_slices(bf16, rows, 1, q0.padded_cols()) : Tensor{};
+  Prepared p;
+  p.q = std::move(out);
+  return p;
+}
+
+Prepared append_dense(const std::vector<Prepared>& parts) {
+  const Tensor& d0 = parts[0].dense;
+  if (!d0.defined() || d0.dtype() != DType::BF16 || (d0.dim() != 2 && d0.dim() != 3)) return {};
+  const int64_t R = d0.size(-2), K = d0.size(-1);
+  std::vector<Tensor> ts;
+  std::vector<int64_t> rows;
+  int64_t slices = 0;
+  for (const Prepared& p : parts) {
+    const Tensor& d = p.dense;
+    if (p.is_quantized() || p.trans || !d.defined() || d.dtype() != d0.dtype() || (d.dim() != 2 && d.dim() != 3) ||
+        d.size(-2) != R || d.size(-1) != K || d.device() != d0.device())
+      return {};
+    const int64_t s = d.dim() == 3 ? d.size(0) : 1;
+    slices += s;
+    rows.push_back(s * R);
+    ts.push_back(d);
+  }
+  Prepared p;
+  p.dense = stack_slices(ts, rows, 1, K).reshape({slices, R, K});
+  return p;
+}
+
 }  // namespace
+
+Prepared append_weight_slices(const std::vector<Prepared>& parts) {
+  FOURBIT_CHECK(parts.size() >= 2, "append_weight_slices: appending needs two parts or more");
+  return parts[0].is_quantized() ? append_quantized(parts) : append_dense(parts);
+}
 
 Prepared stack_fprop_weights(const std::vector<Prepared>& parts, bool shared_outer) {
   FOURBIT_CHECK(parts.size() >= 2, "stack_fprop_weights: stacking needs two parts or more");

@@ -1,7 +1,8 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_weight_both,
-//          requantize_saved, requantize_saved_segments, stack_fprop_weights, gemm, forward_gemm, set_forward_gemms_grouped,
+//          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
+//          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
 // Turning a tensor into the GEMM operand a recipe asks for. A Prepared operand is either a dense
 // tensor (F32/F64 as it is, or a BF16 copy) or a QTensor; the block axis comes from the role
@@ -153,6 +154,15 @@ std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std
 // transposed or Col-axis operand, or outer scales that differ between them (Tensor and PerSlice
 // scales stack only with shared_outer: the parts were quantized with one shared amax).
 Prepared stack_fprop_weights(const std::vector<Prepared>& parts, bool shared_outer);
+
+// The fprop weight operands `parts` (each [rows, K] or [slices_p, rows, K]; one shape of rows)
+// one after another as the slices of one grouped GEMM's B: slice s of the result is the parts'
+// slices in order (a MoE layer's experts, then its shared expert as one more group). Each slice
+// keeps its own codes, block scales and outer scale, so a group's GEMM is its part's GEMM bit for
+// bit. Always a copy. Undefined where they do not append exactly: different formats, row counts or
+// block layouts, a transposed or Col-axis operand, per-tensor outer scales (one scale for all
+// slices), or dense parts other than BF16.
+Prepared append_weight_slices(const std::vector<Prepared>& parts);
 
 // C (+)= A . B^T for two prepared operands (ops::gemm).
 void gemm(const Prepared& a, const Prepared& b, Tensor& c, bool accumulate = false);

@@ -19,6 +19,7 @@ namespace {
 std::atomic<bool> g_routing_waits_deferred{true};
 std::atomic<bool> g_fused_forward_gemms{true};
 std::atomic<bool> g_producer_quantizers{true};
+std::atomic<bool> g_shared_expert_grouped{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -575,6 +576,44 @@ struct ModelRunner {
   }
 
   // ---- MoE block ----------------------------------------------------------------------------
+  // A MoE layer's routed experts' fprop weights with its shared expert's appended as one more
+  // slice (set_shared_expert_grouped): w1 | w3 stacked per expert, and w2.
+  struct SharedGroup {
+    Prepared w13, w2;
+    explicit operator bool() const { return w13.defined() && w2.defined(); }
+  };
+  // The layer's SharedGroup where a forward that keeps nothing (s, aux: none) may run its shared
+  // expert with the routed experts, else none. The same bits as running it apart: each group's rows
+  // are its own GEMM's, the tokens are quantized per row (not per tensor) and rounded to nearest
+  // (so the routed experts' quantized tokens are the shared expert's, as ffn_forward's x_fwd), and
+  // the SwiGLU and its quantizer work row by row.
+  SharedGroup shared_group(const LayerWeights& w, const std::string& name, const LayerRecipe& r,
+                           const Model::Saved::Layer* s, bool aux) {
+    const QuantSpec &xa = r.fprop.a, &wb = r.fprop.b;
+    if (!g_shared_expert_grouped.load(std::memory_order_relaxed) || !fuse || s || aux || record_amax ||
+        training_path || c.n_shared_experts != 1 || c.shared_hidden() != c.d_expert ||
+        (xa.quantized() && (xa.rounding != num::Rounding::RNE || xa.outer == OuterScale::Tensor)) ||
+        (!wb.quantized() && wb.fmt != Format::BF16))  // F32 weights run apart (fused_weight)
+      return {};
+    const LayerClass cls = LayerClass::Expert;
+    const int64_t E = c.n_experts, D = c.d_model, F = c.d_expert;
+    SharedGroup g;
+    g.w13 = m.appended_weight(name + "moe.w13+shared", E + 1, D, [&] {
+      const std::string sh = name + "moe.shared";
+      return std::vector<Prepared>{
+          stack_fprop_weights({weight(w.w1, name + "moe.w1", GemmRole::Fprop, wb, cls, &w.w3),
+                               weight(w.w3, name + "moe.w3", GemmRole::Fprop, wb, cls, &w.w1)}, true),
+          stack_fprop_weights({weight(w.sw1, sh + ".w1", GemmRole::Fprop, wb, cls, &w.sw3),
+                               weight(w.sw3, sh + ".w3", GemmRole::Fprop, wb, cls, &w.sw1)}, true)};
+    });
+    if (!g.w13.defined()) return {};
+    g.w2 = m.appended_weight(name + "moe.w2+shared", E + 1, F, [&] {
+      return std::vector<Prepared>{weight(w.w2, name + "moe.w2", GemmRole::Fprop, wb, cls),
+                                   weight(w.sw2, name + "moe.shared.w2", GemmRole::Fprop, wb, cls)};
+    });
+    return g;
+  }
+
   // Router (high precision) -> softmax top-k -> tokens quantized once, dispatched in expert order
   // -> per-expert SwiGLU GEMMs -> combine in rank order -> + shared expert. xn16: xn's BF16
   // copy written by the norm where moe_reads_bf16_x(), else undefined.
@@ -605,8 +644,13 @@ struct ModelRunner {
     // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
     // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
     // BF16 copy or quantization, and the shared expert.
-    ops::PendingRoutePlan pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred);
+    // The shared expert as one more group of the routed experts' GEMMs (set_shared_expert_grouped):
+    // its tokens are the plan's extra rows, after the slots.
+    const SharedGroup group = shared_group(w, name, r, s, aux);
+    ops::PendingRoutePlan pending_plan =
+        ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred, group ? N : 0);
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
+    const int64_t rows = plan.token_of_slot.size(0);  // N K, and the shared expert's N where grouped
     const bool bf16_x = moe_reads_bf16_x();
     FOURBIT_CHECK(!bf16_x || xn16.defined(), "moe_forward: the norm's BF16 copy of the layer input is missing");
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
@@ -628,7 +672,7 @@ struct ModelRunner {
     else if (r.fprop.a.quantized() && !pair_x)
       px = prepare(xn, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     Tensor ys;
-    if (c.n_shared_experts) {
+    if (c.n_shared_experts && !group) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
       // an inference forward's shared expert reads the routed experts' quantized tokens: the
       // same spec rounded to nearest gives the same bits, one quantizer launch a layer fewer
@@ -654,11 +698,11 @@ struct ModelRunner {
       x_perm_wgrad = std::move(p.col);
     } else if (bf16_x) {
       // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
-      xn_perm = Tensor::empty({N * K, D}, DType::BF16, m.device_);
+      xn_perm = Tensor::empty({rows, D}, DType::BF16, m.device_);
       ops::gather_rows(xn16, plan.token_of_slot, xn_perm);
       x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
     } else if (!r.fprop.a.quantized() || (s && !wgrad_from_fwd)) {
-      xn_perm = act({N * K, D});
+      xn_perm = act({rows, D});
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       if (!r.fprop.a.quantized())
         x_perm = prepare(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), cls, log);
@@ -669,15 +713,21 @@ struct ModelRunner {
 
     ExpertInner inner;
     const bool keep = s && m.keep_ffn_;
-    Tensor y_perm = expert_ffn(x_perm, w, name, plan, N * K, keep ? &inner : nullptr);
+    Tensor y_perm = expert_ffn(x_perm, w, name, plan, rows, keep ? &inner : nullptr, group ? &group : nullptr);
     Tensor out = act({N, D});
-    ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
+    if (group) {  // the shared expert's rows follow the slots
+      ys = y_perm.slice_rows(N * K, N * K + N);
+      ops::moe_combine(y_perm.slice_rows(0, N * K), plan.slot_of, topk_w, out, &ys);
+    } else {
+      ops::moe_combine(y_perm, plan.slot_of, topk_w, out, c.n_shared_experts ? &ys : nullptr);
+    }
     if (deferred) {
       deferred_plans = true;
       return out;
     }
     ops::route_plan_finish(pending_plan);
     plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
+    if (group) plan.offsets.pop_back();  // the experts' E + 1 from here on
     if (m.routing_observer_) m.routing_observer_(RoutingEvent{layer, N, plan.offsets});
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
     // term is summed after the forward.
@@ -751,16 +801,19 @@ struct ModelRunner {
     Prepared pa;
     std::vector<Prepared> a_wgrad;  // a^T per expert for w2's weight gradient, where made with pa
   };
+  // group: the shared expert's rows follow the experts' (moe_forward), its weights appended to theirs.
   Tensor expert_ffn(const Prepared& x_perm, const LayerWeights& w, const std::string& name,
-                    const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner) {
+                    const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner, const SharedGroup* group = nullptr) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const int64_t F = c.d_expert, D = c.d_model;
     const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
-    const Prepared w2 = weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
+    const Prepared w2 = group ? group->w2 : weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
     Tensor h1, h3, a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
-    const Prepared w13 = fuse && !inner ? m.fused_weight(name + "moe.w13", {w1, w3}, true) : Prepared{};
+    const Prepared w13 = group                ? group->w13
+                         : fuse && !inner ? m.fused_weight(name + "moe.w13", {w1, w3}, true)
+                                          : Prepared{};
     QTensor aq;
     std::optional<ops::RowQuant> aq_req;
     if (w13.defined()) {  // each expert's w1 and w3 rows stacked: one GEMM, its SwiGLU on the halves
@@ -960,6 +1013,10 @@ Prepared Model::fused_weight(const std::string& name, const std::vector<Prepared
   if (device_ != Device::CPU &&
       (!forward_gemms_grouped() || !ops::grouped_gemm_reads_device_offsets(device_, slices, K)))
     return {};
+  return cached_fused(name, [&] { return stack_fprop_weights(parts, shared_outer); });
+}
+
+Prepared Model::cached_fused(const std::string& name, const std::function<Prepared()>& make) {
   const std::string key = name + "/" + gemm_role_name(GemmRole::Fprop);
   auto it = fused_cache_.find(key);
   if (it != fused_cache_.end()) return it->second;
@@ -967,7 +1024,17 @@ Prepared Model::fused_weight(const std::string& name, const std::vector<Prepared
   if (graph_capturing())
     fail("model: the fused weight operand {} is not cached, and a CUDA graph being captured cannot make it (run the "
          "forward once before capturing it)", key);
-  return fused_cache_.emplace(key, stack_fprop_weights(parts, shared_outer)).first->second;
+  return fused_cache_.emplace(key, make()).first->second;
+}
+
+Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t K,
+                                const std::function<std::vector<Prepared>()>& parts) {
+  // only where the grouped kernel family runs the groups (as fused_weight): its rows do not depend
+  // on the other groups
+  if (device_ != Device::CPU &&
+      (!forward_gemms_grouped() || !ops::grouped_gemm_reads_device_offsets(device_, slices, K)))
+    return {};
+  return cached_fused(name, [&] { return append_weight_slices(parts()); });
 }
 
 // On the GPU, every weight whose fprop and dgrad operands are MXFP8 of one format, both rounded
@@ -1326,6 +1393,7 @@ void Model::backward() {
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
+void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

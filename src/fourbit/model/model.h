@@ -1,5 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
-//          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers
+//          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
+//          set_shared_expert_grouped
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -76,6 +77,14 @@ void set_fused_forward_gemms(bool on);
 // of two, the same bits) where this is on (the default); off, a quantizer of its own after the
 // producer, as before. Process-wide, for benchmarks and tests that compare the two in one process.
 void set_producer_quantizers(bool on);
+// In those forwards (set_fused_forward_gemms on), a MoE layer's shared expert runs as one more
+// group of its routed experts' GEMMs and SwiGLU where it has their shape (its hidden d_expert, one
+// shared expert) and the recipe quantizes its tokens per row: its tokens gathered after the
+// experts' slots, its weights appended after theirs (one more cached copy of the routed w1 | w3 and
+// w2 operands), so a layer runs two expert GEMMs, one SwiGLU and one quantizer fewer (true, the
+// default); off, the shared expert's own GEMMs. The same bits either way: a grouped GEMM's rows do
+// not depend on the other groups. Process-wide, for benchmarks and tests.
+void set_shared_expert_grouped(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e
@@ -221,6 +230,15 @@ class Model {
   // undefined (also cached) where they do not stack, and (not cached) where a fused GEMM would not
   // give its parts' bits (set_fused_forward_gemms).
   Prepared fused_weight(const std::string& name, const std::vector<Prepared>& parts, bool shared_outer);
+  // The B of a MoE layer's routed experts with its shared expert appended as one more slice
+  // (append_weight_slices of the operands `parts` makes on a cache miss; `slices` of K columns in
+  // all): `name` ("layers.3.moe.w13+shared", "layers.3.moe.w2+shared") cached with the fused
+  // operands; undefined where they do not append or a grouped GEMM of them would not give the
+  // parts' bits.
+  Prepared appended_weight(const std::string& name, int64_t slices, int64_t K,
+                           const std::function<std::vector<Prepared>()>& parts);
+  // fused_cache_'s entry `name`, made by `make` on a miss (not while a CUDA graph is captured).
+  Prepared cached_fused(const std::string& name, const std::function<Prepared()>& make);
   void quantize_weights_ahead(const SrStreams& sr);
   struct Bf16Ahead {
     const void* source;  // the weight's storage: a copy is only used for the weight it was made of

@@ -703,7 +703,10 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
   FOURBIT_DISPATCH(probs.device(), router_backward, probs, topk_idx, topk_w, d_topk_w, d_probs,
                    d_logits);
 }
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back,
+                                  int64_t extra_rows) {
+  if (topk_idx.defined() && topk_idx.dim() == 2 && (extra_rows < 0 || extra_rows > topk_idx.size(0)))
+    fail("route_plan: extra_rows must be in [0, N={}] (rows of the tokens), got {}", topk_idx.size(0), extra_rows);
   if (probs.defined() && topk_idx.defined()) {  // (an undefined topk_idx: the backend says so)
     const int64_t N = topk_idx.dim() == 2 ? topk_idx.size(0) : -1;
     if (probs.dim() != 2 || probs.size(0) != N || probs.size(1) != n_experts ||
@@ -712,7 +715,7 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
            probs.str());
   }
   if (probs.defined() && !read_back) fail("route_plan: the probability sums come back with the counts (read_back)");
-  FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs, read_back);
+  FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs, read_back, extra_rows);
 }
 void check_index_errors(Device device) {
 #if FOURBIT_HAS_CUDA

@@ -400,11 +400,12 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
 // in chunk order; on the GPU it comes back in the same read-back as the offsets.
 constexpr int64_t kProbSumChunk = 64;
 struct RoutePlan {
-  std::vector<int64_t> offsets;  // empty until the plan is finished (route_plan_finish)
+  std::vector<int64_t> offsets;  // empty until the plan is finished (route_plan_finish); E + 1 or
+                                 // E + 2 entries (route_plan_begin's extra_rows)
   Tensor slot_of;
   Tensor token_of_slot;
   std::vector<double> prob_sums;  // with probs, else empty
-  // I32 [E + 1]: the offsets where the GPU made the plan, there from route_plan_begin on, so that
+  // I32 [E + 1] (E + 2 with extra rows): the offsets where the GPU made the plan, there from route_plan_begin on, so that
   // work queued before the host has the counts can read them (grouped_gemm_device_offsets);
   // undefined on the CPU, where the plan is complete at once.
   Tensor device_offsets;
@@ -420,8 +421,12 @@ struct PendingRoutePlan {
 // read_back false (GPU; no probs): nothing comes back, the host never waits for this plan (its
 // offsets stay empty: work reads device_offsets), and a bad expert id stays in the device's
 // index-error record until check_index_errors. The CPU's plan is complete either way.
+// extra_rows (0 .. N): one more group after the experts' N k slots, tokens 0 .. extra_rows - 1 in
+// order (a MoE layer's shared expert run as one more group of the routed experts' GEMMs):
+// token_of_slot gets those extra_rows entries after the slots, and the offsets (host and device)
+// E + 2 entries, the last group [N k, N k + extra_rows). slot_of and the sums are unchanged.
 PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor(),
-                                  bool read_back = true);
+                                  bool read_back = true, int64_t extra_rows = 0);
 // Fails with the first bad index a GPU op recorded and has not reported yet (route_plan_begin
 // without read_back, grouped_gemm_device_offsets' offsets): waits for the GPU's queued work. On the
 // CPU every op fails at once, so nothing is left to check.

@@ -206,7 +206,8 @@ std::vector<double> prob_sums_t(const T* p, int64_t N, int64_t E) {
 }
 }  // namespace
 
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool /*read_back*/) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool /*read_back*/,
+                                  int64_t extra_rows) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CPU)
@@ -221,7 +222,7 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   for (int64_t i = 0; i < N * k; ++i) ++plan.offsets[size_t(idx[i]) + 1];
   for (int64_t e = 0; e < n_experts; ++e) plan.offsets[size_t(e + 1)] += plan.offsets[size_t(e)];
   plan.slot_of = Tensor::empty({N, k}, DType::I32);
-  plan.token_of_slot = Tensor::empty({N * k}, DType::I32);
+  plan.token_of_slot = Tensor::empty({N * k + extra_rows}, DType::I32);
   int32_t* slot_of = plan.slot_of.data<int32_t>();
   int32_t* token_of = plan.token_of_slot.data<int32_t>();
   // Tokens visited in ascending order fill each expert's range in ascending order (stable).
@@ -232,6 +233,10 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
       slot_of[n * k + j] = int32_t(s);
       token_of[s] = int32_t(n);
     }
+  if (extra_rows > 0) {  // the extra group (ops.h): tokens 0 .. extra_rows - 1 after the slots
+    for (int64_t t = 0; t < extra_rows; ++t) token_of[N * k + t] = int32_t(t);
+    plan.offsets.push_back(N * k + extra_rows);
+  }
   if (probs.defined())
     with_float(probs.dtype(), [&](auto tag) {
       using T = decltype(tag);

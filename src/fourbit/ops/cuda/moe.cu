@@ -521,6 +521,19 @@ void expect_token_of_slot(const char* op, const Tensor& token_of_slot) {
   expect_index(op, "token_of_slot", token_of_slot, {token_of_slot.size(0)}, "[M]");
 }
 
+// The appended bucket of stable_bucket_sort (bucket_sort.cuh) after a sort of its own launches:
+// its extra positions after the sorted ones, read from bucket_start[buckets] on the device.
+__global__ void append_bucket_kernel(int32_t* bucket_start, int32_t buckets, int32_t extra, int32_t* order_out) {
+  const int32_t sorted = bucket_start[buckets];
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t == 0) bucket_start[buckets + 1] = sorted + extra;
+  if (t < extra) order_out[sorted + t] = int32_t(t);
+}
+void append_bucket(int32_t* bucket_start, int32_t buckets, int32_t extra, int32_t* order_out) {
+  append_bucket_kernel<<<grid_for(extra, 256), 256, 0, stream()>>>(bucket_start, buckets, extra, order_out);
+  FOURBIT_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 // A small sort (a decode step's routing, up to kSmallSortKeys keys into at most kSmallSortBuckets
@@ -532,7 +545,7 @@ constexpr int64_t kSmallSortKeys = 4096, kSmallSortBuckets = 1024;
 __global__ void __launch_bounds__(32)
     bucket_sort_small_kernel(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
                              IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
-                             int32_t* bucket_start) {
+                             int32_t* bucket_start, int32_t extra) {
   dependent_launch_prologue();
   __shared__ int32_t next[kSmallSortBuckets];  // counts, then each bucket's next position
   const int lane = lane_id();
@@ -568,6 +581,11 @@ __global__ void __launch_bounds__(32)
     running += count;
   }
   if (lane == 31) bucket_start[buckets] = incl;  // lane 31's b1 is `buckets`
+  if (extra > 0) {  // the appended bucket (bucket_sort.cuh)
+    const int32_t sorted = __shfl_sync(kFullMask, incl, 31);
+    if (lane == 31) bucket_start[buckets + 1] = sorted + extra;
+    for (int32_t t = lane; t < extra; t += 32) order_out[sorted + t] = t;
+  }
   __syncwarp();
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
@@ -593,17 +611,19 @@ __global__ void __launch_bounds__(32)
 
 void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSite site,
                         int64_t key_cols, int32_t divisor, int32_t* order_out, int32_t* pos_out,
-                        int32_t* bucket_start) {
-  FOURBIT_CHECK(n >= 0 && n < (int64_t(1) << 31) && buckets >= 1 && buckets < (int64_t(1) << 31),
-                "stable_bucket_sort: n={} keys into {} buckets", n, buckets);
+                        int32_t* bucket_start, int32_t extra) {
+  FOURBIT_CHECK(n >= 0 && n < (int64_t(1) << 31) && buckets >= 1 && buckets < (int64_t(1) << 31) && extra >= 0 &&
+                    n + extra < (int64_t(1) << 31),
+                "stable_bucket_sort: n={} keys into {} buckets, {} extra", n, buckets, extra);
   if (n == 0) {
     FOURBIT_CUDA_CHECK(cudaMemsetAsync(bucket_start, 0, size_t(buckets + 1) * sizeof(int32_t), stream()));
+    if (extra > 0) append_bucket(bucket_start, int32_t(buckets), extra, order_out);
     return;
   }
   FOURBIT_CHECK(divisor >= 1, "stable_bucket_sort: divisor {}", divisor);
   if (n <= kSmallSortKeys && buckets <= kSmallSortBuckets) {
     launch_dependent(bucket_sort_small_kernel, 1, 32, 0, keys, int(n), int(buckets), site, key_cols,
-                     index_error_record(), divisor, order_out, pos_out, bucket_start);
+                     index_error_record(), divisor, order_out, pos_out, bucket_start, extra);
     return;
   }
   // The chunking changes only the speed: the sorted order is one permutation whatever it is.
@@ -628,6 +648,7 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
   bucket_scatter_kernel<<<grid, kSortWarps * 32, 0, stream()>>>(keys, n, buckets, chunk_len, chunks, t,
                                                    bucket_start, divisor, order_out, pos_out);
   FOURBIT_LAUNCH_CHECK();
+  if (extra > 0) append_bucket(bucket_start, int32_t(buckets), extra, order_out);
 }
 
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w) {
@@ -680,7 +701,8 @@ __global__ void prob_sums_kernel(const float* __restrict__ p, int64_t N, int64_t
   }
 }
 
-PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back) {
+PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back,
+                                  int64_t extra_rows) {
   const char* op = "route_plan";
   if (!topk_idx.defined() || topk_idx.dim() != 2 || topk_idx.dtype() != DType::I32 ||
       topk_idx.device() != Device::CUDA)
@@ -696,12 +718,14 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   PendingRoutePlan pending;
   RoutePlan& plan = pending.plan;
   plan.slot_of = Tensor::empty({N, k}, DType::I32, Device::CUDA);
-  plan.token_of_slot = Tensor::empty({A}, DType::I32, Device::CUDA);
-  // Scratch: bucket_start (E+1 int32), a copy of the index-error record and, with probs, the E
-  // probability sums, so that one read-back (the layer's one wait for the GPU) brings back the
-  // offsets, any error and the sums; then the sums' chunk partials (not read back).
+  plan.token_of_slot = Tensor::empty({A + extra_rows}, DType::I32, Device::CUDA);
+  // Scratch: bucket_start (G + 1 int32: the E experts' groups and an extra one, ops.h), a copy of
+  // the index-error record and, with probs, the E probability sums, so that one read-back (the
+  // layer's one wait for the GPU) brings back the offsets, any error and the sums; then the sums'
+  // chunk partials (not read back).
+  const int64_t groups = n_experts + (extra_rows > 0 ? 1 : 0);
   const auto round8 = [](size_t b) { return (b + 7) / 8 * 8; };
-  const size_t start_bytes = round8(size_t(n_experts + 1) * sizeof(int32_t));
+  const size_t start_bytes = round8(size_t(groups + 1) * sizeof(int32_t));
   const size_t sums_at = round8(start_bytes + sizeof(IndexError));
   const size_t sums_bytes = probs.defined() ? size_t(n_experts) * sizeof(double) : 0;
   const size_t read_bytes = sums_at + sums_bytes;
@@ -711,10 +735,10 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   // plan's device_offsets
   Tensor scratch = Tensor::empty({int64_t(read_bytes + partial_bytes) / 4}, DType::I32, Device::CUDA);
   char* dev = static_cast<char*>(scratch.raw());
-  plan.device_offsets = scratch.view(0, {n_experts + 1});
+  plan.device_offsets = scratch.view(0, {groups + 1});
   stable_bucket_sort(topk_idx.data<int32_t>(), A, n_experts, IndexSite::RoutePlanTopk, k,
                      int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
-                     plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev));
+                     plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev), int32_t(extra_rows));
   if (probs.defined() && N > 0) {
     prob_sums_kernel<<<unsigned(n_experts), 128, 0, stream()>>>(probs.data<float>(), N, n_experts,
                                                                reinterpret_cast<double*>(dev + read_bytes),
@@ -729,13 +753,13 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   // The scratch lives as long as the plan's device_offsets; its reuse once freed is queued behind
   // the read-back on this stream.
   std::shared_ptr<PendingRead> read = read_later(dev, read_bytes);
-  pending.finish = [read, n_experts, start_bytes, sums_at, sums_bytes](RoutePlan& p) {
+  pending.finish = [read, n_experts, groups, start_bytes, sums_at, sums_bytes](RoutePlan& p) {
     const char* host = static_cast<const char*>(read->wait());
     IndexError err;
     std::memcpy(&err, host + start_bytes, sizeof err);
     if (err.set) raise_index_error(err);  // this op's expert ids, or an earlier op's indices
-    p.offsets.resize(size_t(n_experts + 1));
-    for (int64_t e = 0; e <= n_experts; ++e) {
+    p.offsets.resize(size_t(groups + 1));
+    for (int64_t e = 0; e <= groups; ++e) {
       int32_t v;
       std::memcpy(&v, host + e * sizeof(int32_t), sizeof v);
       p.offsets[size_t(e)] = v;
