@@ -1137,8 +1137,9 @@ TEST(CudaLayers, RoutePlanExtraRowsEqualCpu) {
 }
 
 // ops::route_fused (one launch: the router GEMM, top-k and the plan, the last CTA sorting) gives the
-// bits of the three ops, for one CTA and many, with and without extra rows, launch after launch
-// (its ticket counter back at zero each time); it declines what it does not take.
+// bits of the three ops, for one CTA and many, with and without extra rows (up to the 4096
+// assignments it takes: 1365 tokens x 2 + 1365), launch after launch (its ticket counter back at
+// zero each time); it declines what it does not take.
 TEST(CudaLayers, RouteFusedIsTheThreeOpsBits) {
   SKIP_WITHOUT_GPU();
   struct Cfg { int64_t N, D, E, k; };
@@ -1185,7 +1186,7 @@ TEST(CudaLayers, RouteFusedIsTheThreeOpsBits) {
   };
   EXPECT_TRUE(declines(gpu(random_tensor({4, 64}, DType::F32, 1210)), gpu(random_tensor({33, 64}, DType::F32, 1211)), 2, 0));
   EXPECT_TRUE(declines(gpu(random_tensor({2049, 64}, DType::F32, 1212)), gpu(random_tensor({16, 64}, DType::F32, 1213)), 2, 0));
-  EXPECT_TRUE(declines(gpu(random_tensor({1365, 64}, DType::F32, 1214)), gpu(random_tensor({16, 64}, DType::F32, 1215)), 2, 1365));
+  EXPECT_TRUE(declines(gpu(random_tensor({1366, 64}, DType::F32, 1214)), gpu(random_tensor({16, 64}, DType::F32, 1215)), 2, 1366));
   EXPECT_TRUE(declines(random_tensor({4, 64}, DType::F32, 1216), random_tensor({16, 64}, DType::F32, 1217), 2, 0));
 }
 

@@ -671,14 +671,14 @@ namespace {
 
 constexpr int kFusedRouteMaxExperts = 32;  // a warp's lanes hold a row's logits
 
-// Warp w of CTA b takes token rows b * kRowWarps + w, ...: its E router logits (skinny_dot.cuh: the
-// router GEMM's bits; lane e stores logit e, as cols_kernel's lane n), then router_topk_row on them.
-// The CTA that finishes last (a ticket from `done`, which it sets back to 0 for the next launch)
-// sorts every row's choices on one warp (bucket_sort_warp: the small sort's bits, with the extra
-// rows after them). Other CTAs' choices are visible to it: each CTA fences its writes before taking
-// its ticket, and the sort reads them from L2.
+// CTA n takes token row n on E warps: warp e its router logit e (skinny_dot.cuh: the router GEMM's
+// bits, the warp an element as cols_kernel's), then warp 0 router_topk_row on them. The CTA that
+// finishes last (a ticket from `done`, which it sets back to 0 for the next launch) sorts every
+// row's choices on its warp 0 (bucket_sort_warp: the small sort's bits, with the extra rows after
+// them). Other CTAs' choices are visible to it: each fences its writes before taking its ticket,
+// and the sort reads them from L2.
 template <bool VEC>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(32 * kFusedRouteMaxExperts)
     route_fused_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t N, int E, int64_t D,
                        int64_t k, float* logits, float* probs, int32_t* topk_idx, float* topk_w, int32_t extra,
                        int32_t* token_of_slot, int32_t* slot_of, int32_t* bucket_start, IndexError* err,
@@ -686,20 +686,17 @@ __global__ void __launch_bounds__(kRowThreads)
   dependent_launch_prologue();
   __shared__ int32_t next[kFusedRouteMaxExperts];
   __shared__ bool last;
-  const int lane = lane_id();
-  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
-    const float* xr = x + n * D;
-    for (int e = 0; e < E; ++e) {
-      const float v = skinny_warp_sum(skinny_dot_lane<VEC>(xr, w + int64_t(e) * D, D, lane));
-      if (lane == e) logits[n * E + e] = v;
-    }
-    router_topk_row(logits, k, probs, topk_idx, topk_w, n, E);
-  }
+  const int lane = lane_id(), warp = int(threadIdx.x / 32);
+  const int64_t n = blockIdx.x;
+  const float v = skinny_warp_sum(skinny_dot_lane<VEC>(x + n * D, w + int64_t(warp) * D, D, lane));
+  if (lane == 0) logits[n * E + warp] = v;
+  __syncthreads();
+  if (warp != 0) return;
+  router_topk_row(logits, k, probs, topk_idx, topk_w, n, E);
   __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last || threadIdx.x >= 32) return;
+  if (lane == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncwarp();
+  if (!last) return;
   __threadfence();
   bucket_sort_warp(topk_idx, int(N * k), E, IndexSite::RoutePlanTopk, k, err, int32_t(k), token_of_slot, slot_of,
                    bucket_start, extra, next);
@@ -741,7 +738,7 @@ bool route_fused(const Tensor& x, const Tensor& w, int64_t k, Tensor& logits, Te
   plan.device_offsets = Tensor::empty({E + (extra_rows > 0 ? 2 : 1)}, DType::I32, Device::CUDA);
   const bool vec = aligned16(x.raw()) && aligned16(w.raw()) && D % 4 == 0;
   const auto kernel = vec ? route_fused_kernel<true> : route_fused_kernel<false>;
-  launch_dependent(kernel, warp_row_grid(N), kRowThreads, 0, x.data<float>(), w.data<float>(), N, int(E), D, k,
+  launch_dependent(kernel, unsigned(N), unsigned(32 * E), 0, x.data<float>(), w.data<float>(), N, int(E), D, k,
                    logits.data<float>(), probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
                    int32_t(extra_rows), plan.token_of_slot.data<int32_t>(), plan.slot_of.data<int32_t>(),
                    plan.device_offsets.data<int32_t>(), index_error_record(), route_fused_counter());
