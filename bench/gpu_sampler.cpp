@@ -11,7 +11,7 @@
 //                    [--recipes bf16,mxfp8,nvfp4-fwd] [--batches 1,16,64,256] [--prompt 16]
 //                    [--cache 512] [--kv-cache bf16,f32] [--decode-widths 0,32,128]
 //                    [--forward-gemms grouped,gemm] [--fused on,off] [--producer-quant on,off]
-//                    [--shared-group on,off] [--fused-routing on,off] [--routing deferred,layer]
+//                    [--shared-group on,off] [--routing deferred,layer]
 //                    [--attention group,head] [--graphs on,off] [--draws gpu,host]
 //                    [--dependent-launches on,off] [--traffic on|off]
 //                    [--json FILE]
@@ -31,9 +31,7 @@
 // before it); the same samples (the run fails otherwise), rows adjacent per batch. --shared-group: in
 // those fused forwards, a MoE layer's shared expert as one more group of the routed experts' GEMMs
 // (on, the default: set_shared_expert_grouped) or its own GEMMs (off, the path before it); the same
-// samples (the run fails otherwise), rows adjacent per batch. --fused-routing: where the routing
-// stays on the GPU, a MoE layer's router GEMM, top-k and route plan in one launch (on, the default:
-// set_fused_routing) or three (off); the same samples (the run fails otherwise), rows adjacent.
+// samples (the run fails otherwise), rows adjacent per batch.
 // --routing: the MoE layers on the GPU's routing offsets with one wait for the router counts after
 // the forward (deferred, the default: set_moe_routing_waits_deferred) or a wait in every MoE layer
 // (layer, the path before it); the same samples, rows adjacent per batch. --attention: a decode
@@ -197,7 +195,7 @@ int main(int argc, char** argv) {
     table.name = fmt::format("KV-cache sampler decode, {} on {} (prompt {}, cache {} positions)", config_path,
                              device_name(device), P, C);
     table.columns = {"recipe",  "kv_cache", "forward",          "fused",        "producer_quant",   "shared_group",
-                     "fused_routing", "routing",
+                     "routing",
                      "attention", "graphs", "draws",            "experts",      "batch",            "decode_tok_per_s",
                      "ms_per_step",         "host_ms_per_step", "prefill_tok_per_s", "kv_cache_MiB"};
     const std::string traffic_arg = arg(argc, argv, "--traffic", "on");
@@ -215,7 +213,6 @@ int main(int argc, char** argv) {
     const std::vector<bool> fusions = two_way(argc, argv, "--fused", "on", "off", "on");
     const std::vector<bool> producer_quants = two_way(argc, argv, "--producer-quant", "on", "off", "on");
     const std::vector<bool> shared_groups = two_way(argc, argv, "--shared-group", "on", "off", "on");
-    const std::vector<bool> fused_routings = two_way(argc, argv, "--fused-routing", "on", "off", "on");
     const std::vector<bool> routing_deferred = two_way(argc, argv, "--routing", "deferred", "layer", "deferred");
     const std::vector<bool> head_rows = two_way(argc, argv, "--attention", "group", "head", "group");
     const std::vector<bool> graph_modes = two_way(argc, argv, "--graphs", "on", "off", "on");
@@ -256,7 +253,7 @@ int main(int argc, char** argv) {
                                 double(dtype_size(storage));
           // the batch's allocations (full-length KV caches) first: no row pays them
           if (widths.size() * forward_grouped.size() * fusions.size() * producer_quants.size() *
-                  shared_groups.size() * fused_routings.size() * routing_deferred.size() * head_rows.size() * graph_modes.size() * draw_modes.size() *
+                  shared_groups.size() * routing_deferred.size() * head_rows.size() * graph_modes.size() * draw_modes.size() *
                   pdl_modes.size() > 1)
             sampler.sample(random_prompts(B, P, 3), opt);
           const size_t first_row = table.rows.size();
@@ -270,7 +267,6 @@ int main(int argc, char** argv) {
           for (const bool fused : fusions)
           for (const bool producer_quant : producer_quants)
           for (const bool shared_group : shared_groups)
-          for (const bool fused_routing : fused_routings)
           for (const bool deferred : routing_deferred)
           for (const bool group_ctas : head_rows)
           for (const int width : widths) {  // adjacent in time: an A/B of the kernels
@@ -283,7 +279,6 @@ int main(int argc, char** argv) {
             set_fused_forward_gemms(fused);
             set_producer_quantizers(producer_quant);
             set_shared_expert_grouped(shared_group);
-            set_fused_routing(fused_routing);
             set_moe_routing_waits_deferred(deferred);
             sampler.set_cuda_graphs(graphs);
             sampler.set_gpu_draws(gpu_draws);
@@ -295,7 +290,7 @@ int main(int argc, char** argv) {
             const std::vector<rl::Completion> out = sampler.sample(random_prompts(B, P, 7 + uint64_t(B)), opt);
             const rl::SamplerStats& s = sampler.stats();
             if (graph_modes.size() * draw_modes.size() * pdl_modes.size() * producer_quants.size() *
-                    shared_groups.size() * fused_routings.size() > 1) {
+                    shared_groups.size() > 1) {
               // any of these: the same samples
               std::vector<std::vector<int32_t>> tokens;
               std::vector<std::vector<double>> draw_logprobs;
@@ -304,11 +299,10 @@ int main(int argc, char** argv) {
                 first_tokens = std::move(tokens);
                 first_draw_logprobs = std::move(draw_logprobs);
               } else if (tokens != first_tokens || !same_bits(draw_logprobs, first_draw_logprobs)) {
-                fail("{} batch {}: graphs {} with draws on the {}, dependent launches {}, producer quantizers {}, "
-                     "the shared expert grouped {} and fused routing {} sampled other tokens or draw log-probs than "
-                     "the first row",
+                fail("{} batch {}: graphs {} with draws on the {}, dependent launches {}, producer quantizers {} "
+                     "and the shared expert grouped {} sampled other tokens or draw log-probs than the first row",
                      recipe, B, graphs ? "on" : "off", gpu_draws ? "gpu" : "host", pdl ? "on" : "off",
-                     producer_quant ? "on" : "off", shared_group ? "on" : "off", fused_routing ? "on" : "off");
+                     producer_quant ? "on" : "off", shared_group ? "on" : "off");
               }
             }
             if (!s.graph_error.empty()) std::fprintf(stderr, "gpu_sampler: the decode ran op by op: %s\n", s.graph_error.c_str());
@@ -321,7 +315,6 @@ int main(int argc, char** argv) {
                        {"fused", fused ? "on" : "off"},
                        {"producer_quant", producer_quant ? "on" : "off"},
                        {"shared_group", shared_group ? "on" : "off"},
-                       {"fused_routing", fused_routing ? "on" : "off"},
                        {"routing", deferred ? "deferred" : "layer"},
                        {"attention", group_ctas ? "group" : "head"},
                        {"graphs", graphs ? "on" : "off"},
@@ -341,11 +334,11 @@ int main(int argc, char** argv) {
                        {"prefill_s", s.prefill_s},
                        {"graph_captures", s.graph_captures},
                        {"graph_error", s.graph_error}});
-            std::printf("%s, %s cache, forward %s, fused %s, producer quant %s, shared group %s, fused routing %s, "
-                        "routing %s, attention %s, graphs %s, "
+            std::printf("%s, %s cache, forward %s, fused %s, producer quant %s, shared group %s, routing %s, "
+                        "attention %s, graphs %s, "
                         "draws %s, dependent launches %s, experts %s, batch %lld: %.0f decode tokens/s (%lld steps)\n",
                         recipe.c_str(), dtype_name(storage), fwd ? "grouped" : "gemm", fused ? "on" : "off",
-                        producer_quant ? "on" : "off", shared_group ? "on" : "off", fused_routing ? "on" : "off",
+                        producer_quant ? "on" : "off", shared_group ? "on" : "off",
                         deferred ? "deferred" : "layer", group_ctas ? "group" : "head", graphs ? "on" : "off",
                         gpu_draws ? "gpu" : "host", pdl ? "on" : "off", experts.c_str(), (long long)B,
                         double(decode_tokens) / decode_s, (long long)s.decode_forwards);
@@ -394,7 +387,6 @@ int main(int argc, char** argv) {
       set_fused_forward_gemms(true);
       set_producer_quantizers(true);
       set_shared_expert_grouped(true);
-      set_fused_routing(true);
       set_moe_routing_waits_deferred(true);
       sampler.set_cuda_graphs(true);
       sampler.set_gpu_draws(true);
@@ -405,8 +397,7 @@ int main(int argc, char** argv) {
         for (const nlohmann::json& base : table.rows) {
           bool match = base["recipe"] == "bf16";
           for (const char* k :
-               {"kv_cache", "forward", "fused", "producer_quant", "shared_group", "fused_routing", "routing", "attention",
-                "graphs", "draws",
+               {"kv_cache", "forward", "fused", "producer_quant", "shared_group", "routing", "attention", "graphs", "draws",
                 "dependent_launches",
                 "experts", "batch"})
             match = match && base[k] == row[k];

@@ -1136,60 +1136,6 @@ TEST(CudaLayers, RoutePlanExtraRowsEqualCpu) {
   ops::check_index_errors(Device::CUDA);  // nothing recorded
 }
 
-// ops::route_fused (one launch: the router GEMM, top-k and the plan, the last CTA sorting) gives the
-// bits of the three ops, for one CTA and many, with and without extra rows (up to the 4096
-// assignments it takes: 1365 tokens x 2 + 1365), launch after launch (its ticket counter back at
-// zero each time); it declines what it does not take.
-TEST(CudaLayers, RouteFusedIsTheThreeOpsBits) {
-  SKIP_WITHOUT_GPU();
-  struct Cfg { int64_t N, D, E, k; };
-  for (const Cfg c : {Cfg{1, 1024, 16, 2}, Cfg{7, 64, 8, 1}, Cfg{64, 1024, 16, 2}, Cfg{256, 1024, 16, 2},
-                      Cfg{100, 36, 32, 4}, Cfg{1365, 128, 16, 2}}) {
-    const Tensor x = gpu(random_tensor({c.N, c.D}, DType::F32, 1200 + uint64_t(c.N), -2.0, 2.0));
-    const Tensor w = gpu(random_tensor({c.E, c.D}, DType::F32, 1201 + uint64_t(c.E), -0.5, 0.5));
-    for (const int64_t extra : {int64_t(0), c.N}) {
-      const std::string name = cfg("N=%lld D=%lld E=%lld", c.N, c.D, c.E) + cfg(" k=%lld extra=%lld", c.k, extra);
-      Tensor logits = Tensor::empty({c.N, c.E}, DType::F32, Device::CUDA);
-      Tensor probs = Tensor::empty({c.N, c.E}, DType::F32, Device::CUDA);
-      Tensor idx = Tensor::empty({c.N, c.k}, DType::I32, Device::CUDA);
-      Tensor tw = Tensor::empty({c.N, c.k}, DType::F32, Device::CUDA);
-      Tensor logits0 = Tensor::empty({c.N, c.E}, DType::F32, Device::CUDA);
-      Tensor probs0 = Tensor::empty({c.N, c.E}, DType::F32, Device::CUDA);
-      Tensor idx0 = Tensor::empty({c.N, c.k}, DType::I32, Device::CUDA);
-      Tensor tw0 = Tensor::empty({c.N, c.k}, DType::F32, Device::CUDA);
-      ops::gemm(x, w, logits0);
-      ops::router_topk(logits0, c.k, probs0, idx0, tw0);
-      const ops::PendingRoutePlan want = ops::route_plan_begin(idx0, c.E, Tensor(), false, extra);
-      for (int rep = 0; rep < 2; ++rep) {
-        ops::PendingRoutePlan got;
-        ASSERT_TRUE(ops::route_fused(x, w, c.k, logits, probs, idx, tw, extra, got)) << name;
-        EXPECT_FALSE(got.finish) << name;
-        EXPECT_TRUE(got.plan.offsets.empty()) << name;
-        expect_bits("route_fused logits " + name, logits, logits0);
-        expect_bits("route_fused probs " + name, probs, probs0);
-        expect_bits("route_fused topk_idx " + name, idx, idx0);
-        expect_bits("route_fused topk_w " + name, tw, tw0);
-        expect_bits("route_fused token_of_slot " + name, got.plan.token_of_slot, want.plan.token_of_slot);
-        expect_bits("route_fused slot_of " + name, got.plan.slot_of, want.plan.slot_of);
-        expect_bits("route_fused offsets " + name, got.plan.device_offsets, want.plan.device_offsets);
-      }
-    }
-  }
-  ops::check_index_errors(Device::CUDA);  // nothing recorded
-  // declined: 33 experts, more than 4096 assignments, F64, CPU tensors
-  const auto declines = [](const Tensor& x, const Tensor& w, int64_t k, int64_t extra) {
-    const int64_t N = x.size(0), E = w.size(0);
-    Tensor logits = Tensor::empty({N, E}, DType::F32, x.device()), probs = Tensor::empty({N, E}, DType::F32, x.device());
-    Tensor idx = Tensor::empty({N, k}, DType::I32, x.device()), tw = Tensor::empty({N, k}, DType::F32, x.device());
-    ops::PendingRoutePlan p;
-    return !ops::route_fused(x, w, k, logits, probs, idx, tw, extra, p);
-  };
-  EXPECT_TRUE(declines(gpu(random_tensor({4, 64}, DType::F32, 1210)), gpu(random_tensor({33, 64}, DType::F32, 1211)), 2, 0));
-  EXPECT_TRUE(declines(gpu(random_tensor({2049, 64}, DType::F32, 1212)), gpu(random_tensor({16, 64}, DType::F32, 1213)), 2, 0));
-  EXPECT_TRUE(declines(gpu(random_tensor({1366, 64}, DType::F32, 1214)), gpu(random_tensor({16, 64}, DType::F32, 1215)), 2, 1366));
-  EXPECT_TRUE(declines(random_tensor({4, 64}, DType::F32, 1216), random_tensor({16, 64}, DType::F32, 1217), 2, 0));
-}
-
 // ---- gather / combine -----------------------------------------------------------------------------
 
 // The KV-cache write: the same rows land in the same places as on the CPU, for the 16-byte,

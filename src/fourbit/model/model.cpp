@@ -20,7 +20,6 @@ std::atomic<bool> g_routing_waits_deferred{true};
 std::atomic<bool> g_fused_forward_gemms{true};
 std::atomic<bool> g_producer_quantizers{true};
 std::atomic<bool> g_shared_expert_grouped{true};
-std::atomic<bool> g_fused_routing{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -627,6 +626,12 @@ struct ModelRunner {
     const LayerRecipe& rr = recipe(LayerClass::Router);
     const int64_t N = xn.size(0), D = c.d_model, E = c.n_experts, K = c.top_k;
 
+    Tensor logits = act({N, E});
+    const Prepared px_router = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.router/fprop/X"),
+                                       LayerClass::Router, log);
+    gemm(px_router, weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router), logits);
+    Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
+    ops::router_topk(logits, K, probs, topk_idx, topk_w);
     // A forward with no backward and no load-balance loss (the sampler's, evaluation's) needs no
     // counts on the host at all where the experts' GEMMs read the plan's offsets on the GPU
     // (every recipe's operands but FP32 ones, which run cuBLASLt per expert): nothing comes back,
@@ -636,28 +641,14 @@ struct ModelRunner {
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
     const bool deferred =
         !s && !aux && !record_amax && !training_path && inference_routing_on_gpu(m.device_, c, r);
+    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
+    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
+    // BF16 copy or quantization, and the shared expert.
     // The shared expert as one more group of the routed experts' GEMMs (set_shared_expert_grouped):
     // its tokens are the plan's extra rows, after the slots.
     const SharedGroup group = shared_group(w, name, r, s, aux);
-    Tensor logits = act({N, E});
-    Tensor probs = act({N, E}), topk_idx = Tensor::empty({N, K}, DType::I32, m.device_), topk_w = act({N, K});
-    const Prepared px_router = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.router/fprop/X"),
-                                       LayerClass::Router, log);
-    const Prepared wr = weight(w.router, name + "moe.router", GemmRole::Fprop, rr.fprop.b, LayerClass::Router);
-    // A deferred plan's router, top-k and sort in one launch where the backend has it (ops::route_fused,
-    // set_fused_routing: the same bits), else the three ops. Otherwise the routing comes back to the
-    // host (the expert GEMMs' shapes); the work that does not depend on it is queued first, so that
-    // the GPU runs it while the host waits: the tokens' BF16 copy or quantization, and the shared expert.
-    ops::PendingRoutePlan pending_plan;
-    const bool routed_fused = deferred && fuse && g_fused_routing.load(std::memory_order_relaxed) &&
-                              !px_router.is_quantized() && !wr.is_quantized() && !px_router.trans && !wr.trans &&
-                              ops::route_fused(px_router.dense, wr.dense, K, logits, probs, topk_idx, topk_w,
-                                               group ? N : 0, pending_plan);
-    if (!routed_fused) {
-      gemm(px_router, wr, logits);
-      ops::router_topk(logits, K, probs, topk_idx, topk_w);
-      pending_plan = ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred, group ? N : 0);
-    }
+    ops::PendingRoutePlan pending_plan =
+        ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred, group ? N : 0);
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
     const int64_t rows = plan.token_of_slot.size(0);  // N K, and the shared expert's N where grouped
     const bool bf16_x = moe_reads_bf16_x();
@@ -1403,7 +1394,6 @@ void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
 void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
-void set_fused_routing(bool on) { g_fused_routing.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_fused_routing
+//          set_shared_expert_grouped
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -85,11 +85,6 @@ void set_producer_quantizers(bool on);
 // default); off, the shared expert's own GEMMs. The same bits either way: a grouped GEMM's rows do
 // not depend on the other groups. Process-wide, for benchmarks and tests.
 void set_shared_expert_grouped(bool on);
-// In those forwards (set_fused_forward_gemms on), where a MoE layer's routing stays on the GPU
-// (set_moe_routing_waits_deferred), its router GEMM, softmax top-k and route plan in one launch
-// where the backend has it (ops::route_fused: a decode step's few tokens on the GPU) (true, the
-// default); off, the three ops. The same bits either way. Process-wide, for benchmarks and tests.
-void set_fused_routing(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e

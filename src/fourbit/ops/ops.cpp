@@ -717,15 +717,6 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   if (probs.defined() && !read_back) fail("route_plan: the probability sums come back with the counts (read_back)");
   FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs, read_back, extra_rows);
 }
-bool route_fused(const Tensor& x, const Tensor& w, int64_t k, Tensor& logits, Tensor& probs, Tensor& topk_idx,
-                 Tensor& topk_w, int64_t extra_rows, PendingRoutePlan& pending) {
-#if FOURBIT_HAS_CUDA
-  if (x.defined() && x.device() == Device::CUDA)
-    return cuda::route_fused(x, w, k, logits, probs, topk_idx, topk_w, extra_rows, pending);
-#endif
-  (void)x, (void)w, (void)k, (void)logits, (void)probs, (void)topk_idx, (void)topk_w, (void)extra_rows, (void)pending;
-  return false;
-}
 void check_index_errors(Device device) {
 #if FOURBIT_HAS_CUDA
   if (device == Device::CUDA) cuda::check_recorded_index_errors();

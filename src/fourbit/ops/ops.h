@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
 //          quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
-//          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, route_fused, check_index_errors,
+//          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
@@ -432,15 +432,6 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
 // CPU every op fails at once, so nothing is left to check.
 void check_index_errors(Device device);
 RoutePlan route_plan_end(PendingRoutePlan pending);
-// The routing of an inference forward in one launch where the backend has one (the GPU, for a
-// decode step's few tokens): logits = x w^T with the router GEMM's bits (F32 x [N, D] and w [E, D],
-// ops::gemm), router_topk's probs, choices and weights into the given tensors, and in `pending`
-// route_plan_begin(topk_idx, E, {}, false, extra_rows)'s plan (its offsets on the GPU only,
-// nothing read back). Three launches become one. Returns false, having done nothing, where it
-// does not apply: on the CPU, more than 32 experts, more than 4096 assignments and extra rows,
-// operands other than F32.
-bool route_fused(const Tensor& x, const Tensor& w, int64_t k, Tensor& logits, Tensor& probs, Tensor& topk_idx,
-                 Tensor& topk_w, int64_t extra_rows, PendingRoutePlan& pending);
 // route_plan_end in place: waits for the read-back and completes pending.plan (once).
 void route_plan_finish(PendingRoutePlan& pending);
 RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());

@@ -13,7 +13,7 @@
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
 //          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step,
-//          attention_step_quant_fused, route_fused,
+//          attention_step_quant_fused,
 //          flash_attention_backward, materialized_attention_forward, materialized_attention_backward
 // Plain C++ (no CUDA syntax): ops.cpp, compiled by the host compiler, includes it. Kernels run on
 // cuda::stream() (the default stream, or the current GPU lane's); results that the host reads
@@ -27,10 +27,6 @@
 namespace fourbit::ops::cuda {
 
 #include "fourbit/ops/backend_ops.inc"  // NOLINT(bugprone-suspicious-include)
-
-// ops::route_fused on CUDA tensors (moe.cu): one launch; false, nothing done, where it does not apply.
-bool route_fused(const Tensor& x, const Tensor& w, int64_t k, Tensor& logits, Tensor& probs, Tensor& topk_idx,
-                 Tensor& topk_w, int64_t extra_rows, PendingRoutePlan& pending);
 
 // The device-side sticky flag the quantize kernels raise on NaN/Inf input (synchronises).
 bool take_nonfinite_flag(bool clear);

@@ -1,6 +1,6 @@
 // defines: cuda::router_topk, cuda::router_backward, cuda::route_plan, cuda::gather_rows (dense
 //          and QTensor), cuda::scatter_rows, cuda::gather_rows_backward, cuda::moe_combine,
-//          cuda::moe_combine_backward, cuda::stable_bucket_sort, cuda::route_fused
+//          cuda::moe_combine_backward, cuda::stable_bucket_sort
 // The router and the token <-> expert-slot permutation on the GPU, following ops/cpu/moe.cpp:
 //  - router rows run one per warp, arithmetic in double rounded once per output, so a token's
 //    probabilities, choices and weights never depend on the other tokens (batch invariance);
@@ -25,7 +25,6 @@
 #include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
-#include "fourbit/ops/cuda/skinny_dot.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
 
 namespace fourbit::ops::cuda {
@@ -206,65 +205,60 @@ __global__ void __launch_bounds__(kSortWarps * 32)
 // One warp per row; lane l owns experts l, l + 32, ... Selection works on the stored float
 // probabilities, as on the CPU: pick j is the greatest (probability, then lower index) among the
 // experts that come after pick j-1 in that order, which is the CPU's "strictly greater wins,
-// skip taken" scan without a taken set. Row n of router_topk_kernel, and of the fused decode
-// routing (route_fused_kernel), whose lane e wrote logit e itself.
-__device__ void router_topk_row(const float* logits, int64_t k, float* probs, int32_t* topk_idx, float* topk_w,
-                                int64_t n, int64_t E) {
-  const int lane = lane_id();
-  const float* x = logits + n * E;
-  float* p = probs + n * E;
-  float m = -INFINITY;
-  for (int64_t e = lane; e < E; e += 32) m = fmaxf(m, x[e]);
-  const double mx = double(warp_max(m));
-  double l = 0.0;
-  for (int64_t e = lane; e < E; e += 32) l += exp(double(x[e]) - mx);
-  l = warp_sum(l);
-  for (int64_t e = lane; e < E; e += 32) p[e] = float(exp(double(x[e]) - mx) / l);
-  int32_t* idx = topk_idx + n * k;
-  float* w = topk_w + n * k;
-  if (isnan(l)) {
-    // A NaN or infinite logit makes every probability NaN; nothing compares greater than a
-    // NaN, so the CPU's scan takes experts 0 .. k-1, and their weights are NaN.
-    for (int64_t j = lane; j < k; j += 32) {
-      idx[j] = int32_t(j);
-      w[j] = float(NAN);
-    }
-    return;
-  }
-  float prev_v = INFINITY;  // probabilities are finite: everything comes after this
-  int32_t prev_e = -1;
-  double sum = 0.0;
-  for (int64_t j = 0; j < k; ++j) {
-    float best_v = -1.0f;  // below every probability
-    int32_t best_e = INT32_MAX;
-    for (int32_t e = lane; e < E; e += 32) {
-      const float v = p[e];  // this lane's own store above
-      const bool after_prev = v < prev_v || (v == prev_v && e > prev_e);
-      if (after_prev && v > best_v) best_v = v, best_e = e;  // e ascends: ties keep the lower
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, best_v, offset);
-      const int32_t oe = __shfl_xor_sync(kFullMask, best_e, offset);
-      if (ov > best_v || (ov == best_v && oe < best_e)) best_v = ov, best_e = oe;
-    }
-    prev_v = best_v, prev_e = best_e;
-    sum += double(best_v);
-    if (lane == 0) {
-      idx[j] = best_e;
-      w[j] = best_v;  // the probability for now; divided by the sum below
-    }
-  }
-  if (lane == 0)
-    for (int64_t j = 0; j < k; ++j) w[j] = float(double(w[j]) / sum);
-}
-
+// skip taken" scan without a taken set.
 __global__ void __launch_bounds__(kRowThreads)
     router_topk_kernel(const float* logits, int64_t k, float* probs, int32_t* topk_idx,
                        float* topk_w, int64_t N, int64_t E) {
   dependent_launch_prologue();
-  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride())
-    router_topk_row(logits, k, probs, topk_idx, topk_w, n, E);
+  const int lane = lane_id();
+  for (int64_t n = first_row_of_warp(); n < N; n += warp_row_stride()) {
+    const float* x = logits + n * E;
+    float* p = probs + n * E;
+    float m = -INFINITY;
+    for (int64_t e = lane; e < E; e += 32) m = fmaxf(m, x[e]);
+    const double mx = double(warp_max(m));
+    double l = 0.0;
+    for (int64_t e = lane; e < E; e += 32) l += exp(double(x[e]) - mx);
+    l = warp_sum(l);
+    for (int64_t e = lane; e < E; e += 32) p[e] = float(exp(double(x[e]) - mx) / l);
+    int32_t* idx = topk_idx + n * k;
+    float* w = topk_w + n * k;
+    if (isnan(l)) {
+      // A NaN or infinite logit makes every probability NaN; nothing compares greater than a
+      // NaN, so the CPU's scan takes experts 0 .. k-1, and their weights are NaN.
+      for (int64_t j = lane; j < k; j += 32) {
+        idx[j] = int32_t(j);
+        w[j] = float(NAN);
+      }
+      continue;
+    }
+    float prev_v = INFINITY;  // probabilities are finite: everything comes after this
+    int32_t prev_e = -1;
+    double sum = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      float best_v = -1.0f;  // below every probability
+      int32_t best_e = INT32_MAX;
+      for (int32_t e = lane; e < E; e += 32) {
+        const float v = p[e];  // this lane's own store above
+        const bool after_prev = v < prev_v || (v == prev_v && e > prev_e);
+        if (after_prev && v > best_v) best_v = v, best_e = e;  // e ascends: ties keep the lower
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const float ov = __shfl_xor_sync(kFullMask, best_v, offset);
+        const int32_t oe = __shfl_xor_sync(kFullMask, best_e, offset);
+        if (ov > best_v || (ov == best_v && oe < best_e)) best_v = ov, best_e = oe;
+      }
+      prev_v = best_v, prev_e = best_e;
+      sum += double(best_v);
+      if (lane == 0) {
+        idx[j] = best_e;
+        w[j] = best_v;  // the probability for now; divided by the sum below
+      }
+    }
+    if (lane == 0)
+      for (int64_t j = 0; j < k; ++j) w[j] = float(double(w[j]) / sum);
+  }
 }
 
 // w_j = p_{i_j} / S with S = sum_j p_{i_j}:  dL/dp_{i_l} = (dw_l - sum_j dw_j w_j) / S.
@@ -548,17 +542,18 @@ void append_bucket(int32_t* bucket_start, int32_t buckets, int32_t extra, int32_
 // a single chunk; the same permutation, as for any launch shape). Four launches and a table's
 // memset cost a decode step more host time than the sort takes on the GPU.
 constexpr int64_t kSmallSortKeys = 4096, kSmallSortBuckets = 1024;
-// The sort on one warp, next[] its `buckets` entries of shared memory (counts, then each bucket's
-// next position). The keys are read from L2 (ld.cg): in the fused routing other CTAs wrote them.
-__device__ void bucket_sort_warp(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
-                                 IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
-                                 int32_t* bucket_start, int32_t extra, int32_t* next) {
+__global__ void __launch_bounds__(32)
+    bucket_sort_small_kernel(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
+                             IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
+                             int32_t* bucket_start, int32_t extra) {
+  dependent_launch_prologue();
+  __shared__ int32_t next[kSmallSortBuckets];  // counts, then each bucket's next position
   const int lane = lane_id();
   for (int b = lane; b < buckets; b += 32) next[b] = 0;
   __syncwarp();
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
-    const int32_t key = i < n ? __ldcg(keys + i) : 0;
+    const int32_t key = i < n ? keys[i] : 0;
     const bool valid = i < n && key >= 0 && key < buckets;
     if (i < n && !valid) record_index_error(err, site, i, key, buckets, key_cols);
     const unsigned active = __ballot_sync(kFullMask, valid);
@@ -594,7 +589,7 @@ __device__ void bucket_sort_warp(const int32_t* keys, int n, int buckets, IndexS
   __syncwarp();
   for (int base = 0; base < n; base += 32) {
     const int i = base + lane;
-    const int32_t key = i < n ? __ldcg(keys + i) : 0;
+    const int32_t key = i < n ? keys[i] : 0;
     const bool valid = i < n && key >= 0 && key < buckets;  // bad keys were recorded above
     const unsigned active = __ballot_sync(kFullMask, valid);
     if (valid) {
@@ -612,15 +607,6 @@ __device__ void bucket_sort_warp(const int32_t* keys, int n, int buckets, IndexS
     }
     __syncwarp();
   }
-}
-
-__global__ void __launch_bounds__(32)
-    bucket_sort_small_kernel(const int32_t* keys, int n, int buckets, IndexSite site, int64_t key_cols,
-                             IndexError* err, int32_t divisor, int32_t* order_out, int32_t* pos_out,
-                             int32_t* bucket_start, int32_t extra) {
-  dependent_launch_prologue();
-  __shared__ int32_t next[kSmallSortBuckets];
-  bucket_sort_warp(keys, n, buckets, site, key_cols, err, divisor, order_out, pos_out, bucket_start, extra, next);
 }
 
 void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSite site,
@@ -663,86 +649,6 @@ void stable_bucket_sort(const int32_t* keys, int64_t n, int64_t buckets, IndexSi
                                                    bucket_start, divisor, order_out, pos_out);
   FOURBIT_LAUNCH_CHECK();
   if (extra > 0) append_bucket(bucket_start, int32_t(buckets), extra, order_out);
-}
-
-// ---- the fused decode routing (route_fused) ---------------------------------------------------
-
-namespace {
-
-constexpr int kFusedRouteMaxExperts = 32;  // a warp's lanes hold a row's logits
-
-// CTA n takes token row n on E warps: warp e its router logit e (skinny_dot.cuh: the router GEMM's
-// bits, the warp an element as cols_kernel's), then warp 0 router_topk_row on them. The CTA that
-// finishes last (a ticket from `done`, which it sets back to 0 for the next launch) sorts every
-// row's choices on its warp 0 (bucket_sort_warp: the small sort's bits, with the extra rows after
-// them). Other CTAs' choices are visible to it: each fences its writes before taking its ticket,
-// and the sort reads them from L2.
-template <bool VEC>
-__global__ void __launch_bounds__(32 * kFusedRouteMaxExperts)
-    route_fused_kernel(const float* __restrict__ x, const float* __restrict__ w, int64_t N, int E, int64_t D,
-                       int64_t k, float* logits, float* probs, int32_t* topk_idx, float* topk_w, int32_t extra,
-                       int32_t* token_of_slot, int32_t* slot_of, int32_t* bucket_start, IndexError* err,
-                       unsigned* done) {
-  dependent_launch_prologue();
-  __shared__ int32_t next[kFusedRouteMaxExperts];
-  __shared__ bool last;
-  const int lane = lane_id(), warp = int(threadIdx.x / 32);
-  const int64_t n = blockIdx.x;
-  const float v = skinny_warp_sum(skinny_dot_lane<VEC>(x + n * D, w + int64_t(warp) * D, D, lane));
-  if (lane == 0) logits[n * E + warp] = v;
-  __syncthreads();
-  if (warp != 0) return;
-  router_topk_row(logits, k, probs, topk_idx, topk_w, n, E);
-  __threadfence();
-  if (lane == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
-  __syncwarp();
-  if (!last) return;
-  __threadfence();
-  bucket_sort_warp(topk_idx, int(N * k), E, IndexSite::RoutePlanTopk, k, err, int32_t(k), token_of_slot, slot_of,
-                   bucket_start, extra, next);
-  if (lane == 0) *done = 0;
-}
-
-// The fused routing's ticket counter (zero between launches; allocated on first use, never freed).
-unsigned* route_fused_counter() {
-  static unsigned* counter = [] {
-    void* p = nullptr;
-    FOURBIT_CUDA_CHECK(cudaMalloc(&p, sizeof(unsigned)));
-    FOURBIT_CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned)));
-    return static_cast<unsigned*>(p);
-  }();
-  return counter;
-}
-
-}  // namespace
-
-bool route_fused(const Tensor& x, const Tensor& w, int64_t k, Tensor& logits, Tensor& probs, Tensor& topk_idx,
-                 Tensor& topk_w, int64_t extra_rows, PendingRoutePlan& pending) {
-  const char* op = "route_fused";
-  if (x.device() != Device::CUDA || w.device() != Device::CUDA || x.dtype() != DType::F32 ||
-      w.dtype() != DType::F32 || x.dim() != 2 || w.dim() != 2 || w.size(1) != x.size(1))
-    return false;
-  const int64_t N = x.size(0), D = x.size(1), E = w.size(0);
-  if (N < 1 || E < 1 || E > kFusedRouteMaxExperts || k < 1 || k > E || extra_rows < 0 || extra_rows > N ||
-      N * k + extra_rows > kSmallSortKeys)
-    return false;
-  expect_dims(op, "logits", logits, DType::F32, {N, E}, "[N, E]");
-  expect_dims(op, "probs", probs, DType::F32, {N, E}, "[N, E]");
-  expect_index(op, "topk_idx", topk_idx, {N, k}, "[N, k]");
-  expect_dims(op, "topk_w", topk_w, DType::F32, {N, k}, "[N, k]");
-  RoutePlan& plan = pending.plan;
-  plan = RoutePlan{};
-  pending.finish = nullptr;
-  plan.slot_of = Tensor::empty({N, k}, DType::I32, Device::CUDA);
-  plan.token_of_slot = Tensor::empty({N * k + extra_rows}, DType::I32, Device::CUDA);
-  plan.device_offsets = Tensor::empty({E + (extra_rows > 0 ? 2 : 1)}, DType::I32, Device::CUDA);
-  const bool vec = aligned16(x.raw()) && aligned16(w.raw()) && D % 4 == 0;
-  const auto kernel = vec ? route_fused_kernel<true> : route_fused_kernel<false>;
-  launch_dependent(kernel, unsigned(N), unsigned(32 * E), 0, x.data<float>(), w.data<float>(), N, int(E), D, k,
-                   logits.data<float>(), probs.data<float>(), topk_idx.data<int32_t>(), topk_w.data<float>(),
-                   int32_t(extra_rows), plan.token_of_slot.data<int32_t>(), plan.slot_of.data<int32_t>(),
-                   plan.device_offsets.data<int32_t>(), index_error_record(), route_fused_counter());
-  return true;
 }
 
 void router_topk(const Tensor& logits, int64_t k, Tensor& probs, Tensor& topk_idx, Tensor& topk_w) {

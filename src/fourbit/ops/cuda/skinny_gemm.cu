@@ -16,13 +16,18 @@
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/matmul.cuh"
-#include "fourbit/ops/cuda/skinny_dot.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileK = kSkinnyTileK;   // forward: K columns of W staged in shared memory at a time
+constexpr int kTileK = 256;            // forward: K columns of W staged in shared memory at a time
+
+__device__ __forceinline__ float warp_sum_f(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
 
 // C[m, n] (+)= sum_k A[m, k] B[n, k] for N <= NB: warp w of block b takes rows
 // (b * 8 + w) * ROWS .. + ROWS - 1; lane l the k of 4-column groups l, l + 32, ... (one float4
@@ -82,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
     for (int n = 0; n < NB; ++n) {
-      const float v = skinny_warp_sum(acc[r][n]);
+      const float v = warp_sum_f(acc[r][n]);
       if (lane == n && n < N && m0 + r < M) {
         float* out = C + (m0 + r) * ldc + n;
         *out = accumulate ? *out + v : v;
@@ -94,11 +99,11 @@ __global__ void __launch_bounds__(kThreads)
 // The same elements for few rows (the sampler's decode: one to a few hundred tokens, where
 // rows_kernel's 32 rows a block leave all but a few SMs idle while each block reads all of B through
 // shared memory, 18 us a call at one row on the H200): a warp per output element (m, n), reading A's
-// row m and B's row n straight from global memory (skinny_dot.cuh). Lane l takes the k that
-// rows_kernel's lane l takes, the FMAs in the same order on the same values (zeros past K, as
-// rows_kernel's staged B), and the warp adds the 32 sums by the same butterfly (every lane ends with
-// the same sum; lane n stores it, as there): each element gets rows_kernel's bits. VEC: A and B read
-// 16 bytes at a time (the same values).
+// row m and B's row n straight from global memory. Lane l takes the k that rows_kernel's lane l
+// takes, the FMAs in the same order on the same values (zeros past K, as rows_kernel's staged B), and
+// the warp adds the 32 sums by the same butterfly (every lane ends with the same sum; lane n stores
+// it, as there): each element gets rows_kernel's bits. VEC: A and B read 16 bytes at a time (the
+// same values).
 template <bool VEC>
 __global__ void __launch_bounds__(kThreads)
     cols_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
@@ -109,7 +114,33 @@ __global__ void __launch_bounds__(kThreads)
   if (e >= M * N) return;  // the warp's element: all its lanes leave together
   const int64_t m = e / N;
   const int n = int(e % N);
-  const float v = skinny_warp_sum(skinny_dot_lane<VEC>(A + m * lda, B + int64_t(n) * ldb, K, lane));
+  const float* ar = A + m * lda;
+  const float* br = B + int64_t(n) * ldb;
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += kTileK) {
+    const int64_t kend = K - k0 < kTileK ? K - k0 : kTileK;
+#pragma unroll
+    for (int g = 0; g < kTileK / 128; ++g) {
+      const int kk = 4 * (lane + 32 * g);
+      if (kk >= kend) break;
+      float a[4], b[4];
+      if (VEC && kk + 3 < kend) {
+        const float4 qa = *reinterpret_cast<const float4*>(ar + k0 + kk);
+        const float4 qb = *reinterpret_cast<const float4*>(br + k0 + kk);
+        a[0] = qa.x, a[1] = qa.y, a[2] = qa.z, a[3] = qa.w;
+        b[0] = qb.x, b[1] = qb.y, b[2] = qb.z, b[3] = qb.w;
+      } else {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          a[c] = kk + c < kend ? ar[k0 + kk + c] : 0.0f;
+          b[c] = kk + c < kend ? br[k0 + kk + c] : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc = fmaf(a[c], b[c], acc);
+    }
+  }
+  const float v = warp_sum_f(acc);
   if (lane == n) {
     float* out = C + m * ldc + n;
     *out = accumulate ? *out + v : v;
