@@ -405,9 +405,9 @@ struct RoutePlan {
   Tensor slot_of;
   Tensor token_of_slot;
   std::vector<double> prob_sums;  // with probs, else empty
-  // I32 [E + 1] (E + 2 with extra rows): the offsets where the GPU made the plan, there from route_plan_begin on, so that
-  // work queued before the host has the counts can read them (grouped_gemm_device_offsets);
-  // undefined on the CPU, where the plan is complete at once.
+  // I32 [E + 1] (E + 2 with extra rows): the offsets where the GPU made the plan, there from
+  // route_plan_begin on, so that work queued before the host has the counts can read them
+  // (grouped_gemm_device_offsets); undefined on the CPU, where the plan is complete at once.
   Tensor device_offsets;
 };
 // route_plan in two halves: route_plan_begin queues the plan (on the GPU the sort and the
