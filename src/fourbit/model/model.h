@@ -80,9 +80,9 @@ void set_producer_quantizers(bool on);
 // In those forwards (set_fused_forward_gemms on), a MoE layer's shared expert runs as one more
 // group of its routed experts' GEMMs and SwiGLU where it has their shape (its hidden d_expert, one
 // shared expert) and the recipe quantizes its tokens per row: its tokens gathered after the
-// experts' slots, its weights appended after theirs (one more cached copy of the routed w1 | w3 and
-// w2 operands), so a layer runs two expert GEMMs, one SwiGLU and one quantizer fewer (true, the
-// default); off, the shared expert's own GEMMs. The same bits either way: a grouped GEMM's rows do
+// experts' slots, its weights appended after theirs (cached in place of the routed w1 | w3's
+// stacked operand, and one more copy of the routed w2 operand), so a layer runs two expert GEMMs and
+// one SwiGLU (with its quantizer) fewer (true, the default); off, the shared expert's own GEMMs. The same bits either way: a grouped GEMM's rows do
 // not depend on the other groups. Process-wide, for benchmarks and tests.
 void set_shared_expert_grouped(bool on);
 
