@@ -641,12 +641,12 @@ struct ModelRunner {
                                 ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
     const bool deferred =
         !s && !aux && !record_amax && !training_path && inference_routing_on_gpu(m.device_, c, r);
-    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
-    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
-    // BF16 copy or quantization, and the shared expert.
     // The shared expert as one more group of the routed experts' GEMMs (set_shared_expert_grouped):
     // its tokens are the plan's extra rows, after the slots.
     const SharedGroup group = shared_group(w, name, r, s, aux);
+    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
+    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
+    // BF16 copy or quantization, and the shared expert when it runs apart.
     ops::PendingRoutePlan pending_plan =
         ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred, group ? N : 0);
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
@@ -1010,10 +1010,13 @@ Prepared Model::fused_weight(const std::string& name, const std::vector<Prepared
   if (!p0.is_quantized() && (!p0.dense.defined() || p0.dense.dtype() != DType::BF16)) return {};
   const int64_t slices = p0.is_quantized() ? p0.q.slices : p0.dense.dim() == 3 ? p0.dense.size(0) : 1;
   const int64_t K = p0.is_quantized() ? p0.q.cols : p0.dense.size(-1);
-  if (device_ != Device::CPU &&
-      (!forward_gemms_grouped() || !ops::grouped_gemm_reads_device_offsets(device_, slices, K)))
-    return {};
+  if (!grouped_forward_gemms(slices, K)) return {};
   return cached_fused(name, [&] { return stack_fprop_weights(parts, shared_outer); });
+}
+
+bool Model::grouped_forward_gemms(int64_t slices, int64_t K) const {
+  return device_ == Device::CPU ||
+         (forward_gemms_grouped() && ops::grouped_gemm_reads_device_offsets(device_, slices, K));
 }
 
 Prepared Model::cached_fused(const std::string& name, const std::function<Prepared()>& make) {
@@ -1031,9 +1034,7 @@ Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t
                                 const std::function<std::vector<Prepared>()>& parts) {
   // only where the grouped kernel family runs the groups (as fused_weight): its rows do not depend
   // on the other groups
-  if (device_ != Device::CPU &&
-      (!forward_gemms_grouped() || !ops::grouped_gemm_reads_device_offsets(device_, slices, K)))
-    return {};
+  if (!grouped_forward_gemms(slices, K)) return {};
   return cached_fused(name, [&] { return append_weight_slices(parts()); });
 }
 

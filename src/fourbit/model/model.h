@@ -239,6 +239,10 @@ class Model {
                            const std::function<std::vector<Prepared>()>& parts);
   // fused_cache_'s entry `name`, made by `make` on a miss (not while a CUDA graph is captured).
   Prepared cached_fused(const std::string& name, const std::function<Prepared()>& make);
+  // Whether this device's forward GEMMs of `slices` groups over K run on the grouped kernel family
+  // (or the CPU's GEMM), whose output element is one chain over K whatever N and the other groups:
+  // where fused_weight's and appended_weight's operands give their parts' bits.
+  bool grouped_forward_gemms(int64_t slices, int64_t K) const;
   void quantize_weights_ahead(const SrStreams& sr);
   struct Bf16Ahead {
     const void* source;  // the weight's storage: a copy is only used for the weight it was made of
