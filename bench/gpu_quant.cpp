@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -157,8 +158,57 @@ int main(int argc, char** argv) {
       add("mxfp8-e4m3 row+col one pass", ms, in_bytes + pair_bytes);
     }
     if (wanted("mxfp8-e4m3 row+col one pass +bf16")) {
-      const double ms = median_ms([&] { (void)ops::quantize_row_col(x, row, {1, 2}, col, whole, keys, true, true); }, reps);
+      const double ms = median_ms([&] { (void)ops::quantize_row_col(x, row, {1, 2}, col, whole, keys, ops::FormOut::CodesAndBf16,
+                                                                  ops::FormOut::CodesAndBf16); }, reps);
       add("mxfp8-e4m3 row+col one pass +bf16", ms, in_bytes + pair_bytes + 2 * 2 * R * C);
+    }
+    if (wanted("mxfp8-e4m3 row+col one pass, bf16 alone")) {  // a training step's dY pair
+      const double ms = median_ms([&] { (void)ops::quantize_row_col(x, row, {1, 2}, col, whole, keys, ops::FormOut::Bf16,
+                                                                  ops::FormOut::Bf16); }, reps);
+      add("mxfp8-e4m3 row+col one pass, bf16 alone", ms, in_bytes + 2 * 2 * R * C);
+    }
+    // An FFN's SwiGLU in training, [R, C / 2] each: a from h1 and h3 on both axes as the backward's
+    // recomputation needs it (its Row form's BF16 decode alone, its Col form's codes), and dh1 and
+    // dh3 from da, h1 and h3, each on both axes as the training step's dY pairs are (BF16 decodes
+    // alone): written in F32 by the SwiGLU and then read by quantize_row_col, or quantized where
+    // they are computed (swiglu_forward_row_col, swiglu_backward_row_col). Bytes: what each way
+    // moves at the least.
+    const int64_t F = C / 2;
+    if (only.empty() || only.rfind("swiglu", 0) == 0) {
+      const Tensor da = x.view(0, {R, F}), h1 = x.view(R * F, {R, F});
+      const Tensor h3 = dst.view(0, {R, F});
+      Tensor dh1 = Tensor::empty({R, F}, DType::F32, Device::CUDA), dh3 = Tensor::empty({R, F}, DType::F32, Device::CUDA);
+      const std::array<std::vector<ops::RngKey>, 2> both = {keys, keys};
+      const int64_t outs = 2 * 2 * 2 * R * F;  // two outputs, two BF16 forms each
+      if (wanted("swiglu_backward, then two row+col")) {
+        const double ms = median_ms([&] {
+          ops::swiglu_backward(da, h1, h3, dh1, dh3);
+          (void)ops::quantize_row_col(dh1, row, {1, 2}, col, whole, keys, ops::FormOut::Bf16, ops::FormOut::Bf16);
+          (void)ops::quantize_row_col(dh3, row, {1, 3}, col, whole, keys, ops::FormOut::Bf16, ops::FormOut::Bf16);
+        }, reps);
+        add("swiglu_backward, then two row+col", ms, 3 * 4 * R * F + 2 * 4 * R * F + 2 * 4 * R * F + outs);
+      }
+      if (wanted("swiglu_forward, then row+col")) {  // the backward's recomputed a: w2's X and X^T
+        const double ms = median_ms([&] {
+          ops::swiglu_forward(h1, h3, dh1);
+          (void)ops::quantize_row_col(dh1, row, {1, 2}, col, whole, keys, ops::FormOut::Bf16, ops::FormOut::Codes);
+        }, reps);
+        add("swiglu_forward, then row+col", ms, 2 * 4 * R * F + 4 * R * F + 4 * R * F + 3 * R * F);
+      }
+      if (wanted("swiglu_forward_row_col")) {
+        const double ms = median_ms([&] {
+          (void)ops::swiglu_forward_row_col(h1, h3, row, {1, 2}, col, whole, keys, ops::FormOut::Bf16,
+                                            ops::FormOut::Codes);
+        }, reps);
+        add("swiglu_forward_row_col", ms, 2 * 4 * R * F + 3 * R * F);
+      }
+      if (wanted("swiglu_backward_row_col")) {
+        const double ms = median_ms([&] {
+          (void)ops::swiglu_backward_row_col(da, h1, h3, row, {ops::RngKey{1, 2}, ops::RngKey{1, 3}}, col, whole, both,
+                                             ops::FormOut::Bf16, ops::FormOut::Bf16);
+        }, reps);
+        add("swiglu_backward_row_col", ms, 3 * 4 * R * F + outs);
+      }
     }
   }
 

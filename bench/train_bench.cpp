@@ -3,7 +3,8 @@
 // the bf16 recipe measured in the same process, and the activation bytes kept for backward.
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
-//                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both] [--json FILE]
+//                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
+//                    [--grad-quant V[,V...]] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -14,6 +15,11 @@
 // --forward-gemms: the linear layers' forward GEMMs (attention, shared expert, dense FFN, LM head)
 // on the grouped kernel family (grouped, the default: forward_gemm) or on ops::gemm's cuBLASLt
 // (gemm, the path before it), or both, each recipe run under each in this process.
+// --grad-quant: how the backward quantizes its MXFP8 dY pairs: fused (the default: an FFN's dh1 and
+// dh3 quantized where swiglu_backward computes them, every pair written as its BF16 decodes
+// alone; set_swiglu_quantized, set_dy_decodes_only), decodes (the decodes alone, swiglu_backward
+// and the quantizers apart) or apart (neither: codes and decodes, each quantizer a pass of its
+// own); several (comma-separated, repeats allowed) run each recipe under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -113,10 +119,24 @@ int main(int argc, char** argv) {
   else if (fwd_arg == "both") fwd_grouped = {true, false};
   else fail("train_bench: --forward-gemms must be grouped, gemm or both, got '{}'", fwd_arg);
   if (fwd_arg != "grouped") table.columns.insert(table.columns.begin() + 1, "forward GEMMs");
+  std::vector<std::string> grad_quants;
+  {
+    std::stringstream ss(arg(argc, argv, "--grad-quant", "fused"));
+    for (std::string v; std::getline(ss, v, ',');) {
+      if (v != "fused" && v != "decodes" && v != "apart")
+        fail("train_bench: --grad-quant takes fused, decodes or apart, got '{}'", v);
+      grad_quants.push_back(v);
+    }
+  }
+  if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
+  if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
   for (const std::string& variant : variants)
   for (const bool fwd : fwd_grouped)
-  for (const bool keep : keeps) {
+  for (const bool keep : keeps)
+  for (const std::string& gq : grad_quants) {
     set_forward_gemms_grouped(fwd);
+    set_swiglu_quantized(gq == "fused");
+    set_dy_decodes_only(gq != "apart");
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_grouped_kernel(variant != "per-expert");
@@ -182,6 +202,7 @@ int main(int argc, char** argv) {
                  {"expert GEMMs", variant},
                  {"FFN interiors", keep ? "kept" : "recomputed"},
                  {"forward GEMMs", fwd ? "grouped" : "gemm"},
+                 {"dY quantizers", gq},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -196,6 +217,8 @@ int main(int argc, char** argv) {
     }
   }
   set_forward_gemms_grouped(true);
+  set_swiglu_quantized(true);
+  set_dy_decodes_only(true);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};

@@ -456,12 +456,36 @@ bool decodes_its_codes(const QTensor& got, const std::string& what) {
   return true;
 }
 
+constexpr ops::FormOut kForms[3] = {ops::FormOut::Codes, ops::FormOut::CodesAndBf16, ops::FormOut::Bf16};
+
+// got, a form written as `form` asks, against want, the CPU's quantize of the same values: its
+// codes and scales equal (Codes, CodesAndBf16), and its BF16 decode the exact values of want's
+// codes (CodesAndBf16, Bf16: then without codes or scales).
+bool same_form(const QTensor& want, const QTensor& got, ops::FormOut form, const std::string& what) {
+  if (form == ops::FormOut::Bf16) {
+    if (got.codes.defined() || got.block_scales.defined()) {
+      ADD_FAILURE() << what << ": codes written for a form of its decode alone";
+      return false;
+    }
+    QTensor w = want;
+    w.bf16 = got.bf16;
+    return decodes_its_codes(w, what + " (the CPU's codes)");
+  }
+  if (!same_qtensor(want, got, what)) return false;
+  if (form == ops::FormOut::CodesAndBf16) return decodes_its_codes(got, what);
+  if (got.bf16.defined()) {
+    ADD_FAILURE() << what << ": a BF16 decode written for a form of codes alone";
+    return false;
+  }
+  return true;
+}
+
 // ops::quantize_row_col on the GPU (one pass of mxfp8_row_col_kernel) equals the CPU's quantize
 // on the Row axis and quantize of every segment on the Col axis, for every pair of MXFP8 specs of
 // one element format (RNE/SR on each side, both scale rules): widths inside, at and past one
 // 256-column tile, segments empty, shorter than a block and longer than several, more segments
-// than a launch takes, NaN and Inf in the data; the BF16 decodes it writes are the exact values
-// of its codes, with and without them asked for on each side.
+// than a launch takes, NaN and Inf in the data; each side written as each FormOut asks (the BF16
+// decodes the exact values of the codes, with the codes or without them).
 TEST(CudaQuantize, RowColPairMatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> rows_specs, cols_specs;
@@ -498,24 +522,20 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
           const ops::RngKey row_key{0xBEEFu + uint64_t(pair), 5};
           std::vector<ops::RngKey> keys;
           for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xC0FFEEu + uint64_t(pair), 11 * e + 3});
-          const bool row_bf16 = pair % 3 != 0, col_bf16 = pair % 4 != 1;
-          const ops::RowColQuant got = ops::quantize_row_col(x_gpu, rs, row_key, cs, offsets, keys, row_bf16, col_bf16);
-          const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs);
-          if (!same_qtensor(ops::quantize(x_cpu, rs, row_key), got.row, what + " row")) return;
-          if (row_bf16 && !decodes_its_codes(got.row, what + " row")) return;
-          if (!row_bf16) {
-            EXPECT_FALSE(got.row.bf16.defined()) << what;
-          }
+          const ops::FormOut row_out = kForms[pair % 3], col_out = kForms[(pair / 3 + pair) % 3];
+          const ops::RowColQuant got = ops::quantize_row_col(x_gpu, rs, row_key, cs, offsets, keys, row_out, col_out);
+          const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs) + " forms " +
+                                   std::to_string(int(row_out)) + "/" + std::to_string(int(col_out));
+          if (!same_form(ops::quantize(x_cpu, rs, row_key), got.row, row_out, what + " row")) return;
           ASSERT_EQ(got.col.size(), len.size());
           for (size_t e = 0; e < len.size(); ++e) {
             const std::string we = what + " segment " + std::to_string(e);
             if (len[e] == 0) {
-              EXPECT_FALSE(got.col[e].codes.defined()) << we;
+              EXPECT_FALSE(got.col[e].defined()) << we;
               continue;
             }
             const QTensor want = ops::quantize(x_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
-            if (!same_qtensor(want, got.col[e], we)) return;
-            if (col_bf16 && !decodes_its_codes(got.col[e], we)) return;
+            if (!same_form(want, got.col[e], col_out, we)) return;
           }
         }
     }
@@ -523,9 +543,144 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
   EXPECT_TRUE(ops::nonfinite_seen(true));
 }
 
+// ops::swiglu_forward_row_col on the GPU (a computed and quantized in one pass) gives the bits of
+// swiglu_forward followed by the CPU's quantizers of that a: with Col forms per segment (widths
+// inside, at and past one 256-column tile, segments empty, short and long; RNE and SR, every
+// FormOut) and without them (the Row form alone, as prepare of w2's input makes it).
+TEST(CudaQuantize, SwigluRowColMatchesSwigluThenQuantize) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.fprop.a, col = recipe_by_name("mxfp8").expert.wgrad.b;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  ASSERT_TRUE(ops::row_col_one_pass(row, col));
+  const std::vector<std::vector<int64_t>> lengths = {{0, 1, 31, 32, 33, 100, 0, 64}, {70}, {}};
+  uint32_t seed = 3300;
+  int run = 0;
+  for (int64_t F : {1, 37, 256, 300, 1024})
+    for (const auto& len : lengths) {
+      std::vector<int64_t> offsets;
+      int64_t rows = 45;  // no segments: the Row form alone
+      if (!len.empty()) {
+        offsets = {0};
+        for (int64_t n : len) offsets.push_back(offsets.back() + n);
+        rows = offsets.back();
+      }
+      const Dims d{1, rows, F};
+      const Tensor h1 = Tensor::from_host(make_data(d, Data::Varied, seed++).data(), d.shape(), DType::F32).to(Device::CUDA);
+      const Tensor h3 = Tensor::from_host(make_data(d, Data::Huge, seed++).data(), d.shape(), DType::F32).to(Device::CUDA);
+      ++run;
+      QuantSpec rs = row, cs = col;
+      rs.rounding = run % 2 ? num::Rounding::SR : num::Rounding::RNE;
+      cs.rounding = run % 3 ? num::Rounding::RNE : num::Rounding::SR;
+      const ops::FormOut row_out = kForms[run % 3], col_out = kForms[(run / 3 + run + 2) % 3];
+      const ops::RngKey row_key{0x71u + uint64_t(run), 1};
+      std::vector<ops::RngKey> keys;
+      for (size_t e = 0; e < len.size(); ++e) keys.push_back({0x72u + uint64_t(run), 5 * e + 1});
+      const ops::RowColQuant got = ops::swiglu_forward_row_col(h1, h3, rs, row_key, cs, offsets, keys, row_out, col_out);
+      Tensor a = Tensor::empty(d.shape(), DType::F32, Device::CUDA);
+      ops::swiglu_forward(h1, h3, a);
+      const Tensor a_cpu = a.to(Device::CPU);
+      const std::string what = d.str() + " run " + std::to_string(run);
+      if (!same_form(ops::quantize(a_cpu, rs, row_key), got.row, row_out, what + " row")) return;
+      ASSERT_EQ(got.col.size(), len.size()) << what;
+      for (size_t e = 0; e < len.size(); ++e) {
+        const std::string we = what + " segment " + std::to_string(e);
+        if (len[e] == 0) {
+          EXPECT_FALSE(got.col[e].defined()) << we;
+          continue;
+        }
+        const QTensor want = ops::quantize(a_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
+        if (!same_form(want, got.col[e], col_out, we)) return;
+      }
+    }
+  EXPECT_EQ(run, 15);
+}
+
+// ops::swiglu_backward_row_col on the GPU (dh1 and dh3 computed and quantized in one pass) gives
+// the bits of swiglu_backward followed by quantize_row_col of each, on the GPU and on the CPU:
+// widths inside, at and past one 128-column half tile, segments empty, shorter than a block and
+// longer than several, more than a launch takes; RNE and SR on each side, every FormOut, its own
+// keys per output; a NaN in da flags the quantizers as the separate passes do.
+TEST(CudaQuantize, SwigluGradsRowColMatchSwigluThenRowCol) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.dgrad.a, col = recipe_by_name("mxfp8").expert.wgrad.a;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  ASSERT_TRUE(ops::row_col_one_pass(row, col));
+  const std::vector<std::vector<int64_t>> lengths = {{0, 1, 31, 32, 33, 100, 0, 64}, {70}, std::vector<int64_t>(36, 9)};
+  uint32_t seed = 3100;
+  int run = 0;
+  for (int64_t F : {1, 37, 128, 200, 1024})
+    for (const auto& len : lengths) {
+      std::vector<int64_t> offsets = {0};
+      for (int64_t n : len) offsets.push_back(offsets.back() + n);
+      const Dims d{1, offsets.back(), F};
+      std::vector<Tensor> in;
+      for (int k = 0; k < 3; ++k)
+        in.push_back(Tensor::from_host(make_data(d, k == 2 ? Data::Huge : Data::Varied, seed++).data(), d.shape(),
+                                       DType::F32));
+      const bool nan = F == 200 && len.size() == 1;
+      if (nan) {  // a NaN in da reaches dh1 and dh3 of one element
+        std::vector<float> h = host_vec<float>(in[0]);
+        h[5 * size_t(F) + 150] = std::numeric_limits<float>::quiet_NaN();
+        in[0] = Tensor::from_host(h.data(), d.shape(), DType::F32);
+      }
+      const Tensor da = in[0].to(Device::CUDA), h1 = in[1].to(Device::CUDA), h3 = in[2].to(Device::CUDA);
+      ++run;
+      QuantSpec rs = row, cs = col;
+      rs.rounding = run % 2 ? num::Rounding::SR : num::Rounding::RNE;
+      cs.rounding = run % 3 ? num::Rounding::RNE : num::Rounding::SR;
+      const ops::FormOut row_out = kForms[run % 3], col_out = kForms[(run / 3 + run + 1) % 3];
+      const std::array<ops::RngKey, 2> row_keys = {ops::RngKey{0x51u + uint64_t(run), 1}, {0x52u + uint64_t(run), 2}};
+      std::array<std::vector<ops::RngKey>, 2> keys;
+      for (size_t e = 0; e < len.size(); ++e) {
+        keys[0].push_back({0x61u + uint64_t(run), 7 * e + 1});
+        keys[1].push_back({0x62u + uint64_t(run), 7 * e + 2});
+      }
+      (void)ops::nonfinite_seen(true);
+      const std::array<ops::RowColQuant, 2> got =
+          ops::swiglu_backward_row_col(da, h1, h3, rs, row_keys, cs, offsets, keys, row_out, col_out);
+      EXPECT_EQ(ops::nonfinite_seen(true), nan);
+      Tensor dh[2] = {Tensor::empty(d.shape(), DType::F32, Device::CUDA), Tensor::empty(d.shape(), DType::F32, Device::CUDA)};
+      ops::swiglu_backward(da, h1, h3, dh[0], dh[1]);
+      const std::string what = d.str() + " run " + std::to_string(run);
+      for (int o = 0; o < 2; ++o) {
+        const std::string wo = what + (o ? " dh3" : " dh1");
+        // the separate passes on the GPU, and the CPU's quantizers of the GPU's dh
+        const ops::RowColQuant apart = ops::quantize_row_col(dh[o], rs, row_keys[size_t(o)], cs, offsets,
+                                                             keys[size_t(o)], ops::FormOut::CodesAndBf16,
+                                                             ops::FormOut::CodesAndBf16);
+        const Tensor dh_cpu = dh[o].to(Device::CPU);
+        if (!same_form(ops::quantize(dh_cpu, rs, row_keys[size_t(o)]), got[size_t(o)].row, row_out, wo + " row")) return;
+        if (!same_form(apart.row, got[size_t(o)].row, row_out, wo + " row against the passes")) return;
+        ASSERT_EQ(got[size_t(o)].col.size(), len.size());
+        for (size_t e = 0; e < len.size(); ++e) {
+          const std::string we = wo + " segment " + std::to_string(e);
+          if (len[e] == 0) {
+            EXPECT_FALSE(got[size_t(o)].col[e].defined()) << we;
+            continue;
+          }
+          const QTensor want = ops::quantize(dh_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[size_t(o)][e]);
+          if (!same_form(want, got[size_t(o)].col[e], col_out, we)) return;
+        }
+      }
+    }
+  EXPECT_EQ(run, 15);
+  // a host tensor among the inputs is refused, naming it
+  const Tensor dev = Tensor::zeros({64, 32}, DType::F32, Device::CUDA), host_t = Tensor::zeros({64, 32}, DType::F32);
+  const std::array<std::vector<ops::RngKey>, 2> one = {std::vector<ops::RngKey>{{1, 1}}, std::vector<ops::RngKey>{{1, 2}}};
+  try {
+    (void)ops::swiglu_backward_row_col(dev, host_t, dev, row, {ops::RngKey{1, 3}, ops::RngKey{1, 4}}, col, {0, 64}, one,
+                                       ops::FormOut::Bf16, ops::FormOut::Bf16);
+    ADD_FAILURE() << "a host h1 was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("h1"), std::string::npos) << e.what();
+  }
+}
+
 // ops::quantize_both on the GPU (quantize_row_col's kernel, a segment per slice) equals the CPU's
 // quantize on each axis for 2-D and 3-D inputs (the 3-D Col-axis counters run on over the
-// slices, so SR draws differ per slice), with its BF16 decodes the exact values of its codes.
+// slices, so SR draws differ per slice), each axis written as each FormOut asks.
 TEST(CudaQuantize, BothAxesMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> rows_specs, cols_specs;
@@ -543,15 +698,12 @@ TEST(CudaQuantize, BothAxesMatchCpu) {
         if (rs.fmt != cs.fmt) continue;
         ++pair;
         const ops::RngKey rk{0xABCu + uint64_t(pair), 1}, ck{0xDEFu + uint64_t(pair), 2};
-        const ops::BothAxes got = ops::quantize_both(x_gpu, rs, rk, cs, ck, true, pair % 2 == 0);
-        const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs);
-        if (!same_qtensor(ops::quantize(x_cpu, rs, rk), got.row, what + " row")) return;
-        if (!same_qtensor(ops::quantize(x_cpu, cs, ck), got.col, what + " col")) return;
-        if (!decodes_its_codes(got.row, what + " row")) return;
-        if (pair % 2 == 0 && !decodes_its_codes(got.col, what + " col")) return;
-        if (pair % 2 != 0) {
-          EXPECT_FALSE(got.col.bf16.defined()) << what;
-        }
+        const ops::FormOut row_out = kForms[(pair + 1) % 3], col_out = kForms[(pair / 3 + pair) % 3];
+        const ops::BothAxes got = ops::quantize_both(x_gpu, rs, rk, cs, ck, row_out, col_out);
+        const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs) + " forms " +
+                                 std::to_string(int(row_out)) + "/" + std::to_string(int(col_out));
+        if (!same_form(ops::quantize(x_cpu, rs, rk), got.row, row_out, what + " row")) return;
+        if (!same_form(ops::quantize(x_cpu, cs, ck), got.col, col_out, what + " col")) return;
       }
   }
   EXPECT_EQ(pair, 3 * 32);
@@ -574,8 +726,16 @@ TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
   const Tensor y = Tensor::from_host(make_data({1, R, Cy}, Data::Varied, 12).data(), {R, Cy}, DType::F32).to(Device::CUDA);
   const Tensor w = Tensor::from_host(make_data({1, N, C}, Data::Varied, 13).data(), {N, C}, DType::F32).to(Device::CUDA);
   const QTensor qw = ops::quantize(w, row, {7, 7});
-  const ops::RowColQuant px = ops::quantize_row_col(x, row, {3, 1}, col, offsets, keys, true, true);
-  const ops::RowColQuant py = ops::quantize_row_col(y, row, {3, 2}, col, offsets, keys, true, true);
+  const ops::RowColQuant px = ops::quantize_row_col(x, row, {3, 1}, col, offsets, keys, ops::FormOut::CodesAndBf16,
+                                                    ops::FormOut::CodesAndBf16);
+  const ops::RowColQuant py = ops::quantize_row_col(y, row, {3, 2}, col, offsets, keys, ops::FormOut::CodesAndBf16,
+                                                    ops::FormOut::CodesAndBf16);
+  // the same forms as their decodes alone (ops::FormOut::Bf16): no codes to decode or to key on
+  const ops::RowColQuant dx = ops::quantize_row_col(x, row, {3, 1}, col, offsets, keys, ops::FormOut::Bf16,
+                                                    ops::FormOut::Bf16);
+  const ops::RowColQuant dy = ops::quantize_row_col(y, row, {3, 2}, col, offsets, keys, ops::FormOut::Bf16,
+                                                    ops::FormOut::Bf16);
+  ASSERT_FALSE(dx.row.codes.defined());
   auto plain = [](QTensor q) {
     q.bf16 = Tensor{};
     return q;
@@ -589,23 +749,33 @@ TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
     ops::gemm(ops::Operand(px.row), ops::Operand(qw), c1);
     ops::gemm(ops::Operand(plain(px.row)), ops::Operand(qw), c2);
     same(c1, c2, "fprop");
+    Tensor c3 = c1.clone();
+    ops::gemm(ops::Operand(dx.row), ops::Operand(qw), c3);
+    same(c3, c2, "fprop, the decode alone");
     const QTensor v = ops::qtensor_rows(px.row, 64, 250);
     ASSERT_TRUE(v.bf16.defined());
     Tensor d1 = Tensor::empty({186, N}, DType::F32, Device::CUDA), d2 = d1.clone();
     ops::gemm(ops::Operand(v), ops::Operand(qw), d1);
     ops::gemm(ops::Operand(plain(v)), ops::Operand(qw), d2);
     same(d1, d2, "fprop of a row view");
+    Tensor d3 = d1.clone();
+    ops::gemm(ops::Operand(ops::qtensor_rows(dx.row, 64, 250)), ops::Operand(qw), d3);
+    same(d3, d2, "fprop of a row view, the decode alone");
   }
   {  // experts: X . W_e^T with W_e's decodes from quantize_both, and dgrad's dY . W_e with W's Col form
     const int64_t E = 4, F = 48;
     const Tensor we = Tensor::from_host(make_data({E, F, C}, Data::Varied, 14).data(), {E, F, C}, DType::F32)
                           .to(Device::CUDA);
-    const ops::BothAxes qe = ops::quantize_both(we, row, {8, 1}, col, {8, 2}, true, true);
+    const ops::BothAxes qe = ops::quantize_both(we, row, {8, 1}, col, {8, 2}, ops::FormOut::CodesAndBf16,
+                                                ops::FormOut::CodesAndBf16);
     ASSERT_TRUE(qe.row.bf16.defined() && qe.col.bf16.defined());
     Tensor c1 = Tensor::empty({R, F}, DType::F32, Device::CUDA), c2 = c1.clone();
     ops::grouped_gemm(ops::Operand(px.row), ops::Operand(qe.row), offsets, c1);
     ops::grouped_gemm(ops::Operand(plain(px.row)), ops::Operand(plain(qe.row)), offsets, c2);
     same(c1, c2, "expert fprop");
+    Tensor c3 = c1.clone();
+    ops::grouped_gemm(ops::Operand(dx.row), ops::Operand(qe.row), offsets, c3);
+    same(c3, c2, "expert fprop, the decode alone");
     const Tensor dyf = Tensor::from_host(make_data({1, R, F}, Data::Varied, 15).data(), {R, F}, DType::F32)
                            .to(Device::CUDA);
     const QTensor qdy = ops::quantize(dyf, row, {9, 9});
@@ -613,6 +783,12 @@ TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
     ops::grouped_gemm(ops::Operand(qdy), ops::Operand(qe.col), offsets, d1);
     ops::grouped_gemm(ops::Operand(qdy), ops::Operand(plain(qe.col)), offsets, d2);
     same(d1, d2, "expert dgrad");
+    // dY as its decode alone, against dY's codes (dgrad's A of a training step)
+    const ops::RowColQuant pdy = ops::quantize_row_col(dyf, row, {9, 9}, col, {0, R}, {{9, 10}}, ops::FormOut::Bf16,
+                                                       ops::FormOut::Bf16);
+    Tensor d3 = d1.clone();
+    ops::grouped_gemm(ops::Operand(pdy.row), ops::Operand(qe.col), offsets, d3);
+    same(d3, d2, "expert dgrad, dY the decode alone");
   }
   {  // wgrad of every segment: dY^T[e] . X^T[e], in one batch
     std::vector<Tensor> with(offsets.size() - 1), without(offsets.size() - 1);
@@ -636,6 +812,17 @@ TEST(CudaQuantize, RowColDecodesFeedTheGemmsAsTheDecodePass) {
     ops::gemm_batch_grouped(jn);
     for (size_t e = 0; e < with.size(); ++e)
       if (with[e].defined()) same(with[e], without[e], "wgrad segment " + std::to_string(e));
+    // both operands their decodes alone, in one batch (no codes to tell the operands apart by)
+    std::vector<Tensor> alone(with.size());
+    std::vector<ops::GemmJob> ja;
+    for (size_t e = 0; e < with.size(); ++e) {
+      if (!with[e].defined()) continue;
+      alone[e] = Tensor::zeros({Cy, C}, DType::F32, Device::CUDA);
+      ja.push_back({ops::Operand(dy.col[e]), ops::Operand(dx.col[e]), &alone[e], true});
+    }
+    ops::gemm_batch_grouped(ja);
+    for (size_t e = 0; e < with.size(); ++e)
+      if (with[e].defined()) same(alone[e], without[e], "wgrad segment, the decodes alone " + std::to_string(e));
   }
 }
 

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -1071,7 +1072,7 @@ TEST(QuantizeSegments, EqualsQuantizeOfEachSegment) {
 
 // quantize_row_col: the Row-axis form is quantize() of the whole tensor and each segment's
 // Col-axis form quantize() of its rows (bytes equal; the CPU backend runs those ops and writes no
-// BF16 decodes); a Col-axis first spec, a Row-axis second one, bad offsets and key counts are
+// BF16 decodes: every FormOut is the codes there); a Col-axis first spec, a Row-axis second one, bad offsets and key counts are
 // refused with a message naming the argument.
 TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
   const Dims d{1, 100, 40};
@@ -1082,7 +1083,8 @@ TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
   QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
   col.axis = BlockAxis::Col;
   col.rounding = Rounding::RNE;
-  const ops::RowColQuant got = ops::quantize_row_col(t, row, row_key, col, offsets, keys, true, true);
+  const ops::RowColQuant got = ops::quantize_row_col(t, row, row_key, col, offsets, keys, ops::FormOut::CodesAndBf16,
+                                                           ops::FormOut::Bf16);
   const QTensor want_row = ops::quantize(t, row, row_key);
   EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(want_row.codes));
   EXPECT_EQ(host<uint8_t>(got.row.block_scales), host<uint8_t>(want_row.block_scales));
@@ -1108,6 +1110,48 @@ TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
   EXPECT_NE(error_of(row, col, {0, 100}, 2).find("2 keys for 1 segments"), std::string::npos);
 }
 
+// swiglu_backward_row_col: on the CPU, swiglu_backward and then quantize_row_col of dh1 and dh3
+// (bytes equal, each output its own keys); inputs of different shapes and key lists of the wrong
+// length are refused with a message naming them.
+TEST(QuantizeSegments, SwigluGradsRowColAreSwigluThenRowCol) {
+  const Dims d{1, 70, 40};
+  const Tensor da = to_tensor(varied_data(d, 81), d), h1 = to_tensor(varied_data(d, 82), d),
+               h3 = to_tensor(varied_data(d, 83), d);
+  const std::vector<int64_t> offsets = {0, 33, 33, 70};
+  const std::array<std::vector<ops::RngKey>, 2> keys = {std::vector<ops::RngKey>{{5, 1}, {5, 2}, {5, 3}},
+                                                        std::vector<ops::RngKey>{{6, 1}, {6, 2}, {6, 3}}};
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  const std::array<ops::RowColQuant, 2> got = ops::swiglu_backward_row_col(
+      da, h1, h3, row, {ops::RngKey{7, 1}, ops::RngKey{7, 2}}, col, offsets, keys, ops::FormOut::Bf16, ops::FormOut::Bf16);
+  Tensor dh[2] = {Tensor::empty(da.shape(), DType::F32), Tensor::empty(da.shape(), DType::F32)};
+  ops::swiglu_backward(da, h1, h3, dh[0], dh[1]);
+  for (size_t o = 0; o < 2; ++o) {
+    const ops::RowColQuant want =
+        ops::quantize_row_col(dh[o], row, {7, uint64_t(o + 1)}, col, offsets, keys[o]);
+    EXPECT_EQ(host<uint8_t>(got[o].row.codes), host<uint8_t>(want.row.codes)) << o;
+    EXPECT_EQ(host<uint8_t>(got[o].row.block_scales), host<uint8_t>(want.row.block_scales)) << o;
+    EXPECT_FALSE(got[o].row.bf16.defined());
+    ASSERT_EQ(got[o].col.size(), 3u);
+    EXPECT_FALSE(got[o].col[1].defined());
+    for (size_t e : {size_t(0), size_t(2)})
+      EXPECT_EQ(host<uint8_t>(got[o].col[e].codes), host<uint8_t>(want.col[e].codes)) << o << " " << e;
+  }
+  auto error_of = [&](const Tensor& b, const std::vector<int64_t>& off, size_t nkeys) {
+    try {
+      ops::swiglu_backward_row_col(da, b, h3, row, {ops::RngKey{}, ops::RngKey{}}, col, off,
+                                   {std::vector<ops::RngKey>(nkeys), std::vector<ops::RngKey>(nkeys)},
+                                   ops::FormOut::Codes, ops::FormOut::Codes);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(da.slice_rows(0, 69), {0, 70}, 1).find("h1"), std::string::npos);
+  EXPECT_NE(error_of(h1, {0, 70}, 2).find("2 keys for 1 segments"), std::string::npos);
+  EXPECT_NE(error_of(h1, {0, 69}, 1).find("from 0 to da's 70 rows"), std::string::npos);
+}
+
 // quantize_both: quantize() on each axis (bytes equal; the CPU writes no BF16 decodes), for a
 // 3-D input too; the axes must be Row then Col.
 TEST(QuantizeSegments, BothAxesAreTwoQuantizes) {
@@ -1115,7 +1159,8 @@ TEST(QuantizeSegments, BothAxesAreTwoQuantizes) {
   const Tensor t = to_tensor(varied_data(d, 74), d);
   QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
   col.axis = BlockAxis::Col;
-  const ops::BothAxes got = ops::quantize_both(t, row, {4, 1}, col, {4, 2}, true, true);
+  const ops::BothAxes got = ops::quantize_both(t, row, {4, 1}, col, {4, 2}, ops::FormOut::CodesAndBf16,
+                                                ops::FormOut::Bf16);
   const QTensor wr = ops::quantize(t, row, {4, 1}), wc = ops::quantize(t, col, {4, 2});
   EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(wr.codes));
   EXPECT_EQ(host<uint8_t>(got.col.codes), host<uint8_t>(wc.codes));

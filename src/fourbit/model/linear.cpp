@@ -3,7 +3,7 @@
 //          requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
-//          prepare_row_col,
+//          prepare_row_col, prepare_swiglu, prepare_swiglu_grads,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
 
@@ -190,10 +190,28 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
   return out;
 }
 
+namespace {
+// prepare_row_col's result from the quantizer's forms, with its log entries (not its call records).
+PreparedRowCol row_col_prepared(ops::RowColQuant q, const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                                const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                                const std::vector<int64_t>& offsets, LayerClass cls, QuantLog* log) {
+  PreparedRowCol out;
+  if (log) log->add(cls, row_role, row_side, row_spec, false);
+  out.row.q = std::move(q.row);
+  out.col.resize(offsets.size() - 1);
+  for (size_t e = 0; e < out.col.size(); ++e) {
+    if (offsets[e] == offsets[e + 1]) continue;
+    if (log) log->add(cls, col_role, col_side, col_spec, false);
+    out.col[e].q = std::move(q.col[e]);
+  }
+  return out;
+}
+}  // namespace
+
 PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
-                               LayerClass cls, QuantLog* log, bool row_bf16, bool col_bf16) {
+                               LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out) {
   FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_row_col of a dense spec");
   FOURBIT_CHECK(offsets.size() == col_sites.size() + 1, "prepare_row_col: {} offsets for {} sites", offsets.size(),
                 col_sites.size());
@@ -201,19 +219,78 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
   const QuantSpec cs = quantized_spec(t, col_spec, col_role, col_side, cls);
   std::vector<ops::RngKey> keys;
   for (const QuantSite& s : col_sites) keys.push_back(s.key);
-  ops::RowColQuant q = ops::quantize_row_col(t, rs, row_site.key, cs, offsets, keys, row_bf16, col_bf16);
+  if (log && log->record_calls) {
+    record(log, row_site, row_spec, hash_tensor(t));
+    for (size_t e = 0; e < col_sites.size(); ++e)
+      if (offsets[e] < offsets[e + 1]) record(log, col_sites[e], col_spec, hash_tensor(t.slice_rows(offsets[e], offsets[e + 1])));
+  }
+  return row_col_prepared(ops::quantize_row_col(t, rs, row_site.key, cs, offsets, keys, row_out, col_out), row_spec,
+                          row_role, row_side, col_spec, col_role, col_side, offsets, cls, log);
+}
+
+PreparedRowCol prepare_swiglu(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, GemmRole row_role,
+                              char row_side, const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role,
+                              char col_side, const std::vector<int64_t>& offsets,
+                              const std::vector<QuantSite>& col_sites, LayerClass cls, QuantLog* log,
+                              ops::FormOut row_out, ops::FormOut col_out) {
+  if (log && log->record_calls) {  // the records hash a: written, then prepared
+    Tensor a = Tensor::empty(h1.shape(), h1.dtype(), h1.device());
+    ops::swiglu_forward(h1, h3, a);
+    if (!offsets.empty())
+      return prepare_row_col(a, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side, offsets, col_sites,
+                             cls, log, row_out, col_out);
+    PreparedRowCol out;
+    out.row = prepare(a, row_spec, row_role, row_side, row_site, cls, log);
+    return out;
+  }
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_swiglu of a dense spec");
+  FOURBIT_CHECK(offsets.empty() || offsets.size() == col_sites.size() + 1, "prepare_swiglu: {} offsets for {} sites",
+                offsets.size(), col_sites.size());
+  const QuantSpec rs = quantized_spec(h1, row_spec, row_role, row_side, cls);
+  const QuantSpec cs = quantized_spec(h1, col_spec, col_role, col_side, cls);
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  ops::RowColQuant q = ops::swiglu_forward_row_col(h1, h3, rs, row_site.key, cs, offsets, keys, row_out, col_out);
+  if (!offsets.empty())
+    return row_col_prepared(std::move(q), row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls,
+                            log);
   PreparedRowCol out;
   if (log) log->add(cls, row_role, row_side, row_spec, false);
-  if (log && log->record_calls) record(log, row_site, row_spec, hash_tensor(t));
   out.row.q = std::move(q.row);
-  out.col.resize(col_sites.size());
-  for (size_t e = 0; e < out.col.size(); ++e) {
-    const int64_t b = offsets[e], end = offsets[e + 1];
-    if (b == end) continue;
-    if (log) log->add(cls, col_role, col_side, col_spec, false);
-    if (log && log->record_calls) record(log, col_sites[e], col_spec, hash_tensor(t.slice_rows(b, end)));
-    out.col[e].q = std::move(q.col[e]);
+  return out;
+}
+
+std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                                   const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                                                   const std::array<QuantSite, 2>& row_sites, const QuantSpec& col_spec,
+                                                   GemmRole col_role, char col_side, const std::vector<int64_t>& offsets,
+                                                   const std::array<std::vector<QuantSite>, 2>& col_sites,
+                                                   LayerClass cls, QuantLog* log, ops::FormOut row_out,
+                                                   ops::FormOut col_out) {
+  std::array<PreparedRowCol, 2> out;
+  if (log && log->record_calls) {  // the records hash dh1 and dh3: written, then prepared
+    Tensor dh1 = Tensor::empty(da.shape(), da.dtype(), da.device()), dh3 = Tensor::empty(da.shape(), da.dtype(), da.device());
+    ops::swiglu_backward(da, h1, h3, dh1, dh3);
+    const Tensor* dh[2] = {&dh1, &dh3};
+    for (size_t o = 0; o < 2; ++o)
+      out[o] = prepare_row_col(*dh[o], row_spec, row_role, row_side, row_sites[o], col_spec, col_role, col_side, offsets,
+                               col_sites[o], cls, log, row_out, col_out);
+    return out;
   }
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_swiglu_grads of a dense spec");
+  const QuantSpec rs = quantized_spec(da, row_spec, row_role, row_side, cls);
+  const QuantSpec cs = quantized_spec(da, col_spec, col_role, col_side, cls);
+  std::array<std::vector<ops::RngKey>, 2> keys;
+  for (size_t o = 0; o < 2; ++o) {
+    FOURBIT_CHECK(offsets.size() == col_sites[o].size() + 1, "prepare_swiglu_grads: {} offsets for {} sites",
+                  offsets.size(), col_sites[o].size());
+    for (const QuantSite& s : col_sites[o]) keys[o].push_back(s.key);
+  }
+  std::array<ops::RowColQuant, 2> q = ops::swiglu_backward_row_col(
+      da, h1, h3, rs, {row_sites[0].key, row_sites[1].key}, cs, offsets, keys, row_out, col_out);
+  for (size_t o = 0; o < 2; ++o)
+    out[o] = row_col_prepared(std::move(q[o]), row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls,
+                              log);
   return out;
 }
 
@@ -223,7 +300,8 @@ std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSp
   FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
   const QuantSpec fs = quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls);
   const QuantSpec ds = quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls);
-  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, true, true);
+  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::CodesAndBf16,
+                                          ops::FormOut::CodesAndBf16);
   if (log && log->record_calls) {
     const uint64_t h = hash_tensor(w);
     record(log, fprop_site, fprop, h);

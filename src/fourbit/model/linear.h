@@ -1,6 +1,6 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
-//          PreparedRowCol, prepare_row_col, prepare_weight_both,
+//          PreparedRowCol, prepare_row_col, prepare_swiglu, prepare_swiglu_grads, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -9,6 +9,7 @@
 // (DESIGN "The recipe"): fprop operands and dY for dgrad run their blocks along the rows' K,
 // W for dgrad and both wgrad operands along the token/output axis (stored transposed).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -24,8 +25,8 @@ namespace fourbit {
 struct Prepared {
   Tensor dense;        // defined for dense operands
   bool trans = false;  // dense: the matrix is stored [K, R]
-  QTensor q;           // defined (q.codes) for quantized operands
-  bool is_quantized() const { return q.codes.defined(); }
+  QTensor q;           // defined (q.defined()) for quantized operands
+  bool is_quantized() const { return q.defined(); }
   bool defined() const { return dense.defined() || is_quantized(); }
   ops::Operand op() const { return is_quantized() ? ops::Operand(q) : ops::Operand(dense, trans); }
   int64_t bytes() const { return is_quantized() ? q.nbytes() : (dense.defined() ? dense.nbytes() : 0); }
@@ -109,9 +110,10 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
 // segment of offsets ({0, rows}: the whole t) at col_sites — the bits and log entries of
 // prepare(t, row_spec, ...) followed by prepare_segments(t, offsets, col_spec, ...), in one
 // ops::quantize_row_col (one pass over t on the GPU where both are MXFP8). Both specs must be
-// block-scaled (the model calls it where ops::row_col_one_pass holds). row_bf16 / col_bf16: ask for the GPU quantizer's BF16 decodes, for
-// operands a GEMM reads right away (not for ones saved for the backward pass: they would keep
-// 2 bytes a value alive).
+// block-scaled (the model calls it where ops::row_col_one_pass holds). row_out / col_out: what
+// the GPU writes of each form (ops::FormOut): the BF16 decode for an operand a GEMM reads right
+// away (not for one saved for the backward pass: it would keep 2 bytes a value alive), the decode
+// alone for one that nothing reads after those GEMMs.
 struct PreparedRowCol {
   Prepared row;
   std::vector<Prepared> col;
@@ -119,7 +121,29 @@ struct PreparedRowCol {
 PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
-                               LayerClass cls, QuantLog* log, bool row_bf16, bool col_bf16);
+                               LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out);
+// prepare_row_col of swiglu_forward's a from h1 and h3 (F32 [rows, F]; offsets empty: prepare of
+// a's Row-axis form alone, at row_site; col_spec still names a Col-axis spec that pairs with
+// row_spec): the bits and log entries of ops::swiglu_forward followed by that preparation, in one
+// ops::swiglu_forward_row_col (on the GPU, where the specs are MXFP8, a is never written in F32).
+// With the log's record_calls, whose records hash a, the two steps run apart.
+PreparedRowCol prepare_swiglu(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, GemmRole row_role,
+                              char row_side, const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role,
+                              char col_side, const std::vector<int64_t>& offsets,
+                              const std::vector<QuantSite>& col_sites, LayerClass cls, QuantLog* log,
+                              ops::FormOut row_out, ops::FormOut col_out);
+// prepare_row_col of swiglu_backward's dh1 and dh3 from da, h1 and h3 (F32 [rows, F]), output o
+// (dh1, dh3) at row_sites[o] and col_sites[o]: the bits and log entries of ops::swiglu_backward
+// followed by prepare_row_col of each, in one ops::swiglu_backward_row_col (on the GPU, where the
+// specs are MXFP8, dh1 and dh3 are never written in F32). With the log's record_calls, whose
+// records hash dh1 and dh3, the two steps run apart.
+std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                                   const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                                                   const std::array<QuantSite, 2>& row_sites, const QuantSpec& col_spec,
+                                                   GemmRole col_role, char col_side, const std::vector<int64_t>& offsets,
+                                                   const std::array<std::vector<QuantSite>, 2>& col_sites,
+                                                   LayerClass cls, QuantLog* log, ops::FormOut row_out,
+                                                   ops::FormOut col_out);
 // A weight's fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe
 // states them) in one ops::quantize_both, each with its BF16 decode where the GPU makes one: the
 // bits prepare() gives each. Recorded at their sites (with record_calls) but not counted: the

@@ -20,6 +20,8 @@ std::atomic<bool> g_routing_waits_deferred{true};
 std::atomic<bool> g_fused_forward_gemms{true};
 std::atomic<bool> g_producer_quantizers{true};
 std::atomic<bool> g_shared_expert_grouped{true};
+std::atomic<bool> g_dy_decodes_only{true};
+std::atomic<bool> g_swiglu_quantized{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -210,6 +212,35 @@ struct ModelRunner {
   static bool dy_pairs(const LayerRecipe& r) {
     return !wgrad_dy_reuses_dgrad(r) && ops::row_col_one_pass(r.dgrad.a, r.wgrad.a);
   }
+  // What a dY pair's quantizer writes of each form (set_dy_decodes_only): the GEMMs that read the
+  // pair run right away, and nothing reads its codes after them.
+  static ops::FormOut dy_form() {
+    return g_dy_decodes_only.load(std::memory_order_relaxed) ? ops::FormOut::Bf16 : ops::FormOut::CodesAndBf16;
+  }
+  // Whether an FFN's dh1 and dh3 are quantized where swiglu_backward computes them
+  // (set_swiglu_quantized): they pair, and they would be F32 tensors read only by the quantizer.
+  static bool swiglu_grads_fused(const LayerRecipe& r) {
+    return g_swiglu_quantized.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r);
+  }
+  // Whether an FFN's SwiGLU output a is quantized where swiglu_forward computes it
+  // (set_swiglu_quantized), for w2's fprop operand alone (pair false) or with its X^T (pair: the
+  // two pair, x_pairs). Never where the FFN interiors are kept: a is kept then.
+  bool swiglu_a_fused(const LayerRecipe& r, bool pair) const {
+    if (!g_swiglu_quantized.load(std::memory_order_relaxed) || m.keep_ffn_) return false;
+    return pair ? x_pairs(r) : ops::row_col_one_pass(r.fprop.a, r.fprop.a);
+  }
+  // prepare_swiglu_grads for the FFN (or the experts, offsets their token ranges) whose w1 and w3
+  // sites are point1 and point3: dh1 and dh3 as linear_backward / expert_dy prepare them.
+  std::array<PreparedRowCol, 2> swiglu_grads(const Tensor& da, const Tensor& h1, const Tensor& h3, const LayerRecipe& r,
+                                             LayerClass cls, const std::string& point1, const std::string& point3,
+                                             const std::vector<int64_t>& offsets, bool experts) {
+    const auto col_sites = [&](const std::string& point) {
+      return experts ? expert_sites(point + "/wgrad/dY^T") : std::vector<QuantSite>{site(point + "/wgrad/dY^T")};
+    };
+    return prepare_swiglu_grads(da, h1, h3, r.dgrad.a, GemmRole::Dgrad, 'a',
+                                {site(point1 + "/dgrad/dY"), site(point3 + "/dgrad/dY")}, r.wgrad.a, GemmRole::Wgrad, 'a',
+                                offsets, {col_sites(point1), col_sites(point3)}, cls, log, dy_form(), dy_form());
+  }
 
   // X of the GEMMs at `point` (a weight or an input group): point/fprop/X, and point/wgrad/X^T
   // where the weight gradient's X is prepared from the high-precision X — both in one pass where
@@ -222,7 +253,8 @@ struct ModelRunner {
     if (x_pairs(r) && x.size(0) > 0) {
       PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
                                          GemmRole::Wgrad, 'b', {0, x.size(0)}, {site(point + "/wgrad/X^T")}, cls,
-                                         log, fwd_bf16, false);
+                                         log, fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes,
+                                         ops::FormOut::Codes);
       in.fwd = std::move(p.row);
       in.wgrad = std::move(p.col[0]);
       return in;
@@ -303,16 +335,21 @@ struct ModelRunner {
   // One linear layer's backward: dx (+)= dy . W and dW += dy^T . X (dW = where the gradient is
   // stale: ParamStore::grad_accumulate), at the sites name/dgrad/dY, name/dgrad/W, name/wgrad/dY^T
   // and name/wgrad/X^T. dy_bf16: dy's BF16 copy written by dy's producer, taken for a BF16 dY.
+  // made: dY and dY^T as this call's one-pass branch would prepare them (swiglu_grads), for an
+  // undefined dy.
   void linear_backward(const Tensor& dy, const LinearInput& x, const Tensor& w,
                        const std::string& name, Tensor& dw, Tensor* dx, bool dx_accumulate,
                        const LayerRecipe& r, LayerClass cls, const Tensor* partner = nullptr,
-                       const Tensor* dy_bf16 = nullptr) {
+                       const Tensor* dy_bf16 = nullptr, const PreparedRowCol* made = nullptr) {
     const bool dw_accumulate = m.params_.grad_accumulate(dw);
     const QuantSite dyt_site = site(name + "/wgrad/dY^T");
-    if (dx && dy_pairs(r) && dy.size(0) > 0) {
-      // dY and dY^T in one pass, each with its BF16 decode: both GEMMs read them right away
-      const PreparedRowCol p = prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), r.wgrad.a,
-                                               GemmRole::Wgrad, 'a', {0, dy.size(0)}, {dyt_site}, cls, log, true, true);
+    if (made || (dx && dy_pairs(r) && dy.size(0) > 0)) {
+      FOURBIT_CHECK(dx, "linear_backward: a prepared dY is for a layer with an input gradient");
+      // dY and dY^T in one pass, each its BF16 decode (dy_form): both GEMMs read them right away
+      const PreparedRowCol p =
+          made ? *made
+               : prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "/dgrad/dY"), r.wgrad.a,
+                                GemmRole::Wgrad, 'a', {0, dy.size(0)}, {dyt_site}, cls, log, dy_form(), dy_form());
       gemm(p.row, dgrad_weight(w, name, r, cls, partner), *dx, dx_accumulate);
       gemm(p.col[0], wgrad_input(x.fwd, x.wgrad, r, cls, site(name + "/wgrad/X^T")), dw, dw_accumulate);
       return;
@@ -340,7 +377,8 @@ struct ModelRunner {
                            LayerClass cls, const std::string& point) {
     if (dy_pairs(r) && dy.size(0) > 0)
       return prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), r.wgrad.a,
-                             GemmRole::Wgrad, 'a', offsets, expert_sites(point + "/wgrad/dY^T"), cls, log, true, true);
+                             GemmRole::Wgrad, 'a', offsets, expert_sites(point + "/wgrad/dY^T"), cls, log, dy_form(),
+                             dy_form());
     PreparedRowCol p;
     p.row = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), cls, log);
     p.col = wgrad_dy_segments(dy, p.row, offsets, r, cls, point);
@@ -391,6 +429,7 @@ struct ModelRunner {
     const Prepared w13 = fuse && !saved ? m.fused_weight(w.name + ".w13", {w1, w3}, true) : Prepared{};
     QTensor aq;
     std::optional<ops::RowQuant> aq_req;
+    Prepared pa;
     if (w13.defined()) {
       Tensor h13 = act({N, 2 * F});
       forward_gemm(x.fwd, w13, h13);
@@ -401,11 +440,20 @@ struct ModelRunner {
       h3 = act({N, F});
       forward_gemm(x.fwd, w1, h1);
       forward_gemm(x.fwd, w3, h3);
-      ops::swiglu_forward(h1, h3, a);
+      if (swiglu_a_fused(r, false) && N > 0) {  // a quantized where it is computed: the GEMM's decode
+        pa = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.fprop.a,
+                            GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes)
+                 .row;
+        a = Tensor{};
+      } else {
+        ops::swiglu_forward(h1, h3, a);
+      }
     }
-    record_input_amax(w.name + ".a", a, r);
-    const Prepared pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
-                               : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
+    if (!pa.defined()) {
+      record_input_amax(w.name + ".a", a, r);
+      pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
+                  : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
+    }
     forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
       saved->x = std::move(x).kept();
@@ -432,13 +480,30 @@ struct ModelRunner {
       forward_gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
       forward_gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     }
-    if (!a.defined()) {
-      a = act_bf16_if(bf16_input(r), {N, F});
-      ops::swiglu_forward(h1, h3, a);
+    LinearInput a_in;  // same sites, same bits as the forward's
+    if (!a.defined() && swiglu_a_fused(r, true) && N > 0) {  // a quantized where it is computed
+      PreparedRowCol p = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.wgrad.b,
+                                        GemmRole::Wgrad, 'b', {0, N}, {site(w.name + ".w2/wgrad/X^T")}, cls, log,
+                                        ops::FormOut::Codes, ops::FormOut::Codes);
+      a_in.fwd = std::move(p.row);
+      a_in.wgrad = std::move(p.col[0]);
+    } else {
+      if (!a.defined()) {
+        a = act_bf16_if(bf16_input(r), {N, F});
+        ops::swiglu_forward(h1, h3, a);
+      }
+      a_in = prepare_input(a, r, cls, w.name + ".w2");
     }
-    LinearInput a_in = prepare_input(a, r, cls, w.name + ".w2");  // same site, same bits as the forward's
-    Tensor da = act({N, F}), dh1 = act_bf16_if(bf16_grad(r), {N, F}), dh3 = act_bf16_if(bf16_grad(r), {N, F});
+    Tensor da = act({N, F});
     linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, nullptr, dy_bf16);
+    if (swiglu_grads_fused(r) && N > 0) {  // dh1 and dh3 quantized where they are computed
+      const std::array<PreparedRowCol, 2> pdh =
+          swiglu_grads(da, h1, h3, r, cls, w.name + ".w1", w.name + ".w3", {0, N}, false);
+      linear_backward(Tensor{}, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3, nullptr, &pdh[0]);
+      linear_backward(Tensor{}, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, &w.w1, nullptr, &pdh[1]);
+      return;
+    }
+    Tensor dh1 = act_bf16_if(bf16_grad(r), {N, F}), dh3 = act_bf16_if(bf16_grad(r), {N, F});
     ops::swiglu_backward(da, h1, h3, dh1, dh3);
     linear_backward(dh1, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3);
     linear_backward(dh3, saved.x, w.w3, w.name + ".w3", w.g3, &dxn, true, r, cls, &w.w1);
@@ -693,7 +758,8 @@ struct ModelRunner {
       ops::gather_rows(xn, plan.token_of_slot, xn_perm);
       PreparedRowCol p = prepare_row_col(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"),
                                          r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
-                                         expert_sites(name + "moe.w13/wgrad/X^T"), cls, log, true, false);
+                                         expert_sites(name + "moe.w13/wgrad/X^T"), cls, log,
+                                         ops::FormOut::CodesAndBf16, ops::FormOut::Codes);
       x_perm = std::move(p.row);
       x_perm_wgrad = std::move(p.col);
     } else if (bf16_x) {
@@ -826,24 +892,38 @@ struct ModelRunner {
       h3 = act({rows, F});
       expert_gemm(x_perm, w1, plan, h1);
       expert_gemm(x_perm, w3, plan, h3);
-      ops::swiglu_forward(h1, h3, a);
+      if (!swiglu_a_fused(r, inner != nullptr) || rows == 0) ops::swiglu_forward(h1, h3, a);
+      else a = Tensor{};
     }
-    record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's. For
     // the backward pass (`inner`), w2's weight-gradient operand a^T comes in the same pass where
-    // the two pair (prepare_row_col), and a with its BF16 decode for the GEMM below.
+    // the two pair (prepare_row_col), and a with its BF16 decode for the GEMM below; where a is
+    // not computed above, the SwiGLU quantizes it where it computes it (prepare_swiglu), the GEMM's
+    // operand as its decode alone: nothing reads it after the GEMM.
     Prepared pa;
     std::vector<Prepared> a_wgrad;
-    if (inner && x_pairs(r) && rows > 0) {
-      PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
-                                         GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
-                                         cls, log, true, false);
+    if (!a.defined()) {
+      PreparedRowCol p =
+          inner ? prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
+                                 GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"), cls, log,
+                                 ops::FormOut::Bf16, ops::FormOut::Codes)
+                : prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.fprop.a,
+                                 GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes);
       pa = std::move(p.row);
       a_wgrad = std::move(p.col);
-    } else if (aq_req) {
-      pa = producer_quantized(std::move(aq), a, cls, name + "moe.w2");
     } else {
-      pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+      record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
+      if (inner && x_pairs(r) && rows > 0) {
+        PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
+                                           GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
+                                           cls, log, ops::FormOut::CodesAndBf16, ops::FormOut::Codes);
+        pa = std::move(p.row);
+        a_wgrad = std::move(p.col);
+      } else if (aq_req) {
+        pa = producer_quantized(std::move(aq), a, cls, name + "moe.w2");
+      } else {
+        pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+      }
     }
     expert_gemm(pa, w2, plan, y);
     if (inner) {
@@ -896,12 +976,19 @@ struct ModelRunner {
                               : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
                                                  expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
     experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
-    Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
-    ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
-
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
-    PreparedRowCol pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
-    PreparedRowCol pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
+    PreparedRowCol pdh1, pdh3;
+    if (swiglu_grads_fused(r) && N * K > 0) {  // dh1 and dh3 quantized where they are computed
+      std::array<PreparedRowCol, 2> pdh =
+          swiglu_grads(da, in.h1, in.h3, r, cls, name + "moe.w1", name + "moe.w3", plan.offsets, true);
+      pdh1 = std::move(pdh[0]);
+      pdh3 = std::move(pdh[1]);
+    } else {
+      Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
+      ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
+      pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
+      pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
+    }
     Tensor dx_perm = act({N * K, D});
     grouped_gemm(pdh1.row, w1_dgrad, plan.offsets, dx_perm);
     grouped_gemm(pdh3.row, w3_dgrad, plan.offsets, dx_perm, true);
@@ -1395,6 +1482,8 @@ void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
 void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
+void set_dy_decodes_only(bool on) { g_dy_decodes_only.store(on, std::memory_order_relaxed); }
+void set_swiglu_quantized(bool on) { g_swiglu_quantized.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped
+//          set_shared_expert_grouped, set_dy_decodes_only, set_swiglu_quantized
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -85,6 +85,21 @@ void set_producer_quantizers(bool on);
 // one SwiGLU (with its quantizer) fewer (true, the default); off, the shared expert's own GEMMs. The same bits either way: a grouped GEMM's rows do
 // not depend on the other groups. Process-wide, for benchmarks and tests.
 void set_shared_expert_grouped(bool on);
+// In the backward pass, where dgrad's dY and wgrad's dY^T are MXFP8 made in one pass
+// (ops::row_col_one_pass): on the GPU, each form is its BF16 decode alone (ops::FormOut::Bf16),
+// since both GEMMs that read the pair run right away and nothing reads its codes after them
+// (true, the default); off, its codes as well. The same bits either way. Process-wide, for
+// benchmarks and tests.
+void set_dy_decodes_only(bool on);
+// In training (and any forward that does not keep the FFN interiors: Model::keep_ffn_activations
+// off), an FFN's SwiGLU output a (its routed experts', shared expert's or dense FFN's) is quantized
+// where swiglu_forward computes it, where w2's operands are MXFP8 (ops::swiglu_forward_row_col:
+// in the forward its Row form as the BF16 decode the GEMM reads, alone; in the backward's
+// recomputation with w2's X^T), and in the backward its dh1 and dh3 where swiglu_backward computes
+// them, where they pair (ops::swiglu_backward_row_col): on the GPU none of them is written in F32
+// nor read back (true, the default); off, the SwiGLU and then a quantizer pass over each output.
+// The same bits either way. Process-wide, for benchmarks and tests.
+void set_swiglu_quantized(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e

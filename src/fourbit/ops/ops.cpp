@@ -202,8 +202,8 @@ void check_row_col_axes(const char* op, const QuantSpec& row_spec, const QuantSp
 }  // namespace
 
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                             const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
-                             bool col_bf16) {
+                             const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
+                             FormOut col_out) {
   const HostOpTimer host_timer("quantize_row_col");
   if (x.dim() != 2) fail("quantize_row_col: x must be 2-D [rows, cols], got {}", x.str());
   check_row_col_axes("quantize_row_col", row_spec, col_spec);
@@ -212,29 +212,83 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
   RowColQuant out;
 #if FOURBIT_HAS_CUDA
   if (x.device() == Device::CUDA &&
-      cuda::quantize_row_col(x, row_spec, row_rng, col_spec, offsets, col_rngs, row_bf16, col_bf16, out))
+      cuda::quantize_row_col(x, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out, out))
     return out;
 #else
-  (void)row_bf16;
-  (void)col_bf16;
+  (void)row_out;
+  (void)col_out;
 #endif
   out.row = quantize(x, row_spec, row_rng);
   out.col = quantize_segments(x, offsets, col_spec, col_rngs);
   return out;
 }
 
+RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
+                                   const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                   const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {
+  const HostOpTimer host_timer("swiglu_forward_row_col");
+  const char* op = "swiglu_forward_row_col";
+  if (h1.dim() != 2) fail("{}: h1 must be 2-D [rows, F], got {}", op, h1.str());
+  if (h3.shape() != h1.shape()) fail("{}: h3 {} must have h1's shape {}", op, h3.str(), h1.str());
+  check_row_col_axes(op, row_spec, col_spec);
+  if (!offsets.empty()) {
+    const int64_t G = check_row_offsets(op, offsets, h1.size(0), "h1");
+    if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  }
+  RowColQuant out;
+#if FOURBIT_HAS_CUDA
+  if (h1.device() == Device::CUDA &&
+      cuda::swiglu_forward_row_col(h1, h3, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out, out))
+    return out;
+#endif
+  Tensor a = Tensor::empty(h1.shape(), h1.dtype(), h1.device());
+  swiglu_forward(h1, h3, a);
+  if (offsets.empty()) {
+    out.row = quantize(a, row_spec, row_rng);
+    return out;
+  }
+  return quantize_row_col(a, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
+}
+
+std::array<RowColQuant, 2> swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                                   const QuantSpec& row_spec, const std::array<RngKey, 2>& row_rngs,
+                                                   const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                                   const std::array<std::vector<RngKey>, 2>& col_rngs,
+                                                   FormOut row_out, FormOut col_out) {
+  const HostOpTimer host_timer("swiglu_backward_row_col");
+  const char* op = "swiglu_backward_row_col";
+  if (da.dim() != 2) fail("{}: da must be 2-D [rows, F], got {}", op, da.str());
+  if (h1.shape() != da.shape() || h3.shape() != da.shape())
+    fail("{}: h1 {} and h3 {} must have da's shape {}", op, h1.str(), h3.str(), da.str());
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_row_offsets(op, offsets, da.size(0), "da");
+  for (const std::vector<RngKey>& keys : col_rngs)
+    if (int64_t(keys.size()) != G) fail("{}: {} keys for {} segments", op, keys.size(), G);
+  std::array<RowColQuant, 2> out;
+#if FOURBIT_HAS_CUDA
+  if (da.device() == Device::CUDA &&
+      cuda::swiglu_backward_row_col(da, h1, h3, row_spec, row_rngs, col_spec, offsets, col_rngs, row_out, col_out, out))
+    return out;
+#endif
+  Tensor dh1 = Tensor::empty(da.shape(), da.dtype(), da.device()), dh3 = Tensor::empty(da.shape(), da.dtype(), da.device());
+  swiglu_backward(da, h1, h3, dh1, dh3);
+  out[0] = quantize_row_col(dh1, row_spec, row_rngs[0], col_spec, offsets, col_rngs[0], row_out, col_out);
+  out[1] = quantize_row_col(dh3, row_spec, row_rngs[1], col_spec, offsets, col_rngs[1], row_out, col_out);
+  return out;
+}
+
 BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                       RngKey col_rng, bool row_bf16, bool col_bf16) {
+                       RngKey col_rng, FormOut row_out, FormOut col_out) {
   const HostOpTimer host_timer("quantize_both");
   check_row_col_axes("quantize_both", row_spec, col_spec);
   BothAxes out;
 #if FOURBIT_HAS_CUDA
   if (x.device() == Device::CUDA &&
-      cuda::quantize_both(x, row_spec, row_rng, col_spec, col_rng, row_bf16, col_bf16, out.row, out.col))
+      cuda::quantize_both(x, row_spec, row_rng, col_spec, col_rng, row_out, col_out, out.row, out.col))
     return out;
 #else
-  (void)row_bf16;
-  (void)col_bf16;
+  (void)row_out;
+  (void)col_out;
 #endif
   out.row = quantize(x, row_spec, row_rng);
   out.col = quantize(x, col_spec, col_rng);
@@ -375,8 +429,10 @@ QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {
                 q.rows);
   QTensor out = q;
   out.rows = end - begin;
-  out.codes = q.codes.slice_rows(begin, end);
-  out.block_scales = q.block_scales.slice_rows(begin, end);
+  if (q.codes.defined()) {  // a form of its decode alone has none (FormOut::Bf16)
+    out.codes = q.codes.slice_rows(begin, end);
+    out.block_scales = q.block_scales.slice_rows(begin, end);
+  }
   if (q.outer == OuterScale::PerRow) out.outer_scales = q.outer_scales.slice_rows(begin, end);
   if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(begin, end);
   return out;
@@ -386,8 +442,10 @@ QTensor qtensor_slice(const QTensor& q, int64_t s) {
   FOURBIT_CHECK(0 <= s && s < q.slices, "qtensor_slice({}) of {} slices", s, q.slices);
   QTensor out = q;
   out.slices = 1;
-  out.codes = q.codes.slice_rows(s * q.rows, (s + 1) * q.rows);
-  out.block_scales = q.block_scales.slice_rows(s * q.rows, (s + 1) * q.rows);
+  if (q.codes.defined()) {
+    out.codes = q.codes.slice_rows(s * q.rows, (s + 1) * q.rows);
+    out.block_scales = q.block_scales.slice_rows(s * q.rows, (s + 1) * q.rows);
+  }
   if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(s * q.rows, (s + 1) * q.rows);
   switch (q.outer) {
     case OuterScale::None:

@@ -1,5 +1,5 @@
-// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, row_col_one_pass, RowColQuant, quantize_row_col, BothAxes,
-//          quantize_both, dequantize, requantize_transposed,
+// defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
+//          quantize_row_col, swiglu_forward_row_col, swiglu_backward_row_col, BothAxes, quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
@@ -10,6 +10,7 @@
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -68,13 +69,22 @@ QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey 
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
                                        const QuantSpec& spec, const std::vector<RngKey>& rngs);
 
+// What a quantizer writes of one form for the GEMMs of a linear layer (quantize_row_col,
+// quantize_both, swiglu_backward_row_col): its codes (Codes); its codes and their exact BF16
+// decode, QTensor::bf16 (CodesAndBf16: a GEMM reads the decode next, and the codes are kept for a
+// later reader); or the decode alone (Bf16: only the GEMMs that run next read the form, and its
+// codes would be written for nothing). Only the GPU writes decodes: on the CPU every form is its
+// codes. A QTensor without codes (Bf16 on the GPU) is read by the GEMMs alone: gemm, gemm_batch
+// and grouped_gemm take its decode; qtensor_rows and qtensor_slice view it; nothing else does.
+enum class FormOut : uint8_t { Codes, CodesAndBf16, Bf16 };
+
 // x quantized along both axes for the GEMMs of one linear layer: the Row-axis form under
 // row_spec (a GEMM's X or dY; stream row_rng) and the Col-axis forms of the row segments under
 // col_spec (the weight gradient's X^T or dY^T: quantize_segments(x, offsets, col_spec, col_rngs);
 // offsets {0, rows} for the whole tensor) — bit for bit quantize(x, row_spec, row_rng) and that
 // quantize_segments. On the GPU, MXFP8 on both axes (one element format, no RHT) is one pass that
-// reads x once; with row_bf16 / col_bf16 it also writes those forms' exact BF16 decodes
-// (QTensor::bf16) for the GEMMs that read them next. Otherwise the two ops run, without decodes.
+// reads x once and writes what row_out / col_out ask (FormOut). Otherwise the two ops run, codes
+// only.
 // Whether a backend with the one-pass kernel makes these two forms in one pass: MXFP8 of one
 // element format, no RHT (other block-scaled pairs keep their separate quantizers).
 bool row_col_one_pass(const QuantSpec& row_spec, const QuantSpec& col_spec);
@@ -84,17 +94,37 @@ struct RowColQuant {
 };
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
-                             bool row_bf16 = false, bool col_bf16 = false);
+                             FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
+
+// swiglu_forward's a of h1 and h3 (F32 [rows, F]) quantized as quantize_row_col quantizes it, the
+// bits of swiglu_forward followed by that call; offsets empty: its Row-axis form alone (the bits of
+// quantize(a, row_spec, row_rng); col_spec names the pair's Col-axis spec all the same). On the
+// GPU, where quantize_row_col's one pass takes the specs, one pass computes a and quantizes it
+// where it was computed: a is never written in F32. Otherwise that sequence.
+RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
+                                   const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                   const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
+
+// swiglu_backward's dh1 and dh3 of da, h1 and h3 (F32 [rows, F]) quantized as quantize_row_col
+// quantizes each (output o: row_rngs[o], col_rngs[o]), the bits of swiglu_backward followed by
+// the two quantize_row_col calls. On the GPU, where quantize_row_col's one pass takes the specs,
+// one pass computes both from da, h1 and h3 and quantizes them where they were computed: dh1 and
+// dh3 are never written in F32 nor read back. Otherwise that sequence.
+std::array<RowColQuant, 2> swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                                   const QuantSpec& row_spec, const std::array<RngKey, 2>& row_rngs,
+                                                   const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                                   const std::array<std::vector<RngKey>, 2>& col_rngs,
+                                                   FormOut row_out, FormOut col_out);
 
 // x ([R, C], or [S, R, C]: a stack of expert weights) quantized on both axes, each with one
 // stream: bit for bit quantize(x, row_spec, row_rng) and quantize(x, col_spec, col_rng) (a
 // weight's fprop and dgrad operands), in quantize_row_col's one pass on the GPU where it takes the
-// specs (with row_bf16 / col_bf16: the forms' BF16 decodes); otherwise the two quantize calls.
+// specs (writing what row_out / col_out ask); otherwise the two quantize calls.
 struct BothAxes {
   QTensor row, col;
 };
 BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                       RngKey col_rng, bool row_bf16 = false, bool col_bf16 = false);
+                       RngKey col_rng, FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
 
 // requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i]) for every
 // row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an

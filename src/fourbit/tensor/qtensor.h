@@ -30,7 +30,8 @@ struct QTensor {
   // BF16 [slices*rows, padded_cols()], written by the quantizer alongside the codes for the GEMM
   // that reads this operand next (ops::quantize_row_col), which then needs no decode pass. A
   // cache of the codes, not more data: views keep the matching rows, and every op that makes new
-  // codes from these leaves it undefined.
+  // codes from these leaves it undefined. A form that only the GEMMs running next read may be
+  // its decode alone (ops::FormOut::Bf16): codes and block_scales undefined, bf16 defined.
   Tensor bf16;
 
   int block() const { return format_info(fmt).block; }
@@ -39,7 +40,9 @@ struct QTensor {
   int64_t padded_cols() const { return blocks_per_row() * block(); }
   int64_t code_row_bytes() const { return padded_cols() * element_bits() / 8; }
   int64_t total_rows() const { return slices * rows; }
-  Device device() const { return codes.device(); }
+  // Whether it holds a tensor: its codes, or (a form without codes) its decode.
+  bool defined() const { return codes.defined() || bf16.defined(); }
+  Device device() const { return codes.defined() || !bf16.defined() ? codes.device() : bf16.device(); }
 
   // The logical shape of the tensor that was quantized ([slices,] R, C).
   Shape logical_shape() const {
@@ -56,9 +59,11 @@ struct QTensor {
     }
     return -1;
   }
-  // Bytes actually stored (codes + block scales + outer scales): the packed-activation size.
+  // Bytes actually stored (codes + block scales + outer scales): the packed-activation size; a
+  // form without codes, its decode's.
   int64_t nbytes() const {
-    return codes.nbytes() + block_scales.nbytes() + (outer_scales.defined() ? outer_scales.nbytes() : 0);
+    const int64_t packed = codes.defined() ? codes.nbytes() + block_scales.nbytes() : bf16.defined() ? bf16.nbytes() : 0;
+    return packed + (outer_scales.defined() ? outer_scales.nbytes() : 0);
   }
   QTensor to(Device d) const {
     QTensor q = *this;

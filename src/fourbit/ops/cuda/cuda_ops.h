@@ -8,7 +8,8 @@
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
-//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, quantize_both,
+//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, swiglu_forward_row_col,
+//          swiglu_backward_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
@@ -231,14 +232,29 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
 // in one pass of mxfp8_row_col_kernel; false (nothing done) unless both specs are MXFP8 of one
 // element format without an RHT and x is F32 and contiguous.
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
-                      bool col_bf16, RowColQuant& out);
+                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
+                      FormOut col_out, RowColQuant& out);
+
+// ops::swiglu_forward_row_col on CUDA tensors (shapes, axes and offsets checked by the caller)
+// into out, in one pass of mxfp8_row_col_kernel from h1 and h3; false (nothing done) where
+// quantize_row_col's conditions do not hold for F32 inputs.
+bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
+                            const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                            const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out);
+
+// ops::swiglu_backward_row_col on CUDA tensors (shapes, axes and offsets checked by the caller)
+// into out, in one pass of mxfp8_row_col_kernel from da, h1 and h3; false (nothing done) where
+// quantize_row_col's conditions do not hold for F32 inputs.
+bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                             const std::array<RngKey, 2>& row_rngs, const QuantSpec& col_spec,
+                             const std::vector<int64_t>& offsets, const std::array<std::vector<RngKey>, 2>& col_rngs,
+                             FormOut row_out, FormOut col_out, std::array<RowColQuant, 2>& out);
 
 // ops::quantize_both on a CUDA tensor (axes checked by the caller) into row and col, in one pass
 // of mxfp8_row_col_kernel (a segment per slice); false (nothing done) where quantize_row_col's
 // conditions do not hold.
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                   RngKey col_rng, bool row_bf16, bool col_bf16, QTensor& row, QTensor& col);
+                   RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

@@ -520,7 +520,8 @@ struct Materialized {
 // codes (the output buffer must be 16-byte aligned too, which fresh allocations are).
 bool decodes_x8(const QTensor& q, int64_t k_eff) {
   const bool fmt = q.fmt == Format::NVFP4 || q.fmt == Format::MXFP8_E4M3 || q.fmt == Format::MXFP8_E5M2;
-  return fmt && k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
+  return fmt && q.codes.defined() && k_eff % 8 == 0 && q.code_row_bytes() % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(q.codes.raw()) % 8 == 0;
 }
 
 // Whether q carries its BF16 decode (QTensor::bf16) at width k_eff.
@@ -528,6 +529,14 @@ bool has_bf16(const QTensor& q, int64_t k_eff) {
   const Tensor& t = q.bf16;
   return t.defined() && t.dtype() == DType::BF16 && t.device() == Device::CUDA && t.dim() == 2 &&
          t.size(0) == q.total_rows() && t.size(1) == k_eff && k_eff == q.padded_cols();
+}
+
+// A block-scaled operand that is its BF16 decode alone (ops::FormOut::Bf16) must be read at that
+// decode's width: nothing else can decode it.
+void expect_decode_width(const QTensor& q, int64_t k_eff, bool f32) {
+  if (!q.codes.defined() && (f32 || !has_bf16(q, k_eff)))
+    fail("gemm: a block-scaled operand without codes ({} rows, its BF16 decode {} wide) read {} at width {}",
+         q.total_rows(), q.padded_cols(), f32 ? "in FP32" : "in BF16", k_eff);
 }
 
 // q decoded into out ([total rows, k_eff] BF16) by decode_bf16_x8_jobs_kernel.
@@ -664,7 +673,7 @@ void native_descs(LtDescs& d, const NativeType& ta, const NativeType& tb, int64_
 
 bool run_native_block_scaled(const QTensor& qa, const QTensor& qb, void* out, int64_t M, int64_t N, float beta) {
   NativeType ta{}, tb{};
-  if (!native_block_scaled_gemm() || !native_type(qa, &ta) || !native_type(qb, &tb)) return false;
+  if (!native_block_scaled_gemm() || !qa.codes.defined() || !qb.codes.defined() || !native_type(qa, &ta) || !native_type(qb, &tb)) return false;
   if ((ta.type == CUDA_R_4F_E2M1) != (tb.type == CUDA_R_4F_E2M1)) return false;  // no FP4 x FP8
   if (ta.type == CUDA_R_8F_E5M2 && tb.type == CUDA_R_8F_E5M2) return false;     // no E5M2 x E5M2
   const int64_t K = qa.padded_cols();
@@ -737,9 +746,11 @@ class BatchDecoder {
   // The materialized operand (decoded now or later by run(); dense ones as materialize makes them).
   const Materialized& get(const Operand& op, int64_t k_eff, bool f32) {
     const QTensor* q = op.q();
-    if (!q || f32 || !decodes_x8(*q, k_eff))
+    if (q) expect_decode_width(*q, k_eff, f32);
+    if (!q || f32 || !(decodes_x8(*q, k_eff) || has_bf16(*q, k_eff)))
       return *store_.emplace_back(std::make_unique<Materialized>(materialize(op, k_eff, f32)));
-    const auto key = std::make_tuple(q->codes.raw(), q->total_rows(), k_eff);
+    // an operand is its codes (or, without them, its decode)
+    const auto key = std::make_tuple(q->codes.defined() ? q->codes.raw() : q->bf16.raw(), q->total_rows(), k_eff);
     if (const auto it = seen_.find(key); it != seen_.end()) return *it->second;
     auto m = std::make_unique<Materialized>();
     if (has_bf16(*q, k_eff)) {  // decoded by its quantizer: the bits this decode would write
@@ -910,7 +921,8 @@ bool grouped_kernel_gemm(const Operand& a, const Operand& b, const RowOffsets& o
   // packed by the grouped kernel, dequantized and scaled inside it, the bits of the decode path
   // below. Measured on the H200 (bench/gpu_grouped_gemm): 1.2-1.4x the decode path at decode sizes,
   // 0.6x at training sizes, where the in-kernel decode outweighs the BF16 copies it saves.
-  if (a.q() && qb && off.rows_per_group() <= 64 && g_fused_dequant.load(std::memory_order_relaxed) &&
+  if (a.q() && qb && a.q()->codes.defined() && qb->codes.defined() && off.rows_per_group() <= 64 &&
+      g_fused_dequant.load(std::memory_order_relaxed) &&
       a.q()->padded_cols() == qb->padded_cols() && qb->rows == N &&
       grouped_rows(packed_operand(*a.q()), packed_operand(*qb), off, N, qb->padded_cols(), c.data<float>(),
                    accumulate))

@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kEltThreads)
   }
 }
 
-// d silu(z)/dz = s (1 + z (1 - s)) with s = sigmoid(z).
+// dh1 and dh3 from da, h1 and h3 (swiglu_grads).
 template <typename O>
 __global__ void __launch_bounds__(kEltThreads)
     swiglu_backward_kernel(const float* da, const float* h1, const float* h3, O* dh1,
@@ -503,12 +503,7 @@ __global__ void __launch_bounds__(kEltThreads)
     load4(h1, 4 * g, n, vec, z);
     load4(h3, 4 * g, n, vec, u);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const double zz = double(z[c]), s = sigmoid(zz), gg = double(gv[c]);
-      const double dsilu = s * (1.0 + zz * (1.0 - s));
-      o1[c] = float(gg * double(u[c]) * dsilu);
-      o3[c] = float(gg * zz * s);
-    }
+    for (int c = 0; c < 4; ++c) swiglu_grads(gv[c], z[c], u[c], o1[c], o3[c]);
     store4(dh1, 4 * g, n, vec, o1);
     store4(dh3, 4 * g, n, vec, o3);
   }

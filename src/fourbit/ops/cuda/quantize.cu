@@ -286,64 +286,144 @@ bool row_col_kernel_takes(const Tensor& x, const QuantSpec& row_spec, const Quan
 }
 }  // namespace
 
-bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, bool row_bf16,
-                      bool col_bf16, RowColQuant& out) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
-  check_cuda_tensor(x, "quantize_row_col", "x");
-  const int64_t R = x.size(0), C = x.size(1);
-  out.row = alloc_qtensor(row_spec, quant_shape(x, row_spec), Device::CUDA);
-  (void)quant_shape(x, col_spec);  // validates the spec
-  if (row_bf16) out.row.bf16 = Tensor::empty({R, out.row.padded_cols()}, DType::BF16, Device::CUDA);
-  // The segments' Col-axis forms as views of one buffer per kind (codes, scales, decodes): three
-  // allocations instead of three per expert, which cost the host more than the kernel's launch.
-  out.col.assign(col_rngs.size(), QTensor{});
+namespace {
+bool writes_codes(FormOut f) { return f != FormOut::Bf16; }
+bool writes_bf16(FormOut f) { return f != FormOut::Codes; }
+
+// One output of quantize_row_col's kernel ([R, C] values): its Row form in out.row and each
+// non-empty segment's Col form in out.col, as views of one buffer per kind (codes, scales,
+// decodes: three allocations instead of three per expert, which cost the host more than the
+// kernel's launch), with what row_out / col_out ask; offsets empty: no Col forms.
+PairOutput alloc_row_col(int64_t R, int64_t C, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                         const std::vector<int64_t>& offsets, FormOut row_out, FormOut col_out, RowColQuant& out) {
+  out.row = qtensor_layout(row_spec, QuantShape{1, R, C});
+  if (writes_codes(row_out)) out.row = alloc_qtensor(row_spec, QuantShape{1, R, C}, Device::CUDA);
+  if (writes_bf16(row_out)) out.row.bf16 = Tensor::empty({R, out.row.padded_cols()}, DType::BF16, Device::CUDA);
+  const size_t G = offsets.empty() ? 0 : offsets.size() - 1;
+  out.col.assign(G, QTensor{});
   const QTensor meta = qtensor_layout(col_spec, QuantShape{1, 0, C});  // a segment sets cols: its rows
   int64_t padded_total = 0;
-  for (size_t g = 0; g < col_rngs.size(); ++g)
-    padded_total += (offsets[g + 1] - offsets[g] + num::kMxBlock - 1) / num::kMxBlock * num::kMxBlock;
-  const Tensor codes = Tensor::empty({C * padded_total}, DType::U8, Device::CUDA);
-  const Tensor scales = Tensor::empty({C * padded_total / num::kMxBlock}, DType::U8, Device::CUDA);
-  const Tensor decodes = col_bf16 ? Tensor::empty({C * padded_total}, DType::BF16, Device::CUDA) : Tensor{};
-  std::vector<PairSegmentOut> segs;
+  for (size_t g = 0; g < G; ++g) padded_total += (offsets[g + 1] - offsets[g] + num::kMxBlock - 1) / num::kMxBlock * num::kMxBlock;
+  const bool codes_out = G > 0 && writes_codes(col_out), bf16_out = G > 0 && writes_bf16(col_out);
+  const Tensor codes = codes_out ? Tensor::empty({C * padded_total}, DType::U8, Device::CUDA) : Tensor{};
+  const Tensor scales = codes_out ? Tensor::empty({C * padded_total / num::kMxBlock}, DType::U8, Device::CUDA) : Tensor{};
+  const Tensor decodes = bf16_out ? Tensor::empty({C * padded_total}, DType::BF16, Device::CUDA) : Tensor{};
   int64_t at = 0;  // padded rows of the segments before g
-  for (size_t g = 0; g < col_rngs.size(); ++g) {
+  for (size_t g = 0; g < G; ++g) {
     const int64_t r0 = offsets[g], r1 = offsets[g + 1];
     if (r0 == r1) continue;
     QTensor& q = out.col[g];
     q = meta;
     q.cols = r1 - r0;
     const int64_t pr = q.padded_cols();
-    q.codes = codes.view(C * at, {C, q.code_row_bytes()});
-    q.block_scales = scales.view(C * at / num::kMxBlock, {C, q.blocks_per_row()});
-    if (col_bf16) q.bf16 = decodes.view(C * at, {C, pr});
-    segs.push_back({r0, r1 - r0, q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(),
-                    col_bf16 ? q.bf16.data<__nv_bfloat16>() : nullptr, 0, col_rngs[g]});
+    if (codes.defined()) {
+      q.codes = codes.view(C * at, {C, q.code_row_bytes()});
+      q.block_scales = scales.view(C * at / num::kMxBlock, {C, q.blocks_per_row()});
+    }
+    if (decodes.defined()) q.bf16 = decodes.view(C * at, {C, pr});
     at += pr;
   }
+  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
+  return PairOutput{&out.row, row_rng, static_cast<uint8_t*>(ptr(codes)), static_cast<uint8_t*>(ptr(scales)),
+                    static_cast<__nv_bfloat16*>(ptr(decodes))};
+}
+
+// The kernel's segments for offsets (one key an output each: keys[o][g]).
+std::vector<PairSegmentOut> row_col_segments(const std::vector<int64_t>& offsets,
+                                             const std::vector<const std::vector<RngKey>*>& keys) {
+  std::vector<PairSegmentOut> segs;
+  int64_t at = 0;
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    const int64_t r0 = offsets[g], r1 = offsets[g + 1];
+    if (r0 == r1) continue;
+    PairSegmentOut so{r0, r1 - r0, at, 0, {}};
+    for (size_t o = 0; o < keys.size(); ++o) so.rng[o] = (*keys[o])[g];
+    segs.push_back(so);
+    at += (r1 - r0 + num::kMxBlock - 1) / num::kMxBlock * num::kMxBlock;
+  }
+  return segs;
+}
+}  // namespace
+
+bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                      const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
+                      FormOut col_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  check_cuda_tensor(x, "quantize_row_col", "x");
+  (void)quant_shape(x, row_spec);  // validates the specs
+  (void)quant_shape(x, col_spec);
+  const int64_t R = x.size(0), C = x.size(1);
+  const PairOutput o = alloc_row_col(R, C, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
   if (C > 0)
-    launch_mxfp8_row_col(x.data<float>(), C, out.row, row_rng, row_spec, col_spec, segs);
+    launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec,
+                         row_col_segments(offsets, {&col_rngs}));
+  return true;
+}
+
+bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
+                            const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                            const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
+  const char* op = "swiglu_forward_row_col";
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  (void)quant_shape(h1, row_spec);
+  (void)quant_shape(h1, col_spec);
+  const int64_t R = h1.size(0), F = h1.size(1);
+  // no offsets: the Row form alone, the kernel's CTAs over one segment of every row
+  const std::vector<int64_t> whole = {0, R};
+  const std::vector<int64_t>& segs = offsets.empty() ? whole : offsets;
+  const std::vector<RngKey> none(1);
+  const PairOutput o = alloc_row_col(R, F, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
+  if (F > 0)
+    launch_mxfp8_row_col(SwigluSource{h1.data<float>(), h3.data<float>(), F}, F, {o}, row_spec, col_spec,
+                         row_col_segments(segs, {offsets.empty() ? &none : &col_rngs}));
+  return true;
+}
+
+bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                             const std::array<RngKey, 2>& row_rngs, const QuantSpec& col_spec,
+                             const std::vector<int64_t>& offsets, const std::array<std::vector<RngKey>, 2>& col_rngs,
+                             FormOut row_out, FormOut col_out, std::array<RowColQuant, 2>& out) {
+  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
+    return false;
+  const char* op = "swiglu_backward_row_col";
+  check_cuda_tensor(da, op, "da");
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  (void)quant_shape(da, row_spec);
+  (void)quant_shape(da, col_spec);
+  const int64_t R = da.size(0), F = da.size(1);
+  std::vector<PairOutput> outs;
+  for (int o = 0; o < 2; ++o)
+    outs.push_back(alloc_row_col(R, F, row_spec, row_rngs[size_t(o)], col_spec, offsets, row_out, col_out, out[size_t(o)]));
+  if (F > 0)
+    launch_mxfp8_row_col(SwigluGradSource{da.data<float>(), h1.data<float>(), h3.data<float>(), F}, F, outs, row_spec,
+                         col_spec, row_col_segments(offsets, {&col_rngs[0], &col_rngs[1]}));
   return true;
 }
 
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                   RngKey col_rng, bool row_bf16, bool col_bf16, QTensor& row, QTensor& col) {
+                   RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col) {
   if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   check_cuda_tensor(x, "quantize_both", "x");
   const QuantShape shape = quant_shape(x, row_spec);
   (void)quant_shape(x, col_spec);  // validates the spec
   const int64_t S = shape.slices, R = shape.rows, C = shape.cols;
-  row = alloc_qtensor(row_spec, shape, Device::CUDA);
-  col = alloc_qtensor(col_spec, shape, Device::CUDA);  // slice s: storage [C, padded R] at s * C rows
-  if (row_bf16) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
-  if (col_bf16) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
+  // slice s of the Col form: storage [C, padded R] at s * C rows
+  row = writes_codes(row_out) ? alloc_qtensor(row_spec, shape, Device::CUDA) : qtensor_layout(row_spec, shape);
+  col = writes_codes(col_out) ? alloc_qtensor(col_spec, shape, Device::CUDA) : qtensor_layout(col_spec, shape);
+  if (writes_bf16(row_out)) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
+  if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
   if (R == 0 || C == 0) return true;
-  const int64_t pr = col.padded_cols(), nb = col.blocks_per_row();
+  const int64_t pr = col.padded_cols();
+  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
+  const PairOutput o{&row, row_rng, static_cast<uint8_t*>(ptr(col.codes)), static_cast<uint8_t*>(ptr(col.block_scales)),
+                     static_cast<__nv_bfloat16*>(ptr(col.bf16))};
   std::vector<PairSegmentOut> segs;
   for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
-    segs.push_back({sl * R, R, col.codes.data<uint8_t>() + sl * C * pr, col.block_scales.data<uint8_t>() + sl * C * nb,
-                    col_bf16 ? col.bf16.data<__nv_bfloat16>() + sl * C * pr : nullptr, sl * C, col_rng});
-  launch_mxfp8_row_col(x.data<float>(), C, row, row_rng, row_spec, col_spec, segs);
+    segs.push_back({sl * R, R, sl * pr, sl * C, {col_rng}});
+  launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, segs);
   return true;
 }
 

@@ -1,4 +1,4 @@
-// defines: kNormBatch, rmsnorm_row_rstd, rmsnorm_value, rmsnorm_row, sigmoid, swiglu_value
+// defines: kNormBatch, rmsnorm_row_rstd, rmsnorm_value, rmsnorm_row, sigmoid, swiglu_value, swiglu_grads
 // The per-row formulas of rmsnorm_forward and swiglu_forward, shared by their kernels (layers.cu)
 // and the kernels that also quantize the rows they write (fused_rows.cu), so that both give the
 // same bits: arithmetic in double, each output rounded once to float (layers.cu's header).
@@ -95,6 +95,15 @@ __device__ __forceinline__ double sigmoid(double z) { return 1.0 / (1.0 + exp(-z
 __device__ __forceinline__ float swiglu_value(float z, float u) {
   const double zz = double(z);
   return float(zz * sigmoid(zz) * double(u));
+}
+
+// swiglu_backward's two elements, in double, each rounded once: dh1 = da u silu'(z) and
+// dh3 = da silu(z), with silu'(z) = s (1 + z (1 - s)), s = sigmoid(z).
+__device__ __forceinline__ void swiglu_grads(float da, float z, float u, float& dh1, float& dh3) {
+  const double zz = double(z), s = sigmoid(zz), gg = double(da);
+  const double dsilu = s * (1.0 + zz * (1.0 - s));
+  dh1 = float(gg * double(u) * dsilu);
+  dh3 = float(gg * zz * s);
 }
 
 }  // namespace

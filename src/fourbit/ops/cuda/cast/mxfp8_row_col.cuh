@@ -1,26 +1,36 @@
-// defines: kPairSegsPerLaunch, PairSegment, PairParams, mxfp8_row_col_kernel, PairSegmentOut,
-//          launch_mxfp8_row_col
-// MXFP8 on both axes of one F32 input in one pass: the Row-axis form of every row (a GEMM's X or
+// defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, SwigluSource,
+//          SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
+// MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
 // tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
-// BF16 decode for the GEMM that reads it next. The two separate kernels (mxfp8_row_fast,
-// mxfp8_col_fast) read the input twice; this one reads it once.
+// BF16 decode for the GEMM that reads it next, and each form's codes optionally left out where
+// only that decode is read. The values come from a source: an F32 tensor read once
+// (PlainSource; the two separate kernels, mxfp8_row_fast and mxfp8_col_fast, read it twice),
+// swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
+// computed from da, h1 and h3 (SwigluGradSource, two outputs): computed values are never written
+// in F32 nor read back.
 #pragma once
 #include <algorithm>
+#include <type_traits>
 
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
+#include "fourbit/ops/cuda/row_math.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
 
-// A CTA takes one block row (32 logical rows) of one segment and kThreads columns. Thread t loads
-// its column's 32 values with scalar loads that a warp makes into 128-byte rows, quantizes them
-// as the Col-axis block (mxfp8_col_fast's counters and layout), and leaves them in a shared tile;
-// then each thread takes one (row, 32-column block) of the tile and quantizes it as the Row-axis
-// block (mxfp8_row_fast's counters and layout). Both go through mxfp8_fast_words, so the codes
-// and scales are those of the separate kernels, and the BF16 decodes are block_decode.cuh's.
+// A CTA takes one block row (32 logical rows) of one segment and kThreads tile columns: all of
+// one output's (one output), or 128 of each of two outputs' (the tile's first and last 128
+// columns: dh1's and dh3's at the same columns). Thread t holds tile column t's 32 values: loaded
+// (or computed from loads) with scalar loads that a warp makes into 128-byte rows (PlainSource,
+// SwigluSource), or read back from the shared tile where SwigluGradSource computed them (each
+// thread one column's 16 rows of both outputs, one sigmoid a pair, as swiglu_backward). It quantizes them as the Col-axis block
+// (mxfp8_col_fast's counters and layout) and leaves them in a shared tile; then each thread
+// takes one (row, 32-column block) of the tile and quantizes it as the Row-axis block
+// (mxfp8_row_fast's counters and layout). Both go through mxfp8_fast_words, so the codes and
+// scales are those of the separate kernels, and the BF16 decodes are block_decode.cuh's.
 // The codes and decodes then go through shared memory (the tile's bytes again) so that the
 // global stores are whole 32-byte sectors: 16 consecutive threads write a row's 256 codes, 32
 // its 512 decode bytes; 2 (4) write a column's 32 codes (decodes).
@@ -31,7 +41,7 @@ namespace {
 // row as float4s, land on eight different 4-bank groups ((i + q + b) mod 8, kPairLd / 4 odd). The
 // staging rows are padded by 16 bytes, and a thread stores its 16-byte chunks in an order rotated
 // by its block, so that the eight threads of a quarter-warp hit eight different 4-bank groups.
-constexpr int kPairCols = kThreads;                     // columns per CTA
+constexpr int kPairCols = kThreads;                     // tile columns per CTA
 constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per tile row
 constexpr int kPairLd = kPairCols + 4;
 constexpr int kPairSegsPerLaunch = 32;
@@ -47,24 +57,61 @@ constexpr int kStageColBf16 = kStageRowCodes + num::kMxBlock * kRowCodeLd;
 constexpr int kStageRowBf16 = kStageColBf16 + kPairCols * kColBf16Ld;
 constexpr int kPairSmem = std::max(int(num::kMxBlock * kPairLd * sizeof(float)), kStageRowBf16 + num::kMxBlock * kRowBf16Ld);
 
+// Tile column c's float in row i of the tile.
+__device__ __forceinline__ int pair_tile_index(int i, int c) {
+  const int b = c / num::kMxBlock, q = (c % num::kMxBlock) / 4, e = c % 4;
+  return i * kPairLd + num::kMxBlock * b + 4 * ((q + b) & 7) + e;
+}
+
 struct PairSegment {
-  int64_t x_row0, rows;    // the segment's rows of x
-  uint8_t* codes;          // Col form: storage [cols, padded rows]
-  uint8_t* scales;         // [cols, padded rows / 32]
-  __nv_bfloat16* bf16;     // [cols, padded rows], or null
+  int64_t x_row0, rows;    // the segment's rows of the source
+  int64_t at;              // padded rows of the segments before it: its Col forms start at cols * at
   int64_t counter_row0;    // SR counters: storage row counter_row0 + j for column j (slice s of a
                            // 3-D input: s * cols, as the 3-D tensor's Col-axis quantizer counts)
-  uint64_t seed, stream;
+  uint64_t seed[2], stream[2];  // per output
   int64_t cta0;            // the segment's first CTA
 };
-struct PairParams {
-  const float* x;  // [rows, cols], row-major
-  int64_t cols, col_chunks, row_padded_cols, row_nb;
-  uint8_t* row_codes;         // Row form: [rows, row_padded_cols]
-  uint8_t* row_scales;        // [rows, row_nb]
-  __nv_bfloat16* row_bf16;    // [rows, row_padded_cols], or null
+// One output's forms (each pointer null where that part is not written).
+struct PairOut {
+  uint8_t* row_codes;       // Row form: [rows, row_padded_cols]
+  uint8_t* row_scales;      // [rows, row_nb]
+  __nv_bfloat16* row_bf16;  // [rows, row_padded_cols]
   uint64_t row_seed, row_stream;
+  uint8_t* col_codes;       // Col forms: a segment's storage [cols, its padded rows] at cols * at
+  uint8_t* col_scales;      // [cols, padded rows / 32] at cols * at / 32
+  __nv_bfloat16* col_bf16;  // [cols, padded rows] at cols * at
+};
+// The values' source: an F32 tensor of `ld` floats a row, or swiglu_backward's gradients.
+struct PlainSource {
+  const float* x;
+  int64_t ld;
+};
+struct SwigluSource {  // swiglu_forward's a
+  const float *h1, *h3;  // [rows, ld] each
+  int64_t ld;
+};
+struct SwigluGradSource {
+  const float *da, *h1, *h3;  // [rows, ld] each
+  int64_t ld;
+};
+// Element (row, col) of a one-output source.
+__device__ __forceinline__ float source_value(const PlainSource& s, int64_t row, int64_t col) {
+  return __ldg(s.x + row * s.ld + col);
+}
+__device__ __forceinline__ float source_value(const SwigluSource& s, int64_t row, int64_t col) {
+  const int64_t at = row * s.ld + col;
+  return swiglu_value(__ldg(s.h1 + at), __ldg(s.h3 + at));
+}
+template <class Src>
+constexpr int pair_outputs() {
+  return std::is_same_v<Src, SwigluGradSource> ? 2 : 1;
+}
+template <class Src>
+struct PairParams {
+  Src src;
+  int64_t cols, col_chunks, row_padded_cols, row_nb;  // cols: each output's
   num::MxScaleRule row_rule, col_rule;
+  PairOut out[2];
   PairSegment seg[kPairSegsPerLaunch];
   int n;
 };
@@ -75,10 +122,11 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
                                                                                     : make_uint2(w[6], w[7]);
 }
 
-template <int kExpBits, bool kRowSR, bool kColSR>
-__global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams p) {
+template <int kExpBits, bool kRowSR, bool kColSR, class Src>
+__global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
   dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
+  constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
   constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
   extern __shared__ __align__(16) unsigned char pair_smem[];
   float* tile = reinterpret_cast<float*>(pair_smem);
@@ -87,44 +135,65 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
   const PairSegment& sg = p.seg[si];
   const int64_t local = cta - sg.cta0, rb = local / p.col_chunks, r0 = rb * B;
-  const int64_t c0 = (local % p.col_chunks) * kPairCols;
+  const int64_t c0 = (local % p.col_chunks) * kOutCols;  // each output's first column
   const int t = int(threadIdx.x);
-  const int64_t j = c0 + t;  // the thread's logical column
+  const int o = t / kOutCols;        // the output of the thread's tile column
+  const int64_t j = c0 + t % kOutCols;  // its column there
   const int n_rows = int(min64(B, sg.rows - r0));
   const int64_t padded_rows = ((sg.rows + B - 1) / B) * B;
+  const PairOut& out = p.out[o];
   unsigned nonfinite = 0;
 
   float v[B];
-  if (j < p.cols) {
-    const float* src = p.x + (sg.x_row0 + r0) * p.cols + j;
-    if (n_rows == B) {
+  if constexpr (kOuts == 1) {
+    if (j < p.cols) {
+      const int64_t row0 = sg.x_row0 + r0;
+      if (n_rows == B) {
 #pragma unroll
-      for (int i = 0; i < B; ++i) v[i] = __ldg(src + int64_t(i) * p.cols);
+        for (int i = 0; i < B; ++i) v[i] = source_value(p.src, row0 + i, j);
+      } else {
+#pragma unroll
+        for (int i = 0; i < B; ++i) v[i] = i < n_rows ? source_value(p.src, row0 + i, j) : 0.0f;
+      }
     } else {
 #pragma unroll
-      for (int i = 0; i < B; ++i) v[i] = i < n_rows ? __ldg(src + int64_t(i) * p.cols) : 0.0f;
+      for (int i = 0; i < B; ++i) v[i] = 0.0f;
     }
-  } else {
-#pragma unroll
-    for (int i = 0; i < B; ++i) v[i] = 0.0f;
-  }
-  {
-    const int b = t / B, q = (t % B) / 4, e = t % 4;
-    float* col = tile + B * b + 4 * ((q + b) & 7) + e;
+    float* col = tile + pair_tile_index(0, t);
 #pragma unroll
     for (int i = 0; i < B; ++i) col[i * kPairLd] = v[i];
+  } else {
+    // thread t: column c0 + t % 128 of both outputs, rows 16 (t / 128) .. + 15 of the block row
+    const int lc = t % kOutCols, i0 = (t / kOutCols) * (B / 2);
+    const int64_t jj = c0 + lc;
+#pragma unroll
+    for (int i = 0; i < B / 2; ++i) {
+      float d1 = 0.0f, d3 = 0.0f;
+      if (jj < p.cols && i0 + i < n_rows) {
+        const int64_t at = (sg.x_row0 + r0 + i0 + i) * p.src.ld + jj;
+        swiglu_grads(__ldg(p.src.da + at), __ldg(p.src.h1 + at), __ldg(p.src.h3 + at), d1, d3);
+      }
+      tile[pair_tile_index(i0 + i, lc)] = d1;
+      tile[pair_tile_index(i0 + i, kOutCols + lc)] = d3;
+    }
+    __syncthreads();
+    const float* col = tile + pair_tile_index(0, t);
+#pragma unroll
+    for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
   }
   const bool col_live = j < p.cols;
   uint32_t wc[B / 4];
   uint8_t col_scale = 0;
   if (col_live) {  // the Col-axis block: logical rows r0 .. r0 + 31 of column j
-    col_scale = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed, sg.stream,
+    col_scale = mxfp8_fast_words<kExpBits, kColSR>(v, n_rows, p.col_rule, sg.seed[o], sg.stream[o],
                                                    uint64_t((sg.counter_row0 + j) * padded_rows + r0), wc, nonfinite);
-    sg.scales[j * (padded_rows / B) + rb] = col_scale;
+    if (out.col_scales) out.col_scales[p.cols * sg.at / B + j * (padded_rows / B) + rb] = col_scale;
   }
   __syncthreads();
   const int i = t / kPairBlocks, b = t % kPairBlocks;
-  const int64_t blk = c0 / B + b, row = sg.x_row0 + r0 + i;
+  const int ob = b / (kPairBlocks / kOuts);  // the output of the thread's Row-axis block
+  const PairOut& rout = p.out[ob];
+  const int64_t blk = c0 / B + b % (kPairBlocks / kOuts), row = sg.x_row0 + r0 + i;
   const bool row_live = i < n_rows && blk < p.row_nb;
   uint32_t wr[B / 4];
   uint8_t row_scale = 0;
@@ -139,9 +208,10 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
       v[4 * q + 3] = f.w;
     }
     const int64_t col = blk * B;
-    row_scale = mxfp8_fast_words<kExpBits, kRowSR>(v, int(min64(B, p.cols - col)), p.row_rule, p.row_seed,
-                                                   p.row_stream, uint64_t(row * p.row_padded_cols + col), wr, nonfinite);
-    p.row_scales[row * p.row_nb + blk] = row_scale;
+    row_scale = mxfp8_fast_words<kExpBits, kRowSR>(v, int(min64(B, p.cols - col)), p.row_rule, rout.row_seed,
+                                                   rout.row_stream, uint64_t(row * p.row_padded_cols + col), wr,
+                                                   nonfinite);
+    if (rout.row_scales) rout.row_scales[row * p.row_nb + blk] = row_scale;
   }
   __syncthreads();  // the tile is read: its bytes stage the outputs now
 
@@ -150,10 +220,12 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   unsigned char* col_bf16 = pair_smem + kStageColBf16;
   unsigned char* row_bf16 = pair_smem + kStageRowBf16;
   if (col_live) {
-    uint4* d = reinterpret_cast<uint4*>(col_codes + t * kColCodeLd);
-    d[0] = make_uint4(wc[0], wc[1], wc[2], wc[3]);
-    d[1] = make_uint4(wc[4], wc[5], wc[6], wc[7]);
-    if (sg.bf16) {
+    if (out.col_codes) {
+      uint4* d = reinterpret_cast<uint4*>(col_codes + t * kColCodeLd);
+      d[0] = make_uint4(wc[0], wc[1], wc[2], wc[3]);
+      d[1] = make_uint4(wc[4], wc[5], wc[6], wc[7]);
+    }
+    if (out.col_bf16) {
       const float sv = decode8_scale<F>(col_scale);
       uint4* e = reinterpret_cast<uint4*>(col_bf16 + t * kColBf16Ld);
 #pragma unroll
@@ -161,13 +233,15 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
     }
   }
   if (row_live) {
+    if (rout.row_codes) {
 #pragma unroll
-    for (int h0 = 0; h0 < 2; ++h0) {
-      const int h = (h0 + (b >> 2)) & 1;
-      *reinterpret_cast<uint4*>(row_codes + i * kRowCodeLd + B * b + 16 * h) =
-          h ? make_uint4(wr[4], wr[5], wr[6], wr[7]) : make_uint4(wr[0], wr[1], wr[2], wr[3]);
+      for (int h0 = 0; h0 < 2; ++h0) {
+        const int h = (h0 + (b >> 2)) & 1;
+        *reinterpret_cast<uint4*>(row_codes + i * kRowCodeLd + B * b + 16 * h) =
+            h ? make_uint4(wr[4], wr[5], wr[6], wr[7]) : make_uint4(wr[0], wr[1], wr[2], wr[3]);
+      }
     }
-    if (p.row_bf16) {
+    if (rout.row_bf16) {
       const float sv = decode8_scale<F>(row_scale);
 #pragma unroll
       for (int u0 = 0; u0 < 4; ++u0) {
@@ -178,88 +252,116 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
     }
   }
   __syncthreads();
+  // The global stores: tile column c is column c0 + c % kOutCols of output c / kOutCols; whether
+  // an output takes a part is uniform over the CTA.
   for (int k = t; k < 2 * kPairCols; k += kThreads) {  // column c0 + k / 2: two halves of its 32 codes
     const int c = k >> 1, h = k & 1;
-    if (c0 + c < p.cols)
-      *reinterpret_cast<uint4*>(sg.codes + (c0 + c) * padded_rows + r0 + 16 * h) =
+    const PairOut& w = p.out[c / kOutCols];
+    const int64_t jc = c0 + c % kOutCols;
+    if (w.col_codes && jc < p.cols)
+      *reinterpret_cast<uint4*>(w.col_codes + p.cols * sg.at + jc * padded_rows + r0 + 16 * h) =
           *reinterpret_cast<const uint4*>(col_codes + c * kColCodeLd + 16 * h);
   }
   for (int k = t; k < B * (kPairCols / 16); k += kThreads) {  // row k / 16: sixteen chunks of 16 codes
     const int r = k / (kPairCols / 16), part = k % (kPairCols / 16);
-    if (r < n_rows && c0 + 16 * part < p.row_padded_cols)
-      *reinterpret_cast<uint4*>(p.row_codes + (sg.x_row0 + r0 + r) * p.row_padded_cols + c0 + 16 * part) =
+    const PairOut& w = p.out[16 * part / kOutCols];
+    const int64_t cc = c0 + (16 * part) % kOutCols;
+    if (w.row_codes && r < n_rows && cc < p.row_padded_cols)
+      *reinterpret_cast<uint4*>(w.row_codes + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
           *reinterpret_cast<const uint4*>(row_codes + r * kRowCodeLd + 16 * part);
   }
-  if (sg.bf16)
-    for (int k = t; k < 4 * kPairCols; k += kThreads) {  // column c0 + k / 4: four chunks of 8 BF16
-      const int c = k >> 2, part = k & 3;
-      if (c0 + c < p.cols)
-        *reinterpret_cast<uint4*>(sg.bf16 + (c0 + c) * padded_rows + r0 + 8 * part) =
-            *reinterpret_cast<const uint4*>(col_bf16 + c * kColBf16Ld + 16 * part);
-    }
-  if (p.row_bf16)
-    for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
-      const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
-      if (r < n_rows && c0 + 8 * part < p.row_padded_cols)
-        *reinterpret_cast<uint4*>(p.row_bf16 + (sg.x_row0 + r0 + r) * p.row_padded_cols + c0 + 8 * part) =
-            *reinterpret_cast<const uint4*>(row_bf16 + r * kRowBf16Ld + 16 * part);
-    }
+  for (int k = t; k < 4 * kPairCols; k += kThreads) {  // column c0 + k / 4: four chunks of 8 BF16
+    const int c = k >> 2, part = k & 3;
+    const PairOut& w = p.out[c / kOutCols];
+    const int64_t jc = c0 + c % kOutCols;
+    if (w.col_bf16 && jc < p.cols)
+      *reinterpret_cast<uint4*>(w.col_bf16 + p.cols * sg.at + jc * padded_rows + r0 + 8 * part) =
+          *reinterpret_cast<const uint4*>(col_bf16 + c * kColBf16Ld + 16 * part);
+  }
+  for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
+    const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
+    const PairOut& w = p.out[8 * part / kOutCols];
+    const int64_t cc = c0 + (8 * part) % kOutCols;
+    if (w.row_bf16 && r < n_rows && cc < p.row_padded_cols)
+      *reinterpret_cast<uint4*>(w.row_bf16 + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
+          *reinterpret_cast<const uint4*>(row_bf16 + r * kRowBf16Ld + 16 * part);
+  }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
-// One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of x, into the
-// storage at codes / scales / bf16 (null: no decode) under rng, counters from counter_row0.
+// One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of the source, its
+// Col forms at cols * at in each output's storage, SR counters from counter_row0, one key an
+// output.
 struct PairSegmentOut {
-  int64_t x_row0, rows;
-  uint8_t* codes;
-  uint8_t* scales;
-  __nv_bfloat16* bf16;
-  int64_t counter_row0;
-  RngKey rng;
+  int64_t x_row0, rows, at, counter_row0;
+  RngKey rng[2];
+};
+// One output of launch_mxfp8_row_col: its Row form (row: codes, scales and bf16 as allocated;
+// an undefined tensor is not written) under row_rng, and the bases of its Col forms (null: not
+// written).
+struct PairOutput {
+  QTensor* row;
+  RngKey row_rng;
+  uint8_t* col_codes;
+  uint8_t* col_scales;
+  __nv_bfloat16* col_bf16;
 };
 
-// x [rows, cols] (F32, contiguous) into `row` (the Row-axis form of every row under row_spec and
-// row_rng) and the segments' Col-axis forms under col_spec (rounding and scale rule; both MXFP8
-// of one element format). Segments must cover x's rows (each row's Row-axis block is quantized by
-// the CTA of its segment).
-void launch_mxfp8_row_col(const float* x, int64_t cols, QTensor& row, RngKey row_rng, const QuantSpec& row_spec,
-                          const QuantSpec& col_spec, const std::vector<PairSegmentOut>& segs) {
+// The source's values ([rows, cols] per output) into the outputs' Row forms (every row under
+// row_spec) and the segments' Col forms under col_spec (rounding and scale rule; both MXFP8 of
+// one element format). Segments must cover the source's rows (each row's Row-axis block is
+// quantized by the CTA of its segment).
+template <class Src>
+void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOutput>& outs,
+                          const QuantSpec& row_spec, const QuantSpec& col_spec,
+                          const std::vector<PairSegmentOut>& segs) {
+  constexpr int kOuts = pair_outputs<Src>();
+  FOURBIT_CHECK(int(outs.size()) == kOuts, "launch_mxfp8_row_col: {} outputs for a source of {}", outs.size(), kOuts);
   const bool row_sr = row_spec.rounding == num::Rounding::SR, col_sr = col_spec.rounding == num::Rounding::SR;
-  const bool e5m2 = row.fmt == Format::MXFP8_E5M2;
+  const QTensor& row0 = *outs[0].row;
+  const bool e5m2 = row0.fmt == Format::MXFP8_E5M2;
+  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
   for (size_t first = 0; first < segs.size(); first += kPairSegsPerLaunch) {
-    PairParams p{};
-    p.x = x;
+    PairParams<Src> p{};
+    p.src = src;
     p.cols = cols;
-    p.col_chunks = (cols + kPairCols - 1) / kPairCols;
-    p.row_padded_cols = row.padded_cols();
-    p.row_nb = row.blocks_per_row();
-    p.row_codes = row.codes.data<uint8_t>();
-    p.row_scales = row.block_scales.data<uint8_t>();
-    p.row_bf16 = row.bf16.defined() ? row.bf16.data<__nv_bfloat16>() : nullptr;
-    p.row_seed = row_rng.seed;
-    p.row_stream = row_rng.stream;
+    p.col_chunks = (cols + kPairCols / kOuts - 1) / (kPairCols / kOuts);
+    p.row_padded_cols = row0.padded_cols();
+    p.row_nb = row0.blocks_per_row();
     p.row_rule = row_spec.mx_rule;
     p.col_rule = col_spec.mx_rule;
+    for (int o = 0; o < kOuts; ++o) {
+      const PairOutput& w = outs[size_t(o)];
+      PairOut& d = p.out[o];
+      d.row_codes = static_cast<uint8_t*>(ptr(w.row->codes));
+      d.row_scales = static_cast<uint8_t*>(ptr(w.row->block_scales));
+      d.row_bf16 = static_cast<__nv_bfloat16*>(ptr(w.row->bf16));
+      d.row_seed = w.row_rng.seed;
+      d.row_stream = w.row_rng.stream;
+      d.col_codes = w.col_codes;
+      d.col_scales = w.col_scales;
+      d.col_bf16 = w.col_bf16;
+    }
     int64_t ctas = 0;
     for (size_t i = first; i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
-      const PairSegmentOut& o = segs[i];
+      const PairSegmentOut& so = segs[i];
       PairSegment& sg = p.seg[p.n++];
-      sg.x_row0 = o.x_row0;
-      sg.rows = o.rows;
-      sg.codes = o.codes;
-      sg.scales = o.scales;
-      sg.bf16 = o.bf16;
-      sg.counter_row0 = o.counter_row0;
-      sg.seed = o.rng.seed;
-      sg.stream = o.rng.stream;
+      sg.x_row0 = so.x_row0;
+      sg.rows = so.rows;
+      sg.at = so.at;
+      sg.counter_row0 = so.counter_row0;
+      for (int o = 0; o < kOuts; ++o) {
+        sg.seed[o] = so.rng[o].seed;
+        sg.stream[o] = so.rng[o].stream;
+      }
       sg.cta0 = ctas;
-      ctas += ((o.rows + num::kMxBlock - 1) / num::kMxBlock) * p.col_chunks;
+      ctas += ((so.rows + num::kMxBlock - 1) / num::kMxBlock) * p.col_chunks;
     }
     if (ctas == 0) continue;
     const unsigned grid = grid_of(ctas, "quantize_row_col");
     auto go = [&](auto exp_bits, auto row_sr_c, auto col_sr_c) {
-      constexpr auto kernel =
-          mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value, decltype(col_sr_c)::value>;
+      constexpr auto kernel = mxfp8_row_col_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value,
+                                                   decltype(col_sr_c)::value, Src>;
       allow_smem<kernel>(kPairSmem);
       launch_dependent(kernel, grid, kThreads, kPairSmem, p);
     };

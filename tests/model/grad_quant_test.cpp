@@ -1,0 +1,89 @@
+// defines: tests of set_swiglu_quantized and set_dy_decodes_only: an FFN's SwiGLU output and its
+//          dh1 and dh3 quantized where the SwiGLU computes them, and the backward's dY pairs written
+//          as their BF16 decodes alone, give the bits of the SwiGLU followed by quantizer passes
+//          writing codes and decodes — loss and every gradient, every recipe, FFN interiors kept or
+//          recomputed, on the CPU and (when there is one) the GPU.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "fourbit/model/model.h"
+#include "fourbit/tensor/device_memory.h"
+#include "model/model_test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::modeltest;
+
+namespace {
+
+struct Switches {
+  bool fused, decodes_only;
+};
+
+// Restores both process-wide switches to their defaults when the test ends, failed or not.
+struct DefaultsAfter {
+  ~DefaultsAfter() {
+    set_swiglu_quantized(true);
+    set_dy_decodes_only(true);
+  }
+};
+
+struct Pass {
+  ForwardStats st;
+  std::vector<float> grad;
+};
+
+Pass run(const ModelConfig& c, const std::string& recipe, Device dev, Switches sw, bool keep, const Tensor& tokens,
+         const Tensor& targets) {
+  set_swiglu_quantized(sw.fused);
+  set_dy_decodes_only(sw.decodes_only);
+  Model m(c, recipe_by_name(recipe), dev);
+  m.set_keep_ffn_activations(keep);
+  init_params(m.params(), c, 5);
+  m.params().zero_grad();
+  Pass p;
+  // SR streams of step 7: the recipes that round stochastically draw the same bits every time
+  p.st = m.forward(tokens.to(dev), targets.to(dev), SrStreams{11, 7, 0}, true);
+  m.backward();
+  const Tensor g = m.params().flat_grad().to(Device::CPU);
+  p.grad.assign(g.data<float>(), g.data<float>() + g.numel());
+  return p;
+}
+
+void expect_same(const ModelConfig& c, Device dev) {
+  const DefaultsAfter restore;
+  const Tensor tokens = random_tokens(2, 12, 6);
+  const Tensor targets = shifted_targets(tokens, 258);
+  for (const char* recipe : {"bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"})
+    for (bool keep : {false, true}) {
+      SCOPED_TRACE(std::string(recipe) + (keep ? ", FFN interiors kept" : ""));
+      const Pass apart = run(c, recipe, dev, {false, false}, keep, tokens, targets);
+      for (const Switches sw : {Switches{true, false}, Switches{false, true}, Switches{true, true}}) {
+        SCOPED_TRACE(std::string("fused ") + (sw.fused ? "on" : "off") + ", decodes only " +
+                     (sw.decodes_only ? "on" : "off"));
+        const Pass p = run(c, recipe, dev, sw, keep, tokens, targets);
+        EXPECT_EQ(apart.st.loss, p.st.loss);
+        EXPECT_EQ(apart.st.aux_loss, p.st.aux_loss);
+        ASSERT_EQ(apart.grad.size(), p.grad.size());
+        EXPECT_EQ(std::memcmp(apart.grad.data(), p.grad.data(), p.grad.size() * 4), 0) << "gradients differ";
+      }
+    }
+}
+
+}  // namespace
+
+TEST(GradQuantizers, SameBitsEitherWayOnTheCpu) {
+  const OmpThreads threads(2);
+  expect_same(tiny_moe_config(), Device::CPU);
+}
+
+TEST(CudaGradQuantizers, SameBitsEitherWay) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  // d_model 64 and d_expert 96: the SwiGLU pass's half tiles of 128 columns cut short
+  ModelConfig c = tiny_moe_config(3, 64);
+  c.d_expert = 96;
+  c.d_shared = 96;
+  c.d_dense = 160;
+  expect_same(c, Device::CUDA);
+}
