@@ -17,7 +17,7 @@
 // (gemm, the path before it), or both, each recipe run under each in this process.
 // --grad-quant: how the backward quantizes its MXFP8 dY pairs: fused (the default: an FFN's dh1 and
 // dh3 quantized where swiglu_backward computes them, every pair written as its BF16 decodes
-// alone; set_swiglu_quantized, set_dy_decodes_only), decodes (the decodes alone, swiglu_backward
+// alone; set_training_producer_quantizers, set_dy_decodes_only), decodes (the decodes alone, swiglu_backward
 // and the quantizers apart) or apart (neither: codes and decodes, each quantizer a pass of its
 // own); several (comma-separated, repeats allowed) run each recipe under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
   for (const bool keep : keeps)
   for (const std::string& gq : grad_quants) {
     set_forward_gemms_grouped(fwd);
-    set_swiglu_quantized(gq == "fused");
+    set_training_producer_quantizers(gq == "fused");
     set_dy_decodes_only(gq != "apart");
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
     }
   }
   set_forward_gemms_grouped(true);
-  set_swiglu_quantized(true);
+  set_training_producer_quantizers(true);
   set_dy_decodes_only(true);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},

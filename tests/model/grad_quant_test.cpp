@@ -1,8 +1,9 @@
-// defines: tests of set_swiglu_quantized and set_dy_decodes_only: an FFN's SwiGLU output and its
-//          dh1 and dh3 quantized where the SwiGLU computes them, and the backward's dY pairs written
-//          as their BF16 decodes alone, give the bits of the SwiGLU followed by quantizer passes
-//          writing codes and decodes — loss and every gradient, every recipe, FFN interiors kept or
-//          recomputed, on the CPU and (when there is one) the GPU.
+// defines: tests of set_training_producer_quantizers and set_dy_decodes_only: the experts'
+//          gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where they are
+//          computed, and the backward's dY pairs written as their BF16 decodes alone, give the bits
+//          of the ops followed by quantizer passes writing codes and decodes — loss and every
+//          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
+//          one) the GPU.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,7 +25,7 @@ struct Switches {
 // Restores both process-wide switches to their defaults when the test ends, failed or not.
 struct DefaultsAfter {
   ~DefaultsAfter() {
-    set_swiglu_quantized(true);
+    set_training_producer_quantizers(true);
     set_dy_decodes_only(true);
   }
 };
@@ -36,7 +37,7 @@ struct Pass {
 
 Pass run(const ModelConfig& c, const std::string& recipe, Device dev, Switches sw, bool keep, const Tensor& tokens,
          const Tensor& targets) {
-  set_swiglu_quantized(sw.fused);
+  set_training_producer_quantizers(sw.fused);
   set_dy_decodes_only(sw.decodes_only);
   Model m(c, recipe_by_name(recipe), dev);
   m.set_keep_ffn_activations(keep);

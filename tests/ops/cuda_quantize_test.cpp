@@ -543,6 +543,57 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
   EXPECT_TRUE(ops::nonfinite_seen(true));
 }
 
+// ops::gather_quantize_row_col on the GPU (rows read through token_of_slot) gives the bytes of
+// quantize_row_col of gather_rows' x_perm, for slots that repeat and skip tokens, every FormOut;
+// an id outside x is reported as gather_rows reports it.
+TEST(CudaQuantize, GatheredRowColMatchesGatherThenRowCol) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.fprop.a, col = recipe_by_name("mxfp8").expert.wgrad.b;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  int run = 0;
+  for (int64_t D : {40, 256, 300}) {
+    const int64_t N = 50;
+    const Tensor x = Tensor::from_host(make_data({1, N, D}, Data::Varied, 3400 + uint32_t(D)).data(), {N, D},
+                                       DType::F32).to(Device::CUDA);
+    std::vector<int32_t> tok;
+    for (int32_t s = 0; s < 97; ++s) tok.push_back((s * 7 + 3) % int32_t(N));  // repeats, in no order
+    const std::vector<int64_t> offsets = {0, 20, 20, 61, 97};
+    const std::vector<ops::RngKey> keys = {{8, 1}, {8, 2}, {8, 3}, {8, 4}};
+    const Tensor t = Tensor::from_host(tok.data(), {97}, DType::I32).to(Device::CUDA);
+    ++run;
+    QuantSpec rs = row, cs = col;
+    rs.rounding = run % 2 ? num::Rounding::SR : num::Rounding::RNE;
+    const ops::FormOut row_out = kForms[run % 3], col_out = kForms[(run + 1) % 3];
+    const ops::RowColQuant got = ops::gather_quantize_row_col(x, t, rs, {8, 9}, cs, offsets, keys, row_out, col_out);
+    Tensor x_perm = Tensor::empty({97, D}, DType::F32, Device::CUDA);
+    ops::gather_rows(x, t, x_perm);
+    const Tensor xp = x_perm.to(Device::CPU);
+    const std::string what = "D " + std::to_string(D);
+    if (!same_form(ops::quantize(xp, rs, {8, 9}), got.row, row_out, what + " row")) return;
+    for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+      if (offsets[e] == offsets[e + 1]) {
+        EXPECT_FALSE(got.col[e].defined()) << what;
+        continue;
+      }
+      const QTensor want = ops::quantize(xp.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
+      if (!same_form(want, got.col[e], col_out, what + " segment " + std::to_string(e))) return;
+    }
+  }
+  // an id outside x: reported at the next check, naming it
+  const Tensor x = Tensor::zeros({8, 64}, DType::F32, Device::CUDA);
+  const std::vector<int32_t> bad = {0, 1, 8, 2};
+  const Tensor t = Tensor::from_host(bad.data(), {4}, DType::I32).to(Device::CUDA);
+  (void)ops::gather_quantize_row_col(x, t, row, {1, 1}, col, {0, 4}, {{1, 2}}, ops::FormOut::Bf16, ops::FormOut::Bf16);
+  try {
+    ops::check_index_errors(Device::CUDA);
+    ADD_FAILURE() << "an id outside x went unreported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("gather_quantize_row_col: token_of_slot[2] = 8"), std::string::npos)
+        << e.what();
+  }
+}
+
 // ops::swiglu_forward_row_col on the GPU (a computed and quantized in one pass) gives the bits of
 // swiglu_forward followed by the CPU's quantizers of that a: with Col forms per segment (widths
 // inside, at and past one 256-column tile, segments empty, short and long; RNE and SR, every

@@ -1110,6 +1110,38 @@ TEST(QuantizeSegments, RowColPairIsQuantizeAndQuantizeSegments) {
   EXPECT_NE(error_of(row, col, {0, 100}, 2).find("2 keys for 1 segments"), std::string::npos);
 }
 
+// gather_quantize_row_col: on the CPU, gather_rows and then quantize_row_col (bytes equal); a
+// token_of_slot that is not i32[M] and offsets that do not cover its slots are refused.
+TEST(QuantizeSegments, GatheredRowColIsGatherThenRowCol) {
+  const Dims d{1, 30, 40};
+  const Tensor x = to_tensor(varied_data(d, 84), d);
+  std::vector<int32_t> tok;
+  for (int32_t s = 0; s < 45; ++s) tok.push_back((s * 11 + 5) % 30);
+  const Tensor t = Tensor::from_host(tok.data(), {45}, DType::I32);
+  const std::vector<int64_t> offsets = {0, 12, 45};
+  const std::vector<ops::RngKey> keys = {{3, 1}, {3, 2}};
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  const ops::RowColQuant got =
+      ops::gather_quantize_row_col(x, t, row, {3, 9}, col, offsets, keys, ops::FormOut::Bf16, ops::FormOut::Codes);
+  Tensor xp = Tensor::empty({45, 40}, DType::F32);
+  ops::gather_rows(x, t, xp);
+  const ops::RowColQuant want = ops::quantize_row_col(xp, row, {3, 9}, col, offsets, keys);
+  EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(want.row.codes));
+  for (size_t e = 0; e < 2; ++e) EXPECT_EQ(host<uint8_t>(got.col[e].codes), host<uint8_t>(want.col[e].codes)) << e;
+  auto error_of = [&](const Tensor& slots, const std::vector<int64_t>& off) {
+    try {
+      ops::gather_quantize_row_col(x, slots, row, {}, col, off, std::vector<ops::RngKey>(off.size() - 1),
+                                   ops::FormOut::Codes, ops::FormOut::Codes);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of(x, {0, 30}).find("token_of_slot must be i32[M]"), std::string::npos);
+  EXPECT_NE(error_of(t, {0, 44}).find("from 0 to token_of_slot's 45 rows"), std::string::npos);
+}
+
 // swiglu_backward_row_col: on the CPU, swiglu_backward and then quantize_row_col of dh1 and dh3
 // (bytes equal, each output its own keys); inputs of different shapes and key lists of the wrong
 // length are refused with a message naming them.

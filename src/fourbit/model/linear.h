@@ -1,6 +1,7 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
-//          PreparedRowCol, prepare_row_col, prepare_swiglu, prepare_swiglu_grads, prepare_weight_both,
+//          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_swiglu, prepare_swiglu_grads,
+//          prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -122,6 +123,15 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
                                LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out);
+// prepare_row_col of gather_rows(x, token_of_slot) (the experts' dispatched tokens), its bits and
+// log entries, in one ops::gather_quantize_row_col (on the GPU, where the specs are MXFP8, the
+// gathered rows are never written in F32). With the log's record_calls, whose records hash the
+// gathered rows, the two steps run apart.
+PreparedRowCol prepare_gathered_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
+                                        GemmRole row_role, char row_side, const QuantSite& row_site,
+                                        const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                                        const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
+                                        LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out);
 // prepare_row_col of swiglu_forward's a from h1 and h3 (F32 [rows, F]; offsets empty: prepare of
 // a's Row-axis form alone, at row_site; col_spec still names a Col-axis spec that pairs with
 // row_spec): the bits and log entries of ops::swiglu_forward followed by that preparation, in one

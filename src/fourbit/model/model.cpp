@@ -21,7 +21,7 @@ std::atomic<bool> g_fused_forward_gemms{true};
 std::atomic<bool> g_producer_quantizers{true};
 std::atomic<bool> g_shared_expert_grouped{true};
 std::atomic<bool> g_dy_decodes_only{true};
-std::atomic<bool> g_swiglu_quantized{true};
+std::atomic<bool> g_training_producer_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -218,15 +218,15 @@ struct ModelRunner {
     return g_dy_decodes_only.load(std::memory_order_relaxed) ? ops::FormOut::Bf16 : ops::FormOut::CodesAndBf16;
   }
   // Whether an FFN's dh1 and dh3 are quantized where swiglu_backward computes them
-  // (set_swiglu_quantized): they pair, and they would be F32 tensors read only by the quantizer.
+  // (set_training_producer_quantizers): they pair, and they would be F32 tensors read only by the quantizer.
   static bool swiglu_grads_fused(const LayerRecipe& r) {
-    return g_swiglu_quantized.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r);
+    return g_training_producer_quantizers.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r);
   }
   // Whether an FFN's SwiGLU output a is quantized where swiglu_forward computes it
-  // (set_swiglu_quantized), for w2's fprop operand alone (pair false) or with its X^T (pair: the
+  // (set_training_producer_quantizers), for w2's fprop operand alone (pair false) or with its X^T (pair: the
   // two pair, x_pairs). Never where the FFN interiors are kept: a is kept then.
   bool swiglu_a_fused(const LayerRecipe& r, bool pair) const {
-    if (!g_swiglu_quantized.load(std::memory_order_relaxed) || m.keep_ffn_) return false;
+    if (!g_training_producer_quantizers.load(std::memory_order_relaxed) || m.keep_ffn_) return false;
     return pair ? x_pairs(r) : ops::row_col_one_pass(r.fprop.a, r.fprop.a);
   }
   // prepare_swiglu_grads for the FFN (or the experts, offsets their token ranges) whose w1 and w3
@@ -754,12 +754,19 @@ struct ModelRunner {
     Tensor xn_perm;
     if (r.fprop.a.quantized() && !pair_x) x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
     if (pair_x) {
-      xn_perm = act({N * K, D});
-      ops::gather_rows(xn, plan.token_of_slot, xn_perm);
-      PreparedRowCol p = prepare_row_col(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"),
-                                         r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
-                                         expert_sites(name + "moe.w13/wgrad/X^T"), cls, log,
-                                         ops::FormOut::CodesAndBf16, ops::FormOut::Codes);
+      PreparedRowCol p;
+      if (g_training_producer_quantizers.load(std::memory_order_relaxed)) {  // quantized as gathered
+        p = prepare_gathered_row_col(xn, plan.token_of_slot, r.fprop.a, GemmRole::Fprop, 'a',
+                                     site(name + "moe.w13/fprop/X"), r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
+                                     expert_sites(name + "moe.w13/wgrad/X^T"), cls, log, ops::FormOut::CodesAndBf16,
+                                     ops::FormOut::Codes);
+      } else {
+        xn_perm = act({N * K, D});
+        ops::gather_rows(xn, plan.token_of_slot, xn_perm);
+        p = prepare_row_col(xn_perm, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w13/fprop/X"), r.wgrad.b,
+                            GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w13/wgrad/X^T"), cls, log,
+                            ops::FormOut::CodesAndBf16, ops::FormOut::Codes);
+      }
       x_perm = std::move(p.row);
       x_perm_wgrad = std::move(p.col);
     } else if (bf16_x) {
@@ -1483,7 +1490,7 @@ void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::mem
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
 void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
 void set_dy_decodes_only(bool on) { g_dy_decodes_only.store(on, std::memory_order_relaxed); }
-void set_swiglu_quantized(bool on) { g_swiglu_quantized.store(on, std::memory_order_relaxed); }
+void set_training_producer_quantizers(bool on) { g_training_producer_quantizers.store(on, std::memory_order_relaxed); }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,
                              const std::vector<int32_t>& logit_rows) {

@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_swiglu_quantized
+//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -91,15 +91,17 @@ void set_shared_expert_grouped(bool on);
 // (true, the default); off, its codes as well. The same bits either way. Process-wide, for
 // benchmarks and tests.
 void set_dy_decodes_only(bool on);
-// In training (and any forward that does not keep the FFN interiors: Model::keep_ffn_activations
-// off), an FFN's SwiGLU output a (its routed experts', shared expert's or dense FFN's) is quantized
-// where swiglu_forward computes it, where w2's operands are MXFP8 (ops::swiglu_forward_row_col:
-// in the forward its Row form as the BF16 decode the GEMM reads, alone; in the backward's
-// recomputation with w2's X^T), and in the backward its dh1 and dh3 where swiglu_backward computes
-// them, where they pair (ops::swiglu_backward_row_col): on the GPU none of them is written in F32
-// nor read back (true, the default); off, the SwiGLU and then a quantizer pass over each output.
+// In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
+// so that on the GPU these F32 tensors are never written nor read back (true, the default): the
+// experts' dispatched tokens where they are gathered, when their X and X^T pair
+// (ops::gather_quantize_row_col); and, where the FFN interiors are not kept
+// (Model::keep_ffn_activations off), an FFN's SwiGLU output a (its routed experts', shared
+// expert's or dense FFN's) where swiglu_forward computes it (ops::swiglu_forward_row_col: in the
+// forward its Row form as the BF16 decode the GEMM reads, alone; in the backward's recomputation
+// with w2's X^T), and its dh1 and dh3 where swiglu_backward computes them, where they pair
+// (ops::swiglu_backward_row_col). Off, the op writes its F32 output and a quantizer pass reads it.
 // The same bits either way. Process-wide, for benchmarks and tests.
-void set_swiglu_quantized(bool on);
+void set_training_producer_quantizers(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e

@@ -223,6 +223,30 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
   return out;
 }
 
+RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
+                                    RngKey row_rng, const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {
+  const HostOpTimer host_timer("gather_quantize_row_col");
+  const char* op = "gather_quantize_row_col";
+  if (x.dim() != 2) fail("{}: x must be 2-D [N, D], got {}", op, x.str());
+  if (!token_of_slot.defined() || token_of_slot.dim() != 1 || token_of_slot.dtype() != DType::I32 ||
+      token_of_slot.device() != x.device())
+    fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
+         token_of_slot.defined() ? token_of_slot.str() : "");
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_row_offsets(op, offsets, token_of_slot.size(0), "token_of_slot");
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  RowColQuant out;
+#if FOURBIT_HAS_CUDA
+  if (x.device() == Device::CUDA && cuda::gather_quantize_row_col(x, token_of_slot, row_spec, row_rng, col_spec,
+                                                                  offsets, col_rngs, row_out, col_out, out))
+    return out;
+#endif
+  Tensor x_perm = Tensor::empty({token_of_slot.size(0), x.size(1)}, x.dtype(), x.device());
+  gather_rows(x, token_of_slot, x_perm);
+  return quantize_row_col(x_perm, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
+}
+
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {

@@ -1,5 +1,6 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
-//          quantize_row_col, swiglu_forward_row_col, swiglu_backward_row_col, BothAxes, quantize_both, dequantize, requantize_transposed,
+//          quantize_row_col, gather_quantize_row_col, swiglu_forward_row_col, swiglu_backward_row_col,
+//          BothAxes, quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
@@ -95,6 +96,14 @@ struct RowColQuant {
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
                              FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
+
+// quantize_row_col of gather_rows(x, token_of_slot) (x F32 [N, D], token_of_slot I32 [M]: the
+// experts' dispatched tokens), bit for bit. On the GPU, where quantize_row_col's one pass takes
+// the specs, that pass reads each row where gather_rows would: x_perm is never written. An id
+// outside [0, N) is reported as gather_rows reports one (check_index_errors), its row read as zeros.
+RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
+                                    RngKey row_rng, const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
 
 // swiglu_forward's a of h1 and h3 (F32 [rows, F]) quantized as quantize_row_col quantizes it, the
 // bits of swiglu_forward followed by that call; offsets empty: its Row-axis form alone (the bits of

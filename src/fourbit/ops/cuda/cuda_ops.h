@@ -8,8 +8,8 @@
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
-//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, swiglu_forward_row_col,
-//          swiglu_backward_row_col, quantize_both,
+//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
+//          swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
@@ -234,6 +234,13 @@ bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, con
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                       const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
                       FormOut col_out, RowColQuant& out);
+
+// ops::gather_quantize_row_col on CUDA tensors (checked by the caller) into out, in one pass of
+// mxfp8_row_col_kernel reading x's rows through token_of_slot; false (nothing done) where
+// quantize_row_col's conditions do not hold for x.
+bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec, RngKey row_rng,
+                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out);
 
 // ops::swiglu_forward_row_col on CUDA tensors (shapes, axes and offsets checked by the caller)
 // into out, in one pass of mxfp8_row_col_kernel from h1 and h3; false (nothing done) where

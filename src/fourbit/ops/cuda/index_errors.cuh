@@ -40,6 +40,7 @@ enum class IndexSite : int32_t {
   GroupedGemmOffsets,            // outside [0, M]
   GroupedGemmOffsetsDecreasing,  // below the one before it
   AttentionStepPositions,
+  GatherQuantizeTokenOfSlot,
 };
 
 struct IndexError {
@@ -90,6 +91,9 @@ inline IndexError* index_error_record() {
     case IndexSite::RouterBackwardTopk: op = "router_backward", tensor = "topk_idx", bound = "E"; break;
     case IndexSite::RoutePlanTopk: op = "route_plan", tensor = "topk_idx", bound = "n_experts"; break;
     case IndexSite::GatherRowsTokenOfSlot: op = "gather_rows", tensor = "token_of_slot", bound = "N"; break;
+    case IndexSite::GatherQuantizeTokenOfSlot:
+      op = "gather_quantize_row_col", tensor = "token_of_slot", bound = "N";
+      break;
     case IndexSite::ScatterRowsDstRows: op = "scatter_rows", tensor = "dst_rows", bound = "N"; break;
     case IndexSite::GatherRowsBackwardSlotOf: op = "gather_rows_backward", tensor = "slot_of", bound = "M"; break;
     case IndexSite::MoeCombineSlotOf: op = "moe_combine", tensor = "slot_of", bound = "M"; break;

@@ -360,6 +360,23 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
   return true;
 }
 
+bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec, RngKey row_rng,
+                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  const char* op = "gather_quantize_row_col";
+  check_cuda_tensor(x, op, "x");
+  check_cuda_tensor(token_of_slot, op, "token_of_slot");
+  (void)quant_shape(x, row_spec);
+  (void)quant_shape(x, col_spec);
+  const int64_t M = token_of_slot.size(0), N = x.size(0), D = x.size(1);
+  const PairOutput o = alloc_row_col(M, D, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
+  if (D > 0)
+    launch_mxfp8_row_col(GatherSource{x.data<float>(), token_of_slot.data<int32_t>(), D, N, index_error_record()}, D,
+                         {o}, row_spec, col_spec, row_col_segments(offsets, {&col_rngs}));
+  return true;
+}
+
 bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {

@@ -1,12 +1,13 @@
-// defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, SwigluSource,
-//          SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
+// defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
+//          SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
 // tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
 // BF16 decode for the GEMM that reads it next, and each form's codes optionally left out where
 // only that decode is read. The values come from a source: an F32 tensor read once
-// (PlainSource; the two separate kernels, mxfp8_row_fast and mxfp8_col_fast, read it twice),
-// swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
+// (PlainSource; the two separate kernels, mxfp8_row_fast and mxfp8_col_fast, read it twice), its
+// rows gathered (GatherSource: the experts' dispatched tokens, gather_rows' x_perm, which is then
+// never written), swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
 // computed from da, h1 and h3 (SwigluGradSource, two outputs): computed values are never written
 // in F32 nor read back.
 #pragma once
@@ -16,6 +17,7 @@
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
+#include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/row_math.cuh"
 
 namespace fourbit::ops::cuda {
@@ -25,7 +27,7 @@ namespace {
 // one output's (one output), or 128 of each of two outputs' (the tile's first and last 128
 // columns: dh1's and dh3's at the same columns). Thread t holds tile column t's 32 values: loaded
 // (or computed from loads) with scalar loads that a warp makes into 128-byte rows (PlainSource,
-// SwigluSource), or read back from the shared tile where SwigluGradSource computed them (each
+// GatherSource, SwigluSource), or read back from the shared tile where SwigluGradSource computed them (each
 // thread one column's 16 rows of both outputs, one sigmoid a pair, as swiglu_backward). It quantizes them as the Col-axis block
 // (mxfp8_col_fast's counters and layout) and leaves them in a shared tile; then each thread
 // takes one (row, 32-column block) of the tile and quantizes it as the Row-axis block
@@ -86,6 +88,12 @@ struct PlainSource {
   const float* x;
   int64_t ld;
 };
+struct GatherSource {  // row s of x_perm = x[rows[s]] (gather_rows)
+  const float* x;        // [n, ld]
+  const int32_t* rows;
+  int64_t ld, n;
+  IndexError* err;
+};
 struct SwigluSource {  // swiglu_forward's a
   const float *h1, *h3;  // [rows, ld] each
   int64_t ld;
@@ -97,6 +105,10 @@ struct SwigluGradSource {
 // Element (row, col) of a one-output source.
 __device__ __forceinline__ float source_value(const PlainSource& s, int64_t row, int64_t col) {
   return __ldg(s.x + row * s.ld + col);
+}
+__device__ __forceinline__ float source_value(const GatherSource& s, int64_t row, int64_t col) {
+  const int32_t n = __ldg(s.rows + row);
+  return n >= 0 && n < s.n ? __ldg(s.x + n * s.ld + col) : 0.0f;  // an id outside x: a zero row
 }
 __device__ __forceinline__ float source_value(const SwigluSource& s, int64_t row, int64_t col) {
   const int64_t at = row * s.ld + col;
@@ -144,6 +156,13 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   const PairOut& out = p.out[o];
   unsigned nonfinite = 0;
 
+  if constexpr (std::is_same_v<Src, GatherSource>) {  // as gather_rows does: recorded, the row read as zeros
+    if (c0 == 0 && t < n_rows) {
+      const int64_t s = sg.x_row0 + r0 + t;
+      const int32_t n = p.src.rows[s];
+      if (n < 0 || n >= p.src.n) record_index_error(p.src.err, IndexSite::GatherQuantizeTokenOfSlot, s, n, p.src.n, 1);
+    }
+  }
   float v[B];
   if constexpr (kOuts == 1) {
     if (j < p.cols) {
