@@ -594,6 +594,69 @@ TEST(CudaQuantize, GatheredRowColMatchesGatherThenRowCol) {
   }
 }
 
+// ops::moe_combine_backward_row_col on the GPU (dy_perm's rows computed where the quantizer reads
+// them) gives moe_combine_backward's dw and the bytes of quantize_row_col of its dy_perm, every
+// FormOut, a route plan's slots; two assignments of one slot are reported as moe_combine_backward
+// reports them.
+TEST(CudaQuantize, CombineGradRowColMatchesCombineBackwardThenRowCol) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.dgrad.a, col = recipe_by_name("mxfp8").expert.wgrad.a;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  int run = 0;
+  for (int64_t D : {40, 256, 300}) {
+    const int64_t N = 37, k = 2, E = 4;
+    std::vector<int32_t> idx(size_t(N * k));
+    for (int64_t a = 0; a < N * k; ++a) idx[size_t(a)] = int32_t((a * 5 + a / k) % E);
+    for (int64_t n = 0; n < N; ++n)  // top-k picks distinct experts
+      if (idx[size_t(n * k)] == idx[size_t(n * k + 1)]) idx[size_t(n * k + 1)] = (idx[size_t(n * k)] + 1) % int32_t(E);
+    const ops::RoutePlan plan =
+        ops::route_plan(Tensor::from_host(idx.data(), {N, k}, DType::I32).to(Device::CUDA), E);
+    const Tensor dout = Tensor::from_host(make_data({1, N, D}, Data::Varied, 3500 + uint32_t(D)).data(), {N, D},
+                                          DType::F32).to(Device::CUDA);
+    const Tensor y_perm = Tensor::from_host(make_data({1, N * k, D}, Data::Varied, 3600 + uint32_t(D)).data(),
+                                            {N * k, D}, DType::F32).to(Device::CUDA);
+    const Tensor w = Tensor::from_host(make_data({1, N, k}, Data::Varied, 3700 + uint32_t(D)).data(), {N, k},
+                                       DType::F32).to(Device::CUDA);
+    std::vector<ops::RngKey> keys;
+    for (int64_t e = 0; e < E; ++e) keys.push_back({9, uint64_t(e)});
+    ++run;
+    QuantSpec rs = row;
+    rs.rounding = run % 2 ? num::Rounding::SR : num::Rounding::RNE;
+    const ops::FormOut row_out = kForms[run % 3], col_out = kForms[(run + 2) % 3];
+    Tensor dw = Tensor::empty({N, k}, DType::F32, Device::CUDA), dw_want = dw.clone();
+    const ops::RowColQuant got = ops::moe_combine_backward_row_col(dout, y_perm, plan.slot_of, w, dw, rs, {9, 99}, col,
+                                                                  plan.offsets, keys, row_out, col_out);
+    Tensor dy_perm = Tensor::empty({N * k, D}, DType::F32, Device::CUDA);
+    ops::moe_combine_backward(dout, y_perm, plan.slot_of, w, dy_perm, dw_want);
+    ops::check_index_errors(Device::CUDA);
+    EXPECT_EQ(first_mismatch(host_vec<float>(dw), host_vec<float>(dw_want)), -1) << "dw, D " << D;
+    const Tensor dp = dy_perm.to(Device::CPU);
+    const std::string what = "D " + std::to_string(D);
+    if (!same_form(ops::quantize(dp, rs, {9, 99}), got.row, row_out, what + " row")) return;
+    for (size_t e = 0; e + 1 < plan.offsets.size(); ++e) {
+      if (plan.offsets[e] == plan.offsets[e + 1]) continue;
+      const QTensor want = ops::quantize(dp.slice_rows(plan.offsets[e], plan.offsets[e + 1]), col, keys[e]);
+      if (!same_form(want, got.col[e], col_out, what + " segment " + std::to_string(e))) return;
+    }
+  }
+  // two assignments of one slot: reported at the next check
+  const std::vector<int32_t> shared = {0, 1, 1, 2};
+  const Tensor slot_of = Tensor::from_host(shared.data(), {2, 2}, DType::I32).to(Device::CUDA);
+  const Tensor dout = Tensor::zeros({2, 32}, DType::F32, Device::CUDA), y = Tensor::zeros({4, 32}, DType::F32, Device::CUDA);
+  const Tensor w = Tensor::zeros({2, 2}, DType::F32, Device::CUDA);
+  Tensor dw = Tensor::empty({2, 2}, DType::F32, Device::CUDA);
+  (void)ops::moe_combine_backward_row_col(dout, y, slot_of, w, dw, row, {1, 1}, col, {0, 4}, {{1, 2}}, ops::FormOut::Bf16,
+                                          ops::FormOut::Bf16);
+  try {
+    ops::check_index_errors(Device::CUDA);
+    ADD_FAILURE() << "a shared slot went unreported";
+  } catch (const std::exception& e) {
+    // either of the two assignments may be the one that finds the slot taken
+    EXPECT_NE(std::string(e.what()).find("= 1 is also the slot of another assignment"), std::string::npos) << e.what();
+  }
+}
+
 // ops::swiglu_forward_row_col on the GPU (a computed and quantized in one pass) gives the bits of
 // swiglu_forward followed by the CPU's quantizers of that a: with Col forms per segment (widths
 // inside, at and past one 256-column tile, segments empty, short and long; RNE and SR, every

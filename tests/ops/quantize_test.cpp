@@ -1142,6 +1142,42 @@ TEST(QuantizeSegments, GatheredRowColIsGatherThenRowCol) {
   EXPECT_NE(error_of(t, {0, 44}).find("from 0 to token_of_slot's 45 rows"), std::string::npos);
 }
 
+// moe_combine_backward_row_col: on the CPU, moe_combine_backward (dw written) and then
+// quantize_row_col of its dy_perm (bytes equal); offsets that do not cover y_perm's slots are
+// refused.
+TEST(QuantizeSegments, CombineGradRowColIsCombineBackwardThenRowCol) {
+  const int64_t N = 20, k = 2, D = 40;
+  std::vector<int32_t> idx;
+  for (int64_t n = 0; n < N; ++n) {
+    idx.push_back(int32_t(n % 3));
+    idx.push_back(int32_t(n % 3 + 1));
+  }
+  const ops::RoutePlan plan = ops::route_plan(Tensor::from_host(idx.data(), {N, k}, DType::I32), 4);
+  const Tensor dout = to_tensor(varied_data({1, N, D}, 85), {1, N, D}).reshape({N, D});
+  const Tensor y = to_tensor(varied_data({1, N * k, D}, 86), {1, N * k, D}).reshape({N * k, D});
+  const Tensor w = to_tensor(varied_data({1, N, k}, 87), {1, N, k}).reshape({N, k});
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  const std::vector<ops::RngKey> keys = {{4, 1}, {4, 2}, {4, 3}, {4, 4}};
+  Tensor dw = Tensor::empty({N, k}, DType::F32), dw_want = Tensor::empty({N, k}, DType::F32);
+  const ops::RowColQuant got = ops::moe_combine_backward_row_col(dout, y, plan.slot_of, w, dw, row, {4, 9}, col,
+                                                                plan.offsets, keys, ops::FormOut::Bf16, ops::FormOut::Bf16);
+  Tensor dy_perm = Tensor::empty({N * k, D}, DType::F32);
+  ops::moe_combine_backward(dout, y, plan.slot_of, w, dy_perm, dw_want);
+  const ops::RowColQuant want = ops::quantize_row_col(dy_perm, row, {4, 9}, col, plan.offsets, keys);
+  EXPECT_EQ(host<float>(dw), host<float>(dw_want));
+  EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(want.row.codes));
+  for (size_t e = 0; e < keys.size(); ++e)
+    if (want.col[e].defined()) EXPECT_EQ(host<uint8_t>(got.col[e].codes), host<uint8_t>(want.col[e].codes)) << e;
+  try {
+    ops::moe_combine_backward_row_col(dout, y, plan.slot_of, w, dw, row, {}, col, {0, 39}, {{1, 1}},
+                                      ops::FormOut::Codes, ops::FormOut::Codes);
+    ADD_FAILURE() << "offsets short of y_perm's slots were taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("from 0 to y_perm's 40 rows"), std::string::npos) << e.what();
+  }
+}
+
 // swiglu_backward_row_col: on the CPU, swiglu_backward and then quantize_row_col of dh1 and dh3
 // (bytes equal, each output its own keys); inputs of different shapes and key lists of the wrong
 // length are refused with a message naming them.

@@ -3,7 +3,8 @@
 //          requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
-//          prepare_row_col, prepare_gathered_row_col, prepare_swiglu, prepare_swiglu_grads,
+//          prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col, prepare_swiglu,
+//          prepare_swiglu_grads,
 //          prepare_weight_both (linear.h)
 #include "fourbit/model/linear.h"
 
@@ -228,27 +229,66 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
                           row_role, row_side, col_spec, col_role, col_side, offsets, cls, log);
 }
 
+namespace {
+// prepare_row_col of the tensor `make` computes (`like`: one of its inputs, for the quantized
+// specs' checks), made by `fused` instead — the op that computes and quantizes it in one pass,
+// given the specs on their axes and the segments' keys — unless the log records calls: their
+// records hash the tensor, so it is then computed and prepared apart.
+using FusedRowCol =
+    std::function<ops::RowColQuant(const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys)>;
+PreparedRowCol computed_row_col(const std::function<Tensor()>& make, const FusedRowCol& fused, const Tensor& like,
+                                const QuantSpec& row_spec, GemmRole row_role, char row_side, const QuantSite& row_site,
+                                const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                                const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
+                                LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out) {
+  if (log && log->record_calls)
+    return prepare_row_col(make(), row_spec, row_role, row_side, row_site, col_spec, col_role, col_side, offsets,
+                           col_sites, cls, log, row_out, col_out);
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_row_col of a dense spec");
+  FOURBIT_CHECK(offsets.size() == col_sites.size() + 1, "prepare_row_col: {} offsets for {} sites", offsets.size(),
+                col_sites.size());
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  return row_col_prepared(fused(quantized_spec(like, row_spec, row_role, row_side, cls),
+                                quantized_spec(like, col_spec, col_role, col_side, cls), keys),
+                          row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls, log);
+}
+}  // namespace
+
 PreparedRowCol prepare_gathered_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                         GemmRole row_role, char row_side, const QuantSite& row_site,
                                         const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                         const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
                                         LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out) {
-  if (log && log->record_calls) {  // the records hash the gathered rows: gathered, then prepared
+  const auto make = [&] {
     Tensor x_perm = Tensor::empty({token_of_slot.size(0), x.size(1)}, x.dtype(), x.device());
     ops::gather_rows(x, token_of_slot, x_perm);
-    return prepare_row_col(x_perm, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side, offsets,
-                           col_sites, cls, log, row_out, col_out);
-  }
-  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_gathered_row_col of a dense spec");
-  FOURBIT_CHECK(offsets.size() == col_sites.size() + 1, "prepare_gathered_row_col: {} offsets for {} sites",
-                offsets.size(), col_sites.size());
-  const QuantSpec rs = quantized_spec(x, row_spec, row_role, row_side, cls);
-  const QuantSpec cs = quantized_spec(x, col_spec, col_role, col_side, cls);
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : col_sites) keys.push_back(s.key);
-  return row_col_prepared(
-      ops::gather_quantize_row_col(x, token_of_slot, rs, row_site.key, cs, offsets, keys, row_out, col_out), row_spec,
-      row_role, row_side, col_spec, col_role, col_side, offsets, cls, log);
+    return x_perm;
+  };
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::gather_quantize_row_col(x, token_of_slot, rs, row_site.key, cs, offsets, keys, row_out, col_out);
+  };
+  return computed_row_col(make, fused, x, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side,
+                          offsets, col_sites, cls, log, row_out, col_out);
+}
+
+PreparedRowCol prepare_combine_grad_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                            const Tensor& w, Tensor& dw, const QuantSpec& row_spec, GemmRole row_role,
+                                            char row_side, const QuantSite& row_site, const QuantSpec& col_spec,
+                                            GemmRole col_role, char col_side, const std::vector<int64_t>& offsets,
+                                            const std::vector<QuantSite>& col_sites, LayerClass cls, QuantLog* log,
+                                            ops::FormOut row_out, ops::FormOut col_out) {
+  const auto make = [&] {
+    Tensor dy_perm = Tensor::empty(y_perm.shape(), dout.dtype(), dout.device());
+    ops::moe_combine_backward(dout, y_perm, slot_of, w, dy_perm, dw);
+    return dy_perm;
+  };
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::moe_combine_backward_row_col(dout, y_perm, slot_of, w, dw, rs, row_site.key, cs, offsets, keys,
+                                             row_out, col_out);
+  };
+  return computed_row_col(make, fused, dout, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side,
+                          offsets, col_sites, cls, log, row_out, col_out);
 }
 
 PreparedRowCol prepare_swiglu(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, GemmRole row_role,

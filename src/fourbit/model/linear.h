@@ -1,7 +1,7 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
-//          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_swiglu, prepare_swiglu_grads,
-//          prepare_weight_both,
+//          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col,
+//          prepare_swiglu, prepare_swiglu_grads, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -132,6 +132,16 @@ PreparedRowCol prepare_gathered_row_col(const Tensor& x, const Tensor& token_of_
                                         const QuantSpec& col_spec, GemmRole col_role, char col_side,
                                         const std::vector<int64_t>& offsets, const std::vector<QuantSite>& col_sites,
                                         LayerClass cls, QuantLog* log, ops::FormOut row_out, ops::FormOut col_out);
+// moe_combine_backward (dw written) followed by prepare_row_col of its dy_perm, their bits and log
+// entries, in one ops::moe_combine_backward_row_col (on the GPU, where the specs are MXFP8,
+// dy_perm is never written in F32). With the log's record_calls, whose records hash dy_perm, the
+// two steps run apart.
+PreparedRowCol prepare_combine_grad_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                            const Tensor& w, Tensor& dw, const QuantSpec& row_spec, GemmRole row_role,
+                                            char row_side, const QuantSite& row_site, const QuantSpec& col_spec,
+                                            GemmRole col_role, char col_side, const std::vector<int64_t>& offsets,
+                                            const std::vector<QuantSite>& col_sites, LayerClass cls, QuantLog* log,
+                                            ops::FormOut row_out, ops::FormOut col_out);
 // prepare_row_col of swiglu_forward's a from h1 and h3 (F32 [rows, F]; offsets empty: prepare of
 // a's Row-axis form alone, at row_site; col_spec still names a Col-axis spec that pairs with
 // row_spec): the bits and log entries of ops::swiglu_forward followed by that preparation, in one

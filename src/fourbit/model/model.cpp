@@ -965,14 +965,23 @@ struct ModelRunner {
     } else {
       y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
     }
-    Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D}), d_topk_w = act({N, K});
-    ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
+    Tensor d_topk_w = act({N, K});
+    PreparedRowCol pdy;
+    if (g_training_producer_quantizers.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r) && N * K > 0) {
+      // dy_perm quantized where its rows are computed (w2's dY pair, as expert_dy makes it)
+      pdy = prepare_combine_grad_row_col(dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
+                                         site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.offsets,
+                                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log, dy_form(), dy_form());
+    } else {
+      Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D});
+      ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
+      pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
+    }
 
     // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
     const Prepared w2_dgrad = dgrad_weight(w.w2, name + "moe.w2", r, cls);
     const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, &w.w3);
     const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, &w.w1);
-    PreparedRowCol pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
     Tensor da = act({N * K, F});
     grouped_gemm(pdy.row, w2_dgrad, plan.offsets, da);
     // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).

@@ -247,6 +247,29 @@ RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot
   return quantize_row_col(x_perm, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
 }
 
+RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                         const Tensor& w, Tensor& dw, const QuantSpec& row_spec, RngKey row_rng,
+                                         const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                         const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {
+  const HostOpTimer host_timer("moe_combine_backward_row_col");
+  const char* op = "moe_combine_backward_row_col";
+  if (!y_perm.defined() || y_perm.dim() != 2)
+    fail("{}: y_perm must be 2-D [M, D], got {}{}", op, str_or_undef(y_perm), y_perm.defined() ? y_perm.str() : "");
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_row_offsets(op, offsets, y_perm.size(0), "y_perm");
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  RowColQuant out;
+#if FOURBIT_HAS_CUDA
+  if (dout.device() == Device::CUDA && cuda::moe_combine_backward_row_col(dout, y_perm, slot_of, w, dw, row_spec,
+                                                                         row_rng, col_spec, offsets, col_rngs,
+                                                                         row_out, col_out, out))
+    return out;
+#endif
+  Tensor dy_perm = Tensor::empty(y_perm.shape(), dout.dtype(), dout.device());
+  moe_combine_backward(dout, y_perm, slot_of, w, dy_perm, dw);
+  return quantize_row_col(dy_perm, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
+}
+
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {

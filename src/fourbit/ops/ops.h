@@ -1,6 +1,6 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
-//          quantize_row_col, gather_quantize_row_col, swiglu_forward_row_col, swiglu_backward_row_col,
-//          BothAxes, quantize_both, dequantize, requantize_transposed,
+//          quantize_row_col, gather_quantize_row_col, moe_combine_backward_row_col, swiglu_forward_row_col,
+//          swiglu_backward_row_col, BothAxes, quantize_both, dequantize, requantize_transposed,
 //          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
@@ -104,6 +104,16 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
 RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                     RngKey row_rng, const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                     const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
+
+// moe_combine_backward(dout, y_perm, slot_of, w, dy_perm, dw) followed by quantize_row_col of
+// dy_perm (F32 [M, D]; offsets over its M slots), bit for bit: dw written, dy_perm returned
+// quantized. On the GPU, where quantize_row_col's one pass takes the specs, that pass computes
+// dy_perm's rows where it reads them (each slot's dout row times its routing weight): dy_perm is
+// never written in F32. Bad slot_of entries are reported as moe_combine_backward reports them.
+RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                         const Tensor& w, Tensor& dw, const QuantSpec& row_spec, RngKey row_rng,
+                                         const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
+                                         const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
 
 // swiglu_forward's a of h1 and h3 (F32 [rows, F]) quantized as quantize_row_col quantizes it, the
 // bits of swiglu_forward followed by that call; offsets empty: its Row-axis form alone (the bits of

@@ -9,7 +9,7 @@
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
-//          swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
+//          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
 //          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
@@ -241,6 +241,19 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
 bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec, RngKey row_rng,
                              const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                              const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out);
+
+// moe_combine_backward's dw (checked as it checks its arguments), and in place of dy_perm each
+// slot's assignment a (slot_of[a] = slot; -1 where none): I32 [M], from which dy_perm's row is
+// w[a] dout[a / k] (ops::moe_combine_backward_row_col).
+Tensor moe_combine_backward_owners(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
+                                   Tensor& dw);
+// ops::moe_combine_backward_row_col on CUDA tensors (checked by the caller) into out: the owners,
+// then one pass of mxfp8_row_col_kernel computing dy_perm's rows; false (nothing done) where
+// quantize_row_col's conditions do not hold for dout.
+bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
+                                  Tensor& dw, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                                  const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
+                                  FormOut row_out, FormOut col_out, RowColQuant& out);
 
 // ops::swiglu_forward_row_col on CUDA tensors (shapes, axes and offsets checked by the caller)
 // into out, in one pass of mxfp8_row_col_kernel from h1 and h3; false (nothing done) where

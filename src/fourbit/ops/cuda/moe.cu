@@ -1,6 +1,6 @@
 // defines: cuda::router_topk, cuda::router_backward, cuda::route_plan, cuda::gather_rows (dense
 //          and QTensor), cuda::scatter_rows, cuda::gather_rows_backward, cuda::moe_combine,
-//          cuda::moe_combine_backward, cuda::stable_bucket_sort
+//          cuda::moe_combine_backward, cuda::moe_combine_backward_owners, cuda::stable_bucket_sort
 // The router and the token <-> expert-slot permutation on the GPU, following ops/cpu/moe.cpp:
 //  - router rows run one per warp, arithmetic in double rounded once per output, so a token's
 //    probabilities, choices and weights never depend on the other tokens (batch invariance);
@@ -502,6 +502,38 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// moe_combine_backward_kernel's dw, with each slot's assignment recorded in owner (-1 where none)
+// instead of dy_perm written: the one-pass quantizer computes dy_perm's rows from dout, w and
+// owner where it reads them (moe_combine_backward_owners).
+__global__ void __launch_bounds__(kRowThreads)
+    moe_combine_backward_owner_kernel(const float* dout, const float* y_perm, const int32_t* slot_of, const float* w,
+                                      float* dw, int32_t* owner, int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
+                                      IndexError* err) {
+  const int lane = lane_id();
+  const int64_t groups = (D + 3) / 4;
+  for (int64_t a = first_row_of_warp(); a < N * k; a += warp_row_stride()) {
+    const int32_t s = slot_of[a];
+    if (s < 0 || s >= M) {
+      if (lane == 0) record_index_error(err, IndexSite::MoeCombineBackwardSlotOf, a, s, M, k);
+      continue;
+    }
+    if (lane == 0 && atomicCAS(&owner[s], -1, int32_t(a)) != -1)
+      record_index_error(err, IndexSite::MoeCombineBackwardSharedSlot, a, s, M, k);
+    const float* g = dout + (a / k) * D;
+    const float* y = y_perm + int64_t(s) * D;
+    double dot = 0.0;
+    for (int64_t gi = lane; gi < groups; gi += 32) {
+      float gv[4], yv[4];
+      load4(g, 4 * gi, D, vec, gv);
+      load4(y, 4 * gi, D, vec, yv);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dot += double(gv[c]) * double(yv[c]);  // zeros past the end add nothing
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) dw[a] = float(dot);
+  }
+}
+
 // ---- host helpers -----------------------------------------------------------------------------
 
 // slot_of must be a CUDA i32[N, k] for the given N; returns k.
@@ -890,6 +922,24 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
         dw.data<float>(), owners.data<int32_t>(), N, slots, ranks, D, vec, index_error_record());
   });
   FOURBIT_LAUNCH_CHECK();
+}
+
+Tensor moe_combine_backward_owners(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
+                                   Tensor& dw) {
+  const char* op = "moe_combine_backward";
+  expect_f32(op, "dout", dout, 2, "[N, D]");
+  const int64_t N = dout.size(0), D = dout.size(1);
+  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
+  expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
+  Tensor owner = Tensor::empty({M}, DType::I32, Device::CUDA);
+  if (M > 0) FOURBIT_CUDA_CHECK(cudaMemsetAsync(owner.raw(), 0xFF, size_t(M) * sizeof(int32_t), stream()));  // -1
+  if (N * k == 0) return owner;
+  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw());
+  moe_combine_backward_owner_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
+      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), dw.data<float>(),
+      owner.data<int32_t>(), N, M, k, D, vec, index_error_record());
+  FOURBIT_LAUNCH_CHECK();
+  return owner;
 }
 
 }  // namespace fourbit::ops::cuda

@@ -377,6 +377,20 @@ bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const
   return true;
 }
 
+bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
+                                  Tensor& dw, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                                  const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
+                                  FormOut row_out, FormOut col_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(dout, row_spec, col_spec) || y_perm.dtype() != DType::F32) return false;
+  const Tensor owner = moe_combine_backward_owners(dout, y_perm, slot_of, w, dw);  // checks the arguments
+  const int64_t M = owner.size(0), D = dout.size(1), k = slot_of.size(1);
+  const PairOutput o = alloc_row_col(M, D, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
+  if (D > 0)
+    launch_mxfp8_row_col(CombineGradSource{dout.data<float>(), owner.data<int32_t>(), w.data<float>(), D, k}, D, {o},
+                         row_spec, col_spec, row_col_segments(offsets, {&col_rngs}));
+  return true;
+}
+
 bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {

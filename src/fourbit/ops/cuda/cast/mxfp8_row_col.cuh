@@ -1,5 +1,5 @@
 // defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
-//          SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
+//          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
 // tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
@@ -7,7 +7,8 @@
 // only that decode is read. The values come from a source: an F32 tensor read once
 // (PlainSource; the two separate kernels, mxfp8_row_fast and mxfp8_col_fast, read it twice), its
 // rows gathered (GatherSource: the experts' dispatched tokens, gather_rows' x_perm, which is then
-// never written), swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
+// never written), moe_combine_backward's dy_perm (CombineGradSource: each slot's row of the
+// output gradient times its routing weight), swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
 // computed from da, h1 and h3 (SwigluGradSource, two outputs): computed values are never written
 // in F32 nor read back.
 #pragma once
@@ -27,7 +28,7 @@ namespace {
 // one output's (one output), or 128 of each of two outputs' (the tile's first and last 128
 // columns: dh1's and dh3's at the same columns). Thread t holds tile column t's 32 values: loaded
 // (or computed from loads) with scalar loads that a warp makes into 128-byte rows (PlainSource,
-// GatherSource, SwigluSource), or read back from the shared tile where SwigluGradSource computed them (each
+// GatherSource, CombineGradSource, SwigluSource), or read back from the shared tile where SwigluGradSource computed them (each
 // thread one column's 16 rows of both outputs, one sigmoid a pair, as swiglu_backward). It quantizes them as the Col-axis block
 // (mxfp8_col_fast's counters and layout) and leaves them in a shared tile; then each thread
 // takes one (row, 32-column block) of the tile and quantizes it as the Row-axis block
@@ -94,6 +95,12 @@ struct GatherSource {  // row s of x_perm = x[rows[s]] (gather_rows)
   int64_t ld, n;
   IndexError* err;
 };
+struct CombineGradSource {  // moe_combine_backward's dy_perm: row s = w[a] dout[a / k], a the assignment of slot s
+  const float* dout;  // [N, ld]
+  const int32_t* owner;  // [M]: the assignment of each slot, -1 for none
+  const float* w;        // [N k]
+  int64_t ld, k;
+};
 struct SwigluSource {  // swiglu_forward's a
   const float *h1, *h3;  // [rows, ld] each
   int64_t ld;
@@ -109,6 +116,10 @@ __device__ __forceinline__ float source_value(const PlainSource& s, int64_t row,
 __device__ __forceinline__ float source_value(const GatherSource& s, int64_t row, int64_t col) {
   const int32_t n = __ldg(s.rows + row);
   return n >= 0 && n < s.n ? __ldg(s.x + n * s.ld + col) : 0.0f;  // an id outside x: a zero row
+}
+__device__ __forceinline__ float source_value(const CombineGradSource& s, int64_t row, int64_t col) {
+  const int32_t a = __ldg(s.owner + row);
+  return a >= 0 ? num::mul_rn(__ldg(s.w + a), __ldg(s.dout + (a / s.k) * s.ld + col)) : 0.0f;  // as the op's
 }
 __device__ __forceinline__ float source_value(const SwigluSource& s, int64_t row, int64_t col) {
   const int64_t at = row * s.ld + col;
