@@ -22,11 +22,12 @@ struct Switches {
   bool fused, decodes_only;
 };
 
-// Restores both process-wide switches to their defaults when the test ends, failed or not.
+// Restores both process-wide switches to what they were when the test ends, failed or not.
 struct DefaultsAfter {
+  const bool producers = set_training_producer_quantizers(false), decodes = set_dy_decodes_only(false);
   ~DefaultsAfter() {
-    set_training_producer_quantizers(true);
-    set_dy_decodes_only(true);
+    set_training_producer_quantizers(producers);
+    set_dy_decodes_only(decodes);
   }
 };
 

@@ -88,11 +88,11 @@ void set_shared_expert_grouped(bool on);
 // In the backward pass, where dgrad's dY and wgrad's dY^T are MXFP8 made in one pass
 // (ops::row_col_one_pass): on the GPU, each form is its BF16 decode alone (ops::FormOut::Bf16),
 // since both GEMMs that read the pair run right away and nothing reads its codes after them
-// (true, the default); off, its codes as well. The same bits either way. Process-wide, for
-// benchmarks and tests.
-void set_dy_decodes_only(bool on);
+// (true); off, its codes as well. The same bits either way. Off by default until the GPU suite
+// has run it (docs/model.md). Process-wide, for benchmarks and tests; returns the setting before.
+bool set_dy_decodes_only(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
-// so that on the GPU these F32 tensors are never written nor read back (true, the default): the
+// so that on the GPU these F32 tensors are never written nor read back (true): the
 // experts' dispatched tokens where they are gathered, when their X and X^T pair
 // (ops::gather_quantize_row_col); and, where the FFN interiors are not kept
 // (Model::keep_ffn_activations off), an FFN's SwiGLU output a (its routed experts', shared
@@ -100,8 +100,9 @@ void set_dy_decodes_only(bool on);
 // forward its Row form as the BF16 decode the GEMM reads, alone; in the backward's recomputation
 // with w2's X^T), and its dh1 and dh3 where swiglu_backward computes them, where they pair
 // (ops::swiglu_backward_row_col). Off, the op writes its F32 output and a quantizer pass reads it.
-// The same bits either way. Process-wide, for benchmarks and tests.
-void set_training_producer_quantizers(bool on);
+// The same bits either way. Off by default until the GPU suite has run it (docs/model.md).
+// Process-wide, for benchmarks and tests; returns the setting before.
+bool set_training_producer_quantizers(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e
