@@ -462,13 +462,15 @@ __global__ void __launch_bounds__(kEltThreads)
 
 // One warp per assignment a = (n, j) with slot s: dy_perm[s] = w * dout[n] (one float product,
 // as on the CPU) and dw[a] = <dout[n], y_perm[s]> in double, reduced by the warp tree.
-// owners[s] counts the assignments that claim slot s: a second claimant is recorded (the CPU
-// rejects a non-injective slot_of before writing; here the error is raised at the next check).
+// owner[s] (-1 before) takes the assignment that claims slot s: a second claimant is recorded
+// (the CPU rejects a non-injective slot_of before writing; here the error is raised at the next
+// check). dy_perm null: only dw and owner are written, for the one-pass quantizer that computes
+// dy_perm's rows from dout, w and owner where it reads them (moe_combine_backward_owners).
 // O: float, or uint16_t for a BF16 dy_perm (vec4.cuh's store4 encodes it).
 template <typename O>
 __global__ void __launch_bounds__(kRowThreads)
     moe_combine_backward_kernel(const float* dout, const float* y_perm, const int32_t* slot_of,
-                                const float* w, O* dy_perm, float* dw, int32_t* owners,
+                                const float* w, O* dy_perm, float* dw, int32_t* owner,
                                 int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
                                 IndexError* err) {
   const int lane = lane_id();
@@ -479,12 +481,11 @@ __global__ void __launch_bounds__(kRowThreads)
       if (lane == 0) record_index_error(err, IndexSite::MoeCombineBackwardSlotOf, a, s, M, k);
       continue;
     }
-    if (lane == 0 && atomicAdd(&owners[s], 1) != 0)
+    if (lane == 0 && atomicCAS(&owner[s], -1, int32_t(a)) != -1)
       record_index_error(err, IndexSite::MoeCombineBackwardSharedSlot, a, s, M, k);
     const float wj = w[a];
     const float* g = dout + (a / k) * D;
     const float* y = y_perm + int64_t(s) * D;
-    O* o = dy_perm + int64_t(s) * D;
     double dot = 0.0;
     for (int64_t gi = lane; gi < groups; gi += 32) {
       float gv[4], yv[4], out[4];
@@ -495,39 +496,7 @@ __global__ void __launch_bounds__(kRowThreads)
         out[c] = num::mul_rn(wj, gv[c]);
         dot += double(gv[c]) * double(yv[c]);  // zeros past the end add nothing
       }
-      store4(o, 4 * gi, D, vec, out);
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) dw[a] = float(dot);
-  }
-}
-
-// moe_combine_backward_kernel's dw, with each slot's assignment recorded in owner (-1 where none)
-// instead of dy_perm written: the one-pass quantizer computes dy_perm's rows from dout, w and
-// owner where it reads them (moe_combine_backward_owners).
-__global__ void __launch_bounds__(kRowThreads)
-    moe_combine_backward_owner_kernel(const float* dout, const float* y_perm, const int32_t* slot_of, const float* w,
-                                      float* dw, int32_t* owner, int64_t N, int64_t M, int64_t k, int64_t D, bool vec,
-                                      IndexError* err) {
-  const int lane = lane_id();
-  const int64_t groups = (D + 3) / 4;
-  for (int64_t a = first_row_of_warp(); a < N * k; a += warp_row_stride()) {
-    const int32_t s = slot_of[a];
-    if (s < 0 || s >= M) {
-      if (lane == 0) record_index_error(err, IndexSite::MoeCombineBackwardSlotOf, a, s, M, k);
-      continue;
-    }
-    if (lane == 0 && atomicCAS(&owner[s], -1, int32_t(a)) != -1)
-      record_index_error(err, IndexSite::MoeCombineBackwardSharedSlot, a, s, M, k);
-    const float* g = dout + (a / k) * D;
-    const float* y = y_perm + int64_t(s) * D;
-    double dot = 0.0;
-    for (int64_t gi = lane; gi < groups; gi += 32) {
-      float gv[4], yv[4];
-      load4(g, 4 * gi, D, vec, gv);
-      load4(y, 4 * gi, D, vec, yv);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) dot += double(gv[c]) * double(yv[c]);  // zeros past the end add nothing
+      if (dy_perm) store4(dy_perm + int64_t(s) * D, 4 * gi, D, vec, out);
     }
     dot = warp_sum(dot);
     if (lane == 0) dw[a] = float(dot);
@@ -899,6 +868,15 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
                    plus ? plus->data<float>() : nullptr);
 }
 
+namespace {
+// I32 [M] of -1: no slot owned yet (moe_combine_backward_kernel's owner).
+Tensor unowned_slots(int64_t M) {
+  Tensor owner = Tensor::empty({M}, DType::I32, Device::CUDA);
+  if (M > 0) FOURBIT_CUDA_CHECK(cudaMemsetAsync(owner.raw(), 0xFF, size_t(M) * sizeof(int32_t), stream()));
+  return owner;
+}
+}  // namespace
+
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {
   const char* op = "moe_combine_backward";
@@ -912,14 +890,14 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   // an index error, so only M > N k needs the zeros.
   if (M > N * k) dy_perm.zero_();
   if (N * k == 0) return;
-  Tensor owners = Tensor::zeros({M}, DType::I32, Device::CUDA);
+  Tensor owner = unowned_slots(M);
   const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && out_aligned(dy_perm);
   const int64_t slots = M, ranks = k;  // a lambda may not capture structured bindings (C++17)
   with_out_type(out_dt, [&](auto tag) {
     using O = decltype(tag);
     moe_combine_backward_kernel<<<warp_row_grid(N * ranks), kRowThreads, 0, stream()>>>(
         dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), dy_perm.data<O>(),
-        dw.data<float>(), owners.data<int32_t>(), N, slots, ranks, D, vec, index_error_record());
+        dw.data<float>(), owner.data<int32_t>(), N, slots, ranks, D, vec, index_error_record());
   });
   FOURBIT_LAUNCH_CHECK();
 }
@@ -931,12 +909,11 @@ Tensor moe_combine_backward_owners(const Tensor& dout, const Tensor& y_perm, con
   const int64_t N = dout.size(0), D = dout.size(1);
   const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
   expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
-  Tensor owner = Tensor::empty({M}, DType::I32, Device::CUDA);
-  if (M > 0) FOURBIT_CUDA_CHECK(cudaMemsetAsync(owner.raw(), 0xFF, size_t(M) * sizeof(int32_t), stream()));  // -1
+  Tensor owner = unowned_slots(M);
   if (N * k == 0) return owner;
   const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw());
-  moe_combine_backward_owner_kernel<<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
-      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), dw.data<float>(),
+  moe_combine_backward_kernel<float><<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
+      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), nullptr, dw.data<float>(),
       owner.data<int32_t>(), N, M, k, D, vec, index_error_record());
   FOURBIT_LAUNCH_CHECK();
   return owner;
