@@ -2,7 +2,7 @@
 # One call on the GPU machine: build with CUDA, run the GPU tests, the GPU benchmarks and the
 # PyTorch peers (training step, sampler decode), leaving logs and JSON in $OUT (the device tool
 # brings $OUT back).
-# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist|ncu]... [pack]
+# Usage (device machine, repo root): scripts/device-run.sh [build|tests|bench|torch|interop|all|table|dist|ncu|gradquant]... [pack]
 # `table` (not part of `all`): the recipes-against-fp32 table of gpu-small on .carry/text/en.txt
 # (scripts/make-text-corpus.sh), SEEDS (default "1 2") x every recipe, 300 steps, PARALLEL runs at once.
 # `dist` (2 GPUs, not part of `all`): expert/data-parallel checks, failure drills and benchmarks.
@@ -11,6 +11,8 @@
 # and 16, and on the fused attention's three wgmma kernels in gpu_attention, their details pages and
 # source views (stall samples per SASS instruction); it reads hardware counters on the Firecracker
 # runtime only (the device library's KINDS.md), with the clocks left alone.
+# `gradquant` (not part of `all`): the training producers' quantizers, the SwiGLU rows of gpu_quant and
+# train_bench --grad-quant apart,decodes,fused,apart,fused.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -53,6 +55,19 @@ if has bench; then
   log train_bench
   "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd --expert-gemms all \
     --warmup 2 --steps 5 --json "$OUT/gpu_train.json" 2>&1 | tee "$OUT/gpu_train.log" | tail -8
+fi
+if [[ " ${steps[*]} " == *" gradquant "* ]]; then
+  # The training producers that quantize what they compute (not part of `all`): the quantizer
+  # bench's SwiGLU rows and the training step A/B, interleaved in one process (docs/model.md).
+  log gradquant
+  for c in "mxfp8-e4m3 row+col one pass +bf16" "mxfp8-e4m3 row+col one pass, bf16 alone" "swiglu_forward, then row+col" \
+           "swiglu_forward_row_col" "swiglu_backward, then two row+col" "swiglu_backward_row_col"; do
+    "$BUILD/bench/gpu_quant" --case "$c" 2>&1 | grep -E "row\+col|swiglu" | tail -1
+  done | tee "$OUT/gpu_quant_grad.log"
+  "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
+    --grad-quant apart,decodes,fused,apart,fused --warmup 2 --steps 5 --json "$OUT/gpu_train_grad_quant.json" 2>&1 \
+    | tee "$OUT/gpu_train_grad_quant.log" | tail -18
+  log gradquant done
 fi
 if has torch; then
   log torch reference
