@@ -296,30 +296,28 @@ PreparedRowCol prepare_swiglu(const Tensor& h1, const Tensor& h3, const QuantSpe
                               char col_side, const std::vector<int64_t>& offsets,
                               const std::vector<QuantSite>& col_sites, LayerClass cls, QuantLog* log,
                               ops::FormOut row_out, ops::FormOut col_out) {
-  if (log && log->record_calls) {  // the records hash a: written, then prepared
+  const auto make = [&] {
     Tensor a = Tensor::empty(h1.shape(), h1.dtype(), h1.device());
     ops::swiglu_forward(h1, h3, a);
-    if (!offsets.empty())
-      return prepare_row_col(a, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side, offsets, col_sites,
-                             cls, log, row_out, col_out);
-    PreparedRowCol out;
-    out.row = prepare(a, row_spec, row_role, row_side, row_site, cls, log);
+    return a;
+  };
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::swiglu_forward_row_col(h1, h3, rs, row_site.key, cs, offsets, keys, row_out, col_out);
+  };
+  if (!offsets.empty())
+    return computed_row_col(make, fused, h1, row_spec, row_role, row_side, row_site, col_spec, col_role, col_side,
+                            offsets, col_sites, cls, log, row_out, col_out);
+  // the Row form alone: prepare's bits and log entry
+  PreparedRowCol out;
+  if (log && log->record_calls) {  // the records hash a: written, then prepared
+    out.row = prepare(make(), row_spec, row_role, row_side, row_site, cls, log);
     return out;
   }
   FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_swiglu of a dense spec");
-  FOURBIT_CHECK(offsets.empty() || offsets.size() == col_sites.size() + 1, "prepare_swiglu: {} offsets for {} sites",
-                offsets.size(), col_sites.size());
-  const QuantSpec rs = quantized_spec(h1, row_spec, row_role, row_side, cls);
-  const QuantSpec cs = quantized_spec(h1, col_spec, col_role, col_side, cls);
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : col_sites) keys.push_back(s.key);
-  ops::RowColQuant q = ops::swiglu_forward_row_col(h1, h3, rs, row_site.key, cs, offsets, keys, row_out, col_out);
-  if (!offsets.empty())
-    return row_col_prepared(std::move(q), row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls,
-                            log);
-  PreparedRowCol out;
   if (log) log->add(cls, row_role, row_side, row_spec, false);
-  out.row.q = std::move(q.row);
+  out.row.q = fused(quantized_spec(h1, row_spec, row_role, row_side, cls),
+                    quantized_spec(h1, col_spec, col_role, col_side, cls), {})
+                  .row;
   return out;
 }
 

@@ -424,10 +424,12 @@ struct ModelRunner {
     else if (saved) x = prepare_input(xn, r, cls, w.name + ".w13", true);
     else x = prepare_fprop_input(xn, r, cls, w.name + ".w13");
     record_input_amax(w.name + ".x", xn, r);
-    Tensor h1, h3, a = act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w13 = fuse && !saved ? m.fused_weight(w.name + ".w13", {w1, w3}, true) : Prepared{};
+    // a quantized where it is computed (no F32 a): the GEMM's decode
+    const bool a_fused = !w13.defined() && swiglu_a_fused(r, false) && N > 0;
+    Tensor h1, h3, a = a_fused ? Tensor{} : act_bf16_if(bf16_input(r), {N, F}), y = act({N, D});
     QTensor aq;
     std::optional<ops::RowQuant> aq_req;
     Prepared pa;
@@ -441,16 +443,14 @@ struct ModelRunner {
       h3 = act({N, F});
       forward_gemm(x.fwd, w1, h1);
       forward_gemm(x.fwd, w3, h3);
-      if (swiglu_a_fused(r, false) && N > 0) {  // a quantized where it is computed: the GEMM's decode
+      if (a_fused)
         pa = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.fprop.a,
                             GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes)
                  .row;
-        a = Tensor{};
-      } else {
+      else
         ops::swiglu_forward(h1, h3, a);
-      }
     }
-    if (!pa.defined()) {
+    if (!a_fused) {
       record_input_amax(w.name + ".a", a, r);
       pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
                   : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
@@ -884,10 +884,12 @@ struct ModelRunner {
     const Prepared w1 = weight(w.w1, name + "moe.w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, name + "moe.w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w2 = group ? group->w2 : weight(w.w2, name + "moe.w2", GemmRole::Fprop, r.fprop.b, cls);
-    Tensor h1, h3, a = act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
     const Prepared w13 = group                ? group->w13
                          : fuse && !inner ? m.fused_weight(name + "moe.w13", {w1, w3}, true)
                                           : Prepared{};
+    // a quantized where it is computed (no F32 a; below)
+    const bool a_fused = !w13.defined() && swiglu_a_fused(r, inner != nullptr) && rows > 0;
+    Tensor h1, h3, a = a_fused ? Tensor{} : act_bf16_if(bf16_input(r), {rows, F}), y = act({rows, D});
     QTensor aq;
     std::optional<ops::RowQuant> aq_req;
     if (w13.defined()) {  // each expert's w1 and w3 rows stacked: one GEMM, its SwiGLU on the halves
@@ -900,8 +902,7 @@ struct ModelRunner {
       h3 = act({rows, F});
       expert_gemm(x_perm, w1, plan, h1);
       expert_gemm(x_perm, w3, plan, h3);
-      if (!swiglu_a_fused(r, inner != nullptr) || rows == 0) ops::swiglu_forward(h1, h3, a);
-      else a = Tensor{};
+      if (!a_fused) ops::swiglu_forward(h1, h3, a);
     }
     // Per-token scales: quantizing all expert rows at once equals quantizing each expert's. For
     // the backward pass (`inner`), w2's weight-gradient operand a^T comes in the same pass where
@@ -910,7 +911,7 @@ struct ModelRunner {
     // operand as its decode alone: nothing reads it after the GEMM.
     Prepared pa;
     std::vector<Prepared> a_wgrad;
-    if (!a.defined()) {
+    if (a_fused) {
       PreparedRowCol p =
           inner ? prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                  GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"), cls, log,

@@ -323,9 +323,8 @@ PairOutput alloc_row_col(int64_t R, int64_t C, const QuantSpec& row_spec, RngKey
     if (decodes.defined()) q.bf16 = decodes.view(C * at, {C, pr});
     at += pr;
   }
-  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
-  return PairOutput{&out.row, row_rng, static_cast<uint8_t*>(ptr(codes)), static_cast<uint8_t*>(ptr(scales)),
-                    static_cast<__nv_bfloat16*>(ptr(decodes))};
+  return PairOutput{&out.row, row_rng, static_cast<uint8_t*>(raw_or_null(codes)),
+                    static_cast<uint8_t*>(raw_or_null(scales)), static_cast<__nv_bfloat16*>(raw_or_null(decodes))};
 }
 
 // The kernel's segments for offsets (one key an output each: keys[o][g]).
@@ -448,9 +447,8 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
   if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
   if (R == 0 || C == 0) return true;
   const int64_t pr = col.padded_cols();
-  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
-  const PairOutput o{&row, row_rng, static_cast<uint8_t*>(ptr(col.codes)), static_cast<uint8_t*>(ptr(col.block_scales)),
-                     static_cast<__nv_bfloat16*>(ptr(col.bf16))};
+  const PairOutput o{&row, row_rng, static_cast<uint8_t*>(raw_or_null(col.codes)),
+                     static_cast<uint8_t*>(raw_or_null(col.block_scales)), static_cast<__nv_bfloat16*>(raw_or_null(col.bf16))};
   std::vector<PairSegmentOut> segs;
   for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
     segs.push_back({sl * R, R, sl * pr, sl * C, {col_rng}});

@@ -1,5 +1,6 @@
 // defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
-//          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel, PairSegmentOut, PairOutput, launch_mxfp8_row_col
+//          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel,
+//          PairSegmentOut, PairOutput, raw_or_null, launch_mxfp8_row_col
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
 // tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
@@ -337,6 +338,9 @@ struct PairOutput {
   __nv_bfloat16* col_bf16;
 };
 
+// t's storage, or null for a form part not written (an undefined tensor).
+inline void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw() : nullptr; }
+
 // The source's values ([rows, cols] per output) into the outputs' Row forms (every row under
 // row_spec) and the segments' Col forms under col_spec (rounding and scale rule; both MXFP8 of
 // one element format). Segments must cover the source's rows (each row's Row-axis block is
@@ -350,7 +354,6 @@ void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOu
   const bool row_sr = row_spec.rounding == num::Rounding::SR, col_sr = col_spec.rounding == num::Rounding::SR;
   const QTensor& row0 = *outs[0].row;
   const bool e5m2 = row0.fmt == Format::MXFP8_E5M2;
-  const auto ptr = [](const Tensor& t) { return t.defined() ? t.raw() : nullptr; };
   for (size_t first = 0; first < segs.size(); first += kPairSegsPerLaunch) {
     PairParams<Src> p{};
     p.src = src;
@@ -363,9 +366,9 @@ void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOu
     for (int o = 0; o < kOuts; ++o) {
       const PairOutput& w = outs[size_t(o)];
       PairOut& d = p.out[o];
-      d.row_codes = static_cast<uint8_t*>(ptr(w.row->codes));
-      d.row_scales = static_cast<uint8_t*>(ptr(w.row->block_scales));
-      d.row_bf16 = static_cast<__nv_bfloat16*>(ptr(w.row->bf16));
+      d.row_codes = static_cast<uint8_t*>(raw_or_null(w.row->codes));
+      d.row_scales = static_cast<uint8_t*>(raw_or_null(w.row->block_scales));
+      d.row_bf16 = static_cast<__nv_bfloat16*>(raw_or_null(w.row->bf16));
       d.row_seed = w.row_rng.seed;
       d.row_stream = w.row_rng.stream;
       d.col_codes = w.col_codes;
