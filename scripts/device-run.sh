@@ -12,7 +12,7 @@
 # source views (stall samples per SASS instruction); it reads hardware counters on the Firecracker
 # runtime only (the device library's KINDS.md), with the clocks left alone.
 # `gradquant` (not part of `all`): the training producers' quantizers, the SwiGLU rows of gpu_quant and
-# train_bench --grad-quant apart,decodes,fused,apart,fused.
+# train_bench --grad-quant decodes,fused,apart,decodes,fused.
 # `pack` (last) folds everything in $OUT into $OUT/all.tgz: the device tool brings back 8 files.
 # The machine has no toml++: carry .carry/include/toml++ (copied from Debian's package).
 set -uo pipefail
@@ -65,7 +65,7 @@ if [[ " ${steps[*]} " == *" gradquant "* ]]; then
     "$BUILD/bench/gpu_quant" --case "$c" 2>&1 | grep -E "row\+col|swiglu" | tail -1
   done | tee "$OUT/gpu_quant_grad.log"
   "$BUILD/bench/train_bench" --config configs/gpu-small.toml --device cuda --recipes bf16,mxfp8,nvfp4-fwd \
-    --grad-quant apart,decodes,fused,apart,fused --warmup 2 --steps 5 --json "$OUT/gpu_train_grad_quant.json" 2>&1 \
+    --grad-quant decodes,fused,apart,decodes,fused --warmup 2 --steps 5 --json "$OUT/gpu_train_grad_quant.json" 2>&1 \
     | tee "$OUT/gpu_train_grad_quant.log" | tail -18
   log gradquant done
 fi

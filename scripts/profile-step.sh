@@ -9,6 +9,8 @@
 # (bench/torch_reference.py --mode graphs: its compiled, graph-captured step, whose kernels CUPTI
 # reports too); its totals include the warm-up and compile runs, so divide by a kernel that runs
 # once per step per layer (the SDPA backward: layers x steps) for per-step times.
+# GRAD_QUANT=apart|decodes|fused (default: train_bench's): how the step makes its MXFP8 operands
+# (train_bench --grad-quant); the files are then named kprof_<recipe>_<variant>.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
@@ -22,8 +24,10 @@ for r in ${1:-bf16 nvfp4-fwd}; do
     echo "== torch"; sed -n '/^kprof: GPU busy/,$p' "$OUT/kprof_torch.log"
     continue
   fi
-  CUDA_INJECTION64_PATH="$BUILD/bench/libfourbit_kprof.so" KPROF_OUT="$OUT/kprof_$r.json" KPROF_TOP=${KPROF_TOP:-45} \
+  name=$r${GRAD_QUANT:+_$GRAD_QUANT}
+  CUDA_INJECTION64_PATH="$BUILD/bench/libfourbit_kprof.so" KPROF_OUT="$OUT/kprof_$name.json" KPROF_TOP=${KPROF_TOP:-45} \
     "$BUILD/bench/train_bench" --config ${CONFIG:-configs/gpu-small.toml} --device cuda --recipes "$r" \
-    --keep-ffn "${KEEP_FFN:-on}" --warmup 1 --steps ${STEPS:-2} > "$OUT/kprof_$r.log" 2>&1
-  echo "== $r"; sed -n '/^kprof: GPU busy/,$p' "$OUT/kprof_$r.log"
+    --keep-ffn "${KEEP_FFN:-on}" ${GRAD_QUANT:+--grad-quant "$GRAD_QUANT"} --warmup 1 --steps ${STEPS:-2} \
+    > "$OUT/kprof_$name.log" 2>&1
+  echo "== $name"; sed -n '/^kprof: GPU busy/,$p' "$OUT/kprof_$name.log"
 done

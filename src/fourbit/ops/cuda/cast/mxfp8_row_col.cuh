@@ -35,7 +35,7 @@ namespace {
 // takes one (row, 32-column block) of the tile and quantizes it as the Row-axis block
 // (mxfp8_row_fast's counters and layout). Both go through mxfp8_fast_words, so the codes and
 // scales are those of the separate kernels, and the BF16 decodes are block_decode.cuh's.
-// The codes and decodes then go through shared memory (the tile's bytes again) so that the
+// The codes and then the decodes go through shared memory (the tile's bytes again) so that the
 // global stores are whole 32-byte sectors: 16 consecutive threads write a row's 256 codes, 32
 // its 512 decode bytes; 2 (4) write a column's 32 codes (decodes).
 //
@@ -52,14 +52,16 @@ constexpr int kPairSegsPerLaunch = 32;
 static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
               "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
 static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
-// Output staging, in bytes: a column's 32 codes, a row's 256 codes, a column's 32 BF16, a row's
-// 256 BF16 (each + 16 bytes of padding), one after the other.
+// Output staging, in bytes, in two rounds (the codes, then the BF16 decodes), each holding the
+// columns' parts and then the rows': a column's 32 codes (BF16) and a row's 256 codes (BF16),
+// each + 16 bytes of padding. Two rounds rather than all four at once keep the CTA's shared
+// memory at 36.5 KB instead of 57 KB: four CTAs an SM rather than three, so that one CTA's loads
+// (or a computed source's arithmetic) overlap another's.
 constexpr int kColCodeLd = num::kMxBlock + 16, kRowCodeLd = kPairCols + 16;
 constexpr int kColBf16Ld = 2 * num::kMxBlock + 16, kRowBf16Ld = 2 * kPairCols + 16;
-constexpr int kStageRowCodes = kPairCols * kColCodeLd;
-constexpr int kStageColBf16 = kStageRowCodes + num::kMxBlock * kRowCodeLd;
-constexpr int kStageRowBf16 = kStageColBf16 + kPairCols * kColBf16Ld;
-constexpr int kPairSmem = std::max(int(num::kMxBlock * kPairLd * sizeof(float)), kStageRowBf16 + num::kMxBlock * kRowBf16Ld);
+constexpr int kStageRows = kPairCols * kColBf16Ld;  // where a round's row parts start
+constexpr int kPairSmem = std::max(int(num::kMxBlock * kPairLd * sizeof(float)), kStageRows + num::kMxBlock * kRowBf16Ld);
+static_assert(kPairCols * kColCodeLd <= kStageRows && kPairSmem <= 37 * 1024, "the staging rounds' layout");
 
 // Tile column c's float in row i of the tile.
 __device__ __forceinline__ int pair_tile_index(int i, int c) {
@@ -110,19 +112,45 @@ struct SwigluGradSource {
   const float *da, *h1, *h3;  // [rows, ld] each
   int64_t ld;
 };
-// Element (row, col) of a one-output source.
-__device__ __forceinline__ float source_value(const PlainSource& s, int64_t row, int64_t col) {
+// The rows of a CTA's block row that a source reads through an index (GatherSource,
+// CombineGradSource): where row i of the block row starts in the source tensor (-1: a zero row)
+// and its routing weight, looked up once a row by the block row's first warp rather than once an
+// element (the combine's assignment -> token division among them).
+struct PairRowTable {
+  int64_t base[num::kMxBlock];
+  float w[num::kMxBlock];
+};
+template <class Src>
+constexpr bool reads_through_index() {
+  return std::is_same_v<Src, GatherSource> || std::is_same_v<Src, CombineGradSource>;
+}
+// Entry i of the block row's table: source row `row`.
+__device__ __forceinline__ void fill_row(const GatherSource& src, int64_t row, PairRowTable& tab, int i) {
+  const int32_t n = __ldg(src.rows + row);
+  tab.base[i] = n >= 0 && n < src.n ? n * src.ld : -1;  // an id outside x: a zero row
+}
+__device__ __forceinline__ void fill_row(const CombineGradSource& src, int64_t row, PairRowTable& tab, int i) {
+  const int32_t a = __ldg(src.owner + row);
+  tab.base[i] = a >= 0 ? int64_t(a / int32_t(src.k)) * src.ld : -1;
+  tab.w[i] = a >= 0 ? __ldg(src.w + a) : 0.0f;
+}
+// Element (row, col) of a one-output source; i: the row's index in its block row (the table's).
+template <class Tab>
+__device__ __forceinline__ float source_value(const PlainSource& s, const Tab&, int64_t row, int, int64_t col) {
   return __ldg(s.x + row * s.ld + col);
 }
-__device__ __forceinline__ float source_value(const GatherSource& s, int64_t row, int64_t col) {
-  const int32_t n = __ldg(s.rows + row);
-  return n >= 0 && n < s.n ? __ldg(s.x + n * s.ld + col) : 0.0f;  // an id outside x: a zero row
+__device__ __forceinline__ float source_value(const GatherSource& s, const PairRowTable& tab, int64_t, int i,
+                                              int64_t col) {
+  const int64_t base = tab.base[i];
+  return base >= 0 ? __ldg(s.x + base + col) : 0.0f;
 }
-__device__ __forceinline__ float source_value(const CombineGradSource& s, int64_t row, int64_t col) {
-  const int32_t a = __ldg(s.owner + row);
-  return a >= 0 ? num::mul_rn(__ldg(s.w + a), __ldg(s.dout + (a / s.k) * s.ld + col)) : 0.0f;  // as the op's
+__device__ __forceinline__ float source_value(const CombineGradSource& s, const PairRowTable& tab, int64_t, int i,
+                                              int64_t col) {
+  const int64_t base = tab.base[i];
+  return base >= 0 ? num::mul_rn(tab.w[i], __ldg(s.dout + base + col)) : 0.0f;  // as the op's
 }
-__device__ __forceinline__ float source_value(const SwigluSource& s, int64_t row, int64_t col) {
+template <class Tab>
+__device__ __forceinline__ float source_value(const SwigluSource& s, const Tab&, int64_t row, int, int64_t col) {
   const int64_t at = row * s.ld + col;
   return swiglu_value(__ldg(s.h1 + at), __ldg(s.h3 + at));
 }
@@ -147,7 +175,7 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
 }
 
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
-__global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
+__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
   dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
   constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
@@ -168,23 +196,40 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   const PairOut& out = p.out[o];
   unsigned nonfinite = 0;
 
-  if constexpr (std::is_same_v<Src, GatherSource>) {  // as gather_rows does: recorded, the row read as zeros
-    if (c0 == 0 && t < n_rows) {
+  struct NoTable {};
+  __shared__ std::conditional_t<reads_through_index<Src>(), PairRowTable, NoTable> tab;
+  if constexpr (reads_through_index<Src>()) {
+    if (t < n_rows) {
       const int64_t s = sg.x_row0 + r0 + t;
-      const int32_t n = p.src.rows[s];
-      if (n < 0 || n >= p.src.n) record_index_error(p.src.err, IndexSite::GatherQuantizeTokenOfSlot, s, n, p.src.n, 1);
+      fill_row(p.src, s, tab, t);
+      if constexpr (std::is_same_v<Src, GatherSource>) {  // as gather_rows does: recorded, the row read as zeros
+        const int32_t n = p.src.rows[s];
+        if (c0 == 0 && (n < 0 || n >= p.src.n))
+          record_index_error(p.src.err, IndexSite::GatherQuantizeTokenOfSlot, s, n, p.src.n, 1);
+      }
     }
+    __syncthreads();
   }
   float v[B];
-  if constexpr (kOuts == 1) {
+  if constexpr (std::is_same_v<Src, SwigluSource>) {
+    // computed values go to the tile a few rows at a time, so that the loads and the double
+    // arithmetic of 32 rows are not all live at once (fewer registers: more CTAs an SM to overlap
+    // one CTA's arithmetic with another's loads), and are read back as the column's block
+    float* col = tile + pair_tile_index(0, t);
+    const int64_t row0 = sg.x_row0 + r0;
+#pragma unroll 4
+    for (int i = 0; i < B; ++i) col[i * kPairLd] = j < p.cols && i < n_rows ? source_value(p.src, tab, row0 + i, i, j) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
+  } else if constexpr (kOuts == 1) {
     if (j < p.cols) {
       const int64_t row0 = sg.x_row0 + r0;
       if (n_rows == B) {
 #pragma unroll
-        for (int i = 0; i < B; ++i) v[i] = source_value(p.src, row0 + i, j);
+        for (int i = 0; i < B; ++i) v[i] = source_value(p.src, tab, row0 + i, i, j);
       } else {
 #pragma unroll
-        for (int i = 0; i < B; ++i) v[i] = i < n_rows ? source_value(p.src, row0 + i, j) : 0.0f;
+        for (int i = 0; i < B; ++i) v[i] = i < n_rows ? source_value(p.src, tab, row0 + i, i, j) : 0.0f;
       }
     } else {
 #pragma unroll
@@ -246,76 +291,82 @@ __global__ void __launch_bounds__(kThreads) mxfp8_row_col_kernel(const __grid_co
   }
   __syncthreads();  // the tile is read: its bytes stage the outputs now
 
-  unsigned char* col_codes = pair_smem;
-  unsigned char* row_codes = pair_smem + kStageRowCodes;
-  unsigned char* col_bf16 = pair_smem + kStageColBf16;
-  unsigned char* row_bf16 = pair_smem + kStageRowBf16;
-  if (col_live) {
-    if (out.col_codes) {
-      uint4* d = reinterpret_cast<uint4*>(col_codes + t * kColCodeLd);
+  // Whether a round has anything to write is uniform over the CTA (the launch's pointers).
+  bool any_codes = false, any_bf16 = false;
+#pragma unroll
+  for (int q = 0; q < kOuts; ++q) {
+    any_codes |= p.out[q].row_codes || p.out[q].col_codes;
+    any_bf16 |= p.out[q].row_bf16 || p.out[q].col_bf16;
+  }
+  unsigned char* col_stage = pair_smem;
+  unsigned char* row_stage = pair_smem + kStageRows;
+  // The global stores: tile column c is column c0 + c % kOutCols of output c / kOutCols.
+  if (any_codes) {
+    if (col_live && out.col_codes) {
+      uint4* d = reinterpret_cast<uint4*>(col_stage + t * kColCodeLd);
       d[0] = make_uint4(wc[0], wc[1], wc[2], wc[3]);
       d[1] = make_uint4(wc[4], wc[5], wc[6], wc[7]);
     }
-    if (out.col_bf16) {
-      const float sv = decode8_scale<F>(col_scale);
-      uint4* e = reinterpret_cast<uint4*>(col_bf16 + t * kColBf16Ld);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) e[u] = decode8_bits<F>(make_uint2(wc[2 * u], wc[2 * u + 1]), sv, nullptr);
-    }
-  }
-  if (row_live) {
-    if (rout.row_codes) {
+    if (row_live && rout.row_codes) {
 #pragma unroll
       for (int h0 = 0; h0 < 2; ++h0) {
         const int h = (h0 + (b >> 2)) & 1;
-        *reinterpret_cast<uint4*>(row_codes + i * kRowCodeLd + B * b + 16 * h) =
+        *reinterpret_cast<uint4*>(row_stage + i * kRowCodeLd + B * b + 16 * h) =
             h ? make_uint4(wr[4], wr[5], wr[6], wr[7]) : make_uint4(wr[0], wr[1], wr[2], wr[3]);
       }
     }
-    if (rout.row_bf16) {
+    __syncthreads();
+    for (int k = t; k < 2 * kPairCols; k += kThreads) {  // column c0 + k / 2: two halves of its 32 codes
+      const int c = k >> 1, h = k & 1;
+      const PairOut& w = p.out[c / kOutCols];
+      const int64_t jc = c0 + c % kOutCols;
+      if (w.col_codes && jc < p.cols)
+        *reinterpret_cast<uint4*>(w.col_codes + p.cols * sg.at + jc * padded_rows + r0 + 16 * h) =
+            *reinterpret_cast<const uint4*>(col_stage + c * kColCodeLd + 16 * h);
+    }
+    for (int k = t; k < B * (kPairCols / 16); k += kThreads) {  // row k / 16: sixteen chunks of 16 codes
+      const int r = k / (kPairCols / 16), part = k % (kPairCols / 16);
+      const PairOut& w = p.out[16 * part / kOutCols];
+      const int64_t cc = c0 + (16 * part) % kOutCols;
+      if (w.row_codes && r < n_rows && cc < p.row_padded_cols)
+        *reinterpret_cast<uint4*>(w.row_codes + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
+            *reinterpret_cast<const uint4*>(row_stage + r * kRowCodeLd + 16 * part);
+    }
+    if (any_bf16) __syncthreads();  // the codes are read: the decodes take their bytes
+  }
+  if (any_bf16) {
+    if (col_live && out.col_bf16) {
+      const float sv = decode8_scale<F>(col_scale);
+      uint4* e = reinterpret_cast<uint4*>(col_stage + t * kColBf16Ld);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) e[u] = decode8_bits<F>(make_uint2(wc[2 * u], wc[2 * u + 1]), sv, nullptr);
+    }
+    if (row_live && rout.row_bf16) {
       const float sv = decode8_scale<F>(row_scale);
 #pragma unroll
       for (int u0 = 0; u0 < 4; ++u0) {
         const int u = (u0 + (b >> 1)) & 3;
-        *reinterpret_cast<uint4*>(row_bf16 + i * kRowBf16Ld + 2 * B * b + 16 * u) =
+        *reinterpret_cast<uint4*>(row_stage + i * kRowBf16Ld + 2 * B * b + 16 * u) =
             decode8_bits<F>(code_pair(wr, u), sv, nullptr);
       }
     }
-  }
-  __syncthreads();
-  // The global stores: tile column c is column c0 + c % kOutCols of output c / kOutCols; whether
-  // an output takes a part is uniform over the CTA.
-  for (int k = t; k < 2 * kPairCols; k += kThreads) {  // column c0 + k / 2: two halves of its 32 codes
-    const int c = k >> 1, h = k & 1;
-    const PairOut& w = p.out[c / kOutCols];
-    const int64_t jc = c0 + c % kOutCols;
-    if (w.col_codes && jc < p.cols)
-      *reinterpret_cast<uint4*>(w.col_codes + p.cols * sg.at + jc * padded_rows + r0 + 16 * h) =
-          *reinterpret_cast<const uint4*>(col_codes + c * kColCodeLd + 16 * h);
-  }
-  for (int k = t; k < B * (kPairCols / 16); k += kThreads) {  // row k / 16: sixteen chunks of 16 codes
-    const int r = k / (kPairCols / 16), part = k % (kPairCols / 16);
-    const PairOut& w = p.out[16 * part / kOutCols];
-    const int64_t cc = c0 + (16 * part) % kOutCols;
-    if (w.row_codes && r < n_rows && cc < p.row_padded_cols)
-      *reinterpret_cast<uint4*>(w.row_codes + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
-          *reinterpret_cast<const uint4*>(row_codes + r * kRowCodeLd + 16 * part);
-  }
-  for (int k = t; k < 4 * kPairCols; k += kThreads) {  // column c0 + k / 4: four chunks of 8 BF16
-    const int c = k >> 2, part = k & 3;
-    const PairOut& w = p.out[c / kOutCols];
-    const int64_t jc = c0 + c % kOutCols;
-    if (w.col_bf16 && jc < p.cols)
-      *reinterpret_cast<uint4*>(w.col_bf16 + p.cols * sg.at + jc * padded_rows + r0 + 8 * part) =
-          *reinterpret_cast<const uint4*>(col_bf16 + c * kColBf16Ld + 16 * part);
-  }
-  for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
-    const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
-    const PairOut& w = p.out[8 * part / kOutCols];
-    const int64_t cc = c0 + (8 * part) % kOutCols;
-    if (w.row_bf16 && r < n_rows && cc < p.row_padded_cols)
-      *reinterpret_cast<uint4*>(w.row_bf16 + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
-          *reinterpret_cast<const uint4*>(row_bf16 + r * kRowBf16Ld + 16 * part);
+    __syncthreads();
+    for (int k = t; k < 4 * kPairCols; k += kThreads) {  // column c0 + k / 4: four chunks of 8 BF16
+      const int c = k >> 2, part = k & 3;
+      const PairOut& w = p.out[c / kOutCols];
+      const int64_t jc = c0 + c % kOutCols;
+      if (w.col_bf16 && jc < p.cols)
+        *reinterpret_cast<uint4*>(w.col_bf16 + p.cols * sg.at + jc * padded_rows + r0 + 8 * part) =
+            *reinterpret_cast<const uint4*>(col_stage + c * kColBf16Ld + 16 * part);
+    }
+    for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
+      const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
+      const PairOut& w = p.out[8 * part / kOutCols];
+      const int64_t cc = c0 + (8 * part) % kOutCols;
+      if (w.row_bf16 && r < n_rows && cc < p.row_padded_cols)
+        *reinterpret_cast<uint4*>(w.row_bf16 + (sg.x_row0 + r0 + r) * p.row_padded_cols + cc) =
+            *reinterpret_cast<const uint4*>(row_stage + r * kRowBf16Ld + 16 * part);
+    }
   }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
