@@ -17,9 +17,10 @@
 // (gemm, the path before it), or both, each recipe run under each in this process.
 // --grad-quant: how a step makes its MXFP8 operands: fused (the ops that produce them quantize
 // what they compute, and the dY pairs are written as their BF16 decodes alone:
-// set_training_producer_quantizers, set_dy_decodes_only), decodes (the decodes alone, each
-// quantizer a pass of its own) or apart (neither: the shipped default, what a step runs without
-// the flag); several (comma-separated, repeats allowed) run each recipe under each in this process.
+// set_training_producer_quantizers, set_dy_decodes_only; the shipped default, what a step runs
+// without the flag), decodes (the decodes alone, each quantizer a pass of its own) or apart
+// (neither: the dY pairs' codes written too); several (comma-separated, repeats allowed) run each
+// recipe under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -121,7 +122,7 @@ int main(int argc, char** argv) {
   if (fwd_arg != "grouped") table.columns.insert(table.columns.begin() + 1, "forward GEMMs");
   std::vector<std::string> grad_quants;
   {
-    std::stringstream ss(arg(argc, argv, "--grad-quant", "apart"));
+    std::stringstream ss(arg(argc, argv, "--grad-quant", "fused"));
     for (std::string v; std::getline(ss, v, ',');) {
       if (v != "fused" && v != "decodes" && v != "apart")
         fail("train_bench: --grad-quant takes fused, decodes or apart, got '{}'", v);
@@ -129,7 +130,7 @@ int main(int argc, char** argv) {
     }
   }
   if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
-  if (grad_quants != std::vector<std::string>{"apart"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
+  if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
   for (const std::string& variant : variants)
   for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps)
@@ -217,8 +218,8 @@ int main(int argc, char** argv) {
     }
   }
   set_forward_gemms_grouped(true);
-  set_training_producer_quantizers(false);
-  set_dy_decodes_only(false);
+  set_training_producer_quantizers(true);
+  set_dy_decodes_only(true);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};

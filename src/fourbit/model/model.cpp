@@ -20,9 +20,9 @@ std::atomic<bool> g_routing_waits_deferred{true};
 std::atomic<bool> g_fused_forward_gemms{true};
 std::atomic<bool> g_producer_quantizers{true};
 std::atomic<bool> g_shared_expert_grouped{true};
-// Off until the GPU suite has run them (docs/model.md): their GPU kernels are new and untested.
-std::atomic<bool> g_dy_decodes_only{false};
-std::atomic<bool> g_training_producer_quantizers{false};
+// On by default since an H100 ran them in the GPU suite and the training A/B (docs/model.md).
+std::atomic<bool> g_dy_decodes_only{true};
+std::atomic<bool> g_training_producer_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
