@@ -49,6 +49,7 @@ constexpr int kPairCols = kThreads;                     // tile columns per CTA
 constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per tile row
 constexpr int kPairLd = kPairCols + 4;
 constexpr int kPairSegsPerLaunch = 32;
+constexpr int kComputeRows = 4;  // a computed source's rows a group (its loads, then its arithmetic)
 static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
               "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
 static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
@@ -212,13 +213,31 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_
   }
   float v[B];
   if constexpr (std::is_same_v<Src, SwigluSource>) {
-    // computed values go to the tile a few rows at a time, so that the loads and the double
-    // arithmetic of 32 rows are not all live at once (fewer registers: more CTAs an SM to overlap
-    // one CTA's arithmetic with another's loads), and are read back as the column's block
+    // computed values go to the tile kComputeRows rows at a time, the next rows' loads issued
+    // before this group's double arithmetic (so that the two overlap within the thread, where the
+    // CTAs of an SM, starting together, would otherwise all load and then all compute), and are
+    // read back as the column's block; rows past the source's are zeros (swiglu_value(0, 0) = +0)
     float* col = tile + pair_tile_index(0, t);
     const int64_t row0 = sg.x_row0 + r0;
-#pragma unroll 4
-    for (int i = 0; i < B; ++i) col[i * kPairLd] = j < p.cols && i < n_rows ? source_value(p.src, tab, row0 + i, i, j) : 0.0f;
+    float z[2][kComputeRows], u[2][kComputeRows];
+    const auto load = [&](int g, float (&zz)[kComputeRows], float (&uu)[kComputeRows]) {
+#pragma unroll
+      for (int k = 0; k < kComputeRows; ++k) {
+        const int i = g * kComputeRows + k;
+        const bool live = j < p.cols && i < n_rows;
+        const int64_t at = (row0 + i) * p.src.ld + j;
+        zz[k] = live ? __ldg(p.src.h1 + at) : 0.0f;
+        uu[k] = live ? __ldg(p.src.h3 + at) : 0.0f;
+      }
+    };
+    load(0, z[0], u[0]);
+#pragma unroll
+    for (int g = 0; g < B / kComputeRows; ++g) {
+      if (g + 1 < B / kComputeRows) load(g + 1, z[(g + 1) & 1], u[(g + 1) & 1]);
+#pragma unroll
+      for (int k = 0; k < kComputeRows; ++k)
+        col[(g * kComputeRows + k) * kPairLd] = swiglu_value(z[g & 1][k], u[g & 1][k]);
+    }
 #pragma unroll
     for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
   } else if constexpr (kOuts == 1) {
@@ -240,17 +259,33 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_
     for (int i = 0; i < B; ++i) col[i * kPairLd] = v[i];
   } else {
     // thread t: column c0 + t % 128 of both outputs, rows 16 (t / 128) .. + 15 of the block row
+    // (the next kComputeRows rows' loads in flight during this group's arithmetic, as above)
     const int lc = t % kOutCols, i0 = (t / kOutCols) * (B / 2);
     const int64_t jj = c0 + lc;
+    float g[2][kComputeRows], z[2][kComputeRows], u[2][kComputeRows];
+    const auto load = [&](int q, float (&gg)[kComputeRows], float (&zz)[kComputeRows], float (&uu)[kComputeRows]) {
 #pragma unroll
-    for (int i = 0; i < B / 2; ++i) {
-      float d1 = 0.0f, d3 = 0.0f;
-      if (jj < p.cols && i0 + i < n_rows) {
-        const int64_t at = (sg.x_row0 + r0 + i0 + i) * p.src.ld + jj;
-        swiglu_grads(__ldg(p.src.da + at), __ldg(p.src.h1 + at), __ldg(p.src.h3 + at), d1, d3);
+      for (int k = 0; k < kComputeRows; ++k) {
+        const int i = i0 + q * kComputeRows + k;
+        const bool live = jj < p.cols && i < n_rows;
+        const int64_t at = (sg.x_row0 + r0 + i) * p.src.ld + jj;
+        gg[k] = live ? __ldg(p.src.da + at) : 0.0f;
+        zz[k] = live ? __ldg(p.src.h1 + at) : 0.0f;
+        uu[k] = live ? __ldg(p.src.h3 + at) : 0.0f;
       }
-      tile[pair_tile_index(i0 + i, lc)] = d1;
-      tile[pair_tile_index(i0 + i, kOutCols + lc)] = d3;
+    };
+    load(0, g[0], z[0], u[0]);
+#pragma unroll
+    for (int q = 0; q < B / 2 / kComputeRows; ++q) {
+      if (q + 1 < B / 2 / kComputeRows) load(q + 1, g[(q + 1) & 1], z[(q + 1) & 1], u[(q + 1) & 1]);
+#pragma unroll
+      for (int k = 0; k < kComputeRows; ++k) {
+        const int i = i0 + q * kComputeRows + k;
+        float d1, d3;  // rows past the source's: swiglu_grads(0, 0, 0) = (+0, +0)
+        swiglu_grads(g[q & 1][k], z[q & 1][k], u[q & 1][k], d1, d3);
+        tile[pair_tile_index(i, lc)] = d1;
+        tile[pair_tile_index(i, kOutCols + lc)] = d3;
+      }
     }
     __syncthreads();
     const float* col = tile + pair_tile_index(0, t);
