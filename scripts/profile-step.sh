@@ -11,6 +11,7 @@
 # once per step per layer (the SDPA backward: layers x steps) for per-step times.
 # GRAD_QUANT=apart|decodes|fused (default: train_bench's): how the step makes its MXFP8 operands
 # (train_bench --grad-quant); the files are then named kprof_<recipe>_<variant>.
+# scripts/kprof-diff.py compares the JSON files of two runs kernel by kernel.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
