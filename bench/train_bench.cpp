@@ -34,6 +34,8 @@
 #include "fourbit/train/data.h"
 #include "fourbit/train/optimizer.h"
 #if FOURBIT_HAS_CUDA
+#include <cuda_runtime.h>
+
 #include "fourbit/ops/cuda/cuda_ops.h"
 #endif
 
@@ -84,7 +86,13 @@ int main(int argc, char** argv) {
   const auto src = data::make_token_source(cfg.data, data::Split::Train, t.seed, cfg.model.vocab_size);
 
   bench::BenchTable table;
-  table.name = fmt::format("training step, {} on {}, {} tokens/step", cfg.path, device_name(device), tokens_per_step);
+  // the machine's name (an H100 or an H200 step is not the same number): the GPU's, or the backend's
+  std::string machine = device_name(device);
+#if FOURBIT_HAS_CUDA
+  cudaDeviceProp prop{};
+  if (device == Device::CUDA && cudaGetDeviceProperties(&prop, 0) == cudaSuccess) machine = prop.name;
+#endif
+  table.name = fmt::format("training step, {} on {}, {} tokens/step", cfg.path, machine, tokens_per_step);
   table.columns = device == Device::CUDA
                       ? std::vector<std::string>{"recipe", "step ms", "host ms", "tokens/s", "TFLOP/s", "MFU vs 786",
                                                  "step / bf16", "saved MiB", "peak MiB"}
@@ -220,7 +228,7 @@ int main(int argc, char** argv) {
   set_forward_gemms_grouped(true);
   set_training_producer_quantizers(true);
   set_dy_decodes_only(true);
-  table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"tokens_per_step", tokens_per_step},
+  table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};
   table.print();
