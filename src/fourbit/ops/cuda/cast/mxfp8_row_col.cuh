@@ -116,7 +116,7 @@ struct SwigluGradSource {
 // The rows of a CTA's block row that a source reads through an index (GatherSource,
 // CombineGradSource): where row i of the block row starts in the source tensor (-1: a zero row)
 // and its routing weight, looked up once a row by the block row's first warp rather than once an
-// element (the combine's assignment -> token division among them).
+// element (for the combine, that also divides each assignment by k once a row).
 struct PairRowTable {
   int64_t base[num::kMxBlock];
   float w[num::kMxBlock];
@@ -135,7 +135,8 @@ __device__ __forceinline__ void fill_row(const CombineGradSource& src, int64_t r
   tab.base[i] = a >= 0 ? int64_t(a / int32_t(src.k)) * src.ld : -1;
   tab.w[i] = a >= 0 ? __ldg(src.w + a) : 0.0f;
 }
-// Element (row, col) of a one-output source; i: the row's index in its block row (the table's).
+// Element (row, col) of a source read as loaded (the SwiGLU sources are computed in the kernel,
+// their loads grouped ahead of their arithmetic); i: the row's index in its block row (the table's).
 template <class Tab>
 __device__ __forceinline__ float source_value(const PlainSource& s, const Tab&, int64_t row, int, int64_t col) {
   return __ldg(s.x + row * s.ld + col);
@@ -149,11 +150,6 @@ __device__ __forceinline__ float source_value(const CombineGradSource& s, const 
                                               int64_t col) {
   const int64_t base = tab.base[i];
   return base >= 0 ? num::mul_rn(tab.w[i], __ldg(s.dout + base + col)) : 0.0f;  // as the op's
-}
-template <class Tab>
-__device__ __forceinline__ float source_value(const SwigluSource& s, const Tab&, int64_t row, int, int64_t col) {
-  const int64_t at = row * s.ld + col;
-  return swiglu_value(__ldg(s.h1 + at), __ldg(s.h3 + at));
 }
 template <class Src>
 constexpr int pair_outputs() {
