@@ -869,54 +869,47 @@ void moe_combine(const Tensor& y_perm, const Tensor& slot_of, const Tensor& w, T
 }
 
 namespace {
-// I32 [M] of -1: no slot owned yet (moe_combine_backward_kernel's owner).
-Tensor unowned_slots(int64_t M) {
+// moe_combine_backward's checks and kernel, dy_perm optional (null: dw and each slot's owning
+// assignment alone, for the quantizer that computes dy_perm's rows itself); returns the owners,
+// I32 [M], -1 where no assignment claims the slot.
+Tensor combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
+                        Tensor* dy_perm, Tensor& dw) {
+  const char* op = "moe_combine_backward";
+  expect_f32(op, "dout", dout, 2, "[N, D]");
+  const int64_t N = dout.size(0), D = dout.size(1);
+  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
+  const DType out_dt = dy_perm ? expect_out(op, "dy_perm", *dy_perm, {M, D}, "[M, D]") : DType::F32;
+  expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
+  // Slots no assignment points at stay zero. With M = N k (a route_plan's slot_of) every slot is
+  // written unless two assignments share one or one is out of range, which the kernel records as
+  // an index error, so only M > N k needs the zeros.
+  if (dy_perm && M > N * k) dy_perm->zero_();
   Tensor owner = Tensor::empty({M}, DType::I32, Device::CUDA);
   if (M > 0) FOURBIT_CUDA_CHECK(cudaMemsetAsync(owner.raw(), 0xFF, size_t(M) * sizeof(int32_t), stream()));
+  if (N * k == 0) return owner;
+  const bool vec =
+      D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && (!dy_perm || out_aligned(*dy_perm));
+  const int64_t slots = M, ranks = k;  // a lambda may not capture structured bindings (C++17)
+  with_out_type(out_dt, [&](auto tag) {
+    using O = decltype(tag);
+    moe_combine_backward_kernel<<<warp_row_grid(N * ranks), kRowThreads, 0, stream()>>>(
+        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(),
+        dy_perm ? dy_perm->data<O>() : nullptr, dw.data<float>(), owner.data<int32_t>(), N, slots, ranks, D, vec,
+        index_error_record());
+  });
+  FOURBIT_LAUNCH_CHECK();
   return owner;
 }
 }  // namespace
 
 void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {
-  const char* op = "moe_combine_backward";
-  expect_f32(op, "dout", dout, 2, "[N, D]");
-  const int64_t N = dout.size(0), D = dout.size(1);
-  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
-  const DType out_dt = expect_out(op, "dy_perm", dy_perm, {M, D}, "[M, D]");
-  expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
-  // Slots no assignment points at stay zero. With M = N k (a route_plan's slot_of) every slot is
-  // written unless two assignments share one or one is out of range, which the kernel records as
-  // an index error, so only M > N k needs the zeros.
-  if (M > N * k) dy_perm.zero_();
-  if (N * k == 0) return;
-  Tensor owner = unowned_slots(M);
-  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw()) && out_aligned(dy_perm);
-  const int64_t slots = M, ranks = k;  // a lambda may not capture structured bindings (C++17)
-  with_out_type(out_dt, [&](auto tag) {
-    using O = decltype(tag);
-    moe_combine_backward_kernel<<<warp_row_grid(N * ranks), kRowThreads, 0, stream()>>>(
-        dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), dy_perm.data<O>(),
-        dw.data<float>(), owner.data<int32_t>(), N, slots, ranks, D, vec, index_error_record());
-  });
-  FOURBIT_LAUNCH_CHECK();
+  (void)combine_backward(dout, y_perm, slot_of, w, &dy_perm, dw);
 }
 
 Tensor moe_combine_backward_owners(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
                                    Tensor& dw) {
-  const char* op = "moe_combine_backward";
-  expect_f32(op, "dout", dout, 2, "[N, D]");
-  const int64_t N = dout.size(0), D = dout.size(1);
-  const auto [M, k] = expect_combine_args(Device::CUDA, op, DType::F32, N, D, y_perm, slot_of, w);
-  expect_dims(op, "dw", dw, DType::F32, {N, k}, "[N, k]");
-  Tensor owner = unowned_slots(M);
-  if (N * k == 0) return owner;
-  const bool vec = D % 4 == 0 && aligned16(dout.raw()) && aligned16(y_perm.raw());
-  moe_combine_backward_kernel<float><<<warp_row_grid(N * k), kRowThreads, 0, stream()>>>(
-      dout.data<float>(), y_perm.data<float>(), slot_of.data<int32_t>(), w.data<float>(), nullptr, dw.data<float>(),
-      owner.data<int32_t>(), N, M, k, D, vec, index_error_record());
-  FOURBIT_LAUNCH_CHECK();
-  return owner;
+  return combine_backward(dout, y_perm, slot_of, w, nullptr, dw);
 }
 
 }  // namespace fourbit::ops::cuda
