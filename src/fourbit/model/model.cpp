@@ -218,9 +218,10 @@ struct ModelRunner {
   static ops::FormOut dy_form() {
     return g_dy_decodes_only.load(std::memory_order_relaxed) ? ops::FormOut::Bf16 : ops::FormOut::CodesAndBf16;
   }
-  // Whether an FFN's dh1 and dh3 are quantized where swiglu_backward computes them
-  // (set_training_producer_quantizers): they pair, and they would be F32 tensors read only by the quantizer.
-  static bool swiglu_grads_fused(const LayerRecipe& r) {
+  // Whether a dY pair is quantized where the op that computes it does (set_training_producer_quantizers):
+  // an FFN's dh1 and dh3 in swiglu_backward, the experts' dy_perm in moe_combine_backward. They pair,
+  // and they would be F32 tensors read only by the quantizer.
+  static bool dy_pair_fused(const LayerRecipe& r) {
     return g_training_producer_quantizers.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r);
   }
   // Whether an FFN's SwiGLU output a is quantized where swiglu_forward computes it
@@ -497,7 +498,7 @@ struct ModelRunner {
     }
     Tensor da = act({N, F});
     linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, nullptr, dy_bf16);
-    if (swiglu_grads_fused(r) && N > 0) {  // dh1 and dh3 quantized where they are computed
+    if (dy_pair_fused(r) && N > 0) {  // dh1 and dh3 quantized where they are computed
       const std::array<PreparedRowCol, 2> pdh =
           swiglu_grads(da, h1, h3, r, cls, w.name + ".w1", w.name + ".w3", {0, N}, false);
       linear_backward(Tensor{}, saved.x, w.w1, w.name + ".w1", w.g1, &dxn, dx_accumulate, r, cls, &w.w3, nullptr, &pdh[0]);
@@ -969,7 +970,7 @@ struct ModelRunner {
     }
     Tensor d_topk_w = act({N, K});
     PreparedRowCol pdy;
-    if (g_training_producer_quantizers.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r) && N * K > 0) {
+    if (dy_pair_fused(r) && N * K > 0) {
       // dy_perm quantized where its rows are computed (w2's dY pair, as expert_dy makes it)
       pdy = prepare_combine_grad_row_col(dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
                                          site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.offsets,
@@ -996,7 +997,7 @@ struct ModelRunner {
     experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
     PreparedRowCol pdh1, pdh3;
-    if (swiglu_grads_fused(r) && N * K > 0) {  // dh1 and dh3 quantized where they are computed
+    if (dy_pair_fused(r) && N * K > 0) {  // dh1 and dh3 quantized where they are computed
       std::array<PreparedRowCol, 2> pdh =
           swiglu_grads(da, in.h1, in.h3, r, cls, name + "moe.w1", name + "moe.w3", plan.offsets, true);
       pdh1 = std::move(pdh[0]);

@@ -100,10 +100,12 @@ bool set_dy_decodes_only(bool on);
 // expert's or dense FFN's) where swiglu_forward computes it (ops::swiglu_forward_row_col: in the
 // forward its Row form as the BF16 decode the GEMM reads, alone; in the backward's recomputation
 // with w2's X^T), and its dh1 and dh3 where swiglu_backward computes them, where they pair
-// (ops::swiglu_backward_row_col), true, the default: on an H100 a gpu-small mxfp8 step took 1.6 ms
-// less than with the dY decodes alone, nvfp4-fwd 1.0 ms (bench/results/h100_train_grad_quant_s50.json).
-// Off, the op writes its F32 output and a quantizer pass reads it. The same bits either way.
-// Process-wide, for benchmarks and tests; returns the setting before.
+// (ops::swiglu_backward_row_col); and the experts' output gradient dy_perm, w2's dY pair, where
+// moe_combine_backward computes it (ops::moe_combine_backward_row_col). True, the default: on an
+// H100 a gpu-small mxfp8 step took 1.6 ms less than with the dY decodes alone, nvfp4-fwd 1.0 ms
+// (bench/results/h100_train_grad_quant_s50.json). Off, the op writes its F32 output and a
+// quantizer pass reads it. The same bits either way. Process-wide, for benchmarks and tests;
+// returns the setting before.
 bool set_training_producer_quantizers(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
