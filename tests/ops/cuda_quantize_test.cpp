@@ -480,6 +480,30 @@ bool same_form(const QTensor& want, const QTensor& got, ops::FormOut form, const
   return true;
 }
 
+// got, a row_col op's forms of the values x (on the CPU), against the CPU's quantizers: quantize(x,
+// rs, row_key) as its Row form, and quantize of each segment offsets[e] .. offsets[e + 1] under cs
+// and keys[e] as its Col form (none for an empty segment), each as its FormOut asks. False (with
+// the failure added) at the first difference.
+bool same_row_col_forms(const Tensor& x, const ops::RowColQuant& got, const QuantSpec& rs, ops::RngKey row_key,
+                        ops::FormOut row_out, const QuantSpec& cs, const std::vector<int64_t>& offsets,
+                        const std::vector<ops::RngKey>& keys, ops::FormOut col_out, const std::string& what) {
+  if (!same_form(ops::quantize(x, rs, row_key), got.row, row_out, what + " row")) return false;
+  if (got.col.size() + 1 != offsets.size()) {
+    ADD_FAILURE() << what << ": " << got.col.size() << " Col forms for " << offsets.size() - 1 << " segments";
+    return false;
+  }
+  for (size_t e = 0; e < got.col.size(); ++e) {
+    const std::string we = what + " segment " + std::to_string(e);
+    if (offsets[e] == offsets[e + 1]) {
+      EXPECT_FALSE(got.col[e].defined()) << we;
+      continue;
+    }
+    if (!same_form(ops::quantize(x.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]), got.col[e], col_out, we))
+      return false;
+  }
+  return true;
+}
+
 // ops::quantize_row_col on the GPU (one pass of mxfp8_row_col_kernel) equals the CPU's quantize
 // on the Row axis and quantize of every segment on the Col axis, for every pair of MXFP8 specs of
 // one element format (RNE/SR on each side, both scale rules): widths inside, at and past one
@@ -526,17 +550,7 @@ TEST(CudaQuantize, RowColPairMatchesCpu) {
           const ops::RowColQuant got = ops::quantize_row_col(x_gpu, rs, row_key, cs, offsets, keys, row_out, col_out);
           const std::string what = d.str() + " " + spec_str(rs) + " + " + spec_str(cs) + " forms " +
                                    std::to_string(int(row_out)) + "/" + std::to_string(int(col_out));
-          if (!same_form(ops::quantize(x_cpu, rs, row_key), got.row, row_out, what + " row")) return;
-          ASSERT_EQ(got.col.size(), len.size());
-          for (size_t e = 0; e < len.size(); ++e) {
-            const std::string we = what + " segment " + std::to_string(e);
-            if (len[e] == 0) {
-              EXPECT_FALSE(got.col[e].defined()) << we;
-              continue;
-            }
-            const QTensor want = ops::quantize(x_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
-            if (!same_form(want, got.col[e], col_out, we)) return;
-          }
+          if (!same_row_col_forms(x_cpu, got, rs, row_key, row_out, cs, offsets, keys, col_out, what)) return;
         }
     }
   EXPECT_EQ(pair, 15 * 32);  // 5 widths x 3 segmentations x (4 x 4 rounding/rule pairs) x 2 formats
@@ -570,15 +584,7 @@ TEST(CudaQuantize, GatheredRowColMatchesGatherThenRowCol) {
     ops::gather_rows(x, t, x_perm);
     const Tensor xp = x_perm.to(Device::CPU);
     const std::string what = "D " + std::to_string(D);
-    if (!same_form(ops::quantize(xp, rs, {8, 9}), got.row, row_out, what + " row")) return;
-    for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-      if (offsets[e] == offsets[e + 1]) {
-        EXPECT_FALSE(got.col[e].defined()) << what;
-        continue;
-      }
-      const QTensor want = ops::quantize(xp.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
-      if (!same_form(want, got.col[e], col_out, what + " segment " + std::to_string(e))) return;
-    }
+    if (!same_row_col_forms(xp, got, rs, {8, 9}, row_out, cs, offsets, keys, col_out, what)) return;
   }
   // an id outside x: reported at the next check, naming it
   const Tensor x = Tensor::zeros({8, 64}, DType::F32, Device::CUDA);
@@ -633,12 +639,7 @@ TEST(CudaQuantize, CombineGradRowColMatchesCombineBackwardThenRowCol) {
     EXPECT_EQ(first_mismatch(host_vec<float>(dw), host_vec<float>(dw_want)), -1) << "dw, D " << D;
     const Tensor dp = dy_perm.to(Device::CPU);
     const std::string what = "D " + std::to_string(D);
-    if (!same_form(ops::quantize(dp, rs, {9, 99}), got.row, row_out, what + " row")) return;
-    for (size_t e = 0; e + 1 < plan.offsets.size(); ++e) {
-      if (plan.offsets[e] == plan.offsets[e + 1]) continue;
-      const QTensor want = ops::quantize(dp.slice_rows(plan.offsets[e], plan.offsets[e + 1]), col, keys[e]);
-      if (!same_form(want, got.col[e], col_out, what + " segment " + std::to_string(e))) return;
-    }
+    if (!same_row_col_forms(dp, got, rs, {9, 99}, row_out, col, plan.offsets, keys, col_out, what)) return;
   }
   // two assignments of one slot: reported at the next check
   const std::vector<int32_t> shared = {0, 1, 1, 2};
@@ -695,17 +696,7 @@ TEST(CudaQuantize, SwigluRowColMatchesSwigluThenQuantize) {
       ops::swiglu_forward(h1, h3, a);
       const Tensor a_cpu = a.to(Device::CPU);
       const std::string what = d.str() + " run " + std::to_string(run);
-      if (!same_form(ops::quantize(a_cpu, rs, row_key), got.row, row_out, what + " row")) return;
-      ASSERT_EQ(got.col.size(), len.size()) << what;
-      for (size_t e = 0; e < len.size(); ++e) {
-        const std::string we = what + " segment " + std::to_string(e);
-        if (len[e] == 0) {
-          EXPECT_FALSE(got.col[e].defined()) << we;
-          continue;
-        }
-        const QTensor want = ops::quantize(a_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[e]);
-        if (!same_form(want, got.col[e], col_out, we)) return;
-      }
+      if (!same_row_col_forms(a_cpu, got, rs, row_key, row_out, cs, offsets, keys, col_out, what)) return;
     }
   EXPECT_EQ(run, 15);
 }
@@ -771,18 +762,10 @@ TEST(CudaQuantize, SwigluGradsRowColMatchSwigluThenRowCol) {
         const ops::RowColQuant& apart = aparts[size_t(o)];
         // and the CPU's quantizers of the GPU's dh
         const Tensor dh_cpu = dh[o].to(Device::CPU);
-        if (!same_form(ops::quantize(dh_cpu, rs, row_keys[size_t(o)]), got[size_t(o)].row, row_out, wo + " row")) return;
+        if (!same_row_col_forms(dh_cpu, got[size_t(o)], rs, row_keys[size_t(o)], row_out, cs, offsets,
+                                keys[size_t(o)], col_out, wo))
+          return;
         if (!same_form(apart.row, got[size_t(o)].row, row_out, wo + " row against the passes")) return;
-        ASSERT_EQ(got[size_t(o)].col.size(), len.size());
-        for (size_t e = 0; e < len.size(); ++e) {
-          const std::string we = wo + " segment " + std::to_string(e);
-          if (len[e] == 0) {
-            EXPECT_FALSE(got[size_t(o)].col[e].defined()) << we;
-            continue;
-          }
-          const QTensor want = ops::quantize(dh_cpu.slice_rows(offsets[e], offsets[e + 1]), cs, keys[size_t(o)][e]);
-          if (!same_form(want, got[size_t(o)].col[e], col_out, we)) return;
-        }
       }
     }
   EXPECT_EQ(run, 15);
