@@ -139,6 +139,8 @@ int main(int argc, char** argv) {
   }
   if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
   if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
+  // the process's settings, put back after the variants
+  const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   for (const std::string& variant : variants)
   for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps)
@@ -226,8 +228,8 @@ int main(int argc, char** argv) {
     }
   }
   set_forward_gemms_grouped(true);
-  set_training_producer_quantizers(true);
-  set_dy_decodes_only(true);
+  set_training_producer_quantizers(producers_before);
+  set_dy_decodes_only(decodes_before);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};
