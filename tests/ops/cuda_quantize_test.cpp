@@ -482,14 +482,16 @@ bool same_form(const QTensor& want, const QTensor& got, ops::FormOut form, const
 
 // got, a row_col op's forms of the values x (on the CPU), against the CPU's quantizers: quantize(x,
 // rs, row_key) as its Row form, and quantize of each segment offsets[e] .. offsets[e + 1] under cs
-// and keys[e] as its Col form (none for an empty segment), each as its FormOut asks. False (with
+// and keys[e] as its Col form (none for an empty segment; no offsets at all: no Col forms), each
+// as its FormOut asks. False (with
 // the failure added) at the first difference.
 bool same_row_col_forms(const Tensor& x, const ops::RowColQuant& got, const QuantSpec& rs, ops::RngKey row_key,
                         ops::FormOut row_out, const QuantSpec& cs, const std::vector<int64_t>& offsets,
                         const std::vector<ops::RngKey>& keys, ops::FormOut col_out, const std::string& what) {
   if (!same_form(ops::quantize(x, rs, row_key), got.row, row_out, what + " row")) return false;
-  if (got.col.size() + 1 != offsets.size()) {
-    ADD_FAILURE() << what << ": " << got.col.size() << " Col forms for " << offsets.size() - 1 << " segments";
+  const size_t segments = offsets.empty() ? 0 : offsets.size() - 1;  // no offsets: the Row form alone
+  if (got.col.size() != segments) {
+    ADD_FAILURE() << what << ": " << got.col.size() << " Col forms for " << segments << " segments";
     return false;
   }
   for (size_t e = 0; e < got.col.size(); ++e) {
