@@ -22,6 +22,7 @@
 #include "fourbit/model/recipe.h"
 #include "fourbit/numerics/bf16.h"
 #include "fourbit/numerics/hadamard.h"
+#include "fourbit/numerics/nvfp4.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/ops/quant_layout.h"
 #include "fourbit/tensor/device_memory.h"
@@ -418,19 +419,27 @@ TEST(CudaQuantize, ColAxisMxfp8SegmentsMatchCpu) {
 }
 
 // q's exact BF16 decode on the host ([total rows, padded cols], codes x block scale rounded once
-// to BF16), what QTensor::bf16 must hold.
+// to BF16; NVFP4's outer scales are not in it: the GEMM's epilogue applies them), what
+// QTensor::bf16 must hold. MXFP8 and NVFP4.
 std::vector<uint16_t> host_bf16_decode(const QTensor& q) {
   const auto codes = host_vec<uint8_t>(q.codes), scales = host_vec<uint8_t>(q.block_scales);
-  const int64_t nb = q.blocks_per_row(), pc = q.padded_cols();
+  const int64_t nb = q.blocks_per_row(), pc = q.padded_cols(), rb = q.code_row_bytes(), B = q.block();
   std::vector<uint16_t> out(size_t(q.total_rows() * pc));
   float v[num::kMxBlock];
   for (int64_t r = 0; r < q.total_rows(); ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* c = codes.data() + r * pc + b * num::kMxBlock;
       const uint8_t sc = scales[size_t(r * nb + b)];
-      if (q.fmt == Format::MXFP8_E4M3) num::mxfp8_decode_block<4>(c, sc, 1.0f, v);
-      else num::mxfp8_decode_block<5>(c, sc, 1.0f, v);
-      for (int i = 0; i < num::kMxBlock; ++i) out[size_t(r * pc + b * num::kMxBlock + i)] = num::bf16_encode(v[i]);
+      if (q.fmt == Format::NVFP4) {
+        for (int64_t i = 0; i < B; ++i) {
+          const uint8_t byte = codes[size_t(r * rb + (b * B + i) / 2)];
+          v[i] = num::nvfp4_dequant(i % 2 ? byte >> 4 : byte & 0xFu, sc, 1.0f);
+        }
+      } else {
+        const uint8_t* c = codes.data() + r * rb + b * B;
+        if (q.fmt == Format::MXFP8_E4M3) num::mxfp8_decode_block<4>(c, sc, 1.0f, v);
+        else num::mxfp8_decode_block<5>(c, sc, 1.0f, v);
+      }
+      for (int64_t i = 0; i < B; ++i) out[size_t(r * pc + b * B + i)] = num::bf16_encode(v[i]);
     }
   return out;
 }
@@ -465,6 +474,10 @@ bool same_form(const QTensor& want, const QTensor& got, ops::FormOut form, const
   if (form == ops::FormOut::Bf16) {
     if (got.codes.defined() || got.block_scales.defined()) {
       ADD_FAILURE() << what << ": codes written for a form of its decode alone";
+      return false;
+    }
+    if (first_mismatch(host_vec<float>(want.outer_scales), host_vec<float>(got.outer_scales)) >= 0) {
+      ADD_FAILURE() << what << ": the decode's outer scales differ from the CPU's";
       return false;
     }
     QTensor w = want;
@@ -1185,5 +1198,94 @@ TEST(CudaQuantize, DispatchEntriesMatchCpu) {
           same_qtensor(ops::requantize_transposed(ops::qtensor_rows(qc, offsets[e], offsets[e + 1]), t, keys[e]), got[e],
                        what + " segment " + std::to_string(e));
     }
+}
+
+// quantize and requantize_transposed written as each FormOut asks, on the GPU, against the CPU's
+// codes: every dispatch entry (NVFP4's kernels write the decode beside the codes, or alone; the
+// others take the decode pass after their codes), with and without a caller's group amax;
+// requantize_transposed's kernel (E4M3 with SR) and its composition (E5M2), whole and by segments.
+// A decode alone keeps the outer scales the GEMM applies to it.
+TEST(CudaQuantize, FormsOfEveryEntryAreItsCodesDecoded) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  uint32_t seed = 1300;
+  for (const DispatchCase& c : dispatch_cases()) {
+    if (c.spec.fmt != Format::NVFP4 && c.spec.fmt != Format::MXFP8_E4M3 && c.spec.fmt != Format::MXFP8_E5M2)
+      continue;  // the formats the recipes' GEMMs read (host_bf16_decode)
+    const auto host = make_data(c.d, Data::Varied, seed++), other = make_data(c.d, Data::HeavyTailed, seed++);
+    const Tensor x_cpu = Tensor::from_host(host.data(), c.d.shape(), DType::F32);
+    const Tensor y_cpu = Tensor::from_host(other.data(), c.d.shape(), DType::F32);
+    const Tensor x_gpu = x_cpu.to(Device::CUDA), y_gpu = y_cpu.to(Device::CUDA);
+    const Tensor a_cpu = c.group_amax ? ops::outer_amax({x_cpu, y_cpu}, c.spec) : Tensor{};
+    const Tensor a_gpu = c.group_amax ? ops::outer_amax({x_gpu, y_gpu}, c.spec) : Tensor{};
+    const ops::RngKey rng{51, 53};
+    const QTensor want = ops::quantize(x_cpu, c.spec, rng, nullptr, c.group_amax ? &a_cpu : nullptr);
+    for (ops::FormOut form : {ops::FormOut::CodesAndBf16, ops::FormOut::Bf16}) {
+      const std::string what = std::string(c.entry) + " " + spec_str(c.spec) + " " + c.d.str() +
+                               (form == ops::FormOut::Bf16 ? " decode alone" : " codes and decode");
+      const QTensor got = ops::quantize(x_gpu, c.spec, rng, nullptr, c.group_amax ? &a_gpu : nullptr, form);
+      if (!same_form(want, got, form, what)) return;
+    }
+  }
+  const Dims d{1, 300, 96};
+  const auto host = make_data(d, Data::Varied, seed++);
+  QuantSpec nv;
+  nv.fmt = Format::NVFP4;
+  nv.outer = OuterScale::PerRow;
+  nv.four_over_six = true;
+  const QTensor qc = ops::quantize(Tensor::from_host(host.data(), d.shape(), DType::F32), nv);
+  const QTensor qg = qc.to(Device::CUDA);
+  const std::vector<int64_t> offsets = {0, 31, 31, 290, 300};
+  const std::vector<ops::RngKey> keys = {{1, 2}, {1, 3}, {1, 4}, {1, 5}};
+  for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
+    QuantSpec t = kRequantTarget;
+    t.fmt = f;
+    for (ops::FormOut form : {ops::FormOut::CodesAndBf16, ops::FormOut::Bf16}) {
+      const std::string what = "requantize_transposed to " + describe(t) +
+                               (form == ops::FormOut::Bf16 ? ", decode alone" : ", codes and decode");
+      if (!same_form(ops::requantize_transposed(qc, t, {7, 8}), ops::requantize_transposed(qg, t, {7, 8}, form), form,
+                     what))
+        return;
+      const auto got = ops::requantize_transposed_segments(qg, offsets, t, keys, form);
+      ASSERT_EQ(got.size(), keys.size());
+      for (size_t e = 0; e < keys.size(); ++e) {
+        const std::string we = what + " segment " + std::to_string(e);
+        if (offsets[e] == offsets[e + 1]) {
+          EXPECT_FALSE(got[e].defined()) << we;
+          continue;
+        }
+        if (!same_form(ops::requantize_transposed(ops::qtensor_rows(qc, offsets[e], offsets[e + 1]), t, keys[e]),
+                       got[e], form, we))
+          return;
+      }
+    }
+  }
+}
+
+// An NVFP4 operand written with its decode (beside the codes or alone) gives a GEMM the bits of
+// its codes: the decode is code x block scale, and the outer scales (per token on A, per tensor
+// on B) are applied in the epilogue as they are for the codes. ops::with_decode the same.
+TEST(CudaQuantize, Nvfp4DecodesFeedTheGemmAsTheCodes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const QuantSpec xs = recipe_by_name("nvfp4-fwd").expert.fprop.a;  // per-token, Four Over Six
+  QuantSpec ws = xs;
+  ws.outer = OuterScale::Tensor;
+  ws.four_over_six = false;
+  const int64_t M = 130, N = 72, K = 200;
+  const Tensor x = Tensor::from_host(make_data({1, M, K}, Data::Varied, 21).data(), {M, K}, DType::F32).to(Device::CUDA);
+  const Tensor w = Tensor::from_host(make_data({1, N, K}, Data::Varied, 22).data(), {N, K}, DType::F32).to(Device::CUDA);
+  auto run = [&](const QTensor& a, const QTensor& b) {
+    Tensor c = Tensor::empty({M, N}, DType::F32, Device::CUDA);
+    ops::gemm(ops::Operand(a), ops::Operand(b), c, false);
+    return host_vec<float>(c);
+  };
+  const auto want = run(ops::quantize(x, xs, {1, 1}), ops::quantize(w, ws, {2, 2}));
+  for (ops::FormOut form : {ops::FormOut::CodesAndBf16, ops::FormOut::Bf16}) {
+    const QTensor a = ops::quantize(x, xs, {1, 1}, nullptr, nullptr, form), b = ops::quantize(w, ws, {2, 2}, nullptr, nullptr, form);
+    EXPECT_EQ(form == ops::FormOut::Bf16, !a.codes.defined());
+    EXPECT_EQ(first_mismatch(want, run(a, b)), -1) << (form == ops::FormOut::Bf16 ? "decodes alone" : "codes and decodes");
+  }
+  const QTensor a = ops::with_decode(ops::quantize(x, xs, {1, 1})), b = ops::with_decode(ops::quantize(w, ws, {2, 2}));
+  ASSERT_TRUE(a.bf16.defined() && b.bf16.defined());
+  EXPECT_EQ(first_mismatch(want, run(a, b)), -1) << "with_decode";
 }
 #endif

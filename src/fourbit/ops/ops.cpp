@@ -86,8 +86,15 @@ void check_group_amax(const Tensor& x, const QuantSpec& spec, const Tensor& a) {
   } while (0)
 #endif
 
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
+                 FormOut form) {
   if (group_amax) check_group_amax(x, spec, *group_amax);
+#if FOURBIT_HAS_CUDA
+  if (form != FormOut::Codes && x.device() == Device::CUDA) {  // only the GPU writes decodes
+    const HostOpTimer host_timer("quantize");
+    return cuda::quantize_form(x, spec, rng, report, group_amax, form);
+  }
+#endif
   FOURBIT_DISPATCH(x.device(), quantize, x, spec, rng, report, group_amax);
 }
 Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
@@ -103,7 +110,13 @@ Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
 Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   FOURBIT_DISPATCH(q.device(), dequantize, q, undo_hadamard);
 }
-QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
+#if FOURBIT_HAS_CUDA
+  if (form != FormOut::Codes && q.device() == Device::CUDA) {  // only the GPU writes decodes
+    const HostOpTimer host_timer("requantize_transposed");
+    return cuda::requantize_transposed_form(q, target, rng, form);
+  }
+#endif
   FOURBIT_DISPATCH(q.device(), requantize_transposed, q, target, rng);
 }
 
@@ -343,7 +356,8 @@ BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rn
 }
 
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
-                                                    const QuantSpec& target, const std::vector<RngKey>& rngs) {
+                                                    const QuantSpec& target, const std::vector<RngKey>& rngs,
+                                                    FormOut form) {
   const HostOpTimer host_timer("requantize_transposed_segments");
   if (q.slices != 1 || q.axis != BlockAxis::Row)
     fail("requantize_transposed_segments: q must be a single-slice Row-axis QTensor (slices {}, axis {})", q.slices,
@@ -352,11 +366,22 @@ std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std:
   if (int64_t(rngs.size()) != G) fail("requantize_transposed_segments: {} keys for {} segments", rngs.size(), G);
   std::vector<QTensor> out;
 #if FOURBIT_HAS_CUDA
-  if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, target, rngs, out)) return out;
+  if (q.device() == Device::CUDA && cuda::requantize_transposed_segments(q, offsets, target, rngs, form, out))
+    return out;
 #endif
   return per_segment(offsets, [&](int64_t r0, int64_t r1, size_t g) {
-    return requantize_transposed(qtensor_rows(q, r0, r1), target, rngs[g]);
+    return requantize_transposed(qtensor_rows(q, r0, r1), target, rngs[g], form);
   });
+}
+
+QTensor with_decode(QTensor q) {
+  if (q.device() != Device::CUDA || q.bf16.defined() || !q.codes.defined()) return q;
+#if FOURBIT_HAS_CUDA
+  const HostOpTimer host_timer("with_decode");
+  q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
+  cuda::decode_bf16(q, q.bf16);
+#endif
+  return q;
 }
 
 namespace {

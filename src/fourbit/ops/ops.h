@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
 //          quantize_row_col, gather_quantize_row_col, moe_combine_backward_row_col, swiglu_forward_row_col,
 //          swiglu_backward_row_col, BothAxes, quantize_both, dequantize, requantize_transposed,
-//          requantize_transposed_segments, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
+//          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
@@ -38,13 +38,24 @@ struct QuantReport {
 };
 
 // ---- quantization (NUMERICS.md; layouts in docs/numerics.md) ----------------------------------
+// What a quantizer writes of one form for the GEMMs of a linear layer (quantize,
+// requantize_transposed, quantize_row_col, quantize_both, swiglu_backward_row_col): its codes (Codes); its codes and their exact BF16
+// decode, QTensor::bf16 (CodesAndBf16: a GEMM reads the decode next, and the codes are kept for a
+// later reader); or the decode alone (Bf16: only the GEMMs that run next read the form, and its
+// codes would be written for nothing). Only the GPU writes decodes: on the CPU every form is its
+// codes. A QTensor without codes (Bf16 on the GPU) is read by the GEMMs alone: gemm, gemm_batch
+// and grouped_gemm take its decode; qtensor_rows and qtensor_slice view it; nothing else does.
+enum class FormOut : uint8_t { Codes, CodesAndBf16, Bf16 };
+
 // x: F32 [R, C] or [S, R, C] (S slices, e.g. experts). Blocks run along C for BlockAxis::Row and
 // along R for BlockAxis::Col (stored transposed). Sizes that are not a multiple of the block are
 // padded with zeros (code 0) to a whole block. group_amax (NVFP4 with an outer scale only): the
 // amax of each outer-scale group, F32 [groups] on x's device (outer_amax), used instead of x's own
-// (w1 and w3 of an expert share one outer scale: NUMERICS "NVFP4").
+// (w1 and w3 of an expert share one outer scale: NUMERICS "NVFP4"). form: what the result holds
+// (FormOut; on the GPU NVFP4's kernels write the decode beside the codes, other formats take a
+// decode pass after them).
 QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng = {},
-                 QuantReport* report = nullptr, const Tensor* group_amax = nullptr);
+                 QuantReport* report = nullptr, const Tensor* group_amax = nullptr, FormOut form = FormOut::Codes);
 
 // The amax of each outer-scale group of spec over all of xs (tensors of one shape): F32 [groups]
 // on their device, groups = 1 (Tensor), slices (PerSlice) or storage rows (PerRow), taken over
@@ -60,8 +71,8 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard = true);
 // NVFP4 -> exact dequantize -> transpose -> MXFP8 as `target` says (the recipe's dgrad.b /
 // wgrad.b: E4M3 or E5M2, RCEIL scales, SR or RNE; requantize_transposed_spec checks it). The
 // result is the same logical tensor quantized along the other axis: blocks now run along the old
-// rows.
-QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng);
+// rows. form: what the result holds (FormOut; the GPU kernel writes the decode from its codes).
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form = FormOut::Codes);
 
 // quantize(x.slice_rows(offsets[i], offsets[i + 1]), spec, rngs[i]) for every row segment i of a
 // 2-D x (G + 1 non-decreasing offsets from 0 to x's rows, G keys; an empty segment gives an empty
@@ -69,15 +80,6 @@ QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey 
 // Col axis, the experts' weight-gradient operands; otherwise segment by segment).
 std::vector<QTensor> quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets,
                                        const QuantSpec& spec, const std::vector<RngKey>& rngs);
-
-// What a quantizer writes of one form for the GEMMs of a linear layer (quantize_row_col,
-// quantize_both, swiglu_backward_row_col): its codes (Codes); its codes and their exact BF16
-// decode, QTensor::bf16 (CodesAndBf16: a GEMM reads the decode next, and the codes are kept for a
-// later reader); or the decode alone (Bf16: only the GEMMs that run next read the form, and its
-// codes would be written for nothing). Only the GPU writes decodes: on the CPU every form is its
-// codes. A QTensor without codes (Bf16 on the GPU) is read by the GEMMs alone: gemm, gemm_batch
-// and grouped_gemm take its decode; qtensor_rows and qtensor_slice view it; nothing else does.
-enum class FormOut : uint8_t { Codes, CodesAndBf16, Bf16 };
 
 // x quantized along both axes for the GEMMs of one linear layer: the Row-axis form under
 // row_spec (a GEMM's X or dY; stream row_rng) and the Col-axis forms of the row segments under
@@ -145,11 +147,17 @@ struct BothAxes {
 BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                        RngKey col_rng, FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
 
-// requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i]) for every
-// row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4 activation; an
-// empty segment gives an empty QTensor), bit for bit, in one pass on the GPU.
+// requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i], form) for
+// every row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4
+// activation; an empty segment gives an empty QTensor), bit for bit, in one pass on the GPU.
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
-                                                    const QuantSpec& target, const std::vector<RngKey>& rngs);
+                                                    const QuantSpec& target, const std::vector<RngKey>& rngs,
+                                                    FormOut form = FormOut::Codes);
+
+// q with its BF16 decode (QTensor::bf16) on the GPU: the GEMMs' decode pass, run once for every
+// GEMM that reads q next (a GEMM decodes an operand without one for itself, once a call). q as it
+// is on the CPU, or where it has its decode already.
+QTensor with_decode(QTensor q);
 
 // Sticky flag raised by any quantizer that met NaN/Inf; read-and-clear.
 bool nonfinite_seen(bool clear = true);

@@ -10,7 +10,8 @@
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
-//          requantize_transposed_segments, quantize_kernel_for, quantize_kernel_names,
+//          requantize_transposed_segments, quantize_form, requantize_transposed_form, decode_bf16,
+//          quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
 //          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step,
@@ -223,6 +224,18 @@ bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
 // address and size.
 bool zero_each(std::vector<Tensor>& ts);
 
+// ops::quantize written as `form` asks (ops::FormOut) on a CUDA tensor (group_amax checked by the
+// caller). NVFP4's kernels write the decode where they write the codes (and skip the codes for
+// FormOut::Bf16); other formats' kernels write codes, then the GEMMs' decode pass fills the decode.
+QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report,
+                      const Tensor* group_amax, FormOut form);
+// ops::requantize_transposed written as `form` asks: requantize_transposed_kernel writes the decode
+// from the codes in its registers; the composition (other targets) quantizes with quantize_form.
+QTensor requantize_transposed_form(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form);
+// q's BF16 decode (QTensor::bf16: code x block scale, outer scales left to the GEMM) into out
+// (BF16 [q.total_rows(), q.padded_cols()]): the decode pass the GEMMs run on codes.
+void decode_bf16(const QTensor& q, Tensor& out);
+
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.
 bool quantize_segments(const Tensor& x, const std::vector<int64_t>& offsets, const QuantSpec& spec,
@@ -280,7 +293,7 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than
 // E4M3 with SR): the caller requantizes segment by segment.
 bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets, const QuantSpec& target,
-                                    const std::vector<RngKey>& rngs, std::vector<QTensor>& out);
+                                    const std::vector<RngKey>& rngs, FormOut form, std::vector<QTensor>& out);
 
 // The two GPU attention paths behind ops::attention_forward/backward (same arguments; the fused
 // backward takes D = rowsum(dout * out) [B, Hq, T] and writes per-q-head gradients dk_heads,

@@ -1,4 +1,4 @@
-// defines: cuda::gemm, cuda::gemm_batch, cuda::grouped_gemm, cuda::set_grouped_kernel, cuda::set_fused_dequant, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
+// defines: cuda::gemm, cuda::gemm_batch, cuda::grouped_gemm, cuda::set_grouped_kernel, cuda::set_fused_dequant, cuda::decode_bf16, matmul_nt, cublas_handle, cublaslt_handle, cublas_workspace
 // GEMMs on Hopper. Block-scaled operands (NVFP4, MXFP8, S2F6) are decoded exactly into BF16 —
 // E2M1 x E4M3 has at most 6 significant bits and E4M3 x 2^E at most 4, so nothing rounds — and
 // multiplied on the BF16 tensor cores with FP32 accumulation (cuBLASLt). NVFP4 outer scales are
@@ -635,6 +635,22 @@ bool native_type(const QTensor& q, NativeType* t) {
 }
 
 }  // namespace
+
+void decode_bf16(const QTensor& q, Tensor& out) {
+  const int64_t R = q.total_rows(), k = q.padded_cols();
+  FOURBIT_CHECK(q.codes.defined() && out.dtype() == DType::BF16 && out.device() == Device::CUDA &&
+                    out.shape() == std::vector<int64_t>({R, k}),
+                "decode_bf16: {} into {}", q.codes.str(), out.str());
+  if (R * k == 0) return;
+  if (decodes_x8(q, k)) {
+    launch_decodes_x8(q.fmt, {decode_job(q, k, out)});
+    return;
+  }
+  decode_blocks_kernel<__nv_bfloat16><<<grid_for(R * q.blocks_per_row(), 256), 256, 0, stream()>>>(
+      q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(), R, q.blocks_per_row(), q.code_row_bytes(), q.block(),
+      int(q.fmt), k, out.data<__nv_bfloat16>());
+  FOURBIT_LAUNCH_CHECK();
+}
 
 bool native_block_scaled_gemm() {
   static const bool yes = [] {

@@ -57,6 +57,7 @@ struct QuantizeKernel {
   const char* name;
   bool (*accepts)(const QuantInput&);
   void (*launch)(QuantLaunch&);
+  bool bf16;  // writes the form's BF16 decode itself (QuantParams::bf16), and no codes where null
 };
 
 bool accepts_any(const QuantInput&) { return true; }
@@ -133,17 +134,17 @@ void launch_mxfp8_row_fast_entry(QuantLaunch& l) {
 }
 
 constexpr QuantizeKernel kNvfp4Kernels[] = {
-    {"nvfp4_row_fast_kernel", accepts_nvfp4_row_fast, launch_nvfp4_row_fast_entry},
-    {"nvfp4_tile_row_amax", accepts_nvfp4_tile_row_amax, launch_nvfp4_tile_row_amax},
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Nvfp4>},
+    {"nvfp4_row_fast_kernel", accepts_nvfp4_row_fast, launch_nvfp4_row_fast_entry, true},
+    {"nvfp4_tile_row_amax", accepts_nvfp4_tile_row_amax, launch_nvfp4_tile_row_amax, true},
+    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Nvfp4>, true},
 };
 constexpr QuantizeKernel kMxfp8Kernels[] = {
-    {"mxfp8_col_fast_kernel", accepts_mxfp8_col_fast, launch_mxfp8_col_fast_entry},
-    {"mxfp8_row_fast_kernel", accepts_mxfp8_row_fast, launch_mxfp8_row_fast_entry},
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mx>},
+    {"mxfp8_col_fast_kernel", accepts_mxfp8_col_fast, launch_mxfp8_col_fast_entry, false},
+    {"mxfp8_row_fast_kernel", accepts_mxfp8_row_fast, launch_mxfp8_row_fast_entry, false},
+    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mx>, false},
 };
-constexpr QuantizeKernel kS2f6Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::S2f6>}};
-constexpr QuantizeKernel kMxfp4Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mxfp4>}};
+constexpr QuantizeKernel kS2f6Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::S2f6>, false}};
+constexpr QuantizeKernel kMxfp4Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mxfp4>, false}};
 
 struct KernelList {
   const QuantizeKernel* begin;
@@ -191,13 +192,24 @@ const char* requantize_kernel_for(const QTensor& q, const QuantSpec& spec) {
 }
 
 QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
+  return quantize_form(x, spec, rng, report, group_amax, FormOut::Codes);
+}
+
+QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
+                      FormOut form) {
   check_cuda_tensor(x, "quantize", "x");
   const QuantShape shape = quant_shape(x, spec);
-  QTensor q = alloc_qtensor(spec, shape, Device::CUDA);
   // float4 loads run along the input's contiguous dimension: logical C (= scols on the Row
   // axis, srows on the Col axis); every row then starts 16-byte aligned.
   const QuantInput in{spec, shape.slices, shape.rows, shape.cols, shape.cols % 4 == 0 && aligned(x.data<float>(), 16),
                       group_amax != nullptr};
+  const QuantizeKernel& kernel = pick(in);
+  const bool decode = form != FormOut::Codes, codes = form != FormOut::Bf16 || !kernel.bf16;
+  // a kernel that writes the decode itself skips the codes of a decode-alone form (their outer
+  // scales stay: the GEMM's epilogue applies them)
+  QTensor q = alloc_qtensor(spec, shape, Device::CUDA);
+  if (!codes) q.codes = q.block_scales = Tensor{};
+  if (decode) q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
   QuantLaunch l{in, q, QuantParams{}, rng, group_amax};
   QuantParams& p = l.p;
   p.in.x = x.data<float>();
@@ -208,8 +220,9 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   p.padded_cols = q.padded_cols();
   p.nb = q.blocks_per_row();
   p.code_row_bytes = q.code_row_bytes();
-  p.codes = q.codes.data<uint8_t>();
-  p.scales = q.block_scales.data<uint8_t>();
+  p.codes = codes ? q.codes.data<uint8_t>() : nullptr;
+  p.scales = codes ? q.block_scales.data<uint8_t>() : nullptr;
+  p.bf16 = decode && kernel.bf16 ? q.bf16.data<__nv_bfloat16>() : nullptr;
   p.outer = q.outer_scales.defined() ? q.outer_scales.data<float>() : nullptr;
   p.outer_kind = q.outer;
   p.tile_2d = spec.tile_2d;
@@ -224,8 +237,12 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   p.stream = rng.stream;
   p.report = report != nullptr;
   if (report) reset_counters();
-  pick(in).launch(l);
+  kernel.launch(l);
   if (report) add_counters(report);
+  if (decode && !kernel.bf16) {  // the codes' decode pass, then only what the form keeps
+    decode_bf16(q, q.bf16);
+    if (form == FormOut::Bf16) q.codes = q.block_scales = Tensor{};
+  }
   return q;
 }
 
@@ -481,12 +498,16 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
 }
 
 QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
+  return requantize_transposed_form(q, target, rng, FormOut::Codes);
+}
+
+QTensor requantize_transposed_form(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
   const QuantSpec spec = requantize_transposed_spec(q, target);
   if (std::string(requantize_kernel_for(q, spec)) != "requantize_transposed_kernel")  // the composition
-    return cuda::quantize(cuda::dequantize(q, true), spec, rng, nullptr, nullptr);
+    return quantize_form(cuda::dequantize(q, true), spec, rng, nullptr, nullptr, form);
   RequantParams p;
   QTensor out;
-  const int64_t ctas = requant_params(q, spec, rng, &out, p);
+  const int64_t ctas = requant_params(q, spec, rng, form, &out, p);
   if (ctas > 0) {
     requantize_transposed_kernel<<<grid_of(ctas, "requantize_transposed"), kThreads, 0, stream()>>>(
         p, num::philox_keys(rng.seed));
@@ -496,7 +517,7 @@ QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey 
 }
 
 bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets, const QuantSpec& target,
-                                    const std::vector<RngKey>& rngs, std::vector<QTensor>& out) {
+                                    const std::vector<RngKey>& rngs, FormOut form, std::vector<QTensor>& out) {
   const QuantSpec spec = requantize_transposed_spec(q, target);
   if (std::string(requantize_kernel_for(q, spec)) != "requantize_transposed_kernel") return false;
   out.assign(rngs.size(), QTensor{});
@@ -513,7 +534,7 @@ bool requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>
   for (size_t g = 0; g < rngs.size(); ++g) {
     if (offsets[g] == offsets[g + 1]) continue;
     p.cta0[p.n] = ctas;
-    ctas += requant_params(qtensor_rows(q, offsets[g], offsets[g + 1]), spec, rngs[g], &out[g], p.seg[p.n]);
+    ctas += requant_params(qtensor_rows(q, offsets[g], offsets[g + 1]), spec, rngs[g], form, &out[g], p.seg[p.n]);
     if (++p.n == kReqSegsPerLaunch) flush();
   }
   flush();

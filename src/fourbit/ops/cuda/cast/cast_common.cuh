@@ -1,7 +1,7 @@
 // defines: kThreads, kStageBytes, kFusedMaxCols, DeviceCounters, g_counters, g_nonfinite_flag,
 //          flush_counts, Kind, kBlockOf, kCodeBits, group_in_slice, group_of, tile_pos,
 //          atomic_max_amax, rotate_block, TileGeom, make_geom, TileCoords, tile_coords, LoadArgs,
-//          GridWalk, batched_walk, load_tile, DecodeArgs, decode_block, decode_args, aligned,
+//          GridWalk, batched_walk, load_tile, store_nvfp4_block_bf16, DecodeArgs, decode_block, decode_args, aligned,
 //          grid_of, allow_smem, counters_ptr, reset_counters, add_counters, row_geom, col_geom,
 //          fused_geom, sm_count
 // What the quantize kernels share: the device counters and the sticky non-finite flag, the block
@@ -21,6 +21,7 @@
 #include "fourbit/numerics/fast_quant.h"
 #include "fourbit/numerics/formats.h"
 #include "fourbit/numerics/hadamard.h"
+#include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/common.cuh"
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/quant_layout.h"
@@ -259,6 +260,18 @@ __device__ void load_tile(const LoadArgs& a, const TileCoords& tc, int rs, float
 }
 
 // ---- decoding ----------------------------------------------------------------------------------
+
+// The 16 values of an NVFP4 block (its packed codes, low nibble first, and its UE4M3 scale) as
+// 16 BF16 at dst (32-byte aligned): code x block scale, the bits of the decode pass
+// (decode8_bits; e2m1x2_times forms the same exact products), the outer scale left to the GEMM's
+// epilogue as there. A quantizer writing its form's BF16 decode (ops::FormOut) calls it where it
+// writes the codes.
+__device__ __forceinline__ void store_nvfp4_block_bf16(__nv_bfloat16* dst, uint64_t packed, uint8_t scale) {
+  const uint32_t sc = ue4m3_bf16x2(scale), lo = uint32_t(packed), hi = uint32_t(packed >> 32);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  d[0] = make_uint4(e2m1x2_times(lo, 0, sc), e2m1x2_times(lo, 1, sc), e2m1x2_times(lo, 2, sc), e2m1x2_times(lo, 3, sc));
+  d[1] = make_uint4(e2m1x2_times(hi, 0, sc), e2m1x2_times(hi, 1, sc), e2m1x2_times(hi, 2, sc), e2m1x2_times(hi, 3, sc));
+}
 
 struct DecodeArgs {
   const uint8_t* codes;

@@ -42,8 +42,9 @@ static_assert(32 % num::kSrPerCall == 0 && num::kMxBlock % num::kSrPerCall == 0,
 struct FastRowParams {
   const float* x;          // storage rows [rows, cols], contiguous
   int64_t rows, cols, padded_cols, nb;
-  uint8_t* codes;          // [rows, code_row_bytes]
+  uint8_t* codes;          // [rows, code_row_bytes]; NVFP4: null for a form of its BF16 decode alone
   uint8_t* scales;         // [rows, nb]
+  __nv_bfloat16* bf16;     // NVFP4: the BF16 decode [rows, padded_cols] (ops::FormOut), or null
   float* outer;            // NVFP4: S_dec per row (written here)
   int team_warps;          // NVFP4: warps sharing one row (and its amax)
   int64_t runs_per_row;    // MXFP8: warps per row (one run each)
@@ -354,6 +355,7 @@ FastRowParams fast_row_params(const QuantParams& p, int64_t rows) {
   f.nb = p.nb;
   f.codes = p.codes;
   f.scales = p.scales;
+  f.bf16 = p.bf16;
   f.outer = p.outer;
   f.mx_rule = p.mx_rule;
   f.seed = p.seed;

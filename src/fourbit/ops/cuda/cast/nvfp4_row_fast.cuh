@@ -167,13 +167,16 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
       const int n = min(B, cols - blk * B);
       const num::Nvfp4Block out = nvfp4_row_block<kFos, kMetric>(v[k], n, amax[k], s_enc, s_dec, scales, bounded,
                                                                  (generic_runs >> k) & 1u, chose_four);
-      if constexpr (kRuns > 1) {
-        *reinterpret_cast<uint64_t*>(codes_row + k * kFastRunBlocks * 8) = out.packed;
-        scales_row[k * kFastRunBlocks] = out.scale;
-      } else {
-        *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
-        p.scales[row * p.nb + blk] = out.scale;
+      if (p.codes) {
+        if constexpr (kRuns > 1) {
+          *reinterpret_cast<uint64_t*>(codes_row + k * kFastRunBlocks * 8) = out.packed;
+          scales_row[k * kFastRunBlocks] = out.scale;
+        } else {
+          *reinterpret_cast<uint64_t*>(p.codes + row * (p.padded_cols / 2) + blk * 8) = out.packed;
+          p.scales[row * p.nb + blk] = out.scale;
+        }
       }
+      if (p.bf16) store_nvfp4_block_bf16(p.bf16 + row * p.padded_cols + blk * B, out.packed, out.scale);
     }
   }
   // values and blocks follow from the live iterations (rows grow with it: the first ones), as a

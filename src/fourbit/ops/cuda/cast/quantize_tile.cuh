@@ -16,8 +16,9 @@ struct QuantParams {
   LoadArgs in;
   TileGeom geom;
   int64_t slices, padded_cols, nb, code_row_bytes;
-  uint8_t* codes;
+  uint8_t* codes;               // NVFP4: null where the form is its BF16 decode alone (bf16)
   uint8_t* scales;
+  __nv_bfloat16* bf16;          // NVFP4: the BF16 decode [rows, padded_cols] (ops::FormOut), or null
   float* outer;                 // S_dec output (fused per-row path writes it)
   OuterScale outer_kind;
   const uint32_t* group_amax;   // pre-pass result (bits), or null (fused / None)
@@ -148,8 +149,11 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantPara
                                                p.seed, p.stream, index0)
                    : num::nvfp4_quantize_block(xb, n, amax, se, sd, kFos, p.metric, kRounding,
                                                p.seed, p.stream, index0);
-        *reinterpret_cast<uint64_t*>(p.codes + row * p.code_row_bytes + blk * 8) = out.packed;
-        p.scales[row * p.nb + blk] = out.scale;
+        if (p.codes) {
+          *reinterpret_cast<uint64_t*>(p.codes + row * p.code_row_bytes + blk * 8) = out.packed;
+          p.scales[row * p.nb + blk] = out.scale;
+        }
+        if (p.bf16) store_nvfp4_block_bf16(p.bf16 + row * p.padded_cols + col, out.packed, out.scale);
         chose_four += out.chose_four ? 1u : 0u;
       } else {
         uint32_t* w = reinterpret_cast<uint32_t*>(stage);

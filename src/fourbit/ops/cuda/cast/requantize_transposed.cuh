@@ -49,8 +49,9 @@ struct RequantParams {
   bool vec16;               // two blocks (16 code bytes) of a tile row load as one uint4
   int64_t in_cols;          // input storage cols (unpadded) = output storage rows per slice
   uint32_t row_tiles, col_tiles;  // per slice (a launch's CTAs are < 2^31: so are these)
-  uint8_t* codes;           // output storage [S * in_cols, out_padded_cols]
+  uint8_t* codes;           // output storage [S * in_cols, out_padded_cols], or null (bf16 alone)
   uint8_t* scales;
+  __nv_bfloat16* bf16;      // the output's BF16 decode, same storage shape (ops::FormOut), or null
   int64_t out_padded_cols, out_nb;
   uint64_t seed, stream;
 };
@@ -199,8 +200,16 @@ __device__ __forceinline__ void requantize_tile(const RequantParams& p, int64_t 
       scale = mxfp8_generic_block(v, int(min64(B, in_rows - col)), a, num::e4m3_spec(), num::MxScaleRule::RCEIL,
                                   num::Rounding::SR, p.seed, p.stream, index0, w);
     }
-    store_mx_codes(p.codes + row * p.out_padded_cols + col, w);
-    p.scales[row * p.out_nb + col / B] = scale;
+    if (p.codes) {
+      store_mx_codes(p.codes + row * p.out_padded_cols + col, w);
+      p.scales[row * p.out_nb + col / B] = scale;
+    }
+    if (p.bf16) {  // the decode pass's bits (decode8_bits), from the codes in registers
+      const float sv = decode8_scale<Format::MXFP8_E4M3>(scale);
+      uint4* d = reinterpret_cast<uint4*>(p.bf16 + row * p.out_padded_cols + col);
+#pragma unroll
+      for (int u = 0; u < B / 8; ++u) d[u] = decode8_bits<Format::MXFP8_E4M3>(make_uint2(w[2 * u], w[2 * u + 1]), sv, nullptr);
+    }
   }
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
@@ -230,23 +239,27 @@ __global__ void __launch_bounds__(kThreads, 3) requantize_segments_kernel(const 
   requantize_tile(p.seg[si], cta - p.cta0[si], num::philox_keys(p.seg[si].seed));
 }
 
-// requantize_transposed_kernel's arguments for q (no RHT) into a freshly allocated *out; returns
-// the number of CTAs.
-int64_t requant_params(const QTensor& q, const QuantSpec& spec, RngKey rng, QTensor* out, RequantParams& p) {
+// requantize_transposed_kernel's arguments for q (no RHT) into a freshly allocated *out, with what
+// form asks (codes, the BF16 decode, or both); returns the number of CTAs.
+int64_t requant_params(const QTensor& q, const QuantSpec& spec, RngKey rng, FormOut form, QTensor* out,
+                       RequantParams& p) {
   p = RequantParams{};
   p.dec = decode_args(q, "requantize_transposed");
   // Either axis: the output's storage is the per-slice transpose of the input's storage.
   const QuantShape logical = q.axis == BlockAxis::Row ? QuantShape{q.slices, q.rows, q.cols}
                                                       : QuantShape{q.slices, q.cols, q.rows};
-  *out = alloc_qtensor(spec, logical, Device::CUDA);
+  *out = form == FormOut::Bf16 ? qtensor_layout(spec, logical) : alloc_qtensor(spec, logical, Device::CUDA);
+  if (form != FormOut::Codes)
+    out->bf16 = Tensor::empty({out->total_rows(), out->padded_cols()}, DType::BF16, Device::CUDA);
   // Two blocks of a tile row are 16 bytes at a multiple of 16 past the row start.
   p.vec16 = aligned(p.dec.codes, 16) && p.dec.code_row_bytes % 16 == 0;
   p.in_cols = q.cols;
   const int64_t row_tiles = (q.rows + kReqRows - 1) / kReqRows, col_tiles = (q.cols + kReqCols - 1) / kReqCols;
   p.row_tiles = uint32_t(row_tiles);  // exact whenever the CTA count passes grid_of (< 2^31)
   p.col_tiles = uint32_t(col_tiles);
-  p.codes = out->codes.data<uint8_t>();
-  p.scales = out->block_scales.data<uint8_t>();
+  p.codes = out->codes.defined() ? out->codes.data<uint8_t>() : nullptr;
+  p.scales = out->block_scales.defined() ? out->block_scales.data<uint8_t>() : nullptr;
+  p.bf16 = out->bf16.defined() ? out->bf16.data<__nv_bfloat16>() : nullptr;
   p.out_padded_cols = out->padded_cols();
   p.out_nb = out->blocks_per_row();
   p.seed = rng.seed;
