@@ -94,7 +94,7 @@ void check_saved_nvfp4(const Prepared& saved) {
 }  // namespace
 
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
-                 LayerClass cls, QuantLog* log, const Tensor* group_amax, const Tensor* converted) {
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax, const Tensor* converted, ops::FormOut form) {
   const BlockAxis axis = axis_for(role, side);
   Prepared p;
   if (log) log->add(cls, role, side, spec, false);
@@ -120,7 +120,7 @@ Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char sid
       return p;
     }
     default:
-      p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), site.key, nullptr, group_amax);
+      p.q = ops::quantize(t, quantized_spec(t, spec, role, side, cls), site.key, nullptr, group_amax, form);
       return p;
   }
 }
@@ -375,25 +375,26 @@ std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSp
 }
 
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
-                          const QuantSite& site, LayerClass cls, QuantLog* log) {
+                          const QuantSite& site, LayerClass cls, QuantLog* log, ops::FormOut form) {
   check_saved_nvfp4(saved);
   if (log) log->add(cls, role, side, spec, true);
   if (log && log->record_calls) record(log, site, spec, hash_qtensor(saved.q));
   Prepared p;
-  p.q = ops::requantize_transposed(saved.q, spec, site.key);
+  p.q = ops::requantize_transposed(saved.q, spec, site.key, form);
   return p;
 }
 
 std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
                                                 const QuantSpec& spec, GemmRole role, char side,
-                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log) {
+                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log,
+                                                ops::FormOut form) {
   check_saved_nvfp4(saved);
   std::vector<ops::RngKey> keys;
   for (const QuantSite& s : sites) keys.push_back(s.key);
-  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, spec, keys);
+  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, spec, keys, form);
   std::vector<Prepared> out(qs.size());
   for (size_t e = 0; e < qs.size(); ++e) {
-    if (!qs[e].codes.defined()) continue;
+    if (offsets[e] == offsets[e + 1]) continue;
     if (log) log->add(cls, role, side, spec, true);
     if (log && log->record_calls)
       record(log, sites[e], spec, hash_qtensor(ops::qtensor_rows(saved.q, offsets[e], offsets[e + 1])));

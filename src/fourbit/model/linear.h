@@ -83,8 +83,10 @@ struct SrStreams {
 // scales' group amax to use (ops::quantize), for weights sharing one scale. converted: t's BF16
 // copy made ahead (ops::convert_each) for a BF16 spec, used instead of converting t here (the log
 // still records t).
+// form: what a block-scaled operand holds (ops::FormOut; ops::quantize).
 Prepared prepare(const Tensor& t, const QuantSpec& spec, GemmRole role, char side, const QuantSite& site,
-                 LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr, const Tensor* converted = nullptr);
+                 LayerClass cls, QuantLog* log, const Tensor* group_amax = nullptr, const Tensor* converted = nullptr,
+                 ops::FormOut form = ops::FormOut::Codes);
 
 // prepare(t, spec, role, side, site, ...) of a block-scaled spec whose blocks run along t's rows,
 // made by the op that writes t (ops.h "Quantized outputs"): producer_quant is the request to hand
@@ -181,13 +183,14 @@ Prepared reuse_dense(const Prepared& p, const Tensor& input, const QuantSpec& sp
 // The nvfp4-fwd backward operand: the saved NVFP4 operand, exactly dequantized, transposed and
 // re-quantized as spec says (the recipe's dgrad.b / wgrad.b: MXFP8 with SR; ops::requantize_transposed).
 Prepared requantize_saved(const Prepared& saved, const QuantSpec& spec, GemmRole role, char side,
-                          const QuantSite& site, LayerClass cls, QuantLog* log);
+                          const QuantSite& site, LayerClass cls, QuantLog* log, ops::FormOut form = ops::FormOut::Codes);
 
 // requantize_saved of rows offsets[e] .. offsets[e + 1] of a saved Row-axis NVFP4 operand for
 // every segment e, at sites[e] (ops::requantize_transposed_segments: one pass on the GPU).
 std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std::vector<int64_t>& offsets,
                                                 const QuantSpec& spec, GemmRole role, char side,
-                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log);
+                                                const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log,
+                                                ops::FormOut form = ops::FormOut::Codes);
 
 // The fprop weight operands `parts` (each [rows_p, K], or [slices, rows_p, K] for expert stacks)
 // stacked along their output rows, slice by slice: the B of one GEMM whose output columns are the

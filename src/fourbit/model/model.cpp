@@ -107,6 +107,11 @@ struct ModelRunner {
   bool training_path = false;  // a forward without a backward run as training runs it (Model::logits)
   // A forward without a backward whose GEMMs that read one input run as one (set_fused_forward_gemms).
   bool fuse = false;
+  // A forward a backward follows (weights_ahead): its NVFP4 fprop weights are made with their BF16
+  // decodes, which the forward's GEMMs and the backward's recomputation read from the cache (each
+  // GEMM decoded its weight itself before: twice a step, where the cache holds 2 bytes a value more
+  // until the weights change, as quantize_weights_ahead's MXFP8 forms do).
+  bool weight_decodes = false;
 
   Tensor act(const Shape& s) const { return Tensor::empty(s, m.dtype_, m.device_); }
   // The step's weight operands made at the start of the forward pass: BF16 copies in one launch,
@@ -116,6 +121,13 @@ struct ModelRunner {
     const ops::HostOpTimer timer("model forward: weights ahead");
     m.convert_bf16_weights_ahead();
     if (for_backward) m.quantize_weights_ahead(sr);
+    weight_decodes = for_backward;
+  }
+  // p with its BF16 decode (ops::with_decode) where several GEMMs read it next: one decode pass,
+  // not one a GEMM.
+  static Prepared decoded(Prepared p) {
+    if (p.is_quantized()) p.q = ops::with_decode(std::move(p.q));
+    return p;
   }
   Tensor zeros(const Shape& s) const { return Tensor::zeros(s, m.dtype_, m.device_); }
   // Activations that only GEMMs read as BF16 operands are written as BF16 by their producer (ops.h
@@ -190,7 +202,8 @@ struct ModelRunner {
   // partner: the weight sharing w's outer scale (an FFN's w1 and w3, NUMERICS "NVFP4").
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
                   LayerClass cls, const Tensor* partner = nullptr) {
-    return m.weight(w, name, role, spec, cls, sr, partner);
+    const bool decodes = weight_decodes && role == GemmRole::Fprop && spec.fmt == Format::NVFP4;
+    return m.weight(w, name, role, spec, cls, sr, partner, decodes ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes);
   }
 
   // Folds max |x| over each segment of an NVFP4 linear input into Model::input_amax()[key]
@@ -261,7 +274,8 @@ struct ModelRunner {
       in.wgrad = std::move(p.col[0]);
       return in;
     }
-    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted);
+    in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted,
+                     fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes);
     if (!wgrad_from_saved_fwd(r))
       in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log);
     return in;
@@ -297,7 +311,9 @@ struct ModelRunner {
   // requantization draws its stream.
   Prepared wgrad_input(const Prepared& fwd, const Prepared& wgrad, const LayerRecipe& r,
                        LayerClass cls, const QuantSite& at_site) {
-    if (r.requant_saved_sr) return requantize_saved(fwd, r.wgrad.b, GemmRole::Wgrad, 'b', at_site, cls, log);
+    // requantized operands are read by the GEMM that follows alone: their decodes, no codes
+    if (r.requant_saved_sr)
+      return requantize_saved(fwd, r.wgrad.b, GemmRole::Wgrad, 'b', at_site, cls, log, ops::FormOut::Bf16);
     if (wgrad_reuses_fwd(r)) {
       if (log) log->add(cls, GemmRole::Wgrad, 'b', r.wgrad.b, false);
       Prepared p = fwd;
@@ -315,7 +331,8 @@ struct ModelRunner {
                                      LayerClass cls, const std::string& point, const std::vector<int64_t>& offsets) {
     const std::vector<QuantSite> sites = expert_sites(point + "/wgrad/X^T");
     if (r.requant_saved_sr)
-      return requantize_saved_segments(fwd, offsets, r.wgrad.b, GemmRole::Wgrad, 'b', sites, cls, log);
+      return requantize_saved_segments(fwd, offsets, r.wgrad.b, GemmRole::Wgrad, 'b', sites, cls, log,
+                                       ops::FormOut::Bf16);
     std::vector<Prepared> out(offsets.size() - 1);
     for (size_t e = 0; e < out.size(); ++e)
       if (offsets[e] < offsets[e + 1])
@@ -329,7 +346,8 @@ struct ModelRunner {
                         LayerClass cls, const Tensor* partner = nullptr) {
     if (r.requant_saved_sr) {
       const Prepared fwd = weight(w, name, GemmRole::Fprop, r.fprop.b, cls, partner);
-      return requantize_saved(fwd, r.dgrad.b, GemmRole::Dgrad, 'b', site(name + "/dgrad/W"), cls, log);
+      return requantize_saved(fwd, r.dgrad.b, GemmRole::Dgrad, 'b', site(name + "/dgrad/W"), cls, log,
+                              ops::FormOut::Bf16);
     }
     return weight(w, name, GemmRole::Dgrad, r.dgrad.b, cls, partner);
   }
@@ -453,8 +471,10 @@ struct ModelRunner {
     }
     if (!a_fused) {
       record_input_amax(w.name + ".a", a, r);
+      // only the GEMM below reads it: its decode alone
       pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
-                  : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log);
+                  : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log, nullptr,
+                            nullptr, ops::FormOut::Bf16);
     }
     forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
@@ -479,8 +499,9 @@ struct ModelRunner {
     if (!h1.defined()) {  // recomputed: the forward's GEMMs on its kept input, the same bits
       h1 = act({N, F});
       h3 = act({N, F});
-      forward_gemm(saved.x.fwd, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
-      forward_gemm(saved.x.fwd, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
+      const Prepared x = decoded(saved.x.fwd);
+      forward_gemm(x, weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3), h1);
+      forward_gemm(x, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     }
     LinearInput a_in;  // same sites, same bits as the forward's
     if (!a.defined() && swiglu_a_fused(r, true) && N > 0) {  // a quantized where it is computed
@@ -754,7 +775,10 @@ struct ModelRunner {
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
     Tensor xn_perm;
-    if (r.fprop.a.quantized() && !pair_x) x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
+    if (r.fprop.a.quantized() && !pair_x) {
+      x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
+      if (s) x_perm = decoded(std::move(x_perm));  // w1's and w3's GEMMs read it (inference: a packed read)
+    }
     if (pair_x) {
       PreparedRowCol p;
       if (g_training_producer_quantizers.load(std::memory_order_relaxed)) {  // quantized as gathered
@@ -931,8 +955,9 @@ struct ModelRunner {
         a_wgrad = std::move(p.col);
       } else if (aq_req) {
         pa = producer_quantized(std::move(aq), a, cls, name + "moe.w2");
-      } else {
-        pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
+      } else {  // with its decode for the GEMM below; the codes where the backward keeps them
+        pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log, nullptr, nullptr,
+                     inner ? ops::FormOut::CodesAndBf16 : ops::FormOut::Bf16);
       }
     }
     expert_gemm(pa, w2, plan, y);
@@ -966,7 +991,7 @@ struct ModelRunner {
       if (wgrad_from_saved_fwd(r))
         in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     } else {
-      y_perm = expert_ffn(s.x_perm, w, name, plan, N * K, &in);
+      y_perm = expert_ffn(decoded(s.x_perm), w, name, plan, N * K, &in);
     }
     Tensor d_topk_w = act({N, K});
     PreparedRowCol pdy;
@@ -1070,7 +1095,7 @@ void Model::set_aux_loss_coef(double coef) {
 }
 
 Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
-                       LayerClass cls, const SrStreams& sr, const Tensor* partner) {
+                       LayerClass cls, const SrStreams& sr, const Tensor* partner, ops::FormOut form) {
   // Weight operands are functions of the weights (RNE in every recipe): cached until the weights
   // change, at the site name/role/W of the step that first prepares them.
   const std::string key = name + "/" + gemm_role_name(role);
@@ -1101,7 +1126,7 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
                                 ? &ahead->second.copy
                                 : nullptr;
   Prepared p = prepare(w, spec, role, 'b', sr.site(key + "/W"), cls, &quant_log_, gamax.defined() ? &gamax : nullptr,
-                       converted);
+                       converted, form);
   if (ahead != bf16_ahead_.end()) bf16_ahead_.erase(ahead);
   weight_cache_.emplace(key, p);
   return p;

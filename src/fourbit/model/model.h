@@ -241,8 +241,10 @@ class Model {
   friend struct ModelRunner;
   // The weight operand for role under spec, cached until invalidate_weight_cache(); partner: the
   // weight that shares its outer scale (an FFN's w1 and w3).
+  // form: what a block-scaled operand made here holds (ops::FormOut; a cached one as it was made).
   Prepared weight(const Tensor& w, const std::string& name, GemmRole role, const QuantSpec& spec,
-                  LayerClass cls, const SrStreams& sr, const Tensor* partner);
+                  LayerClass cls, const SrStreams& sr, const Tensor* partner,
+                  ops::FormOut form = ops::FormOut::Codes);
   // At a forward's start with nothing cached: the BF16 copies of every weight whose forward
   // operand is BF16, made in one ops::convert_each (one launch on the GPU, instead of one per
   // weight as each layer first asks for it); weight() then takes them as prepare's conversion.
