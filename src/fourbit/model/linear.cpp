@@ -361,8 +361,8 @@ std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSp
   FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
   const QuantSpec fs = quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls);
   const QuantSpec ds = quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls);
-  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::CodesAndBf16,
-                                          ops::FormOut::CodesAndBf16);
+  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::Bf16,
+                                          ops::FormOut::Bf16);
   if (log && log->record_calls) {
     const uint64_t h = hash_tensor(w);
     record(log, fprop_site, fprop, h);
@@ -442,6 +442,7 @@ Prepared stack_quantized(const std::vector<Prepared>& parts, bool shared_outer) 
         q.hadamard_signs != q0.hadamard_signs || q.device() != q0.device())
       return {};
     if (q.tile_2d && q.rows % 16 != 0) return {};  // keep every 16-row tile within one part
+    if (!q.codes.defined()) return {};             // a decode alone (prepare_weight_both): run apart
     rows.push_back(q.rows);
     all_bf16 = all_bf16 && q.bf16.defined();
   }

@@ -167,8 +167,8 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
                                                    LayerClass cls, QuantLog* log, ops::FormOut row_out,
                                                    ops::FormOut col_out);
 // A weight's fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe
-// states them) in one ops::quantize_both, each with its BF16 decode where the GPU makes one: the
-// bits prepare() gives each. Recorded at their sites (with record_calls) but not counted: the
+// states them) in one ops::quantize_both, each its BF16 decode alone where the GPU makes one (the
+// training step's GEMMs read nothing else): the bits prepare() gives each. Recorded at their sites (with record_calls) but not counted: the
 // weight cache counts each use (Model::weight).
 std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
                                                   const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,

@@ -2,11 +2,14 @@
 //          forward weights and the recorded input amax
 #include "fourbit/model/model.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "fourbit/ops/host_profile.h"
 #include "fourbit/ops/ops.h"
@@ -1119,7 +1122,15 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   // NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group (per expert for the routed
   // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose
   // gate and up projections serving engines fuse the same way).
-  const Tensor gamax = partner ? shared_outer_amax({w, *partner}, spec, role) : Tensor{};
+  Tensor gamax;
+  if (partner) {  // one pass over the pair for both (a max is the same in any order)
+    const void *a0 = w.raw(), *a1 = partner->raw();
+    const std::string pair =
+        fmt::format("{}:{}/{}/{}", std::min(a0, a1), std::max(a0, a1), gemm_role_name(role), describe(spec));
+    auto a = group_amax_cache_.find(pair);
+    if (a == group_amax_cache_.end()) a = group_amax_cache_.emplace(pair, shared_outer_amax({w, *partner}, spec, role)).first;
+    gamax = a->second;
+  }
   const auto ahead = bf16_ahead_.find(key);
   const Tensor* converted = ahead != bf16_ahead_.end() && spec.fmt == Format::BF16 && ahead->second.source == w.raw() &&
                                     ahead->second.copy.shape() == w.shape()
@@ -1171,9 +1182,10 @@ Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t
 
 // On the GPU, every weight whose fprop and dgrad operands are MXFP8 of one format, both rounded
 // to nearest and made from the weights (not the nvfp4-fwd requantization), goes into the cache as
-// both operands at once, each with its BF16 decode: one pass over the weight instead of two
-// quantizations and a decode before every GEMM. The cache then holds 2 bytes a value more per
-// operand until the weights change.
+// both operands at once, each its BF16 decode alone: one pass over the weight instead of two
+// quantizations and a decode before every GEMM. Nothing in the step reads their codes
+// (forward_weight makes them again for its readers); the cache holds 2 bytes a value per operand
+// until the weights change.
 void Model::quantize_weights_ahead(const SrStreams& sr) {
   if (device_ != Device::CUDA || dtype_ != DType::F32) return;
   for (const LinearInfo& li : linears()) {
@@ -1636,8 +1648,14 @@ Prepared Model::forward_weight(const std::string& linear_name) {
   const bool gate = linear_name.ends_with(".w1"), up = linear_name.ends_with(".w3");
   const std::string stem = linear_name.substr(0, linear_name.size() - 1);
   const Tensor partner = gate ? linear(stem + "3").weight : up ? linear(stem + "1").weight : Tensor{};
-  return weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls, SrStreams{},
-                partner.defined() ? &partner : nullptr);
+  Prepared p = weight(li.weight, li.name, GemmRole::Fprop, r.fprop.b, li.cls, SrStreams{},
+                      partner.defined() ? &partner : nullptr);
+  // The training forward caches its MXFP8 weights as their decodes alone (quantize_weights_ahead);
+  // readers of this (export, the RL weight-code snapshots) get the codes: made again, the same
+  // bits (weights round to nearest, and MXFP8 has no outer scale to share).
+  if (p.is_quantized() && !p.q.codes.defined())
+    p = prepare(li.weight, r.fprop.b, GemmRole::Fprop, 'b', QuantSite{}, li.cls, nullptr);
+  return p;
 }
 
 int64_t ForwardWeightBytes::experts_total() const {

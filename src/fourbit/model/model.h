@@ -187,6 +187,7 @@ class Model {
   void invalidate_weight_cache(bool bf16_copies_current = false) {
     ++weights_version_;
     weight_cache_.clear();
+    group_amax_cache_.clear();
     fused_cache_.clear();
     bf16_ahead_.clear();
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
@@ -281,6 +282,9 @@ class Model {
   Tensor positions_;  // training_positions' for (positions_B_, positions_T_)
   int64_t positions_B_ = 0, positions_T_ = 0;
   std::map<std::string, Prepared> weight_cache_;
+  // The outer-scale group amax of a weight pair (an FFN's w1 and w3), made for the first of the two
+  // and taken by the second, until the weights change.
+  std::map<std::string, Tensor> group_amax_cache_;
   std::map<std::string, Prepared> fused_cache_;  // fused_weight's, by "<name>/fprop"
   std::map<std::string, Bf16Ahead> bf16_ahead_;  // by weight_cache_ key, until weight() takes it
   Bf16Copies bf16_copies_;            // bf16_weight_copies()
