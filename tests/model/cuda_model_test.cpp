@@ -2,7 +2,8 @@
 // GPU against the CPU for every recipe (the same loss on the same weights, no drift); two GPU
 // runs write byte-identical metrics; a sequence's logits on the GPU are bitwise the same alone
 // and inside a batch of 8 (every recipe with per-token activation scales); the fused forward GEMMs
-// give the bits of the GEMMs apart.
+// give the bits of the GEMMs apart; a training forward's cached weight forms (decodes alone, or
+// with them) give forward_weight's readers the CPU's codes and an inference forward its bits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -193,3 +194,54 @@ TEST(CudaModel, FusedForwardGemmsGiveTheSameBits) {
     }
   }
 }
+
+// After a training forward on the GPU, before the weights change: the MXFP8 weights sit in the
+// cache as their decodes alone and nvfp4-fwd's NVFP4 fprop weights with codes and decodes
+// (Model::quantize_weights_ahead, ModelRunner::weight_decodes); forward_weight still hands its
+// readers (export, the RL weight-code snapshots) the CPU's codes, and an inference forward with
+// the fused GEMMs, which stacks cached parts, gives the logits it gives from a fresh cache.
+TEST(CudaModel, TrainingWeightFormsServeEveryReader) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  RunConfig cfg = load_config(std::string(FOURBIT_SOURCE_DIR) + "/configs/tiny.toml");
+  const ModelConfig& c = cfg.model;
+  std::vector<int32_t> toks(2 * 16);
+  std::mt19937 g(5);
+  for (auto& t : toks) t = int32_t(g() % 256);
+  std::vector<int32_t> next(toks.begin() + 1, toks.end());
+  next.push_back(0);
+  const Tensor tokens = Tensor::from_host(toks.data(), {2, 16}, DType::I32, Device::CUDA);
+  const Tensor targets = Tensor::from_host(next.data(), {2, 16}, DType::I32, Device::CUDA);
+  for (const char* recipe : {"mxfp8", "nvfp4-fwd"}) {
+    SCOPED_TRACE(recipe);
+    Model gpu(c, recipe_by_name(recipe), Device::CUDA), cpu(c, recipe_by_name(recipe), Device::CPU);
+    init_params(gpu.params(), c, 8);
+    init_params(cpu.params(), c, 8);
+    gpu.forward(tokens, targets, SrStreams{3, 1, 0}, true);
+    int decode_alone = 0, with_both = 0;
+    for (const auto& [key, p] : gpu.weight_cache()) {
+      if (!p.is_quantized()) continue;
+      decode_alone += !p.q.codes.defined() && p.q.bf16.defined();
+      with_both += p.q.codes.defined() && p.q.bf16.defined();
+    }
+    EXPECT_GT(decode_alone, 0);  // both recipes have MXFP8 layers (attention)
+    if (std::string(recipe) == "nvfp4-fwd") {
+      EXPECT_GT(with_both, 0);
+    }
+    for (const LinearInfo& li : gpu.linears()) {
+      const Prepared pg = gpu.forward_weight(li.name), pc = cpu.forward_weight(li.name);
+      ASSERT_EQ(pg.is_quantized(), pc.is_quantized()) << li.name;
+      if (!pc.is_quantized()) continue;
+      ASSERT_TRUE(pg.q.codes.defined()) << li.name;
+      const Tensor a = pg.q.codes.to(Device::CPU), b = pc.q.codes;
+      ASSERT_EQ(a.nbytes(), b.nbytes()) << li.name;
+      EXPECT_EQ(0, std::memcmp(a.raw(), b.raw(), size_t(a.nbytes()))) << li.name << ": codes";
+    }
+    set_fused_forward_gemms(true);
+    const Tensor after_training = gpu.logits(tokens, SrStreams{}).to(Device::CPU);
+    gpu.invalidate_weight_cache();
+    const Tensor fresh = gpu.logits(tokens, SrStreams{}).to(Device::CPU);
+    ASSERT_EQ(after_training.nbytes(), fresh.nbytes());
+    EXPECT_EQ(0, std::memcmp(after_training.raw(), fresh.raw(), size_t(fresh.nbytes()))) << "logits";
+  }
+}
+
