@@ -265,14 +265,17 @@ struct ModelRunner {
   // their formats pair (prepare_row_col; fwd_bf16: with the fprop operand's BF16 decode, for
   // the forward GEMMs that read it next).
   // converted: x's BF16 copy written by x's producer, taken for a BF16 fprop operand.
+  // wgrad_form: what a wgrad X^T made in the pair holds (its decode alone where the backward
+  // makes it for the GEMM that follows).
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
-                            bool fwd_bf16 = false, const Tensor* converted = nullptr) {
+                            bool fwd_bf16 = false, const Tensor* converted = nullptr,
+                            ops::FormOut wgrad_form = ops::FormOut::Codes) {
     LinearInput in;
     if (x_pairs(r) && x.size(0) > 0) {
       PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
                                          GemmRole::Wgrad, 'b', {0, x.size(0)}, {site(point + "/wgrad/X^T")}, cls,
                                          log, fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes,
-                                         ops::FormOut::Codes);
+                                         wgrad_form);
       in.fwd = std::move(p.row);
       in.wgrad = std::move(p.col[0]);
       return in;
@@ -280,7 +283,8 @@ struct ModelRunner {
     in.fwd = prepare(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), cls, log, nullptr, converted,
                      fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes);
     if (!wgrad_from_saved_fwd(r))
-      in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log);
+      in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log, nullptr, nullptr,
+                         wgrad_form);
     return in;
   }
 
@@ -508,9 +512,10 @@ struct ModelRunner {
     }
     LinearInput a_in;  // same sites, same bits as the forward's
     if (!a.defined() && swiglu_a_fused(r, true) && N > 0) {  // a quantized where it is computed
+      // X^T as its decode alone: w2's weight gradient reads it next
       PreparedRowCol p = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.wgrad.b,
                                         GemmRole::Wgrad, 'b', {0, N}, {site(w.name + ".w2/wgrad/X^T")}, cls, log,
-                                        ops::FormOut::Codes, ops::FormOut::Codes);
+                                        ops::FormOut::Codes, ops::FormOut::Bf16);
       a_in.fwd = std::move(p.row);
       a_in.wgrad = std::move(p.col[0]);
     } else {
@@ -518,7 +523,7 @@ struct ModelRunner {
         a = act_bf16_if(bf16_input(r), {N, F});
         ops::swiglu_forward(h1, h3, a);
       }
-      a_in = prepare_input(a, r, cls, w.name + ".w2");
+      a_in = prepare_input(a, r, cls, w.name + ".w2", false, nullptr, ops::FormOut::Bf16);
     }
     Tensor da = act({N, F});
     linear_backward(dy, a_in, w.w2, w.name + ".w2", w.g2, &da, false, r, cls, nullptr, dy_bf16);
@@ -904,8 +909,11 @@ struct ModelRunner {
     std::vector<Prepared> a_wgrad;  // a^T per expert for w2's weight gradient, where made with pa
   };
   // group: the shared expert's rows follow the experts' (moe_forward), its weights appended to theirs.
+  // a_wgrad_form: what inner's a^T forms hold (ops::FormOut): their codes where the backward keeps them,
+  // their decodes alone in the backward's recomputation, whose weight-gradient GEMMs read them next.
   Tensor expert_ffn(const Prepared& x_perm, const LayerWeights& w, const std::string& name,
-                    const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner, const SharedGroup* group = nullptr) {
+                    const ops::RoutePlan& plan, int64_t rows, ExpertInner* inner, const SharedGroup* group = nullptr,
+                    ops::FormOut a_wgrad_form = ops::FormOut::Codes) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const int64_t F = c.d_expert, D = c.d_model;
@@ -943,7 +951,7 @@ struct ModelRunner {
       PreparedRowCol p =
           inner ? prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                  GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"), cls, log,
-                                 ops::FormOut::Bf16, ops::FormOut::Codes)
+                                 ops::FormOut::Bf16, a_wgrad_form)
                 : prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.fprop.a,
                                  GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes);
       pa = std::move(p.row);
@@ -953,7 +961,7 @@ struct ModelRunner {
       if (inner && x_pairs(r) && rows > 0) {
         PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                            GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
-                                           cls, log, ops::FormOut::CodesAndBf16, ops::FormOut::Codes);
+                                           cls, log, ops::FormOut::CodesAndBf16, a_wgrad_form);
         pa = std::move(p.row);
         a_wgrad = std::move(p.col);
       } else if (aq_req) {
@@ -994,7 +1002,7 @@ struct ModelRunner {
       if (wgrad_from_saved_fwd(r))
         in.pa = prepare(in.a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log);
     } else {
-      y_perm = expert_ffn(decoded(s.x_perm), w, name, plan, N * K, &in);
+      y_perm = expert_ffn(decoded(s.x_perm), w, name, plan, N * K, &in, nullptr, ops::FormOut::Bf16);
     }
     Tensor d_topk_w = act({N, K});
     PreparedRowCol pdy;
