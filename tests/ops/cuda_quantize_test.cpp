@@ -5,7 +5,8 @@
 // codes, block scales and outer scales are compared separately, with the first mismatch named.
 // Also: QuantReport counts, dequantize bit for bit (with and without undoing the RHT), views and
 // unaligned inputs (the scalar paths), the register-resident Row-axis paths on every row width
-// class, the non-finite flag, and quantize_row_col's one-pass pairs with their BF16 decodes.
+// class, the non-finite flag, quantize_row_col's one-pass pairs with their BF16 decodes, and
+// every dispatch entry's and the requantization's forms (FormOut) with their decodes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -771,7 +772,9 @@ TEST(CudaQuantize, SwigluGradsRowColMatchSwigluThenRowCol) {
         aparts[size_t(o)] = ops::quantize_row_col(dh[o], rs, row_keys[size_t(o)], cs, offsets, keys[size_t(o)],
                                                   ops::FormOut::CodesAndBf16, ops::FormOut::CodesAndBf16);
       EXPECT_EQ(fused_flag, ops::nonfinite_seen(true)) << what;
-      if (nan) EXPECT_TRUE(fused_flag) << what;
+      if (nan) {
+        EXPECT_TRUE(fused_flag) << what;
+      }
       for (int o = 0; o < 2; ++o) {
         const std::string wo = what + (o ? " dh3" : " dh1");
         const ops::RowColQuant& apart = aparts[size_t(o)];
@@ -1095,6 +1098,16 @@ QuantSpec make_spec(Format f, BlockAxis axis, OuterScale outer, Rounding rnd, bo
 
 // One case per entry of every format's quantize list (quantize.cu), the entry it must take, and
 // whether the caller gives the group amax (the FFN's shared w1/w3 outer scale).
+// A saved activation as nvfp4-fwd keeps it (NVFP4, per-token scales, Four Over Six) on the CPU:
+// what requantize_transposed reads.
+QTensor saved_tokens(const Dims& d, uint32_t seed) {
+  QuantSpec nv;
+  nv.fmt = Format::NVFP4;
+  nv.outer = OuterScale::PerRow;
+  nv.four_over_six = true;
+  return ops::quantize(Tensor::from_host(make_data(d, Data::Varied, seed).data(), d.shape(), DType::F32), nv);
+}
+
 struct DispatchCase {
   Dims d;
   QuantSpec spec;
@@ -1175,14 +1188,7 @@ TEST(CudaQuantize, DispatchEntriesMatchCpu) {
                  what + " with a group amax");
   }
   // requantize_transposed to targets other than E4M3 with SR: the composition, on the GPU.
-  const Dims d{1, 70, 96};
-  const auto host = make_data(d, Data::Varied, seed++);
-  QuantSpec nv;
-  nv.fmt = Format::NVFP4;
-  nv.outer = OuterScale::PerRow;
-  nv.four_over_six = true;
-  const QTensor qc = ops::quantize(Tensor::from_host(host.data(), d.shape(), DType::F32), nv);
-  const QTensor qg = qc.to(Device::CUDA);
+  const QTensor qc = saved_tokens({1, 70, 96}, seed++), qg = qc.to(Device::CUDA);
   for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2})
     for (Rounding rnd : {Rounding::RNE, Rounding::SR}) {
       QuantSpec t = kRequantTarget;
@@ -1226,14 +1232,7 @@ TEST(CudaQuantize, FormsOfEveryEntryAreItsCodesDecoded) {
       if (!same_form(want, got, form, what)) return;
     }
   }
-  const Dims d{1, 300, 96};
-  const auto host = make_data(d, Data::Varied, seed++);
-  QuantSpec nv;
-  nv.fmt = Format::NVFP4;
-  nv.outer = OuterScale::PerRow;
-  nv.four_over_six = true;
-  const QTensor qc = ops::quantize(Tensor::from_host(host.data(), d.shape(), DType::F32), nv);
-  const QTensor qg = qc.to(Device::CUDA);
+  const QTensor qc = saved_tokens({1, 300, 96}, seed++), qg = qc.to(Device::CUDA);
   const std::vector<int64_t> offsets = {0, 31, 31, 290, 300};
   const std::vector<ops::RngKey> keys = {{1, 2}, {1, 3}, {1, 4}, {1, 5}};
   for (Format f : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
