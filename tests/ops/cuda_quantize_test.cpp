@@ -1070,10 +1070,10 @@ TEST(CudaQuantize, RejectsHostTensors) {
   const Tensor x = Tensor::zeros({4, 16}, DType::F32);
   QuantSpec s;
   s.fmt = Format::NVFP4;
-  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr, nullptr), Error);
+  EXPECT_THROW((void)ops::cuda::quantize(x, s, {}, nullptr, nullptr, ops::FormOut::Codes), Error);
   const QTensor q = ops::quantize(x, s);
   EXPECT_THROW((void)ops::cuda::dequantize(q, true), Error);
-  EXPECT_THROW((void)ops::cuda::requantize_transposed(q, kRequantTarget, {}), Error);
+  EXPECT_THROW((void)ops::cuda::requantize_transposed(q, kRequantTarget, {}, ops::FormOut::Codes), Error);
   const Tensor xi = Tensor::zeros({4, 16}, DType::I32, Device::CUDA);
   EXPECT_THROW((void)ops::quantize(xi, s), Error);
 }

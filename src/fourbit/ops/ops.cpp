@@ -89,13 +89,7 @@ void check_group_amax(const Tensor& x, const QuantSpec& spec, const Tensor& a) {
 QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
                  FormOut form) {
   if (group_amax) check_group_amax(x, spec, *group_amax);
-#if FOURBIT_HAS_CUDA
-  if (form != FormOut::Codes && x.device() == Device::CUDA) {  // only the GPU writes decodes
-    const HostOpTimer host_timer("quantize");
-    return cuda::quantize_form(x, spec, rng, report, group_amax, form);
-  }
-#endif
-  FOURBIT_DISPATCH(x.device(), quantize, x, spec, rng, report, group_amax);
+  FOURBIT_DISPATCH(x.device(), quantize, x, spec, rng, report, group_amax, form);
 }
 Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
   if (xs.empty()) fail("outer_amax: no tensors");
@@ -111,13 +105,7 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   FOURBIT_DISPATCH(q.device(), dequantize, q, undo_hadamard);
 }
 QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
-#if FOURBIT_HAS_CUDA
-  if (form != FormOut::Codes && q.device() == Device::CUDA) {  // only the GPU writes decodes
-    const HostOpTimer host_timer("requantize_transposed");
-    return cuda::requantize_transposed_form(q, target, rng, form);
-  }
-#endif
-  FOURBIT_DISPATCH(q.device(), requantize_transposed, q, target, rng);
+  FOURBIT_DISPATCH(q.device(), requantize_transposed, q, target, rng, form);
 }
 
 int64_t Operand::rows() const {
@@ -378,8 +366,7 @@ QTensor with_decode(QTensor q) {
   if (q.device() != Device::CUDA || q.bf16.defined() || !q.codes.defined()) return q;
 #if FOURBIT_HAS_CUDA
   const HostOpTimer host_timer("with_decode");
-  q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
-  cuda::decode_bf16(q, q.bf16);
+  q.bf16 = cuda::decode_bf16(q);
 #endif
   return q;
 }

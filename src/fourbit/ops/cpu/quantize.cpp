@@ -141,7 +141,8 @@ Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
   return Tensor::from_host(joint.data(), {int64_t(joint.size())}, DType::F32);
 }
 
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
+                 FormOut /*form: the CPU's forms are their codes*/) {
   const QuantShape shape = quant_shape(x, spec);
   QTensor q = alloc_qtensor(spec, shape, Device::CPU);
   const int64_t R = q.total_rows(), C = q.cols, PC = q.padded_cols(), NB = q.blocks_per_row();
@@ -232,9 +233,9 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   return out;
 }
 
-QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
   const QuantSpec spec = requantize_transposed_spec(q, target);
-  return cpu::quantize(cpu::dequantize(q, true), spec, rng, nullptr, nullptr);
+  return cpu::quantize(cpu::dequantize(q, true), spec, rng, nullptr, nullptr, form);
 }
 
 }  // namespace fourbit::ops::cpu

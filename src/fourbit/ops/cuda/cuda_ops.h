@@ -10,7 +10,7 @@
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
-//          requantize_transposed_segments, quantize_form, requantize_transposed_form, decode_bf16,
+//          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
 //          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
@@ -224,17 +224,11 @@ bool convert_each(const std::vector<Tensor>& src, std::vector<Tensor>& dst);
 // address and size.
 bool zero_each(std::vector<Tensor>& ts);
 
-// ops::quantize written as `form` asks (ops::FormOut) on a CUDA tensor (group_amax checked by the
-// caller). NVFP4's kernels write the decode where they write the codes (and skip the codes for
-// FormOut::Bf16); other formats' kernels write codes, then the GEMMs' decode pass fills the decode.
-QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report,
-                      const Tensor* group_amax, FormOut form);
-// ops::requantize_transposed written as `form` asks: requantize_transposed_kernel writes the decode
-// from the codes in its registers; the composition (other targets) quantizes with quantize_form.
-QTensor requantize_transposed_form(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form);
-// q's BF16 decode (QTensor::bf16: code x block scale, outer scales left to the GEMM) into out
-// (BF16 [q.total_rows(), q.padded_cols()]): the decode pass the GEMMs run on codes.
-void decode_bf16(const QTensor& q, Tensor& out);
+// q's BF16 decode (QTensor::bf16: code x block scale, outer scales left to the GEMM), BF16
+// [q.total_rows(), q.padded_cols()]: the decode pass the GEMMs run on codes. quantize's forms
+// (FormOut): NVFP4's kernels and requantize_transposed_kernel write the decode from the codes in
+// their registers (and skip the codes for FormOut::Bf16); other kernels write codes, then this.
+Tensor decode_bf16(const QTensor& q);
 
 // ops::quantize_segments on a CUDA tensor (checked by the caller) into out; false when the spec
 // has no batched kernel, and the caller quantizes segment by segment.

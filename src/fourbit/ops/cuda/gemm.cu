@@ -636,20 +636,20 @@ bool native_type(const QTensor& q, NativeType* t) {
 
 }  // namespace
 
-void decode_bf16(const QTensor& q, Tensor& out) {
+Tensor decode_bf16(const QTensor& q) {
   const int64_t R = q.total_rows(), k = q.padded_cols();
-  FOURBIT_CHECK(q.codes.defined() && out.dtype() == DType::BF16 && out.device() == Device::CUDA &&
-                    out.shape() == std::vector<int64_t>({R, k}),
-                "decode_bf16: {} into {}", q.codes.str(), out.str());
-  if (R * k == 0) return;
+  FOURBIT_CHECK(q.codes.defined(), "decode_bf16: a form without codes ({} rows)", R);
+  Tensor out = Tensor::empty({R, k}, DType::BF16, Device::CUDA);
+  if (R * k == 0) return out;
   if (decodes_x8(q, k)) {
     launch_decodes_x8(q.fmt, {decode_job(q, k, out)});
-    return;
+    return out;
   }
   decode_blocks_kernel<__nv_bfloat16><<<grid_for(R * q.blocks_per_row(), 256), 256, 0, stream()>>>(
       q.codes.data<uint8_t>(), q.block_scales.data<uint8_t>(), R, q.blocks_per_row(), q.code_row_bytes(), q.block(),
       int(q.fmt), k, out.data<__nv_bfloat16>());
   FOURBIT_LAUNCH_CHECK();
+  return out;
 }
 
 bool native_block_scaled_gemm() {

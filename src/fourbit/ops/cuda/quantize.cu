@@ -191,12 +191,8 @@ const char* requantize_kernel_for(const QTensor& q, const QuantSpec& spec) {
   return requantize_kernel_takes(q, spec) ? "requantize_transposed_kernel" : "dequantize_then_quantize";
 }
 
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax) {
-  return quantize_form(x, spec, rng, report, group_amax, FormOut::Codes);
-}
-
-QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
-                      FormOut form) {
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
+                 FormOut form) {
   check_cuda_tensor(x, "quantize", "x");
   const QuantShape shape = quant_shape(x, spec);
   // float4 loads run along the input's contiguous dimension: logical C (= scols on the Row
@@ -204,12 +200,12 @@ QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantR
   const QuantInput in{spec, shape.slices, shape.rows, shape.cols, shape.cols % 4 == 0 && aligned(x.data<float>(), 16),
                       group_amax != nullptr};
   const QuantizeKernel& kernel = pick(in);
-  const bool decode = form != FormOut::Codes, codes = form != FormOut::Bf16 || !kernel.bf16;
   // a kernel that writes the decode itself skips the codes of a decode-alone form (their outer
-  // scales stay: the GEMM's epilogue applies them)
+  // scales stay: the GEMM's epilogue applies them); another writes codes for the decode pass
+  const bool codes = writes_codes(form) || !kernel.bf16, kernel_decode = writes_bf16(form) && kernel.bf16;
   QTensor q = alloc_qtensor(spec, shape, Device::CUDA);
   if (!codes) q.codes = q.block_scales = Tensor{};
-  if (decode) q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
+  if (kernel_decode) q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
   QuantLaunch l{in, q, QuantParams{}, rng, group_amax};
   QuantParams& p = l.p;
   p.in.x = x.data<float>();
@@ -222,7 +218,7 @@ QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantR
   p.code_row_bytes = q.code_row_bytes();
   p.codes = codes ? q.codes.data<uint8_t>() : nullptr;
   p.scales = codes ? q.block_scales.data<uint8_t>() : nullptr;
-  p.bf16 = decode && kernel.bf16 ? q.bf16.data<__nv_bfloat16>() : nullptr;
+  p.bf16 = kernel_decode ? q.bf16.data<__nv_bfloat16>() : nullptr;
   p.outer = q.outer_scales.defined() ? q.outer_scales.data<float>() : nullptr;
   p.outer_kind = q.outer;
   p.tile_2d = spec.tile_2d;
@@ -239,9 +235,9 @@ QTensor quantize_form(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantR
   if (report) reset_counters();
   kernel.launch(l);
   if (report) add_counters(report);
-  if (decode && !kernel.bf16) {  // the codes' decode pass, then only what the form keeps
-    decode_bf16(q, q.bf16);
-    if (form == FormOut::Bf16) q.codes = q.block_scales = Tensor{};
+  if (writes_bf16(form) && !kernel.bf16) {  // the codes' decode pass, then only what the form keeps
+    q.bf16 = decode_bf16(q);
+    if (!writes_codes(form)) q.codes = q.block_scales = Tensor{};
   }
   return q;
 }
@@ -304,9 +300,6 @@ bool row_col_kernel_takes(const Tensor& x, const QuantSpec& row_spec, const Quan
 }  // namespace
 
 namespace {
-bool writes_codes(FormOut f) { return f != FormOut::Bf16; }
-bool writes_bf16(FormOut f) { return f != FormOut::Codes; }
-
 // One output of quantize_row_col's kernel ([R, C] values): its Row form in out.row and each
 // non-empty segment's Col form in out.col, as views of one buffer per kind (codes, scales,
 // decodes: three allocations instead of three per expert, which cost the host more than the
@@ -497,14 +490,10 @@ Tensor dequantize(const QTensor& q, bool undo_hadamard) {
   return out;
 }
 
-QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng) {
-  return requantize_transposed_form(q, target, rng, FormOut::Codes);
-}
-
-QTensor requantize_transposed_form(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
+QTensor requantize_transposed(const QTensor& q, const QuantSpec& target, RngKey rng, FormOut form) {
   const QuantSpec spec = requantize_transposed_spec(q, target);
   if (std::string(requantize_kernel_for(q, spec)) != "requantize_transposed_kernel")  // the composition
-    return quantize_form(cuda::dequantize(q, true), spec, rng, nullptr, nullptr, form);
+    return cuda::quantize(cuda::dequantize(q, true), spec, rng, nullptr, nullptr, form);
   RequantParams p;
   QTensor out;
   const int64_t ctas = requant_params(q, spec, rng, form, &out, p);

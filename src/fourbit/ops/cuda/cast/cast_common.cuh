@@ -1,7 +1,7 @@
 // defines: kThreads, kStageBytes, kFusedMaxCols, DeviceCounters, g_counters, g_nonfinite_flag,
 //          flush_counts, Kind, kBlockOf, kCodeBits, group_in_slice, group_of, tile_pos,
 //          atomic_max_amax, rotate_block, TileGeom, make_geom, TileCoords, tile_coords, LoadArgs,
-//          GridWalk, batched_walk, load_tile, store_nvfp4_block_bf16, DecodeArgs, decode_block, decode_args, aligned,
+//          GridWalk, batched_walk, load_tile, writes_codes, writes_bf16, store_nvfp4_block_bf16, DecodeArgs, decode_block, decode_args, aligned,
 //          grid_of, allow_smem, counters_ptr, reset_counters, add_counters, row_geom, col_geom,
 //          fused_geom, sm_count
 // What the quantize kernels share: the device counters and the sticky non-finite flag, the block
@@ -258,6 +258,10 @@ __device__ void load_tile(const LoadArgs& a, const TileCoords& tc, int rs, float
     }
   }
 }
+
+// What a form (ops::FormOut) holds: its codes, its BF16 decode, or both (host code).
+inline bool writes_codes(FormOut f) { return f != FormOut::Bf16; }
+inline bool writes_bf16(FormOut f) { return f != FormOut::Codes; }
 
 // ---- decoding ----------------------------------------------------------------------------------
 

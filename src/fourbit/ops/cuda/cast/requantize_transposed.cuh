@@ -248,8 +248,8 @@ int64_t requant_params(const QTensor& q, const QuantSpec& spec, RngKey rng, Form
   // Either axis: the output's storage is the per-slice transpose of the input's storage.
   const QuantShape logical = q.axis == BlockAxis::Row ? QuantShape{q.slices, q.rows, q.cols}
                                                       : QuantShape{q.slices, q.cols, q.rows};
-  *out = form == FormOut::Bf16 ? qtensor_layout(spec, logical) : alloc_qtensor(spec, logical, Device::CUDA);
-  if (form != FormOut::Codes)
+  *out = writes_codes(form) ? alloc_qtensor(spec, logical, Device::CUDA) : qtensor_layout(spec, logical);
+  if (writes_bf16(form))
     out->bf16 = Tensor::empty({out->total_rows(), out->padded_cols()}, DType::BF16, Device::CUDA);
   // Two blocks of a tile row are 16 bytes at a multiple of 16 past the row start.
   p.vec16 = aligned(p.dec.codes, 16) && p.dec.code_row_bytes % 16 == 0;
