@@ -1410,6 +1410,42 @@ TEST(CudaLayers, AdamWMatchesCpuOverThreeSteps) {
   }
 }
 
+// SliceAmax on the GPU: the CPU's update bits and its amax of each slice, for slices of several
+// CTAs' chunks, of one chunk and less, an odd slice length (scalar loads), an unaligned view, and a
+// skipped update (the amax of the unchanged parameters, a NaN among them left out).
+TEST(CudaLayers, AdamWSliceAmaxIsTheCpusAmax) {
+  SKIP_WITHOUT_GPU();
+  for (const auto& [slices, slice] : {std::pair<int64_t, int64_t>{4, 1 << 16}, {16, 1024}, {3, 40003}, {1, 5}}) {
+    for (const bool unaligned : {false, true}) {
+      for (const bool skip : {false, true}) {
+        const int64_t n = slices * slice, off = unaligned ? 1 : 0;
+        const std::string name = cfg("%lld slices of %lld", slices, slice) + (unaligned ? ", unaligned" : "") +
+                                 (skip ? ", skipped" : "");
+        Tensor p_c = random_tensor({n + off}, DType::F32, 1350 + uint64_t(n), -2.0, 2.0);
+        if (skip) p_c.data<float>()[off + n / 2] = std::nanf("");  // left as it is, and out of the max
+        Tensor m_c = random_tensor({n + off}, DType::F32, 1351, -0.1, 0.1);
+        Tensor v_c = random_tensor({n + off}, DType::F32, 1352, 0.0, 0.1);
+        Tensor p_g = gpu(p_c), m_g = gpu(m_c), v_g = gpu(v_c);
+        Tensor pc = p_c.view(off, {n}), mc = m_c.view(off, {n}), vc = v_c.view(off, {n});
+        Tensor pg = p_g.view(off, {n}), mg = m_g.view(off, {n}), vg = v_g.view(off, {n});
+        const Tensor g = random_tensor({n}, DType::F32, 1353, -0.5, 0.5);
+        Tensor gate_c = Tensor::zeros({ops::kGateSize}, DType::F64);
+        gate_c.data<double>()[ops::kGateClip] = 0.75;
+        gate_c.data<double>()[ops::kGateSkip] = skip ? 1.0 : 0.0;
+        const Tensor gate_g = gpu(gate_c);
+        Tensor ac = Tensor::zeros({slices}, DType::F32), ag = gpu(ac);
+        const ops::AdamW h{3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 2};
+        ops::adamw_step(pc, g, mc, vc, h, nullptr, &gate_c, ops::SliceAmax{&ac, slice});
+        ops::adamw_step(pg, gpu(g), mg, vg, h, nullptr, &gate_g, ops::SliceAmax{&ag, slice});
+        expect_bits("adamw param bits " + name, pg, pc);
+        expect_bits("adamw m bits " + name, mg, mc);
+        expect_bits("slice amax " + name, ag, ac);
+        EXPECT_GT(ac.data<float>()[0], 0.5f) << name;
+      }
+    }
+  }
+}
+
 // grad_norm_gate on the GPU: the norm of the GPU's sum_squares_each added on the host, the same
 // clip factor, and the skip for a NaN gradient or a GPU quantizer's NaN (the device flag, taken
 // without a host read). A gated update is the CPU's gated update, bit for bit, or nothing.

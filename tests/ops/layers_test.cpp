@@ -758,6 +758,56 @@ TEST(AdamWOps, GateIsTheNormClipAndSkipOfTheHostExpression) {
   expect_error([&] { ops::grad_norm_gate(gs, -1.0, gate); }, "grad_norm_gate: max_norm must be >= 0");
 }
 
+// SliceAmax: each slice's max |p| over finite values after the update raises amax (never lowers
+// it; two tensors into one amax give the joint max), with the update's bits unchanged; a skipped
+// update gives the amax of the unchanged parameters.
+TEST(AdamWOps, SliceAmaxIsEachSlicesFiniteMaxAfterTheUpdate) {
+  const int64_t slices = 3, slice = 1001, n = slices * slice;
+  Tensor p0 = random_tensor({n}, DType::F32, 90, -1.0, 1.0);
+  p0.data<float>()[7] = std::nanf("");    // non-finite values take no part in a max
+  p0.data<float>()[slice + 9] = INFINITY;
+  const Tensor g = random_tensor({n}, DType::F32, 91, -0.5, 0.5), m0 = random_tensor({n}, DType::F32, 92, -0.1, 0.1);
+  const Tensor v0 = random_tensor({n}, DType::F32, 93, 0.0, 0.1);
+  const ops::AdamW h{1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2};
+  const auto want = [&](const Tensor& p, int64_t s, float from) {
+    float a = from;
+    for (int64_t i = s * slice; i < (s + 1) * slice; ++i)
+      if (std::isfinite(p.data<float>()[i])) a = std::max(a, std::fabs(p.data<float>()[i]));
+    return a;
+  };
+  Tensor pa = p0.clone(), ma = m0.clone(), va = v0.clone(), pb = p0.clone(), mb = m0.clone(), vb = v0.clone();
+  Tensor amax = Tensor::zeros({slices}, DType::F32);
+  amax.data<float>()[2] = 100.0f;  // raised, never lowered
+  ops::adamw_step(pa, g, ma, va, h);
+  ops::adamw_step(pb, g, mb, vb, h, nullptr, nullptr, ops::SliceAmax{&amax, slice});
+  for (const auto& [a, b] : {std::pair{pa, pb}, {ma, mb}, {va, vb}}) EXPECT_TRUE(bitwise_equal_range(a, 0, b, 0, n));
+  EXPECT_FALSE(bitwise_equal_range(pa, 0, p0, 0, n));
+  for (int64_t s = 0; s < 2; ++s) {
+    EXPECT_EQ(amax.data<float>()[s], want(pb, s, 0.0f)) << "slice " << s;
+    EXPECT_GT(amax.data<float>()[s], 0.5f);
+  }
+  EXPECT_EQ(amax.data<float>()[2], 100.0f);
+  // a second tensor into the same amax: the joint max
+  Tensor q = random_tensor({n}, DType::F32, 94, -3.0, 3.0), mq = m0.clone(), vq = v0.clone();
+  ops::adamw_step(q, g, mq, vq, h, nullptr, nullptr, ops::SliceAmax{&amax, slice});
+  for (int64_t s = 0; s < 2; ++s) EXPECT_EQ(amax.data<float>()[s], want(q, s, want(pb, s, 0.0f))) << "slice " << s;
+  // a skipped update: nothing written but the amax, of the parameters as they are
+  Tensor gate = Tensor::zeros({ops::kGateSize}, DType::F64);
+  gate.data<double>()[ops::kGateClip] = 1.0;
+  gate.data<double>()[ops::kGateSkip] = 1.0;
+  Tensor pc = p0.clone(), mc = m0.clone(), vc = v0.clone(), ac = Tensor::zeros({slices}, DType::F32);
+  ops::adamw_step(pc, g, mc, vc, {1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f, 2}, nullptr, &gate, ops::SliceAmax{&ac, slice});
+  EXPECT_TRUE(bitwise_equal_range(pc, 0, p0, 0, n));
+  for (int64_t s = 0; s < slices; ++s) EXPECT_EQ(ac.data<float>()[s], want(p0, s, 0.0f)) << "slice " << s;
+
+  expect_error([&] { ops::adamw_step(pa, g, ma, va, h, nullptr, nullptr, ops::SliceAmax{&amax, 1000}); },
+               "adamw_step: the amax slice must divide param's 3003 elements, got 1000");
+  Tensor two = Tensor::zeros({2}, DType::F32);
+  expect_error([&] { ops::adamw_step(pa, g, ma, va, h, nullptr, nullptr, ops::SliceAmax{&two, slice}); },
+               "adamw_step: slice_amax must be an f32 tensor of 3 elements (one a slice of 1001) on param's device, "
+               "got f32[2] cpu");
+}
+
 TEST(AdamWOps, MatchesDoubleFormula) {
   for (float wd : {0.0f, 0.1f}) {
     const int64_t n = 1000;

@@ -1167,8 +1167,11 @@ TEST(QuantizeSegments, CombineGradRowColIsCombineBackwardThenRowCol) {
   const ops::RowColQuant want = ops::quantize_row_col(dy_perm, row, {4, 9}, col, plan.offsets, keys);
   EXPECT_EQ(host<float>(dw), host<float>(dw_want));
   EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(want.row.codes));
-  for (size_t e = 0; e < keys.size(); ++e)
-    if (want.col[e].defined()) EXPECT_EQ(host<uint8_t>(got.col[e].codes), host<uint8_t>(want.col[e].codes)) << e;
+  for (size_t e = 0; e < keys.size(); ++e) {
+    if (want.col[e].defined()) {
+      EXPECT_EQ(host<uint8_t>(got.col[e].codes), host<uint8_t>(want.col[e].codes)) << e;
+    }
+  }
   try {
     ops::moe_combine_backward_row_col(dout, y, plan.slot_of, w, dw, row, {}, col, {0, 39}, {{1, 1}},
                                       ops::FormOut::Codes, ops::FormOut::Codes);

@@ -1130,8 +1130,8 @@ Prepared Model::weight(const Tensor& w, const std::string& name, GemmRole role, 
   // NUMERICS "NVFP4": an FFN's w1 and w3 form one outer-scale group (per expert for the routed
   // experts' [E, F, D] stacks; the whole matrix for the shared expert and a dense FFN, whose
   // gate and up projections serving engines fuse the same way).
-  Tensor gamax;
-  if (partner) {  // one pass over the pair for both (a max is the same in any order)
+  Tensor gamax = amax_ahead(w, spec, partner);  // the optimizer's, where it raised them
+  if (!gamax.defined() && partner) {  // one pass over the pair for both (a max is the same in any order)
     const void *a0 = w.raw(), *a1 = partner->raw();
     const std::string pair =
         fmt::format("{}:{}/{}/{}", std::min(a0, a1), std::max(a0, a1), gemm_role_name(role), describe(spec));
@@ -1241,6 +1241,81 @@ const Bf16Copies& Model::bf16_weight_copies() {
     }
   if (n > 0) bf16_copies_.buffer = Tensor::empty({n}, DType::BF16, device_);
   return bf16_copies_;
+}
+
+namespace {
+// The outer-scale groups of an NVFP4 weight operand whose amax is a max over contiguous elements
+// of the weight (no Hadamard rotation): one for a per-tensor scale, one a slice for per-slice
+// scales; 0 for any other spec.
+int64_t weight_amax_groups(const Tensor& w, const QuantSpec& spec) {
+  if (spec.fmt != Format::NVFP4 || spec.hadamard != 0) return 0;
+  if (spec.outer == OuterScale::Tensor) return 1;
+  if (spec.outer == OuterScale::PerSlice) return w.dim() == 3 ? w.size(0) : 1;
+  return 0;
+}
+}  // namespace
+
+const SliceAmaxAhead& Model::slice_amax_ahead() {
+  if (amax_ahead_made_) return amax_ahead_;
+  amax_ahead_made_ = true;
+  if (dtype_ != DType::F32) return amax_ahead_;
+  const std::vector<ParamInfo>& infos = params_.infos();
+  amax_ahead_.at.assign(infos.size(), -1);
+  amax_ahead_.slice.assign(infos.size(), 0);
+  // Each linear whose forward (else dgrad) weight operand has such groups and is a whole
+  // parameter gets entries; an FFN's w3 shares its w1's (linears() lists w1 first), as weight()
+  // pairs them.
+  std::map<std::string, size_t> by_name;
+  int64_t n = 0;
+  for (const LinearInfo& li : linears()) {
+    const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
+    int64_t groups = weight_amax_groups(li.weight, r.fprop.b);
+    if (groups == 0) groups = weight_amax_groups(li.weight, r.dgrad.b);
+    if (groups == 0 || li.weight.dtype() != DType::F32) continue;
+    const size_t i = params_.param_index(li.weight);
+    if (li.weight.raw() != params_.view(params_.flat_const(), infos[i]).raw() || li.weight.numel() != infos[i].numel())
+      continue;
+    by_name[li.name] = i;
+    amax_ahead_.slice[i] = li.weight.numel() / groups;
+    const auto w1 = li.name.ends_with(".w3") ? by_name.find(li.name.substr(0, li.name.size() - 1) + "1") : by_name.end();
+    if (w1 != by_name.end() && infos[w1->second].numel() == li.weight.numel() &&
+        amax_ahead_.slice[w1->second] == amax_ahead_.slice[i]) {
+      amax_ahead_.at[i] = amax_ahead_.at[w1->second];
+      continue;
+    }
+    amax_ahead_.at[i] = n;
+    n += groups;
+  }
+  if (n == 0) return amax_ahead_ = SliceAmaxAhead{};
+  amax_ahead_.buffer = Tensor::zeros({n}, DType::F32, device_);
+  for (const auto& [name, i] : by_name) {
+    const Tensor w = params_.view(params_.flat_const(), infos[i]);
+    AmaxAhead& e = amax_ahead_at_[w.raw()];
+    e.amax = amax_ahead_.buffer.view(amax_ahead_.at[i], {w.numel() / amax_ahead_.slice[i]});
+  }
+  for (const auto& [name, i] : by_name) {  // the pairs: two weights on one set of entries
+    if (!name.ends_with(".w3")) continue;
+    const auto w1 = by_name.find(name.substr(0, name.size() - 1) + "1");
+    if (w1 == by_name.end() || amax_ahead_.at[w1->second] != amax_ahead_.at[i]) continue;
+    const void* a = params_.view(params_.flat_const(), infos[i]).raw();
+    const void* b = params_.view(params_.flat_const(), infos[w1->second]).raw();
+    amax_ahead_at_[a].partner = b;
+    amax_ahead_at_[b].partner = a;
+  }
+  return amax_ahead_;
+}
+
+Tensor Model::amax_ahead(const Tensor& w, const QuantSpec& spec, const Tensor* partner) const {
+  if (!amax_ahead_current_) return {};
+  const auto it = amax_ahead_at_.find(w.raw());
+  if (it == amax_ahead_at_.end()) return {};
+  const AmaxAhead& e = it->second;
+  const int64_t groups = weight_amax_groups(w, spec);
+  // the same groups of the same weights (and of the same pair), else the pass over the weights
+  if (groups == 0 || e.amax.numel() != groups || e.partner != (partner ? partner->raw() : nullptr) ||
+      w.numel() != amax_ahead_.slice[params_.param_index(w)] * groups)
+    return {};
+  return e.amax;
 }
 
 void Model::convert_bf16_weights_ahead() {

@@ -184,13 +184,16 @@ class Model {
   // bf16_copies_current: the optimizer has just written the BF16 copies of the updated weights
   // into bf16_weight_copies() (Optimizer::wrote_bf16_copies) and nothing else changes the weights
   // before the next forward, which then takes them instead of converting the weights again.
-  void invalidate_weight_cache(bool bf16_copies_current = false) {
+  // slice_amax_current: the same for the outer-scale groups' amax in slice_amax_ahead()
+  // (Optimizer::wrote_slice_amax), which the NVFP4 weights then take instead of a pass over them.
+  void invalidate_weight_cache(bool bf16_copies_current = false, bool slice_amax_current = false) {
     ++weights_version_;
     weight_cache_.clear();
     group_amax_cache_.clear();
     fused_cache_.clear();
     bf16_ahead_.clear();
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
+    amax_ahead_current_ = slice_amax_current && amax_ahead_.defined();
   }
   // Where the recipe has linears with BF16 forward operands over F32 weights (bf16, and the
   // layers other recipes keep in BF16, such as the LM head), the BF16 copies of those weights
@@ -198,6 +201,12 @@ class Model {
   // after the weights change, or the optimizer in its update (Optimizer::write_bf16_copies);
   // undefined where no linear needs one.
   const Bf16Copies& bf16_weight_copies();
+  // Where the recipe quantizes weights to NVFP4 with an outer scale per tensor or per expert
+  // (NUMERICS "NVFP4": amax_G over the group, an FFN's w1 and w3 one group), the groups' amax
+  // live in one F32 buffer (made on first call) that the optimizer can raise in its update
+  // (Optimizer::write_slice_amax), so that the next forward's quantizers skip their pass over the
+  // weights; undefined where no weight has such a group.
+  const SliceAmaxAhead& slice_amax_ahead();
   // Counts invalidate_weight_cache calls: work recorded against the cached weights (a CUDA graph
   // of a forward, model/decode_graph.h) is stale once it changes.
   uint64_t weights_version() const { return weights_version_; }
@@ -290,6 +299,17 @@ class Model {
   Bf16Copies bf16_copies_;            // bf16_weight_copies()
   bool bf16_copies_made_ = false;
   bool bf16_copies_current_ = false;  // they hold the weights' BF16 rounding (invalidate_weight_cache)
+  // slice_amax_ahead()'s entries by weight: its groups' amax (a view of the buffer) and the
+  // weight whose groups share them (an FFN's w1 for its w3 and back; null: none).
+  struct AmaxAhead {
+    Tensor amax;
+    const void* partner = nullptr;
+  };
+  Tensor amax_ahead(const Tensor& w, const QuantSpec& spec, const Tensor* partner) const;
+  SliceAmaxAhead amax_ahead_;
+  std::map<const void*, AmaxAhead> amax_ahead_at_;
+  bool amax_ahead_made_ = false;
+  bool amax_ahead_current_ = false;  // the buffer holds the weights' amax (invalidate_weight_cache)
   std::map<std::string, Tensor> input_amax_;
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;

@@ -45,6 +45,15 @@ struct Bf16Copies {
   bool defined() const { return buffer.defined(); }
 };
 
+// Each slice's amax of some parameters after an optimizer update (ops::SliceAmax), packed into one
+// F32 buffer: parameter i raises entries at[i] .. at[i] + numel / slice[i] - 1 (at[i] = -1: none).
+// Two parameters may share entries (an FFN's w1 and w3: their joint amax). Undefined buffer: none.
+struct SliceAmaxAhead {
+  Tensor buffer;
+  std::vector<int64_t> at, slice;
+  bool defined() const { return buffer.defined(); }
+};
+
 class ParamStore {
  public:
   ParamStore(const ModelConfig& c, DType dtype, Device device);

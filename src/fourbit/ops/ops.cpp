@@ -875,13 +875,23 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
   FOURBIT_DISPATCH(dout.device(), moe_combine_backward, dout, y_perm, slot_of, w, dy_perm, dw);
 }
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16,
-                const Tensor* gate) {
+                const Tensor* gate, const SliceAmax& slice_amax) {
   if (gate) {
     expect_gate("adamw_step", *gate, param.defined() ? param.device() : Device::CPU);
     if (h.grad_scale != 1.0f)
       fail("adamw_step: with a gate the clip factor comes from it; grad_scale must be 1, got {}", h.grad_scale);
   }
-  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16, gate);
+  if (slice_amax.amax) {
+    const Tensor& a = *slice_amax.amax;
+    const int64_t n = param.defined() ? param.numel() : 0, sl = slice_amax.slice;
+    if (sl < 1 || n % sl != 0)
+      fail("adamw_step: the amax slice must divide param's {} elements, got {}", n, sl);
+    if (!a.defined() || a.dtype() != DType::F32 || a.numel() != n / sl || !param.defined() ||
+        a.device() != param.device())
+      fail("adamw_step: slice_amax must be an f32 tensor of {} elements (one a slice of {}) on param's device, got {}",
+           n / sl, sl, a.defined() ? a.str() : "an undefined tensor");
+  }
+  FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16, gate, slice_amax);
 }
 void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, Tensor& gate) {
   if (grads.empty()) fail("grad_norm_gate: no gradients");

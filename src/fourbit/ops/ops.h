@@ -526,8 +526,19 @@ struct AdamW {
 // With gate (grad_norm_gate's, on param's device; h.grad_scale must then be 1) the gradient is
 // scaled by the gate's clip factor, and nothing is written where the gate says to skip: the
 // update is queued before anyone has read the norm.
+//
+// With slice_amax (amax: F32 [param.numel() / slice] on param's device) the updated parameter's
+// slices of `slice` elements each raise amax[s] to their max |p| over finite values
+// (num::max_abs_finite, the NVFP4 outer-scale group amax of NUMERICS): the next forward's NVFP4
+// weights take it instead of a pass over the weights (Optimizer::write_slice_amax). The caller
+// zeroes amax; tensors raised into one amax get their joint amax (an FFN's w1 and w3). Written
+// also where the gate skips the update, from the unchanged parameters.
+struct SliceAmax {
+  Tensor* amax = nullptr;
+  int64_t slice = 0;
+};
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h,
-                Tensor* param_bf16 = nullptr, const Tensor* gate = nullptr);
+                Tensor* param_bf16 = nullptr, const Tensor* gate = nullptr, const SliceAmax& slice_amax = {});
 
 // The gate of one optimizer update, computed where the gradients are, so that the update can be
 // queued without the host reading anything first (it reads the gate later, while the update

@@ -128,8 +128,27 @@ void Optimizer::write_bf16_copies(const Bf16Copies& copies) {
   bf16_ = copies;
 }
 
+void Optimizer::write_slice_amax(const SliceAmaxAhead& ahead) {
+  if (ahead.defined()) {
+    const std::vector<ParamInfo>& infos = params_.infos();
+    if (ahead.buffer.dtype() != DType::F32 || ahead.buffer.device() != params_.flat().device() ||
+        ahead.at.size() != infos.size() || ahead.slice.size() != infos.size())
+      fail("Optimizer::write_slice_amax: want an f32 buffer on {} and an entry for each of the {} parameters, got {} "
+           "and {}", device_name(params_.flat().device()), infos.size(), ahead.buffer.str(), ahead.at.size());
+    for (size_t i = 0; i < infos.size(); ++i) {
+      if (ahead.at[i] < 0) continue;
+      const int64_t sl = ahead.slice[i];
+      if (sl < 1 || infos[i].numel() % sl != 0 || ahead.at[i] + infos[i].numel() / sl > ahead.buffer.numel())
+        fail("Optimizer::write_slice_amax: {} ({} elements) in slices of {} from entry {} does not fit the "
+             "{}-entry buffer", infos[i].name, infos[i].numel(), sl, ahead.at[i], ahead.buffer.numel());
+    }
+  }
+  amax_ = ahead;
+}
+
 double Optimizer::step(int64_t step_index, double lr) {
   wrote_bf16_ = false;
+  wrote_amax_ = false;
   quant_nonfinite_ = false;
   params_.settle_grads();  // a step without a backward since zero_grad: zero gradients
   // The gate (norm, clip factor, skip) is computed on the gradients' device and the update reads
@@ -145,11 +164,14 @@ double Optimizer::step(int64_t step_index, double lr) {
   // decay (and, with BF16 copies, all with copies next to each other there or all without) take
   // one call over their run: the bits of one call each, in a few launches instead of one a
   // parameter (a step of configs/gpu-small.toml: 50 instead of 154).
+  // A parameter whose slices' amax the update raises takes a call of its own.
   const std::vector<ParamInfo>& infos = params_.infos();
   const auto copy_at = [&](size_t k) { return bf16_.defined() ? bf16_.at[k] : int64_t(-1); };
+  const auto amax_at = [&](size_t k) { return amax_.defined() ? amax_.at[k] : int64_t(-1); };
+  if (amax_.defined()) ops::fill_(amax_.buffer, 0.0);
   for (size_t i = 0; i < infos.size();) {
     size_t j = i + 1;
-    while (j < infos.size() && infos[j].decay == infos[i].decay &&
+    while (j < infos.size() && amax_at(i) < 0 && amax_at(j) < 0 && infos[j].decay == infos[i].decay &&
            infos[j].offset == infos[j - 1].offset + infos[j - 1].numel() &&
            (copy_at(j) < 0) == (copy_at(i) < 0) &&
            (copy_at(j) < 0 || copy_at(j) == copy_at(j - 1) + infos[j - 1].numel()))
@@ -158,16 +180,19 @@ double Optimizer::step(int64_t step_index, double lr) {
     Tensor w = params_.flat().view(at, {n}), g = params_.flat_grad().view(at, {n});
     Tensor m = m_.view(at, {n}), v = v_.view(at, {n});
     Tensor w16 = copy_at(i) >= 0 ? bf16_.buffer.view(copy_at(i), {n}) : Tensor();
+    Tensor amax = amax_at(i) >= 0 ? amax_.buffer.view(amax_at(i), {n / amax_.slice[i]}) : Tensor();
     ops::adamw_step(w, g, m, v,
                     ops::AdamW{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
                                infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1},
-                    w16.defined() ? &w16 : nullptr, &gate);
+                    w16.defined() ? &w16 : nullptr, &gate,
+                    amax.defined() ? ops::SliceAmax{&amax, amax_.slice[i]} : ops::SliceAmax{});
     i = j;
   }
   const double* gv = static_cast<const double*>(read ? read->wait() : gate.raw());
   quant_nonfinite_ = gv[ops::kGateQuantNonfinite] != 0.0;
   // where the update skipped itself, the copies are still those of the (unchanged) parameters
   wrote_bf16_ = bf16_.defined() && gv[ops::kGateSkip] == 0.0;
+  wrote_amax_ = amax_.defined();  // the amax of the parameters as they are now, updated or not
   return gv[ops::kGateNorm];  // the trainer stops on a non-finite norm
 }
 

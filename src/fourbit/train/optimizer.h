@@ -82,6 +82,13 @@ class Optimizer {
   // (Model::invalidate_weight_cache(true)) instead of converting its weights again.
   void write_bf16_copies(const Bf16Copies& copies);
   bool wrote_bf16_copies() const { return wrote_bf16_; }
+  // From now on every step also zeroes `ahead`'s buffer and raises it to each slice's amax of the
+  // updated parameters that have entries there (Model::slice_amax_ahead: the NVFP4 weights' outer
+  // scale groups), in the update's own pass; written also where the gate skips the update (the
+  // amax of the unchanged parameters). wrote_slice_amax(): the last step() did, so the model may
+  // take them (Model::invalidate_weight_cache) instead of a pass over the weights.
+  void write_slice_amax(const SliceAmaxAhead& ahead);
+  bool wrote_slice_amax() const { return wrote_amax_; }
 
  private:
   std::vector<Tensor> grad_views() const;  // every parameter's gradient, in layout order
@@ -90,6 +97,8 @@ class Optimizer {
   Tensor m_, v_;
   Bf16Copies bf16_;  // write_bf16_copies' target
   bool wrote_bf16_ = false;
+  SliceAmaxAhead amax_;  // write_slice_amax's target
+  bool wrote_amax_ = false;
   bool quant_nonfinite_ = false;
 };
 
