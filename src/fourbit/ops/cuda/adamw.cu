@@ -18,7 +18,7 @@ namespace fourbit::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kAmaxChunk = 16 * 4 * kThreads;  // elements a CTA of adamw_amax_kernel
+constexpr int64_t kAmaxChunk = 64 * 4 * kThreads;  // elements a CTA of adamw_amax_kernel
 
 // The four elements from i (of n): updated unless `skip`, and (kAmax) their max |p| after it
 // folded into a (elements past n load as zeros, which leave a max of magnitudes as it is).
@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t s = blockIdx.x / chunks, lo = s * slice + (blockIdx.x % chunks) * kAmaxChunk;
   const int64_t len = (s + 1) * slice - lo < kAmaxChunk ? (s + 1) * slice - lo : kAmaxChunk;
   float a = 0.0f;
+#pragma unroll 4
   for (int64_t i = 4 * int64_t(threadIdx.x); i < len; i += 4 * kThreads)
     adamw_four<true>(param + lo, grad + lo, m + lo, v + lo, param_bf16 ? param_bf16 + lo : nullptr, i, len, vec,
                      vec_bf16, k, skip, a);
