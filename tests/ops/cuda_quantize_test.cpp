@@ -1260,6 +1260,65 @@ TEST(CudaQuantize, FormsOfEveryEntryAreItsCodesDecoded) {
   }
 }
 
+// QTensor::row_amax on the GPU: each NVFP4 entry of per-row scales (the register-resident kernel,
+// whole-row tiles, and the tile kernel after its amax pass for rows past the fused width) keeps
+// the CPU's row amaxes, in either form, with a NaN among the values; views keep theirs, a gather
+// drops them, and other specs and a caller's amax leave them undefined.
+TEST(CudaQuantize, Nvfp4PerRowKeepsTheCpusRowAmax) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec fos;
+  fos.fmt = Format::NVFP4;
+  fos.outer = OuterScale::PerRow;
+  fos.four_over_six = true;
+  QuantSpec sr = fos;
+  sr.four_over_six = false;
+  sr.rounding = num::Rounding::SR;
+  struct Case {
+    QuantSpec spec;
+    Dims d;
+    const char* entry;
+  };
+  const std::vector<Case> cases = {{fos, {1, 256, 1024}, "nvfp4_row_fast_kernel"},
+                                   {fos, {3, 40, 96}, "nvfp4_row_fast_kernel"},
+                                   {fos, {1, 100, 1001}, "nvfp4_tile_row_amax"},
+                                   {sr, {1, 64, 512}, "nvfp4_tile_row_amax"},
+                                   {fos, {1, 5, 20000}, "quantize_tile_kernel"}};
+  uint32_t seed = 1500;
+  for (const Case& c : cases) {
+    std::vector<float> host = make_data(c.d, Data::HeavyTailed, seed++);
+    host[size_t(c.d.cols + 3)] = std::nanf("");
+    const Tensor x_cpu = Tensor::from_host(host.data(), c.d.shape(), DType::F32), x_gpu = x_cpu.to(Device::CUDA);
+    EXPECT_STREQ(ops::cuda::quantize_kernel_for(c.spec, c.d.slices, c.d.rows, c.d.cols, c.d.cols % 4 == 0, false),
+                 c.entry);
+    const QTensor want = ops::quantize(x_cpu, c.spec, {5, 6});
+    ASSERT_TRUE(want.row_amax.defined());
+    for (ops::FormOut form : {ops::FormOut::Codes, ops::FormOut::Bf16}) {
+      const std::string what = std::string(c.entry) + " " + spec_str(c.spec) + " " + c.d.str();
+      const QTensor got = ops::quantize(x_gpu, c.spec, {5, 6}, nullptr, nullptr, form);
+      ASSERT_TRUE(got.row_amax.defined()) << what;
+      EXPECT_EQ(host_vec<float>(got.row_amax), host_vec<float>(want.row_amax)) << what;
+      EXPECT_EQ(host_vec<float>(got.outer_scales), host_vec<float>(want.outer_scales)) << what;
+    }
+  }
+  const Dims d{1, 64, 256};
+  const std::vector<float> host = make_data(d, Data::Varied, seed++);
+  const Tensor x = Tensor::from_host(host.data(), d.shape(), DType::F32).to(Device::CUDA);
+  const QTensor q = ops::quantize(x, fos);
+  const QTensor v = ops::qtensor_rows(q, 10, 20);
+  ASSERT_TRUE(v.row_amax.defined());
+  EXPECT_EQ(host_vec<float>(v.row_amax), host_vec<float>(q.row_amax.slice_rows(10, 20)));
+  const int32_t toks[4] = {3, 3, 0, 63};
+  EXPECT_FALSE(ops::gather_rows(q, Tensor::from_host(toks, {4}, DType::I32).to(Device::CUDA)).row_amax.defined());
+  QuantSpec per_tensor = fos, rotated = fos;
+  per_tensor.outer = OuterScale::Tensor;
+  rotated.four_over_six = false;
+  rotated.hadamard = 16;
+  rotated.hadamard_signs = num::kNvidiaRht16Signs;
+  for (const QuantSpec& s : {per_tensor, rotated}) EXPECT_FALSE(ops::quantize(x, s).row_amax.defined()) << spec_str(s);
+  const Tensor amax = q.row_amax.clone();
+  EXPECT_FALSE(ops::quantize(x, fos, {}, nullptr, &amax).row_amax.defined());
+}
+
 // An NVFP4 operand written with its decode (beside the codes or alone) gives a GEMM the bits of
 // its codes: the decode is code x block scale, and the outer scales (per token on A, per tensor
 // on B) are applied in the epilogue as they are for the codes. ops::with_decode the same.

@@ -25,6 +25,7 @@
 #include "fourbit/numerics/formats.h"
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/numerics/minifloat.h"
+#include "fourbit/numerics/nvfp4.h"
 #include "fourbit/numerics/philox.h"
 #include "fourbit/ops/ops.h"
 #include "numerics/reference_formats.h"
@@ -583,6 +584,54 @@ TEST(QuantizeFormula, Nvfp4SrIsUnbiasedBelowSaturation) {
               (long long)saturated);
   EXPECT_GT(saturated, 0) << "no element saturates: the stated exception is not exercised";
   EXPECT_GT(checked, int64_t(x.size()) * 9 / 10);
+}
+
+// QTensor::row_amax: an NVFP4 quantizer of per-row scales (no rotation, no caller's amax) keeps
+// each storage row's max |x| over finite values, the amax its S_enc came from; a view of rows keeps
+// theirs, a gather of rows none; other specs leave it undefined.
+TEST(QuantizeFormula, Nvfp4PerRowKeepsEachRowsAmax) {
+  const Dims d{2, 5, 70};
+  std::vector<float> x(size_t(d.numel()));
+  std::mt19937 gen(91);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  for (float& v : x) v = nd(gen);
+  for (int64_t c = 0; c < d.cols; ++c) x[size_t(3 * d.cols + c)] = 0.0f;  // a zero row
+  x[size_t(d.cols + 4)] = std::nanf("");                                   // non-finite values take no part
+  x[size_t(6 * d.cols + 1)] = -INFINITY;
+  const Tensor t = to_tensor(x, d);
+  for (const Rounding rnd : {Rounding::RNE, Rounding::SR}) {
+    QuantSpec spec = nvfp4(OuterScale::PerRow, rnd);
+    spec.four_over_six = rnd == Rounding::RNE;
+    const QTensor q = ops::quantize(t, spec, {3, 4});
+    ASSERT_TRUE(q.row_amax.defined());
+    ASSERT_EQ(q.row_amax.numel(), d.slices * d.rows);
+    for (int64_t r = 0; r < d.slices * d.rows; ++r) {
+      float want = 0.0f;
+      for (int64_t c = 0; c < d.cols; ++c)
+        if (std::isfinite(x[size_t(r * d.cols + c)])) want = std::max(want, std::fabs(x[size_t(r * d.cols + c)]));
+      EXPECT_EQ(q.row_amax.data<float>()[r], want) << "row " << r;
+      // the amax the row's outer scale came from
+      EXPECT_EQ(q.outer_scales.data<float>()[r], num::nvfp4_s_dec(num::nvfp4_s_enc(want, spec.four_over_six)));
+    }
+    const QTensor v = ops::qtensor_rows(ops::qtensor_slice(q, 1), 2, 4);
+    ASSERT_TRUE(v.row_amax.defined());
+    EXPECT_EQ(host<float>(v.row_amax), std::vector<float>(q.row_amax.data<float>() + 7, q.row_amax.data<float>() + 9));
+    const int32_t toks[3] = {1, 1, 0};
+    const QTensor one = ops::qtensor_slice(q, 0);
+    EXPECT_FALSE(ops::gather_rows(one, Tensor::from_host(toks, {3}, DType::I32)).row_amax.defined());
+  }
+  QuantSpec rotated = nvfp4(OuterScale::PerRow);
+  rotated.hadamard = 16;
+  rotated.hadamard_signs = num::kNvidiaRht16Signs;
+  QuantSpec col = nvfp4(OuterScale::PerRow);
+  col.axis = BlockAxis::Col;
+  Tensor amax = Tensor::zeros({d.slices * d.rows}, DType::F32);
+  for (const QuantSpec& s : {nvfp4(OuterScale::PerSlice), nvfp4(OuterScale::Tensor), nvfp4(OuterScale::None), rotated,
+                             col, mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL)})
+    EXPECT_FALSE(ops::quantize(t, s).row_amax.defined()) << describe(s);
+  ops::fill_(amax, 100.0);
+  EXPECT_FALSE(ops::quantize(t, nvfp4(OuterScale::PerRow), {}, nullptr, &amax).row_amax.defined())
+      << "a caller's amax: the rows' own are not computed";
 }
 
 TEST(QuantizeFormula, Mxfp8) {

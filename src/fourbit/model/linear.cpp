@@ -452,6 +452,7 @@ Prepared stack_quantized(const std::vector<Prepared>& parts, bool shared_outer) 
     return ts;
   };
   QTensor out = q0;
+  out.row_amax = Tensor{};  // the parts' rows, stacked: not recorded
   out.rows = std::accumulate(rows.begin(), rows.end(), int64_t(0));
   out.codes = stack_slices(field(&QTensor::codes), rows, q0.slices, q0.code_row_bytes());
   out.block_scales = stack_slices(field(&QTensor::block_scales), rows, q0.slices, q0.blocks_per_row());
@@ -514,6 +515,7 @@ Prepared append_quantized(const std::vector<Prepared>& parts) {
     all_bf16 = all_bf16 && q.bf16.defined();
   }
   QTensor out = q0;
+  out.row_amax = Tensor{};  // the parts' rows, stacked: not recorded
   out.slices = slices;
   out.codes = stack_slices(codes, rows, 1, q0.code_row_bytes());
   out.block_scales = stack_slices(scales, rows, 1, q0.blocks_per_row());

@@ -26,6 +26,7 @@ std::atomic<bool> g_shared_expert_grouped{true};
 // On by default since an H100 ran them in the GPU suite and the training A/B (docs/model.md).
 std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
+std::atomic<bool> g_input_amax_from_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -210,15 +211,23 @@ struct ModelRunner {
   }
 
   // Folds max |x| over each segment of an NVFP4 linear input into Model::input_amax()[key]
-  // (segments: the rows of x, or the entries offsets[g] .. offsets[g + 1] of `rows`).
+  // (segments: the rows of x, or the entries offsets[g] .. offsets[g + 1] of `rows`). With q, x's
+  // quantized rows, whose quantizer kept each row's amax (QTensor::row_amax), the max is over
+  // those (set_input_amax_from_quantizers): the same values without reading x again.
   void record_input_amax(const std::string& key, const Tensor& x, const LayerRecipe& r, int64_t segments = 1,
-                         const Tensor& rows = {}, const std::vector<int64_t>& offsets = {}) {
+                         const Tensor& rows = {}, const std::vector<int64_t>& offsets = {},
+                         const QTensor* q = nullptr) {
     if (!record_amax || r.fprop.a.fmt != Format::NVFP4) return;
     Tensor& amax = m.input_amax_[key];
     if (!amax.defined()) amax = Tensor::zeros({segments}, DType::F32, m.device_);
     const int64_t n = rows.defined() ? rows.size(0) : x.size(0);
-    ops::running_segment_amax(x, rows, offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
+    const bool kept = g_input_amax_from_quantizers.load(std::memory_order_relaxed) && q && q->row_amax.defined() &&
+                      q->slices == 1 && q->axis == BlockAxis::Row && q->rows == x.size(0) &&
+                      q->row_amax.numel() == x.size(0);
+    ops::running_segment_amax(kept ? q->row_amax.reshape({x.size(0), 1}) : x, rows,
+                              offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
   }
+  static const QTensor* quantized(const Prepared& p) { return p.is_quantized() ? &p.q : nullptr; }
 
   // Whether a layer's fprop X and wgrad X^T are made together (prepare_row_col): the weight
   // gradient's X^T comes from the high-precision X and the two specs pair in one pass.
@@ -449,7 +458,7 @@ struct ModelRunner {
     if (x_fwd) x.fwd = *x_fwd;
     else if (saved) x = prepare_input(xn, r, cls, w.name + ".w13", true);
     else x = prepare_fprop_input(xn, r, cls, w.name + ".w13");
-    record_input_amax(w.name + ".x", xn, r);
+    record_input_amax(w.name + ".x", xn, r, 1, {}, {}, quantized(x.fwd));
     const Prepared w1 = weight(w.w1, w.name + ".w1", GemmRole::Fprop, r.fprop.b, cls, &w.w3);
     const Prepared w3 = weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1);
     const Prepared w13 = fuse && !saved ? m.fused_weight(w.name + ".w13", {w1, w3}, true) : Prepared{};
@@ -477,11 +486,11 @@ struct ModelRunner {
         ops::swiglu_forward(h1, h3, a);
     }
     if (!a_fused) {
-      record_input_amax(w.name + ".a", a, r);
       // only the GEMM below reads it: its decode alone
       pa = aq_req ? producer_quantized(std::move(aq), a, cls, w.name + ".w2")
                   : prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), cls, log, nullptr,
                             nullptr, ops::FormOut::Bf16);
+      record_input_amax(w.name + ".a", a, r, 1, {}, {}, quantized(pa));
     }
     forward_gemm(pa, weight(w.w2, w.name + ".w2", GemmRole::Fprop, r.fprop.b, cls), y);
     if (saved) {
@@ -779,7 +788,7 @@ struct ModelRunner {
 
     // Dispatch: quantize each token once (per-token scales make this independent of the batch),
     // then gather the packed rows into expert order.
-    record_input_amax(name + "moe.x", xn, r, E, plan.token_of_slot, plan.offsets);
+    record_input_amax(name + "moe.x", xn, r, E, plan.token_of_slot, plan.offsets, quantized(px));
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
     Tensor xn_perm;
@@ -957,7 +966,6 @@ struct ModelRunner {
       pa = std::move(p.row);
       a_wgrad = std::move(p.col);
     } else {
-      record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets);
       if (inner && x_pairs(r) && rows > 0) {
         PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                            GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
@@ -970,6 +978,7 @@ struct ModelRunner {
         pa = prepare(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), cls, log, nullptr, nullptr,
                      inner ? ops::FormOut::CodesAndBf16 : ops::FormOut::Bf16);
       }
+      record_input_amax(name + "moe.a", a, r, c.n_experts, {}, plan.offsets, quantized(pa));
     }
     expert_gemm(pa, w2, plan, y);
     if (inner) {
@@ -1624,6 +1633,9 @@ void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std:
 bool set_dy_decodes_only(bool on) { return g_dy_decodes_only.exchange(on, std::memory_order_relaxed); }
 bool set_training_producer_quantizers(bool on) {
   return g_training_producer_quantizers.exchange(on, std::memory_order_relaxed);
+}
+bool set_input_amax_from_quantizers(bool on) {
+  return g_input_amax_from_quantizers.exchange(on, std::memory_order_relaxed);
 }
 
 Tensor Model::forward_cached(const Tensor& tokens, const KvBatch& batch, KvCache& cache, const SrStreams& sr,

@@ -1,6 +1,7 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers
+//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers,
+//          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
 // residual -> RMSNorm -> MoE FFN (router softmax top-k, SwiGLU experts, optional shared expert,
@@ -107,6 +108,13 @@ bool set_dy_decodes_only(bool on);
 // quantizer pass reads it. The same bits either way. Process-wide, for benchmarks and tests;
 // returns the setting before.
 bool set_training_producer_quantizers(bool on);
+
+// Whether a training forward's running record of its NVFP4 inputs' amax (Model::input_amax, the
+// static activation scales of an export) takes the per-row amaxes the inputs' quantizers computed
+// anyway (QTensor::row_amax: a max over one float a row) where they have them (true, the default),
+// or reads the F32 inputs again (false). The same values either way. Process-wide, for benchmarks
+// and tests; returns the setting before.
+bool set_input_amax_from_quantizers(bool on);
 
 // One MoE layer's routing in a forward, for analysis (a benchmark counting the experts a decode
 // step reads): the layer, the tokens routed, and the route plan's offsets (E + 1 entries: expert e

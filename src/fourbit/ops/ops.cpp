@@ -494,6 +494,7 @@ QTensor qtensor_rows(const QTensor& q, int64_t begin, int64_t end) {
   }
   if (q.outer == OuterScale::PerRow) out.outer_scales = q.outer_scales.slice_rows(begin, end);
   if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(begin, end);
+  if (q.row_amax.defined()) out.row_amax = q.row_amax.slice_rows(begin, end);
   return out;
 }
 
@@ -506,6 +507,7 @@ QTensor qtensor_slice(const QTensor& q, int64_t s) {
     out.block_scales = q.block_scales.slice_rows(s * q.rows, (s + 1) * q.rows);
   }
   if (q.bf16.defined()) out.bf16 = q.bf16.slice_rows(s * q.rows, (s + 1) * q.rows);
+  if (q.row_amax.defined()) out.row_amax = q.row_amax.slice_rows(s * q.rows, (s + 1) * q.rows);
   switch (q.outer) {
     case OuterScale::None:
     case OuterScale::Tensor: break;

@@ -33,6 +33,12 @@ struct QTensor {
   // codes from these leaves it undefined. A form that only the GEMMs running next read may be
   // its decode alone (ops::FormOut::Bf16): codes and block_scales undefined, bf16 defined.
   Tensor bf16;
+  // Optional: each storage row's amax, max |x| over the row's finite values of the quantized
+  // input (F32 [slices*rows]), written by the NVFP4 quantizers of per-row outer scales without a
+  // rotation (the amax each row's S_enc comes from): what a running record of the input's amax
+  // (Model::input_amax) folds instead of reading the input again. Views keep the matching rows;
+  // an op that gathers or stacks rows leaves it undefined.
+  Tensor row_amax;
 
   int block() const { return format_info(fmt).block; }
   int element_bits() const { return format_info(fmt).element_bits; }
@@ -71,6 +77,7 @@ struct QTensor {
     q.codes = codes.to(d);
     q.block_scales = block_scales.to(d);
     if (outer_scales.defined()) q.outer_scales = outer_scales.to(d);
+    if (row_amax.defined()) q.row_amax = row_amax.to(d);
     return q;
   }
 };

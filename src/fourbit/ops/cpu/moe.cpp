@@ -295,7 +295,7 @@ QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
   check_range(op, "token_of_slot", token_of_slot, x.rows, "rows");
   QTensor out = x;
   out.rows = M;
-  out.bf16 = Tensor{};  // new codes: the input's decode does not describe them
+  out.bf16 = out.row_amax = Tensor{};  // new codes: the input's decode and row amaxes do not describe them
   out.codes = Tensor::empty({M, x.code_row_bytes()}, DType::U8);
   out.block_scales = Tensor::empty({M, x.blocks_per_row()}, DType::U8);
   const bool per_row = x.outer == OuterScale::PerRow;

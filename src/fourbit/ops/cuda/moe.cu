@@ -820,7 +820,7 @@ QTensor gather_rows(const QTensor& x, const Tensor& token_of_slot) {
   const int32_t* tok = token_of_slot.data<int32_t>();
   QTensor out = x;
   out.rows = M;
-  out.bf16 = Tensor{};  // new codes: the input's decode does not describe them
+  out.bf16 = out.row_amax = Tensor{};  // new codes: the input's decode and row amaxes do not describe them
   out.codes = Tensor::empty({M, x.code_row_bytes()}, DType::U8, Device::CUDA);
   out.block_scales = Tensor::empty({M, x.blocks_per_row()}, DType::U8, Device::CUDA);
   RowParts parts;  // one launch for all of a row's parts

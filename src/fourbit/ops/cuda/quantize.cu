@@ -82,6 +82,9 @@ void launch_tiles(QuantLaunch& l) {
       gamax = Tensor::empty({groups}, DType::U32, Device::CUDA);
       outer_amax_prepass(p, col, groups, gamax.data<uint32_t>(), l.in.rows, l.in.cols, true);
       amax_bits = gamax.data<uint32_t>();
+      if (p.row_amax)  // per-row groups: the rows' amaxes (float bits)
+        FOURBIT_CUDA_CHECK(cudaMemcpyAsync(p.row_amax, amax_bits, size_t(groups) * sizeof(float),
+                                           cudaMemcpyDeviceToDevice, stream()));
     }
     outer_scale_kernel<<<grid_for(groups, kThreads), kThreads, 0, stream()>>>(amax_bits, groups,
                                                                  l.in.spec.four_over_six, p.outer);
@@ -206,6 +209,11 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   QTensor q = alloc_qtensor(spec, shape, Device::CUDA);
   if (!codes) q.codes = q.block_scales = Tensor{};
   if (kernel_decode) q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
+  // per-row scales from the rows' own amax: those amaxes travel with the codes (QTensor::row_amax;
+  // every NVFP4 entry writes them)
+  if (spec.fmt == Format::NVFP4 && q.outer == OuterScale::PerRow && q.axis == BlockAxis::Row && spec.hadamard == 0 &&
+      !group_amax)
+    q.row_amax = Tensor::empty({q.total_rows()}, DType::F32, Device::CUDA);
   QuantLaunch l{in, q, QuantParams{}, rng, group_amax};
   QuantParams& p = l.p;
   p.in.x = x.data<float>();
@@ -220,6 +228,7 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   p.scales = codes ? q.block_scales.data<uint8_t>() : nullptr;
   p.bf16 = kernel_decode ? q.bf16.data<__nv_bfloat16>() : nullptr;
   p.outer = q.outer_scales.defined() ? q.outer_scales.data<float>() : nullptr;
+  p.row_amax = q.row_amax.defined() ? q.row_amax.data<float>() : nullptr;
   p.outer_kind = q.outer;
   p.tile_2d = spec.tile_2d;
   p.four_over_six = spec.four_over_six;

@@ -46,6 +46,7 @@ struct FastRowParams {
   uint8_t* scales;         // [rows, nb]
   __nv_bfloat16* bf16;     // NVFP4: the BF16 decode [rows, padded_cols] (ops::FormOut), or null
   float* outer;            // NVFP4: S_dec per row (written here)
+  float* row_amax;         // NVFP4: each row's amax (QTensor::row_amax), or null
   int team_warps;          // NVFP4: warps sharing one row (and its amax)
   int64_t runs_per_row;    // MXFP8: warps per row (one run each)
   num::MxScaleRule mx_rule;
@@ -357,6 +358,7 @@ FastRowParams fast_row_params(const QuantParams& p, int64_t rows) {
   f.scales = p.scales;
   f.bf16 = p.bf16;
   f.outer = p.outer;
+  f.row_amax = p.row_amax;
   f.mx_rule = p.mx_rule;
   f.seed = p.seed;
   f.stream = p.stream;

@@ -149,7 +149,10 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     }
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
-    if (live && wt == 0 && lane == 0) p.outer[row] = s_dec;
+    if (live && wt == 0 && lane == 0) {
+      p.outer[row] = s_dec;
+      if (p.row_amax) p.row_amax[row] = num::float_of(row_amax);
+    }
     // Four Over Six: the row's table of encode scales (lookups are shuffles: the whole warp builds
     // and reads it, before the per-block branches); rows outside its exact range go generic.
     num::FosGroup grp{};

@@ -20,6 +20,7 @@ struct QuantParams {
   uint8_t* scales;
   __nv_bfloat16* bf16;          // NVFP4: the BF16 decode [rows, padded_cols] (ops::FormOut), or null
   float* outer;                 // S_dec output (fused per-row path writes it)
+  float* row_amax;              // NVFP4 per-row scales: each row's amax (QTensor::row_amax), or null
   OuterScale outer_kind;
   const uint32_t* group_amax;   // pre-pass result (bits), or null (fused / None)
   uint32_t* amax_out;           // amax mode: per-group maxima (bits)
@@ -117,6 +118,7 @@ __global__ void __launch_bounds__(kThreads) quantize_tile_kernel(const QuantPara
         if (p.fused_row_amax) {
           se = num::nvfp4_s_enc(num::float_of(row_amax[rr]), kFos);
           p.outer[g0 + rr] = num::nvfp4_s_dec(se);  // the tile spans the whole row: written once
+          if (p.row_amax) p.row_amax[g0 + rr] = num::float_of(row_amax[rr]);
         } else if (p.outer_kind != OuterScale::None) {
           const int64_t grp = group_of(p.outer_kind, g0 + rr, p.in.srows);
           se = num::nvfp4_s_enc(num::float_of(p.group_amax[grp]), kFos);
