@@ -25,13 +25,17 @@ test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 # AddressSanitizer + UndefinedBehaviorSanitizer build of the test suite (CPU only: the sanitizers
-# do not see into CUDA kernels, and CI has no GPU).
+# do not see into CUDA kernels, and CI has no GPU). ASAN_SKIP: the sweeps of every float32 bit
+# pattern through the scalar encoders (fast_quant_test.cpp), arithmetic on registers with no
+# memory for AddressSanitizer to watch, whose code the other tests run under both sanitizers; they
+# took ~50 s of its CPU time.
+ASAN_SKIP ?= FastQuantE2m1.RoundingEqualsTheGenericEncoderOnEveryFloat|FastQuantE4m3.ScaleValueEqualsTheGenericEncoderAndDecoder|FastQuantE4m3.ScaleEncodeEqualsTheGenericEncoder
 test-asan: deps
 	cmake -S . -B $(BUILD_ASAN) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFOURBIT_SANITIZE=ON \
 	      -DFOURBIT_CUDA=OFF -DFOURBIT_BENCH=OFF $(CMAKE_ARGS)
 	cmake --build $(BUILD_ASAN) -j $(JOBS)
 	cd $(BUILD_ASAN) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	    ctest --output-on-failure -j $(JOBS)
+	    ctest --output-on-failure -j $(JOBS) -E '$(ASAN_SKIP)'
 
 demo: build
 	@scripts/demo.sh $(BUILD)

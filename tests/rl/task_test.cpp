@@ -205,7 +205,7 @@ TEST(Countdown, ParserEvaluatesWithPrecedenceAndRejectsMalformedText) {
       {"03+4", "a number with a leading zero"},
       {"1234567890+1", "a number longer than 9 digits"},
       {"999999999*999999999*999999999", "overflow"},
-      {std::string(17, '(') + "1" + std::string(17, ')'), "nested too deeply"},
+      {fmt::format("{}1{}", std::string(17, '('), std::string(17, ')')), "nested too deeply"},
       {std::string(70, '1'), "longer than 64 characters"},
   };
   for (const auto& [text, err] : bad) EXPECT_EQ(rl::parse_countdown(text).error, err) << "'" << text << "'";

@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "model/model_test_util.h"
@@ -23,11 +24,12 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string config_text(int64_t d_model, int64_t max_seq_len) {
-  return "[model]\nvocab_size = 260\nd_model = " + std::to_string(d_model) +
-         "\nn_layers = 2\nn_heads = 2\nn_kv_heads = 1\nmax_seq_len = " + std::to_string(max_seq_len) +
-         "\nn_experts = 4\ntop_k = 2\nd_expert = 32\nn_shared_experts = 1\ndense_layers = 1\nd_dense = 64\n"
-         "[train]\nbatch_size = 8\nseq_len = 16\nsteps = 2\nwarmup_steps = 1\neval_every = 0\neval_batches = 1\n"
-         "log_every = 1\nseed = 7\n[data]\nsource = \"synthetic\"\n";
+  return fmt::format(
+      "[model]\nvocab_size = 260\nd_model = {}\nn_layers = 2\nn_heads = 2\nn_kv_heads = 1\nmax_seq_len = {}\n"
+      "n_experts = 4\ntop_k = 2\nd_expert = 32\nn_shared_experts = 1\ndense_layers = 1\nd_dense = 64\n"
+      "[train]\nbatch_size = 8\nseq_len = 16\nsteps = 2\nwarmup_steps = 1\neval_every = 0\neval_batches = 1\n"
+      "log_every = 1\nseed = 7\n[data]\nsource = \"synthetic\"\n",
+      d_model, max_seq_len);
 }
 
 // A directory with a 2-step pretrained base run (max_seq_len 16) and its config.
