@@ -18,10 +18,11 @@ namespace fourbit::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Elements a CTA of adamw_amax_kernel: four groups of four a thread, so that an expert weight's
-// update (16 M elements in gpu-small) fills the GPU as the grid-stride kernel does (~4 000 CTAs);
-// 64 groups a thread left 256 CTAs, two an SM, at half the plain update's rate on an H100.
-constexpr int64_t kAmaxChunk = 4 * 4 * kThreads;
+// Elements a CTA of adamw_amax_kernel: 16 groups of four a thread, ~1 000 CTAs for an expert
+// weight's update (16 M elements in gpu-small). On an H100 that ran at ~0.9 of the grid-stride
+// update's rate, and 64 groups (256 CTAs, two an SM) at half of it (bench/results/cuda-log.md,
+// session 52).
+constexpr int64_t kAmaxChunk = 16 * 4 * kThreads;
 
 // The four elements from i (of n): updated unless `skip`, and (kAmax) their max |p| after it
 // folded into a (elements past n load as zeros, which leave a max of magnitudes as it is).
@@ -75,7 +76,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t s = blockIdx.x / chunks, lo = s * slice + (blockIdx.x % chunks) * kAmaxChunk;
   const int64_t len = (s + 1) * slice - lo < kAmaxChunk ? (s + 1) * slice - lo : kAmaxChunk;
   float a = 0.0f;
-#pragma unroll 4
   for (int64_t i = 4 * int64_t(threadIdx.x); i < len; i += 4 * kThreads)
     adamw_four<true>(param + lo, grad + lo, m + lo, v + lo, param_bf16 ? param_bf16 + lo : nullptr, i, len, vec,
                      vec_bf16, k, skip, a);
