@@ -17,6 +17,7 @@
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/optimizer.h"
 #include "model/model_test_util.h"
+#include "model/optimizer_steps.h"
 
 using namespace fourbit;
 using namespace fourbit::modeltest;
@@ -41,14 +42,7 @@ Trained train(const std::string& recipe, Device dev, bool copies) {
   Optimizer optim(m.params(), t);
   if (copies) optim.write_bf16_copies(m.bf16_weight_copies());
   Trained out;
-  for (int64_t step = 0; step < 3; ++step) {
-    m.params().zero_grad();
-    const Tensor tokens = random_tokens(2, 12, 20 + uint64_t(step));
-    const ForwardStats st = m.forward(tokens.to(dev), shifted_targets(tokens, 258).to(dev),
-                                      SrStreams{4, uint64_t(step), 0}, true, 1.0f);
-    out.losses.push_back(st.loss);
-    m.backward();
-    optim.step(step);
+  out.losses = optimizer_steps(m, optim, dev, 3, 20, 4, [&](int64_t step) {
     EXPECT_EQ(optim.wrote_bf16_copies(), copies);
     if (copies) {  // every copy: the bits of converting its updated parameter
       const Bf16Copies& cp = m.bf16_weight_copies();
@@ -61,8 +55,7 @@ Trained train(const std::string& recipe, Device dev, bool copies) {
         EXPECT_EQ(0, std::memcmp(got.raw(), w.raw(), size_t(w.nbytes()))) << infos[i].name << " step " << step;
       }
     }
-    m.invalidate_weight_cache(optim.wrote_bf16_copies());
-  }
+  });
   out.weights = m.params().flat().to(Device::CPU);
   return out;
 }

@@ -49,7 +49,7 @@ void expect_same_record(Device dev) {
 }  // namespace
 
 TEST(InputAmaxSource, QuantizersRowAmaxesRecordWhatReadingTheInputsDoesOnTheCpu) {
-  const OmpThreads threads(2);
+  const OmpThreads threads(1);
   expect_same_record(Device::CPU);
 }
 

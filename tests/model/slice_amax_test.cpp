@@ -17,6 +17,7 @@
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/optimizer.h"
 #include "model/model_test_util.h"
+#include "model/optimizer_steps.h"
 
 using namespace fourbit;
 using namespace fourbit::modeltest;
@@ -74,18 +75,10 @@ Trained train(const std::string& recipe, Device dev, bool ahead) {
   Optimizer optim(m.params(), t);
   if (ahead) optim.write_slice_amax(m.slice_amax_ahead());
   Trained out;
-  for (int64_t step = 0; step < 3; ++step) {
-    m.params().zero_grad();
-    const Tensor tokens = random_tokens(2, 12, 30 + uint64_t(step));
-    const ForwardStats st = m.forward(tokens.to(dev), shifted_targets(tokens, 258).to(dev),
-                                      SrStreams{5, uint64_t(step), 0}, true, 1.0f);
-    out.losses.push_back(st.loss);
-    m.backward();
-    optim.step(step);
+  out.losses = optimizer_steps(m, optim, dev, 3, 30, 5, [&](int64_t step) {
     EXPECT_EQ(optim.wrote_slice_amax(), ahead);
     if (ahead) expect_entries_are_the_weights_amax(m, "step " + std::to_string(step));
-    m.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
-  }
+  });
   out.weights = m.params().flat().to(Device::CPU);
   return out;
 }
@@ -140,7 +133,7 @@ void expect_forward_takes_them(Device dev) {
 }  // namespace
 
 TEST(SliceAmax, OptimizerRaisedAmaxTrainsAsThePassOnTheCpu) {
-  const OmpThreads threads(2);
+  const OmpThreads threads(1);
   expect_amax_ahead_changes_nothing(Device::CPU);
 }
 
@@ -149,7 +142,10 @@ TEST(CudaSliceAmax, OptimizerRaisedAmaxTrainsAsThePass) {
   expect_amax_ahead_changes_nothing(Device::CUDA);
 }
 
-TEST(SliceAmax, TheForwardTakesThemOnTheCpu) { expect_forward_takes_them(Device::CPU); }
+TEST(SliceAmax, TheForwardTakesThemOnTheCpu) {
+  const OmpThreads threads(1);
+  expect_forward_takes_them(Device::CPU);
+}
 
 TEST(CudaSliceAmax, TheForwardTakesThem) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
