@@ -1275,6 +1275,7 @@ const SliceAmaxAhead& Model::slice_amax_ahead() {
   // parameter gets entries; an FFN's w3 shares its w1's (linears() lists w1 first), as weight()
   // pairs them.
   std::map<std::string, size_t> by_name;
+  std::vector<std::pair<size_t, size_t>> pairs;  // (w3, w1) parameter indices sharing entries
   int64_t n = 0;
   for (const LinearInfo& li : linears()) {
     const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
@@ -1290,6 +1291,7 @@ const SliceAmaxAhead& Model::slice_amax_ahead() {
     if (w1 != by_name.end() && infos[w1->second].numel() == li.weight.numel() &&
         amax_ahead_.slice[w1->second] == amax_ahead_.slice[i]) {
       amax_ahead_.at[i] = amax_ahead_.at[w1->second];
+      pairs.emplace_back(i, w1->second);
       continue;
     }
     amax_ahead_.at[i] = n;
@@ -1297,19 +1299,13 @@ const SliceAmaxAhead& Model::slice_amax_ahead() {
   }
   if (n == 0) return amax_ahead_ = SliceAmaxAhead{};
   amax_ahead_.buffer = Tensor::zeros({n}, DType::F32, device_);
-  for (const auto& [name, i] : by_name) {
-    const Tensor w = params_.view(params_.flat_const(), infos[i]);
-    AmaxAhead& e = amax_ahead_at_[w.raw()];
-    e.amax = amax_ahead_.buffer.view(amax_ahead_.at[i], {w.numel() / amax_ahead_.slice[i]});
-  }
-  for (const auto& [name, i] : by_name) {  // the pairs: two weights on one set of entries
-    if (!name.ends_with(".w3")) continue;
-    const auto w1 = by_name.find(name.substr(0, name.size() - 1) + "1");
-    if (w1 == by_name.end() || amax_ahead_.at[w1->second] != amax_ahead_.at[i]) continue;
-    const void* a = params_.view(params_.flat_const(), infos[i]).raw();
-    const void* b = params_.view(params_.flat_const(), infos[w1->second]).raw();
-    amax_ahead_at_[a].partner = b;
-    amax_ahead_at_[b].partner = a;
+  const auto raw_of = [&](size_t i) { return params_.view(params_.flat_const(), infos[i]).raw(); };
+  for (const auto& [name, i] : by_name)
+    amax_ahead_at_[raw_of(i)] = AmaxAhead{amax_ahead_.buffer.view(amax_ahead_.at[i], {infos[i].numel() / amax_ahead_.slice[i]}),
+                                          nullptr, infos[i].numel()};
+  for (const auto& [w3, w1] : pairs) {  // two weights on one set of entries
+    amax_ahead_at_[raw_of(w3)].partner = raw_of(w1);
+    amax_ahead_at_[raw_of(w1)].partner = raw_of(w3);
   }
   return amax_ahead_;
 }
@@ -1322,7 +1318,7 @@ Tensor Model::amax_ahead(const Tensor& w, const QuantSpec& spec, const Tensor* p
   const int64_t groups = weight_amax_groups(w, spec);
   // the same groups of the same weights (and of the same pair), else the pass over the weights
   if (groups == 0 || e.amax.numel() != groups || e.partner != (partner ? partner->raw() : nullptr) ||
-      w.numel() != amax_ahead_.slice[params_.param_index(w)] * groups)
+      w.numel() != e.numel)
     return {};
   return e.amax;
 }

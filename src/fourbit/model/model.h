@@ -307,11 +307,12 @@ class Model {
   Bf16Copies bf16_copies_;            // bf16_weight_copies()
   bool bf16_copies_made_ = false;
   bool bf16_copies_current_ = false;  // they hold the weights' BF16 rounding (invalidate_weight_cache)
-  // slice_amax_ahead()'s entries by weight: its groups' amax (a view of the buffer) and the
-  // weight whose groups share them (an FFN's w1 for its w3 and back; null: none).
+  // slice_amax_ahead()'s entries by weight: its groups' amax (a view of the buffer), the weight
+  // whose groups share them (an FFN's w1 for its w3 and back; null: none), and the weight's size.
   struct AmaxAhead {
     Tensor amax;
     const void* partner = nullptr;
+    int64_t numel = 0;
   };
   Tensor amax_ahead(const Tensor& w, const QuantSpec& spec, const Tensor* partner) const;
   SliceAmaxAhead amax_ahead_;

@@ -19,6 +19,13 @@ QuantShape quant_shape(const Tensor& x, const QuantSpec& spec);
 QTensor qtensor_layout(const QuantSpec& spec, const QuantShape& s);
 // A QTensor for spec over logical [S,] R x C, buffers allocated on `device`, contents undefined.
 QTensor alloc_qtensor(const QuantSpec& spec, const QuantShape& s, Device device);
+// Whether quantizing to spec keeps each storage row's amax (QTensor::row_amax): NVFP4 with
+// per-row scales along rows, no rotation, and no caller's group amax (the rows' own amaxes are
+// then what the scales come from).
+inline bool keeps_row_amax(const QuantSpec& spec, bool group_amax) {
+  return spec.fmt == Format::NVFP4 && spec.outer == OuterScale::PerRow && spec.axis == BlockAxis::Row &&
+         spec.hadamard == 0 && !group_amax;
+}
 
 // The output spec of requantize_transposed for q (which must be NVFP4): the recipe's target
 // (MXFP8 E4M3 or E5M2 with RCEIL scales, SR or RNE, no RHT; anything else fails), with no outer

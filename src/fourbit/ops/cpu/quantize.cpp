@@ -204,7 +204,7 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
     }
   }
   // per-row scales from the rows' own amax: those amaxes travel with the codes (QTensor::row_amax)
-  if (q.outer == OuterScale::PerRow && q.axis == BlockAxis::Row && spec.hadamard == 0 && !group_amax)
+  if (keeps_row_amax(spec, group_amax != nullptr))
     q.row_amax = Tensor::from_host(sc.row_amax.data(), {R}, DType::F32, Device::CPU);
   if (sc.nonfinite) raise_nonfinite();
   if (report) {

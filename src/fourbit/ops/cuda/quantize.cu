@@ -211,8 +211,7 @@ QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport
   if (kernel_decode) q.bf16 = Tensor::empty({q.total_rows(), q.padded_cols()}, DType::BF16, Device::CUDA);
   // per-row scales from the rows' own amax: those amaxes travel with the codes (QTensor::row_amax;
   // every NVFP4 entry writes them)
-  if (spec.fmt == Format::NVFP4 && q.outer == OuterScale::PerRow && q.axis == BlockAxis::Row && spec.hadamard == 0 &&
-      !group_amax)
+  if (keeps_row_amax(spec, group_amax != nullptr))
     q.row_amax = Tensor::empty({q.total_rows()}, DType::F32, Device::CUDA);
   QuantLaunch l{in, q, QuantParams{}, rng, group_amax};
   QuantParams& p = l.p;
