@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "fourbit/ops/ops.h"
@@ -88,19 +89,37 @@ TEST(SegmentAmax, RejectsBadArguments) {
             std::string::npos);
 }
 
+// Rows of a warp's width and more (a warp a row), and narrower ones (a lane a row, the lanes of a
+// segment folded first: the quantizers' one-float row amaxes), through an index and without one,
+// NaN and Inf among the values.
 TEST(SegmentAmax, CudaEqualsCpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device is visible";
-  const Tensor x = random_rows(300, 96, 4);
-  std::vector<int32_t> rows(600);
-  std::mt19937_64 rng(5);
-  for (auto& r : rows) r = int32_t(rng() % 300);
-  std::vector<int64_t> off = {0};
-  for (int g = 0; g < 300; ++g) off.push_back(std::min<int64_t>(600, off.back() + int64_t(rng() % 5)));
-  off.back() = 600;  // 300 segments: more than one launch's worth
-  const Tensor idx = Tensor::from_host(rows.data(), {600}, DType::I32);
-  Tensor cpu = Tensor::zeros({300}, DType::F32);
-  ops::running_segment_amax(x, idx, off, cpu);
-  Tensor gpu = Tensor::zeros({300}, DType::F32, Device::CUDA);
-  ops::running_segment_amax(x.to(Device::CUDA), idx.to(Device::CUDA), off, gpu);
-  EXPECT_EQ(host_floats(gpu), host_floats(cpu));
+  for (const int64_t C : {int64_t(96), int64_t(1), int64_t(5)}) {
+    for (const bool indexed : {true, false}) {
+      SCOPED_TRACE(std::to_string(C) + (indexed ? " columns, indexed" : " columns"));
+      Tensor x = random_rows(600, C, 4 + uint64_t(C));
+      x.data<float>()[7 * C] = std::numeric_limits<float>::quiet_NaN();
+      x.data<float>()[11 * C] = -std::numeric_limits<float>::infinity();
+      std::vector<int32_t> rows(600);
+      std::mt19937_64 rng(5);
+      for (auto& r : rows) r = int32_t(rng() % 600);
+      std::vector<int64_t> off = {0};
+      for (int g = 0; g < 300; ++g) off.push_back(std::min<int64_t>(600, off.back() + int64_t(rng() % 5)));
+      off.back() = 600;  // 300 segments: more than one launch's worth
+      const Tensor idx = indexed ? Tensor::from_host(rows.data(), {600}, DType::I32) : Tensor();
+      Tensor cpu = Tensor::zeros({300}, DType::F32);
+      ops::running_segment_amax(x, idx, off, cpu);
+      Tensor gpu = Tensor::zeros({300}, DType::F32, Device::CUDA);
+      ops::running_segment_amax(x.to(Device::CUDA), indexed ? idx.to(Device::CUDA) : Tensor(), off, gpu);
+      EXPECT_EQ(host_floats(gpu), host_floats(cpu));
+      EXPECT_EQ(host_floats(cpu), brute(x, indexed ? rows : std::vector<int32_t>{}, off, std::vector<float>(300, 0.0f)));
+    }
+    // a row outside x: recorded on the device, reported by check_index_errors as the CPU reports it
+    const std::vector<int32_t> bad = {0, 600};
+    Tensor amax = Tensor::zeros({2}, DType::F32, Device::CUDA);
+    ops::running_segment_amax(random_rows(600, C, 9).to(Device::CUDA),
+                              Tensor::from_host(bad.data(), {2}, DType::I32).to(Device::CUDA), {0, 1, 2}, amax);
+    EXPECT_NE(error_of([] { ops::check_index_errors(Device::CUDA); }).find("rows[1] = 600 is outside [0, R=600)"),
+              std::string::npos);
+  }
 }

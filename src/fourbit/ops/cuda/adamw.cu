@@ -18,11 +18,11 @@ namespace fourbit::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Elements a CTA of adamw_amax_kernel: 16 groups of four a thread, ~1 000 CTAs for an expert
-// weight's update (16 M elements in gpu-small). On an H100 that ran at ~0.9 of the grid-stride
-// update's rate, and 64 groups (256 CTAs, two an SM) at half of it (bench/results/cuda-log.md,
-// session 52).
-constexpr int64_t kAmaxChunk = 16 * 4 * kThreads;
+// Elements a CTA of adamw_amax_kernel: 4 groups of four a thread, ~4 000 CTAs for an expert
+// weight's update (16 M elements in gpu-small), as many as the grid-stride update fills the GPU
+// with. On an H100, 16 groups ran at ~0.9 of the grid-stride update's rate and 64 groups (256
+// CTAs, two an SM) at half of it (bench/results/cuda-log.md, session 52).
+constexpr int64_t kAmaxChunk = 4 * 4 * kThreads;
 
 // The four elements from i (of n): updated unless `skip`, and (kAmax) their max |p| after it
 // folded into a (elements past n load as zeros, which leave a max of magnitudes as it is).

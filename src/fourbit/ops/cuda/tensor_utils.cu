@@ -267,6 +267,48 @@ struct AmaxSegments {
   int64_t off[kAmaxSegments + 1];
 };
 
+// The segment of entry j: the last one starting at or before it.
+__device__ __forceinline__ int segment_of(const AmaxSegments& segs, int64_t j) {
+  int g = 0;
+  for (int lo = 0, hi = segs.count - 1; lo < hi;) {
+    const int mid = (lo + hi + 1) / 2;
+    if (segs.off[mid] <= j) g = lo = mid; else hi = mid - 1;
+  }
+  return g;
+}
+
+// Rows narrower than a warp (the quantizers' row amaxes, one float a row: QTensor::row_amax): one
+// entry a lane, and the lanes of one segment fold their maxima first, so that one atomic a
+// warp and segment lands instead of one a row (16 K rows on 16 experts' amaxes).
+__global__ void __launch_bounds__(kThreads)
+    segment_amax_thin_kernel(const float* __restrict__ x, int64_t R, int64_t C, const int32_t* __restrict__ rows,
+                             int64_t entry0, const AmaxSegments segs, float* __restrict__ amax, IndexError* err) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
+  const int64_t n = segs.off[segs.count];
+  for (int64_t base = 32 * (blockIdx.x * int64_t(kThreads / 32) + threadIdx.x / 32); base < n; base += 32 * warps) {
+    const int64_t j = base + lane;
+    int g = -1;  // lanes past the entries and rows out of range fold nothing
+    float m = 0.0f;
+    if (j < n) {
+      const int64_t e = entry0 + j;
+      const int64_t r = rows ? int64_t(rows[e]) : e;
+      if (r < 0 || r >= R) {
+        record_index_error(err, IndexSite::SegmentAmaxRows, e, r, R, 1);
+      } else {
+        for (int64_t c = 0; c < C; ++c) {
+          const float a = fabsf(x[r * C + c]);
+          if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
+        }
+        g = segment_of(segs, j);
+      }
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, g);
+    const unsigned folded = __reduce_max_sync(same, __float_as_uint(m));  // m >= 0: its bits order
+    if (g >= 0 && lane == __ffs(same) - 1) atomicMax(reinterpret_cast<unsigned int*>(amax + g), folded);
+  }
+}
+
 // One warp per entry j: the finite max |x| of its row, folded into its segment's amax.
 __global__ void __launch_bounds__(kThreads)
     segment_amax_kernel(const float* __restrict__ x, int64_t R, int64_t C, const int32_t* __restrict__ rows,
@@ -287,14 +329,7 @@ __global__ void __launch_bounds__(kThreads)
       if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
     }
     m = warp_max(m);
-    if (lane == 0) {
-      int g = 0;  // the last segment starting at or before j
-      for (int lo = 0, hi = segs.count - 1; lo < hi;) {
-        const int mid = (lo + hi + 1) / 2;
-        if (segs.off[mid] <= j) g = lo = mid; else hi = mid - 1;
-      }
-      atomicMax(reinterpret_cast<unsigned int*>(amax + g), __float_as_uint(m));
-    }
+    if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + segment_of(segs, j)), __float_as_uint(m));
   }
 }
 
@@ -542,9 +577,13 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
     for (int i = 0; i <= segs.count; ++i) segs.off[i] = offsets[size_t(g0 + i)] - offsets[size_t(g0)];
     const int64_t n = segs.off[segs.count];
     if (n == 0) continue;
-    segment_amax_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream()>>>(
-        x.data<float>(), R, C, rows.defined() ? rows.data<int32_t>() : nullptr, offsets[size_t(g0)], segs,
-        amax.data<float>() + g0, index_error_record());
+    const int32_t* r = rows.defined() ? rows.data<int32_t>() : nullptr;
+    if (C < 32)
+      segment_amax_thin_kernel<<<grid_for((n + 31) / 32, kThreads / 32), kThreads, 0, stream()>>>(
+          x.data<float>(), R, C, r, offsets[size_t(g0)], segs, amax.data<float>() + g0, index_error_record());
+    else
+      segment_amax_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream()>>>(
+          x.data<float>(), R, C, r, offsets[size_t(g0)], segs, amax.data<float>() + g0, index_error_record());
     FOURBIT_LAUNCH_CHECK();
   }
 }
