@@ -1,5 +1,5 @@
 // defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
-//          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel,
+//          CombineGradSource, SwigluSource, SwigluGradSource, AdamwSource, source_value, mxfp8_row_col_kernel,
 //          PairSegmentOut, PairOutput, raw_or_null, launch_mxfp8_row_col
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
@@ -10,12 +10,14 @@
 // rows gathered (GatherSource: the experts' dispatched tokens, gather_rows' x_perm, which is then
 // never written), moe_combine_backward's dy_perm (CombineGradSource: each slot's row of the
 // output gradient times its routing weight), swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
-// computed from da, h1 and h3 (SwigluGradSource, two outputs): computed values are never written
-// in F32 nor read back.
+// computed from da, h1 and h3 (SwigluGradSource, two outputs), or a weight as AdamW updates it
+// (AdamwSource: the update written back, and its result quantized): computed values are never
+// written in F32 nor read back.
 #pragma once
 #include <algorithm>
 #include <type_traits>
 
+#include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
@@ -112,6 +114,18 @@ struct SwigluSource {  // swiglu_forward's a
 struct SwigluGradSource {
   const float *da, *h1, *h3;  // [rows, ld] each
   int64_t ld;
+};
+// adamw_kernel's update of a weight ([rows, ld] each; a stack of slices as one), written back to
+// param, m and v, its result the value quantized. gate: grad_norm_gate's verdict (null: none),
+// read once a thread: skip leaves everything as it is (the unchanged weight is quantized), the
+// clip factor becomes k.grad_scale.
+struct AdamwSource {
+  float* param;
+  const float* grad;
+  float *m, *v;
+  int64_t ld;
+  AdamWConstants k;
+  const double* gate;
 };
 // The rows of a CTA's block row that a source reads through an index (GatherSource,
 // CombineGradSource): where row i of the block row starts in the source tensor (-1: a zero row)
@@ -233,6 +247,51 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_
 #pragma unroll
       for (int k = 0; k < kComputeRows; ++k)
         col[(g * kComputeRows + k) * kPairLd] = swiglu_value(z[g & 1][k], u[g & 1][k]);
+    }
+#pragma unroll
+    for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
+  } else if constexpr (std::is_same_v<Src, AdamwSource>) {
+    // as SwigluSource: kComputeRows rows a group, the next group's loads issued before this
+    // group's update and its stores (the stores may alias nothing the loads read, but the
+    // compiler cannot know that, and would otherwise serialise each row's round trip)
+    AdamWConstants k = p.src.k;
+    bool skip = false;
+    if (p.src.gate) {
+      skip = p.src.gate[kGateSkip] != 0.0;
+      k.grad_scale = float(p.src.gate[kGateClip]);  // a float value: exact
+    }
+    float* col = tile + pair_tile_index(0, t);
+    const int64_t row0 = sg.x_row0 + r0;
+    float w[2][kComputeRows], gr[2][kComputeRows], mm[2][kComputeRows], vv[2][kComputeRows];
+    const auto at = [&](int i) { return (row0 + i) * p.src.ld + j; };
+    const auto live = [&](int i) { return j < p.cols && i < n_rows; };
+    const auto load = [&](int g, int s) {
+#pragma unroll
+      for (int r = 0; r < kComputeRows; ++r) {
+        const int i = g * kComputeRows + r;
+        const bool on = live(i);
+        w[s][r] = on ? p.src.param[at(i)] : 0.0f;
+        gr[s][r] = on && !skip ? __ldg(p.src.grad + at(i)) : 0.0f;
+        mm[s][r] = on && !skip ? p.src.m[at(i)] : 0.0f;
+        vv[s][r] = on && !skip ? p.src.v[at(i)] : 0.0f;
+      }
+    };
+    load(0, 0);
+#pragma unroll
+    for (int g = 0; g < B / kComputeRows; ++g) {
+      if (g + 1 < B / kComputeRows) load(g + 1, (g + 1) & 1);
+#pragma unroll
+      for (int r = 0; r < kComputeRows; ++r) {
+        const int i = g * kComputeRows + r;
+        float& x = w[g & 1][r];
+        if (live(i) && !skip) {
+          adamw_update(x, gr[g & 1][r], mm[g & 1][r], vv[g & 1][r], k);
+          p.src.param[at(i)] = x;
+          p.src.m[at(i)] = mm[g & 1][r];
+          p.src.v[at(i)] = vv[g & 1][r];
+        }
+        col[i * kPairLd] = x;
+      }
     }
 #pragma unroll
     for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
