@@ -4,7 +4,8 @@
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
-//                    [--grad-quant V[,V...]] [--weights-ahead optimizer|pass|both] [--json FILE]
+//                    [--grad-quant V[,V...]] [--weights-ahead optimizer|pass|both]
+//                    [--saved-x codes|decodes|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -26,6 +27,9 @@
 // Optimizer::write_slice_amax, and the MXFP8 weights' fprop and dgrad operands,
 // Optimizer::write_weight_forms) or by passes over the weights at the forward (pass), or both,
 // each recipe run under each in this process.
+// --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (set_saved_x_decodes):
+// their codes (codes, the default), decoded before the weight-gradient GEMMs, or their BF16
+// decodes alone (decodes), or both, each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -151,13 +155,23 @@ int main(int argc, char** argv) {
   else if (ahead_arg == "both") ahead_by_optimizer = {true, false};
   else fail("train_bench: --weights-ahead must be optimizer, pass or both, got '{}'", ahead_arg);
   if (ahead_arg != "optimizer") table.columns.insert(table.columns.begin() + 1, "weights ahead");
+  const std::string saved_arg = arg(argc, argv, "--saved-x", "codes");
+  std::vector<bool> saved_decodes;
+  if (saved_arg == "codes") saved_decodes = {false};
+  else if (saved_arg == "decodes") saved_decodes = {true};
+  else if (saved_arg == "both") saved_decodes = {false, true};
+  else fail("train_bench: --saved-x must be codes, decodes or both, got '{}'", saved_arg);
+  if (saved_arg != "codes") table.columns.insert(table.columns.begin() + 1, "saved X^T");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
+  const bool saved_before = set_saved_x_decodes(false);
   for (const std::string& variant : variants)
   for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps)
   for (const std::string& gq : grad_quants)
-  for (const bool ahead : ahead_by_optimizer) {
+  for (const bool ahead : ahead_by_optimizer)
+  for (const bool saved_dec : saved_decodes) {
+    set_saved_x_decodes(saved_dec);
     set_forward_gemms_grouped(fwd);
     set_training_producer_quantizers(gq == "fused");
     set_dy_decodes_only(gq != "apart");
@@ -232,6 +246,7 @@ int main(int argc, char** argv) {
                  {"forward GEMMs", fwd ? "grouped" : "gemm"},
                  {"dY quantizers", gq},
                  {"weights ahead", ahead ? "optimizer" : "pass"},
+                 {"saved X^T", saved_dec ? "decodes" : "codes"},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -247,6 +262,7 @@ int main(int argc, char** argv) {
   }
   set_forward_gemms_grouped(true);
   set_training_producer_quantizers(producers_before);
+  set_saved_x_decodes(saved_before);
   set_dy_decodes_only(decodes_before);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},

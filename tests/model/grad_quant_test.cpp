@@ -1,7 +1,8 @@
-// defines: tests of set_training_producer_quantizers and set_dy_decodes_only: the experts'
-//          gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where they are
-//          computed, and the backward's dY pairs written as their BF16 decodes alone, give the bits
-//          of the ops followed by quantizer passes writing codes and decodes — loss and every
+// defines: tests of set_training_producer_quantizers, set_dy_decodes_only and set_saved_x_decodes:
+//          the experts' gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where
+//          they are computed, the backward's dY pairs written as their BF16 decodes alone, and the
+//          forward's X^T (and the experts' X) kept as their decodes alone, give the bits of the ops
+//          followed by quantizer passes writing codes and decodes — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
 //          one) the GPU.
 #include <gtest/gtest.h>
@@ -19,15 +20,17 @@ using namespace fourbit::modeltest;
 namespace {
 
 struct Switches {
-  bool fused, decodes_only;
+  bool fused, decodes_only, saved_decodes;
 };
 
-// Restores both process-wide switches to what they were when the test ends, failed or not.
+// Restores the process-wide switches to what they were when the test ends, failed or not.
 struct DefaultsAfter {
   const bool producers = set_training_producer_quantizers(false), decodes = set_dy_decodes_only(false);
+  const bool saved = set_saved_x_decodes(false);
   ~DefaultsAfter() {
     set_training_producer_quantizers(producers);
     set_dy_decodes_only(decodes);
+    set_saved_x_decodes(saved);
   }
 };
 
@@ -40,6 +43,7 @@ Pass run(const ModelConfig& c, const std::string& recipe, Device dev, Switches s
          const Tensor& targets) {
   set_training_producer_quantizers(sw.fused);
   set_dy_decodes_only(sw.decodes_only);
+  set_saved_x_decodes(sw.saved_decodes);
   Model m(c, recipe_by_name(recipe), dev);
   m.set_keep_ffn_activations(keep);
   init_params(m.params(), c, 5);
@@ -60,10 +64,11 @@ void expect_same(const ModelConfig& c, Device dev) {
   for (const char* recipe : {"bf16", "mxfp8", "nvfp4-fwd", "nvidia-nvfp4"})
     for (bool keep : {false, true}) {
       SCOPED_TRACE(std::string(recipe) + (keep ? ", FFN interiors kept" : ""));
-      const Pass apart = run(c, recipe, dev, {false, false}, keep, tokens, targets);
-      for (const Switches sw : {Switches{true, false}, Switches{false, true}, Switches{true, true}}) {
+      const Pass apart = run(c, recipe, dev, {false, false, false}, keep, tokens, targets);
+      for (const Switches sw : {Switches{true, false, false}, Switches{false, true, false}, Switches{true, true, false},
+                                Switches{false, false, true}, Switches{true, true, true}}) {
         SCOPED_TRACE(std::string("fused ") + (sw.fused ? "on" : "off") + ", decodes only " +
-                     (sw.decodes_only ? "on" : "off"));
+                     (sw.decodes_only ? "on" : "off") + ", saved X^T decodes " + (sw.saved_decodes ? "on" : "off"));
         const Pass p = run(c, recipe, dev, sw, keep, tokens, targets);
         EXPECT_EQ(apart.st.loss, p.st.loss);
         EXPECT_EQ(apart.st.aux_loss, p.st.aux_loss);

@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers,
+//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers, set_saved_x_decodes,
 //          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
@@ -108,6 +108,14 @@ bool set_dy_decodes_only(bool on);
 // quantizer pass reads it. The same bits either way. Process-wide, for benchmarks and tests;
 // returns the setting before.
 bool set_training_producer_quantizers(bool on);
+// On the GPU, where a training forward quantizes a linear's input X on both axes in one pass
+// (its MXFP8 X and X^T: attention's inputs, the dense FFN's, the experts' dispatched tokens), what
+// it keeps for the backward: the BF16 decodes alone of X^T (and of the experts' X, which the
+// backward's recomputation reads), which the weight-gradient GEMMs read as they are (true); or
+// their codes (false, the default), half the bytes held, which the backward decodes before its
+// GEMMs. The same bits either way. Process-wide, for benchmarks and tests; returns the setting
+// before.
+bool set_saved_x_decodes(bool on);
 
 // Whether a training forward's running record of its NVFP4 inputs' amax (Model::input_amax, the
 // static activation scales of an export) takes the per-row amaxes the inputs' quantizers computed
