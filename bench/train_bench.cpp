@@ -28,8 +28,8 @@
 // Optimizer::write_weight_forms) or by passes over the weights at the forward (pass), or both,
 // each recipe run under each in this process.
 // --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (set_saved_x_decodes):
-// their codes (codes, the default), decoded before the weight-gradient GEMMs, or their BF16
-// decodes alone (decodes), or both, each recipe run under each in this process.
+// their BF16 decodes alone (decodes, the default), or their codes (codes), decoded before the
+// weight-gradient GEMMs, or both, each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -155,16 +155,16 @@ int main(int argc, char** argv) {
   else if (ahead_arg == "both") ahead_by_optimizer = {true, false};
   else fail("train_bench: --weights-ahead must be optimizer, pass or both, got '{}'", ahead_arg);
   if (ahead_arg != "optimizer") table.columns.insert(table.columns.begin() + 1, "weights ahead");
-  const std::string saved_arg = arg(argc, argv, "--saved-x", "codes");
+  const std::string saved_arg = arg(argc, argv, "--saved-x", "decodes");
   std::vector<bool> saved_decodes;
   if (saved_arg == "codes") saved_decodes = {false};
   else if (saved_arg == "decodes") saved_decodes = {true};
   else if (saved_arg == "both") saved_decodes = {false, true};
   else fail("train_bench: --saved-x must be codes, decodes or both, got '{}'", saved_arg);
-  if (saved_arg != "codes") table.columns.insert(table.columns.begin() + 1, "saved X^T");
+  if (saved_arg != "decodes") table.columns.insert(table.columns.begin() + 1, "saved X^T");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
-  const bool saved_before = set_saved_x_decodes(false);
+  const bool saved_before = set_saved_x_decodes(true);
   for (const std::string& variant : variants)
   for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps)

@@ -26,7 +26,7 @@ std::atomic<bool> g_shared_expert_grouped{true};
 // On by default since an H100 ran them in the GPU suite and the training A/B (docs/model.md).
 std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
-std::atomic<bool> g_saved_x_decodes{false};
+std::atomic<bool> g_saved_x_decodes{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's

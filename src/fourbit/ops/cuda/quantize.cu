@@ -24,6 +24,7 @@
 #include "fourbit/ops/cuda/cast/nvfp4_row_fast.cuh"
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
 #include "fourbit/ops/cuda/cast/requantize_transposed.cuh"
+#include "fourbit/ops/cuda/checks.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -493,7 +494,9 @@ bool adamw_step_both(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, co
   check_adamw_args(Device::CUDA, param, grad, m, v, h);
   const QuantShape shape = quant_shape(param, row_spec);
   (void)quant_shape(param, col_spec);
-  launch_both(AdamwSource{param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), shape.cols,
+  const bool vec = shape.cols % 4 == 0 && aligned16(param.raw()) && aligned16(grad.raw()) && aligned16(m.raw()) &&
+                   aligned16(v.raw());
+  launch_both(AdamwSource{param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), shape.cols, vec,
                           adamw_constants(h), gate ? gate->data<double>() : nullptr},
               shape, row_spec, row_rng, col_spec, col_rng, row_out, col_out, row, col);
   return true;

@@ -52,6 +52,7 @@ constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per t
 constexpr int kPairLd = kPairCols + 4;
 constexpr int kPairSegsPerLaunch = 32;
 constexpr int kComputeRows = 4;  // a computed source's rows a group (its loads, then its arithmetic)
+constexpr int kAdamwBatch = 4;   // AdamwSource's groups of four a thread whose loads go together
 static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
               "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
 static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
@@ -124,6 +125,7 @@ struct AdamwSource {
   const float* grad;
   float *m, *v;
   int64_t ld;
+  bool vec;  // the four tensors 16-byte aligned and ld a multiple of 4: float4 groups
   AdamWConstants k;
   const double* gate;
 };
@@ -186,7 +188,8 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
 }
 
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
-__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
+__global__ void __launch_bounds__(kThreads, kRowSR || kColSR || std::is_same_v<Src, AdamwSource> ? 2 : 4)
+    mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
   dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
   constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
@@ -251,48 +254,50 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_
 #pragma unroll
     for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
   } else if constexpr (std::is_same_v<Src, AdamwSource>) {
-    // as SwigluSource: kComputeRows rows a group, the next group's loads issued before this
-    // group's update and its stores (the stores may alias nothing the loads read, but the
-    // compiler cannot know that, and would otherwise serialise each row's round trip)
+    // The update runs on the tile's rows as adamw_kernel runs on the flat weight: each thread a
+    // group of four consecutive columns of a row at a time (float4 loads and stores where
+    // aligned), kAdamwBatch groups' loads issued before their arithmetic; the updated values go
+    // to the tile and are read back as the column's block.
     AdamWConstants k = p.src.k;
     bool skip = false;
     if (p.src.gate) {
       skip = p.src.gate[kGateSkip] != 0.0;
       k.grad_scale = float(p.src.gate[kGateClip]);  // a float value: exact
     }
-    float* col = tile + pair_tile_index(0, t);
-    const int64_t row0 = sg.x_row0 + r0;
-    float w[2][kComputeRows], gr[2][kComputeRows], mm[2][kComputeRows], vv[2][kComputeRows];
-    const auto at = [&](int i) { return (row0 + i) * p.src.ld + j; };
-    const auto live = [&](int i) { return j < p.cols && i < n_rows; };
-    const auto load = [&](int g, int s) {
+    constexpr int kGroupsPerRow = kPairCols / 4, kGroups = B * kGroupsPerRow / kThreads;
+    static_assert(kGroups % kAdamwBatch == 0, "whole batches of groups a thread");
 #pragma unroll
-      for (int r = 0; r < kComputeRows; ++r) {
-        const int i = g * kComputeRows + r;
-        const bool on = live(i);
-        w[s][r] = on ? p.src.param[at(i)] : 0.0f;
-        gr[s][r] = on && !skip ? __ldg(p.src.grad + at(i)) : 0.0f;
-        mm[s][r] = on && !skip ? p.src.m[at(i)] : 0.0f;
-        vv[s][r] = on && !skip ? p.src.v[at(i)] : 0.0f;
+    for (int q0 = 0; q0 < kGroups; q0 += kAdamwBatch) {
+      float w[kAdamwBatch][4], gr[kAdamwBatch][4], mm[kAdamwBatch][4], vv[kAdamwBatch][4];
+#pragma unroll
+      for (int u = 0; u < kAdamwBatch; ++u) {  // group q: row q / kGroupsPerRow, columns 4 (q % kGroupsPerRow) + 0..3
+        const int q = (q0 + u) * kThreads + t, i = q / kGroupsPerRow;
+        const int64_t at = (sg.x_row0 + r0 + i) * p.src.ld, c = c0 + 4 * (q % kGroupsPerRow);
+        const int64_t n = i < n_rows ? p.cols : 0;  // rows past the segment's: zeros, not written
+        load4(p.src.param + at, c, n, p.src.vec, w[u]);
+        load4(p.src.grad + at, c, skip ? 0 : n, p.src.vec, gr[u]);
+        load4(p.src.m + at, c, skip ? 0 : n, p.src.vec, mm[u]);
+        load4(p.src.v + at, c, skip ? 0 : n, p.src.vec, vv[u]);
       }
-    };
-    load(0, 0);
 #pragma unroll
-    for (int g = 0; g < B / kComputeRows; ++g) {
-      if (g + 1 < B / kComputeRows) load(g + 1, (g + 1) & 1);
+      for (int u = 0; u < kAdamwBatch; ++u) {
+        const int q = (q0 + u) * kThreads + t, i = q / kGroupsPerRow, lc = 4 * (q % kGroupsPerRow);
+        const int64_t at = (sg.x_row0 + r0 + i) * p.src.ld, c = c0 + lc;
+        const int64_t n = i < n_rows && !skip ? p.cols : 0;
+        if (n > 0) {
 #pragma unroll
-      for (int r = 0; r < kComputeRows; ++r) {
-        const int i = g * kComputeRows + r;
-        float& x = w[g & 1][r];
-        if (live(i) && !skip) {
-          adamw_update(x, gr[g & 1][r], mm[g & 1][r], vv[g & 1][r], k);
-          p.src.param[at(i)] = x;
-          p.src.m[at(i)] = mm[g & 1][r];
-          p.src.v[at(i)] = vv[g & 1][r];
+          for (int e = 0; e < 4; ++e) adamw_update(w[u][e], gr[u][e], mm[u][e], vv[u][e], k);
+          store4(p.src.param + at, c, n, p.src.vec, w[u]);
+          store4(p.src.m + at, c, n, p.src.vec, mm[u]);
+          store4(p.src.v + at, c, n, p.src.vec, vv[u]);
         }
-        col[i * kPairLd] = x;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)  // columns past the weight's: zeros (their groups loaded none)
+          tile[pair_tile_index(i, lc + e)] = c + e < p.cols ? w[u][e] : 0.0f;
       }
     }
+    __syncthreads();
+    const float* col = tile + pair_tile_index(0, t);
 #pragma unroll
     for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
   } else if constexpr (kOuts == 1) {
