@@ -4,8 +4,8 @@
 // Usage: train_bench [--config configs/tiny.toml] [--device cpu|cuda] [--recipes a,b,c]
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
-//                    [--grad-quant V[,V...]] [--weights-ahead optimizer|pass|both]
-//                    [--saved-x codes|decodes|both] [--json FILE]
+//                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
+//                    [--saved-x decodes|codes|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -22,11 +22,9 @@
 // without the flag), decodes (the decodes alone, each quantizer a pass of its own) or apart
 // (neither: the dY pairs' codes written too); several (comma-separated, repeats allowed) run each
 // recipe under each in this process.
-// --weights-ahead: what the next forward needs of the updated weights made by the optimizer in
-// its update (optimizer, the default, as the trainer does: the NVFP4 weights' outer-scale amax,
-// Optimizer::write_slice_amax, and the MXFP8 weights' fprop and dgrad operands,
-// Optimizer::write_weight_forms) or by passes over the weights at the forward (pass), or both,
-// each recipe run under each in this process.
+// --weight-amax: the NVFP4 weights' outer-scale amax raised by the optimizer in its update
+// (optimizer, the default, as the trainer does: Optimizer::write_slice_amax) or by a pass of the
+// quantizers over the weights (pass), or both, each recipe run under each in this process.
 // --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (set_saved_x_decodes):
 // their BF16 decodes alone (decodes, the default), or their codes (codes), decoded before the
 // weight-gradient GEMMs, or both, each recipe run under each in this process.
@@ -148,19 +146,19 @@ int main(int argc, char** argv) {
   }
   if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
   if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
-  const std::string ahead_arg = arg(argc, argv, "--weights-ahead", "optimizer");
-  std::vector<bool> ahead_by_optimizer;
-  if (ahead_arg == "optimizer") ahead_by_optimizer = {true};
-  else if (ahead_arg == "pass") ahead_by_optimizer = {false};
-  else if (ahead_arg == "both") ahead_by_optimizer = {true, false};
-  else fail("train_bench: --weights-ahead must be optimizer, pass or both, got '{}'", ahead_arg);
-  if (ahead_arg != "optimizer") table.columns.insert(table.columns.begin() + 1, "weights ahead");
+  const std::string amax_arg = arg(argc, argv, "--weight-amax", "optimizer");
+  std::vector<bool> amax_by_optimizer;
+  if (amax_arg == "optimizer") amax_by_optimizer = {true};
+  else if (amax_arg == "pass") amax_by_optimizer = {false};
+  else if (amax_arg == "both") amax_by_optimizer = {true, false};
+  else fail("train_bench: --weight-amax must be optimizer, pass or both, got '{}'", amax_arg);
+  if (amax_arg != "optimizer") table.columns.insert(table.columns.begin() + 1, "weight amax");
   const std::string saved_arg = arg(argc, argv, "--saved-x", "decodes");
   std::vector<bool> saved_decodes;
-  if (saved_arg == "codes") saved_decodes = {false};
-  else if (saved_arg == "decodes") saved_decodes = {true};
-  else if (saved_arg == "both") saved_decodes = {false, true};
-  else fail("train_bench: --saved-x must be codes, decodes or both, got '{}'", saved_arg);
+  if (saved_arg == "decodes") saved_decodes = {true};
+  else if (saved_arg == "codes") saved_decodes = {false};
+  else if (saved_arg == "both") saved_decodes = {true, false};
+  else fail("train_bench: --saved-x must be decodes, codes or both, got '{}'", saved_arg);
   if (saved_arg != "decodes") table.columns.insert(table.columns.begin() + 1, "saved X^T");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
@@ -169,7 +167,7 @@ int main(int argc, char** argv) {
   for (const bool fwd : fwd_grouped)
   for (const bool keep : keeps)
   for (const std::string& gq : grad_quants)
-  for (const bool ahead : ahead_by_optimizer)
+  for (const bool amax_opt : amax_by_optimizer)
   for (const bool saved_dec : saved_decodes) {
     set_saved_x_decodes(saved_dec);
     set_forward_gemms_grouped(fwd);
@@ -189,10 +187,7 @@ int main(int argc, char** argv) {
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
       optim.write_bf16_copies(model.bf16_weight_copies());  // as the trainer does
-      if (ahead) {
-        optim.write_slice_amax(model.slice_amax_ahead());
-        optim.write_weight_forms(model.weight_forms_ahead());
-      }
+      if (amax_opt) optim.write_slice_amax(model.slice_amax_ahead());
       // The batches are made before the timed steps (the PyTorch peer draws its data on the GPU
       // before timing too); each step uploads its own, as the trainer does.
       const size_t batch_values = size_t(t.batch_size * t.seq_len);
@@ -213,7 +208,7 @@ int main(int argc, char** argv) {
           model.backward();
         }
         optim.step(step);
-        model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax(), optim.written_weight_forms());
+        model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
       };
       for (int i = 0; i < warmup; ++i) run_step(i);
       sync(device);
@@ -245,7 +240,7 @@ int main(int argc, char** argv) {
                  {"FFN interiors", keep ? "kept" : "recomputed"},
                  {"forward GEMMs", fwd ? "grouped" : "gemm"},
                  {"dY quantizers", gq},
-                 {"weights ahead", ahead ? "optimizer" : "pass"},
+                 {"weight amax", amax_opt ? "optimizer" : "pass"},
                  {"saved X^T", saved_dec ? "decodes" : "codes"},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},

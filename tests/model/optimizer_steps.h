@@ -13,8 +13,8 @@ namespace fourbit::modeltest {
 
 // `steps` steps of m on `dev`: batches of 2 x 12 random tokens (seed token_seed + step), SR
 // streams {sr_seed, step, 0}; after each optimizer step check(step) runs, then the weight cache is
-// invalidated with what the optimizer wrote ahead (its BF16 copies, its slice amaxes, its weight
-// operands) as the trainer does. Returns the losses.
+// invalidated with what the optimizer wrote ahead (its BF16 copies, its slice amaxes) as the
+// trainer does. Returns the losses.
 inline std::vector<double> optimizer_steps(Model& m, Optimizer& optim, Device dev, int64_t steps,
                                            uint64_t token_seed, uint64_t sr_seed,
                                            const std::function<void(int64_t)>& check) {
@@ -28,7 +28,7 @@ inline std::vector<double> optimizer_steps(Model& m, Optimizer& optim, Device de
     m.backward();
     optim.step(step);
     check(step);
-    m.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax(), optim.written_weight_forms());
+    m.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
   }
   return losses;
 }

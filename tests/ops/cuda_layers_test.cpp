@@ -16,7 +16,6 @@
 #include <numeric>
 #include <random>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "fourbit/ops/ops.h"
@@ -1445,88 +1444,6 @@ TEST(CudaLayers, AdamWSliceAmaxIsTheCpusAmax) {
       }
     }
   }
-}
-
-// adamw_step_both on the GPU, the update as the one-pass quantizer's source: the bits of
-// adamw_step followed by quantize_both (each form's codes, scales and decodes), and the CPU's
-// update and codes; 2-D and 3-D weights whose rows and columns end off the 32-element blocks, both
-// element formats, the gate's clip factor, and a skipped update (a NaN in the weight: the forms
-// of the unchanged weight, the NaN flagged). The decodes alone (what the optimizer asks) are the
-// sequence's too.
-TEST(CudaLayers, AdamWStepBothIsTheUpdateThenQuantizeBoth) {
-  SKIP_WITHOUT_GPU();
-  for (const Shape& shape : {Shape{70, 96}, Shape{3, 40, 72}, Shape{2, 256, 1024}}) {
-    for (const Format fmt : {Format::MXFP8_E4M3, Format::MXFP8_E5M2}) {
-      for (const bool skip : {false, true}) {
-        const int64_t n = shape_numel(shape);
-        const std::string name = cfg("%lld values", n) + (fmt == Format::MXFP8_E5M2 ? ", e5m2" : ", e4m3") +
-                                 (shape.size() == 3 ? ", 3-D" : "") + (skip ? ", skipped" : "");
-        Tensor p_c = random_tensor(shape, DType::F32, 1360 + uint64_t(n), -2.0, 2.0);
-        if (skip) p_c.data<float>()[n / 3] = std::nanf("");
-        const Tensor m0 = random_tensor(shape, DType::F32, 1361, -0.1, 0.1);
-        const Tensor v0 = random_tensor(shape, DType::F32, 1362, 0.0, 0.1);
-        const Tensor g = random_tensor(shape, DType::F32, 1363, -0.5, 0.5);
-        Tensor gate_c = Tensor::zeros({ops::kGateSize}, DType::F64);
-        gate_c.data<double>()[ops::kGateClip] = 0.75;
-        gate_c.data<double>()[ops::kGateSkip] = skip ? 1.0 : 0.0;
-        const Tensor gate_g = gpu(gate_c);
-        QuantSpec row_spec, col_spec;
-        row_spec.fmt = col_spec.fmt = fmt;
-        col_spec.axis = BlockAxis::Col;
-        const ops::AdamW h{3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 2};
-        const ops::RngKey rk{7, 1}, ck{7, 2};
-        // fused, with every part of both forms; the GPU sequence; the CPU sequence
-        Tensor pf = gpu(p_c), mf = gpu(m0), vf = gpu(v0);
-        ops::nonfinite_seen(true);
-        const ops::BothAxes fused = ops::adamw_step_both(pf, gpu(g), mf, vf, h, &gate_g, row_spec, rk, col_spec, ck,
-                                                         ops::FormOut::CodesAndBf16, ops::FormOut::CodesAndBf16);
-        EXPECT_EQ(ops::nonfinite_seen(true), skip) << name << ": the NaN reaches the quantizer";
-        Tensor ps = gpu(p_c), ms = gpu(m0), vs = gpu(v0);
-        ops::adamw_step(ps, gpu(g), ms, vs, h, nullptr, &gate_g);
-        const ops::BothAxes seq = ops::quantize_both(ps, row_spec, rk, col_spec, ck, ops::FormOut::CodesAndBf16,
-                                                     ops::FormOut::CodesAndBf16);
-        Tensor pc = p_c.clone(), mc = m0.clone(), vc = v0.clone();
-        ops::adamw_step(pc, g, mc, vc, h, nullptr, &gate_c);
-        const ops::BothAxes cpu = ops::quantize_both(pc, row_spec, rk, col_spec, ck);
-        (void)ops::nonfinite_seen(true);
-        expect_bits("param " + name, pf, pc);
-        expect_bits("m " + name, mf, mc);
-        expect_bits("v " + name, vf, vc);
-        for (const auto& [f, s, c, axis] : {std::tuple{&fused.row, &seq.row, &cpu.row, "row"},
-                                            std::tuple{&fused.col, &seq.col, &cpu.col, "col"}}) {
-          expect_bits(std::string(axis) + " codes " + name, f->codes, s->codes);
-          expect_bits(std::string(axis) + " scales " + name, f->block_scales, s->block_scales);
-          expect_bits(std::string(axis) + " decodes " + name, f->bf16, s->bf16);
-          expect_bits(std::string(axis) + " codes, the CPU's " + name, f->codes, c->codes);
-          expect_bits(std::string(axis) + " scales, the CPU's " + name, f->block_scales, c->block_scales);
-        }
-        // the decodes alone, as Optimizer::step asks for them
-        Tensor pd = gpu(p_c), md = gpu(m0), vd = gpu(v0);
-        const ops::BothAxes alone = ops::adamw_step_both(pd, gpu(g), md, vd, h, &gate_g, row_spec, rk, col_spec, ck,
-                                                         ops::FormOut::Bf16, ops::FormOut::Bf16);
-        (void)ops::nonfinite_seen(true);
-        EXPECT_FALSE(alone.row.codes.defined() || alone.col.codes.defined()) << name;
-        expect_bits("row decodes alone " + name, alone.row.bf16, seq.row.bf16);
-        expect_bits("col decodes alone " + name, alone.col.bf16, seq.col.bf16);
-        expect_bits("param, decodes alone " + name, pd, pc);
-      }
-    }
-  }
-  // What the one pass does not take (an NVFP4 row form) runs as the sequence on the GPU too.
-  QuantSpec nv, col;
-  nv.fmt = Format::NVFP4;
-  col.fmt = Format::MXFP8_E4M3;
-  col.axis = BlockAxis::Col;
-  const Tensor p0 = random_tensor({32, 64}, DType::F32, 1364);
-  Tensor pg = gpu(p0), mg = Tensor::zeros({32, 64}, DType::F32, Device::CUDA), vg = mg.clone();
-  Tensor pc = p0.clone(), mc = Tensor::zeros({32, 64}, DType::F32), vc = mc.clone();
-  const Tensor g = random_tensor({32, 64}, DType::F32, 1365, -0.5, 0.5);
-  const ops::AdamW h{3e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
-  const ops::BothAxes got = ops::adamw_step_both(pg, gpu(g), mg, vg, h, nullptr, nv, {}, col, {});
-  const ops::BothAxes want = ops::adamw_step_both(pc, g, mc, vc, h, nullptr, nv, {}, col, {});
-  expect_bits("nvfp4 row codes (the sequence)", got.row.codes, want.row.codes);
-  expect_bits("mxfp8 col codes (the sequence)", got.col.codes, want.col.codes);
-  expect_bits("param (the sequence)", pg, pc);
 }
 
 // grad_norm_gate on the GPU: the norm of the GPU's sum_squares_each added on the host, the same

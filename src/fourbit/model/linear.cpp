@@ -355,24 +355,14 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
   return out;
 }
 
-std::pair<QuantSpec, QuantSpec> weight_both_specs(const Tensor& w, const QuantSpec& fprop, const QuantSpec& dgrad,
-                                                  LayerClass cls) {
-  FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
-  return {quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls), quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls)};
-}
-
 std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
                                                   const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
                                                   QuantLog* log) {
-  const auto [fs, ds] = weight_both_specs(w, fprop, dgrad, cls);
-  return prepared_weight_both(ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::Bf16,
-                                                 ops::FormOut::Bf16),
-                              w, fprop, fprop_site, dgrad, dgrad_site, log);
-}
-
-std::pair<Prepared, Prepared> prepared_weight_both(ops::BothAxes q, const Tensor& w, const QuantSpec& fprop,
-                                                   const QuantSite& fprop_site, const QuantSpec& dgrad,
-                                                   const QuantSite& dgrad_site, QuantLog* log) {
+  FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
+  const QuantSpec fs = quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls);
+  const QuantSpec ds = quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls);
+  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::Bf16,
+                                          ops::FormOut::Bf16);
   if (log && log->record_calls) {
     const uint64_t h = hash_tensor(w);
     record(log, fprop_site, fprop, h);

@@ -1,7 +1,7 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col,
-//          prepare_swiglu, prepare_swiglu_grads, weight_both_specs, prepare_weight_both, prepared_weight_both,
+//          prepare_swiglu, prepare_swiglu_grads, prepare_weight_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -173,14 +173,6 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
 std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
                                                   const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
                                                   QuantLog* log);
-// The specs prepare_weight_both quantizes w with (fprop and dgrad on their roles' block axes).
-std::pair<QuantSpec, QuantSpec> weight_both_specs(const Tensor& w, const QuantSpec& fprop, const QuantSpec& dgrad,
-                                                  LayerClass cls);
-// prepare_weight_both's operands of w made ahead of it, under weight_both_specs (the optimizer's,
-// ops::adamw_step_both), recorded as prepare_weight_both records them.
-std::pair<Prepared, Prepared> prepared_weight_both(ops::BothAxes q, const Tensor& w, const QuantSpec& fprop,
-                                                   const QuantSite& fprop_site, const QuantSpec& dgrad,
-                                                   const QuantSite& dgrad_site, QuantLog* log);
 
 // A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
 // tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with

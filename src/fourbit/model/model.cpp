@@ -1213,82 +1213,21 @@ Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t
 // quantizations and a decode before every GEMM. Nothing in the step reads their codes
 // (forward_weight makes them again for its readers); the cache holds 2 bytes a value per operand
 // until the weights change.
-// Where the optimizer made them as it updated the weights (invalidate_weight_cache's forms), they
-// are taken instead: the same bits (ops::adamw_step_both), without a pass over the weight.
 void Model::quantize_weights_ahead(const SrStreams& sr) {
   if (device_ != Device::CUDA || dtype_ != DType::F32) return;
   for (const LinearInfo& li : linears()) {
     const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
-    if (!weight_both_ahead(li, r)) continue;
     const QuantSpec &f = r.fprop.b, &d = r.dgrad.b;
+    if (r.requant_saved_sr || !ops::row_col_one_pass(f, d) || f.rounding != num::Rounding::RNE ||
+        d.rounding != num::Rounding::RNE || li.weight.dtype() != DType::F32)
+      continue;
     const std::string kf = li.name + "/" + gemm_role_name(GemmRole::Fprop);
     const std::string kd = li.name + "/" + gemm_role_name(GemmRole::Dgrad);
     if (weight_cache_.count(kf) || weight_cache_.count(kd)) continue;
-    const auto made = forms_ahead_.find(li.weight.raw());
-    auto [pf, pd] = made != forms_ahead_.end() && made->second.numel == li.weight.numel()
-                        ? prepared_weight_both(std::move(made->second.forms), li.weight, f, sr.site(kf + "/W"), d,
-                                               sr.site(kd + "/W"), &quant_log_)
-                        : prepare_weight_both(li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls,
-                                              &quant_log_);
-    if (made != forms_ahead_.end()) forms_ahead_.erase(made);
+    auto [pf, pd] = prepare_weight_both(li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls, &quant_log_);
     weight_cache_.emplace(kf, std::move(pf));
     weight_cache_.emplace(kd, std::move(pd));
   }
-}
-
-bool Model::weight_both_ahead(const LinearInfo& li, const LayerRecipe& r) const {
-  const QuantSpec &f = r.fprop.b, &d = r.dgrad.b;
-  return !r.requant_saved_sr && ops::row_col_one_pass(f, d) && f.rounding == num::Rounding::RNE &&
-         d.rounding == num::Rounding::RNE && li.weight.dtype() == DType::F32;
-}
-
-void Model::invalidate_weight_cache(bool bf16_copies_current, bool slice_amax_current, const WeightFormsAhead* forms) {
-  ++weights_version_;
-  weight_cache_.clear();
-  group_amax_cache_.clear();
-  fused_cache_.clear();
-  bf16_ahead_.clear();
-  forms_ahead_.clear();
-  bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
-  amax_ahead_current_ = slice_amax_current && amax_ahead_.defined();
-  if (!forms || !forms->defined()) return;
-  // Taken only for the entries weight_forms_ahead() made, under its specs: anything else is made
-  // again from the weights.
-  const std::vector<ParamInfo>& infos = params_.infos();
-  const WeightFormsAhead& wanted = weight_forms_ahead();
-  if (forms->at != wanted.at || forms->entries.size() != wanted.entries.size())
-    fail("model: the weight operands handed over are not weight_forms_ahead()'s entries ({} for {} parameters)",
-         forms->entries.size(), forms->at.size());
-  for (size_t i = 0; i < infos.size(); ++i) {
-    if (wanted.at[i] < 0) continue;
-    const WeightFormsAhead::Entry &e = forms->entries[size_t(wanted.at[i])], &w = wanted.entries[size_t(wanted.at[i])];
-    if (describe(e.row_spec) != describe(w.row_spec) || describe(e.col_spec) != describe(w.col_spec) ||
-        !e.forms.row.bf16.defined() || !e.forms.col.bf16.defined())
-      fail("model: the weight operands handed over for {} are not its {} / {} decodes", infos[i].name,
-           describe(w.row_spec), describe(w.col_spec));
-    forms_ahead_[params_.view(params_.flat_const(), infos[i]).raw()] = FormsAhead{e.forms, infos[i].numel()};
-  }
-}
-
-const WeightFormsAhead& Model::weight_forms_ahead() {
-  if (forms_wanted_made_) return forms_wanted_;
-  forms_wanted_made_ = true;
-  if (device_ != Device::CUDA || dtype_ != DType::F32) return forms_wanted_;
-  const std::vector<ParamInfo>& infos = params_.infos();
-  forms_wanted_.at.assign(infos.size(), -1);
-  // each linear quantize_weights_ahead makes both operands of, where its weight is a whole parameter
-  for (const LinearInfo& li : linears()) {
-    const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
-    if (!weight_both_ahead(li, r)) continue;
-    const size_t i = params_.param_index(li.weight);
-    if (li.weight.raw() != params_.view(params_.flat_const(), infos[i]).raw() || li.weight.numel() != infos[i].numel())
-      continue;
-    const auto [fs, ds] = weight_both_specs(li.weight, r.fprop.b, r.dgrad.b, li.cls);
-    forms_wanted_.at[i] = int64_t(forms_wanted_.entries.size());
-    forms_wanted_.entries.push_back({fs, ds, {}});
-  }
-  if (forms_wanted_.entries.empty()) forms_wanted_ = WeightFormsAhead{};
-  return forms_wanted_;
 }
 
 const Tensor& Model::training_positions(int64_t B, int64_t T) {

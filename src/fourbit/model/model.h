@@ -204,11 +204,15 @@ class Model {
   // before the next forward, which then takes them instead of converting the weights again.
   // slice_amax_current: the same for the outer-scale groups' amax in slice_amax_ahead()
   // (Optimizer::wrote_slice_amax), which the NVFP4 weights then take instead of a pass over them.
-  // forms: the operands the optimizer made of the updated weights (Optimizer::written_weight_forms,
-  // entries as weight_forms_ahead() asked for them), which the next training forward takes
-  // instead of quantizing those weights; null: none.
-  void invalidate_weight_cache(bool bf16_copies_current = false, bool slice_amax_current = false,
-                               const WeightFormsAhead* forms = nullptr);
+  void invalidate_weight_cache(bool bf16_copies_current = false, bool slice_amax_current = false) {
+    ++weights_version_;
+    weight_cache_.clear();
+    group_amax_cache_.clear();
+    fused_cache_.clear();
+    bf16_ahead_.clear();
+    bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
+    amax_ahead_current_ = slice_amax_current && amax_ahead_.defined();
+  }
   // Where the recipe has linears with BF16 forward operands over F32 weights (bf16, and the
   // layers other recipes keep in BF16, such as the LM head), the BF16 copies of those weights
   // live packed in one buffer (made on first call), which the forward fills with one conversion
@@ -221,12 +225,6 @@ class Model {
   // (Optimizer::write_slice_amax), so that the next forward's quantizers skip their pass over the
   // weights; undefined where no weight has such a group.
   const SliceAmaxAhead& slice_amax_ahead();
-  // Where the GPU training step makes a weight's fprop and dgrad operands in one pass before the
-  // forward (MXFP8 of one element format on both axes, rounded to nearest: quantize_weights_ahead),
-  // an entry for it with their specs, which the optimizer's update can make instead, reading the
-  // weight once for both (Optimizer::write_weight_forms, ops::adamw_step_both); undefined where no
-  // weight has one (the CPU, and recipes without such weights). Made on first call.
-  const WeightFormsAhead& weight_forms_ahead();
   // Counts invalidate_weight_cache calls: work recorded against the cached weights (a CUDA graph
   // of a forward, model/decode_graph.h) is stale once it changes.
   uint64_t weights_version() const { return weights_version_; }
@@ -298,8 +296,6 @@ class Model {
   // where fused_weight's and appended_weight's operands give their parts' bits.
   bool grouped_forward_gemms(int64_t slices, int64_t K) const;
   void quantize_weights_ahead(const SrStreams& sr);
-  // Whether quantize_weights_ahead makes li's two operands in one pass (recipe r of its layer).
-  bool weight_both_ahead(const LinearInfo& li, const LayerRecipe& r) const;
   struct Bf16Ahead {
     const void* source;  // the weight's storage: a copy is only used for the weight it was made of
     Tensor copy;
@@ -333,15 +329,6 @@ class Model {
   std::map<const void*, AmaxAhead> amax_ahead_at_;
   bool amax_ahead_made_ = false;
   bool amax_ahead_current_ = false;  // the buffer holds the weights' amax (invalidate_weight_cache)
-  WeightFormsAhead forms_wanted_;  // weight_forms_ahead()
-  bool forms_wanted_made_ = false;
-  // The optimizer's operands of the current weights (invalidate_weight_cache), by weight storage,
-  // with the weight's size, until quantize_weights_ahead takes them.
-  struct FormsAhead {
-    ops::BothAxes forms;
-    int64_t numel = 0;
-  };
-  std::map<const void*, FormsAhead> forms_ahead_;
   std::map<std::string, Tensor> input_amax_;
   std::unique_ptr<Saved> saved_;
   SavedBytes saved_bytes_;

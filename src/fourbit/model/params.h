@@ -1,4 +1,4 @@
-// defines: ParamInfo, Bf16Copies, SliceAmaxAhead, WeightFormsAhead, ParamStore, LayerWeights, ModelWeights, build_param_layout, init_params
+// defines: ParamInfo, ParamStore, LayerWeights, ModelWeights, build_param_layout, init_params
 // Parameters live in one flat buffer with named views (llm.c style), so the optimizer, gradient
 // clipping, checkpoints and export walk one list. Gradients and the AdamW moments are flat buffers
 // of the same layout.
@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "fourbit/model/config.h"
-#include "fourbit/ops/ops.h"
 #include "fourbit/tensor/tensor.h"
 
 namespace fourbit {
@@ -53,21 +52,6 @@ struct SliceAmaxAhead {
   Tensor buffer;
   std::vector<int64_t> at, slice;
   bool defined() const { return buffer.defined(); }
-};
-
-// The weight operands an optimizer update makes of the weights it writes (ops::adamw_step_both):
-// parameter i with at[i] >= 0 has entry at[i], the specs of its fprop (Row-axis) and dgrad
-// (Col-axis) operands, rounded to nearest, and, once an update has written them, those operands of
-// the updated weight, each its BF16 decode alone (the training step's GEMMs read nothing else).
-// No entries: none.
-struct WeightFormsAhead {
-  struct Entry {
-    QuantSpec row_spec, col_spec;
-    ops::BothAxes forms;
-  };
-  std::vector<int64_t> at;
-  std::vector<Entry> entries;
-  bool defined() const { return !entries.empty(); }
 };
 
 class ParamStore {

@@ -876,16 +876,13 @@ void moe_combine_backward(const Tensor& dout, const Tensor& y_perm, const Tensor
                           const Tensor& w, Tensor& dy_perm, Tensor& dw) {
   FOURBIT_DISPATCH(dout.device(), moe_combine_backward, dout, y_perm, slot_of, w, dy_perm, dw);
 }
-namespace {
-void check_adamw_gate(const char* op, const Tensor& param, const AdamW& h, const Tensor* gate) {
-  if (!gate) return;
-  expect_gate(op, *gate, param.defined() ? param.device() : Device::CPU);
-  if (h.grad_scale != 1.0f) fail("{}: with a gate the clip factor comes from it; grad_scale must be 1, got {}", op, h.grad_scale);
-}
-}  // namespace
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, Tensor* param_bf16,
                 const Tensor* gate, const SliceAmax& slice_amax) {
-  check_adamw_gate("adamw_step", param, h, gate);
+  if (gate) {
+    expect_gate("adamw_step", *gate, param.defined() ? param.device() : Device::CPU);
+    if (h.grad_scale != 1.0f)
+      fail("adamw_step: with a gate the clip factor comes from it; grad_scale must be 1, got {}", h.grad_scale);
+  }
   if (slice_amax.amax) {
     const Tensor& a = *slice_amax.amax;
     const int64_t n = param.defined() ? param.numel() : 0, sl = slice_amax.slice;
@@ -897,22 +894,6 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
            n / sl, sl, a.defined() ? a.str() : "an undefined tensor");
   }
   FOURBIT_DISPATCH(param.device(), adamw_step, param, grad, m, v, h, param_bf16, gate, slice_amax);
-}
-BothAxes adamw_step_both(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, const Tensor* gate,
-                         const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec, RngKey col_rng,
-                         FormOut row_out, FormOut col_out) {
-  const HostOpTimer host_timer("adamw_step_both");
-  check_row_col_axes("adamw_step_both", row_spec, col_spec);
-  check_adamw_gate("adamw_step_both", param, h, gate);
-#if FOURBIT_HAS_CUDA
-  BothAxes out;
-  if (param.defined() && param.device() == Device::CUDA &&
-      cuda::adamw_step_both(param, grad, m, v, h, gate, row_spec, row_rng, col_spec, col_rng, row_out, col_out, out.row,
-                            out.col))
-    return out;
-#endif
-  adamw_step(param, grad, m, v, h, nullptr, gate);
-  return quantize_both(param, row_spec, row_rng, col_spec, col_rng, row_out, col_out);
 }
 void grad_norm_gate(const std::vector<Tensor>& grads, double max_norm, Tensor& gate) {
   if (grads.empty()) fail("grad_norm_gate: no gradients");

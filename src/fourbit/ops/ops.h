@@ -6,7 +6,7 @@
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
-//          MoE permutation), adamw_step, adamw_step_both, Lanes and the small tensor utilities (running_segment_amax).
+//          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
 // ops/cpu/ or ops/cuda/, which implement the same functions with the same numerics (the
 // quantizers bit for bit; GEMMs and reductions within documented tolerances).
@@ -539,16 +539,6 @@ struct SliceAmax {
 };
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h,
                 Tensor* param_bf16 = nullptr, const Tensor* gate = nullptr, const SliceAmax& slice_amax = {});
-// adamw_step of a weight (param F32 [R, C] or [S, R, C]) that also quantizes the updated weight on
-// both axes: bit for bit adamw_step(param, grad, m, v, h, nullptr, gate) and then
-// quantize_both(param, row_spec, row_rng, col_spec, col_rng, row_out, col_out), the weight's fprop
-// and dgrad operands for the next forward (Optimizer::write_weight_forms). On the GPU, where
-// quantize_both's one pass takes the specs, the update is that pass's source: the weight is read
-// once for both, and the forms come without a pass of their own. Where the gate skips the update,
-// the forms of the unchanged weight.
-BothAxes adamw_step_both(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, const Tensor* gate,
-                         const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec, RngKey col_rng,
-                         FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
 
 // The gate of one optimizer update, computed where the gradients are, so that the update can be
 // queued without the host reading anything first (it reads the gate later, while the update

@@ -196,7 +196,6 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   Optimizer optim(model.params(), cfg.train);
   optim.write_bf16_copies(model.bf16_weight_copies());  // the update writes the next forward's BF16 weights
   optim.write_slice_amax(model.slice_amax_ahead());      // and its NVFP4 weights' outer-scale amax
-  optim.write_weight_forms(model.weight_forms_ahead());  // and its MXFP8 weights' operands
   LrSchedule schedule(cfg.train);
   int64_t start_step = 0;
   std::string resumed_from;
@@ -364,8 +363,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
       fail("step {}: NaN/Inf reached a quantizer (non-finite activations or gradients). Training "
            "stopped; no checkpoint was written for this step.", step + 1);
     if (!std::isfinite(gnorm)) nonfinite(step + 1, "the gradient norm", gnorm);
-    if (update)
-      model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax(), optim.written_weight_forms());
+    if (update) model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
     ctx.optimizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_t0).count();
     last_loss = loss;
     nlohmann::json line = {{"step", step + 1}, {"loss", loss}, {"aux_loss", aux}, {"lr", ctx.lr}, {"grad_norm", gnorm}};

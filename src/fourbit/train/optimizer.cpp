@@ -146,26 +146,9 @@ void Optimizer::write_slice_amax(const SliceAmaxAhead& ahead) {
   amax_ = ahead;
 }
 
-void Optimizer::write_weight_forms(const WeightFormsAhead& wanted) {
-  if (wanted.defined()) {
-    const std::vector<ParamInfo>& infos = params_.infos();
-    if (wanted.at.size() != infos.size())
-      fail("Optimizer::write_weight_forms: want an entry index for each of the {} parameters, got {}", infos.size(),
-           wanted.at.size());
-    for (size_t i = 0; i < infos.size(); ++i)
-      if (wanted.at[i] >= int64_t(wanted.entries.size()))
-        fail("Optimizer::write_weight_forms: {} has entry {} of {}", infos[i].name, wanted.at[i],
-             wanted.entries.size());
-  }
-  forms_ = wanted;
-  for (WeightFormsAhead::Entry& e : forms_.entries) e.forms = {};
-  wrote_forms_ = false;
-}
-
 double Optimizer::step(int64_t step_index, double lr) {
   wrote_bf16_ = false;
   wrote_amax_ = false;
-  wrote_forms_ = false;
   quant_nonfinite_ = false;
   params_.settle_grads();  // a step without a backward since zero_grad: zero gradients
   // The gate (norm, clip factor, skip) is computed on the gradients' device and the update reads
@@ -181,32 +164,14 @@ double Optimizer::step(int64_t step_index, double lr) {
   // decay (and, with BF16 copies, all with copies next to each other there or all without) take
   // one call over their run: the bits of one call each, in a few launches instead of one a
   // parameter (a step of configs/gpu-small.toml: 50 instead of 154).
-  // A parameter whose slices' amax the update raises, or whose operands it makes, takes a call of
-  // its own.
+  // A parameter whose slices' amax the update raises takes a call of its own.
   const std::vector<ParamInfo>& infos = params_.infos();
   const auto copy_at = [&](size_t k) { return bf16_.defined() ? bf16_.at[k] : int64_t(-1); };
   const auto amax_at = [&](size_t k) { return amax_.defined() ? amax_.at[k] : int64_t(-1); };
-  const auto forms_at = [&](size_t k) { return forms_.defined() ? forms_.at[k] : int64_t(-1); };
-  const auto alone = [&](size_t k) { return amax_at(k) >= 0 || forms_at(k) >= 0; };
   if (amax_.defined()) ops::fill_(amax_.buffer, 0.0);
   for (size_t i = 0; i < infos.size();) {
-    const ops::AdamW h{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
-                       infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1};
-    if (forms_at(i) >= 0) {  // the update as the pass that makes the weight's operands
-      if (copy_at(i) >= 0 || amax_at(i) >= 0)
-        fail("Optimizer::step: {} has operands made in its update and also a BF16 copy or an amax entry",
-             infos[i].name);
-      Tensor w = params_.view(params_.flat(), infos[i]), g = params_.view(params_.flat_grad(), infos[i]);
-      Tensor m = params_.view(m_, infos[i]), v = params_.view(v_, infos[i]);
-      WeightFormsAhead::Entry& e = forms_.entries[size_t(forms_at(i))];
-      e.forms = {};  // the last step's, held by the model until it takes these
-      e.forms = ops::adamw_step_both(w, g, m, v, h, &gate, e.row_spec, {}, e.col_spec, {}, ops::FormOut::Bf16,
-                                     ops::FormOut::Bf16);
-      ++i;
-      continue;
-    }
     size_t j = i + 1;
-    while (j < infos.size() && !alone(i) && !alone(j) && infos[j].decay == infos[i].decay &&
+    while (j < infos.size() && amax_at(i) < 0 && amax_at(j) < 0 && infos[j].decay == infos[i].decay &&
            infos[j].offset == infos[j - 1].offset + infos[j - 1].numel() &&
            (copy_at(j) < 0) == (copy_at(i) < 0) &&
            (copy_at(j) < 0 || copy_at(j) == copy_at(j - 1) + infos[j - 1].numel()))
@@ -216,7 +181,10 @@ double Optimizer::step(int64_t step_index, double lr) {
     Tensor m = m_.view(at, {n}), v = v_.view(at, {n});
     Tensor w16 = copy_at(i) >= 0 ? bf16_.buffer.view(copy_at(i), {n}) : Tensor();
     Tensor amax = amax_at(i) >= 0 ? amax_.buffer.view(amax_at(i), {n / amax_.slice[i]}) : Tensor();
-    ops::adamw_step(w, g, m, v, h, w16.defined() ? &w16 : nullptr, &gate,
+    ops::adamw_step(w, g, m, v,
+                    ops::AdamW{float(lr), float(t_.beta1), float(t_.beta2), float(t_.adam_eps),
+                               infos[i].decay ? float(t_.weight_decay) : 0.0f, step_index + 1},
+                    w16.defined() ? &w16 : nullptr, &gate,
                     amax.defined() ? ops::SliceAmax{&amax, amax_.slice[i]} : ops::SliceAmax{});
     i = j;
   }
@@ -225,7 +193,6 @@ double Optimizer::step(int64_t step_index, double lr) {
   // where the update skipped itself, the copies are still those of the (unchanged) parameters
   wrote_bf16_ = bf16_.defined() && gv[ops::kGateSkip] == 0.0;
   wrote_amax_ = amax_.defined();  // the amax of the parameters as they are now, updated or not
-  wrote_forms_ = forms_.defined();  // so are the operands
   return gv[ops::kGateNorm];  // the trainer stops on a non-finite norm
 }
 

@@ -89,13 +89,6 @@ class Optimizer {
   // take them (Model::invalidate_weight_cache) instead of a pass over the weights.
   void write_slice_amax(const SliceAmaxAhead& ahead);
   bool wrote_slice_amax() const { return wrote_amax_; }
-  // From now on every step also makes the operands of `wanted`'s entries (Model::weight_forms_ahead:
-  // the MXFP8 weights' fprop and dgrad forms) from the updated parameters, in the update's own pass
-  // (ops::adamw_step_both); written also where the gate skips the update (the operands of the
-  // unchanged parameters). written_weight_forms(): the last step's, for
-  // Model::invalidate_weight_cache, or null where it made none.
-  void write_weight_forms(const WeightFormsAhead& wanted);
-  const WeightFormsAhead* written_weight_forms() const { return wrote_forms_ ? &forms_ : nullptr; }
 
  private:
   std::vector<Tensor> grad_views() const;  // every parameter's gradient, in layout order
@@ -106,8 +99,6 @@ class Optimizer {
   bool wrote_bf16_ = false;
   SliceAmaxAhead amax_;  // write_slice_amax's target
   bool wrote_amax_ = false;
-  WeightFormsAhead forms_;  // write_weight_forms' entries and the last step's operands
-  bool wrote_forms_ = false;
   bool quant_nonfinite_ = false;
 };
 

@@ -9,7 +9,7 @@
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
-//          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, adamw_step_both,
+//          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
@@ -282,12 +282,6 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
 // conditions do not hold.
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                    RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col);
-// ops::adamw_step_both on CUDA tensors (axes and gate checked by the caller): quantize_both's pass
-// with the update as its source; false (nothing done) where quantize_both's one pass does not
-// take the specs.
-bool adamw_step_both(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, const Tensor* gate,
-                     const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec, RngKey col_rng,
-                     FormOut row_out, FormOut col_out, QTensor& row, QTensor& col);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

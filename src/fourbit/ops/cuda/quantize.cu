@@ -1,5 +1,5 @@
 // defines: cuda::quantize, cuda::outer_amax, cuda::quantize_segments, cuda::quantize_row_col,
-//          cuda::quantize_both, cuda::adamw_step_both, cuda::dequantize, cuda::requantize_transposed, cuda::requantize_transposed_segments,
+//          cuda::quantize_both, cuda::dequantize, cuda::requantize_transposed, cuda::requantize_transposed_segments,
 //          cuda::take_nonfinite_flag, cuda::nonfinite_flag_address, cuda::quantize_kernel_for, cuda::quantize_kernel_names,
 //          cuda::requantize_kernel_for
 // The GPU quantizers' dispatch. Each format has an ordered list of kernels, {name, accepts(spec,
@@ -24,7 +24,6 @@
 #include "fourbit/ops/cuda/cast/nvfp4_row_fast.cuh"
 #include "fourbit/ops/cuda/cast/quantize_tile.cuh"
 #include "fourbit/ops/cuda/cast/requantize_transposed.cuh"
-#include "fourbit/ops/cuda/checks.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -452,53 +451,26 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
   return true;
 }
 
-namespace {
-// quantize_both's forms of the source's values (shape: x's, [S, R, C]) into row and col, in one
-// pass (a segment per slice).
-template <class Src>
-void launch_both(const Src& src, const QuantShape& shape, const QuantSpec& row_spec, RngKey row_rng,
-                 const QuantSpec& col_spec, RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row,
-                 QTensor& col) {
-  const int64_t S = shape.slices, R = shape.rows, C = shape.cols;
-  // slice s of the Col form: storage [C, padded R] at s * C rows
-  row = writes_codes(row_out) ? alloc_qtensor(row_spec, shape, Device::CUDA) : qtensor_layout(row_spec, shape);
-  col = writes_codes(col_out) ? alloc_qtensor(col_spec, shape, Device::CUDA) : qtensor_layout(col_spec, shape);
-  if (writes_bf16(row_out)) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
-  if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
-  if (R == 0 || C == 0) return;
-  const int64_t pr = col.padded_cols();
-  const PairOutput o{&row, row_rng, static_cast<uint8_t*>(raw_or_null(col.codes)),
-                     static_cast<uint8_t*>(raw_or_null(col.block_scales)), static_cast<__nv_bfloat16*>(raw_or_null(col.bf16))};
-  std::vector<PairSegmentOut> segs;
-  for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
-    segs.push_back({sl * R, R, sl * pr, sl * C, {col_rng}});
-  launch_mxfp8_row_col(src, C, {o}, row_spec, col_spec, segs);
-}
-}  // namespace
-
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                    RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col) {
   if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   check_cuda_tensor(x, "quantize_both", "x");
   const QuantShape shape = quant_shape(x, row_spec);
   (void)quant_shape(x, col_spec);  // validates the spec
-  launch_both(PlainSource{x.data<float>(), shape.cols}, shape, row_spec, row_rng, col_spec, col_rng, row_out, col_out,
-              row, col);
-  return true;
-}
-
-bool adamw_step_both(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamW& h, const Tensor* gate,
-                     const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec, RngKey col_rng,
-                     FormOut row_out, FormOut col_out, QTensor& row, QTensor& col) {
-  if (!row_col_kernel_takes(param, row_spec, col_spec)) return false;
-  check_adamw_args(Device::CUDA, param, grad, m, v, h);
-  const QuantShape shape = quant_shape(param, row_spec);
-  (void)quant_shape(param, col_spec);
-  const bool vec = shape.cols % 4 == 0 && aligned16(param.raw()) && aligned16(grad.raw()) && aligned16(m.raw()) &&
-                   aligned16(v.raw());
-  launch_both(AdamwSource{param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), shape.cols, vec,
-                          adamw_constants(h), gate ? gate->data<double>() : nullptr},
-              shape, row_spec, row_rng, col_spec, col_rng, row_out, col_out, row, col);
+  const int64_t S = shape.slices, R = shape.rows, C = shape.cols;
+  // slice s of the Col form: storage [C, padded R] at s * C rows
+  row = writes_codes(row_out) ? alloc_qtensor(row_spec, shape, Device::CUDA) : qtensor_layout(row_spec, shape);
+  col = writes_codes(col_out) ? alloc_qtensor(col_spec, shape, Device::CUDA) : qtensor_layout(col_spec, shape);
+  if (writes_bf16(row_out)) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
+  if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
+  if (R == 0 || C == 0) return true;
+  const int64_t pr = col.padded_cols();
+  const PairOutput o{&row, row_rng, static_cast<uint8_t*>(raw_or_null(col.codes)),
+                     static_cast<uint8_t*>(raw_or_null(col.block_scales)), static_cast<__nv_bfloat16*>(raw_or_null(col.bf16))};
+  std::vector<PairSegmentOut> segs;
+  for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
+    segs.push_back({sl * R, R, sl * pr, sl * C, {col_rng}});
+  launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, segs);
   return true;
 }
 

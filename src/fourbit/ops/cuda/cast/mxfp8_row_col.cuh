@@ -1,5 +1,5 @@
 // defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
-//          CombineGradSource, SwigluSource, SwigluGradSource, AdamwSource, source_value, mxfp8_row_col_kernel,
+//          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel,
 //          PairSegmentOut, PairOutput, raw_or_null, launch_mxfp8_row_col
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
@@ -10,14 +10,12 @@
 // rows gathered (GatherSource: the experts' dispatched tokens, gather_rows' x_perm, which is then
 // never written), moe_combine_backward's dy_perm (CombineGradSource: each slot's row of the
 // output gradient times its routing weight), swiglu_forward's a computed from h1 and h3 (SwigluSource), or swiglu_backward's dh1 and dh3
-// computed from da, h1 and h3 (SwigluGradSource, two outputs), or a weight as AdamW updates it
-// (AdamwSource: the update written back, and its result quantized): computed values are never
-// written in F32 nor read back.
+// computed from da, h1 and h3 (SwigluGradSource, two outputs): computed values are never written
+// in F32 nor read back.
 #pragma once
 #include <algorithm>
 #include <type_traits>
 
-#include "fourbit/ops/adamw_math.h"
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
@@ -52,7 +50,6 @@ constexpr int kPairBlocks = kPairCols / num::kMxBlock;  // Row-axis blocks per t
 constexpr int kPairLd = kPairCols + 4;
 constexpr int kPairSegsPerLaunch = 32;
 constexpr int kComputeRows = 4;  // a computed source's rows a group (its loads, then its arithmetic)
-constexpr int kAdamwBatch = 4;   // AdamwSource's groups of four a thread whose loads go together
 static_assert(kPairBlocks == 8 && num::kMxBlock * kPairBlocks == kThreads,
               "one (row, block) of the 32 x kThreads tile per thread, eight blocks a row");
 static_assert((kPairLd / 4) % 8 == 1, "rows of the tile start one 16-byte chunk apart modulo eight");
@@ -116,19 +113,6 @@ struct SwigluGradSource {
   const float *da, *h1, *h3;  // [rows, ld] each
   int64_t ld;
 };
-// adamw_kernel's update of a weight ([rows, ld] each; a stack of slices as one), written back to
-// param, m and v, its result the value quantized. gate: grad_norm_gate's verdict (null: none),
-// read once a thread: skip leaves everything as it is (the unchanged weight is quantized), the
-// clip factor becomes k.grad_scale.
-struct AdamwSource {
-  float* param;
-  const float* grad;
-  float *m, *v;
-  int64_t ld;
-  bool vec;  // the four tensors 16-byte aligned and ld a multiple of 4: float4 groups
-  AdamWConstants k;
-  const double* gate;
-};
 // The rows of a CTA's block row that a source reads through an index (GatherSource,
 // CombineGradSource): where row i of the block row starts in the source tensor (-1: a zero row)
 // and its routing weight, looked up once a row by the block row's first warp rather than once an
@@ -188,8 +172,7 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
 }
 
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
-__global__ void __launch_bounds__(kThreads, kRowSR || kColSR || std::is_same_v<Src, AdamwSource> ? 2 : 4)
-    mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
+__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
   dependent_launch_prologue();
   constexpr int B = num::kMxBlock;
   constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
@@ -251,53 +234,6 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR || std::is_same_v<S
       for (int k = 0; k < kComputeRows; ++k)
         col[(g * kComputeRows + k) * kPairLd] = swiglu_value(z[g & 1][k], u[g & 1][k]);
     }
-#pragma unroll
-    for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
-  } else if constexpr (std::is_same_v<Src, AdamwSource>) {
-    // The update runs on the tile's rows as adamw_kernel runs on the flat weight: each thread a
-    // group of four consecutive columns of a row at a time (float4 loads and stores where
-    // aligned), kAdamwBatch groups' loads issued before their arithmetic; the updated values go
-    // to the tile and are read back as the column's block.
-    AdamWConstants k = p.src.k;
-    bool skip = false;
-    if (p.src.gate) {
-      skip = p.src.gate[kGateSkip] != 0.0;
-      k.grad_scale = float(p.src.gate[kGateClip]);  // a float value: exact
-    }
-    constexpr int kGroupsPerRow = kPairCols / 4, kGroups = B * kGroupsPerRow / kThreads;
-    static_assert(kGroups % kAdamwBatch == 0, "whole batches of groups a thread");
-#pragma unroll
-    for (int q0 = 0; q0 < kGroups; q0 += kAdamwBatch) {
-      float w[kAdamwBatch][4], gr[kAdamwBatch][4], mm[kAdamwBatch][4], vv[kAdamwBatch][4];
-#pragma unroll
-      for (int u = 0; u < kAdamwBatch; ++u) {  // group q: row q / kGroupsPerRow, columns 4 (q % kGroupsPerRow) + 0..3
-        const int q = (q0 + u) * kThreads + t, i = q / kGroupsPerRow;
-        const int64_t at = (sg.x_row0 + r0 + i) * p.src.ld, c = c0 + 4 * (q % kGroupsPerRow);
-        const int64_t n = i < n_rows ? p.cols : 0;  // rows past the segment's: zeros, not written
-        load4(p.src.param + at, c, n, p.src.vec, w[u]);
-        load4(p.src.grad + at, c, skip ? 0 : n, p.src.vec, gr[u]);
-        load4(p.src.m + at, c, skip ? 0 : n, p.src.vec, mm[u]);
-        load4(p.src.v + at, c, skip ? 0 : n, p.src.vec, vv[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kAdamwBatch; ++u) {
-        const int q = (q0 + u) * kThreads + t, i = q / kGroupsPerRow, lc = 4 * (q % kGroupsPerRow);
-        const int64_t at = (sg.x_row0 + r0 + i) * p.src.ld, c = c0 + lc;
-        const int64_t n = i < n_rows && !skip ? p.cols : 0;
-        if (n > 0) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) adamw_update(w[u][e], gr[u][e], mm[u][e], vv[u][e], k);
-          store4(p.src.param + at, c, n, p.src.vec, w[u]);
-          store4(p.src.m + at, c, n, p.src.vec, mm[u]);
-          store4(p.src.v + at, c, n, p.src.vec, vv[u]);
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e)  // columns past the weight's: zeros (their groups loaded none)
-          tile[pair_tile_index(i, lc + e)] = c + e < p.cols ? w[u][e] : 0.0f;
-      }
-    }
-    __syncthreads();
-    const float* col = tile + pair_tile_index(0, t);
 #pragma unroll
     for (int i = 0; i < B; ++i) v[i] = col[i * kPairLd];
   } else if constexpr (kOuts == 1) {
