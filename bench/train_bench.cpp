@@ -66,6 +66,17 @@ std::string arg(int argc, char** argv, const std::string& name, const std::strin
   return def;
 }
 
+// An option of two values or `both` (each run in this process, first then second): the values to
+// run; where it is not its default (`first`), the table gets a column for it after the recipe's.
+std::vector<std::string> one_or_both(int argc, char** argv, const std::string& name, const std::string& first,
+                                     const std::string& second, const std::string& column, bench::BenchTable& table) {
+  const std::string v = arg(argc, argv, name, first);
+  if (v != first && v != second && v != "both")
+    fail("train_bench: {} must be {}, {} or both, got '{}'", name, first, second, v);
+  if (v != first) table.columns.insert(table.columns.begin() + 1, column);
+  return v == "both" ? std::vector<std::string>{first, second} : std::vector<std::string>{v};
+}
+
 void sync(Device d) {
   if (d == Device::CUDA) device_synchronize();
 }
@@ -121,20 +132,9 @@ int main(int argc, char** argv) {
     if (device != Device::CUDA) fail("train_bench: --expert-gemms {} is for --device cuda", expert_gemms);
     table.columns.insert(table.columns.begin() + 1, "expert GEMMs");
   }
-  const std::string keep_arg = arg(argc, argv, "--keep-ffn", "off");
-  std::vector<bool> keeps;
-  if (keep_arg == "off") keeps = {false};
-  else if (keep_arg == "on") keeps = {true};
-  else if (keep_arg == "both") keeps = {false, true};
-  else fail("train_bench: --keep-ffn must be off, on or both, got '{}'", keep_arg);
-  if (keep_arg != "off") table.columns.insert(table.columns.begin() + 1, "FFN interiors");
-  const std::string fwd_arg = arg(argc, argv, "--forward-gemms", "grouped");
-  std::vector<bool> fwd_grouped;
-  if (fwd_arg == "grouped") fwd_grouped = {true};
-  else if (fwd_arg == "gemm") fwd_grouped = {false};
-  else if (fwd_arg == "both") fwd_grouped = {true, false};
-  else fail("train_bench: --forward-gemms must be grouped, gemm or both, got '{}'", fwd_arg);
-  if (fwd_arg != "grouped") table.columns.insert(table.columns.begin() + 1, "forward GEMMs");
+  const std::vector<std::string> keeps = one_or_both(argc, argv, "--keep-ffn", "off", "on", "FFN interiors", table);
+  const std::vector<std::string> fwds =
+      one_or_both(argc, argv, "--forward-gemms", "grouped", "gemm", "forward GEMMs", table);
   std::vector<std::string> grad_quants;
   {
     std::stringstream ss(arg(argc, argv, "--grad-quant", "fused"));
@@ -146,31 +146,21 @@ int main(int argc, char** argv) {
   }
   if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
   if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
-  const std::string amax_arg = arg(argc, argv, "--weight-amax", "optimizer");
-  std::vector<bool> amax_by_optimizer;
-  if (amax_arg == "optimizer") amax_by_optimizer = {true};
-  else if (amax_arg == "pass") amax_by_optimizer = {false};
-  else if (amax_arg == "both") amax_by_optimizer = {true, false};
-  else fail("train_bench: --weight-amax must be optimizer, pass or both, got '{}'", amax_arg);
-  if (amax_arg != "optimizer") table.columns.insert(table.columns.begin() + 1, "weight amax");
-  const std::string saved_arg = arg(argc, argv, "--saved-x", "decodes");
-  std::vector<bool> saved_decodes;
-  if (saved_arg == "decodes") saved_decodes = {true};
-  else if (saved_arg == "codes") saved_decodes = {false};
-  else if (saved_arg == "both") saved_decodes = {true, false};
-  else fail("train_bench: --saved-x must be decodes, codes or both, got '{}'", saved_arg);
-  if (saved_arg != "decodes") table.columns.insert(table.columns.begin() + 1, "saved X^T");
+  const std::vector<std::string> amaxes =
+      one_or_both(argc, argv, "--weight-amax", "optimizer", "pass", "weight amax", table);
+  const std::vector<std::string> saved_xs = one_or_both(argc, argv, "--saved-x", "decodes", "codes", "saved X^T", table);
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool saved_before = set_saved_x_decodes(true);
   for (const std::string& variant : variants)
-  for (const bool fwd : fwd_grouped)
-  for (const bool keep : keeps)
+  for (const std::string& fwd_gemms : fwds)
+  for (const std::string& keep_ffn : keeps)
   for (const std::string& gq : grad_quants)
-  for (const bool amax_opt : amax_by_optimizer)
-  for (const bool saved_dec : saved_decodes) {
-    set_saved_x_decodes(saved_dec);
-    set_forward_gemms_grouped(fwd);
+  for (const std::string& amax : amaxes)
+  for (const std::string& saved_x : saved_xs) {
+    const bool keep = keep_ffn == "on";
+    set_saved_x_decodes(saved_x == "decodes");
+    set_forward_gemms_grouped(fwd_gemms == "grouped");
     set_training_producer_quantizers(gq == "fused");
     set_dy_decodes_only(gq != "apart");
 #if FOURBIT_HAS_CUDA
@@ -187,7 +177,7 @@ int main(int argc, char** argv) {
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
       optim.write_bf16_copies(model.bf16_weight_copies());  // as the trainer does
-      if (amax_opt) optim.write_slice_amax(model.slice_amax_ahead());
+      if (amax == "optimizer") optim.write_slice_amax(model.slice_amax_ahead());
       // The batches are made before the timed steps (the PyTorch peer draws its data on the GPU
       // before timing too); each step uploads its own, as the trainer does.
       const size_t batch_values = size_t(t.batch_size * t.seq_len);
@@ -238,10 +228,10 @@ int main(int argc, char** argv) {
       table.add({{"recipe", name},
                  {"expert GEMMs", variant},
                  {"FFN interiors", keep ? "kept" : "recomputed"},
-                 {"forward GEMMs", fwd ? "grouped" : "gemm"},
+                 {"forward GEMMs", fwd_gemms},
                  {"dY quantizers", gq},
-                 {"weight amax", amax_opt ? "optimizer" : "pass"},
-                 {"saved X^T", saved_dec ? "decodes" : "codes"},
+                 {"weight amax", amax},
+                 {"saved X^T", saved_x},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
