@@ -277,6 +277,26 @@ __device__ __forceinline__ int segment_of(const AmaxSegments& segs, int64_t j) {
   return g;
 }
 
+// Entry e's row of x (rows[e], or e without an index), or -1 for one outside [0, R), which the
+// calling thread records where `record`.
+__device__ __forceinline__ int64_t segment_amax_row(const int32_t* rows, int64_t e, int64_t R, IndexError* err,
+                                                    bool record) {
+  const int64_t r = rows ? int64_t(rows[e]) : e;
+  if (r >= 0 && r < R) return r;
+  if (record) record_index_error(err, IndexSite::SegmentAmaxRows, e, r, R, 1);
+  return -1;
+}
+
+// The max |x| of row r over columns c0, c0 + step, ... below C, NaN and Inf left out.
+__device__ __forceinline__ float row_finite_amax(const float* x, int64_t r, int64_t C, int64_t c0, int64_t step) {
+  float m = 0.0f;
+  for (int64_t c = c0; c < C; c += step) {
+    const float a = fabsf(x[r * C + c]);
+    if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
+  }
+  return m;
+}
+
 // Rows narrower than a warp (the quantizers' row amaxes, one float a row: QTensor::row_amax): one
 // entry a lane, and the lanes of one segment fold their maxima first, so that one atomic a
 // warp and segment lands instead of one a row (16 K rows on 16 experts' amaxes).
@@ -291,15 +311,9 @@ __global__ void __launch_bounds__(kThreads)
     int g = -1;  // lanes past the entries and rows out of range fold nothing
     float m = 0.0f;
     if (j < n) {
-      const int64_t e = entry0 + j;
-      const int64_t r = rows ? int64_t(rows[e]) : e;
-      if (r < 0 || r >= R) {
-        record_index_error(err, IndexSite::SegmentAmaxRows, e, r, R, 1);
-      } else {
-        for (int64_t c = 0; c < C; ++c) {
-          const float a = fabsf(x[r * C + c]);
-          if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
-        }
+      const int64_t r = segment_amax_row(rows, entry0 + j, R, err, true);
+      if (r >= 0) {
+        m = row_finite_amax(x, r, C, 0, 1);
         g = segment_of(segs, j);
       }
     }
@@ -317,18 +331,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t warps = int64_t(gridDim.x) * (kThreads / 32);
   const int64_t n = segs.off[segs.count];
   for (int64_t j = blockIdx.x * int64_t(kThreads / 32) + threadIdx.x / 32; j < n; j += warps) {
-    const int64_t e = entry0 + j;
-    const int64_t r = rows ? int64_t(rows[e]) : e;
-    if (r < 0 || r >= R) {
-      if (lane == 0) record_index_error(err, IndexSite::SegmentAmaxRows, e, r, R, 1);
-      continue;
-    }
-    float m = 0.0f;
-    for (int64_t c = lane; c < C; c += 32) {
-      const float a = fabsf(x[r * C + c]);
-      if (a <= FLT_MAX && a > m) m = a;  // NaN and Inf fail the first test
-    }
-    m = warp_max(m);
+    const int64_t r = segment_amax_row(rows, entry0 + j, R, err, lane == 0);
+    if (r < 0) continue;
+    const float m = warp_max(row_finite_amax(x, r, C, lane, 32));
     if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax + segment_of(segs, j)), __float_as_uint(m));
   }
 }
@@ -577,13 +582,11 @@ void running_segment_amax(const Tensor& x, const Tensor& rows, const std::vector
     for (int i = 0; i <= segs.count; ++i) segs.off[i] = offsets[size_t(g0 + i)] - offsets[size_t(g0)];
     const int64_t n = segs.off[segs.count];
     if (n == 0) continue;
-    const int32_t* r = rows.defined() ? rows.data<int32_t>() : nullptr;
-    if (C < 32)
-      segment_amax_thin_kernel<<<grid_for((n + 31) / 32, kThreads / 32), kThreads, 0, stream()>>>(
-          x.data<float>(), R, C, r, offsets[size_t(g0)], segs, amax.data<float>() + g0, index_error_record());
-    else
-      segment_amax_kernel<<<grid_for(n, kThreads / 32), kThreads, 0, stream()>>>(
-          x.data<float>(), R, C, r, offsets[size_t(g0)], segs, amax.data<float>() + g0, index_error_record());
+    const bool thin = C < 32;  // a lane a row, else a warp a row
+    const auto kernel = thin ? segment_amax_thin_kernel : segment_amax_kernel;
+    kernel<<<grid_for(thin ? (n + 31) / 32 : n, kThreads / 32), kThreads, 0, stream()>>>(
+        x.data<float>(), R, C, rows.defined() ? rows.data<int32_t>() : nullptr, offsets[size_t(g0)], segs,
+        amax.data<float>() + g0, index_error_record());
     FOURBIT_LAUNCH_CHECK();
   }
 }
