@@ -25,7 +25,7 @@
 // --weight-amax: the NVFP4 weights' outer-scale amax raised by the optimizer in its update
 // (optimizer, the default, as the trainer does: Optimizer::write_slice_amax) or by a pass of the
 // quantizers over the weights (pass), or both, each recipe run under each in this process.
-// --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (set_saved_x_decodes):
+// --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (train.saved_x_decodes):
 // their BF16 decodes alone (decodes, the default), or their codes (codes), decoded before the
 // weight-gradient GEMMs, or both, each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
@@ -151,7 +151,6 @@ int main(int argc, char** argv) {
   const std::vector<std::string> saved_xs = one_or_both(argc, argv, "--saved-x", "decodes", "codes", "saved X^T", table);
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
-  const bool saved_before = set_saved_x_decodes(true);
   for (const std::string& variant : variants)
   for (const std::string& fwd_gemms : fwds)
   for (const std::string& keep_ffn : keeps)
@@ -159,7 +158,6 @@ int main(int argc, char** argv) {
   for (const std::string& amax : amaxes)
   for (const std::string& saved_x : saved_xs) {
     const bool keep = keep_ffn == "on";
-    set_saved_x_decodes(saved_x == "decodes");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
     set_training_producer_quantizers(gq == "fused");
     set_dy_decodes_only(gq != "apart");
@@ -174,6 +172,7 @@ int main(int argc, char** argv) {
     for (const std::string& name : recipes) {
       Model model(cfg.model, recipe_by_name(name), device);
       model.set_keep_ffn_activations(keep);
+      model.set_saved_x_decodes(saved_x == "decodes");
       init_params(model.params(), cfg.model, t.seed);
       Optimizer optim(model.params(), t);
       optim.write_bf16_copies(model.bf16_weight_copies());  // as the trainer does
@@ -247,7 +246,6 @@ int main(int argc, char** argv) {
   }
   set_forward_gemms_grouped(true);
   set_training_producer_quantizers(producers_before);
-  set_saved_x_decodes(saved_before);
   set_dy_decodes_only(decodes_before);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},

@@ -1,4 +1,4 @@
-// defines: tests of set_training_producer_quantizers, set_dy_decodes_only and set_saved_x_decodes:
+// defines: tests of set_training_producer_quantizers, set_dy_decodes_only and Model::set_saved_x_decodes:
 //          the experts' gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where
 //          they are computed, the backward's dY pairs written as their BF16 decodes alone, and the
 //          forward's X^T (and the experts' X) kept as their decodes alone, give the bits of the ops
@@ -26,11 +26,9 @@ struct Switches {
 // Restores the process-wide switches to what they were when the test ends, failed or not.
 struct DefaultsAfter {
   const bool producers = set_training_producer_quantizers(false), decodes = set_dy_decodes_only(false);
-  const bool saved = set_saved_x_decodes(false);
   ~DefaultsAfter() {
     set_training_producer_quantizers(producers);
     set_dy_decodes_only(decodes);
-    set_saved_x_decodes(saved);
   }
 };
 
@@ -43,9 +41,9 @@ Pass run(const ModelConfig& c, const std::string& recipe, Device dev, Switches s
          const Tensor& targets) {
   set_training_producer_quantizers(sw.fused);
   set_dy_decodes_only(sw.decodes_only);
-  set_saved_x_decodes(sw.saved_decodes);
   Model m(c, recipe_by_name(recipe), dev);
   m.set_keep_ffn_activations(keep);
+  m.set_saved_x_decodes(sw.saved_decodes);
   init_params(m.params(), c, 5);
   m.params().zero_grad();
   Pass p;

@@ -92,7 +92,7 @@ Field field(T& ref) {
 // Fields added after run records were first written: an older config.json or state.json lacks
 // them and gets the default.
 bool added_later(const std::string& section, const std::string& name) {
-  return section == "train" && (name == "keep_last" || name == "keep_ffn_activations");
+  return section == "train" && (name == "keep_last" || name == "keep_ffn_activations" || name == "saved_x_decodes");
 }
 
 std::map<std::string, Section> sections(RunConfig& c) {
@@ -121,7 +121,8 @@ std::map<std::string, Section> sections(RunConfig& c) {
         {"grad_clip", field(t.grad_clip)}, {"eval_every", field(t.eval_every)},
         {"eval_batches", field(t.eval_batches)}, {"checkpoint_every", field(t.checkpoint_every)},
         {"keep_last", field(t.keep_last)}, {"log_every", field(t.log_every)}, {"seed", field(t.seed)},
-        {"keep_ffn_activations", field(t.keep_ffn_activations)}}},
+        {"keep_ffn_activations", field(t.keep_ffn_activations)},
+        {"saved_x_decodes", field(t.saved_x_decodes)}}},
       {"data",
        {{"source", field(d.source)}, {"arithmetic_fraction", field(d.arithmetic_fraction)},
         {"eval_fraction", field(d.eval_fraction)}}},

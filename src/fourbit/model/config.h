@@ -66,6 +66,13 @@ struct TrainConfig {
   // two FP32 [tokens, d_ff] tensors and SwiGLU's output (BF16 in the bf16 recipe, else FP32) more
   // per FFN kept (Model::set_keep_ffn_activations).
   bool keep_ffn_activations = false;
+  // What a training forward keeps of the MXFP8 X^T it makes in one pass with X (attention's
+  // inputs, the dense FFN's, the experts' dispatched tokens; and the experts' X, which the
+  // backward's recomputation reads): their BF16 decodes, which the backward's GEMMs read as they
+  // are (true), or their codes, half the bytes, decoded again in the backward (false: less peak
+  // memory, a slower step). The same bits either way (Model::set_saved_x_decodes). Recipes whose
+  // X^T is not MXFP8 made with X (bf16, fp32) keep the same either way.
+  bool saved_x_decodes = true;
 };
 
 struct DataConfig {

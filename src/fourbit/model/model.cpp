@@ -26,7 +26,6 @@ std::atomic<bool> g_shared_expert_grouped{true};
 // On by default since an H100 ran them in the GPU suite and the training A/B (docs/model.md).
 std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
-std::atomic<bool> g_saved_x_decodes{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
@@ -244,9 +243,8 @@ struct ModelRunner {
   static ops::FormOut dy_form() {
     return g_dy_decodes_only.load(std::memory_order_relaxed) ? ops::FormOut::Bf16 : ops::FormOut::CodesAndBf16;
   }
-  // What a forward's X^T made in X's pair holds for the backward (set_saved_x_decodes).
-  static bool saved_x_decodes() { return g_saved_x_decodes.load(std::memory_order_relaxed); }
-  static ops::FormOut saved_x_form() { return saved_x_decodes() ? ops::FormOut::Bf16 : ops::FormOut::Codes; }
+  // What a forward's X^T made in X's pair holds for the backward (Model::set_saved_x_decodes).
+  ops::FormOut saved_x_form() const { return m.saved_x_decodes_ ? ops::FormOut::Bf16 : ops::FormOut::Codes; }
   // Whether a dY pair is quantized where the op that computes it does (set_training_producer_quantizers):
   // an FFN's dh1 and dh3 in swiglu_backward, the experts' dy_perm in moe_combine_backward. They pair,
   // and they would be F32 tensors read only by the quantizer.
@@ -279,16 +277,18 @@ struct ModelRunner {
   // the forward GEMMs that read it next).
   // converted: x's BF16 copy written by x's producer, taken for a BF16 fprop operand.
   // wgrad_form: what a wgrad X^T made in the pair holds (its decode alone where the backward
-  // makes it for the GEMM that follows; as set_saved_x_decodes says where the forward keeps it).
+  // makes it for the GEMM that follows; unset, as Model::saved_x_decodes says where the forward
+  // keeps it).
   LinearInput prepare_input(const Tensor& x, const LayerRecipe& r, LayerClass cls, const std::string& point,
                             bool fwd_bf16 = false, const Tensor* converted = nullptr,
-                            ops::FormOut wgrad_form = saved_x_form()) {
+                            std::optional<ops::FormOut> wgrad_form = std::nullopt) {
+    if (!wgrad_form) wgrad_form = saved_x_form();
     LinearInput in;
     if (x_pairs(r) && x.size(0) > 0) {
       PreparedRowCol p = prepare_row_col(x, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.wgrad.b,
                                          GemmRole::Wgrad, 'b', {0, x.size(0)}, {site(point + "/wgrad/X^T")}, cls,
                                          log, fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes,
-                                         wgrad_form);
+                                         *wgrad_form);
       in.fwd = std::move(p.row);
       in.wgrad = std::move(p.col[0]);
       return in;
@@ -297,7 +297,7 @@ struct ModelRunner {
                      fwd_bf16 ? ops::FormOut::CodesAndBf16 : ops::FormOut::Codes);
     if (!wgrad_from_saved_fwd(r))
       in.wgrad = prepare(x, r.wgrad.b, GemmRole::Wgrad, 'b', site(point + "/wgrad/X^T"), cls, log, nullptr, nullptr,
-                         wgrad_form);
+                         *wgrad_form);
     return in;
   }
 
@@ -860,7 +860,7 @@ struct ModelRunner {
       s->topk_w = topk_w;
       s->plan = std::move(plan);
       s->frac = std::move(frac);
-      if (pair_x && saved_x_decodes() && x_perm.q.bf16.defined()) {
+      if (pair_x && m.saved_x_decodes_ && x_perm.q.bf16.defined()) {
         // the backward reads X only as the recomputation's GEMM operand (X^T is its own form)
         x_perm.q.codes = Tensor{};
         x_perm.q.block_scales = Tensor{};
@@ -1640,7 +1640,6 @@ bool set_dy_decodes_only(bool on) { return g_dy_decodes_only.exchange(on, std::m
 bool set_training_producer_quantizers(bool on) {
   return g_training_producer_quantizers.exchange(on, std::memory_order_relaxed);
 }
-bool set_saved_x_decodes(bool on) { return g_saved_x_decodes.exchange(on, std::memory_order_relaxed); }
 bool set_input_amax_from_quantizers(bool on) {
   return g_input_amax_from_quantizers.exchange(on, std::memory_order_relaxed);
 }

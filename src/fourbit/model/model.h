@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers, set_saved_x_decodes,
+//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers,
 //          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
@@ -108,16 +108,6 @@ bool set_dy_decodes_only(bool on);
 // quantizer pass reads it. The same bits either way. Process-wide, for benchmarks and tests;
 // returns the setting before.
 bool set_training_producer_quantizers(bool on);
-// On the GPU, where a training forward quantizes a linear's input X on both axes in one pass
-// (its MXFP8 X and X^T: attention's inputs, the dense FFN's, the experts' dispatched tokens), what
-// it keeps for the backward: the BF16 decodes alone of X^T (and of the experts' X, which the
-// backward's recomputation reads), which the weight-gradient GEMMs read as they are (true, the
-// default: on an H100 a gpu-small mxfp8 step took 1.5 ms less, nvfp4-fwd 0.4 ms, at 0.6 and 0.27
-// GB more of peak memory, bench/results/h100_gpu_train_saved_x_s53.json); or their codes
-// (false), half the bytes held, which the backward decodes before its GEMMs, the memory of
-// before. The same bits either way. Process-wide, for benchmarks and tests; returns the setting
-// before.
-bool set_saved_x_decodes(bool on);
 
 // Whether a training forward's running record of its NVFP4 inputs' amax (Model::input_amax, the
 // static activation scales of an export) takes the per-row amaxes the inputs' quantizers computed
@@ -197,6 +187,17 @@ class Model {
   // for routed experts, over top_k x tokens) more per FFN in memory.
   bool keep_ffn_activations() const { return keep_ffn_; }
   void set_keep_ffn_activations(bool on) { keep_ffn_ = on; }
+
+  // Where a training forward quantizes a linear's input X on both axes in one pass (its MXFP8 X and
+  // X^T: attention's inputs, the dense FFN's, the experts' dispatched tokens), what it keeps for
+  // the backward: the BF16 decodes alone of X^T (and of the experts' X, which the backward's
+  // recomputation reads), which the weight-gradient GEMMs read as they are (true, the default: on
+  // an H100 a gpu-small mxfp8 step took 1.5 ms less, nvfp4-fwd 0.4 ms, at 0.6 and 0.27 GB more of
+  // peak memory, bench/results/h100_gpu_train_saved_x_s53.json); or their codes (false), half the
+  // bytes held, which the backward decodes before its GEMMs. The same bits either way
+  // (train.saved_x_decodes).
+  bool saved_x_decodes() const { return saved_x_decodes_; }
+  void set_saved_x_decodes(bool on) { saved_x_decodes_ = on; }
 
   // Quantized weights are cached until the weights change: call after every optimizer step.
   // bf16_copies_current: the optimizer has just written the BF16 copies of the updated weights
@@ -335,6 +336,7 @@ class Model {
   QuantLog quant_log_;
   double aux_loss_coef_;
   bool keep_ffn_ = false;
+  bool saved_x_decodes_ = true;
   uint64_t weights_version_ = 0;
   RoutingObserver routing_observer_;
 };

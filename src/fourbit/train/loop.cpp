@@ -193,6 +193,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
 
   Model model(cfg.model, recipe, opt.device);
   model.set_keep_ffn_activations(cfg.train.keep_ffn_activations);
+  model.set_saved_x_decodes(cfg.train.saved_x_decodes);
   Optimizer optim(model.params(), cfg.train);
   optim.write_bf16_copies(model.bf16_weight_copies());  // the update writes the next forward's BF16 weights
   optim.write_slice_amax(model.slice_amax_ahead());      // and its NVFP4 weights' outer-scale amax
