@@ -11,12 +11,13 @@ programmatic dependent launches overlap a kernel with the one before), the idle 
 for every trace after the first the kernels whose time a step differs most from the first's:
 time, launch counts in both, name.
 
-Usage: scripts/trace-step.py BASE_TRACE OTHER_TRACE [OTHER_TRACE ...] [--top 25]
+Usage: scripts/trace-step.py BASE_TRACE OTHER_TRACE [OTHER_TRACE ...] [--top 25]   (a trace may be gzipped: .gz)
        (on the device: CUDA_INJECTION64_PATH=build-dev/bench/libfourbit_kprof.so KPROF_OUT=k.json
         KPROF_TRACE=trace_mxfp8.txt KPROF_TRACE_MS=75 build-dev/bench/train_bench ... --warmup 2 --steps 1)
 """
 import argparse
 import collections
+import gzip
 import re
 import sys
 
@@ -24,7 +25,7 @@ import sys
 def last_step(path):
     """The activities (start ms, duration us, gap us, name) of the trace's last timed step."""
     acts, syncs = [], []
-    with open(path) as f:
+    with (gzip.open(path, 'rt') if path.endswith('.gz') else open(path)) as f:
         for line in f:
             if line.startswith('#'):
                 continue
