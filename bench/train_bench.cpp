@@ -5,7 +5,7 @@
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
-//                    [--saved-x decodes|codes|both] [--json FILE]
+//                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -28,6 +28,9 @@
 // --saved-x: what a training forward keeps of the MXFP8 X^T it makes with X (train.saved_x_decodes):
 // their BF16 decodes alone (decodes, the default), or their codes (codes), decoded before the
 // weight-gradient GEMMs, or both, each recipe run under each in this process.
+// --weight-forms: the MXFP8 weights' fprop and dgrad operands made in one launch for all the
+// weights (batched, the default: set_weight_forms_batched) or a launch a weight (each), or both,
+// each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -149,15 +152,20 @@ int main(int argc, char** argv) {
   const std::vector<std::string> amaxes =
       one_or_both(argc, argv, "--weight-amax", "optimizer", "pass", "weight amax", table);
   const std::vector<std::string> saved_xs = one_or_both(argc, argv, "--saved-x", "decodes", "codes", "saved X^T", table);
+  const std::vector<std::string> weight_forms =
+      one_or_both(argc, argv, "--weight-forms", "batched", "each", "weight forms", table);
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
+  const bool batched_before = set_weight_forms_batched(true);
   for (const std::string& variant : variants)
   for (const std::string& fwd_gemms : fwds)
   for (const std::string& keep_ffn : keeps)
   for (const std::string& gq : grad_quants)
   for (const std::string& amax : amaxes)
-  for (const std::string& saved_x : saved_xs) {
+  for (const std::string& saved_x : saved_xs)
+  for (const std::string& wforms : weight_forms) {
     const bool keep = keep_ffn == "on";
+    set_weight_forms_batched(wforms == "batched");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
     set_training_producer_quantizers(gq == "fused");
     set_dy_decodes_only(gq != "apart");
@@ -231,6 +239,7 @@ int main(int argc, char** argv) {
                  {"dY quantizers", gq},
                  {"weight amax", amax},
                  {"saved X^T", saved_x},
+                 {"weight forms", wforms},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -247,6 +256,7 @@ int main(int argc, char** argv) {
   set_forward_gemms_grouped(true);
   set_training_producer_quantizers(producers_before);
   set_dy_decodes_only(decodes_before);
+  set_weight_forms_batched(batched_before);
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};

@@ -1,8 +1,10 @@
-// defines: tests of set_training_producer_quantizers, set_dy_decodes_only and Model::set_saved_x_decodes:
+// defines: tests of set_training_producer_quantizers, set_dy_decodes_only, set_weight_forms_batched and
+//          Model::set_saved_x_decodes:
 //          the experts' gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where
 //          they are computed, the backward's dY pairs written as their BF16 decodes alone, and the
-//          forward's X^T (and the experts' X) kept as their decodes alone, give the bits of the ops
-//          followed by quantizer passes writing codes and decodes — loss and every
+//          forward's X^T (and the experts' X) kept as their decodes alone, and the MXFP8 weights'
+//          forms made in one launch for all the weights, give the bits of the ops followed by
+//          quantizer passes writing codes and decodes, a weight at a time — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
 //          one) the GPU.
 #include <gtest/gtest.h>
@@ -26,9 +28,11 @@ struct Switches {
 // Restores the process-wide switches to what they were when the test ends, failed or not.
 struct DefaultsAfter {
   const bool producers = set_training_producer_quantizers(false), decodes = set_dy_decodes_only(false);
+  const bool batched = set_weight_forms_batched(false);
   ~DefaultsAfter() {
     set_training_producer_quantizers(producers);
     set_dy_decodes_only(decodes);
+    set_weight_forms_batched(batched);
   }
 };
 
@@ -41,6 +45,7 @@ Pass run(const ModelConfig& c, const std::string& recipe, Device dev, Switches s
          const Tensor& targets) {
   set_training_producer_quantizers(sw.fused);
   set_dy_decodes_only(sw.decodes_only);
+  set_weight_forms_batched(sw.fused);  // the MXFP8 weights' forms in one launch, or one a weight
   Model m(c, recipe_by_name(recipe), dev);
   m.set_keep_ffn_activations(keep);
   m.set_saved_x_decodes(sw.saved_decodes);

@@ -17,6 +17,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -836,6 +837,56 @@ TEST(CudaQuantize, BothAxesMatchCpu) {
       }
   }
   EXPECT_EQ(pair, 3 * 32);
+}
+
+// ops::quantize_both_each on the GPU (one launch of the jobs kernel per MXFP8 variant) equals
+// ops::quantize_both on each tensor, byte for byte and form for form: 2-D and 3-D tensors of
+// widths that are and are not a multiple of the CTA's 256 columns and of the block, rows not a
+// multiple of 32, an empty tensor among them, every element format, rounding pair and scale rule
+// (jobs of different variants interleaved, so the launches take them out of order), more CTAs than
+// fit the GPU at once.
+TEST(CudaQuantize, BothAxesEachMatchesBothAxes) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> rows_specs, cols_specs;
+  for (const QuantSpec& s : all_specs({1, 4, 64})) {
+    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
+    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
+  }
+  const std::vector<Dims> dims = {{1, 70, 300}, {3, 45, 64}, {4, 64, 257}, {1, 1024, 1024}, {16, 96, 512},
+                                  {1, 0, 64},   {1, 5, 36},  {2, 33, 1000}};
+  std::vector<Tensor> xs;
+  uint32_t seed = 2300;
+  for (const Dims& d : dims)
+    xs.push_back(Tensor::from_host(make_data(d, Data::Varied, seed++).data(), d.shape(), DType::F32, Device::CUDA));
+  std::vector<ops::BothJob> jobs;
+  std::vector<std::string> names;
+  int pair = 0;
+  for (const QuantSpec& rs : rows_specs)
+    for (const QuantSpec& cs : cols_specs) {
+      if (rs.fmt != cs.fmt) continue;
+      const size_t i = size_t(pair) % xs.size();
+      ++pair;
+      jobs.push_back({xs[i], rs, {0x51u + uint64_t(pair), 1}, cs, {0x77u + uint64_t(pair), 2},
+                      kForms[size_t(pair + 1) % 3], kForms[size_t(pair / 3 + pair) % 3]});
+      names.push_back(dims[i].str() + " " + spec_str(rs) + " + " + spec_str(cs));
+    }
+  const std::vector<ops::BothAxes> got = ops::quantize_both_each(jobs);
+  ASSERT_EQ(got.size(), jobs.size());
+  for (size_t k = 0; k < jobs.size(); ++k) {
+    const ops::BothJob& j = jobs[k];
+    const ops::BothAxes want = ops::quantize_both(j.x, j.row_spec, j.row_rng, j.col_spec, j.col_rng, j.row_out,
+                                                  j.col_out);
+    for (const auto& [a, b, axis] : {std::tuple{&want.row, &got[k].row, "row"}, std::tuple{&want.col, &got[k].col, "col"}}) {
+      const std::string what = names[k] + " " + axis;
+      EXPECT_EQ(a->codes.defined(), b->codes.defined()) << what;
+      EXPECT_EQ(a->bf16.defined(), b->bf16.defined()) << what;
+      if (a->codes.defined() && !same_qtensor(*a, *b, what)) return;
+      if (a->bf16.defined()) {
+        EXPECT_EQ(host_vec<uint16_t>(a->bf16), host_vec<uint16_t>(b->bf16)) << what << ": BF16 decodes differ";
+      }
+    }
+  }
+  EXPECT_EQ(pair, 32);
 }
 
 // A GEMM that reads quantize_row_col's BF16 decodes gives the bits of the same GEMM decoding the

@@ -1288,6 +1288,15 @@ TEST(QuantizeSegments, BothAxesAreTwoQuantizes) {
   EXPECT_EQ(got.col.slices, 3);
   EXPECT_FALSE(got.row.bf16.defined() || got.col.bf16.defined());
   EXPECT_THROW(ops::quantize_both(t, col, {4, 1}, row, {4, 2}), std::exception);
+  // quantize_both_each: quantize_both of each job (the CPU runs them one by one)
+  const Tensor u = to_tensor(varied_data({1, 33, 96}, 75), {1, 33, 96});
+  const std::vector<ops::BothAxes> each = ops::quantize_both_each(
+      {{t, row, {4, 1}, col, {4, 2}}, {u, row, {5, 1}, col, {5, 2}, ops::FormOut::CodesAndBf16, ops::FormOut::Bf16}});
+  ASSERT_EQ(each.size(), 2u);
+  EXPECT_EQ(host<uint8_t>(each[0].row.codes), host<uint8_t>(wr.codes));
+  EXPECT_EQ(host<uint8_t>(each[0].col.codes), host<uint8_t>(wc.codes));
+  EXPECT_EQ(host<uint8_t>(each[1].col.codes), host<uint8_t>(ops::quantize(u, col, {5, 2}).codes));
+  EXPECT_THROW(ops::quantize_both_each({{t, col, {4, 1}, row, {4, 2}}}), std::exception);
 }
 
 // requantize_transposed_segments: requantize_transposed of each segment's rows (bytes equal);

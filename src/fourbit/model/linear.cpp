@@ -5,7 +5,7 @@
 //          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col, prepare_swiglu,
 //          prepare_swiglu_grads,
-//          prepare_weight_both (linear.h)
+//          prepare_weights_both (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <atomic>
@@ -355,22 +355,32 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
   return out;
 }
 
-std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
-                                                  const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
-                                                  QuantLog* log) {
-  FOURBIT_CHECK(fprop.quantized() && dgrad.quantized(), "prepare_weight_both of a dense spec");
-  const QuantSpec fs = quantized_spec(w, fprop, GemmRole::Fprop, 'b', cls);
-  const QuantSpec ds = quantized_spec(w, dgrad, GemmRole::Dgrad, 'b', cls);
-  ops::BothAxes q = ops::quantize_both(w, fs, fprop_site.key, ds, dgrad_site.key, ops::FormOut::Bf16,
-                                          ops::FormOut::Bf16);
-  if (log && log->record_calls) {
-    const uint64_t h = hash_tensor(w);
-    record(log, fprop_site, fprop, h);
-    record(log, dgrad_site, dgrad, h);
+std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vector<WeightBoth>& ws, QuantLog* log,
+                                                                bool batched) {
+  std::vector<ops::BothJob> jobs;
+  for (const WeightBoth& b : ws) {
+    FOURBIT_CHECK(b.fprop.quantized() && b.dgrad.quantized(), "prepare_weights_both of a dense spec");
+    jobs.push_back({b.w, quantized_spec(b.w, b.fprop, GemmRole::Fprop, 'b', b.cls), b.fprop_site.key,
+                    quantized_spec(b.w, b.dgrad, GemmRole::Dgrad, 'b', b.cls), b.dgrad_site.key, ops::FormOut::Bf16,
+                    ops::FormOut::Bf16});
   }
-  std::pair<Prepared, Prepared> out;
-  out.first.q = std::move(q.row);
-  out.second.q = std::move(q.col);
+  std::vector<ops::BothAxes> q;
+  if (batched) {
+    q = ops::quantize_both_each(jobs);
+  } else {
+    for (const ops::BothJob& j : jobs)
+      q.push_back(ops::quantize_both(j.x, j.row_spec, j.row_rng, j.col_spec, j.col_rng, j.row_out, j.col_out));
+  }
+  std::vector<std::pair<Prepared, Prepared>> out(ws.size());
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (log && log->record_calls) {
+      const uint64_t h = hash_tensor(ws[i].w);
+      record(log, ws[i].fprop_site, ws[i].fprop, h);
+      record(log, ws[i].dgrad_site, ws[i].dgrad, h);
+    }
+    out[i].first.q = std::move(q[i].row);
+    out[i].second.q = std::move(q[i].col);
+  }
   return out;
 }
 
@@ -442,7 +452,7 @@ Prepared stack_quantized(const std::vector<Prepared>& parts, bool shared_outer) 
         q.hadamard_signs != q0.hadamard_signs || q.device() != q0.device())
       return {};
     if (q.tile_2d && q.rows % 16 != 0) return {};  // keep every 16-row tile within one part
-    if (!q.codes.defined()) return {};             // a decode alone (prepare_weight_both): run apart
+    if (!q.codes.defined()) return {};             // a decode alone (prepare_weights_both): run apart
     rows.push_back(q.rows);
     all_bf16 = all_bf16 && q.bf16.defined();
   }

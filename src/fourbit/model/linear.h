@@ -1,7 +1,7 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col,
-//          prepare_swiglu, prepare_swiglu_grads, prepare_weight_both,
+//          prepare_swiglu, prepare_swiglu_grads, WeightBoth, prepare_weights_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -166,13 +166,22 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
                                                    const std::array<std::vector<QuantSite>, 2>& col_sites,
                                                    LayerClass cls, QuantLog* log, ops::FormOut row_out,
                                                    ops::FormOut col_out);
-// A weight's fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe
-// states them) in one ops::quantize_both, each its BF16 decode alone where the GPU makes one (the
-// training step's GEMMs read nothing else): the bits prepare() gives each. Recorded at their sites (with record_calls) but not counted: the
-// weight cache counts each use (Model::weight).
-std::pair<Prepared, Prepared> prepare_weight_both(const Tensor& w, const QuantSpec& fprop, const QuantSite& fprop_site,
-                                                  const QuantSpec& dgrad, const QuantSite& dgrad_site, LayerClass cls,
-                                                  QuantLog* log);
+// Weights' fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe states
+// them), each its BF16 decode alone where the GPU makes one (the training step's GEMMs read
+// nothing else): the bits prepare() gives each. batched: all of them in one
+// ops::quantize_both_each (one launch on the GPU); else an ops::quantize_both each. Recorded at
+// their sites (with record_calls) but not counted: the weight cache counts each use
+// (Model::weight).
+struct WeightBoth {
+  Tensor w;
+  QuantSpec fprop;
+  QuantSite fprop_site;
+  QuantSpec dgrad;
+  QuantSite dgrad_site;
+  LayerClass cls;
+};
+std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vector<WeightBoth>& ws, QuantLog* log,
+                                                                bool batched = true);
 
 // A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
 // tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with

@@ -27,6 +27,7 @@ std::atomic<bool> g_shared_expert_grouped{true};
 std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
+std::atomic<bool> g_weight_forms_batched{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -1210,11 +1211,14 @@ Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t
 // On the GPU, every weight whose fprop and dgrad operands are MXFP8 of one format, both rounded
 // to nearest and made from the weights (not the nvfp4-fwd requantization), goes into the cache as
 // both operands at once, each its BF16 decode alone: one pass over the weight instead of two
-// quantizations and a decode before every GEMM. Nothing in the step reads their codes
+// quantizations and a decode before every GEMM, and one launch for all of them
+// (set_weight_forms_batched). Nothing in the step reads their codes
 // (forward_weight makes them again for its readers); the cache holds 2 bytes a value per operand
 // until the weights change.
 void Model::quantize_weights_ahead(const SrStreams& sr) {
   if (device_ != Device::CUDA || dtype_ != DType::F32) return;
+  std::vector<WeightBoth> ws;
+  std::vector<std::pair<std::string, std::string>> keys;
   for (const LinearInfo& li : linears()) {
     const LayerRecipe& r = recipe_.layer(li.cls, li.layer, cfg_.n_layers);
     const QuantSpec &f = r.fprop.b, &d = r.dgrad.b;
@@ -1224,9 +1228,15 @@ void Model::quantize_weights_ahead(const SrStreams& sr) {
     const std::string kf = li.name + "/" + gemm_role_name(GemmRole::Fprop);
     const std::string kd = li.name + "/" + gemm_role_name(GemmRole::Dgrad);
     if (weight_cache_.count(kf) || weight_cache_.count(kd)) continue;
-    auto [pf, pd] = prepare_weight_both(li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls, &quant_log_);
-    weight_cache_.emplace(kf, std::move(pf));
-    weight_cache_.emplace(kd, std::move(pd));
+    ws.push_back({li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls});
+    keys.emplace_back(kf, kd);
+  }
+  if (ws.empty()) return;
+  std::vector<std::pair<Prepared, Prepared>> forms =
+      prepare_weights_both(ws, &quant_log_, g_weight_forms_batched.load(std::memory_order_relaxed));
+  for (size_t i = 0; i < ws.size(); ++i) {
+    weight_cache_.emplace(keys[i].first, std::move(forms[i].first));
+    weight_cache_.emplace(keys[i].second, std::move(forms[i].second));
   }
 }
 
@@ -1636,6 +1646,7 @@ void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
 void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
+bool set_weight_forms_batched(bool on) { return g_weight_forms_batched.exchange(on, std::memory_order_relaxed); }
 bool set_dy_decodes_only(bool on) { return g_dy_decodes_only.exchange(on, std::memory_order_relaxed); }
 bool set_training_producer_quantizers(bool on) {
   return g_training_producer_quantizers.exchange(on, std::memory_order_relaxed);

@@ -1,6 +1,6 @@
 // defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_training_producer_quantizers,
+//          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_training_producer_quantizers,
 //          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
@@ -93,6 +93,12 @@ void set_shared_expert_grouped(bool on);
 // bench/results/h100_train_grad_quant_s50.json); off, its codes as well. The same bits either way.
 // Process-wide, for benchmarks and tests; returns the setting before.
 bool set_dy_decodes_only(bool on);
+// On the GPU, the training forward's MXFP8 weight operands (Model::quantize_weights_ahead: every
+// weight's fprop and dgrad forms) in one launch for all the weights (true, the default:
+// ops::quantize_both_each) or a launch a weight (ops::quantize_both; most weights are too small to
+// fill the GPU alone). The same bits either way. Process-wide, for benchmarks and tests; returns
+// the setting before.
+bool set_weight_forms_batched(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
 // experts' dispatched tokens where they are gathered, when their X and X^T pair

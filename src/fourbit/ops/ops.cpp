@@ -343,6 +343,25 @@ BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rn
   return out;
 }
 
+std::vector<BothAxes> quantize_both_each(const std::vector<BothJob>& jobs) {
+  const HostOpTimer host_timer("quantize_both_each");
+  bool all_cuda = !jobs.empty();
+  for (const BothJob& j : jobs) {
+    check_row_col_axes("quantize_both_each", j.row_spec, j.col_spec);
+    all_cuda = all_cuda && j.x.device() == Device::CUDA;
+  }
+  std::vector<BothAxes> out;
+#if FOURBIT_HAS_CUDA
+  if (all_cuda && cuda::quantize_both_each(jobs, out)) return out;
+#else
+  (void)all_cuda;
+#endif
+  out.clear();
+  for (const BothJob& j : jobs)
+    out.push_back(quantize_both(j.x, j.row_spec, j.row_rng, j.col_spec, j.col_rng, j.row_out, j.col_out));
+  return out;
+}
+
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                                     const QuantSpec& target, const std::vector<RngKey>& rngs,
                                                     FormOut form) {

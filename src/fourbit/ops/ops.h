@@ -1,6 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
 //          quantize_row_col, gather_quantize_row_col, moe_combine_backward_row_col, swiglu_forward_row_col,
-//          swiglu_backward_row_col, BothAxes, quantize_both, dequantize, requantize_transposed,
+//          swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
+//          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
@@ -146,6 +147,18 @@ struct BothAxes {
 };
 BothAxes quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                        RngKey col_rng, FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
+// quantize_both of each job, bit for bit. On the GPU, where quantize_both's one pass takes every
+// job, one launch for all of them (one per MXFP8 element format and rounding pair): a training
+// step's MXFP8 weights, ~120 tensors of which most are too small to fill the GPU alone.
+struct BothJob {
+  Tensor x;
+  QuantSpec row_spec;
+  RngKey row_rng;
+  QuantSpec col_spec;
+  RngKey col_rng;
+  FormOut row_out = FormOut::Codes, col_out = FormOut::Codes;
+};
+std::vector<BothAxes> quantize_both_each(const std::vector<BothJob>& jobs);
 
 // requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i], form) for
 // every row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4

@@ -9,7 +9,7 @@
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
-//          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both,
+//          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, quantize_both_each,
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
@@ -282,6 +282,10 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
 // conditions do not hold.
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                    RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col);
+// ops::quantize_both_each on CUDA tensors into out (one entry a job): every job's tensor in one
+// launch of mxfp8_row_col_jobs_kernel per MXFP8 variant; false (nothing done) unless quantize_both's
+// one pass takes every job.
+bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

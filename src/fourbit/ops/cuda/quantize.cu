@@ -12,7 +12,9 @@
 // H200 throughput of each kernel.
 #include <cuda_runtime.h>
 
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fourbit/ops/cuda/cast/cast_common.cuh"
@@ -478,9 +480,10 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
   return true;
 }
 
-bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
-                   RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+namespace {
+// quantize_both's outputs for x, allocated as row_out / col_out ask; x's shape.
+QuantShape alloc_both(const Tensor& x, const QuantSpec& row_spec, const QuantSpec& col_spec, FormOut row_out,
+                      FormOut col_out, QTensor& row, QTensor& col) {
   check_cuda_tensor(x, "quantize_both", "x");
   const QuantShape shape = quant_shape(x, row_spec);
   (void)quant_shape(x, col_spec);  // validates the spec
@@ -490,6 +493,15 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
   col = writes_codes(col_out) ? alloc_qtensor(col_spec, shape, Device::CUDA) : qtensor_layout(col_spec, shape);
   if (writes_bf16(row_out)) row.bf16 = Tensor::empty({S * R, row.padded_cols()}, DType::BF16, Device::CUDA);
   if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
+  return shape;
+}
+}  // namespace
+
+bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
+                   RngKey col_rng, FormOut row_out, FormOut col_out, QTensor& row, QTensor& col) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  const QuantShape shape = alloc_both(x, row_spec, col_spec, row_out, col_out, row, col);
+  const int64_t S = shape.slices, R = shape.rows, C = shape.cols;
   if (R == 0 || C == 0) return true;
   const int64_t pr = col.padded_cols();
   const PairOutput o{&row, row_rng, static_cast<uint8_t*>(raw_or_null(col.codes)),
@@ -498,6 +510,46 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
   for (int64_t sl = 0; sl < S; ++sl)  // one segment per slice, one stream: the 3-D quantizer's counters
     segs.push_back({sl * R, R, sl * pr, sl * C, {col_rng}});
   launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, segs);
+  return true;
+}
+
+bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out) {
+  for (const BothJob& j : jobs)
+    if (!row_col_kernel_takes(j.x, j.row_spec, j.col_spec)) return false;
+  out.assign(jobs.size(), BothAxes{});
+  // one launch per MXFP8 variant (element format, row and col rounding), in the jobs' order
+  std::map<std::tuple<bool, bool, bool>, std::vector<PairJob>> by_variant;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const BothJob& j = jobs[i];
+    QTensor& row = out[i].row;
+    QTensor& col = out[i].col;
+    const QuantShape shape = alloc_both(j.x, j.row_spec, j.col_spec, j.row_out, j.col_out, row, col);
+    PairJob pj{};
+    pj.x = j.x.data<float>();
+    pj.R = shape.rows;
+    pj.C = shape.cols;
+    pj.S = shape.slices;
+    pj.row_padded_cols = row.padded_cols();
+    pj.row_nb = row.blocks_per_row();
+    pj.col_padded_rows = col.padded_cols();
+    pj.row_rule = j.row_spec.mx_rule;
+    pj.col_rule = j.col_spec.mx_rule;
+    pj.out.row_codes = static_cast<uint8_t*>(raw_or_null(row.codes));
+    pj.out.row_scales = static_cast<uint8_t*>(raw_or_null(row.block_scales));
+    pj.out.row_bf16 = static_cast<__nv_bfloat16*>(raw_or_null(row.bf16));
+    pj.out.row_seed = j.row_rng.seed;
+    pj.out.row_stream = j.row_rng.stream;
+    pj.out.col_codes = static_cast<uint8_t*>(raw_or_null(col.codes));
+    pj.out.col_scales = static_cast<uint8_t*>(raw_or_null(col.block_scales));
+    pj.out.col_bf16 = static_cast<__nv_bfloat16*>(raw_or_null(col.bf16));
+    pj.col_seed = j.col_rng.seed;
+    pj.col_stream = j.col_rng.stream;
+    by_variant[{row.fmt == Format::MXFP8_E5M2, j.row_spec.rounding == num::Rounding::SR,
+                j.col_spec.rounding == num::Rounding::SR}]
+        .push_back(pj);
+  }
+  for (auto& [variant, pjobs] : by_variant)
+    launch_mxfp8_row_col_jobs(pjobs, std::get<0>(variant), std::get<1>(variant), std::get<2>(variant));
   return true;
 }
 

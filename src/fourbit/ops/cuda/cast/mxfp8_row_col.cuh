@@ -1,6 +1,7 @@
 // defines: kPairSegsPerLaunch, PairSegment, PairOut, PairParams, PlainSource, GatherSource,
 //          CombineGradSource, SwigluSource, SwigluGradSource, source_value, mxfp8_row_col_kernel,
-//          PairSegmentOut, PairOutput, raw_or_null, launch_mxfp8_row_col
+//          PairSegmentOut, PairOutput, raw_or_null, launch_mxfp8_row_col, row_col_tile, PairJob,
+//          pair_job_slice_ctas, mxfp8_row_col_jobs_kernel, launch_mxfp8_row_col_jobs
 // MXFP8 on both axes of F32 values in one pass: the Row-axis form of every row (a GEMM's X or
 // dY) and the Col-axis form of each row segment (the weight gradient's X^T or dY^T: the whole
 // tensor, or the experts' token ranges with their own SR keys), each optionally with its exact
@@ -15,6 +16,7 @@
 #pragma once
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "fourbit/ops/cuda/block_decode.cuh"
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
@@ -171,15 +173,14 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
                                                                                     : make_uint2(w[6], w[7]);
 }
 
+// CTA `cta` of a launch over p: its block row of one segment, both forms (the kernels below).
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
-__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
-  dependent_launch_prologue();
+__device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t cta) {
   constexpr int B = num::kMxBlock;
   constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
   constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
   extern __shared__ __align__(16) unsigned char pair_smem[];
   float* tile = reinterpret_cast<float*>(pair_smem);
-  const int64_t cta = blockIdx.x;
   int si = 0;
   while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
   const PairSegment& sg = p.seg[si];
@@ -402,6 +403,71 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_
   flush_counts(false, 0u, nonfinite, 0u, 0u);
 }
 
+template <int kExpBits, bool kRowSR, bool kColSR, class Src>
+__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
+  dependent_launch_prologue();
+  row_col_tile<kExpBits, kRowSR, kColSR>(p, blockIdx.x);
+}
+
+// One F32 tensor ([S, R, C]: S slices of R rows) of mxfp8_row_col_jobs_kernel, as quantize_both
+// takes it: its Row form, and a Col segment per slice (at s * col_padded_rows in its Col storage,
+// SR counters from s * C, one key); its CTAs from cta0 on, ceil(R / 32) block rows of col chunks a
+// slice.
+struct PairJob {
+  const float* x;
+  int64_t R, C, S;
+  int64_t row_padded_cols, row_nb, col_padded_rows;
+  num::MxScaleRule row_rule, col_rule;
+  PairOut out;
+  uint64_t col_seed, col_stream;
+  int64_t cta0;
+};
+__host__ __device__ inline int64_t pair_job_slice_ctas(int64_t R, int64_t C) {
+  return ((R + num::kMxBlock - 1) / num::kMxBlock) * ((C + kPairCols - 1) / kPairCols);
+}
+
+// Many tensors' forms in one launch (a step's weights: ~120 tensors, most of them too small to
+// fill the GPU alone, each a launch and a ramp of its own before): a CTA finds its job (binary
+// search over the jobs' first CTAs) and its slice, sets out the one-segment PairParams that
+// quantize_both would have launched in shared memory, and runs the same tile. The same bits as
+// quantize_both on each tensor, by construction.
+template <int kExpBits, bool kRowSR, bool kColSR>
+__global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4)
+    mxfp8_row_col_jobs_kernel(const PairJob* __restrict__ jobs, int count) {
+  dependent_launch_prologue();
+  __shared__ PairParams<PlainSource> sp;
+  const int64_t cta = blockIdx.x;
+  if (threadIdx.x == 0) {
+    int lo = 0, hi = count - 1;  // the last job whose first CTA is at or before this one
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (jobs[mid].cta0 <= cta) lo = mid;
+      else hi = mid - 1;
+    }
+    const PairJob& jb = jobs[lo];
+    const int64_t per_slice = pair_job_slice_ctas(jb.R, jb.C), sl = (cta - jb.cta0) / per_slice;
+    sp.src = PlainSource{jb.x, jb.C};
+    sp.cols = jb.C;
+    sp.col_chunks = (jb.C + kPairCols - 1) / kPairCols;
+    sp.row_padded_cols = jb.row_padded_cols;
+    sp.row_nb = jb.row_nb;
+    sp.row_rule = jb.row_rule;
+    sp.col_rule = jb.col_rule;
+    sp.out[0] = jb.out;
+    sp.n = 1;
+    PairSegment& sg = sp.seg[0];
+    sg.x_row0 = sl * jb.R;
+    sg.rows = jb.R;
+    sg.at = sl * jb.col_padded_rows;
+    sg.counter_row0 = sl * jb.C;
+    sg.seed[0] = jb.col_seed;
+    sg.stream[0] = jb.col_stream;
+    sg.cta0 = jb.cta0 + sl * per_slice;
+  }
+  __syncthreads();
+  row_col_tile<kExpBits, kRowSR, kColSR>(sp, cta);
+}
+
 // One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of the source, its
 // Col forms at cols * at in each output's storage, SR counters from counter_row0, one key an
 // output.
@@ -487,6 +553,35 @@ void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOu
     });
   }
 }
+
+// The jobs (their cta0 left to this) in one launch of mxfp8_row_col_jobs_kernel: every job one
+// MXFP8 element format and rounding pair (e5m2, row_sr, col_sr); the table goes up through a
+// staged copy (no wait).
+void launch_mxfp8_row_col_jobs(std::vector<PairJob>& jobs, bool e5m2, bool row_sr, bool col_sr) {
+  int64_t ctas = 0;
+  std::vector<PairJob> live;
+  for (PairJob& j : jobs) {
+    if (j.R == 0 || j.C == 0 || j.S == 0) continue;
+    j.cta0 = ctas;
+    ctas += j.S * pair_job_slice_ctas(j.R, j.C);
+    live.push_back(j);
+  }
+  if (live.empty()) return;
+  const Tensor table =
+      Tensor::from_host(live.data(), {int64_t(live.size() * sizeof(PairJob))}, DType::U8, Device::CUDA);
+  const unsigned grid = grid_of(ctas, "quantize_both_each");
+  auto go = [&](auto exp_bits, auto row_sr_c, auto col_sr_c) {
+    constexpr auto kernel = mxfp8_row_col_jobs_kernel<decltype(exp_bits)::value, decltype(row_sr_c)::value,
+                                                      decltype(col_sr_c)::value>;
+    allow_smem<kernel>(kPairSmem);
+    launch_dependent(kernel, grid, kThreads, kPairSmem, static_cast<const PairJob*>(table.raw()), int(live.size()));
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  with_mxfp8_variant(e5m2, row_sr, [&](auto exp_bits, auto row_sr_c) {
+    col_sr ? go(exp_bits, row_sr_c, T{}) : go(exp_bits, row_sr_c, F{});
+  });
+}  // table is freed after the launch is queued: the allocator reuses in stream order
 
 }  // namespace
 }  // namespace fourbit::ops::cuda
