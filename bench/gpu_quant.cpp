@@ -209,32 +209,6 @@ int main(int argc, char** argv) {
         }, reps);
         add("swiglu_backward_row_col", ms, 3 * 4 * R * F + outs);
       }
-      // nvfp4-fwd's w2 input (per-token NVFP4, Four Over Six), its decode alone as the forward's
-      // GEMM reads it, at this width and at the experts' 1024 columns: swiglu_forward and then
-      // quantize, or the SwiGLU computed by the quantizer (swiglu_forward_row_col's Row form alone).
-      const QuantSpec nv4 = recipe_by_name("nvfp4-fwd").expert.fprop.a;
-      QuantSpec nv4_col = nv4;  // the pair's Col spec, which the Row form alone names all the same
-      nv4_col.axis = BlockAxis::Col;
-      for (const int64_t w : {F, int64_t(1024)}) {
-        const int64_t n = R * F, rw = n / w;
-        const Tensor g1 = x.view(R * F, {rw, w}), g3 = dst.view(0, {rw, w});
-        Tensor ga = dh1.view(0, {rw, w});
-        const std::string shape = " [" + std::to_string(rw) + "," + std::to_string(w) + "]";
-        if (wanted("swiglu_forward, then nvfp4 4/6" + shape)) {
-          const double ms = median_ms([&] {
-            ops::swiglu_forward(g1, g3, ga);
-            (void)ops::quantize(ga, nv4, {1, 2}, nullptr, nullptr, ops::FormOut::Bf16);
-          }, reps);
-          add("swiglu_forward, then nvfp4 4/6" + shape, ms, 2 * 4 * n + 4 * n + 4 * n + 2 * n);
-        }
-        if (wanted("swiglu_forward_row_col nvfp4 4/6" + shape)) {
-          const double ms = median_ms([&] {
-            (void)ops::swiglu_forward_row_col(g1, g3, nv4, {1, 2}, nv4_col, {}, {}, ops::FormOut::Bf16,
-                                              ops::FormOut::Codes);
-          }, reps);
-          add("swiglu_forward_row_col nvfp4 4/6" + shape, ms, 2 * 4 * n + 2 * n);
-        }
-      }
     }
   }
 

@@ -6,8 +6,7 @@
 //          forms made in one launch for all the weights, give the bits of the ops followed by
 //          quantizer passes writing codes and decodes, a weight at a time — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
-//          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax), which the
-//          quantizers' row amaxes feed where the SwiGLU output is never written.
+//          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax).
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -726,63 +726,6 @@ TEST(CudaQuantize, SwigluRowColMatchesSwigluThenQuantize) {
   EXPECT_EQ(run, 15);
 }
 
-// ops::swiglu_forward_row_col's Row form alone under per-token NVFP4 on the GPU (nvfp4-fwd's w2
-// input: a computed and quantized in one pass of nvfp4_row_fast_kernel, never written in F32) gives
-// the bits of swiglu_forward followed by quantize, the rows' amaxes included: Four Over Six (MSE,
-// MAE) and without it; rows of one warp run, of two (nvfp4-fwd's 1024 columns), of a team of warps
-// (8192, 16384), with a partial block and a partial run; more rows than the persistent grid holds;
-// every FormOut; a NaN, and products past FLT_MAX (huge h3), flagged as the two passes flag them.
-TEST(CudaQuantize, SwigluNvfp4RowMatchesSwigluThenQuantize) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const QuantSpec fos = recipe_by_name("nvfp4-fwd").expert.fprop.a;
-  ASSERT_TRUE(ops::swiglu_row_one_pass(fos));
-  ASSERT_FALSE(ops::row_col_one_pass(fos, fos));  // not the MXFP8 pair's kernel
-  QuantSpec plain = fos, mae = fos, col = fos;
-  plain.four_over_six = false;
-  mae.metric = num::ScaleMetric::MAE;
-  col.axis = BlockAxis::Col;
-  struct Case {
-    int64_t rows, F;
-    Data h3;
-    bool nan;
-  };
-  const std::vector<Case> cases = {{45, 1024, Data::Varied, false}, {7, 48, Data::Varied, true},
-                                   {33, 100, Data::HeavyTailed, false}, {5, 8192, Data::HeavyTailed, false},
-                                   {3, 16384, Data::Varied, false}, {20, 1024, Data::Huge, false},
-                                   {4100, 1024, Data::Varied, false}};
-  uint32_t seed = 3900;
-  int run = 0;
-  for (const Case& c : cases)
-    for (const QuantSpec& spec : {fos, plain, mae}) {
-      const Dims d{1, c.rows, c.F};
-      std::vector<float> h1_host = make_data(d, Data::Varied, seed++);
-      if (c.nan) h1_host[3 * size_t(c.F) + 17] = std::numeric_limits<float>::quiet_NaN();
-      const Tensor h1 = Tensor::from_host(h1_host.data(), d.shape(), DType::F32).to(Device::CUDA);
-      const Tensor h3 = Tensor::from_host(make_data(d, c.h3, seed++).data(), d.shape(), DType::F32).to(Device::CUDA);
-      const ops::FormOut form = kForms[run++ % 3];
-      const ops::RngKey key{0x91u + uint64_t(run), 3};
-      const std::string what = d.str() + " " + describe(spec) + " run " + std::to_string(run);
-      (void)ops::nonfinite_seen(true);
-      ops::RowColQuant got;
-#if FOURBIT_HAS_CUDA
-      ASSERT_TRUE(ops::cuda::swiglu_forward_row_col(h1, h3, spec, key, col, {}, {}, form, ops::FormOut::Codes, got))
-          << what << ": the one-pass kernel did not take it";
-#endif
-      const bool fused_flag = ops::nonfinite_seen(true);
-      Tensor a = Tensor::empty(d.shape(), DType::F32, Device::CUDA);
-      ops::swiglu_forward(h1, h3, a);
-      (void)ops::quantize(a, spec, key);  // the two passes on the GPU, for their flag
-      EXPECT_EQ(fused_flag, ops::nonfinite_seen(true)) << what;
-      if (c.nan || c.h3 == Data::Huge) EXPECT_TRUE(fused_flag) << what;
-      const Tensor a_cpu = a.to(Device::CPU);
-      if (!same_row_col_forms(a_cpu, got, spec, key, form, col, {}, {}, ops::FormOut::Codes, what)) return;
-      const QTensor want = ops::quantize(a_cpu, spec, key);
-      ASSERT_TRUE(got.row.row_amax.defined()) << what;
-      EXPECT_EQ(host_vec<float>(got.row.row_amax), host_vec<float>(want.row_amax)) << what;
-    }
-  EXPECT_EQ(run, 21);
-}
-
 // ops::swiglu_backward_row_col on the GPU (dh1 and dh3 computed and quantized in one pass) gives
 // the bits of swiglu_backward followed by quantize_row_col of each, on the GPU and on the CPU:
 // widths inside, at and past one 128-column half tile, segments empty, shorter than a block and

@@ -221,12 +221,11 @@ struct ModelRunner {
     if (!record_amax || r.fprop.a.fmt != Format::NVFP4) return;
     Tensor& amax = m.input_amax_[key];
     if (!amax.defined()) amax = Tensor::zeros({segments}, DType::F32, m.device_);
-    const int64_t xrows = x.defined() ? x.size(0) : q ? q->rows : 0;
-    const int64_t n = rows.defined() ? rows.size(0) : xrows;
+    const int64_t n = rows.defined() ? rows.size(0) : x.size(0);
     const bool kept = g_input_amax_from_quantizers.load(std::memory_order_relaxed) && q && q->row_amax.defined() &&
-                      q->slices == 1 && q->axis == BlockAxis::Row && q->rows == xrows && q->row_amax.numel() == xrows;
-    FOURBIT_CHECK(kept || x.defined(), "record_input_amax: no values of {} and no row amaxes from its quantizer", key);
-    ops::running_segment_amax(kept ? q->row_amax.reshape({xrows, 1}) : x, rows,
+                      q->slices == 1 && q->axis == BlockAxis::Row && q->rows == x.size(0) &&
+                      q->row_amax.numel() == x.size(0);
+    ops::running_segment_amax(kept ? q->row_amax.reshape({x.size(0), 1}) : x, rows,
                               offsets.empty() ? std::vector<int64_t>{0, n} : offsets, amax);
   }
   static const QTensor* quantized(const Prepared& p) { return p.is_quantized() ? &p.q : nullptr; }
@@ -254,26 +253,11 @@ struct ModelRunner {
     return g_training_producer_quantizers.load(std::memory_order_relaxed) && dy_pairs(r) && !bf16_grad(r);
   }
   // Whether an FFN's SwiGLU output a is quantized where swiglu_forward computes it
-  // (set_training_producer_quantizers): w2's fprop operand alone in the forward, and in the
-  // backward's recomputation where the weight gradient's a^T is made from that operand
-  // (wgrad_from_saved_fwd: nvfp4-fwd's per-token NVFP4, ops::swiglu_row_one_pass); with its X^T in
-  // the backward's otherwise (the two pair, x_pairs). Never where the FFN interiors are kept: a is
-  // kept then; nor where the input-amax record reads a itself (set_input_amax_from_quantizers off).
-  bool swiglu_a_fused(const LayerRecipe& r, bool backward) const {
+  // (set_training_producer_quantizers), for w2's fprop operand alone (pair false) or with its X^T (pair: the
+  // two pair, x_pairs). Never where the FFN interiors are kept: a is kept then.
+  bool swiglu_a_fused(const LayerRecipe& r, bool pair) const {
     if (!g_training_producer_quantizers.load(std::memory_order_relaxed) || m.keep_ffn_) return false;
-    if (backward && !wgrad_from_saved_fwd(r)) return x_pairs(r);
-    if (record_amax && r.fprop.a.fmt == Format::NVFP4 && !g_input_amax_from_quantizers.load(std::memory_order_relaxed))
-      return false;
-    return ops::swiglu_row_one_pass(r.fprop.a);
-  }
-  // w2's fprop operand alone, quantized where the SwiGLU computes it (swiglu_a_fused), holding
-  // `form`: its decode for a GEMM, its codes where the backward's weight gradient requantizes them
-  // (wgrad_from_saved_fwd).
-  Prepared swiglu_fprop_operand(const Tensor& h1, const Tensor& h3, const LayerRecipe& r, LayerClass cls,
-                                const std::string& point, ops::FormOut form) {
-    return prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(point + "/fprop/X"), r.fprop.a,
-                          GemmRole::Wgrad, 'b', {}, {}, cls, log, form, ops::FormOut::Codes)
-        .row;
+    return pair ? x_pairs(r) : ops::row_col_one_pass(r.fprop.a, r.fprop.a);
   }
   // prepare_swiglu_grads for the FFN (or the experts, offsets their token ranges) whose w1 and w3
   // sites are point1 and point3: dh1 and dh3 as linear_backward / expert_dy prepare them.
@@ -499,12 +483,12 @@ struct ModelRunner {
       h3 = act({N, F});
       forward_gemm(x.fwd, w1, h1);
       forward_gemm(x.fwd, w3, h3);
-      if (a_fused) {
-        pa = swiglu_fprop_operand(h1, h3, r, cls, w.name + ".w2", ops::FormOut::Bf16);
-        record_input_amax(w.name + ".a", Tensor{}, r, 1, {}, {}, quantized(pa));
-      } else {
+      if (a_fused)
+        pa = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.fprop.a,
+                            GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes)
+                 .row;
+      else
         ops::swiglu_forward(h1, h3, a);
-      }
     }
     if (!a_fused) {
       // only the GEMM below reads it: its decode alone
@@ -541,10 +525,7 @@ struct ModelRunner {
       forward_gemm(x, weight(w.w3, w.name + ".w3", GemmRole::Fprop, r.fprop.b, cls, &w.w1), h3);
     }
     LinearInput a_in;  // same sites, same bits as the forward's
-    if (!a.defined() && swiglu_a_fused(r, true) && N > 0 && wgrad_from_saved_fwd(r)) {
-      // a quantized where it is computed: the weight gradient's a^T comes from its codes
-      a_in.fwd = swiglu_fprop_operand(h1, h3, r, cls, w.name + ".w2", ops::FormOut::Codes);
-    } else if (!a.defined() && swiglu_a_fused(r, true) && N > 0) {  // a quantized where it is computed
+    if (!a.defined() && swiglu_a_fused(r, true) && N > 0) {  // a quantized where it is computed
       // X^T as its decode alone: w2's weight gradient reads it next
       PreparedRowCol p = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(w.name + ".w2/fprop/X"), r.wgrad.b,
                                         GemmRole::Wgrad, 'b', {0, N}, {site(w.name + ".w2/wgrad/X^T")}, cls, log,
@@ -986,17 +967,15 @@ struct ModelRunner {
     // operand as its decode alone: nothing reads it after the GEMM.
     Prepared pa;
     std::vector<Prepared> a_wgrad;
-    if (a_fused && inner && !wgrad_from_saved_fwd(r)) {
-      PreparedRowCol p = prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"),
-                                        r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
-                                        expert_sites(name + "moe.w2/wgrad/X^T"), cls, log, ops::FormOut::Bf16,
-                                        a_wgrad_form);
+    if (a_fused) {
+      PreparedRowCol p =
+          inner ? prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
+                                 GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"), cls, log,
+                                 ops::FormOut::Bf16, a_wgrad_form)
+                : prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.fprop.a,
+                                 GemmRole::Wgrad, 'b', {}, {}, cls, log, ops::FormOut::Bf16, ops::FormOut::Codes);
       pa = std::move(p.row);
       a_wgrad = std::move(p.col);
-    } else if (a_fused) {  // the operand alone (its codes too where the backward requantizes them)
-      pa = swiglu_fprop_operand(h1, h3, r, cls, name + "moe.w2",
-                                inner ? ops::FormOut::CodesAndBf16 : ops::FormOut::Bf16);
-      record_input_amax(name + "moe.a", Tensor{}, r, c.n_experts, {}, plan.offsets, quantized(pa));
     } else {
       if (inner && x_pairs(r) && rows > 0) {
         PreparedRowCol p = prepare_row_col(a, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,

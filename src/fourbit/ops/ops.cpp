@@ -271,12 +271,6 @@ RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_per
   return quantize_row_col(dy_perm, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
 }
 
-bool swiglu_row_one_pass(const QuantSpec& row_spec) {
-  const QuantSpec& s = row_spec;
-  return row_col_one_pass(s, s) || (s.fmt == Format::NVFP4 && s.outer == OuterScale::PerRow && !s.tile_2d &&
-                                    s.hadamard == 0 && s.rounding == num::Rounding::RNE);
-}
-
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {

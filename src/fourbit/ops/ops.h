@@ -1,7 +1,7 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
 //          quantize_row_col, gather_quantize_row_col, moe_combine_backward_row_col, swiglu_forward_row_col,
-//          swiglu_row_one_pass, swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each,
-//          dequantize, requantize_transposed,
+//          swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
+//          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
@@ -121,11 +121,8 @@ RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_per
 // swiglu_forward's a of h1 and h3 (F32 [rows, F]) quantized as quantize_row_col quantizes it, the
 // bits of swiglu_forward followed by that call; offsets empty: its Row-axis form alone (the bits of
 // quantize(a, row_spec, row_rng); col_spec names the pair's Col-axis spec all the same). On the
-// GPU, where quantize_row_col's one pass takes the specs, or (the Row form alone) for per-token
-// NVFP4 rounded to nearest (swiglu_row_one_pass), one pass computes a and quantizes it where it
-// was computed: a is never written in F32. Otherwise that sequence.
-// swiglu_row_one_pass: whether a backend with those kernels makes the Row form alone in one pass.
-bool swiglu_row_one_pass(const QuantSpec& row_spec);
+// GPU, where quantize_row_col's one pass takes the specs, one pass computes a and quantizes it
+// where it was computed: a is never written in F32. Otherwise that sequence.
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);

@@ -263,10 +263,8 @@ bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, cons
                                   FormOut row_out, FormOut col_out, RowColQuant& out);
 
 // ops::swiglu_forward_row_col on CUDA tensors (shapes, axes and offsets checked by the caller)
-// into out, in one pass of mxfp8_row_col_kernel from h1 and h3; without offsets, for a Row spec
-// that pass does not take, one pass of the quantizer quantize would pick if it computes the SwiGLU
-// itself (per-token NVFP4: nvfp4_row_fast_kernel). false (nothing done) where neither holds for F32
-// inputs.
+// into out, in one pass of mxfp8_row_col_kernel from h1 and h3; false (nothing done) where
+// quantize_row_col's conditions do not hold for F32 inputs.
 bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out);

@@ -53,15 +53,13 @@ struct QuantLaunch {
   QuantParams p;
   RngKey rng;
   const Tensor* group_amax;
-  const float* x3;  // SwiGLU's up projection (the values silu(x) * x3; entries with `swiglu`), or null
 };
 
 struct QuantizeKernel {
   const char* name;
   bool (*accepts)(const QuantInput&);
   void (*launch)(QuantLaunch&);
-  bool bf16;    // writes the form's BF16 decode itself (QuantParams::bf16), and no codes where null
-  bool swiglu;  // takes QuantLaunch::x3
+  bool bf16;  // writes the form's BF16 decode itself (QuantParams::bf16), and no codes where null
 };
 
 bool accepts_any(const QuantInput&) { return true; }
@@ -118,9 +116,7 @@ bool accepts_nvfp4_row_fast(const QuantInput& in) {
          in.spec.rounding == num::Rounding::RNE && in.padded_cols() <= kFusedMaxCols;
 }
 void launch_nvfp4_row_fast_entry(QuantLaunch& l) {
-  FastRowParams f = fast_row_params(l.p, l.q.total_rows());
-  f.x3 = l.x3;
-  launch_nvfp4_row_fast(f, l.in.spec.four_over_six, l.in.spec.metric);
+  launch_nvfp4_row_fast(fast_row_params(l.p, l.q.total_rows()), l.in.spec.four_over_six, l.in.spec.metric);
 }
 
 // An outer scale per tensor or per slice, RNE (nvfp4-fwd's expert weights): the same one-pass
@@ -169,20 +165,18 @@ void launch_mxfp8_row_fast_entry(QuantLaunch& l) {
 }
 
 constexpr QuantizeKernel kNvfp4Kernels[] = {
-    {"nvfp4_row_fast_kernel", accepts_nvfp4_row_fast, launch_nvfp4_row_fast_entry, true, true},
-    {"nvfp4_row_fast_group", accepts_nvfp4_row_fast_group, launch_nvfp4_row_fast_group, true, false},
-    {"nvfp4_tile_row_amax", accepts_nvfp4_tile_row_amax, launch_nvfp4_tile_row_amax, true, false},
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Nvfp4>, true, false},
+    {"nvfp4_row_fast_kernel", accepts_nvfp4_row_fast, launch_nvfp4_row_fast_entry, true},
+    {"nvfp4_row_fast_group", accepts_nvfp4_row_fast_group, launch_nvfp4_row_fast_group, true},
+    {"nvfp4_tile_row_amax", accepts_nvfp4_tile_row_amax, launch_nvfp4_tile_row_amax, true},
+    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Nvfp4>, true},
 };
 constexpr QuantizeKernel kMxfp8Kernels[] = {
-    {"mxfp8_col_fast_kernel", accepts_mxfp8_col_fast, launch_mxfp8_col_fast_entry, false, false},
-    {"mxfp8_row_fast_kernel", accepts_mxfp8_row_fast, launch_mxfp8_row_fast_entry, false, false},
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mx>, false, false},
+    {"mxfp8_col_fast_kernel", accepts_mxfp8_col_fast, launch_mxfp8_col_fast_entry, false},
+    {"mxfp8_row_fast_kernel", accepts_mxfp8_row_fast, launch_mxfp8_row_fast_entry, false},
+    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mx>, false},
 };
-constexpr QuantizeKernel kS2f6Kernels[] = {
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::S2f6>, false, false}};
-constexpr QuantizeKernel kMxfp4Kernels[] = {
-    {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mxfp4>, false, false}};
+constexpr QuantizeKernel kS2f6Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::S2f6>, false}};
+constexpr QuantizeKernel kMxfp4Kernels[] = {{"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Mxfp4>, false}};
 
 struct KernelList {
   const QuantizeKernel* begin;
@@ -229,18 +223,15 @@ const char* requantize_kernel_for(const QTensor& q, const QuantSpec& spec) {
   return requantize_kernel_takes(q, spec) ? "requantize_transposed_kernel" : "dequantize_then_quantize";
 }
 
-namespace {
-// quantize's input as an entry sees it: float4 loads run along the input's contiguous dimension,
-// logical C (= scols on the Row axis, srows on the Col axis); every row then starts 16-byte aligned.
-QuantInput quant_input(const Tensor& x, const QuantSpec& spec, const QuantShape& shape, bool group_amax) {
-  return QuantInput{spec, shape.slices, shape.rows, shape.cols, shape.cols % 4 == 0 && aligned(x.data<float>(), 16),
-                    group_amax};
-}
-
-// quantize through `kernel` (which accepts in); with x3, of silu(x) * x3 (a kernel that takes it).
-QTensor quantize_with(const QuantizeKernel& kernel, const QuantInput& in, const Tensor& x, const float* x3,
-                      const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax, FormOut form) {
-  const QuantShape shape{in.slices, in.rows, in.cols};
+QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
+                 FormOut form) {
+  check_cuda_tensor(x, "quantize", "x");
+  const QuantShape shape = quant_shape(x, spec);
+  // float4 loads run along the input's contiguous dimension: logical C (= scols on the Row
+  // axis, srows on the Col axis); every row then starts 16-byte aligned.
+  const QuantInput in{spec, shape.slices, shape.rows, shape.cols, shape.cols % 4 == 0 && aligned(x.data<float>(), 16),
+                      group_amax != nullptr};
+  const QuantizeKernel& kernel = pick(in);
   // a kernel that writes the decode itself skips the codes of a decode-alone form (their outer
   // scales stay: the GEMM's epilogue applies them); another writes codes for the decode pass
   const bool codes = writes_codes(form) || !kernel.bf16, kernel_decode = writes_bf16(form) && kernel.bf16;
@@ -251,7 +242,7 @@ QTensor quantize_with(const QuantizeKernel& kernel, const QuantInput& in, const 
   // every NVFP4 entry writes them)
   if (keeps_row_amax(spec, group_amax != nullptr))
     q.row_amax = Tensor::empty({q.total_rows()}, DType::F32, Device::CUDA);
-  QuantLaunch l{in, q, QuantParams{}, rng, group_amax, x3};
+  QuantLaunch l{in, q, QuantParams{}, rng, group_amax};
   QuantParams& p = l.p;
   p.in.x = x.data<float>();
   p.in.srows = q.rows;
@@ -286,14 +277,6 @@ QTensor quantize_with(const QuantizeKernel& kernel, const QuantInput& in, const 
     if (!writes_codes(form)) q.codes = q.block_scales = Tensor{};
   }
   return q;
-}
-}  // namespace
-
-QTensor quantize(const Tensor& x, const QuantSpec& spec, RngKey rng, QuantReport* report, const Tensor* group_amax,
-                 FormOut form) {
-  check_cuda_tensor(x, "quantize", "x");
-  const QuantInput in = quant_input(x, spec, quant_shape(x, spec), group_amax != nullptr);
-  return quantize_with(pick(in), in, x, nullptr, spec, rng, report, group_amax, form);
 }
 
 Tensor outer_amax(const std::vector<Tensor>& xs, const QuantSpec& spec) {
@@ -457,18 +440,6 @@ bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, cons
 bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {
-  if (offsets.empty() && h1.dtype() == DType::F32 && h3.dtype() == DType::F32 && !ops::row_col_one_pass(row_spec, row_spec)) {
-    // the Row form alone through a quantizer that computes the SwiGLU where it loads its input
-    // (per-token NVFP4: nvfp4_row_fast_kernel), where one takes it
-    check_cuda_tensor(h1, "swiglu_forward_row_col", "h1");
-    check_cuda_tensor(h3, "swiglu_forward_row_col", "h3");
-    const QuantInput in = quant_input(h1, row_spec, quant_shape(h1, row_spec), false);
-    const QuantizeKernel& kernel = pick(in);
-    if (!kernel.swiglu || !aligned(h3.data<float>(), 16)) return false;
-    out.row = quantize_with(kernel, in, h1, h3.data<float>(), row_spec, row_rng, nullptr, nullptr, row_out);
-    out.col.clear();
-    return true;
-  }
   if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
   const char* op = "swiglu_forward_row_col";
   check_cuda_tensor(h1, op, "h1");

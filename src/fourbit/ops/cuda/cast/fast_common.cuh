@@ -41,7 +41,6 @@ static_assert(32 % num::kSrPerCall == 0 && num::kMxBlock % num::kSrPerCall == 0,
 
 struct FastRowParams {
   const float* x;          // storage rows [rows, cols], contiguous
-  const float* x3;         // NVFP4: SwiGLU's up projection, x3's shape (the values silu(x) * x3), or null
   int64_t rows, cols, padded_cols, nb;
   uint8_t* codes;          // [rows, code_row_bytes]; NVFP4: null for a form of its BF16 decode alone
   uint8_t* scales;         // [rows, nb]

@@ -3,13 +3,10 @@
 // RHT, no 16x16 tiles, rows of at most kFusedMaxCols padded columns, float4-loadable input: the
 // activations of nvfp4-fwd. One pass, persistent CTAs. Given the groups' amax
 // (FastRowParams::group_amax), the same with an outer scale per tensor or per slice: nvfp4-fwd's
-// expert weights, the scale from their slice's amax instead of the row's. Given SwiGLU's up
-// projection (FastRowParams::x3), the rows of silu(x) * x3 computed where they are quantized: the
-// SwiGLU output a of nvfp4-fwd's FFNs, never written in F32 (ops::swiglu_forward_row_col).
+// expert weights, the scale from their slice's amax instead of the row's.
 #pragma once
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
-#include "fourbit/ops/cuda/row_math.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -36,19 +33,13 @@ namespace {
 // after the loop). ~38 is what a 75%-of-copy rate allows (the tile kernel's generic numerics:
 // 90-200). kRuns 2 holds 16 warps per SM (128 registers), kRuns 1 32 (64 registers),
 // both with 64 KiB of copies in flight per SM.
-// kSwiglu: the values are swiglu_value(x, x3) (row_math.cuh, swiglu_forward's element): a warp
-// stages its runs of both inputs (x's, then x3's), twice the shared memory, and computes each
-// value as it reads the two from the stage; its double arithmetic needs more than the 64 registers
-// of two 512-thread CTAs an SM (kRuns 1 spilled 48 bytes there), so one run takes 128 as two do.
-template <int kRuns, bool kFos, num::ScaleMetric kMetric, bool kSwiglu = false>
-__global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 && !kSwiglu ? 2 : 1)
+template <int kRuns, bool kFos, num::ScaleMetric kMetric>
+__global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
     nvfp4_row_fast_kernel(const FastRowParams p) {
   dependent_launch_prologue();
   constexpr int B = num::kNvfp4Block;
-  constexpr int kWarpFloats = kRuns * kFastRunBlocks * B;  // one warp's runs of one input
-  constexpr int kInputs = kSwiglu ? 2 : 1;
-  // [2][warps][kInputs][kWarpFloats]; blocks 64-byte aligned in the shared window (read_run_at
-  // XORs bits 4-5)
+  constexpr int kWarpFloats = kRuns * kFastRunBlocks * B;  // one warp's runs
+  // [2][warps][kWarpFloats]; blocks 64-byte aligned in the shared window (read_run_at XORs bits 4-5)
   extern __shared__ __align__(128) float stage[];
   __shared__ uint32_t team_amax[2][kNvfp4FastMaxWarps];
   const int warps = int(blockDim.x) / 32;
@@ -63,7 +54,7 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 && !kSwigl
   const int64_t row_step = int64_t(gridDim.x) * rows_per_cta;
   int64_t row = int64_t(blockIdx.x) * rows_per_cta + warp / tw;
   // This warp's part of stage half it & 1; prefetch(r, h) starts the copies of row r into half h.
-  auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kInputs * kWarpFloats; };
+  auto half = [&](int it) { return stage + ((it & 1) * warps + warp) * kWarpFloats; };
   // A warp whose runs lie inside the row (every warp of rows that are a multiple of its span, as
   // 8192 columns) copies from one address per row: chunk j of run k is at src + 128 j + 512 k and
   // lands at dst + 128 j + 512 k (the swizzle of block b = lane / 4 + 8 j does not depend on j),
@@ -72,16 +63,13 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 && !kSwigl
   const uint32_t src0 = uint32_t(blk0 * B + 4 * lane);
   const int dst0 = B * (lane / 4) + 4 * ((lane % 4) ^ ((lane / 8) & 3));
   static_assert(B == 16, "read_run_at reads 16-value blocks");
-  const uint32_t read0 = read_run_address(half(0)), half_bytes = uint32_t(4 * warps * kInputs * kWarpFloats);
+  const uint32_t read0 = read_run_address(half(0)), half_bytes = uint32_t(4 * warps * kWarpFloats);
   // The calls go down the rows in order (row0, + row_step, ...): the whole-run copies take their
   // source from a running pointer (two adds a row, where forming it took a 64-bit multiply) and
   // their destination from one shared-window address kept in a register.
-  // x3's copies: the same offsets from x3 (x3_off floats past x, formed once), kWarpFloats on
-  // in the stage.
   const float* next_src = p.x + row * p.cols + src0;
-  int64_t src_step = row_step * p.cols, x3_off = kSwiglu ? p.x3 - p.x : 0;
+  int64_t src_step = row_step * p.cols;
   asm("mov.b64 %0, %0;" : "+l"(src_step));  // opaque: formed once
-  if constexpr (kSwiglu) asm("mov.b64 %0, %0;" : "+l"(x3_off));
   const uint32_t write0 = shared_address(half(0) + dst0);
   auto prefetch = [&](int64_t r, int h) {  // h: the stage half
     const bool live = r < p.rows;
@@ -89,25 +77,17 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 && !kSwigl
       const float* src = live ? next_src : p.x + src0;
       const uint32_t dst = write0 + uint32_t(h) * half_bytes;
 #pragma unroll
-      for (int i = 0; i < kInputs; ++i) {
-        const float* s = i == 0 ? src : src + x3_off;
+      for (int k = 0; k < kRuns; ++k)
 #pragma unroll
-        for (int k = 0; k < kRuns; ++k)
-#pragma unroll
-          for (int j = 0; j < B / 4; ++j)
-            cp_async16(dst + uint32_t(4 * (i * kWarpFloats + k * kFastRunBlocks * B + 8 * B * j)),
-                       s + k * kFastRunBlocks * B + 128 * j, live ? 16 : 0);
-      }
+        for (int j = 0; j < B / 4; ++j)
+          cp_async16(dst + uint32_t(4 * (k * kFastRunBlocks * B + 8 * B * j)),
+                     src + k * kFastRunBlocks * B + 128 * j, live ? 16 : 0);
       next_src += src_step;
     } else {
+      const float* xrow = p.x + (live ? r : 0) * p.cols;
 #pragma unroll
-      for (int i = 0; i < kInputs; ++i) {
-        const float* xrow = (i == 0 ? p.x : p.x + x3_off) + (live ? r : 0) * p.cols;
-#pragma unroll
-        for (int k = 0; k < kRuns; ++k)
-          prefetch_run<B>(half(h) + i * kWarpFloats + k * kFastRunBlocks * B, xrow, cols,
-                          (blk0 + k * kFastRunBlocks) * B, live);
-      }
+      for (int k = 0; k < kRuns; ++k)
+        prefetch_run<B>(half(h) + k * kFastRunBlocks * B, xrow, cols, (blk0 + k * kFastRunBlocks) * B, live);
     }
   };
 
@@ -142,15 +122,8 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 && !kSwigl
     __syncwarp();  // the whole warp's copies of group g have landed
     float v[kRuns][B];
 #pragma unroll
-    for (int k = 0; k < kRuns; ++k) {
+    for (int k = 0; k < kRuns; ++k)
       read_run_at(read0 + (it & 1) * half_bytes, 4 * k * kFastRunBlocks * B, v[k]);
-      if constexpr (kSwiglu) {  // zeros past the row (and in dead rows) give zeros
-        float u[B];
-        read_run_at(read0 + (it & 1) * half_bytes, 4 * (kWarpFloats + k * kFastRunBlocks * B), u);
-#pragma unroll
-        for (int i = 0; i < B; ++i) v[k][i] = swiglu_value(v[k][i], u[i]);
-      }
-    }
     const bool live = row < p.rows;
 
     // Block amaxes (max_abs_finite), non-finite counts, the row amax (bits: order-free, exact).
@@ -251,18 +224,18 @@ void launch_persistent(const FastRowParams& f, int64_t groups, int threads, size
   launch_dependent(kernel, grid_of(ctas, "quantize"), threads, smem, f);
 }
 
-template <int kRuns, bool kSwiglu>
+template <int kRuns>
 void launch_nvfp4_row_fast(const FastRowParams& f, int64_t groups, int threads, bool fos,
                            num::ScaleMetric metric) {
   using num::ScaleMetric;
-  const size_t smem =  // two halves of kRuns runs per warp and input
-      2 * sizeof(float) * size_t(threads / 32) * (kSwiglu ? 2 : 1) * kRuns * kFastRunBlocks * num::kNvfp4Block;
+  const size_t smem =  // two halves of kRuns runs per warp
+      2 * sizeof(float) * size_t(threads / 32) * kRuns * kFastRunBlocks * num::kNvfp4Block;
   if (!fos)
-    launch_persistent<nvfp4_row_fast_kernel<kRuns, false, ScaleMetric::MSE, kSwiglu>>(f, groups, threads, smem);
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, false, ScaleMetric::MSE>>(f, groups, threads, smem);
   else if (metric == ScaleMetric::MSE)
-    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MSE, kSwiglu>>(f, groups, threads, smem);
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MSE>>(f, groups, threads, smem);
   else
-    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MAE, kSwiglu>>(f, groups, threads, smem);
+    launch_persistent<nvfp4_row_fast_kernel<kRuns, true, ScaleMetric::MAE>>(f, groups, threads, smem);
 }
 
 // A row of nb blocks takes ceil(nb / 32) warp runs (at most 32 for kFusedMaxCols): two runs per
@@ -282,13 +255,8 @@ void launch_nvfp4_row_fast(FastRowParams f, bool fos, num::ScaleMetric metric) {
   const int rows_per_cta = std::max(1, kWarps / f.team_warps);
   const int64_t groups = (f.rows + rows_per_cta - 1) / rows_per_cta;
   const int threads = 32 * f.team_warps * rows_per_cta;
-  if (f.x3) {
-    if (runs == 1) launch_nvfp4_row_fast<1, true>(f, groups, threads, fos, metric);
-    else launch_nvfp4_row_fast<2, true>(f, groups, threads, fos, metric);
-  } else {
-    if (runs == 1) launch_nvfp4_row_fast<1, false>(f, groups, threads, fos, metric);
-    else launch_nvfp4_row_fast<2, false>(f, groups, threads, fos, metric);
-  }
+  if (runs == 1) launch_nvfp4_row_fast<1>(f, groups, threads, fos, metric);
+  else launch_nvfp4_row_fast<2>(f, groups, threads, fos, metric);
 }
 
 }  // namespace
