@@ -119,32 +119,6 @@ void launch_nvfp4_row_fast_entry(QuantLaunch& l) {
   launch_nvfp4_row_fast(fast_row_params(l.p, l.q.total_rows()), l.in.spec.four_over_six, l.in.spec.metric);
 }
 
-// An outer scale per tensor or per slice, RNE (nvfp4-fwd's expert weights): the same one-pass
-// kernel with each group's amax, the caller's (the optimizer's slice amax, the FFN's shared w1/w3
-// amax) or the pre-pass's, where the tile kernel ran at ~0.6 of the copy rate on such weights.
-bool accepts_nvfp4_row_fast_group(const QuantInput& in) {
-  return !in.col() && in.spec.hadamard == 0 && in.vec4 && in.padded_cols() > 0 && in.total_rows() > 0 &&
-         (in.spec.outer == OuterScale::Tensor || in.spec.outer == OuterScale::PerSlice) && !in.spec.tile_2d &&
-         in.spec.rounding == num::Rounding::RNE && in.padded_cols() <= kFusedMaxCols;
-}
-void launch_nvfp4_row_fast_group(QuantLaunch& l) {
-  const QTensor& q = l.q;
-  const int64_t groups = outer_groups(q);
-  Tensor gamax;  // freed after the launches are queued: the allocator reuses in stream order
-  const uint32_t* amax_bits = nullptr;
-  if (l.group_amax) {
-    amax_bits = reinterpret_cast<const uint32_t*>(l.group_amax->data<float>());
-  } else {
-    gamax = Tensor::empty({groups}, DType::U32, Device::CUDA);
-    outer_amax_prepass(l.p, false, groups, gamax.data<uint32_t>(), l.in.rows, l.in.cols, true);
-    amax_bits = gamax.data<uint32_t>();
-  }
-  FastRowParams f = fast_row_params(l.p, q.total_rows());
-  f.group_amax = amax_bits;
-  f.group_rows = q.total_rows() / groups;
-  launch_nvfp4_row_fast(f, l.in.spec.four_over_six, l.in.spec.metric);
-}
-
 bool accepts_mxfp8_col_fast(const QuantInput& in) { return mxfp8_col_fast(in.spec); }
 void launch_mxfp8_col_fast_entry(QuantLaunch& l) {  // one segment per slice; SR counters run on over the slices
   const QTensor& q = l.q;
@@ -166,7 +140,6 @@ void launch_mxfp8_row_fast_entry(QuantLaunch& l) {
 
 constexpr QuantizeKernel kNvfp4Kernels[] = {
     {"nvfp4_row_fast_kernel", accepts_nvfp4_row_fast, launch_nvfp4_row_fast_entry, true},
-    {"nvfp4_row_fast_group", accepts_nvfp4_row_fast_group, launch_nvfp4_row_fast_group, true},
     {"nvfp4_tile_row_amax", accepts_nvfp4_tile_row_amax, launch_nvfp4_tile_row_amax, true},
     {"quantize_tile_kernel", accepts_any, launch_tiles<Kind::Nvfp4>, true},
 };

@@ -45,12 +45,8 @@ struct FastRowParams {
   uint8_t* codes;          // [rows, code_row_bytes]; NVFP4: null for a form of its BF16 decode alone
   uint8_t* scales;         // [rows, nb]
   __nv_bfloat16* bf16;     // NVFP4: the BF16 decode [rows, padded_cols] (ops::FormOut), or null
-  float* outer;            // NVFP4: S_dec per row, or per group with group_amax (written here)
+  float* outer;            // NVFP4: S_dec per row (written here)
   float* row_amax;         // NVFP4: each row's amax (QTensor::row_amax), or null
-  // NVFP4 with an outer scale per tensor or per slice: each group's amax (float bits; the caller's
-  // or the pre-pass's) and the rows a group spans, row r in group r / group_rows; null: per row
-  const uint32_t* group_amax;
-  int64_t group_rows;
   int team_warps;          // NVFP4: warps sharing one row (and its amax)
   int64_t runs_per_row;    // MXFP8: warps per row (one run each)
   num::MxScaleRule mx_rule;

@@ -1,9 +1,7 @@
 // defines: nvfp4_row_fast_kernel, launch_persistent, launch_nvfp4_row_fast
 // NVFP4 with a per-row (per-token) outer scale, RNE with or without Four Over Six, Row axis, no
 // RHT, no 16x16 tiles, rows of at most kFusedMaxCols padded columns, float4-loadable input: the
-// activations of nvfp4-fwd. One pass, persistent CTAs. Given the groups' amax
-// (FastRowParams::group_amax), the same with an outer scale per tensor or per slice: nvfp4-fwd's
-// expert weights, the scale from their slice's amax instead of the row's.
+// activations of nvfp4-fwd. One pass, persistent CTAs.
 #pragma once
 #include "fourbit/ops/cuda/cast/fast_common.cuh"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
@@ -149,18 +147,10 @@ __global__ void __launch_bounds__(32 * kNvfp4FastMaxWarps, kRuns == 1 ? 2 : 1)
       // lane l < tw reads team warp l's max: one read and one warp max whatever the team size
       row_amax = __reduce_max_sync(0xffffffffu, lane < tw ? team_amax[it & 1][warp - wt + lane] : 0u);
     }
-    // a group's scale (tensor, slice) comes from its given amax, as the tile kernel takes it; the
-    // row's amax above is then unused (its max is a few instructions a row)
-    int64_t group = 0;
-    if (p.group_amax) {
-      group = live ? row / p.group_rows : 0;
-      row_amax = live ? __ldg(p.group_amax + group) : 0u;
-    }
     const float s_enc = num::nvfp4_s_enc(num::float_of(row_amax), kFos);
     const float s_dec = num::nvfp4_s_dec(s_enc);
     if (live && wt == 0 && lane == 0) {
-      if (!p.group_amax) p.outer[row] = s_dec;
-      else if (row == group * p.group_rows) p.outer[group] = s_dec;  // the group's first row writes it
+      p.outer[row] = s_dec;
       if (p.row_amax) p.row_amax[row] = num::float_of(row_amax);
     }
     // Four Over Six: the row's table of encode scales (lookups are shuffles: the whole warp builds
