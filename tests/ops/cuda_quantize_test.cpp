@@ -521,6 +521,15 @@ bool same_row_col_forms(const Tensor& x, const ops::RowColQuant& got, const Quan
   return true;
 }
 
+// Every MXFP8 spec without an RHT (both element formats, roundings and scale rules), by axis: the
+// specs the one-pass kernels of both axes take.
+void mxfp8_axis_specs(std::vector<QuantSpec>& rows_specs, std::vector<QuantSpec>& cols_specs) {
+  for (const QuantSpec& s : all_specs({1, 4, 64})) {
+    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
+    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
+  }
+}
+
 // ops::quantize_row_col on the GPU (one pass of mxfp8_row_col_kernel) equals the CPU's quantize
 // on the Row axis and quantize of every segment on the Col axis, for every pair of MXFP8 specs of
 // one element format (RNE/SR on each side, both scale rules): widths inside, at and past one
@@ -530,10 +539,7 @@ bool same_row_col_forms(const Tensor& x, const ops::RowColQuant& got, const Quan
 TEST(CudaQuantize, RowColPairMatchesCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> rows_specs, cols_specs;
-  for (const QuantSpec& s : all_specs({1, 4, 64})) {
-    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
-    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
-  }
+  mxfp8_axis_specs(rows_specs, cols_specs);
   ASSERT_EQ(rows_specs.size(), 8u);
   ASSERT_EQ(cols_specs.size(), 8u);
   const std::vector<std::vector<int64_t>> lengths = {
@@ -806,10 +812,7 @@ TEST(CudaQuantize, SwigluGradsRowColMatchSwigluThenRowCol) {
 TEST(CudaQuantize, BothAxesMatchCpu) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> rows_specs, cols_specs;
-  for (const QuantSpec& s : all_specs({1, 4, 64})) {
-    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
-    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
-  }
+  mxfp8_axis_specs(rows_specs, cols_specs);
   uint32_t seed = 2100;
   int pair = 0;
   for (const Dims& d : {Dims{1, 70, 300}, Dims{3, 45, 64}, Dims{4, 64, 257}}) {
@@ -840,10 +843,7 @@ TEST(CudaQuantize, BothAxesMatchCpu) {
 TEST(CudaQuantize, BothAxesEachMatchesBothAxes) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   std::vector<QuantSpec> rows_specs, cols_specs;
-  for (const QuantSpec& s : all_specs({1, 4, 64})) {
-    if (s.hadamard != 0 || (s.fmt != Format::MXFP8_E4M3 && s.fmt != Format::MXFP8_E5M2)) continue;
-    (s.axis == BlockAxis::Row ? rows_specs : cols_specs).push_back(s);
-  }
+  mxfp8_axis_specs(rows_specs, cols_specs);
   const std::vector<Dims> dims = {{1, 70, 300}, {3, 45, 64}, {4, 64, 257}, {1, 1024, 1024}, {16, 96, 512},
                                   {1, 0, 64},   {1, 5, 36},  {2, 33, 1000}};
   std::vector<Tensor> xs;
