@@ -5,7 +5,8 @@
 //                    [--warmup 2] [--steps 5] [--expert-gemms V[,V...]|all]
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
-//                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both] [--json FILE]
+//                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
+//                    [--loss-read queued|first|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -31,6 +32,10 @@
 // --weight-forms: the MXFP8 weights' fprop and dgrad operands made in one launch for all the
 // weights (batched, the default: set_weight_forms_batched) or a launch a weight (each), or both,
 // each recipe run under each in this process.
+// --loss-read: when the host reads a micro-batch's loss back: after its backward is queued
+// (queued, the default, as the trainer does: Model::forward_queued) or before (first:
+// Model::forward, so the GPU idles from the forward's end until the host has queued the
+// backward's first kernels), or both, each recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -154,6 +159,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> saved_xs = one_or_both(argc, argv, "--saved-x", "decodes", "codes", "saved X^T", table);
   const std::vector<std::string> weight_forms =
       one_or_both(argc, argv, "--weight-forms", "batched", "each", "weight forms", table);
+  const std::vector<std::string> loss_reads =
+      one_or_both(argc, argv, "--loss-read", "queued", "first", "loss read", table);
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
@@ -163,7 +170,8 @@ int main(int argc, char** argv) {
   for (const std::string& gq : grad_quants)
   for (const std::string& amax : amaxes)
   for (const std::string& saved_x : saved_xs)
-  for (const std::string& wforms : weight_forms) {
+  for (const std::string& wforms : weight_forms)
+  for (const std::string& loss_read : loss_reads) {
     const bool keep = keep_ffn == "on";
     set_weight_forms_batched(wforms == "batched");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
@@ -200,9 +208,15 @@ int main(int argc, char** argv) {
           const size_t b = size_t(step * t.grad_accum + micro);
           const Tensor tokens = Tensor::from_host(toks[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
           const Tensor targets = Tensor::from_host(tgts[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
-          model.forward(tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true,
-                        1.0f / float(t.grad_accum));
-          model.backward();
+          const SrStreams sr{t.seed, uint64_t(step), uint64_t(micro)};
+          if (loss_read == "first") {
+            (void)model.forward(tokens, targets, sr, true, 1.0f / float(t.grad_accum));
+            model.backward();
+          } else {
+            PendingForwardStats pending = model.forward_queued(tokens, targets, sr, true, 1.0f / float(t.grad_accum));
+            model.backward();
+            (void)pending.stats();
+          }
         }
         optim.step(step);
         model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
@@ -240,6 +254,7 @@ int main(int argc, char** argv) {
                  {"weight amax", amax},
                  {"saved X^T", saved_x},
                  {"weight forms", wforms},
+                 {"loss read", loss_read},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},

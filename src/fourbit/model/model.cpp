@@ -1486,8 +1486,31 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
 
 }  // namespace
 
+const ForwardStats& PendingForwardStats::stats() {
+  if (summed_) return st_;
+  const int64_t n_valid = st_.tokens;
+  if (weights_.defined()) {
+    const Tensor lh = st_.token_losses.to(Device::CPU), wh = weights_.to(Device::CPU);
+    double sum = 0;
+    for (int64_t i = 0; i < lh.numel(); ++i)
+      sum += double(wh.data<float>()[i]) *
+             (lh.dtype() == DType::F64 ? lh.data<double>()[i] : double(lh.data<float>()[i]));
+    st_.loss = n_valid ? sum / double(n_valid) : 0.0;
+  } else {
+    st_.loss = n_valid ? host_sum(st_.token_losses) / double(n_valid) : 0.0;
+  }
+  summed_ = true;
+  weights_ = Tensor{};
+  return st_;
+}
+
 ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
                             bool for_backward, float loss_weight, const Tensor& token_weights) {
+  return forward_queued(tokens, targets, sr, for_backward, loss_weight, token_weights).stats();
+}
+
+PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
+                                          bool for_backward, float loss_weight, const Tensor& token_weights) {
   if (tokens.dim() != 2 || tokens.dtype() != DType::I32)
     fail("model forward: tokens must be i32 [B, T], got {}", tokens.str());
   if (targets.shape() != tokens.shape() || targets.dtype() != DType::I32)
@@ -1534,20 +1557,12 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale,
                      weighted ? &weights_flat : nullptr);
 
-  ForwardStats st;
+  PendingForwardStats pending;
+  ForwardStats& st = pending.st_;
   st.tokens = n_valid;
-  if (weighted) {
-    const Tensor lh = losses.to(Device::CPU), wh = weights_flat.to(Device::CPU);
-    double sum = 0;
-    for (int64_t i = 0; i < N; ++i)
-      sum += double(wh.data<float>()[i]) *
-             (lh.dtype() == DType::F64 ? lh.data<double>()[i] : double(lh.data<float>()[i]));
-    st.loss = n_valid ? sum / double(n_valid) : 0.0;
-  } else {
-    st.loss = n_valid ? host_sum(losses) / double(n_valid) : 0.0;
-  }
   st.aux_loss = run.aux_loss_value();
   st.token_losses = losses;
+  pending.weights_ = weights_flat;  // undefined without token weights
 
   if (s) {
     saved_bytes_ = SavedBytes{};
@@ -1577,7 +1592,7 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
     by["lm_head"] += s->xf.bytes() + tensor_bytes(s->dlogits);
     saved_ = std::move(s);
   }
-  return st;
+  return pending;
 }
 
 void Model::backward() {

@@ -1,4 +1,4 @@
-// defines: Model, ForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
+// defines: Model, ForwardStats, PendingForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
 //          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_training_producer_quantizers,
 //          set_input_amax_from_quantizers
@@ -31,6 +31,22 @@ struct ForwardStats {
   int64_t tokens = 0;   // target tokens counted (targets != -1)
   Tensor token_losses;  // F32/F64 [B*T] on the model's device: each position's unweighted
                         // cross-entropy, -log p(target) (0 where the target is -1)
+};
+
+// A forward whose loss the host has not read yet (Model::forward_queued). stats() reads the
+// per-token losses back and sums them: the forward's GPU work must finish first, so a trainer
+// that queues the backward before calling it keeps the GPU busy while the host waits, where
+// reading the loss first leaves the GPU idle until the host has queued the backward's first
+// kernels. The same numbers as Model::forward's, bit for bit.
+class PendingForwardStats {
+ public:
+  const ForwardStats& stats();  // reads and sums on the first call; then the same stats
+
+ private:
+  friend class Model;
+  ForwardStats st_;  // all but the loss until stats()
+  Tensor weights_;   // the per-token weights, flat [B*T], where the forward had them
+  bool summed_ = false;
 };
 
 // Bytes kept between forward and backward, by what keeps them.
@@ -157,6 +173,11 @@ class Model {
   // the advantages of a policy-gradient step. Without them the results are unchanged bits.
   ForwardStats forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
                        bool for_backward, float loss_weight = 1.0f, const Tensor& token_weights = Tensor());
+  // forward() with the loss left on the device until the returned stats() reads it (after the
+  // backward is queued, in a training step): the same work and bits.
+  PendingForwardStats forward_queued(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
+                                     bool for_backward, float loss_weight = 1.0f,
+                                     const Tensor& token_weights = Tensor());
   void backward();
 
   // Logits F32 [B*T, V] for tokens [B, T] (a full causal forward); no activations kept. as_trainer:

@@ -343,11 +343,14 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
       const MicroBatch b = on_device(source.micro_batch(ctx, micro), opt.device, step, micro);
       // The default share keeps the expressions of the loop before sources existed, bit for bit.
       const float share = b.loss_weight.value_or(1.0f / float(micro_batches));
-      const ForwardStats st = model.forward(b.tokens, b.targets, SrStreams{seed, uint64_t(step), uint64_t(micro)},
-                                            true, share, b.weights);
+      // The backward is queued before the host reads the loss back (forward_queued), so the GPU
+      // goes on from the forward into it; a non-finite loss still stops the run before the update.
+      PendingForwardStats pending = model.forward_queued(
+          b.tokens, b.targets, SrStreams{seed, uint64_t(step), uint64_t(micro)}, true, share, b.weights);
+      model.backward();
+      const ForwardStats& st = pending.stats();
       if (!std::isfinite(st.loss)) nonfinite(step + 1, "the training loss", st.loss);
       source.micro_batch_done(ctx, micro, st);
-      model.backward();
       loss += b.loss_weight ? st.loss * double(share) : st.loss / double(micro_batches);
       aux += b.loss_weight ? st.aux_loss * double(share) : st.aux_loss / double(micro_batches);
       tokens_done += st.tokens;

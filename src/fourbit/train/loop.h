@@ -14,8 +14,8 @@
 //
 //   before_step(ctx, model)                       the weights step s will update
 //   for micro in 0 .. micro_batches(ctx) - 1:
-//     micro_batch(ctx, micro) -> forward (loss_weight, per-token weights)
-//     micro_batch_done(ctx, micro, forward's stats) -> backward
+//     micro_batch(ctx, micro) -> forward (loss_weight, per-token weights) -> backward queued
+//     micro_batch_done(ctx, micro, forward's stats)  (its loss read back once the backward is queued)
 //   optimizer update (lr = the schedule's rate for s), unless update_weights(ctx) says no
 //   after_step(ctx, model, line)                  add fields to the step's metrics line
 //   evaluate(ctx, model, line)                    every train.eval_every steps and the last
@@ -95,8 +95,9 @@ class TrainingSource {
   // How many micro-batches step ctx.step accumulates (default train.grad_accum).
   virtual int64_t micro_batches(const StepContext& ctx) const { return ctx.config->train.grad_accum; }
   virtual MicroBatch micro_batch(const StepContext& ctx, int64_t micro) = 0;
-  // After the training forward of micro-batch `micro`, before its backward: the forward's stats,
-  // with each position's cross-entropy (RL compares them with the sampler's log-probs).
+  // After the training forward of micro-batch `micro` and with its backward queued (the host reads
+  // the loss back behind it): the forward's stats, with each position's cross-entropy (RL compares
+  // them with the sampler's log-probs).
   virtual void micro_batch_done(const StepContext& ctx, int64_t micro, const ForwardStats& stats) {
     (void)ctx;
     (void)micro;
