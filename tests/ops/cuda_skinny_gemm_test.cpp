@@ -1,5 +1,6 @@
 // defines: tests of the GPU's FP32 GEMMs at the router's shapes, skipped without a GPU: the
-// forward (N <= 32: ops/cuda/skinny_gemm.cu) and the input and weight gradients (cuBLASLt) against
+// forward (N <= 32: ops/cuda/skinny_gemm.cu), the input gradient (cuBLASLt) and the weight gradient
+// (M <= 32 over K >= 256 tokens: skinny_gemm.cu's chunked kernels; fewer: cuBLASLt) against
 // the CPU backend (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the
 // stored sum added to C, a stored C not read (NaN before), two runs the same bits, and the forward
 // and input-gradient forms' rows the same bits whatever M (the forward's few-row and row kernels).
@@ -100,6 +101,12 @@ TEST(CudaSkinnyGemm, FormsMatchCpu) {
   check(kWeightGrad, 1, 7, 1, 31);
   check(kWeightGrad, 17, 300, 8193, 32);
   check(kWeightGrad, 32, 1030, 129, 33);
+  // the chunked kernels: 16- and 32-row forms, 16-byte rows and not (N = 1030), a last chunk of
+  // one row (8193) or of 4 (4100), columns past one CTA's 1024
+  check(kWeightGrad, 5, 64, 300, 34);
+  check(kWeightGrad, 20, 1024, 1000, 35);
+  check(kWeightGrad, 32, 1030, 4100, 36);
+  check(kWeightGrad, 16, 2052, 256, 37);
 }
 
 // Forward and input gradient: a row's bits do not depend on how many rows are multiplied (the

@@ -4,7 +4,7 @@
 // multiplied on the BF16 tensor cores with FP32 accumulation (cuBLASLt). NVFP4 outer scales are
 // applied to the finished sums, A's per row then B's per column, as on the CPU (NUMERICS
 // "GEMMs"). FP32 operands (the fp32 recipe, the router) use cuBLASLt's true FP32 path (no TF32),
-// except the router's forward (N = E <= 32 columns): skinny_gemm.cu.
+// except the router's forward (N = E <= 32 columns) and weight gradient (M = E rows): skinny_gemm.cu.
 //
 // Where cuBLASLt reports native block-scaled support (Blackwell: VEC16_UE4M3, VEC32_UE8M0 scale
 // modes) it would take the packed operands directly; that path cannot run on these H200s and is
@@ -812,8 +812,10 @@ void run_gemm(const Operand& a, const Operand& b, const Materialized* A, const M
     dec.run();
     // A Col-axis A (blocks along the tokens) is a weight gradient's dY^T: K runs over the batch.
     const bool reduce_over_batch = a.q() && a.q()->axis == BlockAxis::Col;
-    // FP32 with at most 32 output columns (the router's forward): skinny_gemm.cu's kernel
-    if (!(f32 && skinny_f32_gemm(A->op, B->op, t.out, N, M, N, k_eff, t.beta != 0.0f)))
+    // FP32 with at most 32 output columns (the router's forward) or rows over the tokens (its
+    // weight gradient): skinny_gemm.cu's kernels
+    if (!(f32 && (skinny_f32_gemm(A->op, B->op, t.out, N, M, N, k_eff, t.beta != 0.0f) ||
+                  skinny_f32_wgrad(A->op, B->op, t.out, N, M, N, k_eff, t.beta != 0.0f))))
       matmul_nt(A->op, B->op, t.out, N, 0, M, N, k_eff, 1, f32 ? CUDA_R_32F : CUDA_R_16BF, 1.0f, t.beta,
                 reduce_over_batch);
   }

@@ -1,4 +1,4 @@
-// defines: matmul_nt, skinny_f32_gemm
+// defines: matmul_nt, skinny_f32_gemm, skinny_f32_wgrad
 // The one cuBLASLt entry point of the backend (gemm.cu, attention.cu). Row-major operands in the
 // NT form the rest of fourbit uses: C[b][m, n] = alpha * sum_k A[b](m, k) B[b](n, k) + beta * C[b].
 //
@@ -34,5 +34,11 @@ void matmul_nt(const MatmulOperand& a, const MatmulOperand& b, void* c, int64_t 
 // operands K-major (skinny_gemm.cu: the router's forward); false, nothing done, otherwise.
 bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
                      int64_t N, int64_t K, bool accumulate);
+
+// C (+)= A B^T for FP32 operands with M <= 32, both transposed (stored [K, M] and [K, N]) and K at
+// least 256: a weight gradient over the tokens such as the router's dlogits^T X (skinny_gemm.cu);
+// false, nothing done, otherwise.
+bool skinny_f32_wgrad(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
+                      int64_t N, int64_t K, bool accumulate);
 
 }  // namespace fourbit::ops::cuda

@@ -1,4 +1,4 @@
-// defines: skinny_f32_gemm
+// defines: skinny_f32_gemm, skinny_f32_wgrad
 // FP32 GEMMs C = A B^T with at most 32 output columns and both operands K-major: the router's
 // forward (logits = X W^T, E = 16 experts in gpu-small). cuBLASLt runs it on a SIMT tile sized for
 // square problems (sm80 ffma 128x32: 49 us for 8192 tokens x 1024 x 16 in the bf16 step's profile,
@@ -8,8 +8,9 @@
 // warp butterfly: an element's order depends on K alone, so rows are batch invariant.
 // Accumulating: C + the sum, one float addition; a stored C is the bits of accumulating into
 // zeros. Up to 256 rows (decode) a warp computes one element (cols_kernel), with the same bits.
-// The router's other two GEMMs (K = E for the input gradient, M = E over the tokens for the
-// weight gradient) stay on cuBLASLt: kernels of this kind for them (session 31) were no faster.
+// The router's weight gradient (M = E rows, K over the tokens): skinny_f32_wgrad, below. Its
+// input gradient (K = E) stays on cuBLASLt: a kernel of this kind for it (session 31) was no
+// faster.
 #include <cstdint>
 
 #include "fourbit/ops/cuda/common.cuh"
@@ -150,7 +151,126 @@ __global__ void __launch_bounds__(kThreads)
 // Up to this many rows, cols_kernel (a warp an element); above, rows_kernel.
 constexpr int64_t kColsMaxRows = 256;
 
+// ---- the weight gradient: C[m, n] (+)= sum_k A[k, m] B[k, n], M <= 32, both stored K-row-major ---
+// The router's dW = dlogits^T X over the tokens (M = E experts, N = d_model, K = tokens). cuBLASLt
+// runs it as a SIMT tile with a split-K pass (47 + 5 us a layer in an H100 step for 8192 tokens x
+// 1024 x 16), where reading X once at the copy rate takes ~11. Two launches: CTA (x, y) sums the K
+// rows of chunk y (kWgradChunk rows) for 1024 columns, each thread 4 columns and all M rows, FMAs
+// in ascending k, into a partial [chunk][M][N]; then a thread an element adds the chunks' partials
+// in chunk order and stores (or adds to C once). The chunks are fixed by K, not by the device, so
+// the bits are the same on any GPU and in every run; a weight gradient has no rows to keep batch
+// invariant.
+constexpr int kWgradChunk = 64;
+constexpr int kWgradCols = 4 * kThreads;  // columns a CTA covers
+constexpr int64_t kWgradMinK = 256;       // below: cuBLASLt (a split over few chunks gains nothing)
+
+template <int MB, bool VEC>
+__global__ void __launch_bounds__(kThreads)
+    wgrad_partials_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
+                          float* __restrict__ P, int64_t M, int64_t N, int64_t K) {
+  __shared__ float as[kWgradChunk][MB];
+  const int64_t k0 = int64_t(blockIdx.y) * kWgradChunk;
+  const int kn = int(K - k0 < kWgradChunk ? K - k0 : kWgradChunk);
+  for (int i = int(threadIdx.x); i < kWgradChunk * MB; i += kThreads) {
+    const int kk = i / MB, m = i % MB;
+    as[kk][m] = kk < kn && m < M ? A[(k0 + kk) * lda + m] : 0.0f;
+  }
+  __syncthreads();
+  const int64_t n0 = int64_t(blockIdx.x) * kWgradCols + 4 * int64_t(threadIdx.x);
+  if (n0 >= N) return;
+  const bool whole = n0 + 3 < N;
+  auto load = [&](int kk, float (&b)[4]) {
+    const float* br = B + (k0 + kk) * ldb + n0;
+    if (VEC && whole) {
+      const float4 q = *reinterpret_cast<const float4*>(br);
+      b[0] = q.x, b[1] = q.y, b[2] = q.z, b[3] = q.w;
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) b[c] = n0 + c < N ? br[c] : 0.0f;
+    }
+  };
+  float acc[MB][4];
+#pragma unroll
+  for (int m = 0; m < MB; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+  auto fma_row = [&](int kk, const float (&b)[4]) {
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      const float a = as[kk][m];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[m][c] = fmaf(a, b[c], acc[m][c]);
+    }
+  };
+  // G rows' loads issued before their FMAs, so that G loads a thread are in flight at once
+  constexpr int G = MB <= 16 ? 8 : 4;
+  int kk = 0;
+  for (; kk + G <= kn; kk += G) {
+    float b[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) load(kk + g, b[g]);
+#pragma unroll
+    for (int g = 0; g < G; ++g) fma_row(kk + g, b[g]);
+  }
+  for (; kk < kn; ++kk) {
+    float b[4];
+    load(kk, b);
+    fma_row(kk, b);
+  }
+  float* pc = P + int64_t(blockIdx.y) * M * N + n0;
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    if (m >= M) break;
+    if (VEC && whole) {
+      *reinterpret_cast<float4*>(pc + m * N) = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (n0 + c < N) pc[m * N + c] = acc[m][c];
+    }
+  }
+}
+
+// C[m, n] = the chunks' partials of element (m, n) added in chunk order (+ C's value, accumulating).
+__global__ void __launch_bounds__(kThreads)
+    wgrad_reduce_kernel(const float* __restrict__ P, int64_t chunks, float* __restrict__ C, int64_t ldc, int64_t M,
+                        int64_t N, bool accumulate) {
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= M * N) return;
+  const int64_t m = i / N, n = i % N;
+  float s = P[i];
+#pragma unroll 8
+  for (int64_t p = 1; p < chunks; ++p) s += P[p * M * N + i];
+  float* out = C + m * ldc + n;
+  *out = accumulate ? *out + s : s;
+}
+
 }  // namespace
+
+bool skinny_f32_wgrad(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
+                      int64_t N, int64_t K, bool accumulate) {
+  if (!a.trans || !b.trans || M <= 0 || M > 32 || N <= 0 || K < kWgradMinK) return false;
+  const auto* A = static_cast<const float*>(a.ptr);
+  const auto* B = static_cast<const float*>(b.ptr);
+  const int64_t chunks = (K + kWgradChunk - 1) / kWgradChunk, col_blocks = (N + kWgradCols - 1) / kWgradCols;
+  if (chunks > 65535 || col_blocks > INT32_MAX) return false;
+  Tensor partials = Tensor::empty({chunks * M * N}, DType::F32, Device::CUDA);
+  float* P = partials.data<float>();
+  const bool vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && b.ld % 4 == 0 && N % 4 == 0;
+  const dim3 grid{unsigned(col_blocks), unsigned(chunks), 1u};
+  if (M <= 16) {
+    if (vec) wgrad_partials_kernel<16, true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+    else wgrad_partials_kernel<16, false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+  } else {
+    if (vec) wgrad_partials_kernel<32, true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+    else wgrad_partials_kernel<32, false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+  }
+  FOURBIT_LAUNCH_CHECK();
+  wgrad_reduce_kernel<<<unsigned((M * N + kThreads - 1) / kThreads), kThreads, 0, stream()>>>(P, chunks, c, ldc, M, N,
+                                                                                              accumulate);
+  FOURBIT_LAUNCH_CHECK();
+  return true;
+}
 
 bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
                      int64_t N, int64_t K, bool accumulate) {
