@@ -3,7 +3,9 @@
 // (M <= 32 over K >= 256 tokens: skinny_gemm.cu's chunked kernels; fewer: cuBLASLt) against
 // the CPU backend (one float-rounding level apart: FP32 sums against the CPU's), accumulate = the
 // stored sum added to C, a stored C not read (NaN before), two runs the same bits, and the forward
-// and input-gradient forms' rows the same bits whatever M (the forward's few-row and row kernels).
+// and input-gradient forms' rows the same bits whatever M (the forward's few-row and row kernels);
+// the weight gradient of a norm's output made in the kernels (rmsnorm_input_wgrad) the bits of the
+// norm then the GEMM.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -130,6 +132,34 @@ TEST(CudaSkinnyGemm, RowsAreBatchInvariant) {
         EXPECT_EQ(0, std::memcmp(ph.data<float>(), full_h.data<float>() + first * N, size_t(m * N) * 4))
             << f.name << " rows " << first << " .. " << first + m - 1;
       }
+    }
+  }
+}
+
+// ops::rmsnorm_input_wgrad on the GPU: the norm's output made where the weight-gradient kernels
+// read it gives the bits of rmsnorm_forward then the GEMM (at most 32 rows over at least 256
+// tokens; elsewhere the op is those two), stored or accumulated: gpu-small's router, a ragged
+// chunk, rows not 16-byte aligned, 32 rows, and a K below the kernels' reach.
+TEST(CudaSkinnyGemm, NormInputWgradIsTheNormThenTheGemm) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Case {
+    int64_t M, D, N;
+  };
+  for (const Case& k : {Case{16, 1024, 8192}, Case{5, 64, 300}, Case{20, 1030, 1000}, Case{32, 256, 4100},
+                        Case{16, 100, 200}}) {
+    const std::string what = "M=" + std::to_string(k.M) + " D=" + std::to_string(k.D) + " N=" + std::to_string(k.N);
+    const Tensor x = randn({k.N, k.D}, 50).to(Device::CUDA), dy = randn({k.N, k.M}, 51).to(Device::CUDA);
+    Tensor w = randn({k.D}, 52);
+    for (int64_t i = 0; i < k.D; ++i) w.data<float>()[i] = 1.0f + 0.25f * w.data<float>()[i];
+    w = w.to(Device::CUDA);
+    Tensor y = Tensor::empty({k.N, k.D}, DType::F32, Device::CUDA), rstd = Tensor::empty({k.N}, DType::F32, Device::CUDA);
+    ops::rmsnorm_forward(x, w, 1e-5f, y, rstd);
+    for (const bool accumulate : {false, true}) {
+      const Tensor c0 = randn({k.M, k.D}, 53).to(Device::CUDA);
+      Tensor want = c0.clone(), got = c0.clone();
+      ops::gemm(ops::Operand(dy, true), ops::Operand(y, true), want, accumulate);
+      ops::rmsnorm_input_wgrad(dy, x, w, 1e-5f, rstd, got, accumulate);
+      EXPECT_TRUE(same_bits(got, want)) << what << (accumulate ? " accumulating" : "");
     }
   }
 }

@@ -200,6 +200,31 @@ TEST(RmsNormOps, Errors) {
                "rmsnorm_forward: x must be a 2-D f32 or f64 cpu tensor [N, D], got i32[2] cpu");
 }
 
+// The weight gradient of a linear reading an RMSNorm's output (the router's): the bits of the norm
+// then the GEMM, accumulating or not, in F32 and F64; bad arguments named.
+TEST(RmsNormOps, InputWgradIsTheNormThenTheGemm) {
+  for (const DType dt : {DType::F32, DType::F64})
+    for (const bool accumulate : {false, true}) {
+      const Tensor x = random_tensor({300, 40}, dt, 31), w = random_tensor({40}, dt, 32, 0.5, 1.5);
+      const Tensor dy = random_tensor({300, 6}, dt, 33);
+      Tensor y = Tensor::empty({300, 40}, dt), rstd = Tensor::empty({300}, dt);
+      ops::rmsnorm_forward(x, w, 1e-5f, y, rstd);
+      Tensor want = random_tensor({6, 40}, dt, 34), got = want.clone();
+      ops::gemm(ops::Operand(dy, true), ops::Operand(y, true), want, accumulate);
+      ops::rmsnorm_input_wgrad(dy, x, w, 1e-5f, rstd, got, accumulate);
+      EXPECT_TRUE(bitwise_equal(got, want)) << dtype_name(dt) << (accumulate ? " accumulating" : "");
+    }
+  const Tensor x = random_tensor({8, 16}, DType::F32, 35), w = random_tensor({16}, DType::F32, 36);
+  const Tensor dy = random_tensor({8, 3}, DType::F32, 37), rstd = random_tensor({8}, DType::F32, 38);
+  Tensor dw = Tensor::empty({3, 16}, DType::F32), wrong = Tensor::empty({3, 15}, DType::F32);
+  expect_error([&] { ops::rmsnorm_input_wgrad(dy, x, w, 1e-5f, rstd, wrong, false); },
+               "rmsnorm_input_wgrad: dw must be [3, 16], got f32[3, 15] cpu");
+  expect_error([&] { ops::rmsnorm_input_wgrad(dy, x, w, 1e-5f, random_tensor({7}, DType::F32, 1), dw, false); },
+               "rmsnorm_input_wgrad: rstd must be [8], one a row of x, got f32[7] cpu");
+  expect_error([&] { ops::rmsnorm_input_wgrad(dy, x, random_tensor({16}, DType::F64, 1), 1e-5f, rstd, dw, false); },
+               "rmsnorm_input_wgrad: every tensor must be f32 on the cpu like x, got f64[16] cpu");
+}
+
 // A quantized output (ops.h "Quantized outputs"): on the CPU the op, then quantize, the same bits
 // as calling the two; the request is checked before anything runs (somewhere to put it, a
 // block-scaled Row-axis spec, an F32 [rows, cols] output).

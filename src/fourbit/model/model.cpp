@@ -1001,9 +1001,10 @@ struct ModelRunner {
 
   // dy_bf16: dy's BF16 copy, written by the norm backward that produced dy (ffn_dy_bf16,
   // attn_dy_bf16), or null.
-  void moe_backward(const Tensor& dy, const Tensor& xn, const LayerWeights& w, LayerWeights& g,
-                    const std::string& name, const Model::Saved::Layer& s, float loss_weight,
-                    Tensor& dxn, const Tensor* dy_bf16) {
+  // The MoE layer's input is the FFN norm's output of s.x_mid (ffn_norm, s.rstd2): the router's
+  // weight gradient reads it in F32, which the forward did not keep (ops::rmsnorm_input_wgrad).
+  void moe_backward(const Tensor& dy, const LayerWeights& w, LayerWeights& g, const std::string& name,
+                    const Model::Saved::Layer& s, float loss_weight, Tensor& dxn, const Tensor* dy_bf16) {
     const LayerClass cls = LayerClass::Expert;
     const LayerRecipe& r = recipe(cls);
     const LayerRecipe& rr = recipe(LayerClass::Router);
@@ -1085,13 +1086,20 @@ struct ModelRunner {
     const Tensor d_probs = d_probs_host.to(m.device_);
     Tensor d_logits = act({N, E});
     ops::router_backward(s.probs, s.topk_idx, s.topk_w, d_topk_w, d_probs, d_logits);
-    LinearInput router_x;
-    router_x.fwd = prepare(xn, rr.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.router/fprop/X"),
-                           LayerClass::Router, log);
-    if (!wgrad_reuses_fwd(rr))
-      router_x.wgrad = prepare(xn, rr.wgrad.b, GemmRole::Wgrad, 'b', site(name + "moe.router/wgrad/X^T"),
-                               LayerClass::Router, log);
-    linear_backward(d_logits, router_x, w.router, name + "moe.router", g.router, &dxn, true, rr, LayerClass::Router);
+    // The router's GEMMs run on F32 operands in every recipe (high precision): dX = dlogits . W,
+    // and dW = dlogits^T . X with X the norm's output made where the GEMM reads it.
+    FOURBIT_CHECK(!rr.dgrad.a.quantized() && rr.wgrad.a.fmt == Format::F32 && rr.wgrad.b.fmt == Format::F32,
+                  "moe_backward: the router's gradients take F32 operands");
+    const std::string router = name + "moe.router";
+    const Prepared pdl = prepare(d_logits, rr.dgrad.a, GemmRole::Dgrad, 'a', site(router + "/dgrad/dY"),
+                                 LayerClass::Router, log);
+    gemm(pdl, dgrad_weight(w.router, router, rr, LayerClass::Router), dxn, true);
+    if (log) {  // the weight gradient's two F32 operands, as prepare() would log them
+      log->add(LayerClass::Router, GemmRole::Wgrad, 'a', rr.wgrad.a, false);
+      log->add(LayerClass::Router, GemmRole::Wgrad, 'b', rr.wgrad.b, false);
+    }
+    ops::rmsnorm_input_wgrad(d_logits, s.x_mid, w.ffn_norm, float(c.norm_eps), s.rstd2, g.router,
+                             m.params_.grad_accumulate(g.router));
 
     if (c.n_shared_experts) {
       FfnRefs sref{w.sw1, w.sw3, w.sw2, g.sw1, g.sw3, g.sw2, name + "moe.shared"};
@@ -1632,10 +1640,7 @@ void Model::backward() {
     // FFN block: dx flows through the residual and through the FFN
     Tensor dxn2 = run.act({N, D});
     if (sl.moe) {
-      // the router's input again (its backward reads it in F32; the forward kept none)
-      Tensor xn2 = run.act({N, D}), rstd_unused = run.act({N});
-      ops::rmsnorm_forward(sl.x_mid, lw.ffn_norm, float(cfg_.norm_eps), xn2, rstd_unused);
-      run.moe_backward(dx, xn2, lw, lg, name, sl, s->loss_weight, dxn2, dy16);
+      run.moe_backward(dx, lw, lg, name, sl, s->loss_weight, dxn2, dy16);
     } else {
       ModelRunner::FfnRefs dref{lw.dw1, lw.dw3, lw.dw2, lg.dw1, lg.dw3, lg.dw2, name + "mlp"};
       run.ffn_backward(dx, dref, LayerClass::Dense, sl.dense, dxn2, false, dy16);

@@ -637,6 +637,29 @@ void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Te
   [&] { FOURBIT_DISPATCH(a.device(), add_rmsnorm_forward, a, b, sum, w, eps, y, rstd, y_bf16); }();
   if (yq) *yq->out = quantize(y, yq->spec, yq->rng);
 }
+void rmsnorm_input_wgrad(const Tensor& dy, const Tensor& x, const Tensor& w, float eps, const Tensor& rstd, Tensor& dw,
+                         bool accumulate) {
+  const char* op = "rmsnorm_input_wgrad";
+  if (dy.dim() != 2 || x.dim() != 2 || dy.size(0) != x.size(0))
+    fail("{}: dy [N, M] and x [N, D] must share N, got {} and {}", op, dy.str(), x.str());
+  const int64_t N = x.size(0), D = x.size(1), M = dy.size(1);
+  if (w.dim() != 1 || w.size(0) != D) fail("{}: w must be [{}] like x's rows, got {}", op, D, w.str());
+  if (rstd.dim() != 1 || rstd.size(0) != N) fail("{}: rstd must be [{}], one a row of x, got {}", op, N, rstd.str());
+  if (dw.dim() != 2 || dw.size(0) != M || dw.size(1) != D)
+    fail("{}: dw must be [{}, {}], got {}", op, M, D, dw.str());
+  for (const Tensor* t : {&dy, &x, &w, &rstd, static_cast<const Tensor*>(&dw)})
+    if (t->dtype() != x.dtype() || t->device() != x.device())
+      fail("{}: every tensor must be {} on the {} like x, got {}", op, dtype_name(x.dtype()), device_name(x.device()),
+           t->str());
+#if FOURBIT_HAS_CUDA
+  if (x.device() == Device::CUDA && cuda::rmsnorm_input_wgrad(dy, x, w, rstd, dw, accumulate)) return;
+#endif
+  // the definition: the norm's output, then the GEMM
+  Tensor y = Tensor::empty({N, D}, x.dtype(), x.device()), rstd_again = Tensor::empty({N}, x.dtype(), x.device());
+  rmsnorm_forward(x, w, eps, y, rstd_again);
+  gemm(Operand(dy, true), Operand(y, true), dw, accumulate);
+}
+
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                       Tensor& dx, Tensor& dw, bool dx_accumulate, bool dw_accumulate, Tensor* dx_bf16) {
   expect_bf16_copy("rmsnorm_backward", "dx_bf16", dx_bf16, dx);

@@ -5,7 +5,7 @@
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
-//          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rope, attention, swiglu, cross_entropy, router,
+//          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rmsnorm_input_wgrad, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
 //          MoE permutation), adamw_step, Lanes and the small tensor utilities (running_segment_amax).
 // Every operator fourbit runs, declared once. A call dispatches on the device of its tensors to
@@ -349,6 +349,14 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, float eps, Tensor& y, Ten
 // which reads the sum back from its own writes instead of a second kernel reading it again.
 void add_rmsnorm_forward(const Tensor& a, const Tensor& b, Tensor& sum, const Tensor& w, float eps, Tensor& y,
                          Tensor& rstd, Tensor* y_bf16 = nullptr, const RowQuant* yq = nullptr);
+// The weight gradient of an F32 linear layer whose input is x's RMSNorm and was not kept (the
+// MoE router): dw (+)= dy^T . y for y = rmsnorm_forward(x, w, eps)'s output, dy F32 [N, M], x F32
+// [N, D], dw F32 [M, D]; rstd is what rmsnorm_forward stores for x (the forward's saved one). The
+// bits of rmsnorm_forward then gemm(Operand(dy, true), Operand(y, true), dw, accumulate). On the
+// GPU, for M <= 32 and N >= 256 (the router's dlogits over the tokens), each y is computed where
+// the GEMM reads it, from x, rstd and w, rather than written by a norm pass and read back.
+void rmsnorm_input_wgrad(const Tensor& dy, const Tensor& x, const Tensor& w, float eps, const Tensor& rstd, Tensor& dw,
+                         bool accumulate);
 // dx_bf16 (optional): dx's new values rounded to BF16 as well (the residual stream's gradient is
 // the next linear's dY: a BF16 GEMM operand in the bf16 recipe).
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,

@@ -13,7 +13,7 @@
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
 //          requantize_kernel_for, set_flash_wgmma, set_flash_cta, set_flash_head_rows, rope_qkv_to_cache,
-//          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized,
+//          rope_fused_qkv_to_cache, rmsnorm_forward_quantized, add_rmsnorm_forward_quantized, rmsnorm_input_wgrad,
 //          swiglu_forward_fused_quantized, row_quant_fused, flash_attention_forward, flash_attention_step,
 //          attention_step_quant_fused,
 //          flash_attention_backward, materialized_attention_forward, materialized_attention_backward
@@ -330,6 +330,11 @@ bool add_rmsnorm_forward_quantized(const Tensor& a, const Tensor& b, Tensor& sum
 bool swiglu_forward_fused_quantized(const Tensor& h13, Tensor& a, const RowQuant& aq);
 // Whether those kernels take spec for rows of `cols` values.
 bool row_quant_fused(const QuantSpec& spec, int64_t cols);
+// ops::rmsnorm_input_wgrad with each y computed where the weight-gradient GEMM reads it
+// (skinny_gemm.cu), for F32 tensors, dw of at most 32 rows and at least 256 rows of x; false
+// (nothing done) otherwise.
+bool rmsnorm_input_wgrad(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dw,
+                         bool accumulate);
 // q, k, v (and the fused backward's dout) may be F32 or BF16 (ops.h "BF16 operands"): the kernels
 // read BF16, and an F32 operand is converted first.
 bool flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, int64_t pos0, Tensor& out, Tensor& lse,

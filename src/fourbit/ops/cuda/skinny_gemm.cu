@@ -1,4 +1,4 @@
-// defines: skinny_f32_gemm, skinny_f32_wgrad
+// defines: skinny_f32_gemm, skinny_f32_wgrad, cuda::rmsnorm_input_wgrad
 // FP32 GEMMs C = A B^T with at most 32 output columns and both operands K-major: the router's
 // forward (logits = X W^T, E = 16 experts in gpu-small). cuBLASLt runs it on a SIMT tile sized for
 // square problems (sm80 ffma 128x32: 49 us for 8192 tokens x 1024 x 16 in the bf16 step's profile,
@@ -17,6 +17,7 @@
 #include "fourbit/ops/cuda/cuda_ops.h"
 #include "fourbit/ops/cuda/dependent_launch.cuh"
 #include "fourbit/ops/cuda/matmul.cuh"
+#include "fourbit/ops/cuda/row_math.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -164,21 +165,31 @@ constexpr int kWgradChunk = 64;
 constexpr int kWgradCols = 4 * kThreads;  // columns a CTA covers
 constexpr int64_t kWgradMinK = 256;       // below: cuBLASLt (a split over few chunks gains nothing)
 
-template <int MB, bool VEC>
+// NORM: B's element (k, n) is rmsnorm_value(x[k, n], rs[k], wn[n]), RMSNorm's output computed as
+// rmsnorm_forward computes it (row_math.cuh), from its input x (the B pointer), its stored rstd
+// and its weight: the bits of the norm's output read from memory.
+template <int MB, bool VEC, bool NORM>
 __global__ void __launch_bounds__(kThreads)
     wgrad_partials_kernel(const float* __restrict__ A, int64_t lda, const float* __restrict__ B, int64_t ldb,
-                          float* __restrict__ P, int64_t M, int64_t N, int64_t K) {
+                          const float* __restrict__ rs, const float* __restrict__ wn, float* __restrict__ P, int64_t M,
+                          int64_t N, int64_t K) {
   __shared__ float as[kWgradChunk][MB];
+  __shared__ float rss[kWgradChunk];
   const int64_t k0 = int64_t(blockIdx.y) * kWgradChunk;
   const int kn = int(K - k0 < kWgradChunk ? K - k0 : kWgradChunk);
   for (int i = int(threadIdx.x); i < kWgradChunk * MB; i += kThreads) {
     const int kk = i / MB, m = i % MB;
     as[kk][m] = kk < kn && m < M ? A[(k0 + kk) * lda + m] : 0.0f;
   }
+  if (NORM && int(threadIdx.x) < kWgradChunk) rss[threadIdx.x] = int(threadIdx.x) < kn ? rs[k0 + threadIdx.x] : 0.0f;
   __syncthreads();
   const int64_t n0 = int64_t(blockIdx.x) * kWgradCols + 4 * int64_t(threadIdx.x);
   if (n0 >= N) return;
   const bool whole = n0 + 3 < N;
+  float wv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (NORM)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) wv[c] = n0 + c < N ? wn[n0 + c] : 0.0f;
   auto load = [&](int kk, float (&b)[4]) {
     const float* br = B + (k0 + kk) * ldb + n0;
     if (VEC && whole) {
@@ -188,6 +199,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int c = 0; c < 4; ++c) b[c] = n0 + c < N ? br[c] : 0.0f;
     }
+  };
+  auto value = [&](int kk, float (&b)[4]) {  // B's values from what load() read
+    if (NORM)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) b[c] = rmsnorm_value(b[c], rss[kk], wv[c]);
   };
   float acc[MB][4];
 #pragma unroll
@@ -210,11 +226,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int g = 0; g < G; ++g) load(kk + g, b[g]);
 #pragma unroll
-    for (int g = 0; g < G; ++g) fma_row(kk + g, b[g]);
+    for (int g = 0; g < G; ++g) {
+      value(kk + g, b[g]);
+      fma_row(kk + g, b[g]);
+    }
   }
   for (; kk < kn; ++kk) {
     float b[4];
     load(kk, b);
+    value(kk, b);
     fma_row(kk, b);
   }
   float* pc = P + int64_t(blockIdx.y) * M * N + n0;
@@ -247,30 +267,37 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-bool skinny_f32_wgrad(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
-                      int64_t N, int64_t K, bool accumulate) {
-  if (!a.trans || !b.trans || M <= 0 || M > 32 || N <= 0 || K < kWgradMinK) return false;
-  const auto* A = static_cast<const float*>(a.ptr);
-  const auto* B = static_cast<const float*>(b.ptr);
+namespace {
+// The two launches for C (+)= A^T B over K rows (A stored [K, M], B [K, N]); with rs and wn, B's
+// values are RMSNorm's outputs of the rows B holds (NORM above).
+void launch_wgrad(const float* A, int64_t lda, const float* B, int64_t ldb, const float* rs, const float* wn,
+                  float* c, int64_t ldc, int64_t M, int64_t N, int64_t K, bool accumulate) {
   const int64_t chunks = (K + kWgradChunk - 1) / kWgradChunk, col_blocks = (N + kWgradCols - 1) / kWgradCols;
-  if (chunks > 65535 || col_blocks > INT32_MAX) return false;
   Tensor partials = Tensor::empty({chunks * M * N}, DType::F32, Device::CUDA);
   float* P = partials.data<float>();
-  const bool vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && b.ld % 4 == 0 && N % 4 == 0;
+  const bool vec = reinterpret_cast<uintptr_t>(B) % 16 == 0 && ldb % 4 == 0 && N % 4 == 0;
   const dim3 grid{unsigned(col_blocks), unsigned(chunks), 1u};
-  if (M <= 16) {
-    if (vec) wgrad_partials_kernel<16, true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
-    else wgrad_partials_kernel<16, false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+  const auto go = [&](auto kernel) {
+    kernel<<<grid, kThreads, 0, stream()>>>(A, lda, B, ldb, rs, wn, P, M, N, K);
+  };
+  if (rs) {
+    if (M <= 16) vec ? go(wgrad_partials_kernel<16, true, true>) : go(wgrad_partials_kernel<16, false, true>);
+    else vec ? go(wgrad_partials_kernel<32, true, true>) : go(wgrad_partials_kernel<32, false, true>);
   } else {
-    if (vec) wgrad_partials_kernel<32, true><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
-    else wgrad_partials_kernel<32, false><<<grid, kThreads, 0, stream()>>>(A, a.ld, B, b.ld, P, M, N, K);
+    if (M <= 16) vec ? go(wgrad_partials_kernel<16, true, false>) : go(wgrad_partials_kernel<16, false, false>);
+    else vec ? go(wgrad_partials_kernel<32, true, false>) : go(wgrad_partials_kernel<32, false, false>);
   }
   FOURBIT_LAUNCH_CHECK();
   wgrad_reduce_kernel<<<unsigned((M * N + kThreads - 1) / kThreads), kThreads, 0, stream()>>>(P, chunks, c, ldc, M, N,
                                                                                               accumulate);
   FOURBIT_LAUNCH_CHECK();
-  return true;
 }
+
+bool wgrad_fits(int64_t M, int64_t N, int64_t K) {
+  return M > 0 && M <= 32 && N > 0 && K >= kWgradMinK && (K + kWgradChunk - 1) / kWgradChunk <= 65535 &&
+         (N + kWgradCols - 1) / kWgradCols <= INT32_MAX;
+}
+}  // namespace
 
 bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
                      int64_t N, int64_t K, bool accumulate) {
@@ -301,6 +328,25 @@ bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, i
     return true;
   }
   return false;
+}
+
+bool skinny_f32_wgrad(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
+                      int64_t N, int64_t K, bool accumulate) {
+  if (!a.trans || !b.trans || !wgrad_fits(M, N, K)) return false;
+  launch_wgrad(static_cast<const float*>(a.ptr), a.ld, static_cast<const float*>(b.ptr), b.ld, nullptr, nullptr, c, ldc,
+               M, N, K, accumulate);
+  return true;
+}
+
+bool rmsnorm_input_wgrad(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd, Tensor& dw,
+                         bool accumulate) {
+  // (shapes, dtypes and devices checked by ops::rmsnorm_input_wgrad)
+  if (x.dtype() != DType::F32) return false;
+  const int64_t K = x.size(0), N = x.size(1), M = dy.size(1);
+  if (!wgrad_fits(M, N, K)) return false;
+  launch_wgrad(dy.data<float>(), M, x.data<float>(), N, rstd.data<float>(), w.data<float>(), dw.data<float>(), N, M, N,
+               K, accumulate);
+  return true;
 }
 
 }  // namespace fourbit::ops::cuda
