@@ -6,7 +6,7 @@
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
-//                    [--loss-read queued|first|both] [--json FILE]
+//                    [--loss-read queued|first|both] [--router-wgrad cublas|kernels|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -36,6 +36,10 @@
 // (queued, the default, as the trainer does: Model::forward_queued) or before (first:
 // Model::forward, so the GPU idles from the forward's end until the host has queued the
 // backward's first kernels), or both, each recipe run under each in this process.
+// --router-wgrad (CUDA): the router's FP32 weight gradient on cuBLASLt after a norm pass that
+// makes its input (cublas, the default) or on skinny_gemm.cu's chunked kernels, the input made
+// where they read it (kernels: cuda::set_skinny_wgrad), or both, each recipe run under each in
+// this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -161,6 +165,10 @@ int main(int argc, char** argv) {
       one_or_both(argc, argv, "--weight-forms", "batched", "each", "weight forms", table);
   const std::vector<std::string> loss_reads =
       one_or_both(argc, argv, "--loss-read", "queued", "first", "loss read", table);
+  const std::vector<std::string> router_wgrads =
+      one_or_both(argc, argv, "--router-wgrad", "cublas", "kernels", "router wgrad", table);
+  if (router_wgrads != std::vector<std::string>{"cublas"} && device != Device::CUDA)
+    fail("train_bench: --router-wgrad is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
@@ -171,7 +179,8 @@ int main(int argc, char** argv) {
   for (const std::string& amax : amaxes)
   for (const std::string& saved_x : saved_xs)
   for (const std::string& wforms : weight_forms)
-  for (const std::string& loss_read : loss_reads) {
+  for (const std::string& loss_read : loss_reads)
+  for (const std::string& router_wgrad : router_wgrads) {
     const bool keep = keep_ffn == "on";
     set_weight_forms_batched(wforms == "batched");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
@@ -179,6 +188,7 @@ int main(int argc, char** argv) {
     set_dy_decodes_only(gq != "apart");
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
+      ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
       ops::cuda::set_grouped_kernel(variant != "per-expert");
       ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
       ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
@@ -255,6 +265,7 @@ int main(int argc, char** argv) {
                  {"saved X^T", saved_x},
                  {"weight forms", wforms},
                  {"loss read", loss_read},
+                 {"router wgrad", router_wgrad},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},

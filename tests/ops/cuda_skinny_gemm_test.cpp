@@ -19,6 +19,9 @@
 #include "fourbit/tensor/device_memory.h"
 #include "ops/op_test_util.h"
 
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+
 using namespace fourbit;
 
 namespace {
@@ -99,16 +102,22 @@ TEST(CudaSkinnyGemm, FormsMatchCpu) {
   check(kInputGrad, 77, 1030, 1, 21);
   check(kInputGrad, 17, 13, 17, 22);
   check(kInputGrad, 3, 2049, 32, 23);
-  check(kWeightGrad, 16, 1024, 8192, 30);
-  check(kWeightGrad, 1, 7, 1, 31);
-  check(kWeightGrad, 17, 300, 8193, 32);
-  check(kWeightGrad, 32, 1030, 129, 33);
-  // the chunked kernels: 16- and 32-row forms, 16-byte rows and not (N = 1030), a last chunk of
-  // one row (8193) or of 4 (4100), columns past one CTA's 1024
-  check(kWeightGrad, 5, 64, 300, 34);
-  check(kWeightGrad, 20, 1024, 1000, 35);
-  check(kWeightGrad, 32, 1030, 4100, 36);
-  check(kWeightGrad, 16, 2052, 256, 37);
+  // the weight gradient on cuBLASLt and on the chunked kernels (set_skinny_wgrad): 16- and 32-row
+  // forms, 16-byte rows and not (N = 1030), a last chunk of one row (8193) or of 4 (4100), columns
+  // past one CTA's 1024, and K below the kernels' reach (cuBLASLt either way)
+  for (const bool kernels : {false, true}) {
+    SCOPED_TRACE(kernels ? "chunked kernels" : "cuBLASLt");
+    const bool before = ops::cuda::set_skinny_wgrad(kernels);
+    check(kWeightGrad, 16, 1024, 8192, 30);
+    check(kWeightGrad, 1, 7, 1, 31);
+    check(kWeightGrad, 17, 300, 8193, 32);
+    check(kWeightGrad, 32, 1030, 129, 33);
+    check(kWeightGrad, 5, 64, 300, 34);
+    check(kWeightGrad, 20, 1024, 1000, 35);
+    check(kWeightGrad, 32, 1030, 4100, 36);
+    check(kWeightGrad, 16, 2052, 256, 37);
+    ops::cuda::set_skinny_wgrad(before);
+  }
 }
 
 // Forward and input gradient: a row's bits do not depend on how many rows are multiplied (the
@@ -142,6 +151,7 @@ TEST(CudaSkinnyGemm, RowsAreBatchInvariant) {
 // chunk, rows not 16-byte aligned, 32 rows, and a K below the kernels' reach.
 TEST(CudaSkinnyGemm, NormInputWgradIsTheNormThenTheGemm) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const bool before = ops::cuda::set_skinny_wgrad(true);
   struct Case {
     int64_t M, D, N;
   };
@@ -162,4 +172,7 @@ TEST(CudaSkinnyGemm, NormInputWgradIsTheNormThenTheGemm) {
       EXPECT_TRUE(same_bits(got, want)) << what << (accumulate ? " accumulating" : "");
     }
   }
+  ops::cuda::set_skinny_wgrad(before);
 }
+
+#endif  // FOURBIT_HAS_CUDA

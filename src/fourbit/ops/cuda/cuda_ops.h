@@ -4,7 +4,7 @@
 //          grouped_rows_per_group, device_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
-//          set_fused_dequant, set_grouped_wgmma, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
+//          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
@@ -163,6 +163,13 @@ int cross_entropy_threads(int64_t V);
 // 9.x) or the portable mma.sync one, process-wide: for benchmarks and tests that compare the two.
 // They sum in different orders (different bits), so a sampler and its trainer share one setting.
 void set_grouped_wgmma(bool on);
+
+// Whether the router's FP32 weight gradient (at most 32 rows over at least 256 tokens: gemm's
+// skinny_f32_wgrad, and rmsnorm_input_wgrad with its input made in the kernels) runs
+// skinny_gemm.cu's chunked kernels (on) or cuBLASLt after a norm pass (off, the default until
+// they have run on a GPU: docs/cuda.md), process-wide; returns the previous setting. For the
+// tests and the benchmarks' A/B.
+bool set_skinny_wgrad(bool on);
 
 // Whether the Hopper loop's training tile on BF16 groups is fed by TMA in two-CTA clusters that
 // multicast their shared A tile (the default) or by cp.async from every thread, process-wide: the

@@ -1,4 +1,4 @@
-// defines: skinny_f32_gemm, skinny_f32_wgrad, cuda::rmsnorm_input_wgrad
+// defines: skinny_f32_gemm, skinny_f32_wgrad, cuda::rmsnorm_input_wgrad, cuda::set_skinny_wgrad
 // FP32 GEMMs C = A B^T with at most 32 output columns and both operands K-major: the router's
 // forward (logits = X W^T, E = 16 experts in gpu-small). cuBLASLt runs it on a SIMT tile sized for
 // square problems (sm80 ffma 128x32: 49 us for 8192 tokens x 1024 x 16 in the bf16 step's profile,
@@ -11,6 +11,7 @@
 // The router's weight gradient (M = E rows, K over the tokens): skinny_f32_wgrad, below. Its
 // input gradient (K = E) stays on cuBLASLt: a kernel of this kind for it (session 31) was no
 // faster.
+#include <atomic>
 #include <cstdint>
 
 #include "fourbit/ops/cuda/common.cuh"
@@ -160,7 +161,8 @@ constexpr int64_t kColsMaxRows = 256;
 // in ascending k, into a partial [chunk][M][N]; then a thread an element adds the chunks' partials
 // in chunk order and stores (or adds to C once). The chunks are fixed by K, not by the device, so
 // the bits are the same on any GPU and in every run; a weight gradient has no rows to keep batch
-// invariant.
+// invariant. Off by default (set_skinny_wgrad) until these kernels have run on a GPU: written in
+// session 56, when no device call started.
 constexpr int kWgradChunk = 64;
 constexpr int kWgradCols = 4 * kThreads;  // columns a CTA covers
 constexpr int64_t kWgradMinK = 256;       // below: cuBLASLt (a split over few chunks gains nothing)
@@ -293,8 +295,10 @@ void launch_wgrad(const float* A, int64_t lda, const float* B, int64_t ldb, cons
   FOURBIT_LAUNCH_CHECK();
 }
 
+std::atomic<bool> g_skinny_wgrad{false};
+
 bool wgrad_fits(int64_t M, int64_t N, int64_t K) {
-  return M > 0 && M <= 32 && N > 0 && K >= kWgradMinK && (K + kWgradChunk - 1) / kWgradChunk <= 65535 &&
+  return g_skinny_wgrad.load(std::memory_order_relaxed) && M > 0 && M <= 32 && N > 0 && K >= kWgradMinK && (K + kWgradChunk - 1) / kWgradChunk <= 65535 &&
          (N + kWgradCols - 1) / kWgradCols <= INT32_MAX;
 }
 }  // namespace
@@ -329,6 +333,8 @@ bool skinny_f32_gemm(const MatmulOperand& a, const MatmulOperand& b, float* c, i
   }
   return false;
 }
+
+bool set_skinny_wgrad(bool on) { return g_skinny_wgrad.exchange(on, std::memory_order_relaxed); }
 
 bool skinny_f32_wgrad(const MatmulOperand& a, const MatmulOperand& b, float* c, int64_t ldc, int64_t M,
                       int64_t N, int64_t K, bool accumulate) {
