@@ -6,7 +6,7 @@
 //                    [--keep-ffn off|on|both] [--forward-gemms grouped|gemm|both]
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
-//                    [--loss-read queued|first|both] [--router-wgrad cublas|kernels|both] [--json FILE]
+//                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -36,10 +36,10 @@
 // (queued, the default, as the trainer does: Model::forward_queued) or before (first:
 // Model::forward, so the GPU idles from the forward's end until the host has queued the
 // backward's first kernels), or both, each recipe run under each in this process.
-// --router-wgrad (CUDA): the router's FP32 weight gradient on cuBLASLt after a norm pass that
-// makes its input (cublas, the default) or on skinny_gemm.cu's chunked kernels, the input made
-// where they read it (kernels: cuda::set_skinny_wgrad), or both, each recipe run under each in
-// this process.
+// --router-wgrad (CUDA): the router's FP32 weight gradient on skinny_gemm.cu's chunked kernels,
+// its input made where they read it (kernels, the default: cuda::set_skinny_wgrad), or on
+// cuBLASLt after a norm pass that makes its input (cublas, the path before them), or both, each
+// recipe run under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -166,8 +166,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> loss_reads =
       one_or_both(argc, argv, "--loss-read", "queued", "first", "loss read", table);
   const std::vector<std::string> router_wgrads =
-      one_or_both(argc, argv, "--router-wgrad", "cublas", "kernels", "router wgrad", table);
-  if (router_wgrads != std::vector<std::string>{"cublas"} && device != Device::CUDA)
+      one_or_both(argc, argv, "--router-wgrad", "kernels", "cublas", "router wgrad", table);
+  if (router_wgrads != std::vector<std::string>{"kernels"} && device != Device::CUDA)
     fail("train_bench: --router-wgrad is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);

@@ -166,9 +166,9 @@ void set_grouped_wgmma(bool on);
 
 // Whether the router's FP32 weight gradient (at most 32 rows over at least 256 tokens: gemm's
 // skinny_f32_wgrad, and rmsnorm_input_wgrad with its input made in the kernels) runs
-// skinny_gemm.cu's chunked kernels (on) or cuBLASLt after a norm pass (off, the default until
-// they have run on a GPU: docs/cuda.md), process-wide; returns the previous setting. For the
-// tests and the benchmarks' A/B.
+// skinny_gemm.cu's chunked kernels (on, the default) or cuBLASLt after a norm pass (off, the path
+// before them), process-wide; returns the previous setting. For the tests and the benchmarks'
+// A/B.
 bool set_skinny_wgrad(bool on);
 
 // Whether the Hopper loop's training tile on BF16 groups is fed by TMA in two-CTA clusters that
