@@ -218,15 +218,11 @@ int main(int argc, char** argv) {
           const size_t b = size_t(step * t.grad_accum + micro);
           const Tensor tokens = Tensor::from_host(toks[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
           const Tensor targets = Tensor::from_host(tgts[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
-          const SrStreams sr{t.seed, uint64_t(step), uint64_t(micro)};
-          if (loss_read == "first") {
-            (void)model.forward(tokens, targets, sr, true, 1.0f / float(t.grad_accum));
-            model.backward();
-          } else {
-            PendingForwardStats pending = model.forward_queued(tokens, targets, sr, true, 1.0f / float(t.grad_accum));
-            model.backward();
-            (void)pending.stats();
-          }
+          PendingForwardStats pending = model.forward_queued(
+              tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true, 1.0f / float(t.grad_accum));
+          if (loss_read == "first") (void)pending.stats();  // Model::forward's order
+          model.backward();
+          (void)pending.stats();
         }
         optim.step(step);
         model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());

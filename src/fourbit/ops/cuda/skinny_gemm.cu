@@ -267,9 +267,6 @@ __global__ void __launch_bounds__(kThreads)
   *out = accumulate ? *out + s : s;
 }
 
-}  // namespace
-
-namespace {
 // The two launches for C (+)= A^T B over K rows (A stored [K, M], B [K, N]); with rs and wn, B's
 // values are RMSNorm's outputs of the rows B holds (NORM above).
 void launch_wgrad(const float* A, int64_t lda, const float* B, int64_t ldb, const float* rs, const float* wn,
@@ -298,8 +295,8 @@ void launch_wgrad(const float* A, int64_t lda, const float* B, int64_t ldb, cons
 std::atomic<bool> g_skinny_wgrad{true};
 
 bool wgrad_fits(int64_t M, int64_t N, int64_t K) {
-  return g_skinny_wgrad.load(std::memory_order_relaxed) && M > 0 && M <= 32 && N > 0 && K >= kWgradMinK && (K + kWgradChunk - 1) / kWgradChunk <= 65535 &&
-         (N + kWgradCols - 1) / kWgradCols <= INT32_MAX;
+  return g_skinny_wgrad.load(std::memory_order_relaxed) && M > 0 && M <= 32 && N > 0 && K >= kWgradMinK &&
+         (K + kWgradChunk - 1) / kWgradChunk <= 65535 && (N + kWgradCols - 1) / kWgradCols <= INT32_MAX;
 }
 }  // namespace
 
