@@ -121,8 +121,8 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "cp.async ms", "launch-order ms", "a cluster a tile ms",
-                   "mma.sync ms", "gap",
+                   "grouped / dense speed", "vs per-expert", "128x256 tile ms", "128x256 / dense speed",
+                   "128x256 same bits", "cp.async ms", "launch-order ms", "a cluster a tile ms", "mma.sync ms", "gap",
                    "mma.sync gap"};
   for (const Case& c : cases) {
     if (decode_only) break;
@@ -175,6 +175,16 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma_persistent(true);
     };
     const double t_ms = median_ms(cluster_a_tile, reps);
+    Tensor flat_out = out.clone();
+    auto flat = [&] {  // the TMA form's 128 x 256 tile (two warpgroups of m64n256k16)
+      const int before = ops::cuda::set_grouped_tma_tile(256);
+      ops::cuda::grouped_gemm_bf16(a, b, offsets, flat_out, false);
+      ops::cuda::set_grouped_tma_tile(before);
+    };
+    flat();
+    device_synchronize();
+    const bool flat_same = same_bits(flat_out, out);
+    const double f_ms = median_ms(flat, reps);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -184,6 +194,9 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
+               {"128x256 tile ms", f_ms},
+               {"128x256 / dense speed", d_ms / f_ms},
+               {"128x256 same bits", flat_same ? "yes" : "NO"},
                {"cp.async ms", c_ms},
                {"launch-order ms", l_ms},
                {"a cluster a tile ms", t_ms},
@@ -376,8 +389,9 @@ int main(int argc, char** argv) {
   // N = F; w1|w3 fused: K = 2F, N = D).
   bench::BenchTable dgrad;
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
-  dgrad.columns = {"case", "M", "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms", "dense cuBLAS ms",
-                   "vs per-expert", "grouped / dense speed", "same bits as K-major", "gap"};
+  dgrad.columns = {"case",          "M",        "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms",
+                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "128x256 tile ms",
+                   "128x256 / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -408,10 +422,16 @@ int main(int argc, char** argv) {
     kmajor();
     per_expert();
     device_synchronize();
-    const bool same = same_bits(out, kout);
+    bool same = same_bits(out, kout);
     const double gap = similarity_gap(out, ref);
     const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
                  d_ms = median_ms(one_gemm, reps);
+    const int tile_before = ops::cuda::set_grouped_tma_tile(256);  // the 128 x 256 tile: the same bits
+    grouped();
+    device_synchronize();
+    same = same && same_bits(out, kout);
+    const double f_ms = median_ms(grouped, reps);
+    ops::cuda::set_grouped_tma_tile(tile_before);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     dgrad.add({{"case", c.name},
                {"M", M},
@@ -422,6 +442,8 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"vs per-expert", p_ms / g_ms},
                {"grouped / dense speed", d_ms / g_ms},
+               {"128x256 tile ms", f_ms},
+               {"128x256 / dense speed", d_ms / f_ms},
                {"same bits as K-major", same ? "yes" : "NO"},
                {"gap", fmt::format("{:.1e}", gap)}});
   }
@@ -432,7 +454,8 @@ int main(int argc, char** argv) {
                 {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
                            "2-CTA clusters multicasting A, persistent, tiles in bands of 8 column pairs (cp.async ms: fed "
                            "by cp.async; launch-order ms: TMA, a row tile's columns before the next's; a cluster a tile "
-                           "ms: TMA, not persistent); for decode-sized groups the streaming kernel (a warp per 16 "
+                           "ms: TMA, not persistent; 128x256 tile ms: TMA, 128x256 tiles on 2 warpgroups of "
+                           "m64n256k16); for decode-sized groups the streaming kernel (a warp per 16 "
                            "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
                            "rows a group (64 for packed operands), else 64x128 or 64x32 tiles of one warpgroup; "
                            "64-wide K tiles; mma.sync m16n8k16 main loop for comparison"},

@@ -5,7 +5,7 @@
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
-//          set_grouped_tma_persistent, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
+//          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma, set_grouped_narrow_tiles,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
@@ -192,6 +192,10 @@ void set_grouped_narrow_tiles(bool on);
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
 // The same bits in any order; for benchmarks.
 void set_grouped_tile_band(int pairs);
+// The TMA form's tile, process-wide: 128 (the default) for 256 x 128 on four warpgroups of
+// m64n128k16, 256 for 128 x 256 on two of m64n256k16. The same bits either way; returns the
+// previous setting. For tests and benchmarks.
+int set_grouped_tma_tile(int n);
 // Whether the TMA form is persistent (the default: as many clusters as fit on the device at once,
 // each looping over its tiles with one ring of stages) or launches a cluster a tile. The same bits;
 // for tests and benchmarks.

@@ -450,6 +450,12 @@ int64_t grouped_wgrad_tma_launches() { return hopper::g_wgrad_tma_launches.load(
 
 void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pairs), std::memory_order_relaxed); }
 
+int set_grouped_tma_tile(int n) {
+  if (n != 128 && n != 256)
+    fail("set_grouped_tma_tile: the TMA form's tile is 128 (256 x 128) or 256 (128 x 256) columns wide, got {}", n);
+  return hopper::g_tma_tile_n.exchange(n, std::memory_order_relaxed);
+}
+
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
 bool wgmma_available() { return hopper_device(); }

@@ -1,4 +1,4 @@
-// defines: hopper::tma_kernel, launch_tma (the training tile fed by TMA), hopper::tma_wgrad_kernel,
+// defines: hopper::tma_kernel, launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::tma_wgrad_kernel,
 //          launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their launch counters
 #pragma once
 
@@ -22,16 +22,18 @@ namespace hopper {
 // an "empty" one the releases of the pair's consumer warpgroups, after which the stage may be
 // overwritten in either CTA. The consumers release a stage with a CTA-scope arrival: a cluster-scope
 // release costs a MEMBAR.GPU per K tile in every warpgroup, which held the loop at ~0.6 of
-// cuBLASLt (h200_gpu_grouped_gemm_cta_release.json has the times without it). The tile is
-// 256 x 128 on four consumer warpgroups with 4 stages, one CTA an SM. Two others measured slower
-// at every shape (while the arrivals still had that barrier) and were removed: 128 x 128 on two,
-// two CTAs an SM so that one's prologue and epilogue run under the other's MMAs
-// (bench/results/h200_gpu_grouped_gemm.json, "TMA 128-row ms"), and 128 x 256 on two warpgroups of
-// m64n256k16, which gives the same bits (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms").
-// The consumer warpgroups run the same m64n128k16 chain over the same 64-wide K tiles as
-// wgmma_kernel, so every element gets wgmma_kernel's bits. BT: B is
-// read MN-major as wgmma_kernel's BT form reads it, two boxes of 64 N values x 64 K rows of a
-// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
+// cuBLASLt (h200_gpu_grouped_gemm_cta_release.json has the times without it). Two tiles, 4 stages
+// of 48 KB, one CTA an SM (set_grouped_tma_tile): 256 x 128 on four consumer warpgroups of
+// m64n128k16 (WGM 4, WN 128), and 128 x 256 on two of m64n256k16 (WGM 2, WN 256), whose
+// warpgroups read a third less shared memory a FLOP (A's 64 rows and B's 256 for 64 x 256 outputs,
+// against 64 and 128 for 64 x 128) and whose 288 threads leave each 224 registers for its 128
+// accumulators. The flat tile measured slower when every K tile's release also cost a MEMBAR.GPU
+// (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms"); 128 x 128 on two warpgroups, two CTAs an
+// SM, did too (h200_gpu_grouped_gemm.json, "TMA 128-row ms") and was removed. Every element is the
+// same chain of k16 steps over the same 64-wide K tiles as in wgmma_kernel, whatever the
+// instruction's N, so both tiles give wgmma_kernel's bits. BT: B is read MN-major as wgmma_kernel's
+// BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a 3-D map [G][K][N] a stage (its K
+// rows past a group's K are zeros, not the next group's).
 struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
@@ -40,7 +42,11 @@ struct TmaParams {
   int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
 };
 
-constexpr int kTmaConsumers = 4, kTmaThreads = 128 * kTmaConsumers + 32;  // + the producer warp
+// WGM consumer warpgroups of 64 x WN, and the producer warp
+template <int WGM>
+constexpr int tma_threads() {
+  return 128 * WGM + 32;
+}
 
 // Cluster tile c (of pairs x rows) in the tile order: clusters in turn walk bands of band_pairs
 // column pairs, row tiles fastest inside a band, so that the tiles in flight at once cover a
@@ -63,9 +69,9 @@ __device__ __forceinline__ void tma_tile_of(const TmaParams& tp, int c, int& row
 // ring of stages, so the producer loads the next tile's first stages while the consumers store
 // the last one's results, and a CTA's setup (barriers, cluster sync) is paid once. Every warp finds
 // each tile's group itself (row_tile_of); the slots past the last row tile are skipped by all.
-template <bool BT>
-__global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_constant__ TmaParams tp) {
-  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+template <bool BT, int WGM, int WN>
+__global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid_constant__ TmaParams tp) {
+  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
@@ -79,14 +85,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, 2 * kTmaConsumers);
+      mbarrier_init(empty0 + 8u * st, 2 * WGM);
     }
     fence_mbarrier_init();
   }
   cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
-  if (tid >= 128 * kTmaConsumers) {  // the producer warp: one thread issues every copy
+  if (tid >= 128 * WGM) {  // the producer warp: one thread issues every copy
     int it = 0;                      // K tiles through the ring so far
     for (int c = cluster; c < tiles; c += clusters) {
       int row_tile, pair;
@@ -94,7 +100,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
       const RowTile t = row_tile_of(p, BM, row_tile);
       if (t.group < 0) continue;
       const int n0 = (2 * pair + int(rank)) * BN;
-      if (tid == 128 * kTmaConsumers) {
+      if (tid == 128 * WGM) {
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int st = it % kStages, round = it / kStages;
           if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
@@ -104,8 +110,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
           tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(t.r0) + int(rank) * (BM / 2), bar,
                                 uint16_t(3));
           if constexpr (BT) {
-            tma_load_3d(stage + uint32_t(S::kATile), &tp.b, n0, k0, t.group, bar);
-            tma_load_3d(stage + uint32_t(S::kATile + kPanel), &tp.b, n0 + 64, k0, t.group, bar);
+#pragma unroll
+            for (int h = 0; h < BN / 64; ++h)
+              tma_load_3d(stage + uint32_t(S::kATile + h * kPanel), &tp.b, n0 + 64 * h, k0, t.group, bar);
           } else {
             tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
           }
@@ -121,14 +128,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
       tma_tile_of(tp, c, row_tile, pair);
       const RowTile t = row_tile_of(p, BM, row_tile);
       if (t.group < 0) continue;
-      float acc[64];
+      float acc[WN / 2];
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < WN / 2; ++i) acc[i] = 0.0f;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int st = it % kStages;
         mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
         const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
-        mma_k_tile<false, BT>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
+        mma_k_tile<false, BT, WN>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
         wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage in both CTAs
         pin(acc);
         if (kt > 0 && (tid & 127) == 0) {
@@ -144,7 +151,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) tma_kernel(const __grid_consta
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
-      store_block<128, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
+      store_block<WN, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
@@ -182,21 +189,24 @@ bool bf16_map(CUtensorMap& m, const void* base, uint64_t cols, uint64_t rows, ui
 }
 
 std::atomic<int64_t> g_tma_launches{0};
-// The TMA form's tile order (TmaParams::band_pairs): 8 pairs, 16 column tiles of 128, make the 132
-// CTAs resident at once ~8 row tiles x 16 column tiles, whose A (8 x 256 rows) and B (16 x 128
-// rows) are about as large.
+// The TMA form's tile order (TmaParams::band_pairs), in pairs of 128-wide column tiles: 8 pairs,
+// 16 column tiles of 128, make the 132 CTAs resident at once ~8 row tiles x 16 column tiles, whose
+// A (8 x 256 rows) and B (16 x 128 rows) are about as large. The flat tile's bands are as wide in
+// columns (half as many pairs of its 256-wide tiles).
 std::atomic<int> g_tile_band{8};
 std::atomic<bool> g_tma_persistent{true};
+std::atomic<int> g_tma_tile_n{128};  // the TMA form's tile: 256 x 128 (128) or 128 x 256 (256)
 
-// The TMA form for BF16 groups of the training tile; false where it does not apply (a K-major B's
-// slices not back to back, a map the driver will not encode, no driver entry point), and the
-// caller runs wgmma_kernel.
-template <bool BT>
-bool launch_tma(const GroupedArgs& p) {
-  using S = Shape<Format::BF16, kTmaConsumers, 1>;
+// The TMA form of tile BM = 64 WGM x WN for BF16 groups of the training tile; false where it does
+// not apply (a K-major B's slices not back to back, a map the driver will not encode, no driver
+// entry point), and the caller runs wgmma_kernel.
+template <bool BT, int WGM, int WN>
+bool launch_tma_tile(const GroupedArgs& p) {
+  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
   TmaParams tp{};
   tp.g = p;
-  tp.band_pairs = g_tile_band.load(std::memory_order_relaxed);
+  const int band = g_tile_band.load(std::memory_order_relaxed);
+  tp.band_pairs = band > 0 ? std::max(1, band * 128 / WN) : 0;
   if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
   if constexpr (BT) {
     const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
@@ -210,7 +220,7 @@ bool launch_tma(const GroupedArgs& p) {
   }
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_kernel<BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+        cudaFuncSetAttribute(tma_kernel<BT, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
@@ -220,7 +230,7 @@ bool launch_tma(const GroupedArgs& p) {
   // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(kTmaThreads);
+  cfg.blockDim = dim3(tma_threads<WGM>());
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream();
   cudaLaunchAttribute cluster[1];
@@ -235,7 +245,7 @@ bool launch_tma(const GroupedArgs& p) {
     cudaLaunchConfig_t probe = cfg;
     probe.gridDim = dim3(2 * 1024);
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<BT>, &probe) != cudaSuccess || n <= 0) {
+    if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<BT, WGM, WN>, &probe) != cudaSuccess || n <= 0) {
       cudaGetLastError();
       n = std::max(1, device_sm_count() / 2);
     }
@@ -248,13 +258,20 @@ bool launch_tma(const GroupedArgs& p) {
   // capture, so one seen eagerly is not tried again there.
   static std::atomic<bool> refused{false};
   if (refused.load(std::memory_order_relaxed)) return false;
-  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT>, tp) != cudaSuccess) {
+  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT, WGM, WN>, tp) != cudaSuccess) {
     cudaGetLastError();
     refused.store(true, std::memory_order_relaxed);
     return false;
   }
   g_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+// The TMA form in the tile set_grouped_tma_tile chose.
+template <bool BT>
+bool launch_tma(const GroupedArgs& p) {
+  return g_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_tile<BT, 2, 256>(p)
+                                                             : launch_tma_tile<BT, 4, 128>(p);
 }
 
 // ---- the TMA form of the K-grouped weight gradients (BF16 operands, either layout) --------------
