@@ -309,8 +309,9 @@ int main(int argc, char** argv) {
   wgrad.name = fmt::format("grouped weight gradients, K-grouped kernel vs per-expert cuBLASLt (median of {})", reps);
   // grouped ms: accumulating into the gradients (a second micro-batch); stored ms: the first write
   // after zero_grad, which stores instead (the step's, with lazily zeroed gradients)
-  wgrad.columns = {"operands", "case", "GEMMs", "grouped ms", "stored ms", "grouped TFLOP/s", "cp.async form ms",
-                   "per-expert ms", "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "gap"};
+  wgrad.columns = {"operands",      "case",          "GEMMs",         "grouped ms",           "stored ms",
+                   "grouped TFLOP/s", "cp.async form ms", "128x256 tile ms", "per-expert ms",   "dense cuBLAS ms",
+                   "vs per-expert", "grouped / dense speed", "128x256 / dense speed", "gap"};
   struct WgradCase {
     std::string name;
     std::vector<int64_t> rows;
@@ -370,6 +371,9 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_wgrad_tma(false);
       const double c_ms = median_ms(grouped, reps);
       ops::cuda::set_grouped_wgrad_tma(true);
+      const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(256);  // the TMA form's 128 x 256 tile
+      const double f_ms = median_ms(grouped, reps);
+      ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
       const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
       wgrad.add({{"operands", mx ? "mxfp8 e4m3, Col axis (decoded)" : "bf16, token-major (transposed)"},
                  {"case", c.name},
@@ -378,6 +382,8 @@ int main(int argc, char** argv) {
                  {"stored ms", s_ms},
                  {"grouped TFLOP/s", flop / (g_ms * 1e9)},
                  {"cp.async form ms", c_ms},
+                 {"128x256 tile ms", f_ms},
+                 {"128x256 / dense speed", d_ms / f_ms},
                  {"per-expert ms", p_ms},
                  {"dense cuBLAS ms", d_ms},
                  {"vs per-expert", p_ms / g_ms},

@@ -7,7 +7,7 @@
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
 //                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both]
-//                    [--tma-tile 128|256|both] [--json FILE]
+//                    [--tma-tile V[,V...]] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -41,9 +41,12 @@
 // its input made where they read it (kernels, the default: cuda::set_skinny_wgrad), or on
 // cuBLASLt after a norm pass that makes its input (cublas, the path before them), or both, each
 // recipe run under each in this process.
-// --tma-tile (CUDA): the grouped kernel's TMA form on 256 x 128 tiles of four m64n128k16 warpgroups
-// (128, the default) or 128 x 256 tiles of two m64n256k16 ones (256: cuda::set_grouped_tma_tile;
-// the same bits), or both, each recipe run under each in this process.
+// --tma-tile (CUDA): the grouped kernel's TMA forms on 256 x 128 tiles of four m64n128k16
+// warpgroups (128, the default) or 128 x 256 tiles of two m64n256k16 ones (256:
+// cuda::set_grouped_tma_tile and set_grouped_wgrad_tma_tile; the same bits), or the 128 x 256 tile
+// in the row-grouped form only (256-rows: forward and dgrad) or the K-grouped one only
+// (256-wgrad); several (comma-separated, repeats allowed) run each recipe under each in this
+// process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -173,9 +176,20 @@ int main(int argc, char** argv) {
       one_or_both(argc, argv, "--router-wgrad", "kernels", "cublas", "router wgrad", table);
   if (router_wgrads != std::vector<std::string>{"kernels"} && device != Device::CUDA)
     fail("train_bench: --router-wgrad is for --device cuda");
-  const std::vector<std::string> tma_tiles = one_or_both(argc, argv, "--tma-tile", "128", "256", "TMA tile", table);
-  if (tma_tiles != std::vector<std::string>{"128"} && device != Device::CUDA)
-    fail("train_bench: --tma-tile is for --device cuda");
+  std::vector<std::string> tma_tiles;
+  {
+    std::stringstream ss(arg(argc, argv, "--tma-tile", "128"));
+    for (std::string v; std::getline(ss, v, ',');) {
+      if (v != "128" && v != "256" && v != "256-rows" && v != "256-wgrad")
+        fail("train_bench: --tma-tile takes 128, 256, 256-rows or 256-wgrad, got '{}'", v);
+      tma_tiles.push_back(v);
+    }
+  }
+  if (tma_tiles.empty()) fail("train_bench: --tma-tile names no variant");
+  if (tma_tiles != std::vector<std::string>{"128"}) {
+    if (device != Device::CUDA) fail("train_bench: --tma-tile is for --device cuda");
+    table.columns.insert(table.columns.begin() + 1, "TMA tile");
+  }
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
@@ -197,7 +211,8 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
-      ops::cuda::set_grouped_tma_tile(tma_tile == "256" ? 256 : 128);
+      ops::cuda::set_grouped_tma_tile(tma_tile == "256" || tma_tile == "256-rows" ? 256 : 128);
+      ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "256" || tma_tile == "256-wgrad" ? 256 : 128);
       ops::cuda::set_grouped_kernel(variant != "per-expert");
       ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
       ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
@@ -271,7 +286,7 @@ int main(int argc, char** argv) {
                  {"weight forms", wforms},
                  {"loss read", loss_read},
                  {"router wgrad", router_wgrad},
-                 {"TMA tile", tma_tile == "256" ? "128x256" : "256x128"},
+                 {"TMA tile", tma_tile},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -290,7 +305,10 @@ int main(int argc, char** argv) {
   set_dy_decodes_only(decodes_before);
   set_weight_forms_batched(batched_before);
 #if FOURBIT_HAS_CUDA
-  if (device == Device::CUDA) ops::cuda::set_grouped_tma_tile(128);
+  if (device == Device::CUDA) {
+    ops::cuda::set_grouped_tma_tile(128);
+    ops::cuda::set_grouped_wgrad_tma_tile(128);
+  }
 #endif
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},

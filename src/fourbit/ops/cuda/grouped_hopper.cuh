@@ -64,16 +64,15 @@ __device__ __forceinline__ void pin(float (&acc)[NA]) {
 // The MMAs of one 64-wide K tile, its four k16 steps in order, committed as one group: A's tile at
 // shared address a (64 rows), B's at b (WN = 128 rows, 256 for the TMA form's flat tile, or 32 for
 // the decode configuration's narrow tile), each K-major (128-byte rows in the 128-byte swizzle) or
-// MN-major where TA / TB (kPanel panels of 64 K rows, read with wgmma's transpose; not WN = 32; A
-// MN-major with WN = 128 only). A k16 step is 32
+// MN-major where TA / TB (kPanel panels of 64 K rows, read with wgmma's transpose; not WN = 32).
+// A k16 step is 32
 // bytes on in a K-major tile, 2048 (16 K rows) in an MN-major one; descriptors count 16-byte
 // units. first: the tile starts the sum. Every width issues the same k16 steps in the same order;
 // an output element's products and sums do not depend on the instruction's N (the tests compare
 // every width's bits with the training tile's).
 template <bool TA, bool TB, int WN = 128>
 __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uint32_t b, bool first) {
-  static_assert(WN == 128 || (WN == 256 && !TA) || (WN == 32 && !TA && !TB),
-                "128 wide; 256 wide with A K-major; or the narrow tile, 32 wide and K-major");
+  static_assert(WN == 128 || WN == 256 || (WN == 32 && !TA && !TB), "128 or 256 wide, or the narrow tile: 32, K-major");
   const uint64_t da = TA ? wgmma_desc_sw128_mn(a, kPanel) : wgmma_desc_sw128(a);
   const uint64_t db = TB ? wgmma_desc_sw128_mn(b, kPanel) : wgmma_desc_sw128(b);
   constexpr uint64_t kStepA = TA ? 128 : 2, kStepB = TB ? 128 : 2;

@@ -456,6 +456,13 @@ int set_grouped_tma_tile(int n) {
   return hopper::g_tma_tile_n.exchange(n, std::memory_order_relaxed);
 }
 
+int set_grouped_wgrad_tma_tile(int n) {
+  if (n != 128 && n != 256)
+    fail("set_grouped_wgrad_tma_tile: the K-grouped TMA form's tile is 128 (256 x 128) or 256 (128 x 256) columns "
+         "wide, got {}", n);
+  return hopper::g_wgrad_tma_tile_n.exchange(n, std::memory_order_relaxed);
+}
+
 int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_order_relaxed); }
 
 bool wgmma_available() { return hopper_device(); }

@@ -1,5 +1,6 @@
 // defines: hopper::tma_kernel, launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::tma_wgrad_kernel,
-//          launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their launch counters
+//          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their launch
+//          counters
 #pragma once
 
 #include <cuda.h>
@@ -285,8 +286,10 @@ bool launch_tma(const GroupedArgs& p) {
 // recipe's token-major dY and X): A_j is k_j rows of m values, B_j k_j rows of n values, and a
 // stage is A's four 64-value panels and B's two, as load_tile_mn lays them. K-major (the decoded
 // Col-axis MXFP8 operands of the quantized recipes, [m, T] and [n, T] with an expert's tokens a
-// column range): A_j is m rows of k_j values, B_j n rows, one box of 64 K values x 256 (A) or
-// 128 (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them.
+// column range): A_j is m rows of k_j values, B_j n rows, one box of 64 K values x BM (A) or
+// BN (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them. The tiles are
+// those of the row-grouped form: 256 x 128 on four warpgroups of m64n128k16 or 128 x 256 on two of
+// m64n256k16 (set_grouped_wgrad_tma_tile), the same bits.
 constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
 
 struct TmaWgradParams {
@@ -299,11 +302,9 @@ struct TmaWgradParams {
   bool accumulate;
 };
 
-constexpr int kWgradConsumers = 4, kWgradThreads = 128 * kWgradConsumers + 32;  // + the producer warp
-
-template <bool MN>
-__global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
-  using S = Shape<Format::BF16, kWgradConsumers, 1>;  // 256 x 128 tiles
+template <bool MN, int WGM, int WN>
+__global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
+  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -314,7 +315,7 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, kWgradConsumers);
+      mbarrier_init(empty0 + 8u * st, WGM);
     }
     fence_mbarrier_init();
   }
@@ -327,8 +328,8 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
     n0 = (r / tp.tiles_m) * BN;
   };
 
-  if (tid >= 128 * kWgradConsumers) {  // the producer: one thread issues every copy
-    if (tid != 128 * kWgradConsumers) return;
+  if (tid >= 128 * WGM) {  // the producer: one thread issues every copy
+    if (tid != 128 * WGM) return;
     int it = 0;
     for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
       int j, m0, n0;
@@ -360,16 +361,16 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
     int j, m0, n0;
     tile_of(t, j, m0, n0);
     const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
-    float acc[64];
+    float acc[WN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < WN / 2; ++i) acc[i] = 0.0f;
     if (k_tiles == 0 && tp.accumulate) continue;  // no tokens: C unchanged (or zeroed below)
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int st = it % kStages;
       mbarrier_wait(full0 + 8u * st, uint32_t(it / kStages) & 1u);
       const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
       // this warpgroup's 64 rows of A: 8 KB on (one MN-major panel, or 64 K-major rows)
-      mma_k_tile<MN, MN>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
+      mma_k_tile<MN, MN, WN>(acc, stage + uint32_t(wm * kPanel), stage + uint32_t(S::kATile), kt == 0);
       wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage
       pin(acc);
       if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
@@ -377,19 +378,20 @@ __global__ void __launch_bounds__(kWgradThreads, 1) tma_wgrad_kernel(const __gri
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    store_wgrad_block(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
+    store_wgrad_block<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }
 
 std::atomic<bool> g_wgrad_tma{true};
 std::atomic<int64_t> g_wgrad_tma_launches{0};
+std::atomic<int> g_wgrad_tma_tile_n{128};  // as g_tma_tile_n, for the K-grouped form
 
-// The TMA form of up to kMaxTmaKProblems problems; false where it does not apply (a map the
-// driver will not encode, strides off TMA's 16-byte grain, a launch refused), and the caller runs
-// wgrad_kernel<MN>.
-template <bool MN>
-bool launch_tma_wgrad(const KGroupedArgs& p) {
-  using S = Shape<Format::BF16, kWgradConsumers, 1>;
+// The TMA form of up to kMaxTmaKProblems problems on tiles of 64 WGM x WN; false where it does not
+// apply (a map the driver will not encode, strides off TMA's 16-byte grain, a launch refused), and
+// the caller runs wgrad_kernel<MN>.
+template <bool MN, int WGM, int WN>
+bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
+  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
   if (p.count > kMaxTmaKProblems) return false;
   // ~8 KB of kernel parameters: kept off the stack
   static thread_local TmaWgradParams tp;
@@ -416,17 +418,24 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
   }
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_wgrad_kernel<MN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+        cudaFuncSetAttribute(tma_wgrad_kernel<MN, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const int ctas = std::min(tiles, device_sm_count());
   if (ctas <= 0) return true;
-  tma_wgrad_kernel<MN><<<unsigned(ctas), kWgradThreads, S::kSmemBytes, stream()>>>(tp);
+  tma_wgrad_kernel<MN, WGM, WN><<<unsigned(ctas), tma_threads<WGM>(), S::kSmemBytes, stream()>>>(tp);
   if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
   g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
+}
+
+// The K-grouped TMA form in the tile set_grouped_wgrad_tma_tile chose.
+template <bool MN>
+bool launch_tma_wgrad(const KGroupedArgs& p) {
+  return g_wgrad_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_wgrad_tile<MN, 2, 256>(p)
+                                                                   : launch_tma_wgrad_tile<MN, 4, 128>(p);
 }
 
 }  // namespace hopper

@@ -19,11 +19,12 @@ namespace hopper {
 // with the instruction's transpose. An element is the FP32 sum of its k_j products, K tiles in
 // order, each four k16 steps: deterministic, and independent of the other problems and of the tile.
 
-// The epilogue of a K-grouped output tile at (m0, n0): warpgroup wm's 64 x 128 block (wgmma's
+// The epilogue of a K-grouped output tile at (m0, n0): warpgroup wm's 64 x WN block (wgmma's
 // accumulator layout) into C (ldc floats a row), rows < m and columns < n, added to C's values
 // where accumulate (one rounding each).
-__device__ __forceinline__ void store_wgrad_block(const float (&acc)[64], float* c, int64_t ldc, int m, int n, int m0,
-                                                  int n0, int wm, bool accumulate) {
+template <int WN = 128>
+__device__ __forceinline__ void store_wgrad_block(const float (&acc)[WN / 2], float* c, int64_t ldc, int m, int n,
+                                                  int m0, int n0, int wm, bool accumulate) {
   const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
   const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
 #pragma unroll
@@ -32,7 +33,7 @@ __device__ __forceinline__ void store_wgrad_block(const float (&acc)[64], float*
     if (row >= m) continue;
     float* crow = c + (long long)row * ldc;
 #pragma unroll
-    for (int j0 = 0; j0 < 16; j0 += kAhead) {
+    for (int j0 = 0; j0 < WN / 8; j0 += kAhead) {
       float2 old[kAhead];  // C's values, loaded together ahead of the stores
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
