@@ -6,7 +6,7 @@
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma_tile, set_grouped_wgrad_tma,
-//          set_grouped_narrow_tiles,
+//          set_grouped_narrow_tiles, set_grouped_tma_store_probe,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
@@ -199,6 +199,10 @@ void set_grouped_tile_band(int pairs);
 int set_grouped_tma_tile(int n);
 // The same choice for the K-grouped form's TMA tiles (the experts' weight gradients).
 int set_grouped_wgrad_tma_tile(int n);
+// A probe for benchmarks only: with no_store, the row-grouped TMA form runs its main loop and
+// skips its epilogue, leaving C unwritten (wrong results), so that a benchmark can time the main
+// loop alone against the whole kernel. Off by default; never for results.
+void set_grouped_tma_store_probe(bool no_store);
 // Whether the TMA form is persistent (the default: as many clusters as fit on the device at once,
 // each looping over its tiles with one ring of stages) or launches a cluster a tile. The same bits;
 // for tests and benchmarks.

@@ -456,6 +456,8 @@ int set_grouped_tma_tile(int n) {
   return hopper::g_tma_tile_n.exchange(n, std::memory_order_relaxed);
 }
 
+void set_grouped_tma_store_probe(bool no_store) { hopper::g_tma_no_store.store(no_store, std::memory_order_relaxed); }
+
 int set_grouped_wgrad_tma_tile(int n) {
   if (n != 128 && n != 256)
     fail("set_grouped_wgrad_tma_tile: the K-grouped TMA form's tile is 128 (256 x 128) or 256 (128 x 256) columns "

@@ -36,11 +36,12 @@ namespace hopper {
 // BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a 3-D map [G][K][N] a stage (its K
 // rows past a group's K are zeros, not the next group's).
 struct TmaParams {
-  CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x 128 rows, 128-byte swizzle
-  CUtensorMap b;  // B [G N, K], boxes of 64 K values x 128 rows; BT: [G][K][N], boxes 64 x 64 x 1
+  CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x BM / 2 rows, 128-byte swizzle
+  CUtensorMap b;  // B [G N, K], boxes of 64 K values x BN rows; BT: [G][K][N], boxes 64 x 64 x 1
   GroupedArgs g;
   int pairs, rows;  // the grid of cluster tiles: pairs of column tiles x row tiles (and slots past them)
   int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
+  bool no_store;    // the benchmarks' probe (set_grouped_tma_store_probe): no epilogue, C unwritten
 };
 
 // WGM consumer warpgroups of 64 x WN, and the producer warp
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
-      store_block<WN, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
+      if (!tp.no_store) store_block<WN, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
@@ -197,6 +198,7 @@ std::atomic<int64_t> g_tma_launches{0};
 std::atomic<int> g_tile_band{8};
 std::atomic<bool> g_tma_persistent{true};
 std::atomic<int> g_tma_tile_n{128};  // the TMA form's tile: 256 x 128 (128) or 128 x 256 (256)
+std::atomic<bool> g_tma_no_store{false};
 
 // The TMA form of tile BM = 64 WGM x WN for BF16 groups of the training tile; false where it does
 // not apply (a K-major B's slices not back to back, a map the driver will not encode, no driver
@@ -208,6 +210,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
   tp.g = p;
   const int band = g_tile_band.load(std::memory_order_relaxed);
   tp.band_pairs = band > 0 ? std::max(1, band * 128 / WN) : 0;
+  tp.no_store = g_tma_no_store.load(std::memory_order_relaxed);
   if (!bf16_map(tp.a, p.a.data, uint64_t(p.k_end), uint64_t(p.m), uint64_t(p.a.ld), S::BM / 2)) return false;
   if constexpr (BT) {
     const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
