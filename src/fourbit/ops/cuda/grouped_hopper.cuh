@@ -1,4 +1,5 @@
-// defines: hopper::Shape, the wgmma loop's helpers (copies, MMAs, pipeline, stores), hopper::wgmma_kernel
+// defines: hopper::Shape, the wgmma loop's helpers (copies, MMAs, pipeline, stores: store_block,
+//          block_columns_full, store_block_full), hopper::wgmma_kernel
 #pragma once
 
 #include "fourbit/ops/cuda/grouped_common.cuh"
@@ -118,6 +119,65 @@ __device__ __forceinline__ void store_block(const GroupedArgs& p, int group, con
         const int q = j0 + j;
         store_pair<SCALES_AHEAD>(p, sbo, row, col_base + 8 * q, acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1],
                                  old[j], sa, sb[j]);
+      }
+    }
+  }
+}
+
+// Whether every column of a WN-wide block at col0 lies below N and C's rows are 8-byte aligned, so
+// that each pair of the block is one 8-byte access (store_block_full applies).
+template <int WN>
+__device__ __forceinline__ bool block_columns_full(const GroupedArgs& p, int col0) {
+  return col0 + WN <= p.n && (p.ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(p.c) & 7) == 0;
+}
+
+// store_block for a block whose columns are all below N, C's rows 8-byte aligned
+// (block_columns_full): the same values (finish_scaled's steps in its order, a step taken only
+// where its scale or C is there), with no branch per value. The outer scales and the additions to
+// C are chosen per value by selects and predicated loads on flags that are the same for the whole
+// launch, so the fully unrolled epilogue stays a few instructions a pair: store_block's branches at
+// every pair made the 128 x 256 TMA tile's epilogue ~10 K instructions, which ran out of the
+// instruction cache (Nsight Compute: stall_no_inst held most of its samples, the kernel 2.7x its
+// main loop alone). SCALES_AHEAD as for store_block; SCALED false: for launches without outer
+// scales only (fewer registers: the 256 x 128 TMA tile's 96 spilled with the scales' code).
+template <int WN = 128, int AHEAD = kAhead, bool SCALES_AHEAD = true, bool SCALED = true>
+__device__ __forceinline__ void store_block_full(const GroupedArgs& p, int group, const float (&acc)[WN / 2], int wm,
+                                                 int col0, long long r0, long long r1) {
+  constexpr int kPairs = WN / 8, kAt = kPairs < AHEAD ? kPairs : AHEAD;
+  const float* sbo = p.b.outer ? p.b.outer + group * p.b.outer_group_stride : nullptr;
+  const bool scale_a = SCALED && p.a.outer != nullptr, scale_b = SCALED && sbo != nullptr, add = p.accumulate;
+  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
+  const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = col0 + 2 * (lane & 3);
+  const long long bs = p.b.outer_stride;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const long long row = r0 + row_base + 8 * half;
+    if (row >= r1) continue;
+    float* crow = p.c + row * p.ldc;
+    const float sa = scale_a ? p.a.outer[row * p.a.outer_stride] : 1.0f;
+#pragma unroll
+    for (int j0 = 0; j0 < kPairs; j0 += kAt) {
+      float2 old[kAt], sb[kAt];
+#pragma unroll
+      for (int j = 0; j < kAt; ++j) {
+        const int col = col_base + 8 * (j0 + j);
+        old[j] = add ? *reinterpret_cast<const float2*>(crow + col) : make_float2(0.0f, 0.0f);
+        if constexpr (SCALES_AHEAD)
+          sb[j] = scale_b ? make_float2(sbo[col * bs], sbo[(col + 1) * bs]) : make_float2(1.0f, 1.0f);
+      }
+#pragma unroll
+      for (int j = 0; j < kAt; ++j) {
+        const int q = j0 + j, col = col_base + 8 * q;
+        if constexpr (!SCALES_AHEAD)
+          sb[j] = scale_b ? make_float2(sbo[col * bs], sbo[(col + 1) * bs]) : make_float2(1.0f, 1.0f);
+        float x = acc[4 * q + 2 * half], y = acc[4 * q + 2 * half + 1];
+        x = scale_a ? num::mul_rn(x, sa) : x;
+        y = scale_a ? num::mul_rn(y, sa) : y;
+        x = scale_b ? num::mul_rn(x, sb[j].x) : x;
+        y = scale_b ? num::mul_rn(y, sb[j].y) : y;
+        x = add ? num::add_rn(old[j].x, x) : x;
+        y = add ? num::add_rn(old[j].y, y) : y;
+        *reinterpret_cast<float2*>(crow + col) = make_float2(x, y);
       }
     }
   }
@@ -263,7 +323,9 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
     }
   }
   cp_async_wait<0>();
-  store_block<WN, WGM * WGN == 1 ? WN / 8 : kAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
+  constexpr int kStoreAhead = WGM * WGN == 1 ? WN / 8 : kAhead;
+  if (block_columns_full<WN>(p, n0 + wn * WN)) store_block_full<WN, kStoreAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
+  else store_block<WN, kStoreAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
 }
 
 }  // namespace hopper

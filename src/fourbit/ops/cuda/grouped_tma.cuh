@@ -153,7 +153,23 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
-      if (!tp.no_store) store_block<WN, kAhead, false>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
+      const int col0 = (2 * pair + int(rank)) * BN;
+      if (tp.no_store) continue;
+      // The flat tile's 288 threads have the registers for the outer scales in the compact
+      // epilogue, loaded ahead; the 544 of the 256 x 128 tile (96 registers each) do not (they
+      // spilled): it takes the compact epilogue where there are no outer scales.
+      if constexpr (WGM <= 2) {
+        if (block_columns_full<WN>(p, col0)) {
+          store_block_full<WN, kAhead, true>(p, t.group, acc, wm, col0, t.r0, t.r1);
+          continue;
+        }
+      } else {
+        if (block_columns_full<WN>(p, col0) && !p.a.outer && !p.b.outer) {
+          store_block_full<WN, 2, false, false>(p, t.group, acc, wm, col0, t.r0, t.r1);
+          continue;
+        }
+      }
+      store_block<WN, kAhead, false>(p, t.group, acc, wm, col0, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
@@ -381,7 +397,9 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    store_wgrad_block<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
+    if (wgrad_columns_full<WN>(tp.c[j], tp.ldc, tp.n, n0))
+      store_wgrad_block_full<WN>(acc, tp.c[j], tp.ldc, tp.m, m0, n0, wm, tp.accumulate);
+    else store_wgrad_block<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }
 

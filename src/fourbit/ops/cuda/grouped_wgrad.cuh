@@ -1,4 +1,5 @@
-// defines: hopper::wgrad_kernel, hopper::launch_wgrad (the K-grouped form's cp.async loop)
+// defines: hopper::store_wgrad_block, store_wgrad_block_full, wgrad_columns_full, hopper::wgrad_kernel,
+//          hopper::launch_wgrad (the K-grouped form's cp.async loop)
 #pragma once
 
 #include "fourbit/ops/cuda/grouped_hopper.cuh"
@@ -52,6 +53,43 @@ __device__ __forceinline__ void store_wgrad_block(const float (&acc)[WN / 2], fl
   }
 }
 
+// store_wgrad_block for a block whose columns are all below n, C's rows 8-byte aligned: the same
+// values with no branch per pair (the addition to C chosen by a select and a predicated load), so
+// the unrolled epilogue stays small enough for the instruction cache (store_block_full).
+template <int WN = 128>
+__device__ __forceinline__ void store_wgrad_block_full(const float (&acc)[WN / 2], float* c, int64_t ldc, int m, int m0,
+                                                       int n0, int wm, bool accumulate) {
+  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
+  const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_base + 8 * half;
+    if (row >= m) continue;
+    float* crow = c + (long long)row * ldc;
+#pragma unroll
+    for (int j0 = 0; j0 < WN / 8; j0 += kAhead) {
+      float2 old[kAhead];
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j)
+        old[j] = accumulate ? *reinterpret_cast<const float2*>(crow + col_base + 8 * (j0 + j)) : make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {
+        const int q = j0 + j;
+        float x = acc[4 * q + 2 * half], y = acc[4 * q + 2 * half + 1];
+        x = accumulate ? num::add_rn(old[j].x, x) : x;
+        y = accumulate ? num::add_rn(old[j].y, y) : y;
+        *reinterpret_cast<float2*>(crow + col_base + 8 * q) = make_float2(x, y);
+      }
+    }
+  }
+}
+
+// Whether a K-grouped block of WN columns at n0 takes store_wgrad_block_full.
+template <int WN = 128>
+__device__ __forceinline__ bool wgrad_columns_full(const float* c, int64_t ldc, int n, int n0) {
+  return n0 + WN <= n && (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(c) & 7) == 0;
+}
+
 template <bool MN>
 __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ KGroupedArgs p) {
   using S = Shape<Format::BF16, 4, 1>;  // 256 x 128 tiles, four warpgroups stacked in M
@@ -59,7 +97,10 @@ __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ K
   const KProblemArgs& q = p.prob[blockIdx.z];
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
   const int wm = int(threadIdx.x) >> 7;
-  auto store = [&](const float (&acc)[64]) { store_wgrad_block(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate); };
+  auto store = [&](const float (&acc)[64]) {
+    if (wgrad_columns_full(q.c, p.ldc, p.n, n0)) store_wgrad_block_full(acc, q.c, p.ldc, p.m, m0, n0, wm, p.accumulate);
+    else store_wgrad_block(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate);
+  };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
