@@ -121,9 +121,9 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "128x256 tile ms", "128x256 / dense speed",
-                   "128x256 same bits", "main loop ms", "128x256 main loop ms", "cp.async ms", "launch-order ms", "a cluster a tile ms", "mma.sync ms", "gap",
-                   "mma.sync gap"};
+                   "grouped / dense speed", "vs per-expert", "256x128 tile ms", "256x128 / dense speed",
+                   "256x128 same bits", "main loop ms", "256x128 main loop ms", "cp.async ms", "launch-order ms",
+                   "a cluster a tile ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     if (decode_only) break;
     const int64_t G = int64_t(c.rows.size());
@@ -175,21 +175,21 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma_persistent(true);
     };
     const double t_ms = median_ms(cluster_a_tile, reps);
-    Tensor flat_out = out.clone();
-    auto flat = [&] {  // the TMA form's 128 x 256 tile (two warpgroups of m64n256k16)
-      const int before = ops::cuda::set_grouped_tma_tile(256);
-      ops::cuda::grouped_gemm_bf16(a, b, offsets, flat_out, false);
+    Tensor tall_out = out.clone();
+    auto tall = [&] {  // the TMA form's other tile: 256 x 128 on four warpgroups of m64n128k16
+      const int before = ops::cuda::set_grouped_tma_tile(128);
+      ops::cuda::grouped_gemm_bf16(a, b, offsets, tall_out, false);
       ops::cuda::set_grouped_tma_tile(before);
     };
-    flat();
+    tall();
     device_synchronize();
-    const bool flat_same = same_bits(flat_out, out);
-    const double f_ms = median_ms(flat, reps);
+    const bool tall_same = same_bits(tall_out, out);
+    const double t2_ms = median_ms(tall, reps);
     // the main loops alone: the probe skips the epilogue's stores (cp_out is left unwritten)
     ops::cuda::set_grouped_tma_store_probe(true);
     const double g_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
-    const int tile_before = ops::cuda::set_grouped_tma_tile(256);
-    const double f_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
+    const int tile_before = ops::cuda::set_grouped_tma_tile(128);
+    const double t2_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
     ops::cuda::set_grouped_tma_tile(tile_before);
     ops::cuda::set_grouped_tma_store_probe(false);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
@@ -201,11 +201,11 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
-               {"128x256 tile ms", f_ms},
-               {"128x256 / dense speed", d_ms / f_ms},
-               {"128x256 same bits", flat_same ? "yes" : "NO"},
+               {"256x128 tile ms", t2_ms},
+               {"256x128 / dense speed", d_ms / t2_ms},
+               {"256x128 same bits", tall_same ? "yes" : "NO"},
                {"main loop ms", g_loop_ms},
-               {"128x256 main loop ms", f_loop_ms},
+               {"256x128 main loop ms", t2_loop_ms},
                {"cp.async ms", c_ms},
                {"launch-order ms", l_ms},
                {"a cluster a tile ms", t_ms},
@@ -319,8 +319,8 @@ int main(int argc, char** argv) {
   // grouped ms: accumulating into the gradients (a second micro-batch); stored ms: the first write
   // after zero_grad, which stores instead (the step's, with lazily zeroed gradients)
   wgrad.columns = {"operands",      "case",          "GEMMs",         "grouped ms",           "stored ms",
-                   "grouped TFLOP/s", "cp.async form ms", "128x256 tile ms", "per-expert ms",   "dense cuBLAS ms",
-                   "vs per-expert", "grouped / dense speed", "128x256 / dense speed", "gap"};
+                   "grouped TFLOP/s", "cp.async form ms", "256x128 tile ms", "per-expert ms",   "dense cuBLAS ms",
+                   "vs per-expert", "grouped / dense speed", "256x128 / dense speed", "gap"};
   struct WgradCase {
     std::string name;
     std::vector<int64_t> rows;
@@ -380,7 +380,7 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_wgrad_tma(false);
       const double c_ms = median_ms(grouped, reps);
       ops::cuda::set_grouped_wgrad_tma(true);
-      const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(256);  // the TMA form's 128 x 256 tile
+      const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(128);  // the TMA form's 256 x 128 tile
       const double f_ms = median_ms(grouped, reps);
       ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
       const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
@@ -391,8 +391,8 @@ int main(int argc, char** argv) {
                  {"stored ms", s_ms},
                  {"grouped TFLOP/s", flop / (g_ms * 1e9)},
                  {"cp.async form ms", c_ms},
-                 {"128x256 tile ms", f_ms},
-                 {"128x256 / dense speed", d_ms / f_ms},
+                 {"256x128 tile ms", f_ms},
+                 {"256x128 / dense speed", d_ms / f_ms},
                  {"per-expert ms", p_ms},
                  {"dense cuBLAS ms", d_ms},
                  {"vs per-expert", p_ms / g_ms},
@@ -405,8 +405,8 @@ int main(int argc, char** argv) {
   bench::BenchTable dgrad;
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
   dgrad.columns = {"case",          "M",        "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms",
-                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "128x256 tile ms",
-                   "128x256 / dense speed", "same bits as K-major", "gap"};
+                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "256x128 tile ms",
+                   "256x128 / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -441,7 +441,7 @@ int main(int argc, char** argv) {
     const double gap = similarity_gap(out, ref);
     const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
                  d_ms = median_ms(one_gemm, reps);
-    const int tile_before = ops::cuda::set_grouped_tma_tile(256);  // the 128 x 256 tile: the same bits
+    const int tile_before = ops::cuda::set_grouped_tma_tile(128);  // the 256 x 128 tile: the same bits
     grouped();
     device_synchronize();
     same = same && same_bits(out, kout);
@@ -457,8 +457,8 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"vs per-expert", p_ms / g_ms},
                {"grouped / dense speed", d_ms / g_ms},
-               {"128x256 tile ms", f_ms},
-               {"128x256 / dense speed", d_ms / f_ms},
+               {"256x128 tile ms", f_ms},
+               {"256x128 / dense speed", d_ms / f_ms},
                {"same bits as K-major", same ? "yes" : "NO"},
                {"gap", fmt::format("{:.1e}", gap)}});
   }
@@ -466,11 +466,12 @@ int main(int argc, char** argv) {
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   table.meta = {{"reps", reps},
                 {"device", prop.name},
-                {"kernel", "grouped_mma.cu: on Hopper wgmma m64n128k16 BF16, 256x128 tiles on 4 warpgroups fed by TMA in "
-                           "2-CTA clusters multicasting A, persistent, tiles in bands of 8 column pairs (cp.async ms: fed "
-                           "by cp.async; launch-order ms: TMA, a row tile's columns before the next's; a cluster a tile "
-                           "ms: TMA, not persistent; 128x256 tile ms: TMA, 128x256 tiles on 2 warpgroups of "
-                           "m64n256k16; main loop ms: TMA with the epilogue's stores skipped); for decode-sized groups the streaming kernel (a warp per 16 "
+                {"kernel", "grouped_mma.cu: on Hopper wgmma m64n256k16 BF16, 128x256 tiles on 2 warpgroups fed by TMA in "
+                           "2-CTA clusters multicasting A, persistent, tiles in bands of 8 128-wide column pairs "
+                           "(cp.async ms: 256x128 tiles of m64n128k16 fed by cp.async; launch-order ms: TMA, a row "
+                           "tile's columns before the next's; a cluster a tile ms: TMA, not persistent; 256x128 tile "
+                           "ms: TMA, 256x128 tiles on 4 warpgroups of m64n128k16; main loop ms: TMA with the "
+                           "epilogue's stores skipped); for decode-sized groups the streaming kernel (a warp per 16 "
                            "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
                            "rows a group (64 for packed operands), else 64x128 or 64x32 tiles of one warpgroup; "
                            "64-wide K tiles; mma.sync m16n8k16 main loop for comparison"},

@@ -41,11 +41,11 @@
 // its input made where they read it (kernels, the default: cuda::set_skinny_wgrad), or on
 // cuBLASLt after a norm pass that makes its input (cublas, the path before them), or both, each
 // recipe run under each in this process.
-// --tma-tile (CUDA): the grouped kernel's TMA forms on 256 x 128 tiles of four m64n128k16
-// warpgroups (128, the default) or 128 x 256 tiles of two m64n256k16 ones (256:
-// cuda::set_grouped_tma_tile and set_grouped_wgrad_tma_tile; the same bits), or the 128 x 256 tile
-// in the row-grouped form only (256-rows: forward and dgrad) or the K-grouped one only
-// (256-wgrad); several (comma-separated, repeats allowed) run each recipe under each in this
+// --tma-tile (CUDA): the grouped kernel's TMA forms on 128 x 256 tiles of two m64n256k16
+// warpgroups (256, the default) or 256 x 128 tiles of four m64n128k16 ones (128:
+// cuda::set_grouped_tma_tile and set_grouped_wgrad_tma_tile; the same bits), or the 256 x 128 tile
+// in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one only
+// (128-wgrad); several (comma-separated, repeats allowed) run each recipe under each in this
 // process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
@@ -178,15 +178,15 @@ int main(int argc, char** argv) {
     fail("train_bench: --router-wgrad is for --device cuda");
   std::vector<std::string> tma_tiles;
   {
-    std::stringstream ss(arg(argc, argv, "--tma-tile", "128"));
+    std::stringstream ss(arg(argc, argv, "--tma-tile", "256"));
     for (std::string v; std::getline(ss, v, ',');) {
-      if (v != "128" && v != "256" && v != "256-rows" && v != "256-wgrad")
-        fail("train_bench: --tma-tile takes 128, 256, 256-rows or 256-wgrad, got '{}'", v);
+      if (v != "256" && v != "128" && v != "128-rows" && v != "128-wgrad")
+        fail("train_bench: --tma-tile takes 256, 128, 128-rows or 128-wgrad, got '{}'", v);
       tma_tiles.push_back(v);
     }
   }
   if (tma_tiles.empty()) fail("train_bench: --tma-tile names no variant");
-  if (tma_tiles != std::vector<std::string>{"128"}) {
+  if (tma_tiles != std::vector<std::string>{"256"}) {
     if (device != Device::CUDA) fail("train_bench: --tma-tile is for --device cuda");
     table.columns.insert(table.columns.begin() + 1, "TMA tile");
   }
@@ -211,8 +211,8 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
-      ops::cuda::set_grouped_tma_tile(tma_tile == "256" || tma_tile == "256-rows" ? 256 : 128);
-      ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "256" || tma_tile == "256-wgrad" ? 256 : 128);
+      ops::cuda::set_grouped_tma_tile(tma_tile == "128" || tma_tile == "128-rows" ? 128 : 256);
+      ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "128" || tma_tile == "128-wgrad" ? 128 : 256);
       ops::cuda::set_grouped_kernel(variant != "per-expert");
       ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
       ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
@@ -306,8 +306,8 @@ int main(int argc, char** argv) {
   set_weight_forms_batched(batched_before);
 #if FOURBIT_HAS_CUDA
   if (device == Device::CUDA) {
-    ops::cuda::set_grouped_tma_tile(128);
-    ops::cuda::set_grouped_wgrad_tma_tile(128);
+    ops::cuda::set_grouped_tma_tile(256);
+    ops::cuda::set_grouped_wgrad_tma_tile(256);
   }
 #endif
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},

@@ -123,10 +123,10 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
 }
 
 // The TMA form (persistent, a pair of maps a problem whose K ends at the expert's last token), on
-// either tile (256 x 128, 128 x 256), gives the cp.async form's bits, for both layouts: MN-major (token-major dY [T, R] and X [T, C],
+// either tile (128 x 256, 256 x 128), gives the cp.async form's bits, for both layouts: MN-major (token-major dY [T, R] and X [T, C],
 // the bf16 recipe's) and K-major ([R, T] and [C, T] with an expert's tokens a column range, the
 // decoded MXFP8 operands'); ragged experts (one token, a K tile and one, none; K-major lengths are
-// multiples of 8), m and n off the tiles (520 rows: two row tiles of 256 and 8 rows), accumulate
+// multiples of 8), m and n off the tiles (520 rows: row tiles of 128 or 256 and 8 rows), accumulate
 // on and off, and more problems than one TMA launch takes (40: two launches).
 TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -162,25 +162,25 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
                               off[size_t(j) + 1] - off[size_t(j)]});
         }
         ops::cuda::set_grouped_wgrad_tma(tma != 0);
-        if (tma != 0) ops::cuda::set_grouped_wgrad_tma_tile(tma);
+        const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma != 0 ? tma : 256);
         const bool ok = ops::cuda::grouped_gemm_k(mn, problems, cs.R, cs.C, cs.C, cs.accumulate);
         ops::cuda::set_grouped_wgrad_tma(true);
-        ops::cuda::set_grouped_wgrad_tma_tile(128);
+        ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
         EXPECT_TRUE(ok);
         return grad;
       };
       const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
-      const Tensor with_tma = run(128);
+      const Tensor with_tma = run(256);
       device_synchronize();
       const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
-      const Tensor with_flat_tile = run(256);
+      const Tensor with_tall_tile = run(128);
       device_synchronize();
-      const int64_t flat_launches = ops::cuda::grouped_wgrad_tma_launches() - before - launches;
+      const int64_t tall_launches = ops::cuda::grouped_wgrad_tma_launches() - before - launches;
       const Tensor with_cp_async = run(0);
       EXPECT_EQ(bytes(with_tma), bytes(with_cp_async));
-      EXPECT_EQ(bytes(with_flat_tile), bytes(with_cp_async)) << "the 128 x 256 tile";
+      EXPECT_EQ(bytes(with_tall_tile), bytes(with_cp_async)) << "the 256 x 128 tile";
       EXPECT_EQ(launches, (cs.problems + 31) / 32) << "the TMA form did not run";
-      EXPECT_EQ(flat_launches, (cs.problems + 31) / 32) << "the TMA form's 128 x 256 tile did not run";
+      EXPECT_EQ(tall_launches, (cs.problems + 31) / 32) << "the TMA form's 256 x 128 tile did not run";
       if (mn && cs.R == 264 && !cs.accumulate) {  // and both are the exact sums (the tolerance above)
         std::vector<double> hdy = host_doubles(dy), hx = host_doubles(x);
         expect_near_exact(host_doubles(with_tma), {}, hdy, hx, off, cs.R, cs.C, "tma form");

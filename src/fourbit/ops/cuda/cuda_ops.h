@@ -121,7 +121,7 @@ struct KGroupedProblem {
 };
 // The grouped kernel's K-grouped form (a MoE layer's expert weight gradients, K running over each
 // expert's tokens): every problem, one output shape, all operands K-major or all MN-major, in one
-// launch (64 problems a launch) of a Hopper wgmma kernel with 256 x 128 tiles. An element is the
+// launch (64 problems a launch) of a Hopper wgmma kernel (128 x 256 or 256 x 128 tiles). An element is the
 // FP32 sum of its k products in a fixed order: deterministic, whatever the other problems (not
 // batch invariant: a weight gradient's K is the batch). k = 0: C = 0 (accumulate: C untouched).
 // false (nothing done) where it does not apply: not a Hopper device with the wgmma loop on
@@ -193,8 +193,8 @@ void set_grouped_narrow_tiles(bool on);
 // fastest within a band (default 8); 0 walks a row tile's column tiles before the next row tile's.
 // The same bits in any order; for benchmarks.
 void set_grouped_tile_band(int pairs);
-// The TMA form's tile, process-wide: 128 (the default) for 256 x 128 on four warpgroups of
-// m64n128k16, 256 for 128 x 256 on two of m64n256k16. The same bits either way; returns the
+// The TMA form's tile, process-wide: 256 (the default) for 128 x 256 on two warpgroups of
+// m64n256k16, 128 for 256 x 128 on four of m64n128k16. The same bits either way; returns the
 // previous setting. For tests and benchmarks.
 int set_grouped_tma_tile(int n);
 // The same choice for the K-grouped form's TMA tiles (the experts' weight gradients).

@@ -80,7 +80,8 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uin
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBK / 16; ++kk)
-    if constexpr (WN == 128) wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+    if constexpr (WN == 128)
+      wgmma_m64n128k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
     else if constexpr (WN == 256)
       wgmma_m64n256k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
     else wgmma_m64n32k16_ss(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
@@ -324,8 +325,9 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   }
   cp_async_wait<0>();
   constexpr int kStoreAhead = WGM * WGN == 1 ? WN / 8 : kAhead;
-  if (block_columns_full<WN>(p, n0 + wn * WN)) store_block_full<WN, kStoreAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
-  else store_block<WN, kStoreAhead>(p, group, acc, wm, n0 + wn * WN, r0, r1);
+  const int col0 = n0 + wn * WN;
+  if (block_columns_full<WN>(p, col0)) store_block_full<WN, kStoreAhead>(p, group, acc, wm, col0, r0, r1);
+  else store_block<WN, kStoreAhead>(p, group, acc, wm, col0, r0, r1);
 }
 
 }  // namespace hopper

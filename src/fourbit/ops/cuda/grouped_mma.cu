@@ -12,8 +12,9 @@
 // (row_tile_of, a warp's prefix sum); the CTAs left over return at once. The TMA form is
 // persistent over the same tiles instead (below). Two main loops, each with a tile for training shapes and one
 // for groups of few rows (the sampler's decode):
-//  - on Hopper (namespace hopper): wgmma.m64n128k16 from 128-byte-swizzled shared memory,
-//    256 x 128 tiles for training, 64 x 128 or 64 x 32 (m64n32k16) for decode, 64-wide K tiles;
+//  - on Hopper (namespace hopper): wgmma from 128-byte-swizzled shared memory, for training
+//    128 x 256 tiles of m64n256k16 (BF16 operands fed by TMA) or 256 x 128 of m64n128k16, for
+//    decode 64 x 128 or 64 x 32 (m64n32k16), 64-wide K tiles;
 //    for groups of a few rows the streaming kernel (hopper::streaming), whose warps decode their
 //    weight rows in registers as mma.sync's A operand, the same 64-wide K tiles and k16 steps;
 //  - elsewhere (and set_grouped_wgmma(false)): 8 warps of mma.sync m16n8k16 reading XOR-swizzled
@@ -170,7 +171,8 @@ bool few_training_tiles(const GroupedArgs& p) {
   return host_row_tiles(p, 256) * ((p.n + 127) / 128) < device_sm_count();
 }
 
-// 256 x 128 tiles for training shapes (BF16 ones fed by TMA where `tma`); where the groups average
+// Training shapes: BF16 groups fed by TMA where `tma` (128 x 256 tiles, or 256 x 128:
+// set_grouped_tma_tile), else 256 x 128 tiles fed by cp.async; where the groups average
 // at most 64 rows (decode), the streaming kernel or 64 x WN tiles of one warpgroup (decode_width;
 // the MN-major B form 128 wide), each CTA streaming a slice of the weights over the whole of K;
 // or, forced (set_grouped_decode_width(-1)), the 64 x 256 tiles of two warpgroups. The same k16

@@ -24,13 +24,19 @@ namespace hopper {
 // overwritten in either CTA. The consumers release a stage with a CTA-scope arrival: a cluster-scope
 // release costs a MEMBAR.GPU per K tile in every warpgroup, which held the loop at ~0.6 of
 // cuBLASLt (h200_gpu_grouped_gemm_cta_release.json has the times without it). Two tiles, 4 stages
-// of 48 KB, one CTA an SM (set_grouped_tma_tile): 256 x 128 on four consumer warpgroups of
-// m64n128k16 (WGM 4, WN 128), and 128 x 256 on two of m64n256k16 (WGM 2, WN 256), whose
-// warpgroups read a third less shared memory a FLOP (A's 64 rows and B's 256 for 64 x 256 outputs,
-// against 64 and 128 for 64 x 128) and whose 288 threads leave each 224 registers for its 128
-// accumulators. The flat tile measured slower when every K tile's release also cost a MEMBAR.GPU
-// (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms"); 128 x 128 on two warpgroups, two CTAs an
-// SM, did too (h200_gpu_grouped_gemm.json, "TMA 128-row ms") and was removed. Every element is the
+// of 48 KB, one CTA an SM (set_grouped_tma_tile): 128 x 256 on two consumer warpgroups of
+// m64n256k16 (WGM 2, WN 256; the default), and 256 x 128 on four of m64n128k16 (WGM 4, WN 128).
+// The flat tile's warpgroups read a third less shared memory a FLOP (A's 64 rows and B's 256 for
+// 64 x 256 outputs, against 64 and 128 for 64 x 128), and its 288 threads leave each 224
+// registers for its 128 accumulators, so its epilogue can load the outer scales ahead. On an H100
+// at gpu-small's expert shape (h100_gpu_grouped_gemm_tiles_s57.json) the two main loops take the
+// same time (0.054 / 0.055 ms); with their epilogues, 0.074-0.075 ms for either, 0.92 of a dense
+// cuBLASLt GEMM of the same FLOPs; in the training step the flat tile is ~1 ms faster a step
+// (h100_gpu_train_tma_tile_s57.json), from the weight gradients' K-grouped form and the
+// dgrads. The flat tile measured slower when every K tile's release also cost a MEMBAR.GPU
+// (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms") and before store_block_full (its unrolled
+// branchy epilogue ran out of the instruction cache); 128 x 128 on two warpgroups, two CTAs an SM,
+// was slower too (h200_gpu_grouped_gemm.json, "TMA 128-row ms") and was removed. Every element is the
 // same chain of k16 steps over the same 64-wide K tiles as in wgmma_kernel, whatever the
 // instruction's N, so both tiles give wgmma_kernel's bits. BT: B is read MN-major as wgmma_kernel's
 // BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a 3-D map [G][K][N] a stage (its K
@@ -213,7 +219,7 @@ std::atomic<int64_t> g_tma_launches{0};
 // columns (half as many pairs of its 256-wide tiles).
 std::atomic<int> g_tile_band{8};
 std::atomic<bool> g_tma_persistent{true};
-std::atomic<int> g_tma_tile_n{128};  // the TMA form's tile: 256 x 128 (128) or 128 x 256 (256)
+std::atomic<int> g_tma_tile_n{256};  // the TMA form's tile: 128 x 256 (256, the default) or 256 x 128 (128)
 std::atomic<bool> g_tma_no_store{false};
 
 // The TMA form of tile BM = 64 WGM x WN for BF16 groups of the training tile; false where it does
@@ -307,8 +313,10 @@ bool launch_tma(const GroupedArgs& p) {
 // Col-axis MXFP8 operands of the quantized recipes, [m, T] and [n, T] with an expert's tokens a
 // column range): A_j is m rows of k_j values, B_j n rows, one box of 64 K values x BM (A) or
 // BN (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them. The tiles are
-// those of the row-grouped form: 256 x 128 on four warpgroups of m64n128k16 or 128 x 256 on two of
-// m64n256k16 (set_grouped_wgrad_tma_tile), the same bits.
+// those of the row-grouped form: 128 x 256 on two warpgroups of m64n256k16 (the default) or 256 x
+// 128 on four of m64n128k16 (set_grouped_wgrad_tma_tile), the same bits. At gpu-small's expert
+// weight gradients on an H100 the flat tile took 0.102 / 0.191 ms (w2; w1 and w3) against 0.135 /
+// 0.258 before the compact epilogue (h100_gpu_grouped_gemm_tiles_s57.json).
 constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
 
 struct TmaWgradParams {
@@ -405,7 +413,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
 
 std::atomic<bool> g_wgrad_tma{true};
 std::atomic<int64_t> g_wgrad_tma_launches{0};
-std::atomic<int> g_wgrad_tma_tile_n{128};  // as g_tma_tile_n, for the K-grouped form
+std::atomic<int> g_wgrad_tma_tile_n{256};  // as g_tma_tile_n, for the K-grouped form
 
 // The TMA form of up to kMaxTmaKProblems problems on tiles of 64 WGM x WN; false where it does not
 // apply (a map the driver will not encode, strides off TMA's 16-byte grain, a launch refused), and
@@ -438,8 +446,8 @@ bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
     if (!mapped) return false;
   }
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_wgrad_kernel<MN, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(tma_wgrad_kernel<MN, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            S::kSmemBytes));
     return true;
   }();
   (void)attr;

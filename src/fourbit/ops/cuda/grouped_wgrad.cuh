@@ -70,8 +70,10 @@ __device__ __forceinline__ void store_wgrad_block_full(const float (&acc)[WN / 2
     for (int j0 = 0; j0 < WN / 8; j0 += kAhead) {
       float2 old[kAhead];
 #pragma unroll
-      for (int j = 0; j < kAhead; ++j)
-        old[j] = accumulate ? *reinterpret_cast<const float2*>(crow + col_base + 8 * (j0 + j)) : make_float2(0.0f, 0.0f);
+      for (int j = 0; j < kAhead; ++j) {
+        const float* at = crow + col_base + 8 * (j0 + j);
+        old[j] = accumulate ? *reinterpret_cast<const float2*>(at) : make_float2(0.0f, 0.0f);
+      }
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
         const int q = j0 + j;
