@@ -30,17 +30,17 @@ namespace hopper {
 // 64 x 256 outputs, against 64 and 128 for 64 x 128), and its 288 threads leave each 224
 // registers for its 128 accumulators, so its epilogue can load the outer scales ahead. On an H100
 // at gpu-small's expert shape (h100_gpu_grouped_gemm_tiles_s57.json) the two main loops take the
-// same time (0.054 / 0.055 ms); with their epilogues, 0.074-0.075 ms for either, 0.92 of a dense
-// cuBLASLt GEMM of the same FLOPs; in the training step the flat tile is ~1 ms faster a step
-// (h100_gpu_train_tma_tile_s57.json), from the weight gradients' K-grouped form and the
-// dgrads. The flat tile measured slower when every K tile's release also cost a MEMBAR.GPU
-// (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms") and before store_block_full (its unrolled
-// branchy epilogue ran out of the instruction cache); 128 x 128 on two warpgroups, two CTAs an SM,
-// was slower too (h200_gpu_grouped_gemm.json, "TMA 128-row ms") and was removed. Every element is the
-// same chain of k16 steps over the same 64-wide K tiles as in wgmma_kernel, whatever the
-// instruction's N, so both tiles give wgmma_kernel's bits. BT: B is read MN-major as wgmma_kernel's
-// BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a 3-D map [G][K][N] a stage (its K
-// rows past a group's K are zeros, not the next group's).
+// same time (0.054-0.056 ms); with the compact epilogue (store_block_full) the flat tile takes
+// 0.074 ms, 0.92 of a dense cuBLASLt GEMM of the same FLOPs (68.7 us under Nsight Compute against
+// 78.9 for the 256 x 128 tile), and the training step ~1 ms less than on the 256 x 128 tile
+// (h100_gpu_train_tma_tile_s57.json). The flat tile measured slower while every K tile's release
+// also cost a MEMBAR.GPU (h200_gpu_grouped_gemm_tiles.json, "128x256 tile ms") and before
+// store_block_full (its unrolled branchy epilogue ran out of the instruction cache); 128 x 128 on
+// two warpgroups, two CTAs an SM, was slower too (h200_gpu_grouped_gemm.json, "TMA 128-row ms")
+// and was removed. Every element is the same chain of k16 steps over the same 64-wide K tiles as
+// in wgmma_kernel, whatever the instruction's N, so both tiles give wgmma_kernel's bits. BT: B is
+// read MN-major as wgmma_kernel's BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a
+// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
 struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x BM / 2 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x BN rows; BT: [G][K][N], boxes 64 x 64 x 1
@@ -315,8 +315,9 @@ bool launch_tma(const GroupedArgs& p) {
 // BN (B) rows each, 128-byte rows in the 128-byte swizzle, as load_tile lays them. The tiles are
 // those of the row-grouped form: 128 x 256 on two warpgroups of m64n256k16 (the default) or 256 x
 // 128 on four of m64n128k16 (set_grouped_wgrad_tma_tile), the same bits. At gpu-small's expert
-// weight gradients on an H100 the flat tile took 0.102 / 0.191 ms (w2; w1 and w3) against 0.135 /
-// 0.258 before the compact epilogue (h100_gpu_grouped_gemm_tiles_s57.json).
+// weight gradients on an H100 the flat tile with the compact epilogue takes 0.103 / 0.194 ms (w2;
+// w1 and w3), the 256 x 128 tile with the branchy one took 0.124 / 0.230
+// (h100_gpu_grouped_gemm_wgrad_s57.json; h100_gpu_grouped_gemm_tiles_s57_call1.txt).
 constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
 
 struct TmaWgradParams {
