@@ -406,8 +406,8 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    if (wgrad_columns_full<WN>(tp.c[j], tp.ldc, tp.n, n0))
-      store_wgrad_block_full<WN>(acc, tp.c[j], tp.ldc, tp.m, m0, n0, wm, tp.accumulate);
+    if (wgrad_columns_full<WN>(tp.n, n0))
+      store_wgrad_block<WN, true>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
     else store_wgrad_block<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }

@@ -1,4 +1,4 @@
-// defines: hopper::store_wgrad_block, store_wgrad_block_full, wgrad_columns_full, hopper::wgrad_kernel,
+// defines: hopper::store_wgrad_block, wgrad_columns_full, hopper::wgrad_kernel,
 //          hopper::launch_wgrad (the K-grouped form's cp.async loop)
 #pragma once
 
@@ -21,9 +21,12 @@ namespace hopper {
 // order, each four k16 steps: deterministic, and independent of the other problems and of the tile.
 
 // The epilogue of a K-grouped output tile at (m0, n0): warpgroup wm's 64 x WN block (wgmma's
-// accumulator layout) into C (ldc floats a row), rows < m and columns < n, added to C's values
-// where accumulate (one rounding each).
-template <int WN = 128>
+// accumulator layout) into C (ldc floats a row, 8-byte aligned: the form declines odd n or ldc),
+// rows < m and columns < n, added to C's values where accumulate (one rounding each). FULL: every
+// column of the block is below n (wgrad_columns_full), so no pair is checked or skipped; the
+// addition is a select and C's load a predicated one, so the unrolled epilogue has no branch per
+// pair and stays small enough for the instruction cache (as store_block_full).
+template <int WN = 128, bool FULL = false>
 __device__ __forceinline__ void store_wgrad_block(const float (&acc)[WN / 2], float* c, int64_t ldc, int m, int n,
                                                   int m0, int n0, int wm, bool accumulate) {
   const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
@@ -39,57 +42,25 @@ __device__ __forceinline__ void store_wgrad_block(const float (&acc)[WN / 2], fl
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
         const int col = col_base + 8 * (j0 + j);
-        old[j] = accumulate && col < n ? *reinterpret_cast<const float2*>(crow + col) : make_float2(0.0f, 0.0f);
+        old[j] = accumulate && (FULL || col < n) ? *reinterpret_cast<const float2*>(crow + col) : make_float2(0.0f, 0.0f);
       }
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {
         const int q = j0 + j, col = col_base + 8 * q;
-        if (col >= n) continue;  // n is even: col + 1 < n too
-        float2 v = make_float2(acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1]);
-        if (accumulate) v = make_float2(num::add_rn(old[j].x, v.x), num::add_rn(old[j].y, v.y));
-        *reinterpret_cast<float2*>(crow + col) = v;
-      }
-    }
-  }
-}
-
-// store_wgrad_block for a block whose columns are all below n, C's rows 8-byte aligned: the same
-// values with no branch per pair (the addition to C chosen by a select and a predicated load), so
-// the unrolled epilogue stays small enough for the instruction cache (store_block_full).
-template <int WN = 128>
-__device__ __forceinline__ void store_wgrad_block_full(const float (&acc)[WN / 2], float* c, int64_t ldc, int m, int m0,
-                                                       int n0, int wm, bool accumulate) {
-  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
-  const int row_base = m0 + wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = n0 + 2 * (lane & 3);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row_base + 8 * half;
-    if (row >= m) continue;
-    float* crow = c + (long long)row * ldc;
-#pragma unroll
-    for (int j0 = 0; j0 < WN / 8; j0 += kAhead) {
-      float2 old[kAhead];
-#pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
-        const float* at = crow + col_base + 8 * (j0 + j);
-        old[j] = accumulate ? *reinterpret_cast<const float2*>(at) : make_float2(0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int j = 0; j < kAhead; ++j) {
-        const int q = j0 + j;
+        if (!FULL && col >= n) continue;  // n is even: col + 1 < n too
         float x = acc[4 * q + 2 * half], y = acc[4 * q + 2 * half + 1];
         x = accumulate ? num::add_rn(old[j].x, x) : x;
         y = accumulate ? num::add_rn(old[j].y, y) : y;
-        *reinterpret_cast<float2*>(crow + col_base + 8 * q) = make_float2(x, y);
+        *reinterpret_cast<float2*>(crow + col) = make_float2(x, y);
       }
     }
   }
 }
 
-// Whether a K-grouped block of WN columns at n0 takes store_wgrad_block_full.
+// Whether a K-grouped block of WN columns at n0 lies below n (store_wgrad_block's FULL form).
 template <int WN = 128>
-__device__ __forceinline__ bool wgrad_columns_full(const float* c, int64_t ldc, int n, int n0) {
-  return n0 + WN <= n && (ldc & 1) == 0 && (reinterpret_cast<uintptr_t>(c) & 7) == 0;
+__device__ __forceinline__ bool wgrad_columns_full(int n, int n0) {
+  return n0 + WN <= n;
 }
 
 template <bool MN>
@@ -100,7 +71,7 @@ __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ K
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
   const int wm = int(threadIdx.x) >> 7;
   auto store = [&](const float (&acc)[64]) {
-    if (wgrad_columns_full(q.c, p.ldc, p.n, n0)) store_wgrad_block_full(acc, q.c, p.ldc, p.m, m0, n0, wm, p.accumulate);
+    if (wgrad_columns_full(p.n, n0)) store_wgrad_block<128, true>(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate);
     else store_wgrad_block(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate);
   };
   float acc[64];
