@@ -50,6 +50,7 @@
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
+#include <algorithm>
 #include <chrono>
 #include <sstream>
 #include <vector>
@@ -94,6 +95,28 @@ std::vector<std::string> one_or_both(int argc, char** argv, const std::string& n
     fail("train_bench: {} must be {}, {} or both, got '{}'", name, first, second, v);
   if (v != first) table.columns.insert(table.columns.begin() + 1, column);
   return v == "both" ? std::vector<std::string>{first, second} : std::vector<std::string>{v};
+}
+
+// An option of comma-separated variants (repeats allowed, each run in this process in turn), each
+// one of `allowed`, whose first is the default; where it is not the default alone, the table gets
+// a column for it after the recipe's.
+std::vector<std::string> variant_list(int argc, char** argv, const std::string& name,
+                                      const std::vector<std::string>& allowed, const std::string& column,
+                                      bench::BenchTable& table) {
+  std::vector<std::string> out;
+  std::stringstream ss(arg(argc, argv, name, allowed.front()));
+  for (std::string v; std::getline(ss, v, ',');) {
+    if (std::find(allowed.begin(), allowed.end(), v) == allowed.end()) {
+      std::string names;
+      for (size_t i = 0; i < allowed.size(); ++i)
+        names += (i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ") + allowed[i];
+      fail("train_bench: {} takes {}, got '{}'", name, names, v);
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) fail("train_bench: {} names no variant", name);
+  if (out != std::vector<std::string>{allowed.front()}) table.columns.insert(table.columns.begin() + 1, column);
+  return out;
 }
 
 void sync(Device d) {
@@ -154,17 +177,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> keeps = one_or_both(argc, argv, "--keep-ffn", "off", "on", "FFN interiors", table);
   const std::vector<std::string> fwds =
       one_or_both(argc, argv, "--forward-gemms", "grouped", "gemm", "forward GEMMs", table);
-  std::vector<std::string> grad_quants;
-  {
-    std::stringstream ss(arg(argc, argv, "--grad-quant", "fused"));
-    for (std::string v; std::getline(ss, v, ',');) {
-      if (v != "fused" && v != "decodes" && v != "apart")
-        fail("train_bench: --grad-quant takes fused, decodes or apart, got '{}'", v);
-      grad_quants.push_back(v);
-    }
-  }
-  if (grad_quants.empty()) fail("train_bench: --grad-quant names no variant");
-  if (grad_quants != std::vector<std::string>{"fused"}) table.columns.insert(table.columns.begin() + 1, "dY quantizers");
+  const std::vector<std::string> grad_quants =
+      variant_list(argc, argv, "--grad-quant", {"fused", "decodes", "apart"}, "dY quantizers", table);
   const std::vector<std::string> amaxes =
       one_or_both(argc, argv, "--weight-amax", "optimizer", "pass", "weight amax", table);
   const std::vector<std::string> saved_xs = one_or_both(argc, argv, "--saved-x", "decodes", "codes", "saved X^T", table);
@@ -176,20 +190,10 @@ int main(int argc, char** argv) {
       one_or_both(argc, argv, "--router-wgrad", "kernels", "cublas", "router wgrad", table);
   if (router_wgrads != std::vector<std::string>{"kernels"} && device != Device::CUDA)
     fail("train_bench: --router-wgrad is for --device cuda");
-  std::vector<std::string> tma_tiles;
-  {
-    std::stringstream ss(arg(argc, argv, "--tma-tile", "256"));
-    for (std::string v; std::getline(ss, v, ',');) {
-      if (v != "256" && v != "128" && v != "128-rows" && v != "128-wgrad")
-        fail("train_bench: --tma-tile takes 256, 128, 128-rows or 128-wgrad, got '{}'", v);
-      tma_tiles.push_back(v);
-    }
-  }
-  if (tma_tiles.empty()) fail("train_bench: --tma-tile names no variant");
-  if (tma_tiles != std::vector<std::string>{"256"}) {
-    if (device != Device::CUDA) fail("train_bench: --tma-tile is for --device cuda");
-    table.columns.insert(table.columns.begin() + 1, "TMA tile");
-  }
+  const std::vector<std::string> tma_tiles =
+      variant_list(argc, argv, "--tma-tile", {"256", "128", "128-rows", "128-wgrad"}, "TMA tile", table);
+  if (tma_tiles != std::vector<std::string>{"256"} && device != Device::CUDA)
+    fail("train_bench: --tma-tile is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
