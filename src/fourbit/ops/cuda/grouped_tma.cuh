@@ -1,6 +1,6 @@
-// defines: hopper::tma_kernel, launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::tma_wgrad_kernel,
-//          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their launch
-//          counters
+// defines: hopper::tma_store_block, hopper::tma_kernel, launch_tma_tile, launch_tma (the training tile
+//          fed by TMA), hopper::tma_wgrad_kernel, launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped
+//          form fed by TMA), bf16_map and their launch counters
 #pragma once
 
 #include <cuda.h>
@@ -70,6 +70,24 @@ __device__ __forceinline__ void tma_tile_of(const TmaParams& tp, int c, int& row
     row_tile = in_band / width;
     pair = first + in_band % width;
   }
+}
+
+// The TMA form's epilogue of warpgroup wm's 64 x WN block at col0. The flat tile's 288 threads
+// have the registers for the outer scales in the compact epilogue (store_block_full), loaded
+// ahead; the 544 of the 256 x 128 tile (96 registers each) do not, so it takes the compact
+// epilogue only where there are no outer scales (ptxas still reports 36 bytes of spills for it
+// with that path compiled in, none before; under Nsight Compute the tile went from 84.6 to
+// 78.9 us at the expert shape all the same). Elsewhere store_block.
+template <int WGM, int WN>
+__device__ __forceinline__ void tma_store_block(const GroupedArgs& p, int group, const float (&acc)[WN / 2], int wm,
+                                                int col0, long long r0, long long r1) {
+  const bool full = block_columns_full<WN>(p, col0);
+  if constexpr (WGM <= 2) {
+    if (full) return store_block_full<WN, kAhead, true>(p, group, acc, wm, col0, r0, r1);
+  } else {
+    if (full && !p.a.outer && !p.b.outer) return store_block_full<WN, 2, false, false>(p, group, acc, wm, col0, r0, r1);
+  }
+  store_block<WN, kAhead, false>(p, group, acc, wm, col0, r0, r1);
 }
 
 // Persistent: cluster i of the grid's n computes cluster tiles i, i + n, i + 2n, ... (both CTAs
@@ -159,25 +177,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
         mbarrier_arrive_cluster(bar, 0);
         mbarrier_arrive_cluster(bar, 1);
       }
-      const int col0 = (2 * pair + int(rank)) * BN;
-      if (tp.no_store) continue;
-      // The flat tile's 288 threads have the registers for the outer scales in the compact
-      // epilogue, loaded ahead; the 544 of the 256 x 128 tile (96 registers each) do not, so it
-      // takes the compact epilogue only where there are no outer scales (ptxas still reports 36
-      // bytes of spills for it with that path compiled in, none before; under Nsight Compute the
-      // tile went from 84.6 to 78.9 us at the expert shape all the same).
-      if constexpr (WGM <= 2) {
-        if (block_columns_full<WN>(p, col0)) {
-          store_block_full<WN, kAhead, true>(p, t.group, acc, wm, col0, t.r0, t.r1);
-          continue;
-        }
-      } else {
-        if (block_columns_full<WN>(p, col0) && !p.a.outer && !p.b.outer) {
-          store_block_full<WN, 2, false, false>(p, t.group, acc, wm, col0, t.r0, t.r1);
-          continue;
-        }
-      }
-      store_block<WN, kAhead, false>(p, t.group, acc, wm, col0, t.r0, t.r1);
+      if (!tp.no_store) tma_store_block<WGM, WN>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
@@ -408,9 +408,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    if (wgrad_columns_full<WN>(tp.n, n0))
-      store_wgrad_block<WN, true>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
-    else store_wgrad_block<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
+    store_wgrad_tile<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }
 

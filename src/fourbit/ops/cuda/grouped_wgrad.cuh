@@ -1,4 +1,4 @@
-// defines: hopper::store_wgrad_block, wgrad_columns_full, hopper::wgrad_kernel,
+// defines: hopper::store_wgrad_block, store_wgrad_tile, hopper::wgrad_kernel,
 //          hopper::launch_wgrad (the K-grouped form's cp.async loop)
 #pragma once
 
@@ -23,7 +23,7 @@ namespace hopper {
 // The epilogue of a K-grouped output tile at (m0, n0): warpgroup wm's 64 x WN block (wgmma's
 // accumulator layout) into C (ldc floats a row, 8-byte aligned: the form declines odd n or ldc),
 // rows < m and columns < n, added to C's values where accumulate (one rounding each). FULL: every
-// column of the block is below n (wgrad_columns_full), so no pair is checked or skipped; the
+// column of the block is below n (store_wgrad_tile chooses), so no pair is checked or skipped; the
 // addition is a select and C's load a predicated one, so the unrolled epilogue has no branch per
 // pair and stays small enough for the instruction cache (as store_block_full).
 template <int WN = 128, bool FULL = false>
@@ -57,10 +57,12 @@ __device__ __forceinline__ void store_wgrad_block(const float (&acc)[WN / 2], fl
   }
 }
 
-// Whether a K-grouped block of WN columns at n0 lies below n (store_wgrad_block's FULL form).
+// store_wgrad_block in its FULL form where the block's WN columns at n0 all lie below n.
 template <int WN = 128>
-__device__ __forceinline__ bool wgrad_columns_full(int n, int n0) {
-  return n0 + WN <= n;
+__device__ __forceinline__ void store_wgrad_tile(const float (&acc)[WN / 2], float* c, int64_t ldc, int m, int n, int m0,
+                                                 int n0, int wm, bool accumulate) {
+  if (n0 + WN <= n) store_wgrad_block<WN, true>(acc, c, ldc, m, n, m0, n0, wm, accumulate);
+  else store_wgrad_block<WN, false>(acc, c, ldc, m, n, m0, n0, wm, accumulate);
 }
 
 template <bool MN>
@@ -70,10 +72,7 @@ __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ K
   const KProblemArgs& q = p.prob[blockIdx.z];
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
   const int wm = int(threadIdx.x) >> 7;
-  auto store = [&](const float (&acc)[64]) {
-    if (wgrad_columns_full(p.n, n0)) store_wgrad_block<128, true>(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate);
-    else store_wgrad_block(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate);
-  };
+  auto store = [&](const float (&acc)[64]) { store_wgrad_tile(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate); };
   float acc[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
