@@ -326,7 +326,11 @@ __global__ void __launch_bounds__(128 * WGM * WGN, 1) wgmma_kernel(const __grid_
   cp_async_wait<0>();
   constexpr int kStoreAhead = WGM * WGN == 1 ? WN / 8 : kAhead;
   const int col0 = n0 + wn * WN;
-  if (block_columns_full<WN>(p, col0)) store_block_full<WN, kStoreAhead>(p, group, acc, wm, col0, r0, r1);
+  // The narrow decode tile keeps store_block: with store_block_full, ptxas serialized its BF16
+  // form's wgmma chain (C7515: non-wgmma instructions defining accumulator registers), and its
+  // decode calls ran ~12% slower on an H100 (session 57); its 8 pairs a thread fit the
+  // instruction cache either way.
+  if (WN >= 128 && block_columns_full<WN>(p, col0)) store_block_full<WN, kStoreAhead>(p, group, acc, wm, col0, r0, r1);
   else store_block<WN, kStoreAhead>(p, group, acc, wm, col0, r0, r1);
 }
 
