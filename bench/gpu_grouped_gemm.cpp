@@ -122,7 +122,8 @@ int main(int argc, char** argv) {
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
                    "grouped / dense speed", "vs per-expert", "256x128 tile ms", "256x128 / dense speed",
-                   "256x128 same bits", "main loop ms", "256x128 main loop ms", "cp.async ms", "launch-order ms",
+                   "256x128 same bits", "ping-pong ms", "ping-pong / dense speed", "ping-pong same bits",
+                   "main loop ms", "256x128 main loop ms", "ping-pong main loop ms", "cp.async ms", "launch-order ms",
                    "a cluster a tile ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     if (decode_only) break;
@@ -185,12 +186,25 @@ int main(int argc, char** argv) {
     device_synchronize();
     const bool tall_same = same_bits(tall_out, out);
     const double t2_ms = median_ms(tall, reps);
+    Tensor pp_out = out.clone();
+    auto pingpong = [&] {  // the ping-pong form: 128 x 128 tiles taken by two warpgroups in turn
+      const bool before = ops::cuda::set_grouped_tma_pingpong(true);
+      ops::cuda::grouped_gemm_bf16(a, b, offsets, pp_out, false);
+      ops::cuda::set_grouped_tma_pingpong(before);
+    };
+    pingpong();
+    device_synchronize();
+    const bool pp_same = same_bits(pp_out, out);
+    const double pp_ms = median_ms(pingpong, reps);
     // the main loops alone: the probe skips the epilogue's stores (cp_out is left unwritten)
     ops::cuda::set_grouped_tma_store_probe(true);
     const double g_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
     const int tile_before = ops::cuda::set_grouped_tma_tile(128);
     const double t2_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
     ops::cuda::set_grouped_tma_tile(tile_before);
+    const bool pp_before = ops::cuda::set_grouped_tma_pingpong(true);
+    const double pp_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
+    ops::cuda::set_grouped_tma_pingpong(pp_before);
     ops::cuda::set_grouped_tma_store_probe(false);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
@@ -204,8 +218,12 @@ int main(int argc, char** argv) {
                {"256x128 tile ms", t2_ms},
                {"256x128 / dense speed", d_ms / t2_ms},
                {"256x128 same bits", tall_same ? "yes" : "NO"},
+               {"ping-pong ms", pp_ms},
+               {"ping-pong / dense speed", d_ms / pp_ms},
+               {"ping-pong same bits", pp_same ? "yes" : "NO"},
                {"main loop ms", g_loop_ms},
                {"256x128 main loop ms", t2_loop_ms},
+               {"ping-pong main loop ms", pp_loop_ms},
                {"cp.async ms", c_ms},
                {"launch-order ms", l_ms},
                {"a cluster a tile ms", t_ms},
@@ -320,7 +338,8 @@ int main(int argc, char** argv) {
   // after zero_grad, which stores instead (the step's, with lazily zeroed gradients)
   wgrad.columns = {"operands",      "case",          "GEMMs",         "grouped ms",           "stored ms",
                    "grouped TFLOP/s", "cp.async form ms", "256x128 tile ms", "per-expert ms",   "dense cuBLAS ms",
-                   "vs per-expert", "grouped / dense speed", "256x128 / dense speed", "gap"};
+                   "vs per-expert", "grouped / dense speed", "256x128 / dense speed", "ping-pong ms",
+                   "ping-pong / dense speed", "ping-pong same bits", "gap"};
   struct WgradCase {
     std::string name;
     std::vector<int64_t> rows;
@@ -383,6 +402,25 @@ int main(int argc, char** argv) {
       const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(128);  // the TMA form's 256 x 128 tile
       const double f_ms = median_ms(grouped, reps);
       ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
+      // the ping-pong form: 128 x 128 tiles taken by two warpgroups in turn, from the same C
+      Tensor pp_grad = Tensor::zeros(grad.shape(), DType::F32, Device::CUDA), pp_ref = pp_grad.clone();
+      std::vector<ops::GemmJob> pp_jobs = jobs, pp_ref_jobs = jobs;
+      std::vector<Tensor> pp_outs, pp_refs;
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        pp_outs.push_back(pp_grad.view(int64_t(i) * D * D, {D, D}));
+        pp_refs.push_back(pp_ref.view(int64_t(i) * D * D, {D, D}));
+      }
+      for (size_t i = 0; i < jobs.size(); ++i) {
+        pp_jobs[i].c = &pp_outs[i];
+        pp_ref_jobs[i].c = &pp_refs[i];
+      }
+      ops::gemm_batch_grouped(pp_ref_jobs);
+      const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(true);
+      ops::gemm_batch_grouped(pp_jobs);
+      device_synchronize();
+      const bool pp_same = same_bits(pp_grad, pp_ref);
+      const double pp_ms = median_ms(grouped, reps);
+      ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
       const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
       wgrad.add({{"operands", mx ? "mxfp8 e4m3, Col axis (decoded)" : "bf16, token-major (transposed)"},
                  {"case", c.name},
@@ -397,6 +435,9 @@ int main(int argc, char** argv) {
                  {"dense cuBLAS ms", d_ms},
                  {"vs per-expert", p_ms / g_ms},
                  {"grouped / dense speed", d_ms / g_ms},
+                 {"ping-pong ms", pp_ms},
+                 {"ping-pong / dense speed", d_ms / pp_ms},
+                 {"ping-pong same bits", pp_same ? "yes" : "NO"},
                  {"gap", fmt::format("{:.1e}", gap)}});
     }
   }
@@ -406,7 +447,7 @@ int main(int argc, char** argv) {
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
   dgrad.columns = {"case",          "M",        "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms",
                    "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "256x128 tile ms",
-                   "256x128 / dense speed", "same bits as K-major", "gap"};
+                   "256x128 / dense speed", "ping-pong ms", "ping-pong / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -447,6 +488,12 @@ int main(int argc, char** argv) {
     same = same && same_bits(out, kout);
     const double f_ms = median_ms(grouped, reps);
     ops::cuda::set_grouped_tma_tile(tile_before);
+    const bool pp_before = ops::cuda::set_grouped_tma_pingpong(true);  // the ping-pong form: the same bits
+    grouped();
+    device_synchronize();
+    same = same && same_bits(out, kout);
+    const double pp_ms = median_ms(grouped, reps);
+    ops::cuda::set_grouped_tma_pingpong(pp_before);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     dgrad.add({{"case", c.name},
                {"M", M},
@@ -459,6 +506,8 @@ int main(int argc, char** argv) {
                {"grouped / dense speed", d_ms / g_ms},
                {"256x128 tile ms", f_ms},
                {"256x128 / dense speed", d_ms / f_ms},
+               {"ping-pong ms", pp_ms},
+               {"ping-pong / dense speed", d_ms / pp_ms},
                {"same bits as K-major", same ? "yes" : "NO"},
                {"gap", fmt::format("{:.1e}", gap)}});
   }
@@ -470,7 +519,8 @@ int main(int argc, char** argv) {
                            "2-CTA clusters multicasting A, persistent, tiles in bands of 8 128-wide column pairs "
                            "(cp.async ms: 256x128 tiles of m64n128k16 fed by cp.async; launch-order ms: TMA, a row "
                            "tile's columns before the next's; a cluster a tile ms: TMA, not persistent; 256x128 tile "
-                           "ms: TMA, 256x128 tiles on 4 warpgroups of m64n128k16; main loop ms: TMA with the "
+                           "ms: TMA, 256x128 tiles on 4 warpgroups of m64n128k16; ping-pong ms: TMA, 128x128 tiles taken "
+                           "whole by 2 warpgroups in turn; main loop ms: TMA with the "
                            "epilogue's stores skipped); for decode-sized groups the streaming kernel (a warp per 16 "
                            "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
                            "rows a group (64 for packed operands), else 64x128 or 64x32 tiles of one warpgroup; "

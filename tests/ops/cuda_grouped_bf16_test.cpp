@@ -293,8 +293,8 @@ TEST(CudaGroupedBf16, RowsAreTheSameWhateverElseIsInTheLaunch) {
 }
 
 // The Hopper loop's training tile fed by TMA in two-CTA clusters (the default) gives the bits of the
-// same tile fed by cp.async, in both of its tiles (128 x 256 on m64n256k16, the default, and
-// 256 x 128 on m64n128k16), persistent (more tiles than clusters, slots past the last row tile between bands)
+// same tile fed by cp.async, in each of its tiles (128 x 256 on m64n256k16, the default, 256 x 128
+// on m64n128k16, and the ping-pong form's 128 x 128 taken by two warpgroups in turn), persistent (more tiles than clusters, slots past the last row tile between bands)
 // or a cluster a tile, in every tile order (bands of column pairs, the last band narrower, or
 // launch order): ragged and empty groups, one column tile (the cluster's second CTA has no
 // columns), a column tile and a part, K past a whole tile, accumulate on and off.
@@ -320,23 +320,24 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
       const std::vector<float> q = host_floats(cp);
       // the default (persistent, bands of 8 pairs), launch order, narrower bands, a cluster a tile
       const std::vector<std::pair<bool, int>> forms = {{true, 8}, {true, 0}, {true, 3}, {false, 8}};
-      for (const int tile : {256, 128})
+      for (const int tile : optest::kTmaTiles)
       for (const auto& [persistent, band] : forms) {
         Tensor tma = Tensor::empty({c.M, c.N}, DType::F32, Device::CUDA);
         ops::convert(c0.dev, tma);
         const int64_t launches = ops::cuda::grouped_tma_launches();
         ops::cuda::set_grouped_tile_band(band);
         ops::cuda::set_grouped_tma_persistent(persistent);
-        const int tile_before = ops::cuda::set_grouped_tma_tile(tile);
-        ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+        {
+          const optest::TmaTile scope(tile);
+          ops::cuda::grouped_gemm_bf16(a.dev, b.dev, offsets_tensor(c.off), tma, accumulate);
+        }
         ops::cuda::set_grouped_tile_band(8);
         ops::cuda::set_grouped_tma_persistent(true);
-        ops::cuda::set_grouped_tma_tile(tile_before);
         EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + 1) << "the TMA form did not run";
         ops::cuda::check_recorded_index_errors();
         const std::vector<float> t = host_floats(tma);
         EXPECT_EQ(0, std::memcmp(t.data(), q.data(), t.size() * sizeof(float)))
-            << "M " << c.M << " N " << c.N << " K " << c.K << ", tile n " << tile << ", band " << band
+            << "M " << c.M << " N " << c.N << " K " << c.K << ", " << optest::tma_tile_name(tile) << ", band " << band
             << (persistent ? ", persistent" : ", a cluster a tile") << (accumulate ? ", accumulate" : "");
         if (!accumulate && c.M < 5000 && band == 8 && persistent && tile == 256)
           expect_near_exact(t, a, b, c.off, c.N, c.K, "tma");
@@ -346,7 +347,7 @@ TEST(CudaGroupedBf16, TmaClustersEqualTheCpAsyncLoopBitForBit) {
 }
 
 // B read MN-major in place (each group stored [K, N]: a dgrad's forward weight) gives the bits of
-// its K-major copy, in the TMA form (both tiles), the cp.async form and the decode tile: ragged and empty
+// its K-major copy, in the TMA form (each tile, the ping-pong form's too), the cp.async form and the decode tile: ragged and empty
 // groups, one group, N and K off the tiles (K rows past a group's K are zeros, not the next
 // group's), accumulate on and off; and ops::grouped_gemm takes a transposed dense B this way.
 TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
@@ -376,21 +377,20 @@ TEST(CudaGroupedBf16, MnMajorBIsTheBitsOfItsKMajorCopy) {
     const bool training_tile = ops::cuda::grouped_rows_per_group(off) > 64;
     const optest::TrainingTile training;  // the TMA form where groups exceed 64 rows, however few tiles
     for (bool accumulate : {false, true})
-      for (const int tma : {256, 128, 0}) {  // the TMA form's tile, or 0: the cp.async form
+      for (const int tma : {256, 128, optest::kPingPongTile, 0}) {  // the TMA form's tile, or 0: the cp.async form
         SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << (accumulate ? ", accumulate" : "")
-                                        << (tma ? ", TMA, tile n " + std::to_string(tma) : ", cp.async"));
+                                        << (tma ? ", TMA, " + optest::tma_tile_name(tma) : ", cp.async"));
         Tensor kmajor = Tensor::empty({M, N}, DType::F32, Device::CUDA);
         ops::convert(c0.dev, kmajor);
         Tensor mnmajor = kmajor.clone();
         ops::cuda::set_grouped_tma(tma != 0);
-        const int tile_before = ops::cuda::set_grouped_tma_tile(tma != 0 ? tma : 256);
+        const optest::TmaTile scope(tma != 0 ? tma : 256);
         ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, ops::cuda::GroupedOperand::bf16(b.dev.raw(), K, N * K), off, N, K,
                                                  kmajor.data<float>(), N, accumulate));
         const int64_t launches = ops::cuda::grouped_tma_launches();
         ASSERT_TRUE(ops::cuda::grouped_gemm_rows(ga, gt, off, N, K, mnmajor.data<float>(), N, accumulate));
         EXPECT_EQ(ops::cuda::grouped_tma_launches(), launches + (tma != 0 && training_tile ? 1 : 0));
         ops::cuda::set_grouped_tma(true);
-        ops::cuda::set_grouped_tma_tile(tile_before);
         ops::cuda::check_recorded_index_errors();
         const std::vector<float> x = host_floats(kmajor), y = host_floats(mnmajor);
         EXPECT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * sizeof(float)));

@@ -64,4 +64,26 @@ struct TrainingTile {
   TrainingTile& operator=(const TrainingTile&) = delete;
 };
 
+// The row-grouped TMA form's tile for the scope: 256 (128 x 256, the default), 128 (256 x 128), or
+// kPingPongTile (the ping-pong form's 128 x 128, set_grouped_tma_pingpong); the settings found are
+// restored at its end.
+inline constexpr int kPingPongTile = -1;
+inline constexpr int kTmaTiles[] = {256, 128, kPingPongTile};
+inline std::string tma_tile_name(int tile) {
+  return tile == kPingPongTile ? "ping-pong 128 x 128" : "tile n " + std::to_string(tile);
+}
+struct TmaTile {
+  explicit TmaTile(int tile)
+      : tile_before(ops::cuda::set_grouped_tma_tile(tile == kPingPongTile ? 256 : tile)),
+        pingpong_before(ops::cuda::set_grouped_tma_pingpong(tile == kPingPongTile)) {}
+  ~TmaTile() {
+    ops::cuda::set_grouped_tma_tile(tile_before);
+    ops::cuda::set_grouped_tma_pingpong(pingpong_before);
+  }
+  TmaTile(const TmaTile&) = delete;
+  TmaTile& operator=(const TmaTile&) = delete;
+  int tile_before;
+  bool pingpong_before;
+};
+
 }  // namespace fourbit::optest

@@ -123,7 +123,8 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
 }
 
 // The TMA form (persistent, a pair of maps a problem whose K ends at the expert's last token), on
-// either tile (128 x 256, 256 x 128), gives the cp.async form's bits, for both layouts: MN-major (token-major dY [T, R] and X [T, C],
+// each tile (128 x 256, 256 x 128, and the ping-pong form's 128 x 128 taken by two warpgroups in
+// turn), gives the cp.async form's bits, for both layouts: MN-major (token-major dY [T, R] and X [T, C],
 // the bf16 recipe's) and K-major ([R, T] and [C, T] with an expert's tokens a column range, the
 // decoded MXFP8 operands'); ragged experts (one token, a K tile and one, none; K-major lengths are
 // multiples of 8), m and n off the tiles (520 rows: row tiles of 128 or 256 and 8 rows), accumulate
@@ -151,7 +152,8 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
       ops::convert(randn_cuda(a_shape, 11), dy);
       ops::convert(randn_cuda(b_shape, 12), x);
       const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 13);
-      auto run = [&](int tma) {  // the TMA form's tile (128 or 256 columns), or 0: the cp.async form
+      // the TMA form's tile (128 or 256 columns, or -1: the ping-pong form), or 0: the cp.async form
+      auto run = [&](int tma) {
         Tensor grad = init.clone();
         std::vector<ops::cuda::KGroupedProblem> problems;
         for (int64_t j = 0; j < cs.problems; ++j) {
@@ -162,10 +164,12 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
                               off[size_t(j) + 1] - off[size_t(j)]});
         }
         ops::cuda::set_grouped_wgrad_tma(tma != 0);
-        const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma != 0 ? tma : 256);
+        const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256);
+        const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0);
         const bool ok = ops::cuda::grouped_gemm_k(mn, problems, cs.R, cs.C, cs.C, cs.accumulate);
         ops::cuda::set_grouped_wgrad_tma(true);
         ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
+        ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
         EXPECT_TRUE(ok);
         return grad;
       };
@@ -176,11 +180,16 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
       const Tensor with_tall_tile = run(128);
       device_synchronize();
       const int64_t tall_launches = ops::cuda::grouped_wgrad_tma_launches() - before - launches;
+      const Tensor with_pingpong = run(-1);
+      device_synchronize();
+      const int64_t pp_launches = ops::cuda::grouped_wgrad_tma_launches() - before - launches - tall_launches;
       const Tensor with_cp_async = run(0);
       EXPECT_EQ(bytes(with_tma), bytes(with_cp_async));
       EXPECT_EQ(bytes(with_tall_tile), bytes(with_cp_async)) << "the 256 x 128 tile";
+      EXPECT_EQ(bytes(with_pingpong), bytes(with_cp_async)) << "the ping-pong form";
       EXPECT_EQ(launches, (cs.problems + 31) / 32) << "the TMA form did not run";
       EXPECT_EQ(tall_launches, (cs.problems + 31) / 32) << "the TMA form's 256 x 128 tile did not run";
+      EXPECT_EQ(pp_launches, (cs.problems + 31) / 32) << "the TMA form's ping-pong tiles did not run";
       if (mn && cs.R == 264 && !cs.accumulate) {  // and both are the exact sums (the tolerance above)
         std::vector<double> hdy = host_doubles(dy), hx = host_doubles(x);
         expect_near_exact(host_doubles(with_tma), {}, hdy, hx, off, cs.R, cs.C, "tma form");

@@ -5,7 +5,8 @@
 //          KGroupedProblem, grouped_gemm_k, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
-//          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma_tile, set_grouped_wgrad_tma,
+//          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma_tile, set_grouped_tma_pingpong,
+//          set_grouped_wgrad_tma_pingpong, set_grouped_wgrad_tma,
 //          set_grouped_narrow_tiles, set_grouped_tma_store_probe,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
@@ -199,6 +200,12 @@ void set_grouped_tile_band(int pairs);
 int set_grouped_tma_tile(int n);
 // The same choice for the K-grouped form's TMA tiles (the experts' weight gradients).
 int set_grouped_wgrad_tma_tile(int n);
+// The row-grouped TMA form's ping-pong tiles instead of set_grouped_tma_tile's, process-wide:
+// 128 x 128 tiles that two warpgroups take in turn, one's epilogue under the other's MMAs. The same
+// bits; returns the previous setting. For tests and benchmarks.
+bool set_grouped_tma_pingpong(bool on);
+// The same for the K-grouped form (the experts' weight gradients).
+bool set_grouped_wgrad_tma_pingpong(bool on);
 // A probe for benchmarks only: with no_store, the row-grouped TMA form runs its main loop and
 // skips its epilogue, leaving C unwritten (wrong results), so that a benchmark can time the main
 // loop alone against the whole kernel. Off by default; never for results.

@@ -1,4 +1,5 @@
-// defines: hopper::Shape, the wgmma loop's helpers (copies, MMAs, pipeline, stores: store_block,
+// defines: hopper::Shape, the wgmma loop's helpers (copies, MMAs: mma_k_tile, mma_k_tile_m128;
+//          pipeline, stores: store_block,
 //          block_columns_full, store_block_full), hopper::wgmma_kernel
 #pragma once
 
@@ -85,6 +86,28 @@ __device__ __forceinline__ void mma_k_tile(float (&acc)[WN / 2], uint32_t a, uin
     else if constexpr (WN == 256)
       wgmma_m64n256k16<TA, TB>(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
     else wgmma_m64n32k16_ss(acc, da + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+  wgmma_commit();
+}
+
+// The MMAs of one 64-wide K tile for one warpgroup's 128 x 128 block (the ping-pong TMA forms):
+// A's 128 rows at a (K-major, rows 64.. 8 KB on; or MN-major where TA, two kPanel panels), B's 128
+// at b (K-major, or MN-major where TB); each k16 step on rows 0..63 into acc0, then on rows
+// 64..127 into acc1 (two independent chains the tensor cores can overlap), committed as one
+// group. Each accumulator gets mma_k_tile's k16 chain: the same bits.
+template <bool TA, bool TB>
+__device__ __forceinline__ void mma_k_tile_m128(float (&acc0)[64], float (&acc1)[64], uint32_t a, uint32_t b,
+                                                bool first) {
+  static_assert(kPanel == 64 * 128, "A's second 64 rows are 8 KB on in either layout");
+  const uint64_t da0 = TA ? wgmma_desc_sw128_mn(a, kPanel) : wgmma_desc_sw128(a);
+  const uint64_t da1 = TA ? wgmma_desc_sw128_mn(a + kPanel, kPanel) : wgmma_desc_sw128(a + kPanel);
+  const uint64_t db = TB ? wgmma_desc_sw128_mn(b, kPanel) : wgmma_desc_sw128(b);
+  constexpr uint64_t kStepA = TA ? 128 : 2, kStepB = TB ? 128 : 2;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    wgmma_m64n128k16<TA, TB>(acc0, da0 + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+    wgmma_m64n128k16<TA, TB>(acc1, da1 + kStepA * kk, db + kStepB * kk, first && kk == 0 ? 0 : 1);
+  }
   wgmma_commit();
 }
 

@@ -458,6 +458,12 @@ int set_grouped_tma_tile(int n) {
   return hopper::g_tma_tile_n.exchange(n, std::memory_order_relaxed);
 }
 
+bool set_grouped_tma_pingpong(bool on) { return hopper::g_tma_pingpong.exchange(on, std::memory_order_relaxed); }
+
+bool set_grouped_wgrad_tma_pingpong(bool on) {
+  return hopper::g_wgrad_tma_pingpong.exchange(on, std::memory_order_relaxed);
+}
+
 void set_grouped_tma_store_probe(bool no_store) { hopper::g_tma_no_store.store(no_store, std::memory_order_relaxed); }
 
 int set_grouped_wgrad_tma_tile(int n) {

@@ -1,6 +1,8 @@
-// defines: hopper::tma_store_block, hopper::tma_kernel, launch_tma_tile, launch_tma (the training tile
-//          fed by TMA), hopper::tma_wgrad_kernel, launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped
-//          form fed by TMA), bf16_map and their launch counters
+// defines: hopper::tma_store_block, hopper::tma_produce, hopper::tma_kernel, hopper::tma_pp_kernel,
+//          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
+//          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
+//          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
+//          launch counters
 #pragma once
 
 #include <cuda.h>
@@ -90,6 +92,50 @@ __device__ __forceinline__ void tma_store_block(const GroupedArgs& p, int group,
   store_block<WN, kAhead, false>(p, group, acc, wm, col0, r0, r1);
 }
 
+// A consumer's release of a stage: one arrival on its empty mbarrier in both CTAs of the pair.
+__device__ __forceinline__ void release_in_cluster(uint32_t bar) {
+  mbarrier_arrive_cluster(bar, 0);
+  mbarrier_arrive_cluster(bar, 1);
+}
+
+// The producer warp of the row-grouped TMA forms (tile S, its stages the ring at sbase with their
+// full and empty mbarriers): the cluster's tiles in turn, every K tile's copies into the next stage
+// once both CTAs have released it; `issuer` (one thread) issues them, the warp finds each tile's
+// group (row_tile_of is warp-collective).
+template <class S, bool BT>
+__device__ __forceinline__ void tma_produce(const TmaParams& tp, uint32_t rank, int cluster, int clusters, int k_tiles,
+                                            uint32_t sbase, uint32_t full0, uint32_t empty0, bool issuer) {
+  constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
+  const GroupedArgs& p = tp.g;
+  const int tiles = tp.pairs * tp.rows;
+  int it = 0;  // K tiles through the ring so far
+  for (int c = cluster; c < tiles; c += clusters) {
+    int row_tile, pair;
+    tma_tile_of(tp, c, row_tile, pair);
+    const RowTile t = row_tile_of(p, BM, row_tile);
+    if (t.group < 0) continue;
+    const int n0 = (2 * pair + int(rank)) * BN;
+    if (issuer) {
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % S::kStages, round = it / S::kStages;
+        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+        const int k0 = p.k_begin + kt * kBK;
+        tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(t.r0) + int(rank) * (BM / 2), bar, uint16_t(3));
+        if constexpr (BT) {
+#pragma unroll
+          for (int h = 0; h < BN / 64; ++h)
+            tma_load_3d(stage + uint32_t(S::kATile + h * kPanel), &tp.b, n0 + 64 * h, k0, t.group, bar);
+        } else {
+          tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // Persistent: cluster i of the grid's n computes cluster tiles i, i + n, i + 2n, ... (both CTAs
 // the same row tile, neighbouring column tiles), and the K tiles of all of them run through one
 // ring of stages, so the producer loads the next tile's first stages while the consumers store
@@ -98,7 +144,7 @@ __device__ __forceinline__ void tma_store_block(const GroupedArgs& p, int group,
 template <bool BT, int WGM, int WN>
 __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid_constant__ TmaParams tp) {
   using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
-  constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
+  constexpr int BM = S::BM, BN = S::BN;
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
@@ -118,34 +164,8 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
   cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
-  if (tid >= 128 * WGM) {  // the producer warp: one thread issues every copy
-    int it = 0;                      // K tiles through the ring so far
-    for (int c = cluster; c < tiles; c += clusters) {
-      int row_tile, pair;
-      tma_tile_of(tp, c, row_tile, pair);
-      const RowTile t = row_tile_of(p, BM, row_tile);
-      if (t.group < 0) continue;
-      const int n0 = (2 * pair + int(rank)) * BN;
-      if (tid == 128 * WGM) {
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-          const int st = it % kStages, round = it / kStages;
-          if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);  // released in both CTAs
-          const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
-          mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
-          const int k0 = p.k_begin + kt * kBK;
-          tma_load_2d_multicast(stage + rank * kHalf, &tp.a, k0, int(t.r0) + int(rank) * (BM / 2), bar,
-                                uint16_t(3));
-          if constexpr (BT) {
-#pragma unroll
-            for (int h = 0; h < BN / 64; ++h)
-              tma_load_3d(stage + uint32_t(S::kATile + h * kPanel), &tp.b, n0 + 64 * h, k0, t.group, bar);
-          } else {
-            tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
-          }
-        }
-      }
-      __syncwarp();
-    }
+  if (tid >= 128 * WGM) {  // the producer warp
+    tma_produce<S, BT>(tp, rank, cluster, clusters, k_tiles, sbase, full0, empty0, tid == 128 * WGM);
   } else {
     const int wm = tid >> 7;
     int it = 0;
@@ -164,23 +184,97 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
         mma_k_tile<false, BT, WN>(acc, stage + uint32_t(wm * 64 * 128), stage + uint32_t(S::kATile), kt == 0);
         wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage in both CTAs
         pin(acc);
-        if (kt > 0 && (tid & 127) == 0) {
-          const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
-          mbarrier_arrive_cluster(bar, 0);
-          mbarrier_arrive_cluster(bar, 1);
-        }
+        if (kt > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kStages));
       }
       wgmma_wait<0>();
       pin(acc);
-      if (k_tiles > 0 && (tid & 127) == 0) {  // the tile's last stage, before its results are stored
-        const uint32_t bar = empty0 + 8u * uint32_t((it - 1) % kStages);
-        mbarrier_arrive_cluster(bar, 0);
-        mbarrier_arrive_cluster(bar, 1);
-      }
+      // the tile's last stage, before its results are stored
+      if (k_tiles > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kStages));
       if (!tp.no_store) tma_store_block<WGM, WN>(p, t.group, acc, wm, (2 * pair + int(rank)) * BN, t.r0, t.r1);
     }
   }
   cluster_sync();  // neither CTA leaves while the other may still copy into it or arrive on it
+}
+
+// The ping-pong form (set_grouped_tma_pingpong): 128 x 128 tiles (the pair's A tile shared as in
+// tma_kernel), each taken whole by one of two consumer warpgroups in turn (128 accumulators a
+// thread: mma_k_tile_m128), so that one warpgroup's epilogue, whose F32 stores wait on DRAM (at
+// gpu-small's expert shape C is 128 MB, as many bytes as A and B together), runs while the other
+// warpgroup's MMAs keep the tensor cores busy; in tma_kernel every warpgroup stores at once and
+// the tensor cores wait. The K tiles of all the CTA's tiles go through one ring of kPpStages
+// stages of 32 KB in the cluster's tile order; tile i of the cluster's is warpgroup i % 2's, which
+// skips the other's K tiles in the ring. A warpgroup waits on a stage's full barrier by its parity,
+// which only tells the phase it waits for from the one before if that one has completed: so a
+// warpgroup starts a tile's waits only once the other has passed every wait of the tile before
+// (named barrier 1 + w says warpgroup w may go; the other arrives on it after its K loop). The
+// same k16 chains as tma_kernel: the same bits.
+constexpr int kPpStages = 6;
+
+template <bool BT>
+__global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __grid_constant__ TmaParams tp) {
+  using S = Shape<Format::BF16, 2, 1, kPpStages, 128>;
+  constexpr int BM = S::BM, BN = S::BN, kSt = S::kStages;
+  const GroupedArgs& p = tp.g;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kSt], empty[kSt];
+
+  const uint32_t rank = cluster_ctarank();
+  const int tid = int(threadIdx.x), cluster = int(blockIdx.x) / 2, clusters = int(gridDim.x) / 2;
+  const int tiles = tp.pairs * tp.rows;
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kSt; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, 2);  // the tile's warpgroup in each CTA of the pair
+    }
+    fence_mbarrier_init();
+  }
+  cluster_sync();
+  const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
+
+  if (tid >= 256) {
+    tma_produce<S, BT>(tp, rank, cluster, clusters, k_tiles, sbase, full0, empty0, tid == 256);
+  } else {
+    const int wg = tid >> 7;
+    int n_tiles = 0;  // the cluster's tiles so far, both warpgroups'
+    for (int c = cluster; c < tiles; c += clusters) {
+      int row_tile, pair;
+      tma_tile_of(tp, c, row_tile, pair);
+      const RowTile t = row_tile_of(p, BM, row_tile);
+      if (t.group < 0) continue;
+      const int i = n_tiles++;
+      if (i % 2 != wg) continue;
+      if (i > 0) named_barrier_sync(1 + wg, 256);  // the other warpgroup has waited for tile i - 1's stages
+      float acc0[64], acc1[64];
+#pragma unroll
+      for (int j = 0; j < 64; ++j) acc0[j] = acc1[j] = 0.0f;
+      int it = i * k_tiles;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int st = it % kSt;
+        mbarrier_wait(full0 + 8u * st, uint32_t(it / kSt) & 1u);
+        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+        mma_k_tile_m128<false, BT>(acc0, acc1, stage, stage + uint32_t(S::kATile), kt == 0);
+        wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage in both CTAs
+        pin(acc0);
+        pin(acc1);
+        if (kt > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kSt));
+      }
+      named_barrier_arrive(2 - wg, 256);  // the other warpgroup's next tile may wait on its stages
+      wgmma_wait<0>();
+      pin(acc0);
+      pin(acc1);
+      if (k_tiles > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kSt));
+      if (!tp.no_store) {
+        const int col0 = (2 * pair + int(rank)) * BN;
+        tma_store_block<2, 128>(p, t.group, acc0, 0, col0, t.r0, t.r1);
+        tma_store_block<2, 128>(p, t.group, acc1, 1, col0, t.r0, t.r1);
+      }
+    }
+    // the arrival after the cluster's last tile is for a tile that never comes: taken here
+    if (n_tiles > 0 && n_tiles % 2 == wg) named_barrier_sync(1 + wg, 256);
+  }
+  cluster_sync();
 }
 
 // cuTensorMapEncodeTiled from the driver (no link against libcuda), or null.
@@ -223,13 +317,25 @@ std::atomic<int> g_tile_band{8};
 std::atomic<bool> g_tma_persistent{true};
 std::atomic<int> g_tma_tile_n{256};  // the TMA form's tile: 128 x 256 (256, the default) or 256 x 128 (128)
 std::atomic<bool> g_tma_no_store{false};
+std::atomic<bool> g_tma_pingpong{false};  // tma_pp_kernel instead of the tile above
 
-// The TMA form of tile BM = 64 WGM x WN for BF16 groups of the training tile; false where it does
-// not apply (a K-major B's slices not back to back, a map the driver will not encode, no driver
-// entry point), and the caller runs wgmma_kernel.
-template <bool BT, int WGM, int WN>
+// The row-grouped TMA kernel of a tile: tma_kernel's BM = 64 WGM x WN, or the ping-pong form's
+// 128 x 128 (PP), and its shape.
+template <bool BT, int WGM, int WN, bool PP>
+constexpr auto tma_kernel_of() {
+  if constexpr (PP) return &tma_pp_kernel<BT>;
+  else return &tma_kernel<BT, WGM, WN>;
+}
+template <int WGM, int WN, bool PP>
+using TmaShape = std::conditional_t<PP, Shape<Format::BF16, 2, 1, kPpStages, 128>, Shape<Format::BF16, WGM, 1, kStages, WN>>;
+
+// The TMA form of tile BM = 64 WGM x WN (or the ping-pong form's, PP) for BF16 groups of the
+// training tile; false where it does not apply (a K-major B's slices not back to back, a map the
+// driver will not encode, no driver entry point), and the caller runs wgmma_kernel.
+template <bool BT, int WGM, int WN, bool PP = false>
 bool launch_tma_tile(const GroupedArgs& p) {
-  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
+  using S = TmaShape<WGM, WN, PP>;
+  constexpr auto kernel = tma_kernel_of<BT, WGM, WN, PP>();
   TmaParams tp{};
   tp.g = p;
   const int band = g_tile_band.load(std::memory_order_relaxed);
@@ -248,7 +354,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
   }
   static const bool attr = [] {
     FOURBIT_CUDA_CHECK(
-        cudaFuncSetAttribute(tma_kernel<BT, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
@@ -258,7 +364,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
   // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(tma_threads<WGM>());
+  cfg.blockDim = dim3(tma_threads<PP ? 2 : WGM>());
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream();
   cudaLaunchAttribute cluster[1];
@@ -273,7 +379,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
     cudaLaunchConfig_t probe = cfg;
     probe.gridDim = dim3(2 * 1024);
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, tma_kernel<BT, WGM, WN>, &probe) != cudaSuccess || n <= 0) {
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &probe) != cudaSuccess || n <= 0) {
       cudaGetLastError();
       n = std::max(1, device_sm_count() / 2);
     }
@@ -286,7 +392,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
   // capture, so one seen eagerly is not tried again there.
   static std::atomic<bool> refused{false};
   if (refused.load(std::memory_order_relaxed)) return false;
-  if (cudaLaunchKernelEx(&cfg, tma_kernel<BT, WGM, WN>, tp) != cudaSuccess) {
+  if (cudaLaunchKernelEx(&cfg, kernel, tp) != cudaSuccess) {
     cudaGetLastError();
     refused.store(true, std::memory_order_relaxed);
     return false;
@@ -295,9 +401,11 @@ bool launch_tma_tile(const GroupedArgs& p) {
   return true;
 }
 
-// The TMA form in the tile set_grouped_tma_tile chose.
+// The TMA form in the tile set_grouped_tma_tile chose, or the ping-pong form
+// (set_grouped_tma_pingpong).
 template <bool BT>
 bool launch_tma(const GroupedArgs& p) {
+  if (g_tma_pingpong.load(std::memory_order_relaxed)) return launch_tma_tile<BT, 2, 128, true>(p);
   return g_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_tile<BT, 2, 256>(p)
                                                              : launch_tma_tile<BT, 4, 128>(p);
 }
@@ -332,6 +440,49 @@ struct TmaWgradParams {
   bool accumulate;
 };
 
+// Tile t of a K-grouped launch on BM x BN tiles: problem j = t / (its tiles), then row tiles
+// fastest.
+template <int BM, int BN>
+__device__ __forceinline__ void wgrad_tile_of(const TmaWgradParams& tp, int t, int& j, int& m0, int& n0) {
+  const int per_problem = tp.tiles_m * tp.tiles_n;
+  j = t / per_problem;
+  const int r = t % per_problem;
+  m0 = (r % tp.tiles_m) * BM;
+  n0 = (r / tp.tiles_m) * BN;
+}
+
+// The producer thread of the K-grouped TMA forms (tile S): the CTA's tiles in turn, each problem's
+// K tiles into the ring's next stage once its consumers have released it.
+template <class S, bool MN>
+__device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint32_t sbase, uint32_t full0,
+                                                  uint32_t empty0) {
+  constexpr int BM = S::BM, BN = S::BN;
+  const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
+  int it = 0;
+  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+    int j, m0, n0;
+    wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
+    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int st = it % S::kStages, round = it / S::kStages;
+      if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
+      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
+      mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
+      const int k0 = kt * kBK;
+      if constexpr (MN) {
+#pragma unroll
+        for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
+#pragma unroll
+        for (int i = 0; i < BN / 64; ++i)
+          tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+      } else {
+        tma_load_2d(stage, &tp.a[j], k0, m0, bar);
+        tma_load_2d(stage + uint32_t(S::kATile), &tp.b[j], k0, n0, bar);
+      }
+    }
+  }
+}
+
 template <bool MN, int WGM, int WN>
 __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const __grid_constant__ TmaWgradParams tp) {
   using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
@@ -339,7 +490,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
   const int tid = int(threadIdx.x);
-  const int per_problem = tp.tiles_m * tp.tiles_n, tiles = per_problem * tp.count;
+  const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
   if (tid == 0) {
@@ -350,46 +501,16 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
     fence_mbarrier_init();
   }
   __syncthreads();
-  // tile t: problem t / per_problem, then row tiles fastest
-  auto tile_of = [&](int t, int& j, int& m0, int& n0) {
-    j = t / per_problem;
-    const int r = t % per_problem;
-    m0 = (r % tp.tiles_m) * BM;
-    n0 = (r / tp.tiles_m) * BN;
-  };
 
   if (tid >= 128 * WGM) {  // the producer: one thread issues every copy
-    if (tid != 128 * WGM) return;
-    int it = 0;
-    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
-      int j, m0, n0;
-      tile_of(t, j, m0, n0);
-      const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-        const int st = it % kStages, round = it / kStages;
-        if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
-        const uint32_t stage = sbase + uint32_t(st * S::kStageBytes), bar = full0 + 8u * st;
-        mbarrier_arrive_expect_tx(bar, uint32_t(S::kATile + S::kBTile));
-        const int k0 = kt * kBK;
-        if constexpr (MN) {
-#pragma unroll
-          for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
-#pragma unroll
-          for (int i = 0; i < BN / 64; ++i)
-            tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
-        } else {
-          tma_load_2d(stage, &tp.a[j], k0, m0, bar);
-          tma_load_2d(stage + uint32_t(S::kATile), &tp.b[j], k0, n0, bar);
-        }
-      }
-    }
+    if (tid == 128 * WGM) tma_wgrad_produce<S, MN>(tp, sbase, full0, empty0);
     return;
   }
   const int wm = tid >> 7, t128 = tid & 127;
   int it = 0;
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
     int j, m0, n0;
-    tile_of(t, j, m0, n0);
+    wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
     const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
     float acc[WN / 2];
 #pragma unroll
@@ -412,16 +533,91 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
   }
 }
 
+// The K-grouped ping-pong form (set_grouped_wgrad_tma_pingpong): tma_pp_kernel's scheme without
+// clusters. 128 x 128 tiles, each taken whole by one of two consumer warpgroups in turn, one's
+// epilogue (C, read and written in FP32) under the other's MMAs; tile i of the CTA's is warpgroup
+// i % 2's, whose K tiles it skips in the ring (each problem its own K), and named barrier 1 + w
+// says warpgroup w may start waiting on its next tile's stages (tma_pp_kernel says why). The same
+// k16 chains as tma_wgrad_kernel: the same bits.
+template <bool MN>
+__global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const __grid_constant__ TmaWgradParams tp) {
+  using S = Shape<Format::BF16, 2, 1, kPpStages, 128>;
+  constexpr int BM = S::BM, BN = S::BN, kSt = S::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t full[kSt], empty[kSt];
+  const int tid = int(threadIdx.x);
+  const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
+  const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
+  const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
+  if (tid == 0) {
+    for (int st = 0; st < kSt; ++st) {
+      mbarrier_init(full0 + 8u * st, 1);
+      mbarrier_init(empty0 + 8u * st, 1);  // the tile's warpgroup
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (tid >= 256) {
+    if (tid == 256) tma_wgrad_produce<S, MN>(tp, sbase, full0, empty0);
+    return;
+  }
+  const int wg = tid >> 7, t128 = tid & 127;
+  int it = 0, i = 0;  // K tiles through the ring and tiles so far, both warpgroups'
+  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x), ++i) {
+    int j, m0, n0;
+    wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
+    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    if (i % 2 != wg) {
+      it += k_tiles;
+      continue;
+    }
+    if (i > 0) named_barrier_sync(1 + wg, 256);  // the other warpgroup has waited for tile i - 1's stages
+    float acc0[64], acc1[64];
+#pragma unroll
+    for (int q = 0; q < 64; ++q) acc0[q] = acc1[q] = 0.0f;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int st = it % kSt;
+      mbarrier_wait(full0 + 8u * st, uint32_t(it / kSt) & 1u);
+      const uint32_t stage = sbase + uint32_t(st * S::kStageBytes);
+      mma_k_tile_m128<MN, MN>(acc0, acc1, stage, stage + uint32_t(S::kATile), kt == 0);
+      wgmma_wait<1>();  // the MMAs of the K tile before are done: release its stage
+      pin(acc0);
+      pin(acc1);
+      if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kSt));
+    }
+    named_barrier_arrive(2 - wg, 256);  // the other warpgroup's next tile may wait on its stages
+    wgmma_wait<0>();
+    pin(acc0);
+    pin(acc1);
+    if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kSt));
+    if (k_tiles == 0 && tp.accumulate) continue;  // no tokens: C unchanged (or zeroed below)
+    store_wgrad_tile<128>(acc0, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 0, tp.accumulate);
+    store_wgrad_tile<128>(acc1, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 1, tp.accumulate);
+  }
+  // the arrival after the CTA's last tile is for a tile that never comes: taken here
+  if (i > 0 && i % 2 == wg) named_barrier_sync(1 + wg, 256);
+}
+
 std::atomic<bool> g_wgrad_tma{true};
 std::atomic<int64_t> g_wgrad_tma_launches{0};
 std::atomic<int> g_wgrad_tma_tile_n{256};  // as g_tma_tile_n, for the K-grouped form
+std::atomic<bool> g_wgrad_tma_pingpong{false};  // tma_wgrad_pp_kernel instead of that tile
 
-// The TMA form of up to kMaxTmaKProblems problems on tiles of 64 WGM x WN; false where it does not
-// apply (a map the driver will not encode, strides off TMA's 16-byte grain, a launch refused), and
-// the caller runs wgrad_kernel<MN>.
-template <bool MN, int WGM, int WN>
+// The K-grouped TMA kernel of a tile: tma_wgrad_kernel's 64 WGM x WN, or the ping-pong form's
+// 128 x 128 (PP).
+template <bool MN, int WGM, int WN, bool PP>
+constexpr auto tma_wgrad_kernel_of() {
+  if constexpr (PP) return &tma_wgrad_pp_kernel<MN>;
+  else return &tma_wgrad_kernel<MN, WGM, WN>;
+}
+
+// The TMA form of up to kMaxTmaKProblems problems on tiles of 64 WGM x WN (or the ping-pong
+// form's, PP); false where it does not apply (a map the driver will not encode, strides off TMA's
+// 16-byte grain, a launch refused), and the caller runs wgrad_kernel<MN>.
+template <bool MN, int WGM, int WN, bool PP = false>
 bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
-  using S = Shape<Format::BF16, WGM, 1, kStages, WN>;
+  using S = TmaShape<WGM, WN, PP>;
+  constexpr auto kernel = tma_wgrad_kernel_of<MN, WGM, WN, PP>();
   if (p.count > kMaxTmaKProblems) return false;
   // ~8 KB of kernel parameters: kept off the stack
   static thread_local TmaWgradParams tp;
@@ -447,23 +643,24 @@ bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
     if (!mapped) return false;
   }
   static const bool attr = [] {
-    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(tma_wgrad_kernel<MN, WGM, WN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            S::kSmemBytes));
+    FOURBIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     return true;
   }();
   (void)attr;
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const int ctas = std::min(tiles, device_sm_count());
   if (ctas <= 0) return true;
-  tma_wgrad_kernel<MN, WGM, WN><<<unsigned(ctas), tma_threads<WGM>(), S::kSmemBytes, stream()>>>(tp);
+  kernel<<<unsigned(ctas), tma_threads<PP ? 2 : WGM>(), S::kSmemBytes, stream()>>>(tp);
   if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
   g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
-// The K-grouped TMA form in the tile set_grouped_wgrad_tma_tile chose.
+// The K-grouped TMA form in the tile set_grouped_wgrad_tma_tile chose, or the ping-pong form
+// (set_grouped_wgrad_tma_pingpong).
 template <bool MN>
 bool launch_tma_wgrad(const KGroupedArgs& p) {
+  if (g_wgrad_tma_pingpong.load(std::memory_order_relaxed)) return launch_tma_wgrad_tile<MN, 2, 128, true>(p);
   return g_wgrad_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_wgrad_tile<MN, 2, 256>(p)
                                                                    : launch_tma_wgrad_tile<MN, 4, 128>(p);
 }

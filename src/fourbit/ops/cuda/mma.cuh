@@ -2,7 +2,8 @@
 //          ld_shared_u32, ld_shared_v4, ldsm_x4, mma_bf16,
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
 //          wgmma_m64n128k16, wgmma_m64n256k16, wgmma_m64n64k16_ss, wgmma_m64n32k16_ss, wgmma_m64nNk16_rs,
-//          mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_wait, mbarrier_arrive_cluster, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
+//          mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_wait, mbarrier_arrive_cluster, mbarrier_arrive, named_barrier_sync,
+//          named_barrier_arrive, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
 // resident casts in cast/): asynchronous global -> shared copies, ldmatrix, the BF16 mma.sync and
@@ -331,6 +332,15 @@ __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   (void)bar;
   __trap();
 #endif
+}
+// Named barrier `id` (1..15; 0 is __syncthreads') of `threads` threads, a multiple of 32: sync
+// waits until that many have arrived (its own warp's included); arrive counts this warp in and goes
+// on. Whole warps only.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r = 0;
