@@ -121,9 +121,10 @@ int main(int argc, char** argv) {
   bench::BenchTable table;
   table.name = fmt::format("grouped BF16 GEMM, FP32 out (median of {})", reps);
   table.columns = {"case",          "M",     "grouped ms", "grouped TFLOP/s", "per-expert cuBLAS ms", "dense cuBLAS ms",
-                   "grouped / dense speed", "vs per-expert", "256x128 tile ms", "256x128 / dense speed",
-                   "256x128 same bits", "ping-pong ms", "ping-pong / dense speed", "ping-pong same bits",
-                   "main loop ms", "256x128 main loop ms", "ping-pong main loop ms", "cp.async ms", "launch-order ms",
+                   "grouped / dense speed", "vs per-expert", "128x256 tile ms", "128x256 / dense speed",
+                   "128x256 same bits", "256x128 tile ms", "256x128 / dense speed", "256x128 same bits",
+                   "ping-pong ms", "ping-pong / dense speed", "ping-pong same bits", "128x256 main loop ms",
+                   "256x128 main loop ms", "ping-pong main loop ms", "cp.async ms", "launch-order ms",
                    "a cluster a tile ms", "mma.sync ms", "gap", "mma.sync gap"};
   for (const Case& c : cases) {
     if (decode_only) break;
@@ -176,36 +177,33 @@ int main(int argc, char** argv) {
       ops::cuda::set_grouped_tma_persistent(true);
     };
     const double t_ms = median_ms(cluster_a_tile, reps);
-    Tensor tall_out = out.clone();
-    auto tall = [&] {  // the TMA form's other tile: 256 x 128 on four warpgroups of m64n128k16
-      const int before = ops::cuda::set_grouped_tma_tile(128);
-      ops::cuda::grouped_gemm_bf16(a, b, offsets, tall_out, false);
-      ops::cuda::set_grouped_tma_tile(before);
+    // the TMA form's tiles whatever K (the default takes the ping-pong one where K <= 4096):
+    // 128 x 256 on two warpgroups of m64n256k16, 256 x 128 on four of m64n128k16, and the ping-pong
+    // form's 128 x 128 taken whole by two warpgroups in turn
+    auto on_tile = [&](int tile, bool pp, auto&& run) {
+      const int tile_before = ops::cuda::set_grouped_tma_tile(tile);
+      const int pp_before = ops::cuda::set_grouped_tma_pingpong(pp ? 1 << 30 : 0);
+      run();
+      ops::cuda::set_grouped_tma_tile(tile_before);
+      ops::cuda::set_grouped_tma_pingpong(pp_before);
     };
-    tall();
-    device_synchronize();
-    const bool tall_same = same_bits(tall_out, out);
-    const double t2_ms = median_ms(tall, reps);
-    Tensor pp_out = out.clone();
-    auto pingpong = [&] {  // the ping-pong form: 128 x 128 tiles taken by two warpgroups in turn
-      const bool before = ops::cuda::set_grouped_tma_pingpong(true);
-      ops::cuda::grouped_gemm_bf16(a, b, offsets, pp_out, false);
-      ops::cuda::set_grouped_tma_pingpong(before);
+    struct TileTime {
+      double ms, loop_ms;
+      bool same;
     };
-    pingpong();
-    device_synchronize();
-    const bool pp_same = same_bits(pp_out, out);
-    const double pp_ms = median_ms(pingpong, reps);
-    // the main loops alone: the probe skips the epilogue's stores (cp_out is left unwritten)
-    ops::cuda::set_grouped_tma_store_probe(true);
-    const double g_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
-    const int tile_before = ops::cuda::set_grouped_tma_tile(128);
-    const double t2_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
-    ops::cuda::set_grouped_tma_tile(tile_before);
-    const bool pp_before = ops::cuda::set_grouped_tma_pingpong(true);
-    const double pp_loop_ms = median_ms([&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, cp_out, false); }, reps);
-    ops::cuda::set_grouped_tma_pingpong(pp_before);
-    ops::cuda::set_grouped_tma_store_probe(false);
+    auto time_tile = [&](int tile, bool pp) {
+      Tensor t_out = out.clone();
+      auto run = [&] { on_tile(tile, pp, [&] { ops::cuda::grouped_gemm_bf16(a, b, offsets, t_out, false); }); };
+      run();
+      device_synchronize();
+      TileTime r{median_ms(run, reps), 0.0, same_bits(t_out, out)};
+      // the main loop alone: the probe skips the epilogue's stores (t_out is left unwritten)
+      ops::cuda::set_grouped_tma_store_probe(true);
+      r.loop_ms = median_ms(run, reps);
+      ops::cuda::set_grouped_tma_store_probe(false);
+      return r;
+    };
+    const TileTime flat = time_tile(256, false), tall = time_tile(128, false), pp = time_tile(256, true);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     table.add({{"case", c.name},
                {"M", M},
@@ -215,15 +213,18 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"grouped / dense speed", d_ms / g_ms},
                {"vs per-expert", p_ms / g_ms},
-               {"256x128 tile ms", t2_ms},
-               {"256x128 / dense speed", d_ms / t2_ms},
-               {"256x128 same bits", tall_same ? "yes" : "NO"},
-               {"ping-pong ms", pp_ms},
-               {"ping-pong / dense speed", d_ms / pp_ms},
-               {"ping-pong same bits", pp_same ? "yes" : "NO"},
-               {"main loop ms", g_loop_ms},
-               {"256x128 main loop ms", t2_loop_ms},
-               {"ping-pong main loop ms", pp_loop_ms},
+               {"128x256 tile ms", flat.ms},
+               {"128x256 / dense speed", d_ms / flat.ms},
+               {"128x256 same bits", flat.same ? "yes" : "NO"},
+               {"256x128 tile ms", tall.ms},
+               {"256x128 / dense speed", d_ms / tall.ms},
+               {"256x128 same bits", tall.same ? "yes" : "NO"},
+               {"ping-pong ms", pp.ms},
+               {"ping-pong / dense speed", d_ms / pp.ms},
+               {"ping-pong same bits", pp.same ? "yes" : "NO"},
+               {"128x256 main loop ms", flat.loop_ms},
+               {"256x128 main loop ms", tall.loop_ms},
+               {"ping-pong main loop ms", pp.loop_ms},
                {"cp.async ms", c_ms},
                {"launch-order ms", l_ms},
                {"a cluster a tile ms", t_ms},
@@ -446,8 +447,9 @@ int main(int argc, char** argv) {
   bench::BenchTable dgrad;
   dgrad.name = fmt::format("expert dgrad, forward weights read MN-major in place (median of {})", reps);
   dgrad.columns = {"case",          "M",        "grouped ms", "grouped TFLOP/s", "per-expert ms", "K-major copy ms",
-                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "256x128 tile ms",
-                   "256x128 / dense speed", "ping-pong ms", "ping-pong / dense speed", "same bits as K-major", "gap"};
+                   "dense cuBLAS ms", "vs per-expert", "grouped / dense speed", "128x256 tile ms",
+                   "128x256 / dense speed", "256x128 tile ms", "256x128 / dense speed", "ping-pong ms",
+                   "ping-pong / dense speed", "same bits as K-major", "gap"};
   for (const Case& c : {Case{"gpu-small w2 dgrad, balanced", 1024, 1024, balanced(16384, 16)},
                         Case{"gpu-small w2 dgrad, skewed", 1024, 1024, skewed},
                         Case{"gpu-small w1|w3 dgrad (K = 2048)", 1024, 2048, balanced(16384, 16)}}) {
@@ -482,18 +484,19 @@ int main(int argc, char** argv) {
     const double gap = similarity_gap(out, ref);
     const double g_ms = median_ms(grouped, reps), k_ms = median_ms(kmajor, reps), p_ms = median_ms(per_expert, reps),
                  d_ms = median_ms(one_gemm, reps);
-    const int tile_before = ops::cuda::set_grouped_tma_tile(128);  // the 256 x 128 tile: the same bits
-    grouped();
-    device_synchronize();
-    same = same && same_bits(out, kout);
-    const double f_ms = median_ms(grouped, reps);
-    ops::cuda::set_grouped_tma_tile(tile_before);
-    const bool pp_before = ops::cuda::set_grouped_tma_pingpong(true);  // the ping-pong form: the same bits
-    grouped();
-    device_synchronize();
-    same = same && same_bits(out, kout);
-    const double pp_ms = median_ms(grouped, reps);
-    ops::cuda::set_grouped_tma_pingpong(pp_before);
+    // each TMA tile whatever K (the default takes the ping-pong one where K <= 4096): the same bits
+    auto time_tile = [&](int tile, bool pp) {
+      const int tile_before = ops::cuda::set_grouped_tma_tile(tile);
+      const int pp_before = ops::cuda::set_grouped_tma_pingpong(pp ? 1 << 30 : 0);
+      grouped();
+      device_synchronize();
+      same = same && same_bits(out, kout);
+      const double ms = median_ms(grouped, reps);
+      ops::cuda::set_grouped_tma_tile(tile_before);
+      ops::cuda::set_grouped_tma_pingpong(pp_before);
+      return ms;
+    };
+    const double flat_ms = time_tile(256, false), f_ms = time_tile(128, false), pp_ms = time_tile(256, true);
     const double flop = 2.0 * double(M) * double(c.N) * double(c.K);
     dgrad.add({{"case", c.name},
                {"M", M},
@@ -504,6 +507,8 @@ int main(int argc, char** argv) {
                {"dense cuBLAS ms", d_ms},
                {"vs per-expert", p_ms / g_ms},
                {"grouped / dense speed", d_ms / g_ms},
+               {"128x256 tile ms", flat_ms},
+               {"128x256 / dense speed", d_ms / flat_ms},
                {"256x128 tile ms", f_ms},
                {"256x128 / dense speed", d_ms / f_ms},
                {"ping-pong ms", pp_ms},
@@ -515,12 +520,14 @@ int main(int argc, char** argv) {
   BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   table.meta = {{"reps", reps},
                 {"device", prop.name},
-                {"kernel", "grouped_mma.cu: on Hopper wgmma m64n256k16 BF16, 128x256 tiles on 2 warpgroups fed by TMA in "
-                           "2-CTA clusters multicasting A, persistent, tiles in bands of 8 128-wide column pairs "
+                {"kernel", "grouped_mma.cu: on Hopper wgmma BF16 fed by TMA in 2-CTA clusters multicasting A, "
+                           "persistent: where K <= 4096 128x128 tiles taken whole by 2 warpgroups in turn (ping-pong, "
+                           "m64n128k16), else 128x256 tiles on 2 warpgroups of m64n256k16; tiles in bands of 8 "
+                           "128-wide column pairs "
                            "(cp.async ms: 256x128 tiles of m64n128k16 fed by cp.async; launch-order ms: TMA, a row "
                            "tile's columns before the next's; a cluster a tile ms: TMA, not persistent; 256x128 tile "
-                           "ms: TMA, 256x128 tiles on 4 warpgroups of m64n128k16; ping-pong ms: TMA, 128x128 tiles taken "
-                           "whole by 2 warpgroups in turn; main loop ms: TMA with the "
+                           "ms: TMA, 256x128 tiles on 4 warpgroups of m64n128k16; 128x256 and ping-pong ms: those "
+                           "tiles whatever K; main loop ms: TMA with the "
                            "epilogue's stores skipped); for decode-sized groups the streaming kernel (a warp per 16 "
                            "weight rows decoded in registers as mma.sync's A operand, tokens in n8 blocks) up to 16 "
                            "rows a group (64 for packed operands), else 64x128 or 64x32 tiles of one warpgroup; "

@@ -41,14 +41,15 @@
 // its input made where they read it (kernels, the default: cuda::set_skinny_wgrad), or on
 // cuBLASLt after a norm pass that makes its input (cublas, the path before them), or both, each
 // recipe run under each in this process.
-// --tma-tile (CUDA): the grouped kernel's TMA forms on 128 x 256 tiles of two m64n256k16
-// warpgroups (256, the default) or 256 x 128 tiles of four m64n128k16 ones (128:
-// cuda::set_grouped_tma_tile and set_grouped_wgrad_tma_tile; the same bits), or the 256 x 128 tile
-// in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one only
-// (128-wgrad), or the ping-pong forms' 128 x 128 tiles taken by two warpgroups in turn in both
-// (pingpong: cuda::set_grouped_tma_pingpong, set_grouped_wgrad_tma_pingpong), the row-grouped form
-// only (pingpong-rows) or the K-grouped one only (pingpong-wgrad); several (comma-separated,
-// repeats allowed) run each recipe under each in this process.
+// --tma-tile (CUDA): the grouped kernel's TMA forms as shipped (pingpong, the default: the
+// row-grouped form's ping-pong 128 x 128 tiles, taken by two warpgroups in turn, where K <= 4096,
+// cuda::set_grouped_tma_pingpong; the weight gradients on 128 x 256 tiles of two m64n256k16
+// warpgroups), the ping-pong tiles in the weight gradients too (pingpong-all:
+// set_grouped_wgrad_tma_pingpong), 128 x 256 tiles in both forms (256), 256 x 128 tiles of four
+// m64n128k16 warpgroups in both (128: set_grouped_tma_tile, set_grouped_wgrad_tma_tile), or the
+// 256 x 128 tile in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one
+// only (128-wgrad), the other on 128 x 256; the same bits. Several (comma-separated, repeats
+// allowed) run each recipe under each in this process.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -193,8 +194,8 @@ int main(int argc, char** argv) {
   if (router_wgrads != std::vector<std::string>{"kernels"} && device != Device::CUDA)
     fail("train_bench: --router-wgrad is for --device cuda");
   const std::vector<std::string> tma_tiles =
-      variant_list(argc, argv, "--tma-tile", {"256", "128", "128-rows", "128-wgrad", "pingpong", "pingpong-rows", "pingpong-wgrad"}, "TMA tile", table);
-  if (tma_tiles != std::vector<std::string>{"256"} && device != Device::CUDA)
+      variant_list(argc, argv, "--tma-tile", {"pingpong", "pingpong-all", "256", "128", "128-rows", "128-wgrad"}, "TMA tile", table);
+  if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
@@ -219,8 +220,8 @@ int main(int argc, char** argv) {
       ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
       ops::cuda::set_grouped_tma_tile(tma_tile == "128" || tma_tile == "128-rows" ? 128 : 256);
       ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "128" || tma_tile == "128-wgrad" ? 128 : 256);
-      ops::cuda::set_grouped_tma_pingpong(tma_tile == "pingpong" || tma_tile == "pingpong-rows");
-      ops::cuda::set_grouped_wgrad_tma_pingpong(tma_tile == "pingpong" || tma_tile == "pingpong-wgrad");
+      ops::cuda::set_grouped_tma_pingpong(tma_tile == "pingpong" || tma_tile == "pingpong-all" ? 4096 : 0);
+      ops::cuda::set_grouped_wgrad_tma_pingpong(tma_tile == "pingpong-all");
       ops::cuda::set_grouped_kernel(variant != "per-expert");
       ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
       ops::cuda::set_grouped_transposed_b(variant != "grouped-lanes-dgrad");
@@ -316,7 +317,7 @@ int main(int argc, char** argv) {
   if (device == Device::CUDA) {
     ops::cuda::set_grouped_tma_tile(256);
     ops::cuda::set_grouped_wgrad_tma_tile(256);
-    ops::cuda::set_grouped_tma_pingpong(false);
+    ops::cuda::set_grouped_tma_pingpong(4096);
     ops::cuda::set_grouped_wgrad_tma_pingpong(false);
   }
 #endif

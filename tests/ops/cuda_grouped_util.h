@@ -64,9 +64,9 @@ struct TrainingTile {
   TrainingTile& operator=(const TrainingTile&) = delete;
 };
 
-// The row-grouped TMA form's tile for the scope: 256 (128 x 256, the default), 128 (256 x 128), or
-// kPingPongTile (the ping-pong form's 128 x 128, set_grouped_tma_pingpong); the settings found are
-// restored at its end.
+// The row-grouped TMA form's tile for the scope, whatever K: 256 (128 x 256), 128 (256 x 128), or
+// kPingPongTile (the ping-pong form's 128 x 128, set_grouped_tma_pingpong: the default where K <=
+// 4096); the settings found are restored at its end.
 inline constexpr int kPingPongTile = -1;
 inline constexpr int kTmaTiles[] = {256, 128, kPingPongTile};
 inline std::string tma_tile_name(int tile) {
@@ -75,7 +75,7 @@ inline std::string tma_tile_name(int tile) {
 struct TmaTile {
   explicit TmaTile(int tile)
       : tile_before(ops::cuda::set_grouped_tma_tile(tile == kPingPongTile ? 256 : tile)),
-        pingpong_before(ops::cuda::set_grouped_tma_pingpong(tile == kPingPongTile)) {}
+        pingpong_before(ops::cuda::set_grouped_tma_pingpong(tile == kPingPongTile ? 1 << 30 : 0)) {}
   ~TmaTile() {
     ops::cuda::set_grouped_tma_tile(tile_before);
     ops::cuda::set_grouped_tma_pingpong(pingpong_before);
@@ -83,7 +83,7 @@ struct TmaTile {
   TmaTile(const TmaTile&) = delete;
   TmaTile& operator=(const TmaTile&) = delete;
   int tile_before;
-  bool pingpong_before;
+  int pingpong_before;
 };
 
 }  // namespace fourbit::optest

@@ -200,11 +200,15 @@ void set_grouped_tile_band(int pairs);
 int set_grouped_tma_tile(int n);
 // The same choice for the K-grouped form's TMA tiles (the experts' weight gradients).
 int set_grouped_wgrad_tma_tile(int n);
-// The row-grouped TMA form's ping-pong tiles instead of set_grouped_tma_tile's, process-wide:
-// 128 x 128 tiles that two warpgroups take in turn, one's epilogue under the other's MMAs. The same
-// bits; returns the previous setting. For tests and benchmarks.
-bool set_grouped_tma_pingpong(bool on);
-// The same for the K-grouped form (the experts' weight gradients).
+// Where the row-grouped TMA form takes its ping-pong tiles instead of set_grouped_tma_tile's,
+// process-wide: 128 x 128 tiles that two warpgroups take in turn, one's epilogue under the other's
+// MMAs, for GEMMs whose K is at most max_k (default 4096, gpu-small's training shapes; 0: never;
+// above it the flat tile, faster where the epilogue is a small part of the time). The same bits;
+// returns the previous setting. For tests and benchmarks.
+int set_grouped_tma_pingpong(int max_k);
+// The K-grouped form (the experts' weight gradients) on ping-pong tiles (off by default: on an
+// H100 the step was within ~0.25 ms either way, and gpu_grouped_gemm timed these calls ~1.9x
+// slower, not yet explained). The same bits; returns the previous setting.
 bool set_grouped_wgrad_tma_pingpong(bool on);
 // A probe for benchmarks only: with no_store, the row-grouped TMA form runs its main loop and
 // skips its epilogue, leaving C unwritten (wrong results), so that a benchmark can time the main

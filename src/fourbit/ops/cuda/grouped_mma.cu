@@ -458,7 +458,9 @@ int set_grouped_tma_tile(int n) {
   return hopper::g_tma_tile_n.exchange(n, std::memory_order_relaxed);
 }
 
-bool set_grouped_tma_pingpong(bool on) { return hopper::g_tma_pingpong.exchange(on, std::memory_order_relaxed); }
+int set_grouped_tma_pingpong(int max_k) {
+  return hopper::g_tma_pingpong_max_k.exchange(std::max(0, max_k), std::memory_order_relaxed);
+}
 
 bool set_grouped_wgrad_tma_pingpong(bool on) {
   return hopper::g_wgrad_tma_pingpong.exchange(on, std::memory_order_relaxed);

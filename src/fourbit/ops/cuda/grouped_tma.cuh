@@ -317,7 +317,13 @@ std::atomic<int> g_tile_band{8};
 std::atomic<bool> g_tma_persistent{true};
 std::atomic<int> g_tma_tile_n{256};  // the TMA form's tile: 128 x 256 (256, the default) or 256 x 128 (128)
 std::atomic<bool> g_tma_no_store{false};
-std::atomic<bool> g_tma_pingpong{false};  // tma_pp_kernel instead of the tile above
+// The row-grouped form takes tma_pp_kernel where K is at most this (set_grouped_tma_pingpong; 0:
+// never), else the tile above. On an H100 the ping-pong tiles took gpu-small's training step ~0.8
+// ms faster for bf16 and ~0.3 for the quantized recipes (all its row-grouped GEMMs have K of 1024
+// to 4096), but 8192^3 10% slower, where the epilogue is a small part of the tile's time and the
+// 128 x 128 tiles' greater L2 traffic counts (h100_gpu_train_pingpong_s58.json,
+// h100_gpu_grouped_gemm_pingpong_s58.json).
+std::atomic<int> g_tma_pingpong_max_k{4096};
 
 // The row-grouped TMA kernel of a tile: tma_kernel's BM = 64 WGM x WN, or the ping-pong form's
 // 128 x 128 (PP), and its shape.
@@ -401,11 +407,12 @@ bool launch_tma_tile(const GroupedArgs& p) {
   return true;
 }
 
-// The TMA form in the tile set_grouped_tma_tile chose, or the ping-pong form
-// (set_grouped_tma_pingpong).
+// The ping-pong form where K is at most g_tma_pingpong_max_k, else the TMA form in the tile
+// set_grouped_tma_tile chose.
 template <bool BT>
 bool launch_tma(const GroupedArgs& p) {
-  if (g_tma_pingpong.load(std::memory_order_relaxed)) return launch_tma_tile<BT, 2, 128, true>(p);
+  if (p.k_end - p.k_begin <= g_tma_pingpong_max_k.load(std::memory_order_relaxed))
+    return launch_tma_tile<BT, 2, 128, true>(p);
   return g_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_tile<BT, 2, 256>(p)
                                                              : launch_tma_tile<BT, 4, 128>(p);
 }
