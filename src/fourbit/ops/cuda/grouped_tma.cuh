@@ -42,7 +42,9 @@ namespace hopper {
 // and was removed. Every element is the same chain of k16 steps over the same 64-wide K tiles as
 // in wgmma_kernel, whatever the instruction's N, so both tiles give wgmma_kernel's bits. BT: B is
 // read MN-major as wgmma_kernel's BT form reads it, WN / 64 boxes of 64 N values x 64 K rows of a
-// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's).
+// 3-D map [G][K][N] a stage (its K rows past a group's K are zeros, not the next group's). Where K
+// is at most 4096 the default is neither tile but the ping-pong form below (tma_pp_kernel), whose
+// warpgroups take 128 x 128 tiles in turn.
 struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x BM / 2 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x BN rows; BT: [G][K][N], boxes 64 x 64 x 1
@@ -318,10 +320,10 @@ std::atomic<bool> g_tma_persistent{true};
 std::atomic<int> g_tma_tile_n{256};  // the TMA form's tile: 128 x 256 (256, the default) or 256 x 128 (128)
 std::atomic<bool> g_tma_no_store{false};
 // The row-grouped form takes tma_pp_kernel where K is at most this (set_grouped_tma_pingpong; 0:
-// never), else the tile above. On an H100 the ping-pong tiles took gpu-small's training step ~0.8
-// ms faster for bf16 and ~0.3 for the quantized recipes (all its row-grouped GEMMs have K of 1024
-// to 4096), but 8192^3 10% slower, where the epilogue is a small part of the tile's time and the
-// 128 x 128 tiles' greater L2 traffic counts (h100_gpu_train_pingpong_s58.json,
+// never), else the tile above. On an H100 the ping-pong tiles took gpu-small's training step
+// 0.6-0.8 ms faster for bf16 and 0.1-0.35 for the quantized recipes (its row-grouped GEMMs have K
+// of 1024 to 4096), but 8192^3 10-16% slower, where the epilogue is a small part of the tile's
+// time and the 128 x 128 tiles' greater L2 traffic counts (h100_gpu_train_pingpong_s58.json,
 // h100_gpu_grouped_gemm_pingpong_s58.json).
 std::atomic<int> g_tma_pingpong_max_k{4096};
 
@@ -434,7 +436,10 @@ bool launch_tma(const GroupedArgs& p) {
 // 128 on four of m64n128k16 (set_grouped_wgrad_tma_tile), the same bits. At gpu-small's expert
 // weight gradients on an H100 the flat tile with the compact epilogue takes 0.103 / 0.194 ms (w2;
 // w1 and w3), the 256 x 128 tile with the branchy one took 0.124 / 0.230
-// (h100_gpu_grouped_gemm_wgrad_s57.json; h100_gpu_grouped_gemm_tiles_s57_call1.txt).
+// (h100_gpu_grouped_gemm_wgrad_s57.json; h100_gpu_grouped_gemm_tiles_s57_call1.txt); in session
+// 58's bench the 256 x 128 tile with the compact epilogue and the ping-pong form below took 0.18
+// ms for w2 against 0.095 for the flat tile, though the ping-pong form was within ~0.25 ms of the
+// flat tile in the training step (h100_gpu_grouped_gemm_pingpong_wgrad_s58.json; not explained).
 constexpr int kMaxTmaKProblems = 32;  // a launch's (the maps travel as kernel parameters: ~8 KB)
 
 struct TmaWgradParams {
