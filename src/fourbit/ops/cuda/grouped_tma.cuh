@@ -1,4 +1,5 @@
-// defines: hopper::tma_store_block, hopper::tma_produce, hopper::tma_kernel, hopper::tma_pp_kernel,
+// defines: hopper::tma_store_block, hopper::init_ring, hopper::release_in_cluster, hopper::tma_produce,
+//          hopper::tma_kernel, hopper::tma_pp_kernel,
 //          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
 //          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
 //          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
@@ -94,6 +95,19 @@ __device__ __forceinline__ void tma_store_block(const GroupedArgs& p, int group,
   store_block<WN, kAhead, false>(p, group, acc, wm, col0, r0, r1);
 }
 
+// Thread 0 sets up a ring of ST stages: each stage's full mbarrier (one arrival, the producer's
+// with its bytes) and its empty one (`releases` arrivals, the consumers'), the initialisations made
+// visible to the cluster (the caller syncs before any copy or arrival).
+template <int ST>
+__device__ __forceinline__ void init_ring(uint32_t full0, uint32_t empty0, uint32_t releases) {
+  if (threadIdx.x != 0) return;
+  for (int st = 0; st < ST; ++st) {
+    mbarrier_init(full0 + 8u * st, 1);
+    mbarrier_init(empty0 + 8u * st, releases);
+  }
+  fence_mbarrier_init();
+}
+
 // A consumer's release of a stage: one arrival on its empty mbarrier in both CTAs of the pair.
 __device__ __forceinline__ void release_in_cluster(uint32_t bar) {
   mbarrier_arrive_cluster(bar, 0);
@@ -156,13 +170,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
   const int tiles = tp.pairs * tp.rows;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, 2 * WGM);
-    }
-    fence_mbarrier_init();
-  }
+  init_ring<kStages>(full0, empty0, 2 * WGM);
   cluster_sync();  // both CTAs' barriers are initialised before either copies or arrives
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
@@ -225,13 +233,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
   const int tiles = tp.pairs * tp.rows;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
-  if (tid == 0) {
-    for (int st = 0; st < kSt; ++st) {
-      mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, 2);  // the tile's warpgroup in each CTA of the pair
-    }
-    fence_mbarrier_init();
-  }
+  init_ring<kSt>(full0, empty0, 2);  // the tile's warpgroup in each CTA of the pair
   cluster_sync();
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
@@ -505,13 +507,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
-  if (tid == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, WGM);
-    }
-    fence_mbarrier_init();
-  }
+  init_ring<kStages>(full0, empty0, WGM);
   __syncthreads();
 
   if (tid >= 128 * WGM) {  // the producer: one thread issues every copy
@@ -561,13 +557,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const uint32_t raw = smem_address(smem_raw), sbase = (raw + 1023u) & ~1023u;
   const uint32_t full0 = smem_address(&full[0]), empty0 = smem_address(&empty[0]);
-  if (tid == 0) {
-    for (int st = 0; st < kSt; ++st) {
-      mbarrier_init(full0 + 8u * st, 1);
-      mbarrier_init(empty0 + 8u * st, 1);  // the tile's warpgroup
-    }
-    fence_mbarrier_init();
-  }
+  init_ring<kSt>(full0, empty0, 1);  // the tile's warpgroup
   __syncthreads();
   if (tid >= 256) {
     if (tid == 256) tma_wgrad_produce<S, MN>(tp, sbase, full0, empty0);
