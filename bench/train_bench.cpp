@@ -44,8 +44,9 @@
 // --tma-tile (CUDA): the grouped kernel's TMA forms as shipped (pingpong, the default: the
 // row-grouped form's ping-pong 128 x 128 tiles, taken by two warpgroups in turn, where K <= 4096,
 // cuda::set_grouped_tma_pingpong; the weight gradients on 128 x 256 tiles of two m64n256k16
-// warpgroups), the ping-pong tiles in the weight gradients too (pingpong-all:
-// set_grouped_wgrad_tma_pingpong), 128 x 256 tiles in both forms (256), 256 x 128 tiles of four
+// warpgroups), the ping-pong tiles but for the bf16 recipe's dgrads (MN-major B), which take 128 x
+// 256 (pingpong-fwd: set_grouped_tma_pingpong_mn_major), the ping-pong tiles in the weight
+// gradients too (pingpong-all: set_grouped_wgrad_tma_pingpong), 128 x 256 tiles in both forms (256), 256 x 128 tiles of four
 // m64n128k16 warpgroups in both (128: set_grouped_tma_tile, set_grouped_wgrad_tma_tile), or the
 // 256 x 128 tile in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one
 // only (128-wgrad), the other on 128 x 256; the same bits. Several (comma-separated, repeats
@@ -194,7 +195,7 @@ int main(int argc, char** argv) {
   if (router_wgrads != std::vector<std::string>{"kernels"} && device != Device::CUDA)
     fail("train_bench: --router-wgrad is for --device cuda");
   const std::vector<std::string> tma_tiles =
-      variant_list(argc, argv, "--tma-tile", {"pingpong", "pingpong-all", "256", "128", "128-rows", "128-wgrad"}, "TMA tile", table);
+      variant_list(argc, argv, "--tma-tile", {"pingpong", "pingpong-fwd", "pingpong-all", "256", "128", "128-rows", "128-wgrad"}, "TMA tile", table);
   if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
   // the process's settings, put back after the variants
@@ -220,7 +221,8 @@ int main(int argc, char** argv) {
       ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
       ops::cuda::set_grouped_tma_tile(tma_tile == "128" || tma_tile == "128-rows" ? 128 : 256);
       ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "128" || tma_tile == "128-wgrad" ? 128 : 256);
-      ops::cuda::set_grouped_tma_pingpong(tma_tile == "pingpong" || tma_tile == "pingpong-all" ? 4096 : 0);
+      ops::cuda::set_grouped_tma_pingpong(tma_tile.rfind("pingpong", 0) == 0 ? 4096 : 0);
+      ops::cuda::set_grouped_tma_pingpong_mn_major(tma_tile != "pingpong-fwd");
       ops::cuda::set_grouped_wgrad_tma_pingpong(tma_tile == "pingpong-all");
       ops::cuda::set_grouped_kernel(variant != "per-expert");
       ops::cuda::set_fused_dequant(variant == "grouped" || variant == "grouped-lanes-dgrad");
@@ -318,6 +320,7 @@ int main(int argc, char** argv) {
     ops::cuda::set_grouped_tma_tile(256);
     ops::cuda::set_grouped_wgrad_tma_tile(256);
     ops::cuda::set_grouped_tma_pingpong(4096);
+    ops::cuda::set_grouped_tma_pingpong_mn_major(true);
     ops::cuda::set_grouped_wgrad_tma_pingpong(false);
   }
 #endif

@@ -6,7 +6,7 @@
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma_tile, set_grouped_tma_pingpong,
-//          set_grouped_wgrad_tma_pingpong, set_grouped_wgrad_tma,
+//          set_grouped_tma_pingpong_mn_major, set_grouped_wgrad_tma_pingpong, set_grouped_wgrad_tma,
 //          set_grouped_narrow_tiles, set_grouped_tma_store_probe,
 //          grouped_tma_launches, grouped_wgrad_tma_launches,
 //          set_dependent_launches, wgmma_available,
@@ -206,6 +206,10 @@ int set_grouped_wgrad_tma_tile(int n);
 // above it the flat tile, faster where the epilogue is a small part of the time). The same bits;
 // returns the previous setting. For tests and benchmarks.
 int set_grouped_tma_pingpong(int max_k);
+// Whether a row-grouped GEMM with an MN-major B (the bf16 recipe's expert dgrads) takes those
+// ping-pong tiles too (true, the default) or the set_grouped_tma_tile one. The same bits; returns
+// the previous setting. For benchmarks.
+bool set_grouped_tma_pingpong_mn_major(bool on);
 // The K-grouped form (the experts' weight gradients) on ping-pong tiles (off by default: on an
 // H100 the step was within ~0.25 ms either way, and gpu_grouped_gemm timed these calls ~1.9x
 // slower, not yet explained). The same bits; returns the previous setting.

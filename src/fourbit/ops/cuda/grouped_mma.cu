@@ -462,6 +462,10 @@ int set_grouped_tma_pingpong(int max_k) {
   return hopper::g_tma_pingpong_max_k.exchange(std::max(0, max_k), std::memory_order_relaxed);
 }
 
+bool set_grouped_tma_pingpong_mn_major(bool on) {
+  return hopper::g_tma_pingpong_mn_major.exchange(on, std::memory_order_relaxed);
+}
+
 bool set_grouped_wgrad_tma_pingpong(bool on) {
   return hopper::g_wgrad_tma_pingpong.exchange(on, std::memory_order_relaxed);
 }

@@ -328,6 +328,10 @@ std::atomic<bool> g_tma_no_store{false};
 // time and the 128 x 128 tiles' greater L2 traffic counts (h100_gpu_train_pingpong_s58.json,
 // h100_gpu_grouped_gemm_pingpong_s58.json).
 std::atomic<int> g_tma_pingpong_max_k{4096};
+// Whether an MN-major B (the bf16 recipe's dgrads, the forward's weights read in place) takes the
+// ping-pong tiles too (set_grouped_tma_pingpong_mn_major; the default): in gpu_grouped_gemm those
+// dgrads ran 0-4% faster on 128 x 256, a configuration not yet timed in the step.
+std::atomic<bool> g_tma_pingpong_mn_major{true};
 
 // The row-grouped TMA kernel of a tile: tma_kernel's BM = 64 WGM x WN, or the ping-pong form's
 // 128 x 128 (PP), and its shape.
@@ -411,11 +415,12 @@ bool launch_tma_tile(const GroupedArgs& p) {
   return true;
 }
 
-// The ping-pong form where K is at most g_tma_pingpong_max_k, else the TMA form in the tile
-// set_grouped_tma_tile chose.
+// The ping-pong form where K is at most g_tma_pingpong_max_k (for an MN-major B, where
+// g_tma_pingpong_mn_major too), else the TMA form in the tile set_grouped_tma_tile chose.
 template <bool BT>
 bool launch_tma(const GroupedArgs& p) {
-  if (p.k_end - p.k_begin <= g_tma_pingpong_max_k.load(std::memory_order_relaxed))
+  if (p.k_end - p.k_begin <= g_tma_pingpong_max_k.load(std::memory_order_relaxed) &&
+      (!BT || g_tma_pingpong_mn_major.load(std::memory_order_relaxed)))
     return launch_tma_tile<BT, 2, 128, true>(p);
   return g_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_tile<BT, 2, 256>(p)
                                                              : launch_tma_tile<BT, 4, 128>(p);
