@@ -1,5 +1,5 @@
 // defines: hopper::tma_store_block, hopper::init_ring, hopper::release_in_cluster, hopper::tma_produce,
-//          hopper::tma_kernel, hopper::tma_pp_kernel,
+//          hopper::tma_kernel, TmaShape, PpShape, pp_wait_turn, pp_pass_turn, pp_end, hopper::tma_pp_kernel,
 //          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
 //          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
 //          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
@@ -219,10 +219,27 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_kernel(const __grid
 // (named barrier 1 + w says warpgroup w may go; the other arrives on it after its K loop). The
 // same k16 chains as tma_kernel: the same bits.
 constexpr int kPpStages = 6;
+// A TMA kernel's tile shape: WGM warpgroups of 64 x WN (the cooperative tiles, kStages stages), or
+// the ping-pong form's (PP: WGM 2, WN 128, a warpgroup's 128 x 128 tile, kPpStages stages).
+template <int WGM, int WN, bool PP>
+using TmaShape = Shape<Format::BF16, WGM, 1, PP ? kPpStages : kStages, WN>;
+using PpShape = TmaShape<2, 128, true>;
+
+// The ping-pong warpgroups' turns (named barrier 1 + w: warpgroup w may go): before tile i > 0
+// of the CTA's (or cluster's), warpgroup i % 2 waits until the other has passed every wait of tile
+// i - 1; after its K loop it passes the turn; the pass after the last tile, for a tile that never
+// comes, is taken by the warpgroup that would have run it (pp_end).
+__device__ __forceinline__ void pp_wait_turn(int i, int wg) {
+  if (i > 0) named_barrier_sync(1 + wg, 256);
+}
+__device__ __forceinline__ void pp_pass_turn(int wg) { named_barrier_arrive(2 - wg, 256); }
+__device__ __forceinline__ void pp_end(int tiles, int wg) {
+  if (tiles > 0 && tiles % 2 == wg) named_barrier_sync(1 + wg, 256);
+}
 
 template <bool BT>
 __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __grid_constant__ TmaParams tp) {
-  using S = Shape<Format::BF16, 2, 1, kPpStages, 128>;
+  using S = PpShape;
   constexpr int BM = S::BM, BN = S::BN, kSt = S::kStages;
   const GroupedArgs& p = tp.g;
   extern __shared__ unsigned char smem_raw[];
@@ -249,7 +266,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
       if (t.group < 0) continue;
       const int i = n_tiles++;
       if (i % 2 != wg) continue;
-      if (i > 0) named_barrier_sync(1 + wg, 256);  // the other warpgroup has waited for tile i - 1's stages
+      pp_wait_turn(i, wg);
       float acc0[64], acc1[64];
 #pragma unroll
       for (int j = 0; j < 64; ++j) acc0[j] = acc1[j] = 0.0f;
@@ -264,7 +281,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
         pin(acc1);
         if (kt > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kSt));
       }
-      named_barrier_arrive(2 - wg, 256);  // the other warpgroup's next tile may wait on its stages
+      pp_pass_turn(wg);  // the other warpgroup's next tile may wait on its stages
       wgmma_wait<0>();
       pin(acc0);
       pin(acc1);
@@ -275,8 +292,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
         tma_store_block<2, 128>(p, t.group, acc1, 1, col0, t.r0, t.r1);
       }
     }
-    // the arrival after the cluster's last tile is for a tile that never comes: taken here
-    if (n_tiles > 0 && n_tiles % 2 == wg) named_barrier_sync(1 + wg, 256);
+    pp_end(n_tiles, wg);
   }
   cluster_sync();
 }
@@ -340,14 +356,13 @@ constexpr auto tma_kernel_of() {
   if constexpr (PP) return &tma_pp_kernel<BT>;
   else return &tma_kernel<BT, WGM, WN>;
 }
-template <int WGM, int WN, bool PP>
-using TmaShape = std::conditional_t<PP, Shape<Format::BF16, 2, 1, kPpStages, 128>, Shape<Format::BF16, WGM, 1, kStages, WN>>;
 
 // The TMA form of tile BM = 64 WGM x WN (or the ping-pong form's, PP) for BF16 groups of the
 // training tile; false where it does not apply (a K-major B's slices not back to back, a map the
 // driver will not encode, no driver entry point), and the caller runs wgmma_kernel.
 template <bool BT, int WGM, int WN, bool PP = false>
 bool launch_tma_tile(const GroupedArgs& p) {
+  static_assert(!PP || (WGM == 2 && WN == 128), "the ping-pong form's tiles: two warpgroups of 128 x 128");
   using S = TmaShape<WGM, WN, PP>;
   constexpr auto kernel = tma_kernel_of<BT, WGM, WN, PP>();
   TmaParams tp{};
@@ -378,7 +393,7 @@ bool launch_tma_tile(const GroupedArgs& p) {
   // clusters of two CTAs along the columns, asked for at launch (a __cluster_dims__ attribute
   // would not compile for the portable compute_80 code)
   cudaLaunchConfig_t cfg{};
-  cfg.blockDim = dim3(tma_threads<PP ? 2 : WGM>());
+  cfg.blockDim = dim3(tma_threads<WGM>());
   cfg.dynamicSmemBytes = S::kSmemBytes;
   cfg.stream = stream();
   cudaLaunchAttribute cluster[1];
@@ -554,7 +569,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
 // k16 chains as tma_wgrad_kernel: the same bits.
 template <bool MN>
 __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const __grid_constant__ TmaWgradParams tp) {
-  using S = Shape<Format::BF16, 2, 1, kPpStages, 128>;
+  using S = PpShape;
   constexpr int BM = S::BM, BN = S::BN, kSt = S::kStages;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kSt], empty[kSt];
@@ -578,7 +593,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
       it += k_tiles;
       continue;
     }
-    if (i > 0) named_barrier_sync(1 + wg, 256);  // the other warpgroup has waited for tile i - 1's stages
+    pp_wait_turn(i, wg);
     float acc0[64], acc1[64];
 #pragma unroll
     for (int q = 0; q < 64; ++q) acc0[q] = acc1[q] = 0.0f;
@@ -592,7 +607,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
       pin(acc1);
       if (kt > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kSt));
     }
-    named_barrier_arrive(2 - wg, 256);  // the other warpgroup's next tile may wait on its stages
+    pp_pass_turn(wg);  // the other warpgroup's next tile may wait on its stages
     wgmma_wait<0>();
     pin(acc0);
     pin(acc1);
@@ -601,8 +616,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
     store_wgrad_tile<128>(acc0, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 0, tp.accumulate);
     store_wgrad_tile<128>(acc1, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 1, tp.accumulate);
   }
-  // the arrival after the CTA's last tile is for a tile that never comes: taken here
-  if (i > 0 && i % 2 == wg) named_barrier_sync(1 + wg, 256);
+  pp_end(i, wg);
 }
 
 std::atomic<bool> g_wgrad_tma{true};
@@ -623,6 +637,7 @@ constexpr auto tma_wgrad_kernel_of() {
 // 16-byte grain, a launch refused), and the caller runs wgrad_kernel<MN>.
 template <bool MN, int WGM, int WN, bool PP = false>
 bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
+  static_assert(!PP || (WGM == 2 && WN == 128), "the ping-pong form's tiles: two warpgroups of 128 x 128");
   using S = TmaShape<WGM, WN, PP>;
   constexpr auto kernel = tma_wgrad_kernel_of<MN, WGM, WN, PP>();
   if (p.count > kMaxTmaKProblems) return false;
@@ -657,7 +672,7 @@ bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
   const int ctas = std::min(tiles, device_sm_count());
   if (ctas <= 0) return true;
-  kernel<<<unsigned(ctas), tma_threads<PP ? 2 : WGM>(), S::kSmemBytes, stream()>>>(tp);
+  kernel<<<unsigned(ctas), tma_threads<WGM>(), S::kSmemBytes, stream()>>>(tp);
   if (cudaGetLastError() != cudaSuccess) return false;  // e.g. parameters over the device's limit
   g_wgrad_tma_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
