@@ -5,7 +5,8 @@
 // MXFP8 ones (decoded, read along K), with one-token, tile-crossing and off-tile shapes, accumulate
 // on and off; on Hopper, gemm_batch_grouped is the one launch (its bits), a problem's bits do not
 // depend on the other problems of the launch, runs repeat bit for bit; the TMA form gives the
-// cp.async form's bits in both layouts; empty problems and the shapes it declines.
+// cp.async form's bits in both layouts; with device offsets (grouped_wgrad_device_offsets) the bits of
+// the host's; empty problems and the shapes it declines.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -229,6 +230,81 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnDecodedMxfp8Operands) {
     ops::gemm_batch_grouped(jobs);
     expect_near_exact(host_doubles(grad), host_doubles(init), hdy, hx, kOffsets, R, C, "mxfp8, decoded");
   }
+}
+
+// ops::grouped_wgrad_device_offsets on the GPU (the K-grouped form reading device offsets: each
+// problem's arguments and TMA maps made by a kernel) gives the bits of the same problems with the
+// host's offsets (gemm_batch_grouped of each expert's transposed rows: grouped_gemm_k), on every
+// TMA tile and the cp.async form, in one launch whatever the number of problems; ragged experts
+// (one token, a K tile and one, none), m and n off the tiles, rows past the last offset, accumulate
+// on and off. Bad offsets are recorded and reported by check_index_errors.
+TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
+  struct Case {
+    int64_t R, C, problems;
+    bool accumulate;
+  };
+  for (const Case cs : {Case{264, 136, 6, true}, Case{264, 136, 6, false}, Case{128, 256, 40, true},
+                        Case{520, 72, 3, false}}) {
+    SCOPED_TRACE(testing::Message() << "R " << cs.R << " C " << cs.C << " problems " << cs.problems
+                                    << (cs.accumulate ? " accumulate" : ""));
+    const std::vector<int64_t> lens{1, 65, 0, 334, 1250, 8};
+    std::vector<int32_t> off{0};
+    for (int64_t j = 0; j < cs.problems; ++j) off.push_back(off.back() + int32_t(lens[size_t(j) % lens.size()]));
+    const int64_t T = off.back() + 5;  // rows past the last offset: read by no problem
+    Tensor dy = Tensor::empty({T, cs.R}, DType::BF16, Device::CUDA), x = Tensor::empty({T, cs.C}, DType::BF16, Device::CUDA);
+    ops::convert(randn_cuda({T, cs.R}, 31), dy);
+    ops::convert(randn_cuda({T, cs.C}, 32), x);
+    const Tensor offsets = Tensor::from_host(off.data(), {cs.problems + 1}, DType::I32, Device::CPU).to(Device::CUDA);
+    const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 33);
+    for (const int tma : {256, 128, -1, 0}) {  // the TMA form's tiles (-1: ping-pong), 0: the cp.async form
+      SCOPED_TRACE(testing::Message() << "tile " << tma);
+      ops::cuda::set_grouped_wgrad_tma(tma != 0);
+      const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256);
+      const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0);
+      Tensor want = init.clone(), got = init.clone();
+      std::vector<Tensor> dys, xs, outs;
+      dys.reserve(size_t(cs.problems));
+      xs.reserve(size_t(cs.problems));
+      outs.reserve(size_t(cs.problems));
+      std::vector<ops::GemmJob> jobs;
+      std::vector<Tensor> empty;
+      for (int64_t j = 0; j < cs.problems; ++j) {
+        Tensor slice = want.view(j * cs.R * cs.C, {cs.R, cs.C});
+        if (off[size_t(j)] == off[size_t(j) + 1]) {
+          if (!cs.accumulate) empty.push_back(slice);
+          continue;
+        }
+        dys.push_back(dy.slice_rows(off[size_t(j)], off[size_t(j) + 1]));
+        xs.push_back(x.slice_rows(off[size_t(j)], off[size_t(j) + 1]));
+        outs.push_back(slice);
+        jobs.push_back({ops::Operand(dys.back(), true), ops::Operand(xs.back(), true), &outs.back(), cs.accumulate});
+      }
+      ops::zero_each(empty);
+      ops::gemm_batch_grouped(jobs);
+      device_synchronize();
+      const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
+      ops::grouped_wgrad_device_offsets(dy, x, offsets, got, cs.accumulate);
+      device_synchronize();
+      const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
+      ops::cuda::set_grouped_wgrad_tma(true);
+      ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
+      ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
+      EXPECT_EQ(bytes(got), bytes(want));
+      EXPECT_EQ(launches, tma != 0 ? 1 : 0) << "the TMA form with device-made maps did not run once";
+    }
+  }
+  // A decreasing offset: recorded, nothing read outside the operands, reported at the check.
+  const std::vector<int32_t> bad{0, 40, 20, 64};
+  Tensor a = Tensor::empty({64, 64}, DType::BF16, Device::CUDA), b = Tensor::empty({64, 32}, DType::BF16, Device::CUDA);
+  ops::convert(randn_cuda({64, 64}, 34), a);
+  ops::convert(randn_cuda({64, 32}, 35), b);
+  Tensor c = Tensor::empty({3, 64, 32}, DType::F32, Device::CUDA);
+  ops::grouped_wgrad_device_offsets(a, b, Tensor::from_host(bad.data(), {4}, DType::I32, Device::CPU).to(Device::CUDA),
+                                    c);
+  const std::string err = testutil::error_of([] { ops::check_index_errors(Device::CUDA); });
+  EXPECT_NE(err.find("offsets"), std::string::npos) << err;
 }
 
 TEST(CudaGroupedWgrad, EmptyProblemsAndWhatItDeclines) {

@@ -1,6 +1,7 @@
 // defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
 // of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), grouped_gemm_device_offsets
-// gives its bits, and malformed offsets or shapes fail with a message naming what was expected.
+// gives its bits, and malformed offsets or shapes fail with a message naming what was expected;
+// grouped_wgrad_device_offsets is a gemm of each group's transposed rows.
 // (The GPU's implementation, one decode, one launch of the grouped kernel, one epilogue, is checked
 // group by group in CudaGroupedGemm.*.)
 #include <gtest/gtest.h>
@@ -111,6 +112,53 @@ TEST(GroupedGemm, BadOffsetsAndShapesAreClearErrors) {
             std::string::npos);
   Tensor bad = Tensor::empty({10, 9}, DType::F32);
   EXPECT_NE(error_of([&] { ops::grouped_gemm(x, w, {0, 4, 10}, bad); }).find("does not match [10, 8]"),
+            std::string::npos);
+}
+
+// grouped_wgrad_device_offsets (the experts' weight gradients, offsets in a tensor): each group's
+// c[g] is gemm of its transposed row ranges (accumulating or not), a group without rows gets zeros
+// (or keeps c[g]), rows past the last offset are not read, and bad offsets and shapes fail naming
+// what was expected.
+TEST(GroupedWgrad, EachGroupIsTheGemmOfItsTransposedRows) {
+  const int64_t M = 40, R = 12, C = 20;
+  const std::vector<int32_t> off{0, 7, 7, 31, 36};  // rows 36 .. 39 belong to no group
+  const int64_t G = int64_t(off.size()) - 1;
+  const Tensor off_t = Tensor::from_host(off.data(), {G + 1}, DType::I32, Device::CPU);
+  const Tensor a = random_tensor({M, R}, DType::F32, 21), b = random_tensor({M, C}, DType::F32, 22);
+  const Tensor init = random_tensor({G, R, C}, DType::F32, 23);
+  for (bool accumulate : {false, true}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    Tensor got = init.clone(), want = init.clone();
+    ops::grouped_wgrad_device_offsets(a, b, off_t, got, accumulate);
+    for (int64_t g = 0; g < G; ++g) {
+      Tensor cg = want.view(g * R * C, {R, C});
+      if (off[size_t(g)] == off[size_t(g) + 1]) {
+        if (!accumulate) std::memset(cg.raw(), 0, size_t(cg.nbytes()));
+        continue;
+      }
+      const Tensor ag = a.slice_rows(off[size_t(g)], off[size_t(g) + 1]), bg = b.slice_rows(off[size_t(g)], off[size_t(g) + 1]);
+      ops::gemm(ops::Operand(ag, true), ops::Operand(bg, true), cg, accumulate);
+    }
+    EXPECT_TRUE(same_bits(got, want));
+  }
+  Tensor c = init.clone();
+  const std::vector<int32_t> decreasing{0, 9, 5, 30, 36}, past{0, 7, 7, 31, 41};
+  EXPECT_NE(error_of([&] {
+              ops::grouped_wgrad_device_offsets(a, b, Tensor::from_host(decreasing.data(), {G + 1}, DType::I32, Device::CPU), c);
+            }).find("offsets[2] = 5 must lie in [9, 40]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              ops::grouped_wgrad_device_offsets(a, b, Tensor::from_host(past.data(), {G + 1}, DType::I32, Device::CPU), c);
+            }).find("offsets[4] = 41 must lie in [31, 40]"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { ops::grouped_wgrad_device_offsets(a, b.slice_rows(0, 39), off_t, c); })
+                .find("a and b must be [M, R] and [M, C] tensors"),
+            std::string::npos);
+  Tensor wrong = Tensor::empty({G, C, R}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::grouped_wgrad_device_offsets(a, b, off_t, wrong); }).find("c must be f32 [4, 12, 20]"),
+            std::string::npos);
+  const Tensor f_off = Tensor::empty({G + 1}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::grouped_wgrad_device_offsets(a, b, f_off, c); }).find("offsets must be I32 [G + 1]"),
             std::string::npos);
 }
 

@@ -1,5 +1,6 @@
 // defines: the grouped GEMM family's shared pieces (grouped_mma.cu): Storage, OperandArgs, GroupedArgs,
-//          KGroupedArgs, the tile loaders, row_tile_of, the epilogue (finish_value, store_pair)
+//          KProblemArgs, KDeviceProblem, KGroupedArgs, k_problem, the tile loaders, row_tile_of, the
+//          epilogue (finish_value, store_pair)
 // Included by the family's kernel headers and grouped_mma.cu only (one translation unit: the
 // anonymous namespace keeps every kernel and helper internal to it).
 #pragma once
@@ -91,12 +92,24 @@ struct KProblemArgs {
   int k;
 };
 constexpr int kMaxKProblems = 64;  // a launch's; more run in several (kernel parameters < 4 KB)
+// A problem whose K range the GPU found in device offsets (grouped_gemm_k_device_offsets): its
+// operands' TMA maps (MN-major, K rows 0 .. k of the problem) and its arguments, written by
+// wgrad_problems_kernel before the launch that reads them.
+struct alignas(128) KDeviceProblem {  // tensormap.replace takes 128-byte aligned maps
+  CUtensorMap a_map, b_map;
+  KProblemArgs prob;
+};
 struct KGroupedArgs {
   int m, n, count;
   int64_t ldc;  // floats
   bool accumulate;
   KProblemArgs prob[kMaxKProblems];
+  const KDeviceProblem* dev;  // non-null: the problems are dev[0 .. count), prob unused
 };
+// Problem j of a K-grouped launch, from its arguments or, with device offsets, from device memory.
+__device__ __forceinline__ KProblemArgs k_problem(const KGroupedArgs& p, int j) {
+  return p.dev ? p.dev[j].prob : p.prob[j];
+}
 
 // The CTA tile is BM x 128 with 8 warps: 2 x 4 warps of 64 (BM = 128) or 32 (BM = 64) x 32, or
 // 1 x 8 warps of 16 x 16 (BM = 16, the decode configuration). Whatever BM, an output element is

@@ -1,4 +1,5 @@
-// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16, cuda::grouped_gemm_k, the family's
+// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16, cuda::grouped_gemm_k,
+//          cuda::grouped_gemm_k_device_offsets, the family's
 //          launchers and selection rules (decode_width, few_training_tiles) and its switches
 // The grouped GEMM of the MoE experts (issue 15's kernel family): C[rows of group g] (+)=
 // A[rows of group g] . B[g]^T for every g in one launch, on BF16 operands or on block-scaled ones
@@ -400,6 +401,49 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
       hopper::launch_wgrad<false>(p);
     }
   }
+  return true;
+}
+
+bool grouped_gemm_k_device_offsets(const void* a, const void* b, int64_t lda, int64_t ldb, int64_t rows,
+                                   const int32_t* offsets, int64_t groups, float* c, int64_t m, int64_t n,
+                                   bool accumulate) {
+  if (!g_wgmma.load(std::memory_order_relaxed) || !hopper_device()) return false;
+  const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
+  if (m < 8 || n < 8 || m > INT32_MAX || n > INT32_MAX || m % 8 != 0 || n % 8 != 0 || lda < m || ldb < n ||
+      lda % 8 != 0 || ldb % 8 != 0 || rows < 0 || rows > INT32_MAX || groups < 1 || groups > 65535 ||
+      !aligned(a, 16) || !aligned(b, 16) || !aligned(c, 8) || !offsets)
+    return false;
+  if (rows == 0) {  // every problem empty: C = 0, or C unchanged
+    if (!accumulate) FOURBIT_CUDA_CHECK(cudaMemsetAsync(c, 0, size_t(groups * m * n) * sizeof(float), stream()));
+    return true;
+  }
+  Tensor problems = Tensor::empty({groups * int64_t(sizeof(KDeviceProblem))}, DType::U8, Device::CUDA);
+  hopper::KDeviceProblemArgs q{};
+  q.a = static_cast<const unsigned char*>(a);
+  q.b = static_cast<const unsigned char*>(b);
+  q.lda = 2 * lda;
+  q.ldb = 2 * ldb;
+  q.c = c;
+  q.c_stride = m * n;
+  q.offsets = offsets;
+  q.rows = rows;
+  q.count = int(groups);
+  q.err = index_error_record();
+  q.out = static_cast<KDeviceProblem*>(problems.raw());
+  q.maps = hopper::g_wgrad_tma.load(std::memory_order_relaxed) &&
+           hopper::bf16_map(q.a_map, a, uint64_t(m), uint64_t(rows), uint64_t(q.lda), 64) &&
+           hopper::bf16_map(q.b_map, b, uint64_t(n), uint64_t(rows), uint64_t(q.ldb), 64);
+  hopper::k_device_problems_kernel<<<unsigned((groups + 127) / 128), 128, 0, stream()>>>(q);
+  FOURBIT_LAUNCH_CHECK();
+  static thread_local KGroupedArgs p;  // ~3.5 KB: kept off the stack
+  p = KGroupedArgs{};
+  p.m = int(m);
+  p.n = int(n);
+  p.ldc = n;
+  p.accumulate = accumulate;
+  p.count = int(groups);
+  p.dev = q.out;
+  if (!q.maps || !hopper::launch_tma_wgrad<true>(p)) hopper::launch_wgrad<true>(p);
   return true;
 }
 

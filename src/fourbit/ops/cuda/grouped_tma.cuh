@@ -3,7 +3,7 @@
 //          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
 //          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
 //          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
-//          launch counters
+//          launch counters, KDeviceProblemArgs, k_device_problems_kernel (its problems from device offsets)
 #pragma once
 
 #include <cuda.h>
@@ -472,7 +472,18 @@ struct TmaWgradParams {
   int m, n, count, tiles_m, tiles_n;
   int64_t ldc;  // floats
   bool accumulate;
+  const KDeviceProblem* dev;  // non-null: the problems' maps, K and C are dev[0 .. count)'s, the arrays above unused
 };
+
+// Problem j's K, C and maps, from the parameters or, with device offsets, from device memory.
+__device__ __forceinline__ int wgrad_k(const TmaWgradParams& tp, int j) { return tp.dev ? tp.dev[j].prob.k : tp.k[j]; }
+__device__ __forceinline__ float* wgrad_c(const TmaWgradParams& tp, int j) { return tp.dev ? tp.dev[j].prob.c : tp.c[j]; }
+__device__ __forceinline__ const CUtensorMap* wgrad_map_a(const TmaWgradParams& tp, int j) {
+  return tp.dev ? &tp.dev[j].a_map : &tp.a[j];
+}
+__device__ __forceinline__ const CUtensorMap* wgrad_map_b(const TmaWgradParams& tp, int j) {
+  return tp.dev ? &tp.dev[j].b_map : &tp.b[j];
+}
 
 // Tile t of a K-grouped launch on BM x BN tiles: problem j = t / (its tiles), then row tiles
 // fastest.
@@ -496,7 +507,12 @@ __device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
-    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
+    const CUtensorMap *map_a = wgrad_map_a(tp, j), *map_b = wgrad_map_b(tp, j);
+    if (tp.dev && k_tiles > 0) {  // maps written by an earlier kernel: before the copies read them
+      tensormap_acquire(map_a);
+      tensormap_acquire(map_b);
+    }
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int st = it % S::kStages, round = it / S::kStages;
       if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
@@ -505,13 +521,12 @@ __device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint
       const int k0 = kt * kBK;
       if constexpr (MN) {
 #pragma unroll
-        for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), &tp.a[j], m0 + 64 * i, k0, bar);
+        for (int i = 0; i < BM / 64; ++i) tma_load_2d(stage + uint32_t(i * kPanel), map_a, m0 + 64 * i, k0, bar);
 #pragma unroll
-        for (int i = 0; i < BN / 64; ++i)
-          tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), &tp.b[j], n0 + 64 * i, k0, bar);
+        for (int i = 0; i < BN / 64; ++i) tma_load_2d(stage + uint32_t(S::kATile + i * kPanel), map_b, n0 + 64 * i, k0, bar);
       } else {
-        tma_load_2d(stage, &tp.a[j], k0, m0, bar);
-        tma_load_2d(stage + uint32_t(S::kATile), &tp.b[j], k0, n0, bar);
+        tma_load_2d(stage, map_a, k0, m0, bar);
+        tma_load_2d(stage + uint32_t(S::kATile), map_b, k0, n0, bar);
       }
     }
   }
@@ -539,7 +554,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
-    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
     float acc[WN / 2];
 #pragma unroll
     for (int i = 0; i < WN / 2; ++i) acc[i] = 0.0f;
@@ -557,7 +572,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
     wgmma_wait<0>();
     pin(acc);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kStages));
-    store_wgrad_tile<WN>(acc, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
+    store_wgrad_tile<WN>(acc, wgrad_c(tp, j), tp.ldc, tp.m, tp.n, m0, n0, wm, tp.accumulate);
   }
 }
 
@@ -588,7 +603,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x), ++i) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
-    const int k_tiles = (tp.k[j] + kBK - 1) / kBK;
+    const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
     if (i % 2 != wg) {
       it += k_tiles;
       continue;
@@ -613,8 +628,9 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
     pin(acc1);
     if (k_tiles > 0 && t128 == 0) mbarrier_arrive(empty0 + 8u * uint32_t((it - 1) % kSt));
     if (k_tiles == 0 && tp.accumulate) continue;  // no tokens: C unchanged (or zeroed below)
-    store_wgrad_tile<128>(acc0, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 0, tp.accumulate);
-    store_wgrad_tile<128>(acc1, tp.c[j], tp.ldc, tp.m, tp.n, m0, n0, 1, tp.accumulate);
+    float* const c = wgrad_c(tp, j);
+    store_wgrad_tile<128>(acc0, c, tp.ldc, tp.m, tp.n, m0, n0, 0, tp.accumulate);
+    store_wgrad_tile<128>(acc1, c, tp.ldc, tp.m, tp.n, m0, n0, 1, tp.accumulate);
   }
   pp_end(i, wg);
 }
@@ -640,7 +656,7 @@ bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
   static_assert(!PP || (WGM == 2 && WN == 128), "the ping-pong form's tiles: two warpgroups of 128 x 128");
   using S = TmaShape<WGM, WN, PP>;
   constexpr auto kernel = tma_wgrad_kernel_of<MN, WGM, WN, PP>();
-  if (p.count > kMaxTmaKProblems) return false;
+  if (p.dev ? !MN : p.count > kMaxTmaKProblems) return false;  // device-made maps: MN-major
   // ~8 KB of kernel parameters: kept off the stack
   static thread_local TmaWgradParams tp;
   tp = TmaWgradParams{};
@@ -651,7 +667,8 @@ bool launch_tma_wgrad_tile(const KGroupedArgs& p) {
   tp.accumulate = p.accumulate;
   tp.tiles_m = (p.m + S::BM - 1) / S::BM;
   tp.tiles_n = (p.n + S::BN - 1) / S::BN;
-  for (int j = 0; j < p.count; ++j) {
+  tp.dev = p.dev;  // its maps made on the GPU (MN-major, boxes of 64 K rows: any tile's)
+  for (int j = 0; j < (p.dev ? 0 : p.count); ++j) {
     const KProblemArgs& q = p.prob[j];
     tp.c[j] = q.c;
     tp.k[j] = q.k;
@@ -685,6 +702,51 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
   if (g_wgrad_tma_pingpong.load(std::memory_order_relaxed)) return launch_tma_wgrad_tile<MN, 2, 128, true>(p);
   return g_wgrad_tma_tile_n.load(std::memory_order_relaxed) == 256 ? launch_tma_wgrad_tile<MN, 2, 256>(p)
                                                                    : launch_tma_wgrad_tile<MN, 4, 128>(p);
+}
+
+// ---- the K-grouped form with device offsets (grouped_gemm_k_device_offsets) ----------------------
+//
+// Problem j is K rows offsets[j] .. offsets[j + 1] of token-major (MN-major) A [rows, m] and B
+// [rows, n]. k_device_problems_kernel, one thread a problem, writes each problem's arguments and,
+// for the TMA form, its maps: copies of the host's maps of the whole operands with the address moved
+// to the problem's first row and the K extent cut to its rows, so that a problem's last K tile is
+// zero-filled past its rows as the host-made maps of launch_tma_wgrad_tile fill it (the same
+// operands in shared memory: the same bits). Offsets outside [0, rows] or decreasing are recorded
+// as grouped_gemm's index errors and clamped, as row_tile_of does.
+struct KDeviceProblemArgs {
+  CUtensorMap a_map, b_map;  // the whole of A and B, K rows 0 .. rows (maps: false: unused)
+  const unsigned char* a;
+  const unsigned char* b;
+  int64_t lda, ldb;  // bytes between K rows
+  float* c;
+  int64_t c_stride;  // floats between problems' outputs
+  const int32_t* offsets;
+  int64_t rows;
+  int count;
+  bool maps;
+  IndexError* err;
+  KDeviceProblem* out;
+};
+
+__global__ void k_device_problems_kernel(const __grid_constant__ KDeviceProblemArgs q) {
+  const int j = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (j >= q.count) return;
+  long long lo = q.offsets[j], hi = q.offsets[j + 1];
+  if (j == 0 && (lo < 0 || lo > q.rows)) record_index_error(q.err, IndexSite::GroupedGemmOffsets, 0, lo, q.rows + 1, 1);
+  if (hi < 0 || hi > q.rows) record_index_error(q.err, IndexSite::GroupedGemmOffsets, j + 1, hi, q.rows + 1, 1);
+  else if (hi < lo) record_index_error(q.err, IndexSite::GroupedGemmOffsetsDecreasing, j + 1, hi, lo, 1);
+  lo = lo < 0 ? 0 : (lo > q.rows ? q.rows : lo);
+  hi = hi < lo ? lo : (hi > q.rows ? q.rows : hi);
+  KDeviceProblem& d = q.out[j];
+  d.prob = KProblemArgs{q.a + lo * q.lda, q.b + lo * q.ldb, q.c + j * q.c_stride, q.lda, q.ldb, int(hi - lo)};
+  if (!q.maps || hi == lo) return;  // no copies read an empty problem's maps
+  d.a_map = q.a_map;
+  d.b_map = q.b_map;
+  tensormap_set_address(&d.a_map, d.prob.a);
+  tensormap_set_dim<1>(&d.a_map, uint32_t(hi - lo));
+  tensormap_set_address(&d.b_map, d.prob.b);
+  tensormap_set_dim<1>(&d.b_map, uint32_t(hi - lo));
+  tensormap_release();
 }
 
 }  // namespace hopper

@@ -69,7 +69,7 @@ template <bool MN>
 __global__ void __launch_bounds__(512, 1) wgrad_kernel(const __grid_constant__ KGroupedArgs p) {
   using S = Shape<Format::BF16, 4, 1>;  // 256 x 128 tiles, four warpgroups stacked in M
   constexpr int kThreads = S::kThreads, BM = S::BM, BN = S::BN;
-  const KProblemArgs& q = p.prob[blockIdx.z];
+  const KProblemArgs q = k_problem(p, int(blockIdx.z));
   const int m0 = int(blockIdx.y) * BM, n0 = int(blockIdx.x) * BN;
   const int wm = int(threadIdx.x) >> 7;
   auto store = [&](const float (&acc)[64]) { store_wgrad_tile(acc, q.c, p.ldc, p.m, p.n, m0, n0, wm, p.accumulate); };

@@ -3,7 +3,8 @@
 //          wgmma_desc_sw128, wgmma_desc_sw128_mn, fence_proxy_async, wgmma_fence, wgmma_commit, wgmma_wait,
 //          wgmma_m64n128k16, wgmma_m64n256k16, wgmma_m64n64k16_ss, wgmma_m64n32k16_ss, wgmma_m64nNk16_rs,
 //          mbarrier_init, fence_mbarrier_init, mbarrier_arrive_expect_tx, mbarrier_wait, mbarrier_arrive_cluster, mbarrier_arrive, named_barrier_sync,
-//          named_barrier_arrive, cluster_ctarank, cluster_sync, tma_load_2d, tma_load_3d,
+//          named_barrier_arrive, cluster_ctarank, cluster_sync, tensormap_set_address, tensormap_set_dim,
+//          tensormap_release, tensormap_acquire, tma_load_2d, tma_load_3d,
 //          tma_load_2d_multicast
 // The PTX the tensor-core kernels share (flash_attention.cu, grouped_mma.cu and the register-
 // resident casts in cast/): asynchronous global -> shared copies, ldmatrix, the BF16 mma.sync and
@@ -368,6 +369,42 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
 #else
   (void)dst, (void)map, (void)c0, (void)c1, (void)bar;
   __trap();
+#endif
+}
+// Tensor maps made on the GPU (a copy of one the host encoded, then patched): the global address
+// and dimension `ord`'s extent of the map at `map` (128-byte aligned, in global memory) replaced;
+// the writer's release and each reader's acquire order those generic-proxy writes before the
+// copies that read the map (tensormap_acquire: once per map, before the first copy).
+__device__ __forceinline__ void tensormap_set_address(void* map, const void* address) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("tensormap.replace.tile.global_address.global.b1024.b64 [%0], %1;\n" ::"l"(map),
+               "l"(reinterpret_cast<uint64_t>(address))
+               : "memory");
+#else
+  (void)map, (void)address;
+  __trap();
+#endif
+}
+template <int ORD>
+__device__ __forceinline__ void tensormap_set_dim(void* map, uint32_t extent) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], %1, %2;\n" ::"l"(map), "n"(ORD), "r"(extent)
+               : "memory");
+#else
+  (void)map, (void)extent;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void tensormap_release() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.tensormap::generic.release.gpu;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+#else
+  (void)map;
 #endif
 }
 // The same for a 3-D map: the box at (c0, c1, c2), c2 outermost.
