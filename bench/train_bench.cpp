@@ -7,7 +7,7 @@
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
 //                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both]
-//                    [--tma-tile V[,V...]] [--json FILE]
+//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -51,6 +51,10 @@
 // 256 x 128 tile in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one
 // only (128-wgrad), the other on 128 x 256; the same bits. Several (comma-separated, repeats
 // allowed) run each recipe under each in this process.
+// --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the routing's
+// offsets where the GPU made them (device, the default: set_moe_backward_device_offsets) or on the
+// host's (host, the path before it); several (comma-separated, repeats allowed) run each recipe
+// under each in this process (the other recipes take the host's either way).
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -198,9 +202,14 @@ int main(int argc, char** argv) {
       variant_list(argc, argv, "--tma-tile", {"pingpong", "pingpong-fwd", "pingpong-all", "256", "128", "128-rows", "128-wgrad"}, "TMA tile", table);
   if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
+  const std::vector<std::string> moe_backwards =
+      variant_list(argc, argv, "--moe-backward", {"device", "host"}, "MoE backward offsets", table);
+  if (moe_backwards != std::vector<std::string>{"device"} && device != Device::CUDA)
+    fail("train_bench: --moe-backward is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
+  const bool moe_backward_before = set_moe_backward_device_offsets(true);
   for (const std::string& variant : variants)
   for (const std::string& fwd_gemms : fwds)
   for (const std::string& keep_ffn : keeps)
@@ -210,8 +219,10 @@ int main(int argc, char** argv) {
   for (const std::string& wforms : weight_forms)
   for (const std::string& loss_read : loss_reads)
   for (const std::string& router_wgrad : router_wgrads)
-  for (const std::string& tma_tile : tma_tiles) {
+  for (const std::string& tma_tile : tma_tiles)
+  for (const std::string& moe_backward : moe_backwards) {
     const bool keep = keep_ffn == "on";
+    set_moe_backward_device_offsets(moe_backward == "device");
     set_weight_forms_batched(wforms == "batched");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
     set_training_producer_quantizers(gq == "fused");
@@ -298,6 +309,7 @@ int main(int argc, char** argv) {
                  {"loss read", loss_read},
                  {"router wgrad", router_wgrad},
                  {"TMA tile", tma_tile},
+                 {"MoE backward offsets", moe_backward},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -315,6 +327,7 @@ int main(int argc, char** argv) {
   set_training_producer_quantizers(producers_before);
   set_dy_decodes_only(decodes_before);
   set_weight_forms_batched(batched_before);
+  set_moe_backward_device_offsets(moe_backward_before);
 #if FOURBIT_HAS_CUDA
   if (device == Device::CUDA) {
     ops::cuda::set_grouped_tma_tile(256);

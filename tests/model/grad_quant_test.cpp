@@ -1,12 +1,13 @@
-// defines: tests of set_training_producer_quantizers, set_dy_decodes_only, set_weight_forms_batched and
-//          Model::set_saved_x_decodes:
+// defines: tests of set_training_producer_quantizers, set_dy_decodes_only, set_weight_forms_batched,
+//          Model::set_saved_x_decodes and set_moe_backward_device_offsets:
 //          the experts' gathered tokens, an FFN's SwiGLU output and its dh1 and dh3 quantized where
 //          they are computed, the backward's dY pairs written as their BF16 decodes alone, and the
 //          forward's X^T (and the experts' X) kept as their decodes alone, and the MXFP8 weights'
 //          forms made in one launch for all the weights, give the bits of the ops followed by
 //          quantizer passes writing codes and decodes, a weight at a time — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
-//          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax).
+//          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax). The bf16
+//          recipe's MoE backward on the GPU's routing offsets gives the bits of the host's.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -17,6 +18,9 @@
 #include "fourbit/model/model.h"
 #include "fourbit/tensor/device_memory.h"
 #include "model/model_test_util.h"
+#if FOURBIT_HAS_CUDA
+#include "fourbit/ops/cuda/cuda_ops.h"
+#endif
 
 using namespace fourbit;
 using namespace fourbit::modeltest;
@@ -114,4 +118,57 @@ TEST(CudaGradQuantizers, SameBitsEitherWay) {
   c.d_shared = 96;
   c.d_dense = 160;
   expect_same(c, Device::CUDA);
+}
+
+// set_moe_backward_device_offsets: the bf16 recipe's MoE backward with its experts' GEMMs on the
+// routing's offsets where the GPU made them gives the loss and every gradient of the host's
+// offsets, FFN interiors kept or recomputed, a fresh gradient and an accumulated one (the second
+// micro-batch of a step), and it ran (two device-offset weight-gradient calls a MoE layer).
+TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+#if FOURBIT_HAS_CUDA
+  ModelConfig c = tiny_moe_config(3, 64);
+  c.d_expert = 96;
+  c.d_shared = 96;
+  c.d_dense = 160;
+  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
+  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+  const bool before = set_moe_backward_device_offsets(false);
+  struct Pass {
+    double loss, aux;
+    std::vector<float> grad;
+    int64_t device_calls;
+  };
+  const auto run_bf16 = [&](bool on_gpu_offsets, bool keep) {
+    set_moe_backward_device_offsets(on_gpu_offsets);
+    Model m(c, recipe_by_name("bf16"), Device::CUDA);
+    m.set_keep_ffn_activations(keep);
+    init_params(m.params(), c, 5);
+    m.params().zero_grad();
+    const int64_t calls = ops::cuda::grouped_wgrad_device_calls();
+    Pass p{};
+    for (int micro = 0; micro < 2; ++micro) {  // the second accumulates onto the first's gradients
+      const ForwardStats st = m.forward(tokens, targets, SrStreams{11, 7, uint64_t(micro)}, true);
+      m.backward();
+      p.loss = st.loss;
+      p.aux = st.aux_loss;
+    }
+    const Tensor g = m.params().flat_grad().to(Device::CPU);
+    p.grad.assign(g.data<float>(), g.data<float>() + g.numel());
+    p.device_calls = ops::cuda::grouped_wgrad_device_calls() - calls;
+    return p;
+  };
+  const int64_t moe_layers = c.n_layers - c.dense_layers;
+  for (bool keep : {false, true}) {
+    SCOPED_TRACE(keep ? "FFN interiors kept" : "FFN interiors recomputed");
+    const Pass host = run_bf16(false, keep), dev = run_bf16(true, keep);
+    EXPECT_EQ(host.device_calls, 0);
+    EXPECT_EQ(dev.device_calls, 2 * 2 * moe_layers) << "the backward did not take the device offsets";
+    EXPECT_EQ(host.loss, dev.loss);
+    EXPECT_EQ(host.aux, dev.aux);
+    ASSERT_EQ(host.grad.size(), dev.grad.size());
+    EXPECT_EQ(std::memcmp(host.grad.data(), dev.grad.data(), dev.grad.size() * 4), 0) << "gradients differ";
+  }
+  set_moe_backward_device_offsets(before);
+#endif
 }

@@ -235,9 +235,10 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnDecodedMxfp8Operands) {
 // ops::grouped_wgrad_device_offsets on the GPU (the K-grouped form reading device offsets: each
 // problem's arguments and TMA maps made by a kernel) gives the bits of the same problems with the
 // host's offsets (gemm_batch_grouped of each expert's transposed rows: grouped_gemm_k), on every
-// TMA tile and the cp.async form, in one launch whatever the number of problems; ragged experts
-// (one token, a K tile and one, none), m and n off the tiles, rows past the last offset, accumulate
-// on and off. Bad offsets are recorded and reported by check_index_errors.
+// TMA tile and the cp.async form, two sets of operands (an FFN's w1 and w3 gradients: two dY, one X)
+// in one launch whatever the number of problems; ragged experts (one token, a K tile and one,
+// none), m and n off the tiles, rows past the last offset, accumulate on and off. Bad offsets are
+// recorded and reported by check_index_errors.
 TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
@@ -253,8 +254,12 @@ TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
     std::vector<int32_t> off{0};
     for (int64_t j = 0; j < cs.problems; ++j) off.push_back(off.back() + int32_t(lens[size_t(j) % lens.size()]));
     const int64_t T = off.back() + 5;  // rows past the last offset: read by no problem
-    Tensor dy = Tensor::empty({T, cs.R}, DType::BF16, Device::CUDA), x = Tensor::empty({T, cs.C}, DType::BF16, Device::CUDA);
-    ops::convert(randn_cuda({T, cs.R}, 31), dy);
+    std::vector<Tensor> dy;  // two sets' dY, one X
+    for (uint64_t seed : {31, 36}) {
+      dy.push_back(Tensor::empty({T, cs.R}, DType::BF16, Device::CUDA));
+      ops::convert(randn_cuda({T, cs.R}, seed), dy.back());
+    }
+    Tensor x = Tensor::empty({T, cs.C}, DType::BF16, Device::CUDA);
     ops::convert(randn_cuda({T, cs.C}, 32), x);
     const Tensor offsets = Tensor::from_host(off.data(), {cs.problems + 1}, DType::I32, Device::CPU).to(Device::CUDA);
     const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 33);
@@ -263,35 +268,36 @@ TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
       ops::cuda::set_grouped_wgrad_tma(tma != 0);
       const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256);
       const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0);
-      Tensor want = init.clone(), got = init.clone();
-      std::vector<Tensor> dys, xs, outs;
-      dys.reserve(size_t(cs.problems));
-      xs.reserve(size_t(cs.problems));
-      outs.reserve(size_t(cs.problems));
+      std::vector<Tensor> want{init.clone(), init.clone()}, got{init.clone(), init.clone()};
+      std::vector<Tensor> dys, xs, outs, empty;
+      dys.reserve(size_t(2 * cs.problems));
+      xs.reserve(size_t(2 * cs.problems));
+      outs.reserve(size_t(2 * cs.problems));
       std::vector<ops::GemmJob> jobs;
-      std::vector<Tensor> empty;
-      for (int64_t j = 0; j < cs.problems; ++j) {
-        Tensor slice = want.view(j * cs.R * cs.C, {cs.R, cs.C});
-        if (off[size_t(j)] == off[size_t(j) + 1]) {
-          if (!cs.accumulate) empty.push_back(slice);
-          continue;
+      for (size_t s = 0; s < 2; ++s)
+        for (int64_t j = 0; j < cs.problems; ++j) {
+          Tensor slice = want[s].view(j * cs.R * cs.C, {cs.R, cs.C});
+          if (off[size_t(j)] == off[size_t(j) + 1]) {
+            if (!cs.accumulate) empty.push_back(slice);
+            continue;
+          }
+          dys.push_back(dy[s].slice_rows(off[size_t(j)], off[size_t(j) + 1]));
+          xs.push_back(x.slice_rows(off[size_t(j)], off[size_t(j) + 1]));
+          outs.push_back(slice);
+          jobs.push_back({ops::Operand(dys.back(), true), ops::Operand(xs.back(), true), &outs.back(), cs.accumulate});
         }
-        dys.push_back(dy.slice_rows(off[size_t(j)], off[size_t(j) + 1]));
-        xs.push_back(x.slice_rows(off[size_t(j)], off[size_t(j) + 1]));
-        outs.push_back(slice);
-        jobs.push_back({ops::Operand(dys.back(), true), ops::Operand(xs.back(), true), &outs.back(), cs.accumulate});
-      }
       ops::zero_each(empty);
       ops::gemm_batch_grouped(jobs);
       device_synchronize();
       const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
-      ops::grouped_wgrad_device_offsets(dy, x, offsets, got, cs.accumulate);
+      ops::grouped_wgrad_device_offsets({{&dy[0], &x, &got[0]}, {&dy[1], &x, &got[1]}}, offsets, cs.accumulate);
       device_synchronize();
       const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
       ops::cuda::set_grouped_wgrad_tma(true);
       ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
       ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
-      EXPECT_EQ(bytes(got), bytes(want));
+      EXPECT_EQ(bytes(got[0]), bytes(want[0])) << "set 0";
+      EXPECT_EQ(bytes(got[1]), bytes(want[1])) << "set 1";
       EXPECT_EQ(launches, tma != 0 ? 1 : 0) << "the TMA form with device-made maps did not run once";
     }
   }

@@ -28,6 +28,7 @@ std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 std::atomic<bool> g_weight_forms_batched{true};
+std::atomic<bool> g_moe_backward_device_offsets{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -148,6 +149,19 @@ struct ModelRunner {
   }
   Tensor act_bf16_if(bool bf16, const Shape& s) const {
     return bf16 && m.dtype_ == DType::F32 ? Tensor::empty(s, DType::BF16, m.device_) : act(s);
+  }
+  // Whether a training step's MoE backward runs the experts' GEMMs on the routing's offsets where
+  // the GPU made them (set_moe_backward_device_offsets), the routed experts' E + 1 that the forward
+  // keeps in the saved plan: where every expert operand is dense BF16 (the bf16 recipe: dY, X and a
+  // read in place, no per-expert operand made), the grouped kernel takes the offsets there, and no
+  // quantizer log is written (its per-expert entries count the experts with tokens).
+  bool backward_on_device_offsets(const LayerRecipe& r) const {
+    const auto bf16 = [](const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); };
+    return g_moe_backward_device_offsets.load(std::memory_order_relaxed) && m.device_ != Device::CPU &&
+           !(log && (log->enabled || log->record_calls)) && bf16(r.fprop.a) && bf16(r.dgrad.a) && bf16(r.dgrad.b) &&
+           bf16(r.wgrad.a) && bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x() &&
+           ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_model) &&
+           ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_expert);
   }
   // A MoE layer's experts (and shared expert) read its normed input as BF16, the router as F32:
   // the norm writes both (rmsnorm_forward's y_bf16).
@@ -847,7 +861,12 @@ struct ModelRunner {
       return out;
     }
     ops::route_plan_finish(pending_plan);
-    plan.device_offsets = Tensor{};  // the rest reads the host's (and the plan's scratch may go)
+    // The backward's expert GEMMs read the routed experts' E + 1 offsets where the GPU made them
+    // (backward_on_device_offsets); otherwise the rest reads the host's (and the plan's scratch may go).
+    if (s && plan.device_offsets.defined() && backward_on_device_offsets(r))
+      plan.device_offsets = plan.device_offsets.view(0, {E + 1});
+    else
+      plan.device_offsets = Tensor{};
     if (group) plan.offsets.pop_back();  // the experts' E + 1 from here on
     if (m.routing_observer_) m.routing_observer_(RoutingEvent{layer, N, plan.offsets});
     // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
@@ -1025,6 +1044,18 @@ struct ModelRunner {
     } else {
       y_perm = expert_ffn(decoded(s.x_perm), w, name, plan, N * K, &in, nullptr, ops::FormOut::Bf16);
     }
+    // The experts' GEMMs on the offsets where the GPU made them (backward_on_device_offsets): dY, X
+    // and a read in place, no per-expert operands; otherwise on the host's.
+    const bool on_gpu = plan.device_offsets.defined() && backward_on_device_offsets(r);
+    const auto expert_dgrad = [&](const Prepared& a, const Prepared& b, Tensor& out, bool accumulate) {
+      if (on_gpu) ops::grouped_gemm_device_offsets(a.op(), b.op(), plan.device_offsets, out, accumulate);
+      else grouped_gemm(a, b, plan.offsets, out, accumulate);
+    };
+    const auto dense_bf16 = [](const Prepared& p, const char* what) -> const Tensor& {
+      FOURBIT_CHECK(!p.is_quantized() && p.dense.defined() && p.dense.dtype() == DType::BF16,
+                    "moe_backward: the experts' {} is not a dense BF16 operand", what);
+      return p.dense;
+    };
     Tensor d_topk_w = act({N, K});
     PreparedRowCol pdy;
     if (dy_pair_fused(r) && N * K > 0) {
@@ -1035,7 +1066,8 @@ struct ModelRunner {
     } else {
       Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D});
       ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
-      pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
+      if (on_gpu) pdy.row = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w2/dgrad/dY"), cls, log);
+      else pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
     }
 
     // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
@@ -1043,15 +1075,20 @@ struct ModelRunner {
     const Prepared w1_dgrad = dgrad_weight(w.w1, name + "moe.w1", r, cls, &w.w3);
     const Prepared w3_dgrad = dgrad_weight(w.w3, name + "moe.w3", r, cls, &w.w1);
     Tensor da = act({N * K, F});
-    grouped_gemm(pdy.row, w2_dgrad, plan.offsets, da);
-    // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
-    const std::vector<Prepared> dyt = std::move(pdy.col);
-    const std::vector<Prepared> a_wgrad =
-        wgrad_from_saved_fwd(r)   ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
-        : !in.a_wgrad.empty() ? std::move(in.a_wgrad)
-                              : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
-                                                 expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
-    experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
+    expert_dgrad(pdy.row, w2_dgrad, da, false);
+    if (on_gpu) {  // dW2_e (+)= dy_e^T . a_e, every expert's rows in one launch
+      ops::grouped_wgrad_device_offsets(dense_bf16(pdy.row, "dY"), dense_bf16(in.pa, "a"), plan.device_offsets, g.w2,
+                                        m.params_.grad_accumulate(g.w2));
+    } else {
+      // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
+      const std::vector<Prepared> dyt = std::move(pdy.col);
+      const std::vector<Prepared> a_wgrad =
+          wgrad_from_saved_fwd(r)   ? wgrad_inputs(in.pa, {}, r, cls, name + "moe.w2", plan.offsets)
+          : !in.a_wgrad.empty() ? std::move(in.a_wgrad)
+                                : prepare_segments(in.a, plan.offsets, r.wgrad.b, GemmRole::Wgrad, 'b',
+                                                   expert_sites(name + "moe.w2/wgrad/X^T"), cls, log);
+      experts_wgrad(plan, {{dyt, a_wgrad, g.w2}});
+    }
     // w1, w3: dx_perm = dh1_e . W1_e + dh3_e . W3_e; dW1_e += dh1_e^T . x_e (and W3)
     PreparedRowCol pdh1, pdh3;
     if (dy_pair_fused(r) && N * K > 0) {  // dh1 and dh3 quantized where they are computed
@@ -1062,15 +1099,30 @@ struct ModelRunner {
     } else {
       Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
       ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
-      pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
-      pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
+      if (on_gpu) {
+        pdh1.row = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w1/dgrad/dY"), cls, log);
+        pdh3.row = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w3/dgrad/dY"), cls, log);
+      } else {
+        pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
+        pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
+      }
     }
     Tensor dx_perm = act({N * K, D});
-    grouped_gemm(pdh1.row, w1_dgrad, plan.offsets, dx_perm);
-    grouped_gemm(pdh3.row, w3_dgrad, plan.offsets, dx_perm, true);
-    const std::vector<Prepared> dh1t = std::move(pdh1.col), dh3t = std::move(pdh3.col);
-    const std::vector<Prepared> x_wgrad = wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
-    experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
+    expert_dgrad(pdh1.row, w1_dgrad, dx_perm, false);
+    expert_dgrad(pdh3.row, w3_dgrad, dx_perm, true);
+    if (on_gpu) {  // dW1_e and dW3_e (+)= dh_e^T . x_e: both weights' experts in one launch
+      const bool accumulate = m.params_.grad_accumulate(g.w1);
+      FOURBIT_CHECK(accumulate == m.params_.grad_accumulate(g.w3), "moe_backward: w1's and w3's gradients differ in "
+                    "staleness");
+      const Tensor x16 = dense_bf16(s.x_perm, "X").slice_rows(0, N * K);  // the routed slots (not a shared group's)
+      ops::grouped_wgrad_device_offsets({{&dense_bf16(pdh1.row, "dh1"), &x16, &g.w1}, {&dense_bf16(pdh3.row, "dh3"), &x16, &g.w3}},
+                                        plan.device_offsets, accumulate);
+    } else {
+      const std::vector<Prepared> dh1t = std::move(pdh1.col), dh3t = std::move(pdh3.col);
+      const std::vector<Prepared> x_wgrad =
+          wgrad_inputs(s.x_perm, s.x_perm_wgrad, r, cls, name + "moe.w13", plan.offsets);
+      experts_wgrad(plan, {{dh1t, x_wgrad, g.w1}, {dh3t, x_wgrad, g.w3}});
+    }
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 
     // Router: through the top-k weights and the load-balance loss's d/dprobs.
@@ -1665,6 +1717,9 @@ void Model::backward() {
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
+bool set_moe_backward_device_offsets(bool on) {
+  return g_moe_backward_device_offsets.exchange(on, std::memory_order_relaxed);
+}
 void set_shared_expert_grouped(bool on) { g_shared_expert_grouped.store(on, std::memory_order_relaxed); }
 bool set_weight_forms_batched(bool on) { return g_weight_forms_batched.exchange(on, std::memory_order_relaxed); }
 bool set_dy_decodes_only(bool on) { return g_dy_decodes_only.exchange(on, std::memory_order_relaxed); }

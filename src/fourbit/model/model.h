@@ -1,6 +1,7 @@
 // defines: Model, ForwardStats, PendingForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
-//          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_training_producer_quantizers,
+//          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_moe_backward_device_offsets,
+//          set_training_producer_quantizers,
 //          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
@@ -115,6 +116,15 @@ bool set_dy_decodes_only(bool on);
 // fill the GPU alone). The same bits either way. Process-wide, for benchmarks and tests; returns
 // the setting before.
 bool set_weight_forms_batched(bool on);
+// In a training step's MoE backward on the GPU, where every expert operand is dense BF16 (the bf16
+// recipe) and no quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
+// the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
+// ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
+// read in place and w1's and w3's weight gradients in one launch (true, the default); off, the
+// host's offsets and an operand view per expert, as before. Either way the same bits. A step whose
+// backward reads no router count on the host is what a CUDA graph of the step needs. Process-wide,
+// for benchmarks and tests; returns the setting before.
+bool set_moe_backward_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
 // experts' dispatched tokens where they are gathered, when their X and X^T pair

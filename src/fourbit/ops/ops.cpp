@@ -480,31 +480,43 @@ void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tenso
   grouped_gemm(a, b, off, c, accumulate);
 }
 
-void grouped_wgrad_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
-                                  bool accumulate) {
+void grouped_wgrad_device_offsets(const std::vector<WgradSet>& sets, const Tensor& offsets, bool accumulate) {
   const char* op = "grouped_wgrad_device_offsets";
-  if (!a.defined() || !b.defined() || a.dim() != 2 || b.dim() != 2 || a.dtype() != b.dtype() ||
-      a.size(0) != b.size(0) || a.device() != b.device())
-    fail("{}: a and b must be [M, R] and [M, C] tensors of one dtype on one device, got {} and {}", op,
-         a.defined() ? a.str() : "an undefined tensor", b.defined() ? b.str() : "an undefined tensor");
-  if (a.dtype() != DType::BF16 && a.dtype() != DType::F32 && a.dtype() != DType::F64)
-    fail("{}: a and b must be BF16, F32 or F64, got {}", op, a.str());
-  const DType out = a.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  if (sets.empty()) return;
+  const auto name = [](const Tensor* t) { return t && t->defined() ? t->str() : std::string("an undefined tensor"); };
+  const Tensor* a0 = sets[0].a;
+  for (size_t s = 0; s < sets.size(); ++s) {
+    const Tensor *a = sets[s].a, *b = sets[s].b;
+    if (!a || !b || !a->defined() || !b->defined() || a->dim() != 2 || b->dim() != 2 || a->dtype() != b->dtype() ||
+        a->size(0) != b->size(0) || a->device() != b->device())
+      fail("{}: set {}: a and b must be [M, R] and [M, C] tensors of one dtype on one device, got {} and {}", op, s,
+           name(a), name(b));
+    if (a->dtype() != DType::BF16 && a->dtype() != DType::F32 && a->dtype() != DType::F64)
+      fail("{}: set {}: a and b must be BF16, F32 or F64, got {}", op, s, a->str());
+    if (s > 0 && (a->dtype() != a0->dtype() || a->shape() != a0->shape() || b->shape() != sets[0].b->shape() ||
+                  a->device() != a0->device()))
+      fail("{}: set {} ({} and {}) differs from set 0 ({} and {}) in dtype, shape or device", op, s, a->str(),
+           b->str(), a0->str(), sets[0].b->str());
+  }
+  const DType out = a0->dtype() == DType::F64 ? DType::F64 : DType::F32;
   if (!offsets.defined() || offsets.dtype() != DType::I32 || offsets.dim() != 1 || offsets.size(0) < 2 ||
-      offsets.device() != a.device())
-    fail("{}: offsets must be I32 [G + 1] (G >= 1) on the operands' device, got {}", op,
-         offsets.defined() ? offsets.str() : "an undefined tensor");
-  const int64_t M = a.size(0), R = a.size(1), C = b.size(1), G = offsets.size(0) - 1;
-  if (!c.defined() || c.dtype() != out || c.dim() != 3 || c.size(0) != G || c.size(1) != R || c.size(2) != C ||
-      c.device() != a.device())
-    fail("{}: c must be {} [{}, {}, {}] on the operands' device, got {}", op, dtype_name(out), G, R, C,
-         c.defined() ? c.str() : "an undefined tensor");
+      offsets.device() != a0->device())
+    fail("{}: offsets must be I32 [G + 1] (G >= 1) on the operands' device, got {}", op, name(&offsets));
+  const int64_t M = a0->size(0), R = a0->size(1), C = sets[0].b->size(1), G = offsets.size(0) - 1;
+  for (size_t s = 0; s < sets.size(); ++s) {
+    const Tensor* c = sets[s].c;
+    if (!c || !c->defined() || c->dtype() != out || c->dim() != 3 || c->size(0) != G || c->size(1) != R ||
+        c->size(2) != C || c->device() != a0->device())
+      fail("{}: set {}: c must be {} [{}, {}, {}] on the operands' device, got {}", op, s, dtype_name(out), G, R, C,
+           name(c));
+  }
   const HostOpTimer host_timer(op);
 #if FOURBIT_HAS_CUDA
-  if (c.device() == Device::CUDA && a.dtype() == DType::BF16 &&
-      cuda::grouped_gemm_k_device_offsets(a.raw(), b.raw(), R, C, M, offsets.data<int32_t>(), G, c.data<float>(), R,
-                                          C, accumulate))
-    return;
+  if (a0->device() == Device::CUDA && a0->dtype() == DType::BF16) {
+    std::vector<cuda::KDeviceSet> ks;
+    for (const WgradSet& s : sets) ks.push_back({s.a->raw(), s.b->raw(), s.c->data<float>()});
+    if (cuda::grouped_gemm_k_device_offsets(ks, R, C, M, offsets.data<int32_t>(), G, R, C, accumulate)) return;
+  }
 #endif
   const Tensor host = offsets.to(Device::CPU);
   const int32_t* off = host.data<int32_t>();
@@ -514,24 +526,31 @@ void grouped_wgrad_device_offsets(const Tensor& a, const Tensor& b, const Tensor
       fail("{}: offsets[{}] = {} must lie in [{}, {}] (offsets never decrease and stay within the {} rows of a "
            "and b)", op, g, off[g], lo, M, M);
   }
+  const size_t n = sets.size() * size_t(G);
   std::vector<Tensor> as, bs, outs, empty;
-  as.reserve(size_t(G));  // the jobs point at them
-  bs.reserve(size_t(G));
-  outs.reserve(size_t(G));
+  as.reserve(n);  // the jobs point at them
+  bs.reserve(n);
+  outs.reserve(n);
   std::vector<GemmJob> jobs;
-  for (int64_t g = 0; g < G; ++g) {
-    Tensor slice = c.view(g * R * C, {R, C});
-    if (off[g] == off[g + 1]) {
-      if (!accumulate) empty.push_back(slice);
-      continue;
+  for (const WgradSet& s : sets)
+    for (int64_t g = 0; g < G; ++g) {
+      Tensor slice = s.c->view(g * R * C, {R, C});
+      if (off[g] == off[g + 1]) {
+        if (!accumulate) empty.push_back(slice);
+        continue;
+      }
+      as.push_back(s.a->slice_rows(off[g], off[g + 1]));
+      bs.push_back(s.b->slice_rows(off[g], off[g + 1]));
+      outs.push_back(slice);
+      jobs.push_back(GemmJob{Operand(as.back(), true), Operand(bs.back(), true), &outs.back(), accumulate});
     }
-    as.push_back(a.slice_rows(off[g], off[g + 1]));
-    bs.push_back(b.slice_rows(off[g], off[g + 1]));
-    outs.push_back(slice);
-    jobs.push_back(GemmJob{Operand(as.back(), true), Operand(bs.back(), true), &outs.back(), accumulate});
-  }
   zero_each(empty);
   gemm_batch_grouped(jobs);
+}
+
+void grouped_wgrad_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
+                                  bool accumulate) {
+  grouped_wgrad_device_offsets({WgradSet{&a, &b, &c}}, offsets, accumulate);
 }
 
 namespace {

@@ -3,7 +3,7 @@
 //          swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
 //          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
-//          grouped_gemm_device_offsets, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
+//          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rmsnorm_input_wgrad, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
@@ -229,15 +229,23 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // and grouped_gemm runs. The bits of grouped_gemm with the same offsets.
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate = false);
-// The experts' weight gradients with the offsets an I32 [G + 1] tensor on the output's device: for
-// every group g, c[g] (+)= a_g^T . b_g, where a_g and b_g are rows offsets[g] .. offsets[g + 1] of
-// a [M, R] and b [M, C] (token-major: a MoE layer's dY and X rows in expert order, a BF16, F32 or
-// F64 pair) and c is F32 [G, R, C] (F64 for F64 operands); a group without rows gets c[g] = 0
-// (accumulate: unchanged). On Hopper, BF16 operands with R and C multiples of 8, the grouped
-// kernel's K-grouped form reads the offsets where they are (cuda::grouped_gemm_k_device_offsets:
-// nothing comes back, so a step that runs it can be captured in a graph); elsewhere they are read
-// back and gemm_batch_grouped runs one GEMM a group with rows. Both give gemm_batch_grouped's bits
-// on those groups' transposed row ranges.
+// The experts' weight gradients with the offsets an I32 [G + 1] tensor on the outputs' device: for
+// every set {a, b, c} and every group g, c[g] (+)= a_g^T . b_g, where a_g and b_g are rows
+// offsets[g] .. offsets[g + 1] of a [M, R] and b [M, C] (token-major: a MoE layer's dY and X rows in
+// expert order; one dtype, BF16, F32 or F64, and one M, R and C for all sets) and c is F32 [G, R, C]
+// (F64 for F64 operands); a group without rows gets c[g] = 0 (accumulate: unchanged). On Hopper,
+// BF16 operands with R and C multiples of 8, the grouped kernel's K-grouped form reads the offsets
+// where they are, every set's problems in one launch (cuda::grouped_gemm_k_device_offsets: nothing
+// comes back, so a step that runs it can be captured in a graph; bad offsets are recorded for
+// check_index_errors); elsewhere they are read back (bad ones fail at once) and gemm_batch_grouped
+// runs one GEMM a group with rows. Both give gemm_batch_grouped's bits on those groups' transposed
+// row ranges.
+struct WgradSet {
+  const Tensor* a;
+  const Tensor* b;
+  Tensor* c;
+};
+void grouped_wgrad_device_offsets(const std::vector<WgradSet>& sets, const Tensor& offsets, bool accumulate = false);
 void grouped_wgrad_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
                                   bool accumulate = false);
 // Whether grouped_gemm_device_offsets on `device` reads the offsets where they are for `groups`

@@ -2,13 +2,13 @@
 //          take_nonfinite_flag, nonfinite_flag_address, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
 //          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows,
 //          grouped_rows_per_group, device_rows_per_group, packed_operand,
-//          KGroupedProblem, grouped_gemm_k, grouped_gemm_k_device_offsets, convert_each, zero_each,
+//          KGroupedProblem, grouped_gemm_k, KDeviceSet, grouped_gemm_k_device_offsets, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
 //          set_fused_dequant, set_grouped_wgmma, set_skinny_wgrad, set_grouped_tma, set_grouped_decode_width, set_grouped_tile_band,
 //          set_grouped_tma_persistent, set_grouped_tma_tile, set_grouped_wgrad_tma_tile, set_grouped_tma_pingpong,
 //          set_grouped_tma_pingpong_mn_major, set_grouped_wgrad_tma_pingpong, set_grouped_wgrad_tma,
 //          set_grouped_narrow_tiles, set_grouped_tma_store_probe,
-//          grouped_tma_launches, grouped_wgrad_tma_launches,
+//          grouped_tma_launches, grouped_wgrad_tma_launches, grouped_wgrad_device_calls,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, quantize_both_each,
@@ -131,16 +131,21 @@ struct KGroupedProblem {
 bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems, int64_t m, int64_t n, int64_t ldc,
                     bool accumulate);
 // grouped_gemm_k with the problems' K ranges in device offsets (ops::grouped_wgrad_device_offsets):
-// problem g is K rows offsets[g] .. offsets[g + 1] (I32 [groups + 1] on the device) of MN-major A
-// (BF16 [rows, m], K rows lda elements apart) and B ([rows, n], ldb), its C [m, n] at c + g m n. The
-// host reads no offset: a kernel writes each problem's arguments and TMA maps where the GPU has the
-// offsets, then the K-grouped form (its tile as set_grouped_wgrad_tma_tile / _pingpong say) reads
-// them; the bits of grouped_gemm_k on the same problems. Bad offsets are recorded as grouped_gemm's
-// index errors (ops::check_index_errors). false (nothing done) where grouped_gemm_k would decline
-// the MN-major problems, or m or n is not a multiple of 8, or groups is outside 1 .. 65535.
-bool grouped_gemm_k_device_offsets(const void* a, const void* b, int64_t lda, int64_t ldb, int64_t rows,
-                                   const int32_t* offsets, int64_t groups, float* c, int64_t m, int64_t n,
-                                   bool accumulate);
+// for each set s of operands and each group g, one problem: K rows offsets[g] .. offsets[g + 1] (I32
+// [groups + 1] on the device) of MN-major A_s (BF16 [rows, m], K rows lda elements apart) and B_s
+// ([rows, n], ldb), its C [m, n] at c_s + g m n. The host reads no offset: a kernel writes each
+// problem's arguments and TMA maps where the GPU has the offsets, then one launch of the K-grouped
+// form (its tile as set_grouped_wgrad_tma_tile / _pingpong say) runs every problem; the bits of
+// grouped_gemm_k on the same problems. Bad offsets are recorded as grouped_gemm's index errors
+// (ops::check_index_errors). false (nothing done) where grouped_gemm_k would decline the MN-major
+// problems, or m or n is not a multiple of 8, or sets x groups is outside 1 .. 65535.
+struct KDeviceSet {
+  const void* a;
+  const void* b;
+  float* c;
+};
+bool grouped_gemm_k_device_offsets(const std::vector<KDeviceSet>& sets, int64_t lda, int64_t ldb, int64_t rows,
+                                   const int32_t* offsets, int64_t groups, int64_t m, int64_t n, bool accumulate);
 
 // The rows a non-empty group holds on average (rounded up; 0 without rows): what the grouped kernel
 // picks its row tile by, and ops::grouped_gemm its path for block-scaled operands.
@@ -242,6 +247,9 @@ int64_t grouped_tma_launches();
 // benchmarks. grouped_wgrad_tma_launches: how many launches took the TMA form in this process.
 void set_grouped_wgrad_tma(bool on);
 int64_t grouped_wgrad_tma_launches();
+// How many calls of grouped_gemm_k_device_offsets ran (returned true) in this process: tests that
+// a step took the device-offset path.
+int64_t grouped_wgrad_device_calls();
 
 // Whether the kernels of a decode step (the streaming GEMM, norms, attention step, router, MoE
 // gathers and combine, SwiGLU, the row quantizers, cross-entropy, token draws) are launched as

@@ -404,36 +404,46 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
   return true;
 }
 
-bool grouped_gemm_k_device_offsets(const void* a, const void* b, int64_t lda, int64_t ldb, int64_t rows,
-                                   const int32_t* offsets, int64_t groups, float* c, int64_t m, int64_t n,
-                                   bool accumulate) {
+std::atomic<int64_t> g_wgrad_device_calls{0};
+
+bool grouped_gemm_k_device_offsets(const std::vector<KDeviceSet>& sets, int64_t lda, int64_t ldb, int64_t rows,
+                                   const int32_t* offsets, int64_t groups, int64_t m, int64_t n, bool accumulate) {
   if (!g_wgmma.load(std::memory_order_relaxed) || !hopper_device()) return false;
   const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
+  const int64_t count = int64_t(sets.size()) * groups;
   if (m < 8 || n < 8 || m > INT32_MAX || n > INT32_MAX || m % 8 != 0 || n % 8 != 0 || lda < m || ldb < n ||
-      lda % 8 != 0 || ldb % 8 != 0 || rows < 0 || rows > INT32_MAX || groups < 1 || groups > 65535 ||
-      !aligned(a, 16) || !aligned(b, 16) || !aligned(c, 8) || !offsets)
+      lda % 8 != 0 || ldb % 8 != 0 || rows < 0 || rows > INT32_MAX || groups < 1 || count > 65535 ||
+      sets.size() > size_t(hopper::kMaxKDeviceSets) || sets.empty() || !offsets)
     return false;
+  for (const KDeviceSet& s : sets)
+    if (!aligned(s.a, 16) || !aligned(s.b, 16) || !aligned(s.c, 8)) return false;
   if (rows == 0) {  // every problem empty: C = 0, or C unchanged
-    if (!accumulate) FOURBIT_CUDA_CHECK(cudaMemsetAsync(c, 0, size_t(groups * m * n) * sizeof(float), stream()));
+    if (!accumulate)
+      for (const KDeviceSet& s : sets)
+        FOURBIT_CUDA_CHECK(cudaMemsetAsync(s.c, 0, size_t(groups * m * n) * sizeof(float), stream()));
+    g_wgrad_device_calls.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  Tensor problems = Tensor::empty({groups * int64_t(sizeof(KDeviceProblem))}, DType::U8, Device::CUDA);
+  Tensor problems = Tensor::empty({count * int64_t(sizeof(KDeviceProblem))}, DType::U8, Device::CUDA);
   hopper::KDeviceProblemArgs q{};
-  q.a = static_cast<const unsigned char*>(a);
-  q.b = static_cast<const unsigned char*>(b);
+  q.sets = int(sets.size());
   q.lda = 2 * lda;
   q.ldb = 2 * ldb;
-  q.c = c;
   q.c_stride = m * n;
   q.offsets = offsets;
   q.rows = rows;
-  q.count = int(groups);
+  q.groups = int(groups);
   q.err = index_error_record();
   q.out = static_cast<KDeviceProblem*>(problems.raw());
-  q.maps = hopper::g_wgrad_tma.load(std::memory_order_relaxed) &&
-           hopper::bf16_map(q.a_map, a, uint64_t(m), uint64_t(rows), uint64_t(q.lda), 64) &&
-           hopper::bf16_map(q.b_map, b, uint64_t(n), uint64_t(rows), uint64_t(q.ldb), 64);
-  hopper::k_device_problems_kernel<<<unsigned((groups + 127) / 128), 128, 0, stream()>>>(q);
+  q.maps = hopper::g_wgrad_tma.load(std::memory_order_relaxed);
+  for (size_t s = 0; s < sets.size(); ++s) {
+    q.a[s] = static_cast<const unsigned char*>(sets[s].a);
+    q.b[s] = static_cast<const unsigned char*>(sets[s].b);
+    q.c[s] = sets[s].c;
+    q.maps = q.maps && hopper::bf16_map(q.a_map[s], sets[s].a, uint64_t(m), uint64_t(rows), uint64_t(q.lda), 64) &&
+             hopper::bf16_map(q.b_map[s], sets[s].b, uint64_t(n), uint64_t(rows), uint64_t(q.ldb), 64);
+  }
+  hopper::k_device_problems_kernel<<<unsigned((count + 127) / 128), 128, 0, stream()>>>(q);
   FOURBIT_LAUNCH_CHECK();
   static thread_local KGroupedArgs p;  // ~3.5 KB: kept off the stack
   p = KGroupedArgs{};
@@ -441,9 +451,10 @@ bool grouped_gemm_k_device_offsets(const void* a, const void* b, int64_t lda, in
   p.n = int(n);
   p.ldc = n;
   p.accumulate = accumulate;
-  p.count = int(groups);
+  p.count = int(count);
   p.dev = q.out;
   if (!q.maps || !hopper::launch_tma_wgrad<true>(p)) hopper::launch_wgrad<true>(p);
+  g_wgrad_device_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -493,6 +504,7 @@ void set_grouped_tma_persistent(bool on) { hopper::g_tma_persistent.store(on, st
 void set_grouped_wgrad_tma(bool on) { hopper::g_wgrad_tma.store(on, std::memory_order_relaxed); }
 
 int64_t grouped_wgrad_tma_launches() { return hopper::g_wgrad_tma_launches.load(std::memory_order_relaxed); }
+int64_t grouped_wgrad_device_calls() { return g_wgrad_device_calls.load(std::memory_order_relaxed); }
 
 void set_grouped_tile_band(int pairs) { hopper::g_tile_band.store(std::max(0, pairs), std::memory_order_relaxed); }
 

@@ -3,7 +3,8 @@
 //          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
 //          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
 //          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
-//          launch counters, KDeviceProblemArgs, k_device_problems_kernel (its problems from device offsets)
+//          launch counters, kMaxKDeviceSets, KDeviceProblemArgs, k_device_problems_kernel (its problems from
+//          device offsets)
 #pragma once
 
 #include <cuda.h>
@@ -706,42 +707,47 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
 
 // ---- the K-grouped form with device offsets (grouped_gemm_k_device_offsets) ----------------------
 //
-// Problem j is K rows offsets[j] .. offsets[j + 1] of token-major (MN-major) A [rows, m] and B
-// [rows, n]. k_device_problems_kernel, one thread a problem, writes each problem's arguments and,
-// for the TMA form, its maps: copies of the host's maps of the whole operands with the address moved
-// to the problem's first row and the K extent cut to its rows, so that a problem's last K tile is
-// zero-filled past its rows as the host-made maps of launch_tma_wgrad_tile fill it (the same
-// operands in shared memory: the same bits). Offsets outside [0, rows] or decreasing are recorded
-// as grouped_gemm's index errors and clamped, as row_tile_of does.
+// Problem s * groups + g is K rows offsets[g] .. offsets[g + 1] of set s's token-major (MN-major)
+// A_s [rows, m] and B_s [rows, n]. k_device_problems_kernel, one thread a problem, writes each
+// problem's arguments and, for the TMA form, its maps: copies of the host's maps of set s's whole
+// operands with the address moved to the problem's first row and the K extent cut to its rows, so
+// that a problem's last K tile is zero-filled past its rows as the host-made maps of
+// launch_tma_wgrad_tile fill it (the same operands in shared memory: the same bits). Offsets outside
+// [0, rows] or decreasing are recorded as grouped_gemm's index errors and clamped, as row_tile_of
+// does.
+constexpr int kMaxKDeviceSets = 4;  // a launch's sets of operands sharing the offsets (an FFN's w1 and w3: 2)
 struct KDeviceProblemArgs {
-  CUtensorMap a_map, b_map;  // the whole of A and B, K rows 0 .. rows (maps: false: unused)
-  const unsigned char* a;
-  const unsigned char* b;
+  CUtensorMap a_map[kMaxKDeviceSets], b_map[kMaxKDeviceSets];  // the whole of each A and B, K rows 0 .. rows
+  const unsigned char* a[kMaxKDeviceSets];
+  const unsigned char* b[kMaxKDeviceSets];
+  float* c[kMaxKDeviceSets];
   int64_t lda, ldb;  // bytes between K rows
-  float* c;
-  int64_t c_stride;  // floats between problems' outputs
+  int64_t c_stride;  // floats between a set's problems' outputs
   const int32_t* offsets;
   int64_t rows;
-  int count;
-  bool maps;
+  int sets, groups;
+  bool maps;  // false: the cp.async form runs, no maps made
   IndexError* err;
   KDeviceProblem* out;
 };
 
 __global__ void k_device_problems_kernel(const __grid_constant__ KDeviceProblemArgs q) {
   const int j = int(blockIdx.x * blockDim.x + threadIdx.x);
-  if (j >= q.count) return;
-  long long lo = q.offsets[j], hi = q.offsets[j + 1];
-  if (j == 0 && (lo < 0 || lo > q.rows)) record_index_error(q.err, IndexSite::GroupedGemmOffsets, 0, lo, q.rows + 1, 1);
-  if (hi < 0 || hi > q.rows) record_index_error(q.err, IndexSite::GroupedGemmOffsets, j + 1, hi, q.rows + 1, 1);
-  else if (hi < lo) record_index_error(q.err, IndexSite::GroupedGemmOffsetsDecreasing, j + 1, hi, lo, 1);
+  if (j >= q.sets * q.groups) return;
+  const int s = j / q.groups, g = j % q.groups;
+  long long lo = q.offsets[g], hi = q.offsets[g + 1];
+  if (s == 0) {  // each offset checked once
+    if (g == 0 && (lo < 0 || lo > q.rows)) record_index_error(q.err, IndexSite::GroupedGemmOffsets, 0, lo, q.rows + 1, 1);
+    if (hi < 0 || hi > q.rows) record_index_error(q.err, IndexSite::GroupedGemmOffsets, g + 1, hi, q.rows + 1, 1);
+    else if (hi < lo) record_index_error(q.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
+  }
   lo = lo < 0 ? 0 : (lo > q.rows ? q.rows : lo);
   hi = hi < lo ? lo : (hi > q.rows ? q.rows : hi);
   KDeviceProblem& d = q.out[j];
-  d.prob = KProblemArgs{q.a + lo * q.lda, q.b + lo * q.ldb, q.c + j * q.c_stride, q.lda, q.ldb, int(hi - lo)};
+  d.prob = KProblemArgs{q.a[s] + lo * q.lda, q.b[s] + lo * q.ldb, q.c[s] + g * q.c_stride, q.lda, q.ldb, int(hi - lo)};
   if (!q.maps || hi == lo) return;  // no copies read an empty problem's maps
-  d.a_map = q.a_map;
-  d.b_map = q.b_map;
+  d.a_map = q.a_map[s];
+  d.b_map = q.b_map[s];
   tensormap_set_address(&d.a_map, d.prob.a);
   tensormap_set_dim<1>(&d.a_map, uint32_t(hi - lo));
   tensormap_set_address(&d.b_map, d.prob.b);
