@@ -28,7 +28,9 @@ std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 std::atomic<bool> g_weight_forms_batched{true};
-std::atomic<bool> g_moe_backward_device_offsets{true};
+// Off by default: on an H100 the weight gradients' device-offset path cost 0.55-0.7 ms a gpu-small
+// bf16 step, its dgrads nothing (docs/cuda.md, "K-grouped form").
+std::atomic<bool> g_moe_backward_device_offsets{false};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones

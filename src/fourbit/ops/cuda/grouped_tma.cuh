@@ -347,7 +347,8 @@ std::atomic<bool> g_tma_no_store{false};
 std::atomic<int> g_tma_pingpong_max_k{4096};
 // Whether an MN-major B (the bf16 recipe's dgrads, the forward's weights read in place) takes the
 // ping-pong tiles too (set_grouped_tma_pingpong_mn_major; the default): in gpu_grouped_gemm those
-// dgrads ran 0-4% faster on 128 x 256, a configuration not yet timed in the step.
+// dgrads ran 0-4% faster on 128 x 256, but the step took the same time either way on an H100
+// (h100_gpu_train_pingpong_fwd_s59.json).
 std::atomic<bool> g_tma_pingpong_mn_major{true};
 
 // The row-grouped TMA kernel of a tile: tma_kernel's BM = 64 WGM x WN, or the ping-pong form's
