@@ -46,6 +46,33 @@ std::vector<double> host_doubles(const Tensor& t) {
 // hundred, more than a thousand.
 const std::vector<int64_t> kOffsets{0, 1, 66, 400, 1650, 1658};
 
+// The TMA tests' shapes: R x C outputs on and off the tiles (520 rows: row tiles of 128 or 256 and
+// 8 rows), problems in one launch and past one TMA launch's 32, accumulate on and off.
+struct WgradCase {
+  int64_t R, C, problems;
+  bool accumulate;
+};
+const std::vector<WgradCase> kWgradCases{{264, 136, 6, true}, {264, 136, 6, false}, {128, 256, 40, true}, {520, 72, 3, false}};
+
+// The K-grouped form for the scope: the TMA form's tile (128 or 256 columns, or -1: the ping-pong
+// form), or 0: the cp.async form; the settings found are restored at its end.
+struct WgradForm {
+  explicit WgradForm(int tma)
+      : tile_before(ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256)),
+        pp_before(ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0)) {
+    ops::cuda::set_grouped_wgrad_tma(tma != 0);
+  }
+  ~WgradForm() {
+    ops::cuda::set_grouped_wgrad_tma(true);
+    ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
+    ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
+  }
+  WgradForm(const WgradForm&) = delete;
+  WgradForm& operator=(const WgradForm&) = delete;
+  int tile_before;
+  bool pp_before;
+};
+
 // grad[e] (before: init[e]) against init + the exact sum over expert e's tokens t of
 // a[t, r] * b[t, c] (a: [T, R], b: [T, C] token-major values): within (K + 3) 2^-24 times the sum
 // of the magnitudes (a K-term FP32 sum, then the accumulating add).
@@ -133,13 +160,8 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnTransposedBf16Operands) {
 TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
-  struct Case {
-    int64_t R, C, problems;
-    bool accumulate;
-  };
   for (const bool mn : {true, false})
-    for (const Case cs : {Case{264, 136, 6, true}, Case{264, 136, 6, false}, Case{128, 256, 40, true},
-                          Case{520, 72, 3, false}}) {
+    for (const WgradCase& cs : kWgradCases) {
       SCOPED_TRACE(testing::Message() << (mn ? "MN-major" : "K-major") << " R " << cs.R << " C " << cs.C
                                       << " problems " << cs.problems << (cs.accumulate ? " accumulate" : ""));
       const std::vector<int64_t> lens = mn ? std::vector<int64_t>{1, 65, 0, 334, 1250, 8}
@@ -153,8 +175,7 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
       ops::convert(randn_cuda(a_shape, 11), dy);
       ops::convert(randn_cuda(b_shape, 12), x);
       const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 13);
-      // the TMA form's tile (128 or 256 columns, or -1: the ping-pong form), or 0: the cp.async form
-      auto run = [&](int tma) {
+      auto run = [&](int tma) {  // WgradForm's tma
         Tensor grad = init.clone();
         std::vector<ops::cuda::KGroupedProblem> problems;
         for (int64_t j = 0; j < cs.problems; ++j) {
@@ -164,14 +185,8 @@ TEST(CudaGroupedWgrad, TmaFormIsTheCpAsyncFormBitForBit) {
                               grad.data<float>() + j * cs.R * cs.C, mn ? cs.R : T, mn ? cs.C : T,
                               off[size_t(j) + 1] - off[size_t(j)]});
         }
-        ops::cuda::set_grouped_wgrad_tma(tma != 0);
-        const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256);
-        const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0);
-        const bool ok = ops::cuda::grouped_gemm_k(mn, problems, cs.R, cs.C, cs.C, cs.accumulate);
-        ops::cuda::set_grouped_wgrad_tma(true);
-        ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
-        ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
-        EXPECT_TRUE(ok);
+        const WgradForm form(tma);
+        EXPECT_TRUE(ops::cuda::grouped_gemm_k(mn, problems, cs.R, cs.C, cs.C, cs.accumulate));
         return grad;
       };
       const int64_t before = ops::cuda::grouped_wgrad_tma_launches();
@@ -242,12 +257,7 @@ TEST(CudaGroupedWgrad, MatchesTheExactSumOnDecodedMxfp8Operands) {
 TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
-  struct Case {
-    int64_t R, C, problems;
-    bool accumulate;
-  };
-  for (const Case cs : {Case{264, 136, 6, true}, Case{264, 136, 6, false}, Case{128, 256, 40, true},
-                        Case{520, 72, 3, false}}) {
+  for (const WgradCase& cs : kWgradCases) {
     SCOPED_TRACE(testing::Message() << "R " << cs.R << " C " << cs.C << " problems " << cs.problems
                                     << (cs.accumulate ? " accumulate" : ""));
     const std::vector<int64_t> lens{1, 65, 0, 334, 1250, 8};
@@ -265,9 +275,7 @@ TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
     const Tensor init = randn_cuda({cs.problems, cs.R, cs.C}, 33);
     for (const int tma : {256, 128, -1, 0}) {  // the TMA form's tiles (-1: ping-pong), 0: the cp.async form
       SCOPED_TRACE(testing::Message() << "tile " << tma);
-      ops::cuda::set_grouped_wgrad_tma(tma != 0);
-      const int tile_before = ops::cuda::set_grouped_wgrad_tma_tile(tma > 0 ? tma : 256);
-      const bool pp_before = ops::cuda::set_grouped_wgrad_tma_pingpong(tma < 0);
+      const WgradForm form(tma);
       std::vector<Tensor> want{init.clone(), init.clone()}, got{init.clone(), init.clone()};
       std::vector<Tensor> dys, xs, outs, empty;
       dys.reserve(size_t(2 * cs.problems));
@@ -293,9 +301,6 @@ TEST(CudaGroupedWgrad, DeviceOffsetsGiveTheHostOffsetsBits) {
       ops::grouped_wgrad_device_offsets({{&dy[0], &x, &got[0]}, {&dy[1], &x, &got[1]}}, offsets, cs.accumulate);
       device_synchronize();
       const int64_t launches = ops::cuda::grouped_wgrad_tma_launches() - before;
-      ops::cuda::set_grouped_wgrad_tma(true);
-      ops::cuda::set_grouped_wgrad_tma_tile(tile_before);
-      ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
       EXPECT_EQ(bytes(got[0]), bytes(want[0])) << "set 0";
       EXPECT_EQ(bytes(got[1]), bytes(want[1])) << "set 1";
       EXPECT_EQ(launches, tma != 0 ? 1 : 0) << "the TMA form with device-made maps did not run once";
