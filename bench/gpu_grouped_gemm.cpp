@@ -14,7 +14,8 @@
 // sizes (B bytes / time, against the measured copy bandwidth of 4.1-4.3 TB/s). A third table runs
 // the experts' weight gradients (K over each expert's tokens) through the kernel's K-grouped form
 // (ops::gemm_batch_grouped) against per-expert cuBLASLt on lanes (ops::gemm_batch), on the bf16
-// recipe's token-major BF16 operands and on Col-axis MXFP8 ones. A fourth runs the bf16 recipe's
+// recipe's token-major BF16 operands and on Col-axis MXFP8 ones, and the BF16 ones with the offsets
+// on the GPU (ops::grouped_wgrad_device_offsets, checked bit-equal). A fourth runs the bf16 recipe's
 // expert input gradients dX = dY . W_e, the forward's [E, K, N] weights read MN-major in place by
 // the grouped kernel (ops::grouped_gemm with a transposed B), against per-expert cuBLASLt on lanes
 // and against the grouped kernel on a K-major copy of the weights (the same bits, checked).
@@ -340,7 +341,8 @@ int main(int argc, char** argv) {
   wgrad.columns = {"operands",      "case",          "GEMMs",         "grouped ms",           "stored ms",
                    "grouped TFLOP/s", "cp.async form ms", "256x128 tile ms", "per-expert ms",   "dense cuBLAS ms",
                    "vs per-expert", "grouped / dense speed", "256x128 / dense speed", "ping-pong ms",
-                   "ping-pong / dense speed", "ping-pong same bits", "gap"};
+                   "ping-pong / dense speed", "ping-pong same bits", "device offsets ms", "device offsets same bits",
+                   "gap"};
   struct WgradCase {
     std::string name;
     std::vector<int64_t> rows;
@@ -422,6 +424,28 @@ int main(int argc, char** argv) {
       const bool pp_same = same_bits(pp_grad, pp_ref);
       const double pp_ms = median_ms(grouped, reps);
       ops::cuda::set_grouped_wgrad_tma_pingpong(pp_before);
+      // bf16: the offsets on the GPU (ops::grouped_wgrad_device_offsets: the problems' arguments
+      // and maps made by a kernel, every set in one launch), against the host's from the same zeros
+      double dev_ms = 0;
+      std::string dev_same = "n/a";
+      if (!mx) {
+        const std::vector<int32_t> off32(off.begin(), off.end());
+        const Tensor dev_off = Tensor::from_host(off32.data(), {G + 1}, DType::I32, Device::CPU).to(Device::CUDA);
+        Tensor dev_grad = Tensor::zeros(grad.shape(), DType::F32, Device::CUDA), dev_ref = dev_grad.clone();
+        std::vector<Tensor> dev_cs, dev_refs;
+        dev_cs.reserve(size_t(c.sets));  // the sets point at them
+        for (int s = 0; s < c.sets; ++s) dev_cs.push_back(dev_grad.view(s * G * D * D, {G, D, D}));
+        std::vector<ops::WgradSet> sets;
+        for (int s = 0; s < c.sets; ++s) sets.push_back({&dy, &x, &dev_cs[size_t(s)]});
+        std::vector<ops::GemmJob> dev_ref_jobs = jobs;
+        for (size_t i = 0; i < jobs.size(); ++i) dev_refs.push_back(dev_ref.view(int64_t(i) * D * D, {D, D}));
+        for (size_t i = 0; i < jobs.size(); ++i) dev_ref_jobs[i].c = &dev_refs[i];
+        ops::gemm_batch_grouped(dev_ref_jobs);
+        ops::grouped_wgrad_device_offsets(sets, dev_off, true);
+        device_synchronize();
+        dev_same = same_bits(dev_grad, dev_ref) ? "yes" : "NO";
+        dev_ms = median_ms([&] { ops::grouped_wgrad_device_offsets(sets, dev_off, true); }, reps);
+      }
       const double flop = 2.0 * double(c.sets) * double(T) * double(D) * double(D);
       wgrad.add({{"operands", mx ? "mxfp8 e4m3, Col axis (decoded)" : "bf16, token-major (transposed)"},
                  {"case", c.name},
@@ -439,6 +463,8 @@ int main(int argc, char** argv) {
                  {"ping-pong ms", pp_ms},
                  {"ping-pong / dense speed", d_ms / pp_ms},
                  {"ping-pong same bits", pp_same ? "yes" : "NO"},
+                 {"device offsets ms", dev_ms},
+                 {"device offsets same bits", dev_same},
                  {"gap", fmt::format("{:.1e}", gap)}});
     }
   }
