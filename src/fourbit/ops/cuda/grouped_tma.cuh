@@ -505,16 +505,25 @@ __device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint
                                                   uint32_t empty0) {
   constexpr int BM = S::BM, BN = S::BN;
   const int tiles = tp.tiles_m * tp.tiles_n * tp.count;
+  if (tp.dev) {
+    // Maps written by an earlier kernel: each acquired once, before any copy reads it and before
+    // any copy is in flight, rather than before each tile's copies (every tile of a CTA is a new
+    // problem). The path measured ~25 us a call slower than the host's maps while it fenced each
+    // tile (session 59); whether the fences were the cause is not yet measured.
+    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+      int j, m0, n0;
+      wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
+      if (wgrad_k(tp, j) == 0) continue;  // no copies read an empty problem's maps
+      tensormap_acquire(wgrad_map_a(tp, j));
+      tensormap_acquire(wgrad_map_b(tp, j));
+    }
+  }
   int it = 0;
   for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
     const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
     const CUtensorMap *map_a = wgrad_map_a(tp, j), *map_b = wgrad_map_b(tp, j);
-    if (tp.dev && k_tiles > 0) {  // maps written by an earlier kernel: before the copies read them
-      tensormap_acquire(map_a);
-      tensormap_acquire(map_b);
-    }
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int st = it % S::kStages, round = it / S::kStages;
       if (round > 0) mbarrier_wait(empty0 + 8u * st, uint32_t(round - 1) & 1u);
