@@ -1117,8 +1117,9 @@ struct ModelRunner {
       FOURBIT_CHECK(accumulate == m.params_.grad_accumulate(g.w3), "moe_backward: w1's and w3's gradients differ in "
                     "staleness");
       const Tensor x16 = dense_bf16(s.x_perm, "X").slice_rows(0, N * K);  // the routed slots (not a shared group's)
-      ops::grouped_wgrad_device_offsets({{&dense_bf16(pdh1.row, "dh1"), &x16, &g.w1}, {&dense_bf16(pdh3.row, "dh3"), &x16, &g.w3}},
-                                        plan.device_offsets, accumulate);
+      ops::grouped_wgrad_device_offsets(
+          {{&dense_bf16(pdh1.row, "dh1"), &x16, &g.w1}, {&dense_bf16(pdh3.row, "dh3"), &x16, &g.w3}},
+          plan.device_offsets, accumulate);
     } else {
       const std::vector<Prepared> dh1t = std::move(pdh1.col), dh3t = std::move(pdh3.col);
       const std::vector<Prepared> x_wgrad =
