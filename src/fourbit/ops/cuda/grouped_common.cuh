@@ -1,6 +1,6 @@
 // defines: the grouped GEMM family's shared pieces (grouped_mma.cu): Storage, OperandArgs, GroupedArgs,
-//          KProblemArgs, KDeviceProblem, KGroupedArgs, k_problem, the tile loaders, row_tile_of, the
-//          epilogue (finish_value, store_pair)
+//          KProblemArgs, KDeviceProblem, KGroupedArgs, k_problem, the tile loaders, clamp_group_rows,
+//          row_tile_of, the epilogue (finish_value, store_pair)
 // Included by the family's kernel headers and grouped_mma.cu only (one translation unit: the
 // anonymous namespace keeps every kernel and helper internal to it).
 #pragma once
@@ -94,7 +94,7 @@ struct KProblemArgs {
 constexpr int kMaxKProblems = 64;  // a launch's; more run in several (kernel parameters < 4 KB)
 // A problem whose K range the GPU found in device offsets (grouped_gemm_k_device_offsets): its
 // operands' TMA maps (MN-major, K rows 0 .. k of the problem) and its arguments, written by
-// wgrad_problems_kernel before the launch that reads them.
+// k_device_problems_kernel before the launch that reads them.
 struct alignas(128) KDeviceProblem {  // tensormap.replace takes 128-byte aligned maps
   CUtensorMap a_map, b_map;
   KProblemArgs prob;
@@ -202,6 +202,17 @@ struct RowTile {
   long long r0, r1;
 };
 
+// Group g's row range [lo, hi) from its offsets, checked against m rows: an offset outside [0, m]
+// or below the one before it is recorded as grouped_gemm's index error (lo, offsets[0], only for
+// g 0: for the others it is the group before's hi), then clamped so that 0 <= lo <= hi <= m.
+__device__ __forceinline__ void clamp_group_rows(long long& lo, long long& hi, int g, long long m, IndexError* err) {
+  if (g == 0 && (lo < 0 || lo > m)) record_index_error(err, IndexSite::GroupedGemmOffsets, 0, lo, m + 1, 1);
+  if (hi < 0 || hi > m) record_index_error(err, IndexSite::GroupedGemmOffsets, g + 1, hi, m + 1, 1);
+  else if (hi < lo) record_index_error(err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
+  lo = lo < 0 ? 0 : (lo > m ? m : lo);
+  hi = hi < lo ? lo : (hi > m ? m : hi);
+}
+
 // Row tile `tile` (tiles of bm rows, each group's in turn); bad offsets are clamped and recorded.
 // Warp-collective, the same answer in every lane: the lanes read 32 groups' offsets at once and a
 // prefix sum of their tile counts finds the group, where one thread walking the offsets would
@@ -215,11 +226,7 @@ __device__ __forceinline__ RowTile row_tile_of(const GroupedArgs& p, int bm, int
     if (g < p.groups) {
       lo = p.offsets ? p.offsets[g] : p.host_offsets[g];
       hi = p.offsets ? p.offsets[g + 1] : p.host_offsets[g + 1];
-      if (g == 0 && (lo < 0 || lo > p.m)) record_index_error(p.err, IndexSite::GroupedGemmOffsets, 0, lo, p.m + 1, 1);
-      if (hi < 0 || hi > p.m) record_index_error(p.err, IndexSite::GroupedGemmOffsets, g + 1, hi, p.m + 1, 1);
-      else if (hi < lo) record_index_error(p.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
-      lo = lo < 0 ? 0 : (lo > p.m ? p.m : lo);
-      hi = hi < lo ? lo : (hi > p.m ? p.m : hi);
+      clamp_group_rows(lo, hi, g, p.m, p.err);
       tiles = int((hi - lo + bm - 1) / bm);
     }
     int upto = tiles;  // tiles of groups base .. g

@@ -417,13 +417,6 @@ bool grouped_gemm_k_device_offsets(const std::vector<KDeviceSet>& sets, int64_t 
     return false;
   for (const KDeviceSet& s : sets)
     if (!aligned(s.a, 16) || !aligned(s.b, 16) || !aligned(s.c, 8)) return false;
-  if (rows == 0) {  // every problem empty: C = 0, or C unchanged
-    if (!accumulate)
-      for (const KDeviceSet& s : sets)
-        FOURBIT_CUDA_CHECK(cudaMemsetAsync(s.c, 0, size_t(groups * m * n) * sizeof(float), stream()));
-    g_wgrad_device_calls.fetch_add(1, std::memory_order_relaxed);
-    return true;
-  }
   Tensor problems = Tensor::empty({count * int64_t(sizeof(KDeviceProblem))}, DType::U8, Device::CUDA);
   hopper::KDeviceProblemArgs q{};
   q.sets = int(sets.size());
@@ -435,6 +428,8 @@ bool grouped_gemm_k_device_offsets(const std::vector<KDeviceSet>& sets, int64_t 
   q.groups = int(groups);
   q.err = index_error_record();
   q.out = static_cast<KDeviceProblem*>(problems.raw());
+  // the TMA form's maps (none for 0 rows: then the cp.async form stores every empty problem's zeros,
+  // or nothing)
   q.maps = hopper::g_wgrad_tma.load(std::memory_order_relaxed);
   for (size_t s = 0; s < sets.size(); ++s) {
     q.a[s] = static_cast<const unsigned char*>(sets[s].a);

@@ -746,13 +746,7 @@ __global__ void k_device_problems_kernel(const __grid_constant__ KDeviceProblemA
   if (j >= q.sets * q.groups) return;
   const int s = j / q.groups, g = j % q.groups;
   long long lo = q.offsets[g], hi = q.offsets[g + 1];
-  if (s == 0) {  // each offset checked once
-    if (g == 0 && (lo < 0 || lo > q.rows)) record_index_error(q.err, IndexSite::GroupedGemmOffsets, 0, lo, q.rows + 1, 1);
-    if (hi < 0 || hi > q.rows) record_index_error(q.err, IndexSite::GroupedGemmOffsets, g + 1, hi, q.rows + 1, 1);
-    else if (hi < lo) record_index_error(q.err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
-  }
-  lo = lo < 0 ? 0 : (lo > q.rows ? q.rows : lo);
-  hi = hi < lo ? lo : (hi > q.rows ? q.rows : hi);
+  clamp_group_rows(lo, hi, g, q.rows, q.err);
   KDeviceProblem& d = q.out[j];
   d.prob = KProblemArgs{q.a[s] + lo * q.lda, q.b[s] + lo * q.ldb, q.c[s] + g * q.c_stride, q.lda, q.ldb, int(hi - lo)};
   if (!q.maps || hi == lo) return;  // no copies read an empty problem's maps
