@@ -46,11 +46,11 @@
 // cuda::set_grouped_tma_pingpong; the weight gradients on 128 x 256 tiles of two m64n256k16
 // warpgroups), the ping-pong tiles but for the bf16 recipe's dgrads (MN-major B), which take 128 x
 // 256 (pingpong-fwd: set_grouped_tma_pingpong_mn_major), the ping-pong tiles in the weight
-// gradients too (pingpong-all: set_grouped_wgrad_tma_pingpong), 128 x 256 tiles in both forms (256), 256 x 128 tiles of four
-// m64n128k16 warpgroups in both (128: set_grouped_tma_tile, set_grouped_wgrad_tma_tile), or the
-// 256 x 128 tile in the row-grouped form only (128-rows: forward and dgrad) or the K-grouped one
-// only (128-wgrad), the other on 128 x 256; the same bits. Several (comma-separated, repeats
-// allowed) run each recipe under each in this process.
+// gradients too (pingpong-all: set_grouped_wgrad_tma_pingpong), 128 x 256 tiles in both forms
+// (256), 256 x 128 tiles of four m64n128k16 warpgroups in both (128: set_grouped_tma_tile,
+// set_grouped_wgrad_tma_tile), or the 256 x 128 tile in the row-grouped form only (128-rows:
+// forward and dgrad) or the K-grouped one only (128-wgrad), the other on 128 x 256; the same bits.
+// Several (comma-separated, repeats allowed) run each recipe under each in this process.
 // --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the host's
 // routing offsets (host, the default) or on the offsets where the GPU made them (device:
 // set_moe_backward_device_offsets); several (comma-separated, repeats allowed) run each recipe
