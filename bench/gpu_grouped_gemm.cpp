@@ -4,7 +4,8 @@
 // one cuBLASLt GEMM per expert on GPU lanes, offsets on the host) and against one dense cuBLASLt
 // BF16 GEMM of the same M x N x K (every row against one expert's weights: the same FLOPs without
 // the grouping, the ceiling the issue measures against). Shapes: gpu-small's expert GEMMs (16
-// experts, 8192 tokens top-2, d_model = d_expert = 1024; balanced and skewed routing; w1|w3 fused),
+// experts, 8192 tokens top-2, d_model = d_expert = 1024; balanced and skewed routing, and for the weight
+// gradients four experts without tokens; w1|w3 fused),
 // decode-sized groups, and 8192^3 as one group. Each case first compares the grouped result with
 // the per-expert cuBLAS one (similarity gap), so a fast wrong kernel cannot look good here.
 // A second table runs the same kernel family on packed block-scaled operands (NVFP4 with the
@@ -24,8 +25,10 @@
 // short run to profile the decode tiles in).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <tuple>
 #include <string>
@@ -97,6 +100,9 @@ int main(int argc, char** argv) {
   }
   std::vector<int64_t> skewed(16, 768);
   skewed[0] = 16384 - 15 * 768;  // one expert with 4864 rows
+  std::vector<int64_t> sparse(16, 0);  // as a gpu-small step often routes: some experts get no tokens
+  for (int g = 0, left = 12; g < 16; ++g)
+    if (g % 4 != 1) sparse[size_t(g)] = (16384 - std::accumulate(sparse.begin(), sparse.end(), int64_t(0))) / left--;
   const std::vector<Case> cases = {
       {"gpu-small expert (w1, w3, w2, dgrad), balanced", 1024, 1024, balanced(16384, 16)},
       {"gpu-small expert, skewed (one expert 4864 rows)", 1024, 1024, skewed},
@@ -350,10 +356,12 @@ int main(int argc, char** argv) {
   };
   for (const WgradCase& c : {WgradCase{"gpu-small w2, balanced", balanced(16384, 16), 1},
                              WgradCase{"gpu-small w1 + w3, balanced", balanced(16384, 16), 2},
-                             WgradCase{"gpu-small w2, skewed", skewed, 1}}) {
+                             WgradCase{"gpu-small w2, skewed", skewed, 1},
+                             WgradCase{"gpu-small w1 + w3, 4 of 16 experts empty", sparse, 2}}) {
     if (decode_only) break;
     const int64_t D = 1024, G = int64_t(c.rows.size());
     const std::vector<int64_t> off = offsets_of(c.rows);
+    const bool empties = std::find(c.rows.begin(), c.rows.end(), 0) != c.rows.end();
     const int64_t T = off.back();
     const Tensor dy32 = random_f32({T, D}, 5, 1.0f), x32 = random_f32({T, D}, 6, 1.0f);
     Tensor dy = Tensor::empty(dy32.shape(), DType::BF16, Device::CUDA), x = Tensor::empty(x32.shape(), DType::BF16, Device::CUDA);
@@ -361,8 +369,11 @@ int main(int argc, char** argv) {
     ops::convert(x32, x);
     QuantSpec col = block_spec(Format::MXFP8_E4M3, OuterScale::None);
     col.axis = BlockAxis::Col;
-    const std::vector<QTensor> qdy = ops::quantize_segments(dy32, off, col, std::vector<ops::RngKey>(size_t(G))),
-                               qx = ops::quantize_segments(x32, off, col, std::vector<ops::RngKey>(size_t(G)));
+    // (MXFP8 operands only where every expert has tokens)
+    const std::vector<QTensor> qdy = empties ? std::vector<QTensor>{}
+                                             : ops::quantize_segments(dy32, off, col, std::vector<ops::RngKey>(size_t(G))),
+                               qx = empties ? std::vector<QTensor>{}
+                                            : ops::quantize_segments(x32, off, col, std::vector<ops::RngKey>(size_t(G)));
     std::vector<Tensor> dys, xs;
     for (int64_t g = 0; g < G; ++g) {
       dys.push_back(dy.slice_rows(off[size_t(g)], off[size_t(g) + 1]));
@@ -372,9 +383,11 @@ int main(int argc, char** argv) {
     auto one_gemm = [&] { ops::gemm(ops::Operand(dy, true), ops::Operand(x, true), dense, false); };
     const double d_ms = median_ms(one_gemm, reps) * c.sets;
     for (const bool mx : {false, true}) {
+      if (mx && empties) continue;
       Tensor grad = Tensor::zeros({c.sets * G, D, D}, DType::F32, Device::CUDA), ref = grad.clone();
       std::vector<Tensor> outs, refs;
       std::vector<ops::GemmJob> jobs, ref_jobs;
+      std::vector<int64_t> slot;  // each job's problem: set s, expert g at s * G + g
       for (int s = 0; s < c.sets; ++s)
         for (int64_t g = 0; g < G; ++g) {
           outs.push_back(grad.view((s * G + g) * D * D, {D, D}));
@@ -383,9 +396,11 @@ int main(int argc, char** argv) {
       for (int s = 0; s < c.sets; ++s)
         for (int64_t g = 0; g < G; ++g) {
           const size_t i = size_t(s * G + g);
+          if (c.rows[size_t(g)] == 0) continue;  // as the step: an empty expert's gradient is left as it is
           const ops::Operand a = mx ? ops::Operand(qdy[size_t(g)]) : ops::Operand(dys[size_t(g)], true);
           const ops::Operand b = mx ? ops::Operand(qx[size_t(g)]) : ops::Operand(xs[size_t(g)], true);
           jobs.push_back({a, b, &outs[i], true});
+          slot.push_back(int64_t(i));
           ref_jobs.push_back({a, b, &refs[i], true});
         }
       auto grouped = [&] { ops::gemm_batch_grouped(jobs); };
@@ -438,7 +453,7 @@ int main(int argc, char** argv) {
         std::vector<ops::WgradSet> sets;
         for (int s = 0; s < c.sets; ++s) sets.push_back({&dy, &x, &dev_cs[size_t(s)]});
         std::vector<ops::GemmJob> dev_ref_jobs = jobs;
-        for (size_t i = 0; i < jobs.size(); ++i) dev_refs.push_back(dev_ref.view(int64_t(i) * D * D, {D, D}));
+        for (size_t i = 0; i < jobs.size(); ++i) dev_refs.push_back(dev_ref.view(slot[i] * D * D, {D, D}));
         for (size_t i = 0; i < jobs.size(); ++i) dev_ref_jobs[i].c = &dev_refs[i];
         ops::gemm_batch_grouped(dev_ref_jobs);
         ops::grouped_wgrad_device_offsets(sets, dev_off, true);

@@ -1,5 +1,5 @@
 // defines: the grouped GEMM family's shared pieces (grouped_mma.cu): Storage, OperandArgs, GroupedArgs,
-//          KProblemArgs, KDeviceProblem, KGroupedArgs, k_problem, the tile loaders, clamp_group_rows,
+//          KProblemArgs, KDeviceProblem, KGroupedArgs, k_problem, the tile loaders, clamp_rows, clamp_group_rows,
 //          row_tile_of, the epilogue (finish_value, store_pair)
 // Included by the family's kernel headers and grouped_mma.cu only (one translation unit: the
 // anonymous namespace keeps every kernel and helper internal to it).
@@ -202,15 +202,20 @@ struct RowTile {
   long long r0, r1;
 };
 
+// A group's row range [lo, hi) clamped to 0 <= lo <= hi <= m rows.
+__device__ __forceinline__ void clamp_rows(long long& lo, long long& hi, long long m) {
+  lo = lo < 0 ? 0 : (lo > m ? m : lo);
+  hi = hi < lo ? lo : (hi > m ? m : hi);
+}
+
 // Group g's row range [lo, hi) from its offsets, checked against m rows: an offset outside [0, m]
 // or below the one before it is recorded as grouped_gemm's index error (lo, offsets[0], only for
-// g 0: for the others it is the group before's hi), then clamped so that 0 <= lo <= hi <= m.
+// g 0: for the others it is the group before's hi), then clamped (clamp_rows).
 __device__ __forceinline__ void clamp_group_rows(long long& lo, long long& hi, int g, long long m, IndexError* err) {
   if (g == 0 && (lo < 0 || lo > m)) record_index_error(err, IndexSite::GroupedGemmOffsets, 0, lo, m + 1, 1);
   if (hi < 0 || hi > m) record_index_error(err, IndexSite::GroupedGemmOffsets, g + 1, hi, m + 1, 1);
   else if (hi < lo) record_index_error(err, IndexSite::GroupedGemmOffsetsDecreasing, g + 1, hi, lo, 1);
-  lo = lo < 0 ? 0 : (lo > m ? m : lo);
-  hi = hi < lo ? lo : (hi > m ? m : hi);
+  clamp_rows(lo, hi, m);
 }
 
 // Row tile `tile` (tiles of bm rows, each group's in turn); bad offsets are clamped and recorded.

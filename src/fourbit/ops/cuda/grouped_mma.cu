@@ -380,6 +380,11 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
     if (q.k < 0 || q.k > INT32_MAX || !aligned(q.a, 16) || !aligned(q.b, 16) || !aligned(q.c, 8) || q.lda % 8 != 0 ||
         q.ldb % 8 != 0 || (!mn_major && q.k % 8 != 0))
       return false;
+  // Heaviest first (most K), ties in the callers' order: the kernels deal tiles in rounds that
+  // then fall in cost (hopper::wgrad_tile_at), and a launch's problems are alike in weight.
+  std::vector<size_t> order(problems.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) { return problems[x].k > problems[y].k; });
   // the TMA form takes up to kMaxTmaKProblems a launch (its maps are kernel parameters)
   const bool tma = hopper::g_wgrad_tma.load(std::memory_order_relaxed);
   const size_t per_launch = size_t(tma ? hopper::kMaxTmaKProblems : kMaxKProblems);
@@ -391,7 +396,7 @@ bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems,
     p.accumulate = accumulate;
     p.count = int(std::min(problems.size() - first, per_launch));
     for (int j = 0; j < p.count; ++j) {
-      const KGroupedProblem& q = problems[first + size_t(j)];
+      const KGroupedProblem& q = problems[order[first + size_t(j)]];
       p.prob[j] = KProblemArgs{static_cast<const unsigned char*>(q.a), static_cast<const unsigned char*>(q.b), q.c,
                                2 * q.lda, 2 * q.ldb, int(q.k)};
     }

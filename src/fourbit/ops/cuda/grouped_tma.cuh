@@ -487,6 +487,18 @@ __device__ __forceinline__ const CUtensorMap* wgrad_map_b(const TmaWgradParams& 
   return tp.dev ? &tp.dev[j].b_map : &tp.b[j];
 }
 
+// The CTA's tile of round r of a K-grouped launch, or -1 past the last: tiles are dealt to the
+// CTAs in rounds of gridDim.x, alternately forwards and backwards (round 0: CTA b takes tile b;
+// round 1: tile 2 gridDim.x - 1 - b; ...). The problems come heaviest first (grouped_gemm_k sorts
+// them by K; k_device_problems_kernel writes them in that order), so each round deals tiles of
+// falling cost and the back-and-forth evens out what a CTA sums over its rounds. Which CTA computes
+// a tile changes nothing in its bits.
+__device__ __forceinline__ int wgrad_tile_at(int round, int tiles) {
+  const int g = int(gridDim.x), b = int(blockIdx.x);
+  const int t = round * g + ((round & 1) ? g - 1 - b : b);
+  return t < tiles ? t : -1;
+}
+
 // Tile t of a K-grouped launch on BM x BN tiles: problem j = t / (its tiles), then row tiles
 // fastest.
 template <int BM, int BN>
@@ -508,9 +520,8 @@ __device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint
   if (tp.dev) {
     // Maps written by an earlier kernel: each acquired once, before any copy reads it and before
     // any copy is in flight, rather than before each tile's copies (every tile of a CTA is a new
-    // problem). The path measured ~25 us a call slower than the host's maps while it fenced each
-    // tile (session 59); whether the fences were the cause is not yet measured.
-    for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+    // problem).
+    for (int r = 0, t; (t = wgrad_tile_at(r, tiles)) >= 0; ++r) {
       int j, m0, n0;
       wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
       if (wgrad_k(tp, j) == 0) continue;  // no copies read an empty problem's maps
@@ -519,7 +530,7 @@ __device__ __forceinline__ void tma_wgrad_produce(const TmaWgradParams& tp, uint
     }
   }
   int it = 0;
-  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+  for (int r = 0, t; (t = wgrad_tile_at(r, tiles)) >= 0; ++r) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
     const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
@@ -562,7 +573,7 @@ __global__ void __launch_bounds__(tma_threads<WGM>(), 1) tma_wgrad_kernel(const 
   }
   const int wm = tid >> 7, t128 = tid & 127;
   int it = 0;
-  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x)) {
+  for (int r = 0, t; (t = wgrad_tile_at(r, tiles)) >= 0; ++r) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
     const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
@@ -610,8 +621,8 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_wgrad_pp_kernel(const
     return;
   }
   const int wg = tid >> 7, t128 = tid & 127;
-  int it = 0, i = 0;  // K tiles through the ring and tiles so far, both warpgroups'
-  for (int t = int(blockIdx.x); t < tiles; t += int(gridDim.x), ++i) {
+  int it = 0, i = 0, t;  // K tiles through the ring and tiles (rounds) so far, both warpgroups'
+  for (; (t = wgrad_tile_at(i, tiles)) >= 0; ++i) {
     int j, m0, n0;
     wgrad_tile_of<BM, BN>(tp, t, j, m0, n0);
     const int k_tiles = (wgrad_k(tp, j) + kBK - 1) / kBK;
@@ -724,8 +735,12 @@ bool launch_tma_wgrad(const KGroupedArgs& p) {
 // that a problem's last K tile is zero-filled past its rows as the host-made maps of
 // launch_tma_wgrad_tile fill it (the same operands in shared memory: the same bits). Offsets outside
 // [0, rows] or decreasing are recorded as grouped_gemm's index errors and clamped, as row_tile_of
-// does.
+// does. The problems are written heaviest first, as grouped_gemm_k orders the host's (wgrad_tile_at
+// says why): problem (s, g) goes to slot sets x (the groups with more rows, or as many and a lower
+// index) + s, so an expert's problems of every set lie side by side (w1's and w3's read one X).
+// Past kMaxRankedGroups groups (each thread reads every group's offsets) they keep their order.
 constexpr int kMaxKDeviceSets = 4;  // a launch's sets of operands sharing the offsets (an FFN's w1 and w3: 2)
+constexpr int kMaxRankedGroups = 1024;
 struct KDeviceProblemArgs {
   CUtensorMap a_map[kMaxKDeviceSets], b_map[kMaxKDeviceSets];  // the whole of each A and B, K rows 0 .. rows
   const unsigned char* a[kMaxKDeviceSets];
@@ -747,7 +762,17 @@ __global__ void k_device_problems_kernel(const __grid_constant__ KDeviceProblemA
   const int s = j / q.groups, g = j % q.groups;
   long long lo = q.offsets[g], hi = q.offsets[g + 1];
   clamp_group_rows(lo, hi, g, q.rows, q.err);
-  KDeviceProblem& d = q.out[j];
+  int slot = j;
+  if (q.groups <= kMaxRankedGroups) {
+    int ahead = 0;  // groups before g in the order: more rows, or as many and a lower index
+    for (int h = 0; h < q.groups; ++h) {
+      long long lo_h = q.offsets[h], hi_h = q.offsets[h + 1];
+      clamp_rows(lo_h, hi_h, q.rows);
+      ahead += (hi_h - lo_h > hi - lo || (hi_h - lo_h == hi - lo && h < g)) ? 1 : 0;
+    }
+    slot = ahead * q.sets + s;
+  }
+  KDeviceProblem& d = q.out[slot];
   d.prob = KProblemArgs{q.a[s] + lo * q.lda, q.b[s] + lo * q.ldb, q.c[s] + g * q.c_stride, q.lda, q.ldb, int(hi - lo)};
   if (!q.maps || hi == lo) return;  // no copies read an empty problem's maps
   d.a_map = q.a_map[s];
