@@ -995,6 +995,22 @@ bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tenso
   return grouped_kernel_gemm(a, b, RowOffsets{nullptr, offsets.data<int32_t>(), G, M}, n, k, c, accumulate);
 }
 
+bool grouped_gemm_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>* offsets,
+                         const Tensor* device_offsets, Tensor& out) {
+  if (!g_grouped_kernel.load(std::memory_order_relaxed) || native_block_scaled_gemm()) return false;
+  const Tensor *da = a.dense(), *db = b13.dense();
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!da || !db || a.trans() || b13.trans() || da->dtype() != DType::BF16 || db->dtype() != DType::BF16 ||
+      da->dim() != 2 || db->dim() != 3 || out.dtype() != DType::BF16 || out.dim() != 2 || !aligned(da->raw()) ||
+      !aligned(db->raw()))
+    return false;
+  const int64_t G = db->size(0), N = db->size(1), K = db->size(2), M = da->size(0);
+  if (da->size(1) != K || N % 2 != 0 || out.size(0) != M || out.size(1) != N / 2) return false;
+  return grouped_gemm_swiglu_rows(GroupedOperand::bf16(da->raw(), K, 0), GroupedOperand::bf16(db->raw(), K, N * K),
+                                  offsets, device_offsets ? device_offsets->data<int32_t>() : nullptr, G, M, N / 2, K,
+                                  static_cast<uint16_t*>(out.raw()), N / 2);
+}
+
 // Packed block-scaled operands in small groups straight into the grouped kernel; otherwise one
 // decode of A and of every slice of B (one launch when they share a format), then every group in
 // one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take
