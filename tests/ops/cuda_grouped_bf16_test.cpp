@@ -486,10 +486,11 @@ TEST(CudaGroupedBf16, DeviceOffsetsGiveTheHostOffsetsBits) {
 }
 
 // ops::grouped_gemm_swiglu's fused form (cuda::grouped_gemm_swiglu_rows: the SwiGLU in the
-// grouped kernel's epilogue, a BF16 a and no F32 gate|up values) gives the bits of the grouped GEMM
-// into F32 then swiglu_forward_fused: offsets on the host and on the GPU, ragged and empty groups,
-// F a multiple of 128 and not (a pair's second tile past the last column); where it declines (F not
-// a multiple of 64, the switch off) the two ops run, and the launch counter says which ran.
+// grouped kernel's epilogue, a BF16 a and no F32 gate and up values) gives the bits of the grouped
+// GEMMs into F32 and then the SwiGLU, from stacked gate|up weights and from two: offsets on the host
+// and on the GPU, ragged and empty groups, F a multiple of 128 and not (a pair's second tile past the
+// last column); where it declines (F not a multiple of 64, the switch off) the ops run in turn, and
+// the launch counter says which ran. Bad device offsets are recorded as the grouped GEMM's.
 TEST(CudaGroupedBf16, SwigluEpilogueGivesTheGemmThenSwigluBits) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
@@ -500,26 +501,36 @@ TEST(CudaGroupedBf16, SwigluEpilogueGivesTheGemmThenSwigluBits) {
   const Bf16 a = random_bf16({M, K}, 41, 1.0f);
   for (const int64_t F : {256, 192, 72}) {
     SCOPED_TRACE("F = " + std::to_string(F));
-    const Bf16 b = random_bf16({G, 2 * F, K}, 42 + uint64_t(F), 0.05f);
-    Tensor want = Tensor::empty({M, F}, DType::BF16, Device::CUDA);
-    const bool before = ops::cuda::set_grouped_swiglu_epilogue(false);
-    ops::grouped_gemm_swiglu(ops::Operand(a.dev), ops::Operand(b.dev), host, want);
-    Tensor h13 = Tensor::empty({M, 2 * F}, DType::F32, Device::CUDA), want2 = Tensor::empty({M, F}, DType::BF16, Device::CUDA);
-    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b.dev), host, h13);
-    ops::swiglu_forward_fused(h13, want2);
-    ASSERT_EQ(bytes(want), bytes(want2)) << "the two ops, in and out of grouped_gemm_swiglu";
-    ops::cuda::set_grouped_swiglu_epilogue(true);
-    for (const bool on_gpu : {false, true}) {
-      Tensor got = Tensor::zeros({M, F}, DType::BF16, Device::CUDA);
-      const int64_t launches = ops::cuda::grouped_swiglu_launches();
-      if (on_gpu) ops::grouped_gemm_swiglu_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), dev_off, got);
-      else ops::grouped_gemm_swiglu(ops::Operand(a.dev), ops::Operand(b.dev), host, got);
-      EXPECT_EQ(ops::cuda::grouped_swiglu_launches() - launches, F % 64 == 0 ? 1 : 0) << "device offsets " << on_gpu;
-      EXPECT_EQ(bytes(want), bytes(got)) << "device offsets " << on_gpu;
+    const Bf16 b13 = random_bf16({G, 2 * F, K}, 42 + uint64_t(F), 0.05f);
+    const Bf16 b1 = random_bf16({G, F, K}, 43 + uint64_t(F), 0.05f), b3 = random_bf16({G, F, K}, 44 + uint64_t(F), 0.05f);
+    // the ops in turn, as the model ran them before this form
+    Tensor h13 = Tensor::empty({M, 2 * F}, DType::F32, Device::CUDA), h1 = Tensor::empty({M, F}, DType::F32, Device::CUDA),
+           h3 = h1.clone();
+    Tensor want13 = Tensor::empty({M, F}, DType::BF16, Device::CUDA), want = want13.clone();
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b13.dev), host, h13);
+    ops::swiglu_forward_fused(h13, want13);
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b1.dev), host, h1);
+    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b3.dev), host, h3);
+    ops::swiglu_forward(h1, h3, want);
+    for (const bool fused : {false, true}) {
+      const bool before = ops::cuda::set_grouped_swiglu_epilogue(fused);
+      for (const bool on_gpu : {false, true})
+        for (const bool stacked : {true, false}) {
+          Tensor got = Tensor::zeros({M, F}, DType::BF16, Device::CUDA);
+          const int64_t launches = ops::cuda::grouped_swiglu_launches();
+          const ops::Operand x(a.dev), w13(b13.dev), w1(b1.dev), w3(b3.dev);
+          if (on_gpu && stacked) ops::grouped_gemm_swiglu_device_offsets(x, w13, dev_off, got);
+          else if (on_gpu) ops::grouped_gemm_swiglu_device_offsets(x, w1, w3, dev_off, got);
+          else if (stacked) ops::grouped_gemm_swiglu(x, w13, host, got);
+          else ops::grouped_gemm_swiglu(x, w1, w3, host, got);
+          EXPECT_EQ(ops::cuda::grouped_swiglu_launches() - launches, fused && F % 64 == 0 ? 1 : 0)
+              << "fused " << fused << " device offsets " << on_gpu << " stacked " << stacked;
+          EXPECT_EQ(bytes(stacked ? want13 : want), bytes(got))
+              << "fused " << fused << " device offsets " << on_gpu << " stacked " << stacked;
+        }
+      ops::cuda::set_grouped_swiglu_epilogue(before);
     }
-    ops::cuda::set_grouped_swiglu_epilogue(before);
   }
-  // bad device offsets are recorded as the grouped GEMM's
   const Bf16 b = random_bf16({G, 256, K}, 50, 0.05f);
   Tensor out = Tensor::zeros({M, 128}, DType::BF16, Device::CUDA);
   std::vector<int32_t> bad = off;

@@ -104,9 +104,10 @@ TEST(GroupedGemm, OffsetsInATensorGiveTheSameBits) {
             std::string::npos);
 }
 
-// grouped_gemm_swiglu (an FFN's gate|up GEMM and its SwiGLU) is grouped_gemm into [M, 2F] and then
-// swiglu_forward_fused, with the offsets on the host or in a tensor; b13 without an even number of
-// rows a group, and bad offsets, fail naming what was expected.
+// grouped_gemm_swiglu (an FFN's gate and up GEMMs and their SwiGLU) is grouped_gemm into [M, 2F] and
+// then swiglu_forward_fused (stacked weights), or the two GEMMs and swiglu_forward (two weights), with
+// the offsets on the host or in a tensor; b13 without an even number of rows a group, and bad
+// offsets, fail naming what was expected.
 TEST(GroupedGemm, SwigluFormIsTheGemmThenTheSwiglu) {
   const int64_t K = 32, F = 8, G = 3;
   const std::vector<int64_t> offsets{0, 5, 5, 12};
@@ -119,6 +120,16 @@ TEST(GroupedGemm, SwigluFormIsTheGemmThenTheSwiglu) {
   Tensor got = Tensor::empty({12, F}, DType::F32), got_t = Tensor::empty({12, F}, DType::F32);
   ops::grouped_gemm_swiglu(x, w13, offsets, got);
   ops::grouped_gemm_swiglu_device_offsets(x, w13, off_t, got_t);
+  EXPECT_TRUE(same_bits(got, want));
+  EXPECT_TRUE(same_bits(got_t, want));
+  // two weights: gate and up, F rows a group each
+  const Tensor w1 = random_tensor({G, F, K}, DType::F32, 21), w3 = random_tensor({G, F, K}, DType::F32, 22);
+  Tensor h1 = Tensor::empty({12, F}, DType::F32), h3 = Tensor::empty({12, F}, DType::F32);
+  ops::grouped_gemm(x, w1, offsets, h1);
+  ops::grouped_gemm(x, w3, offsets, h3);
+  ops::swiglu_forward(h1, h3, want);
+  ops::grouped_gemm_swiglu(x, w1, w3, offsets, got);
+  ops::grouped_gemm_swiglu_device_offsets(x, w1, w3, off_t, got_t);
   EXPECT_TRUE(same_bits(got, want));
   EXPECT_TRUE(same_bits(got_t, want));
   const Tensor odd = random_tensor({G, 2 * F + 1, K}, DType::F32, 20);

@@ -979,6 +979,11 @@ struct ModelRunner {
         expert_gemm(x_perm, w13, plan, h13);
         ops::swiglu_forward_fused(h13, a, aq_req ? &*aq_req : nullptr);
       }
+    } else if (!inner && !a_fused && a.dtype() == DType::BF16) {  // nothing kept: the SwiGLU in the GEMM's epilogue
+      if (plan.offsets.empty())
+        ops::grouped_gemm_swiglu_device_offsets(x_perm.op(), w1.op(), w3.op(), plan.device_offsets, a);
+      else
+        ops::grouped_gemm_swiglu(x_perm.op(), w1.op(), w3.op(), plan.offsets, a);
     } else {
       h1 = act({rows, F});
       h3 = act({rows, F});

@@ -449,43 +449,71 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 }
 
 namespace {
-// grouped_gemm_swiglu's two ops in turn: the grouped GEMM into F32 [M, 2F], then its SwiGLU.
-void grouped_gemm_then_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>* offsets,
-                              const Tensor* device_offsets, Tensor& out) {
+// grouped_gemm_swiglu's ops in turn: the grouped GEMM into F32 [M, 2F] and swiglu_forward_fused
+// (stacked weights: b3 null), or the two GEMMs into F32 [M, F] each and swiglu_forward.
+void grouped_gemm_then_swiglu(const Operand& a, const Operand& b13, const Operand* b3,
+                              const std::vector<int64_t>* offsets, const Tensor* device_offsets, Tensor& out) {
+  const auto gemm = [&](const Operand& b, Tensor& c) {
+    if (offsets) grouped_gemm(a, b, *offsets, c);
+    else grouped_gemm_device_offsets(a, b, *device_offsets, c);
+  };
   const int64_t n = b13.q() ? b13.q()->rows : b13.dense() && b13.dense()->dim() == 3 ? b13.dense()->size(1) : -1;
+  if (b3) {
+    Tensor h1 = Tensor::empty({a.rows(), n}, DType::F32, out.device()), h3 = Tensor::empty(h1.shape(), DType::F32, out.device());
+    gemm(b13, h1);
+    gemm(*b3, h3);
+    swiglu_forward(h1, h3, out);
+    return;
+  }
   if (n < 0 || n % 2 != 0)
     fail("grouped_gemm_swiglu: b13 must hold 2F rows a group (F gate rows, then F up rows), got {}",
          b13.q() ? fmt::format("a QTensor of {} rows a slice", b13.q()->rows)
                  : b13.dense() ? b13.dense()->str() : std::string("no tensor"));
   Tensor h13 = Tensor::empty({a.rows(), n}, DType::F32, out.device());
-  if (offsets) grouped_gemm(a, b13, *offsets, h13);
-  else grouped_gemm_device_offsets(a, b13, *device_offsets, h13);
+  gemm(b13, h13);
   swiglu_forward_fused(h13, out);
 }
-}  // namespace
 
-void grouped_gemm_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>& offsets, Tensor& out) {
+void grouped_gemm_swiglu_host(const Operand& a, const Operand& b13, const Operand* b3,
+                              const std::vector<int64_t>& offsets, Tensor& out) {
   check_row_offsets("grouped_gemm_swiglu", offsets, a.rows(), "a");
 #if FOURBIT_HAS_CUDA
   if (out.device() == Device::CUDA && a.device() == Device::CUDA) {
     const HostOpTimer host_timer("grouped_gemm");
-    if (cuda::grouped_gemm_swiglu(a, b13, &offsets, nullptr, out)) return;
+    if (cuda::grouped_gemm_swiglu(a, b13, b3, &offsets, nullptr, out)) return;
   }
 #endif
-  grouped_gemm_then_swiglu(a, b13, &offsets, nullptr, out);
+  grouped_gemm_then_swiglu(a, b13, b3, &offsets, nullptr, out);
 }
 
-void grouped_gemm_swiglu_device_offsets(const Operand& a, const Operand& b13, const Tensor& offsets, Tensor& out) {
+void grouped_gemm_swiglu_device(const Operand& a, const Operand& b13, const Operand* b3, const Tensor& offsets,
+                                Tensor& out) {
 #if FOURBIT_HAS_CUDA
   const int64_t slices = b13.dense() && b13.dense()->dim() == 3 ? b13.dense()->size(0) : -1;
   if (out.device() == Device::CUDA && a.device() == Device::CUDA && offsets.defined() &&
       offsets.device() == Device::CUDA && offsets.dtype() == DType::I32 && offsets.dim() == 1 &&
       offsets.size(0) == slices + 1) {
     const HostOpTimer host_timer("grouped_gemm");
-    if (cuda::grouped_gemm_swiglu(a, b13, nullptr, &offsets, out)) return;
+    if (cuda::grouped_gemm_swiglu(a, b13, b3, nullptr, &offsets, out)) return;
   }
 #endif
-  grouped_gemm_then_swiglu(a, b13, nullptr, &offsets, out);
+  grouped_gemm_then_swiglu(a, b13, b3, nullptr, &offsets, out);
+}
+}  // namespace
+
+void grouped_gemm_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>& offsets, Tensor& out) {
+  grouped_gemm_swiglu_host(a, b13, nullptr, offsets, out);
+}
+void grouped_gemm_swiglu(const Operand& a, const Operand& b1, const Operand& b3, const std::vector<int64_t>& offsets,
+                         Tensor& out) {
+  grouped_gemm_swiglu_host(a, b1, &b3, offsets, out);
+}
+void grouped_gemm_swiglu_device_offsets(const Operand& a, const Operand& b13, const Tensor& offsets, Tensor& out) {
+  grouped_gemm_swiglu_device(a, b13, nullptr, offsets, out);
+}
+void grouped_gemm_swiglu_device_offsets(const Operand& a, const Operand& b1, const Operand& b3, const Tensor& offsets,
+                                        Tensor& out) {
+  grouped_gemm_swiglu_device(a, b1, &b3, offsets, out);
 }
 
 bool grouped_gemm_reads_device_offsets(Device device, int64_t groups, int64_t k) {

@@ -66,10 +66,11 @@ bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k);
 bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, int64_t n, int64_t k,
                                  Tensor& c, bool accumulate);
 
-// ops::grouped_gemm_swiglu on CUDA: dense BF16 A [M, K] and B13 [G, 2F, K] (neither transposed) and
-// a BF16 out [M, F] through grouped_gemm_swiglu_rows, offsets on the host or (device_offsets) an I32
+// ops::grouped_gemm_swiglu on CUDA: dense BF16 A [M, K] and gate|up weights, either one stacked
+// [G, 2F, K] (b13; b3 null) or two [G, F, K] (b13 the gate's, b3 the up's), none transposed, and a
+// BF16 out [M, F] through grouped_gemm_swiglu_rows, offsets on the host or (device_offsets) an I32
 // [G + 1] tensor on the GPU; false (nothing done) where that declines, or the grouped kernel is off.
-bool grouped_gemm_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>* offsets,
+bool grouped_gemm_swiglu(const Operand& a, const Operand& b13, const Operand* b3, const std::vector<int64_t>* offsets,
                          const Tensor* device_offsets, Tensor& out);
 
 // One operand of grouped_gemm_rows: BF16 values or block-scaled codes (rows ld_bytes apart; B's
@@ -118,19 +119,21 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const int32_t* device_offsets,
                        int64_t groups, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
 
-// The row-grouped GEMM of an FFN's fused gate|up weights with the SwiGLU in its epilogue: B's
-// groups are 2f rows (f gate rows, then f up rows) of k BF16 values, and for each row of A the
-// kernel stores a = silu(A . gate^T) * (A . up^T) as BF16 (out, [m, f], rows ld_out values apart)
-// where grouped_gemm_rows would store the 2f F32 values of C: the values swiglu_forward_kernel
-// computes from that C, without C's write and read. Offsets on the host (offsets; offsets[0] = 0,
+// The row-grouped GEMM of an FFN's gate and up projections with the SwiGLU in its epilogue: gate
+// holds each group's f gate rows of k BF16 values (a slice every gate.slice_bytes), up the up rows
+// in the same layout (the two halves of a stacked [G, 2f, k] weight, or two [G, f, k] ones), and
+// for each row of A the kernel stores a = silu(A . gate^T) * (A . up^T) as BF16 (out, [m, f], rows
+// ld_out values apart): the values swiglu_forward_kernel computes from the F32 gate and up
+// products, without writing and reading them. Offsets on the host (offsets; offsets[0] = 0,
 // m = offsets[groups]) or an I32 [groups + 1] array on the GPU (device_offsets), as
 // grouped_gemm_rows takes them. false (nothing done) where it does not apply: switched off
 // (set_grouped_swiglu_epilogue), not a Hopper GPU with the TMA form, operands other than dense
-// BF16 with a K-major B, f not a multiple of 64, K above the ping-pong tiles' (set_grouped_tma_pingpong),
-// groups averaging 64 rows or fewer (the decode configurations), or grouped_gemm_rows' limits.
-bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& b13, const std::vector<int64_t>* offsets,
-                              const int32_t* device_offsets, int64_t groups, int64_t m, int64_t f, int64_t k,
-                              uint16_t* out, int64_t ld_out);
+// BF16 with K-major weights, f not a multiple of 64, K above the ping-pong tiles'
+// (set_grouped_tma_pingpong), groups averaging 64 rows or fewer (the decode configurations), or
+// grouped_gemm_rows' limits.
+bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& gate, const void* up,
+                              const std::vector<int64_t>* offsets, const int32_t* device_offsets, int64_t groups,
+                              int64_t m, int64_t f, int64_t k, uint16_t* out, int64_t ld_out);
 // Whether grouped_gemm_swiglu_rows runs (true, the default) or declines; returns the previous
 // setting. For tests and benchmarks. grouped_swiglu_launches: how many launches it made in this process.
 bool set_grouped_swiglu_epilogue(bool on);

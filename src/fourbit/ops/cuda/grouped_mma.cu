@@ -373,21 +373,23 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const i
 std::atomic<bool> g_swiglu_epilogue{true};
 std::atomic<int64_t> g_swiglu_launches{0};
 
-bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& b13, const std::vector<int64_t>* offsets,
-                              const int32_t* device_offsets, int64_t groups, int64_t m, int64_t f, int64_t k,
-                              uint16_t* out, int64_t ld_out) {
-  const int64_t n = 2 * f;
+bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& gate, const void* up,
+                              const std::vector<int64_t>* offsets, const int32_t* device_offsets, int64_t groups,
+                              int64_t m, int64_t f, int64_t k, uint16_t* out, int64_t ld_out) {
+  const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
   if (!g_swiglu_epilogue.load(std::memory_order_relaxed) || !g_wgmma.load(std::memory_order_relaxed) ||
       !g_tma.load(std::memory_order_relaxed) || !hopper_device() || a.fmt != Format::BF16 ||
-      b13.fmt != Format::BF16 || a.outer || b13.outer || a.trans || b13.trans || f <= 0 || f % 64 != 0 ||
+      gate.fmt != Format::BF16 || a.outer || gate.outer || a.trans || gate.trans || !up || !aligned(up, 16) ||
+      f <= 0 || f % 64 != 0 || gate.slice_bytes < f * gate.ld_bytes ||
       k > hopper::g_tma_pingpong_max_k.load(std::memory_order_relaxed) || !out || ld_out < f || ld_out % 2 != 0 ||
-      reinterpret_cast<uintptr_t>(out) % 4 != 0 || !rows_form_fits(a, b13, groups, m, n, k) ||
+      !aligned(out, 4) || !rows_form_fits(a, gate, groups, m, 2 * f, k) ||
       (offsets ? offsets->front() != 0 || int64_t(offsets->size()) != groups + 1 : !device_offsets))
     return false;
   if (m == 0) return true;
-  GroupedArgs p = make_args(a, b13, nullptr, 0, m, n, 0, k, groups, false);
+  GroupedArgs p = make_args(a, gate, nullptr, 0, m, 2 * f, 0, k, groups, false);
   p.swiglu_out = out;
   p.swiglu_ld = ld_out;
+  p.swiglu_up = up;
   p.err = index_error_record();
   if (offsets)
     for (int64_t g = 0; g <= groups; ++g) p.host_offsets[g] = int32_t((*offsets)[size_t(g)]);

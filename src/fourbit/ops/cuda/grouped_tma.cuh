@@ -52,6 +52,7 @@ namespace hopper {
 struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x BM / 2 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x BN rows; BT: [G][K][N], boxes 64 x 64 x 1
+  CUtensorMap b_up;  // the SwiGLU epilogue: b the gate rows and this the up rows, both [G][F][K], boxes 64 x 64 x 1
   GroupedArgs g;
   int pairs, rows;  // the grid of cluster tiles: pairs of column tiles x row tiles (and slots past them)
   int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
@@ -121,8 +122,9 @@ __device__ __forceinline__ void release_in_cluster(uint32_t bar) {
 // full and empty mbarriers): the cluster's tiles in turn, every K tile's copies into the next stage
 // once both CTAs have released it; `issuer` (one thread) issues them, the warp finds each tile's
 // group (row_tile_of is warp-collective).
-// SW (the SwiGLU epilogue, K-major B): a tile's B is the 64 gate rows and the 64 up rows of its 64
-// columns of a, two boxes of 64 rows in place of one of 128 (the same shared-memory layout).
+// SW (the SwiGLU epilogue, K-major B): a tile's B is the 64 gate rows (map b) and the 64 up rows
+// (map b_up) of its 64 columns of a, two boxes of 64 rows in place of one of 128 (the same
+// shared-memory layout).
 template <class S, bool BT, bool SW = false>
 __device__ __forceinline__ void tma_produce(const TmaParams& tp, uint32_t rank, int cluster, int clusters, int k_tiles,
                                             uint32_t sbase, uint32_t full0, uint32_t empty0, bool issuer) {
@@ -151,8 +153,8 @@ __device__ __forceinline__ void tma_produce(const TmaParams& tp, uint32_t rank, 
         } else if constexpr (SW) {
           static_assert(BN == 128, "the SwiGLU tile: 64 gate and 64 up columns");
           const int f0 = n0 / 2;  // the tile's first column of a
-          tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + f0, bar);
-          tma_load_2d(stage + uint32_t(S::kATile + 64 * 128), &tp.b, k0, t.group * p.n + p.n / 2 + f0, bar);
+          tma_load_3d(stage + uint32_t(S::kATile), &tp.b, k0, f0, t.group, bar);
+          tma_load_3d(stage + uint32_t(S::kATile + 64 * 128), &tp.b_up, k0, f0, t.group, bar);
         } else {
           tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
         }
@@ -422,10 +424,14 @@ bool launch_tma_tile(const GroupedArgs& p) {
     if (slice <= 0 || !bf16_map(tp.b, p.b.data, uint64_t(p.n), uint64_t(p.k_end), uint64_t(p.b.ld), 64,
                                 uint64_t(p.groups), uint64_t(slice)))
       return false;
+  } else if constexpr (SW) {  // the gate and up rows, F = n / 2 of each a slice
+    const uint64_t f = uint64_t(p.n / 2), slice = uint64_t(p.b.slice_bytes);
+    if (!bf16_map(tp.b, p.b.data, uint64_t(p.k_end), f, uint64_t(p.b.ld), 64, uint64_t(p.groups), slice) ||
+        !bf16_map(tp.b_up, p.swiglu_up, uint64_t(p.k_end), f, uint64_t(p.b.ld), 64, uint64_t(p.groups), slice))
+      return false;
   } else {
     if (p.b.slice_bytes != int64_t(p.n) * p.b.ld ||
-        !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld),
-                  SW ? 64 : S::BN))
+        !bf16_map(tp.b, p.b.data, uint64_t(p.k_end), uint64_t(p.groups) * uint64_t(p.n), uint64_t(p.b.ld), S::BN))
       return false;
   }
   static const bool attr = [] {
