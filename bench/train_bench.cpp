@@ -7,8 +7,7 @@
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
 //                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both]
-//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]]
-//                    [--swiglu-epilogue V[,V...]] [--json FILE]
+//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -56,9 +55,6 @@
 // routing offsets (host, the default) or on the offsets where the GPU made them (device:
 // set_moe_backward_device_offsets); several (comma-separated, repeats allowed) run each recipe
 // under each in this process (the other recipes take the host's either way).
-// --swiglu-epilogue (CUDA): the experts' fused gate|up GEMM with its SwiGLU in the grouped kernel's
-// epilogue where it applies (on, the default: cuda::set_grouped_swiglu_epilogue), or the GEMM into
-// F32 and a SwiGLU pass (off); several (comma-separated, repeats allowed) run each recipe under each.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
@@ -210,10 +206,6 @@ int main(int argc, char** argv) {
       variant_list(argc, argv, "--moe-backward", {"host", "device"}, "MoE backward offsets", table);
   if (moe_backwards != std::vector<std::string>{"host"} && device != Device::CUDA)
     fail("train_bench: --moe-backward is for --device cuda");
-  const std::vector<std::string> swiglus =
-      variant_list(argc, argv, "--swiglu-epilogue", {"on", "off"}, "SwiGLU epilogue", table);
-  if (swiglus != std::vector<std::string>{"on"} && device != Device::CUDA)
-    fail("train_bench: --swiglu-epilogue is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
@@ -228,8 +220,7 @@ int main(int argc, char** argv) {
   for (const std::string& loss_read : loss_reads)
   for (const std::string& router_wgrad : router_wgrads)
   for (const std::string& tma_tile : tma_tiles)
-  for (const std::string& moe_backward : moe_backwards)
-  for (const std::string& swiglu : swiglus) {
+  for (const std::string& moe_backward : moe_backwards) {
     const bool keep = keep_ffn == "on";
     set_moe_backward_device_offsets(moe_backward == "device");
     set_weight_forms_batched(wforms == "batched");
@@ -239,7 +230,6 @@ int main(int argc, char** argv) {
 #if FOURBIT_HAS_CUDA
     if (device == Device::CUDA) {
       ops::cuda::set_skinny_wgrad(router_wgrad == "kernels");
-      ops::cuda::set_grouped_swiglu_epilogue(swiglu == "on");
       ops::cuda::set_grouped_tma_tile(tma_tile == "128" || tma_tile == "128-rows" ? 128 : 256);
       ops::cuda::set_grouped_wgrad_tma_tile(tma_tile == "128" || tma_tile == "128-wgrad" ? 128 : 256);
       ops::cuda::set_grouped_tma_pingpong(tma_tile.rfind("pingpong", 0) == 0 ? 4096 : 0);
@@ -320,7 +310,6 @@ int main(int argc, char** argv) {
                  {"router wgrad", router_wgrad},
                  {"TMA tile", tma_tile},
                  {"MoE backward offsets", moe_backward},
-                 {"SwiGLU epilogue", swiglu},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},
@@ -344,7 +333,6 @@ int main(int argc, char** argv) {
     ops::cuda::set_grouped_tma_tile(256);
     ops::cuda::set_grouped_wgrad_tma_tile(256);
     ops::cuda::set_grouped_tma_pingpong(4096);
-    ops::cuda::set_grouped_swiglu_epilogue(true);
     ops::cuda::set_grouped_tma_pingpong_mn_major(true);
     ops::cuda::set_grouped_wgrad_tma_pingpong(false);
   }

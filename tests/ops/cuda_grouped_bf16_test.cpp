@@ -7,8 +7,7 @@
 // first three run each main loop: wgmma (Hopper) and the portable mma.sync; on Hopper the
 // training tile's TMA form equals its cp.async form bit for bit, and a B read MN-major in place
 // (a dgrad's forward weight) the bits of its K-major copy; outer scales applied in the epilogue in
-// the scale epilogue's order. ops::grouped_gemm_device_offsets gives ops::grouped_gemm's bits, and
-// ops::grouped_gemm_swiglu's SwiGLU epilogue those of the GEMM and then the SwiGLU.
+// the scale epilogue's order. ops::grouped_gemm_device_offsets gives ops::grouped_gemm's bits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -483,59 +482,5 @@ TEST(CudaGroupedBf16, DeviceOffsetsGiveTheHostOffsetsBits) {
                ops::grouped_gemm_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), offsets_tensor({0, 8}), out);
              }),
              "offsets must be I32 [G + 1] = [6]");
-}
-
-// ops::grouped_gemm_swiglu's fused form (cuda::grouped_gemm_swiglu_rows: the SwiGLU in the
-// grouped kernel's epilogue, a BF16 a and no F32 gate and up values) gives the bits of the grouped
-// GEMMs into F32 and then the SwiGLU, from stacked gate|up weights and from two: offsets on the host
-// and on the GPU, ragged and empty groups, F a multiple of 128 and not (a pair's second tile past the
-// last column); where it declines (F not a multiple of 64, the switch off) the ops run in turn, and
-// the launch counter says which ran. Bad device offsets are recorded as the grouped GEMM's.
-TEST(CudaGroupedBf16, SwigluEpilogueGivesTheGemmThenSwigluBits) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (!ops::cuda::wgmma_available()) GTEST_SKIP() << "not a Hopper device with sm_90a code";
-  const std::vector<int32_t> off{0, 700, 700, 1533, 2100, 2100, 2993};
-  const int64_t M = off.back(), K = 512, G = int64_t(off.size()) - 1;
-  const std::vector<int64_t> host(off.begin(), off.end());
-  const Tensor dev_off = offsets_tensor(off);
-  const Bf16 a = random_bf16({M, K}, 41, 1.0f);
-  for (const int64_t F : {256, 192, 72}) {
-    SCOPED_TRACE("F = " + std::to_string(F));
-    const Bf16 b13 = random_bf16({G, 2 * F, K}, 42 + uint64_t(F), 0.05f);
-    const Bf16 b1 = random_bf16({G, F, K}, 43 + uint64_t(F), 0.05f), b3 = random_bf16({G, F, K}, 44 + uint64_t(F), 0.05f);
-    // the ops in turn, as the model ran them before this form
-    Tensor h13 = Tensor::empty({M, 2 * F}, DType::F32, Device::CUDA), h1 = Tensor::empty({M, F}, DType::F32, Device::CUDA),
-           h3 = h1.clone();
-    Tensor want13 = Tensor::empty({M, F}, DType::BF16, Device::CUDA), want = want13.clone();
-    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b13.dev), host, h13);
-    ops::swiglu_forward_fused(h13, want13);
-    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b1.dev), host, h1);
-    ops::grouped_gemm(ops::Operand(a.dev), ops::Operand(b3.dev), host, h3);
-    ops::swiglu_forward(h1, h3, want);
-    for (const bool fused : {false, true}) {
-      const bool before = ops::cuda::set_grouped_swiglu_epilogue(fused);
-      for (const bool on_gpu : {false, true})
-        for (const bool stacked : {true, false}) {
-          Tensor got = Tensor::zeros({M, F}, DType::BF16, Device::CUDA);
-          const int64_t launches = ops::cuda::grouped_swiglu_launches();
-          const ops::Operand x(a.dev), w13(b13.dev), w1(b1.dev), w3(b3.dev);
-          if (on_gpu && stacked) ops::grouped_gemm_swiglu_device_offsets(x, w13, dev_off, got);
-          else if (on_gpu) ops::grouped_gemm_swiglu_device_offsets(x, w1, w3, dev_off, got);
-          else if (stacked) ops::grouped_gemm_swiglu(x, w13, host, got);
-          else ops::grouped_gemm_swiglu(x, w1, w3, host, got);
-          EXPECT_EQ(ops::cuda::grouped_swiglu_launches() - launches, fused && F % 64 == 0 ? 1 : 0)
-              << "fused " << fused << " device offsets " << on_gpu << " stacked " << stacked;
-          EXPECT_EQ(bytes(stacked ? want13 : want), bytes(got))
-              << "fused " << fused << " device offsets " << on_gpu << " stacked " << stacked;
-        }
-      ops::cuda::set_grouped_swiglu_epilogue(before);
-    }
-  }
-  const Bf16 b = random_bf16({G, 256, K}, 50, 0.05f);
-  Tensor out = Tensor::zeros({M, 128}, DType::BF16, Device::CUDA);
-  std::vector<int32_t> bad = off;
-  bad[3] = 600;
-  ops::grouped_gemm_swiglu_device_offsets(ops::Operand(a.dev), ops::Operand(b.dev), offsets_tensor(bad), out);
-  EXPECT_HAS(testutil::error_of([] { ops::check_index_errors(Device::CUDA); }), "must not decrease");
 }
 #endif

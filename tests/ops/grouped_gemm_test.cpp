@@ -1,8 +1,7 @@
 // defines: CPU tests of ops::grouped_gemm: each group's rows equal a gemm with that group's slice
 // of B (quantized, dense, dense transposed [G, K, N], dense [G * N, K]), grouped_gemm_device_offsets
 // gives its bits, and malformed offsets or shapes fail with a message naming what was expected;
-// grouped_wgrad_device_offsets is a gemm of each group's transposed rows; grouped_gemm_swiglu is the
-// GEMM and then the SwiGLU.
+// grouped_wgrad_device_offsets is a gemm of each group's transposed rows.
 // (The GPU's implementation, one decode, one launch of the grouped kernel, one epilogue, is checked
 // group by group in CudaGroupedGemm.*.)
 #include <gtest/gtest.h>
@@ -101,41 +100,6 @@ TEST(GroupedGemm, OffsetsInATensorGiveTheSameBits) {
   const Tensor short_off = Tensor::from_host(off32.data(), {G}, DType::I32, Device::CPU);
   EXPECT_NE(error_of([&] { ops::grouped_gemm_device_offsets(xq, wq, short_off, c); })
                 .find("offsets must be I32 [G + 1] = [4]"),
-            std::string::npos);
-}
-
-// grouped_gemm_swiglu (an FFN's gate and up GEMMs and their SwiGLU) is grouped_gemm into [M, 2F] and
-// then swiglu_forward_fused (stacked weights), or the two GEMMs and swiglu_forward (two weights), with
-// the offsets on the host or in a tensor; b13 without an even number of rows a group, and bad
-// offsets, fail naming what was expected.
-TEST(GroupedGemm, SwigluFormIsTheGemmThenTheSwiglu) {
-  const int64_t K = 32, F = 8, G = 3;
-  const std::vector<int64_t> offsets{0, 5, 5, 12};
-  const std::vector<int32_t> off32(offsets.begin(), offsets.end());
-  const Tensor off_t = Tensor::from_host(off32.data(), {G + 1}, DType::I32, Device::CPU);
-  const Tensor x = random_tensor({12, K}, DType::F32, 18), w13 = random_tensor({G, 2 * F, K}, DType::F32, 19);
-  Tensor h13 = Tensor::empty({12, 2 * F}, DType::F32), want = Tensor::empty({12, F}, DType::F32);
-  ops::grouped_gemm(x, w13, offsets, h13);
-  ops::swiglu_forward_fused(h13, want);
-  Tensor got = Tensor::empty({12, F}, DType::F32), got_t = Tensor::empty({12, F}, DType::F32);
-  ops::grouped_gemm_swiglu(x, w13, offsets, got);
-  ops::grouped_gemm_swiglu_device_offsets(x, w13, off_t, got_t);
-  EXPECT_TRUE(same_bits(got, want));
-  EXPECT_TRUE(same_bits(got_t, want));
-  // two weights: gate and up, F rows a group each
-  const Tensor w1 = random_tensor({G, F, K}, DType::F32, 21), w3 = random_tensor({G, F, K}, DType::F32, 22);
-  Tensor h1 = Tensor::empty({12, F}, DType::F32), h3 = Tensor::empty({12, F}, DType::F32);
-  ops::grouped_gemm(x, w1, offsets, h1);
-  ops::grouped_gemm(x, w3, offsets, h3);
-  ops::swiglu_forward(h1, h3, want);
-  ops::grouped_gemm_swiglu(x, w1, w3, offsets, got);
-  ops::grouped_gemm_swiglu_device_offsets(x, w1, w3, off_t, got_t);
-  EXPECT_TRUE(same_bits(got, want));
-  EXPECT_TRUE(same_bits(got_t, want));
-  const Tensor odd = random_tensor({G, 2 * F + 1, K}, DType::F32, 20);
-  EXPECT_NE(error_of([&] { ops::grouped_gemm_swiglu(x, odd, offsets, got); }).find("2F rows a group"),
-            std::string::npos);
-  EXPECT_NE(error_of([&] { ops::grouped_gemm_swiglu(x, w13, {0, 6, 4, 12}, got); }).find("must not decrease"),
             std::string::npos);
 }
 

@@ -970,20 +970,10 @@ struct ModelRunner {
     QTensor aq;
     std::optional<ops::RowQuant> aq_req;
     if (w13.defined()) {  // each expert's w1 and w3 rows stacked: one GEMM, its SwiGLU on the halves
+      Tensor h13 = act({rows, 2 * F});
+      expert_gemm(x_perm, w13, plan, h13);
       aq_req = producer_quant(cls, name + "moe.w2", &aq);
-      if (!aq_req && a.dtype() == DType::BF16) {  // a BF16 a: the SwiGLU in the GEMM's epilogue where it can be
-        if (plan.offsets.empty()) ops::grouped_gemm_swiglu_device_offsets(x_perm.op(), w13.op(), plan.device_offsets, a);
-        else ops::grouped_gemm_swiglu(x_perm.op(), w13.op(), plan.offsets, a);
-      } else {
-        Tensor h13 = act({rows, 2 * F});
-        expert_gemm(x_perm, w13, plan, h13);
-        ops::swiglu_forward_fused(h13, a, aq_req ? &*aq_req : nullptr);
-      }
-    } else if (!inner && !a_fused && a.dtype() == DType::BF16) {  // nothing kept: the SwiGLU in the GEMM's epilogue
-      if (plan.offsets.empty())
-        ops::grouped_gemm_swiglu_device_offsets(x_perm.op(), w1.op(), w3.op(), plan.device_offsets, a);
-      else
-        ops::grouped_gemm_swiglu(x_perm.op(), w1.op(), w3.op(), plan.offsets, a);
+      ops::swiglu_forward_fused(h13, a, aq_req ? &*aq_req : nullptr);
     } else {
       h1 = act({rows, F});
       h3 = act({rows, F});

@@ -229,20 +229,6 @@ void grouped_gemm(const Operand& a, const Operand& b, const std::vector<int64_t>
 // and grouped_gemm runs. The bits of grouped_gemm with the same offsets.
 void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, Tensor& c,
                                  bool accumulate = false);
-// An FFN's experts' gate and up projections and their SwiGLU: out [M, F] = silu(a . gate_g^T) *
-// (a . up_g^T) for each group g's rows, from stacked weights b13 (2F rows a group: F gate rows, then
-// F up rows) or from two (b1 the gate's, b3 the up's: F rows a group each), with the offsets on the
-// host or (the _device_offsets forms) as grouped_gemm_device_offsets takes them. It is
-// grouped_gemm into F32 and then swiglu_forward_fused (stacked) or swiglu_forward (two), and on
-// Hopper, for dense BF16 operands and a BF16 out, one launch of the grouped kernel that computes the
-// SwiGLU in its epilogue (cuda::grouped_gemm_swiglu_rows): no F32 gate and up values written and
-// read back. The same bits either way.
-void grouped_gemm_swiglu(const Operand& a, const Operand& b13, const std::vector<int64_t>& offsets, Tensor& out);
-void grouped_gemm_swiglu(const Operand& a, const Operand& b1, const Operand& b3, const std::vector<int64_t>& offsets,
-                         Tensor& out);
-void grouped_gemm_swiglu_device_offsets(const Operand& a, const Operand& b13, const Tensor& offsets, Tensor& out);
-void grouped_gemm_swiglu_device_offsets(const Operand& a, const Operand& b1, const Operand& b3, const Tensor& offsets,
-                                        Tensor& out);
 // The experts' weight gradients with the offsets an I32 [G + 1] tensor on the outputs' device: for
 // every set {a, b, c} and every group g, c[g] (+)= a_g^T . b_g, where a_g and b_g are rows
 // offsets[g] .. offsets[g + 1] of a [M, R] and b [M, C] (token-major: a MoE layer's dY and X rows in

@@ -1,7 +1,6 @@
 // defines: the CUDA backend's entry points (same signatures and semantics as ops.h, CUDA tensors),
 //          take_nonfinite_flag, nonfinite_flag_address, native_block_scaled_gemm, grouped_gemm, grouped_gemm_bf16,
 //          grouped_gemm_reads_device_offsets, grouped_gemm_device_offsets, GroupedOperand, grouped_gemm_rows,
-//          grouped_gemm_swiglu, grouped_gemm_swiglu_rows, set_grouped_swiglu_epilogue, grouped_swiglu_launches,
 //          grouped_rows_per_group, device_rows_per_group, packed_operand,
 //          KGroupedProblem, grouped_gemm_k, KDeviceSet, grouped_gemm_k_device_offsets, convert_each, zero_each,
 //          set_grouped_kernel, set_grouped_transposed_b,
@@ -66,13 +65,6 @@ bool grouped_gemm_reads_device_offsets(int64_t groups, int64_t k);
 bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tensor& offsets, int64_t n, int64_t k,
                                  Tensor& c, bool accumulate);
 
-// ops::grouped_gemm_swiglu on CUDA: dense BF16 A [M, K] and gate|up weights, either one stacked
-// [G, 2F, K] (b13; b3 null) or two [G, F, K] (b13 the gate's, b3 the up's), none transposed, and a
-// BF16 out [M, F] through grouped_gemm_swiglu_rows, offsets on the host or (device_offsets) an I32
-// [G + 1] tensor on the GPU; false (nothing done) where that declines, or the grouped kernel is off.
-bool grouped_gemm_swiglu(const Operand& a, const Operand& b13, const Operand* b3, const std::vector<int64_t>* offsets,
-                         const Tensor* device_offsets, Tensor& out);
-
 // One operand of grouped_gemm_rows: BF16 values or block-scaled codes (rows ld_bytes apart; B's
 // group g starts g * slice_bytes in), block scales (scale_ld bytes a row, B's group g at
 // g * scale_slice), NVFP4 outer scales (A: row m's at outer[m * outer_stride]; B: column n of group
@@ -118,26 +110,6 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const s
 // errors (grouped_gemm_bf16).
 bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const int32_t* device_offsets,
                        int64_t groups, int64_t m, int64_t n, int64_t k, float* c, int64_t ldc, bool accumulate);
-
-// The row-grouped GEMM of an FFN's gate and up projections with the SwiGLU in its epilogue: gate
-// holds each group's f gate rows of k BF16 values (a slice every gate.slice_bytes), up the up rows
-// in the same layout (the two halves of a stacked [G, 2f, k] weight, or two [G, f, k] ones), and
-// for each row of A the kernel stores a = silu(A . gate^T) * (A . up^T) as BF16 (out, [m, f], rows
-// ld_out values apart): the values swiglu_forward_kernel computes from the F32 gate and up
-// products, without writing and reading them. Offsets on the host (offsets; offsets[0] = 0,
-// m = offsets[groups]) or an I32 [groups + 1] array on the GPU (device_offsets), as
-// grouped_gemm_rows takes them. false (nothing done) where it does not apply: switched off
-// (set_grouped_swiglu_epilogue), not a Hopper GPU with the TMA form, operands other than dense
-// BF16 with K-major weights, f not a multiple of 64, K above the ping-pong tiles'
-// (set_grouped_tma_pingpong), groups averaging 64 rows or fewer (the decode configurations), or
-// grouped_gemm_rows' limits.
-bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& gate, const void* up,
-                              const std::vector<int64_t>* offsets, const int32_t* device_offsets, int64_t groups,
-                              int64_t m, int64_t f, int64_t k, uint16_t* out, int64_t ld_out);
-// Whether grouped_gemm_swiglu_rows runs (true, the default) or declines; returns the previous
-// setting. For tests and benchmarks. grouped_swiglu_launches: how many launches it made in this process.
-bool set_grouped_swiglu_epilogue(bool on);
-int64_t grouped_swiglu_launches();
 
 // One GEMM of grouped_gemm_k: C (F32 [m, n], rows ldc apart) (+)= A . B^T over k values, A and B
 // BF16, K-major (A [m, k], B [n, k], rows lda / ldb elements apart) or MN-major (stored [k, m] and

@@ -995,26 +995,6 @@ bool grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tenso
   return grouped_kernel_gemm(a, b, RowOffsets{nullptr, offsets.data<int32_t>(), G, M}, n, k, c, accumulate);
 }
 
-bool grouped_gemm_swiglu(const Operand& a, const Operand& b13, const Operand* b3, const std::vector<int64_t>* offsets,
-                         const Tensor* device_offsets, Tensor& out) {
-  if (!g_grouped_kernel.load(std::memory_order_relaxed) || native_block_scaled_gemm()) return false;
-  const Tensor *da = a.dense(), *db = b13.dense(), *du = b3 ? b3->dense() : nullptr;
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const auto bf16_3d = [&](const Tensor* t) {
-    return t && t->dtype() == DType::BF16 && t->dim() == 3 && aligned(t->raw());
-  };
-  if (!da || a.trans() || b13.trans() || (b3 && b3->trans()) || da->dtype() != DType::BF16 || da->dim() != 2 ||
-      !aligned(da->raw()) || !bf16_3d(db) || (b3 && (!bf16_3d(du) || du->shape() != db->shape())) ||
-      out.dtype() != DType::BF16 || out.dim() != 2)
-    return false;
-  const int64_t G = db->size(0), R = db->size(1), K = db->size(2), M = da->size(0), F = b3 ? R : R / 2;
-  if (da->size(1) != K || (!b3 && R % 2 != 0) || out.size(0) != M || out.size(1) != F) return false;
-  const void* up = b3 ? du->raw() : static_cast<const void*>(static_cast<const uint16_t*>(db->raw()) + F * K);
-  return grouped_gemm_swiglu_rows(GroupedOperand::bf16(da->raw(), K, 0), GroupedOperand::bf16(db->raw(), K, R * K), up,
-                                  offsets, device_offsets ? device_offsets->data<int32_t>() : nullptr, G, M, F, K,
-                                  static_cast<uint16_t*>(out.raw()), F);
-}
-
 // Packed block-scaled operands in small groups straight into the grouped kernel; otherwise one
 // decode of A and of every slice of B (one launch when they share a format), then every group in
 // one launch of the grouped kernel, outer scales in its epilogue; where the kernel does not take

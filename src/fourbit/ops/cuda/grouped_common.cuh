@@ -80,12 +80,6 @@ struct GroupedArgs {
   int n, k_begin, k_end, groups;  // K range in values
   bool accumulate;
   IndexError* err;
-  // Non-null: the SwiGLU epilogue (grouped_gemm_swiglu_rows): n = 2F values a row, the F gate
-  // values (B: F rows a slice) and the F up values (swiglu_up: B's layout), and a = silu(gate) *
-  // up goes to swiglu_out as BF16 ([M, F], swiglu_ld values a row) in place of C.
-  uint16_t* swiglu_out;
-  int64_t swiglu_ld;
-  const void* swiglu_up;
   int32_t host_offsets[kMaxHostGroups + 1];  // offsets known on the host, passed by value
 };
 

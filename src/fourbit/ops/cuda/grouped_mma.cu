@@ -1,4 +1,4 @@
-// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_swiglu_rows, cuda::grouped_gemm_bf16, cuda::grouped_gemm_k,
+// defines: cuda::grouped_gemm_rows, cuda::grouped_gemm_bf16, cuda::grouped_gemm_k,
 //          cuda::grouped_gemm_k_device_offsets, the family's
 //          launchers and selection rules (decode_width, few_training_tiles) and its switches
 // The grouped GEMM of the MoE experts (issue 15's kernel family): C[rows of group g] (+)=
@@ -369,43 +369,6 @@ bool grouped_gemm_rows(const GroupedOperand& a, const GroupedOperand& b, const i
   launch(a.fmt, p, device_rows_per_group(groups, m), "grouped_gemm");
   return true;
 }
-
-std::atomic<bool> g_swiglu_epilogue{true};
-std::atomic<int64_t> g_swiglu_launches{0};
-
-bool grouped_gemm_swiglu_rows(const GroupedOperand& a, const GroupedOperand& gate, const void* up,
-                              const std::vector<int64_t>* offsets, const int32_t* device_offsets, int64_t groups,
-                              int64_t m, int64_t f, int64_t k, uint16_t* out, int64_t ld_out) {
-  const auto aligned = [](const void* q, uintptr_t to) { return (reinterpret_cast<uintptr_t>(q) % to) == 0; };
-  if (!g_swiglu_epilogue.load(std::memory_order_relaxed) || !g_wgmma.load(std::memory_order_relaxed) ||
-      !g_tma.load(std::memory_order_relaxed) || !hopper_device() || a.fmt != Format::BF16 ||
-      gate.fmt != Format::BF16 || a.outer || gate.outer || a.trans || gate.trans || !up || !aligned(up, 16) ||
-      f <= 0 || f % 64 != 0 || gate.slice_bytes < f * gate.ld_bytes ||
-      k > hopper::g_tma_pingpong_max_k.load(std::memory_order_relaxed) || !out || ld_out < f || ld_out % 2 != 0 ||
-      !aligned(out, 4) || !rows_form_fits(a, gate, groups, m, 2 * f, k) ||
-      (offsets ? offsets->front() != 0 || int64_t(offsets->size()) != groups + 1 : !device_offsets))
-    return false;
-  if (m == 0) return true;
-  GroupedArgs p = make_args(a, gate, nullptr, 0, m, 2 * f, 0, k, groups, false);
-  p.swiglu_out = out;
-  p.swiglu_ld = ld_out;
-  p.swiglu_up = up;
-  p.err = index_error_record();
-  if (offsets)
-    for (int64_t g = 0; g <= groups; ++g) p.host_offsets[g] = int32_t((*offsets)[size_t(g)]);
-  else
-    p.offsets = device_offsets;
-  // where the two-pass GEMM would take the ping-pong TMA tiles (launch_format), so that the fused
-  // form replaces that kernel and not a decode-sized one
-  const int64_t rows_per_group = offsets ? grouped_rows_per_group(*offsets) : device_rows_per_group(groups, m);
-  if (rows_per_group <= 64 || hopper::few_training_tiles(p) || row_tile_bound(p, 16) > 65535) return false;
-  if (!hopper::launch_tma_tile<false, 2, 128, true, true>(p)) return false;
-  g_swiglu_launches.fetch_add(1, std::memory_order_relaxed);
-  return true;
-}
-
-bool set_grouped_swiglu_epilogue(bool on) { return g_swiglu_epilogue.exchange(on, std::memory_order_relaxed); }
-int64_t grouped_swiglu_launches() { return g_swiglu_launches.load(std::memory_order_relaxed); }
 
 bool grouped_gemm_k(bool mn_major, const std::vector<KGroupedProblem>& problems, int64_t m, int64_t n, int64_t ldc,
                     bool accumulate) {

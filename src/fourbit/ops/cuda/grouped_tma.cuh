@@ -1,6 +1,5 @@
 // defines: hopper::tma_store_block, hopper::init_ring, hopper::release_in_cluster, hopper::tma_produce,
-//          hopper::tma_kernel, TmaShape, PpShape, pp_wait_turn, pp_pass_turn, pp_end, hopper::store_swiglu_block,
-//          hopper::tma_pp_kernel,
+//          hopper::tma_kernel, TmaShape, PpShape, pp_wait_turn, pp_pass_turn, pp_end, hopper::tma_pp_kernel,
 //          launch_tma_tile, launch_tma (the training tile fed by TMA), hopper::wgrad_tile_of,
 //          hopper::tma_wgrad_produce, hopper::tma_wgrad_kernel, hopper::tma_wgrad_pp_kernel,
 //          launch_tma_wgrad_tile, launch_tma_wgrad (the K-grouped form fed by TMA), bf16_map and their
@@ -13,7 +12,6 @@
 #include <atomic>
 
 #include "fourbit/ops/cuda/grouped_hopper.cuh"
-#include "fourbit/ops/cuda/row_math.cuh"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -52,7 +50,6 @@ namespace hopper {
 struct TmaParams {
   CUtensorMap a;  // A [M, K] BF16, boxes of 64 K values x BM / 2 rows, 128-byte swizzle
   CUtensorMap b;  // B [G N, K], boxes of 64 K values x BN rows; BT: [G][K][N], boxes 64 x 64 x 1
-  CUtensorMap b_up;  // the SwiGLU epilogue: b the gate rows and this the up rows, both [G][F][K], boxes 64 x 64 x 1
   GroupedArgs g;
   int pairs, rows;  // the grid of cluster tiles: pairs of column tiles x row tiles (and slots past them)
   int band_pairs;   // the tile order: column pairs a band (0: a row tile's columns, then the next)
@@ -122,10 +119,7 @@ __device__ __forceinline__ void release_in_cluster(uint32_t bar) {
 // full and empty mbarriers): the cluster's tiles in turn, every K tile's copies into the next stage
 // once both CTAs have released it; `issuer` (one thread) issues them, the warp finds each tile's
 // group (row_tile_of is warp-collective).
-// SW (the SwiGLU epilogue, K-major B): a tile's B is the 64 gate rows (map b) and the 64 up rows
-// (map b_up) of its 64 columns of a, two boxes of 64 rows in place of one of 128 (the same
-// shared-memory layout).
-template <class S, bool BT, bool SW = false>
+template <class S, bool BT>
 __device__ __forceinline__ void tma_produce(const TmaParams& tp, uint32_t rank, int cluster, int clusters, int k_tiles,
                                             uint32_t sbase, uint32_t full0, uint32_t empty0, bool issuer) {
   constexpr int BM = S::BM, BN = S::BN, kHalf = BM / 2 * 128;  // bytes of half an A tile
@@ -150,11 +144,6 @@ __device__ __forceinline__ void tma_produce(const TmaParams& tp, uint32_t rank, 
 #pragma unroll
           for (int h = 0; h < BN / 64; ++h)
             tma_load_3d(stage + uint32_t(S::kATile + h * kPanel), &tp.b, n0 + 64 * h, k0, t.group, bar);
-        } else if constexpr (SW) {
-          static_assert(BN == 128, "the SwiGLU tile: 64 gate and 64 up columns");
-          const int f0 = n0 / 2;  // the tile's first column of a
-          tma_load_3d(stage + uint32_t(S::kATile), &tp.b, k0, f0, t.group, bar);
-          tma_load_3d(stage + uint32_t(S::kATile + 64 * 128), &tp.b_up, k0, f0, t.group, bar);
         } else {
           tma_load_2d(stage + uint32_t(S::kATile), &tp.b, k0, t.group * p.n + n0, bar);
         }
@@ -249,35 +238,8 @@ __device__ __forceinline__ void pp_end(int tiles, int wg) {
   if (tiles > 0 && tiles % 2 == wg) named_barrier_sync(1 + wg, 256);
 }
 
-// The SwiGLU epilogue of warpgroup wm's 64 x 128 block of gate | up values (tma_produce's SW
-// tile): each thread holds a gate value and its up value 64 columns on (wgmma's accumulator
-// layout: acc[4 q + 2 half + e] is row 16 warp + lane / 4 + 8 half, column 8 q + 2 (lane % 4) + e),
-// so a = silu(gate) * up (swiglu_value, then RNE to BF16: swiglu_forward_kernel's values from the
-// C this tile would have stored) is stored as pairs of BF16, 64 columns of a from f0.
-__device__ __forceinline__ void store_swiglu_block(const GroupedArgs& p, const float (&acc)[64], int wm, int f0,
-                                                   long long r0, long long r1) {
-  const int t = int(threadIdx.x) & 127, lane = int(threadIdx.x) & 31;
-  const int row_base = wm * 64 + 16 * (t >> 5) + (lane >> 2), col_base = f0 + 2 * (lane & 3);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const long long row = r0 + row_base + 8 * half;
-    if (row >= r1) continue;
-    uint16_t* out = p.swiglu_out + row * p.swiglu_ld + col_base;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int i = 4 * q + 2 * half;
-      const uint32_t lo = num::bf16_encode(swiglu_value(acc[i], acc[i + 32]));
-      const uint32_t hi = num::bf16_encode(swiglu_value(acc[i + 1], acc[i + 33]));
-      *reinterpret_cast<uint32_t*>(out + 8 * q) = lo | (hi << 16);
-    }
-  }
-}
-
-// SW: the SwiGLU epilogue (K-major B only): tiles of 128 rows x 64 columns of a from 128 x 128
-// of gate | up values (tma_produce's SW tile), the same k16 chains: C's bits, then the SwiGLU's.
-template <bool BT, bool SW = false>
+template <bool BT>
 __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __grid_constant__ TmaParams tp) {
-  static_assert(!(BT && SW), "the SwiGLU epilogue reads a K-major B");
   using S = PpShape;
   constexpr int BM = S::BM, BN = S::BN, kSt = S::kStages;
   const GroupedArgs& p = tp.g;
@@ -294,7 +256,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
   const int k_tiles = (p.k_end - p.k_begin + kBK - 1) / kBK;
 
   if (tid >= 256) {
-    tma_produce<S, BT, SW>(tp, rank, cluster, clusters, k_tiles, sbase, full0, empty0, tid == 256);
+    tma_produce<S, BT>(tp, rank, cluster, clusters, k_tiles, sbase, full0, empty0, tid == 256);
   } else {
     const int wg = tid >> 7;
     int n_tiles = 0;  // the cluster's tiles so far, both warpgroups'
@@ -325,13 +287,7 @@ __global__ void __launch_bounds__(tma_threads<2>(), 1) tma_pp_kernel(const __gri
       pin(acc0);
       pin(acc1);
       if (k_tiles > 0 && (tid & 127) == 0) release_in_cluster(empty0 + 8u * uint32_t((it - 1) % kSt));
-      if constexpr (SW) {
-        const int f0 = (2 * pair + int(rank)) * (BN / 2);
-        if (f0 < p.n / 2) {  // (a pair's second tile may lie past the last column)
-          store_swiglu_block(p, acc0, 0, f0, t.r0, t.r1);
-          store_swiglu_block(p, acc1, 1, f0, t.r0, t.r1);
-        }
-      } else if (!tp.no_store) {
+      if (!tp.no_store) {
         const int col0 = (2 * pair + int(rank)) * BN;
         tma_store_block<2, 128>(p, t.group, acc0, 0, col0, t.r0, t.r1);
         tma_store_block<2, 128>(p, t.group, acc1, 1, col0, t.r0, t.r1);
@@ -397,22 +353,20 @@ std::atomic<bool> g_tma_pingpong_mn_major{true};
 
 // The row-grouped TMA kernel of a tile: tma_kernel's BM = 64 WGM x WN, or the ping-pong form's
 // 128 x 128 (PP), and its shape.
-template <bool BT, int WGM, int WN, bool PP, bool SW = false>
+template <bool BT, int WGM, int WN, bool PP>
 constexpr auto tma_kernel_of() {
-  if constexpr (PP) return &tma_pp_kernel<BT, SW>;
+  if constexpr (PP) return &tma_pp_kernel<BT>;
   else return &tma_kernel<BT, WGM, WN>;
 }
 
 // The TMA form of tile BM = 64 WGM x WN (or the ping-pong form's, PP) for BF16 groups of the
 // training tile; false where it does not apply (a K-major B's slices not back to back, a map the
 // driver will not encode, no driver entry point), and the caller runs wgmma_kernel.
-// SW: the SwiGLU epilogue (p.swiglu_out; the ping-pong form, a K-major B).
-template <bool BT, int WGM, int WN, bool PP = false, bool SW = false>
+template <bool BT, int WGM, int WN, bool PP = false>
 bool launch_tma_tile(const GroupedArgs& p) {
   static_assert(!PP || (WGM == 2 && WN == 128), "the ping-pong form's tiles: two warpgroups of 128 x 128");
-  static_assert(!SW || (PP && !BT), "the SwiGLU epilogue: the ping-pong form, a K-major B");
   using S = TmaShape<WGM, WN, PP>;
-  constexpr auto kernel = tma_kernel_of<BT, WGM, WN, PP, SW>();
+  constexpr auto kernel = tma_kernel_of<BT, WGM, WN, PP>();
   TmaParams tp{};
   tp.g = p;
   const int band = g_tile_band.load(std::memory_order_relaxed);
@@ -423,11 +377,6 @@ bool launch_tma_tile(const GroupedArgs& p) {
     const int64_t slice = p.groups > 1 ? p.b.slice_bytes : int64_t(p.k_end) * p.b.ld;  // one group: any stride
     if (slice <= 0 || !bf16_map(tp.b, p.b.data, uint64_t(p.n), uint64_t(p.k_end), uint64_t(p.b.ld), 64,
                                 uint64_t(p.groups), uint64_t(slice)))
-      return false;
-  } else if constexpr (SW) {  // the gate and up rows, F = n / 2 of each a slice
-    const uint64_t f = uint64_t(p.n / 2), slice = uint64_t(p.b.slice_bytes);
-    if (!bf16_map(tp.b, p.b.data, uint64_t(p.k_end), f, uint64_t(p.b.ld), 64, uint64_t(p.groups), slice) ||
-        !bf16_map(tp.b_up, p.swiglu_up, uint64_t(p.k_end), f, uint64_t(p.b.ld), 64, uint64_t(p.groups), slice))
       return false;
   } else {
     if (p.b.slice_bytes != int64_t(p.n) * p.b.ld ||
