@@ -28,8 +28,8 @@ std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 std::atomic<bool> g_weight_forms_batched{true};
-// Off by default: on an H100 the weight gradients' device-offset path cost 0.55-0.7 ms a gpu-small
-// bf16 step, its dgrads nothing (docs/cuda.md, "K-grouped form").
+// Off by default: on an H100 it runs a gpu-small bf16 step within 0.04-0.06 ms of the host's offsets
+// and gains nothing until the rest of the step reads no router count (docs/cuda.md, "K-grouped form").
 std::atomic<bool> g_moe_backward_device_offsets{false};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
@@ -430,15 +430,17 @@ struct ModelRunner {
   // The experts' dY for dgrad (point/dgrad/dY) and every expert's dY^T for wgrad
   // (point/wgrad/dY^T[e]): in one pass where they pair, each with its BF16 decode (the GEMMs read
   // them right away); otherwise dY, then wgrad_dy_segments.
+  // with_col false (the backward on device offsets): the row form alone, the weight gradients reading
+  // dY in place.
   PreparedRowCol expert_dy(const Tensor& dy, const std::vector<int64_t>& offsets, const LayerRecipe& r,
-                           LayerClass cls, const std::string& point) {
-    if (dy_pairs(r) && dy.size(0) > 0)
+                           LayerClass cls, const std::string& point, bool with_col = true) {
+    if (with_col && dy_pairs(r) && dy.size(0) > 0)
       return prepare_row_col(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), r.wgrad.a,
                              GemmRole::Wgrad, 'a', offsets, expert_sites(point + "/wgrad/dY^T"), cls, log, dy_form(),
                              dy_form());
     PreparedRowCol p;
     p.row = prepare(dy, r.dgrad.a, GemmRole::Dgrad, 'a', site(point + "/dgrad/dY"), cls, log);
-    p.col = wgrad_dy_segments(dy, p.row, offsets, r, cls, point);
+    if (with_col) p.col = wgrad_dy_segments(dy, p.row, offsets, r, cls, point);
     return p;
   }
 
@@ -1068,8 +1070,7 @@ struct ModelRunner {
     } else {
       Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D});
       ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
-      if (on_gpu) pdy.row = prepare(dy_perm, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w2/dgrad/dY"), cls, log);
-      else pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2");
+      pdy = expert_dy(dy_perm, plan.offsets, r, cls, name + "moe.w2", !on_gpu);
     }
 
     // w2: da = dy_e . W2_e, dW2_e += dy_e^T . a_e
@@ -1101,13 +1102,8 @@ struct ModelRunner {
     } else {
       Tensor dh1 = act_bf16_if(bf16_grad(r), {N * K, F}), dh3 = act_bf16_if(bf16_grad(r), {N * K, F});
       ops::swiglu_backward(da, in.h1, in.h3, dh1, dh3);
-      if (on_gpu) {
-        pdh1.row = prepare(dh1, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w1/dgrad/dY"), cls, log);
-        pdh3.row = prepare(dh3, r.dgrad.a, GemmRole::Dgrad, 'a', site(name + "moe.w3/dgrad/dY"), cls, log);
-      } else {
-        pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1");
-        pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3");
-      }
+      pdh1 = expert_dy(dh1, plan.offsets, r, cls, name + "moe.w1", !on_gpu);
+      pdh3 = expert_dy(dh3, plan.offsets, r, cls, name + "moe.w3", !on_gpu);
     }
     Tensor dx_perm = act({N * K, D});
     expert_dgrad(pdh1.row, w1_dgrad, dx_perm, false);

@@ -122,10 +122,10 @@ bool set_weight_forms_batched(bool on);
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
 // read in place and w1's and w3's weight gradients in one launch (on); off (the default), the
 // host's offsets and an operand view per expert. Either way the same bits. A step whose backward
-// reads no router count on the host is what a CUDA graph of the step needs; off by default because
-// on an H100 the weight gradients' device-offset path cost 0.55-0.7 ms a gpu-small step (the
-// dgrads' nothing: bench/results/h100_gpu_train_moe_backward_parts_*_s59.json). Process-wide, for
-// benchmarks and tests; returns the setting before.
+// reads no router count on the host is what a CUDA graph of the step needs; off by default: on an
+// H100 a gpu-small step runs within 0.04-0.06 ms of the host's offsets either way
+// (bench/results/h100_gpu_train_moe_backward_s60_heavy_first.json), and nothing gains from it until
+// the rest of the step reads no count. Process-wide, for benchmarks and tests; returns the setting before.
 bool set_moe_backward_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
