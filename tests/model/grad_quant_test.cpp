@@ -10,6 +10,7 @@
 //          recipe's MoE backward on the GPU's routing offsets gives the bits of the host's.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <string>
@@ -136,8 +137,9 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
   const bool before = set_moe_backward_device_offsets(false);
   struct Pass {
     double loss, aux;
+    int64_t tokens;
     std::vector<float> grad;
-    int64_t device_calls;
+    int64_t device_calls, read_backs;
   };
   const auto run_bf16 = [&](bool on_gpu_offsets, bool keep) {
     set_moe_backward_device_offsets(on_gpu_offsets);
@@ -145,17 +147,21 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
     m.set_keep_ffn_activations(keep);
     init_params(m.params(), c, 5);
     m.params().zero_grad();
-    const int64_t calls = ops::cuda::grouped_wgrad_device_calls();
+    const int64_t calls = ops::cuda::grouped_wgrad_device_calls(), reads = ops::cuda::route_plan_read_backs();
     Pass p{};
     for (int micro = 0; micro < 2; ++micro) {  // the second accumulates onto the first's gradients
-      const ForwardStats st = m.forward(tokens, targets, SrStreams{11, 7, uint64_t(micro)}, true);
+      // the trainer's order: the backward queued before the stats are read
+      PendingForwardStats pending = m.forward_queued(tokens, targets, SrStreams{11, 7, uint64_t(micro)}, true, 0.5f);
       m.backward();
+      const ForwardStats& st = pending.stats();
       p.loss = st.loss;
       p.aux = st.aux_loss;
+      p.tokens = st.tokens;
     }
     const Tensor g = m.params().flat_grad().to(Device::CPU);
     p.grad.assign(g.data<float>(), g.data<float>() + g.numel());
     p.device_calls = ops::cuda::grouped_wgrad_device_calls() - calls;
+    p.read_backs = ops::cuda::route_plan_read_backs() - reads;
     return p;
   };
   const int64_t moe_layers = c.n_layers - c.dense_layers;
@@ -164,11 +170,50 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
     const Pass host = run_bf16(false, keep), dev = run_bf16(true, keep);
     EXPECT_EQ(host.device_calls, 0);
     EXPECT_EQ(dev.device_calls, 2 * 2 * moe_layers) << "the backward did not take the device offsets";
+    EXPECT_EQ(host.read_backs, 2 * moe_layers);
+    EXPECT_EQ(dev.read_backs, 0) << "a MoE layer read its counts back";
     EXPECT_EQ(host.loss, dev.loss);
+    EXPECT_GT(dev.aux, 0.0);
     EXPECT_EQ(host.aux, dev.aux);
+    EXPECT_EQ(host.tokens, dev.tokens);
     ASSERT_EQ(host.grad.size(), dev.grad.size());
     EXPECT_EQ(std::memcmp(host.grad.data(), dev.grad.data(), dev.grad.size() * 4), 0) << "gradients differ";
   }
   set_moe_backward_device_offsets(before);
 #endif
+}
+
+// A training forward on the GPU checks its indices once it is queued: a bad token id (or target)
+// leaves forward_queued and the backward queued without a failure, and stats() fails with the
+// op's own message before anything reads the gradients; the record is clear afterwards, so the
+// next micro-batch runs. The same with the MoE layers reading their counts back (the host's
+// offsets), whose first read-back reports it.
+TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = tiny_moe_config(3, 64);
+  Tensor bad = random_tokens(2, 12, 6);
+  bad.data<int32_t>()[5] = int32_t(c.vocab_size) + 3;
+  const Tensor good = random_tokens(2, 12, 6).to(Device::CUDA);
+  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+  const std::string message = "embedding_forward: tokens[5] = 263 is outside [0, V=260)";
+  for (bool device_offsets : {true, false}) {
+    SCOPED_TRACE(device_offsets ? "device offsets" : "host offsets");
+    const bool before = set_moe_backward_device_offsets(device_offsets);
+    Model m(c, recipe_by_name("bf16"), Device::CUDA);
+    init_params(m.params(), c, 5);
+    m.params().zero_grad();
+    try {
+      PendingForwardStats pending = m.forward_queued(bad.to(Device::CUDA), targets, SrStreams{11, 7, 0}, true, 1.0f);
+      if (!device_offsets) ADD_FAILURE() << "the first MoE layer's read-back did not report the token";
+      m.backward();
+      pending.stats();
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+    PendingForwardStats next = m.forward_queued(good, targets, SrStreams{11, 7, 1}, true, 1.0f);
+    m.backward();
+    EXPECT_TRUE(std::isfinite(next.stats().loss));
+    set_moe_backward_device_offsets(before);
+  }
 }

@@ -1113,6 +1113,75 @@ TEST(CudaLayers, RoutePlanWithoutReadBackKeepsTheOffsetsOnTheGpu) {
       "route_plan: topk_idx[1, 0] = 64 is outside [0, n_experts=64)");
 }
 
+// A plan begun without its read-back keeps its probability sums on the GPU (device_prob_sums: the
+// CPU's), and the load-balance term and d/dprobs made from the device's offsets and sums are the
+// CPU's bits; so are the target count and gradient scale (count_targets), and the cross-entropy
+// reading that scale gives the bits of the same scale passed by value. In a DeferIndexChecks
+// scope a bad token id or target does not fail its op; check_index_errors_later names the first
+// as the op would have, and the record is clear after it.
+TEST(CudaLayers, LoadBalanceTermsAndTargetCountOnTheGpuEqualCpu) {
+  SKIP_WITHOUT_GPU();
+  for (const int64_t N : {int64_t(1), int64_t(65), int64_t(2049), int64_t(9000)}) {
+    const int64_t E = 16, k = 2;
+    const std::string name = cfg("N=%lld", N);
+    const Tensor idx = random_routing(N, E, k, 1130 + uint64_t(N));
+    const Tensor probs = random_tensor({N, E}, DType::F32, 1140 + uint64_t(N), 0.0, 1.0);
+    const ops::RoutePlan want = ops::route_plan(idx, E, probs);
+    const ops::PendingRoutePlan got = ops::route_plan_begin(gpu(idx), E, gpu(probs), false);
+    EXPECT_TRUE(got.plan.offsets.empty()) << name;
+    ASSERT_TRUE(got.plan.device_prob_sums.defined()) << name;
+    const Tensor sums = host(got.plan.device_prob_sums);
+    EXPECT_EQ(std::vector<double>(sums.data<double>(), sums.data<double>() + E), want.prob_sums) << name;
+    std::vector<int32_t> off32(want.offsets.begin(), want.offsets.end());
+    const Tensor off = int_tensor(off32, {E + 1});
+    const Tensor psum = Tensor::from_host(want.prob_sums.data(), {E}, DType::F64);
+    Tensor terms_c = Tensor::zeros({2}, DType::F64), terms_g = Tensor::zeros({2}, DType::F64, Device::CUDA);
+    ops::load_balance_term(off, psum, N, N * k, 0.01, terms_c, 1);
+    ops::load_balance_term(got.plan.device_offsets, got.plan.device_prob_sums, N, N * k, 0.01, terms_g, 1);
+    expect_bits("load_balance_term " + name, terms_g, terms_c);
+    Tensor dp_c = Tensor::empty({1, E}, DType::F32), dp_g = Tensor::empty({1, E}, DType::F32, Device::CUDA);
+    ops::load_balance_dprobs(off, N, N * k, 0.25f, 0.01, dp_c);
+    ops::load_balance_dprobs(got.plan.device_offsets, N, N * k, 0.25f, 0.01, dp_g);
+    expect_bits("load_balance_dprobs " + name, dp_g, dp_c);
+  }
+  for (const int64_t N : {int64_t(1), int64_t(1000), int64_t(8192), int64_t(20001)}) {
+    const std::string name = cfg("N=%lld", N);
+    Tensor tgt = random_ints({N}, 0, 260, 1150 + uint64_t(N));
+    for (int64_t n = 3; n < N; n += 7) tgt.data<int32_t>()[n] = -1;
+    Tensor count_c = Tensor::empty({1}, DType::F64), scale_c = Tensor::empty({1}, DType::F32);
+    Tensor count_g = Tensor::empty({1}, DType::F64, Device::CUDA), scale_g = Tensor::empty({1}, DType::F32, Device::CUDA);
+    ops::count_targets(tgt, 0.75f, count_c, scale_c);
+    const Tensor tg = gpu(tgt);
+    ops::count_targets(tg, 0.75f, count_g, scale_g);
+    expect_bits("count_targets count " + name, count_g, count_c);
+    expect_bits("count_targets scale " + name, scale_g, scale_c);
+    const Tensor lg = gpu(random_tensor({N, 260}, DType::F32, 1160 + uint64_t(N), -8.0, 8.0));
+    Tensor l1 = Tensor::empty({N}, DType::F32, Device::CUDA), l2 = Tensor::empty({N}, DType::F32, Device::CUDA);
+    Tensor d1 = Tensor::empty({N, 260}, DType::F32, Device::CUDA), d2 = Tensor::empty({N, 260}, DType::F32, Device::CUDA);
+    ops::cross_entropy(lg, tg, l1, &d1, double(scale_c.data<float>()[0]));
+    ops::cross_entropy(lg, tg, l2, &d2, 99.0, nullptr, &scale_g);
+    expect_bits("cross_entropy with the scale on the GPU: dlogits " + name, d2, d1);
+    expect_bits("cross_entropy with the scale on the GPU: losses " + name, l2, l1);
+  }
+  const Tensor table = gpu(random_tensor({10, 4}, DType::F32, 1170));
+  Tensor out = Tensor::empty({3, 4}, DType::F32, Device::CUDA);
+  std::function<void()> later;
+  {
+    const ops::DeferIndexChecks defer;
+    EXPECT_TRUE(ops::index_checks_deferred());
+    ops::embedding_forward(gpu(int_tensor({1, 12, 3}, {3})), table, out);  // no failure yet
+    Tensor losses = Tensor::empty({3}, DType::F32, Device::CUDA);
+    ops::cross_entropy(gpu(random_tensor({3, 10}, DType::F32, 1171)), gpu(int_tensor({0, 1, 40}, {3})), losses,
+                       nullptr, 1.0);
+    later = ops::check_index_errors_later(Device::CUDA);
+  }
+  EXPECT_FALSE(ops::index_checks_deferred());
+  ASSERT_TRUE(later);
+  expect_error(later, "embedding_forward: tokens[1] = 12 is outside [0, V=10)");
+  ops::check_index_errors(Device::CUDA);  // the record was cleared
+  ops::check_index_errors_later(Device::CUDA)();
+}
+
 // With extra rows (a MoE layer's shared expert as one more group), the one-warp sort, the
 // multi-kernel one and an empty routing give the CPU's plan, with and without the read-back.
 TEST(CudaLayers, RoutePlanExtraRowsEqualCpu) {

@@ -137,6 +137,64 @@ TEST(MoeOps, RoutePlanProbabilitySumsInTheirFixedOrder) {
             std::string::npos);
 }
 
+// The load-balance term and its d/dprobs from a plan's offsets (ops/load_balance_math.h), written
+// out here from ops.h's words for a routing with an empty expert; F32 and F64 d_probs; the target
+// count and the cross-entropy's gradient scale made from it, and that scale read from its tensor
+// gives the gradient of the same scale passed by value; bad arguments are named.
+TEST(MoeOps, LoadBalanceTermsAndTargetCountAreTheirFormulas) {
+  const Tensor offsets = int_tensor({0, 3, 3, 8}, {4});  // E = 3, 8 assignments, expert 1 empty
+  const double sums[3] = {1.5, 0.25, 2.25};
+  const Tensor prob_sums = Tensor::from_host(sums, {3}, DType::F64);
+  const int64_t tokens = 4, assignments = 8;
+  const double coef = 0.01;
+  Tensor terms = Tensor::zeros({3}, DType::F64);
+  ops::load_balance_term(offsets, prob_sums, tokens, assignments, coef, terms, 1);
+  const double f[3] = {3.0 / 8.0, 0.0 / 8.0, 5.0 / 8.0};
+  const double want = coef * 3.0 * (f[0] * sums[0] / 4.0 + f[1] * sums[1] / 4.0 + f[2] * sums[2] / 4.0);
+  EXPECT_EQ(terms.data<double>()[0], 0.0);
+  EXPECT_EQ(terms.data<double>()[1], want);
+  EXPECT_EQ(terms.data<double>()[2], 0.0);
+  const float lw = 0.5f;
+  for (const DType dt : {DType::F32, DType::F64}) {
+    Tensor dp = Tensor::empty({1, 3}, dt);
+    ops::load_balance_dprobs(offsets, tokens, assignments, lw, coef, dp);
+    for (int e = 0; e < 3; ++e) {
+      const double d = double(lw) * coef * 3.0 * f[e] / 4.0;
+      if (dt == DType::F64) EXPECT_EQ(dp.data<double>()[e], d) << e;
+      else EXPECT_EQ(dp.data<float>()[e], float(d)) << e;
+    }
+  }
+  Tensor count = Tensor::empty({1}, DType::F64), scale = Tensor::empty({1}, DType::F32);
+  ops::count_targets(int_tensor({-1, 3, 0, -1, 7}, {5}), lw, count, scale);
+  EXPECT_EQ(count.data<double>()[0], 3.0);
+  EXPECT_EQ(scale.data<float>()[0], float(0.5 / 3.0));
+  ops::count_targets(int_tensor({-1, -1}, {2}), lw, count, scale);
+  EXPECT_EQ(count.data<double>()[0], 0.0);
+  EXPECT_EQ(scale.data<float>()[0], 0.0f);
+  const Tensor logits = random_tensor({5, 9}, DType::F32, 1210);
+  const Tensor tg = int_tensor({-1, 3, 0, -1, 7}, {5});
+  Tensor l1 = Tensor::empty({5}, DType::F32), l2 = Tensor::empty({5}, DType::F32);
+  Tensor d1 = Tensor::empty({5, 9}, DType::F32), d2 = Tensor::empty({5, 9}, DType::F32);
+  ops::count_targets(tg, lw, count, scale);
+  ops::cross_entropy(logits, tg, l1, &d1, double(scale.data<float>()[0]));
+  ops::cross_entropy(logits, tg, l2, &d2, 123.0, nullptr, &scale);
+  EXPECT_EQ(std::memcmp(d1.raw(), d2.raw(), size_t(d1.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(l1.raw(), l2.raw(), size_t(l1.nbytes())), 0);
+  expect_error([&] { ops::load_balance_term(offsets, prob_sums, tokens, assignments, coef, terms, 3); },
+               "load_balance_term: terms must be f64 with an entry 3");
+  expect_error([&] { ops::load_balance_term(offsets, Tensor::zeros({2}, DType::F64), tokens, assignments, coef, terms, 0); },
+               "load_balance_term: prob_sums must be f64 [E=3]");
+  Tensor dp_bad = Tensor::empty({1, 4}, DType::F32);
+  expect_error([&] { ops::load_balance_dprobs(offsets, tokens, assignments, lw, coef, dp_bad); },
+               "load_balance_dprobs: d_probs must be [1, E=3]");
+  expect_error([&] { ops::load_balance_dprobs(offsets, 0, assignments, lw, coef, dp_bad); },
+               "load_balance_dprobs: tokens and assignments must be positive, got 0 and 8");
+  Tensor c32 = Tensor::empty({1}, DType::F32);
+  expect_error([&] { ops::count_targets(tg, lw, c32, scale); }, "count_targets: count must be one f64 on cpu");
+  expect_error([&] { ops::cross_entropy(logits, tg, l1, &d1, 1.0, nullptr, &count); },
+               "cross_entropy: scale must be one f32 on the logits' device (cpu)");
+}
+
 TEST(MoeOps, RoutePlanInvariants) {
   for (uint64_t seed = 0; seed < 20; ++seed) {
     const int64_t N = 1 + int64_t(seed * 7 % 61), E = 2 + int64_t(seed % 9), k = 1 + int64_t(seed % std::min<int64_t>(E, 4));

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "fourbit/ops/host_profile.h"
+#include "fourbit/ops/load_balance_math.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/tensor/error.h"
@@ -28,9 +29,8 @@ std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 std::atomic<bool> g_weight_forms_batched{true};
-// Off by default: on an H100 it runs a gpu-small bf16 step within 0.04-0.06 ms of the host's offsets
-// and gains nothing until the rest of the step reads no router count (docs/cuda.md, "K-grouped form").
-std::atomic<bool> g_moe_backward_device_offsets{false};
+// On by default: with it a bf16 training micro-batch reads no router count back (docs/model.md).
+std::atomic<bool> g_moe_backward_device_offsets{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -85,8 +85,7 @@ struct Model::Saved {
     Tensor x_mid, rstd2;  // FFN block input and its norm's rstd
     bool moe = false;
     Tensor probs, topk_idx, topk_w;
-    ops::RoutePlan plan;
-    std::vector<double> frac;            // f_e: share of assignments routed to expert e
+    ops::RoutePlan plan;  // its host offsets, or (the forward read nothing back) its device ones alone
     Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
     std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
     Tensor expert_h1, expert_h3, expert_a, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
@@ -189,14 +188,14 @@ struct ModelRunner {
   }
   const LayerRecipe& recipe(LayerClass cls) const { return m.recipe_.layer(cls, layer, c.n_layers); }
 
-  // The MoE layers' load-balance loss terms of a forward asked for one: each layer's routed
-  // shares and the sums of its router probabilities over the tokens (ops::RoutePlan::prob_sums,
-  // which come back with the layer's routing, so no further wait for the GPU).
-  struct PendingAux {
-    int64_t tokens;
-    std::vector<double> prob_sums, frac;
-  };
-  std::vector<PendingAux> pending_aux{};
+  // The MoE layers' load-balance loss terms of a forward asked for one, in layer order
+  // (ops/load_balance_math.h): computed on the host from the counts and probability sums that come
+  // back with the layer's routing, or (device_slot >= 0) by ops::load_balance_term into
+  // aux_terms[device_slot] where the forward reads nothing back.
+  std::vector<AuxTerm> pending_aux{};
+  // F64 [n_layers] on the GPU where the forward queues its MoE layers without waiting for their
+  // counts (Model::forward_queued on the GPU); else undefined.
+  Tensor aux_terms{};
   // A forward that keeps nothing for a backward and computes no load-balance loss needs the router
   // counts on the host only to report a bad expert id: its MoE layers run on the offsets where the
   // GPU made them, read nothing back, and the device's index-error record is checked once the
@@ -206,15 +205,14 @@ struct ModelRunner {
     if (deferred_plans) ops::check_index_errors(m.device_);
     deferred_plans = false;
   }
-  // The load-balance loss (Switch) of those layers, in layer order: coef * E * sum_e f_e * P_e,
-  // with f_e the routed share (no gradient) and P_e the mean router probability.
+  // The load-balance loss (Switch) of those layers: their terms summed in layer order, each
+  // coef * E * sum_e f_e * P_e with f_e the routed share (no gradient) and P_e the mean router
+  // probability (PendingForwardStats::stats sums terms the GPU computed the same way).
   double aux_loss_value() {
     double total = 0;
-    for (const PendingAux& pa : pending_aux) {
-      const int64_t E = int64_t(pa.frac.size());
-      double aux = 0;
-      for (int64_t e = 0; e < E; ++e) aux += pa.frac[size_t(e)] * pa.prob_sums[size_t(e)] / double(pa.tokens);
-      total += m.aux_loss_coef_ * double(E) * aux;
+    for (const AuxTerm& t : pending_aux) {
+      FOURBIT_CHECK(t.device_slot < 0, "aux_loss_value: a layer's term is on the GPU, not read back");
+      total += t.value;
     }
     pending_aux.clear();
     return total;
@@ -772,13 +770,6 @@ struct ModelRunner {
     // The shared expert as one more group of the routed experts' GEMMs (set_shared_expert_grouped):
     // its tokens are the plan's extra rows, after the slots.
     const SharedGroup group = shared_group(w, name, r, s, aux);
-    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
-    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
-    // BF16 copy or quantization, and the shared expert when it runs apart.
-    ops::PendingRoutePlan pending_plan =
-        ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred, group ? N : 0);
-    ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
-    const int64_t rows = plan.token_of_slot.size(0);  // N K, and the shared expert's N where grouped
     const bool bf16_x = moe_reads_bf16_x();
     FOURBIT_CHECK(!bf16_x || xn16.defined(), "moe_forward: the norm's BF16 copy of the layer input is missing");
     const bool wgrad_from_fwd = wgrad_from_saved_fwd(r);
@@ -788,6 +779,18 @@ struct ModelRunner {
     // the backward need, so the GPU does not idle through that wait. Elsewhere the host waits here.
     const bool device_routed = deferred || (offsets_on_gpu && bf16_x && r.fprop.b.fmt == Format::BF16 &&
                                             !r.fprop.b.quantized() && wgrad_from_fwd);
+    // A training forward whose backward runs every expert GEMM on the device offsets
+    // (backward_on_device_offsets) and whose load-balance terms stay on the GPU too (aux_terms)
+    // reads nothing back at all: the index check is the forward's (Model::forward_queued).
+    const bool no_read = device_routed && !deferred && s && N > 0 && aux_terms.defined() && !group &&
+                         backward_on_device_offsets(r) && !m.routing_observer_;
+    // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
+    // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
+    // BF16 copy or quantization, and the shared expert when it runs apart.
+    ops::PendingRoutePlan pending_plan =
+        ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred && !no_read, group ? N : 0);
+    ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
+    const int64_t rows = plan.token_of_slot.size(0);  // N K, and the shared expert's N where grouped
     // Where a weight gradient follows (s) and the experts' X and X^T pair (MXFP8 both, X rounded
     // to nearest: a token's blocks are then the same wherever it is quantized), both come from the
     // dispatched rows in one pass, X with its BF16 decode for the w1 and w3 GEMMs; otherwise each
@@ -864,26 +867,33 @@ struct ModelRunner {
       deferred_plans = true;
       return out;
     }
-    ops::route_plan_finish(pending_plan);
-    // The backward's expert GEMMs read the routed experts' E + 1 offsets where the GPU made them
-    // (backward_on_device_offsets); otherwise the rest reads the host's (and the plan's scratch may go).
-    if (s && plan.device_offsets.defined() && backward_on_device_offsets(r))
+    if (no_read) {
       plan.device_offsets = plan.device_offsets.view(0, {E + 1});
-    else
-      plan.device_offsets = Tensor{};
-    if (group) plan.offsets.pop_back();  // the experts' E + 1 from here on
-    if (m.routing_observer_) m.routing_observer_(RoutingEvent{layer, N, plan.offsets});
-    // f_e, the routed share of the load-balance loss (aux_loss_value); with `aux`, the layer's
-    // term is summed after the forward.
-    std::vector<double> frac(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) frac[size_t(e)] = double(plan.offsets[e + 1] - plan.offsets[e]) / double(N * K);
-    if (aux) pending_aux.push_back({N, plan.prob_sums, frac});
+      if (aux) {
+        ops::load_balance_term(plan.device_offsets, plan.device_prob_sums, N, N * K, m.aux_loss_coef_, aux_terms,
+                               layer);
+        pending_aux.push_back({0.0, layer});
+      }
+    } else {
+      ops::route_plan_finish(pending_plan);
+      // The backward's expert GEMMs read the routed experts' E + 1 offsets where the GPU made them
+      // (backward_on_device_offsets); otherwise the rest reads the host's (and the plan's scratch may go).
+      if (s && plan.device_offsets.defined() && backward_on_device_offsets(r))
+        plan.device_offsets = plan.device_offsets.view(0, {E + 1});
+      else
+        plan.device_offsets = Tensor{};
+      if (group) plan.offsets.pop_back();  // the experts' E + 1 from here on
+      if (m.routing_observer_) m.routing_observer_(RoutingEvent{layer, N, plan.offsets});
+      if (aux)
+        pending_aux.push_back(
+            {ops::load_balance_term_of(plan.offsets.data(), plan.prob_sums.data(), E, N, N * K, m.aux_loss_coef_)});
+    }
+    plan.device_prob_sums = Tensor{};
     if (s) {
       s->probs = probs;
       s->topk_idx = topk_idx;
       s->topk_w = topk_w;
       s->plan = std::move(plan);
-      s->frac = std::move(frac);
       if (pair_x && m.saved_x_decodes_ && x_perm.q.bf16.defined()) {
         // the backward reads X only as the recomputation's GEMM operand (X^T is its own form)
         x_perm.q.codes = Tensor{};
@@ -1124,17 +1134,21 @@ struct ModelRunner {
     }
     ops::gather_rows_backward(dx_perm, plan.slot_of, dxn);
 
-    // Router: through the top-k weights and the load-balance loss's d/dprobs.
-    std::vector<double> dp_col(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e)
-      dp_col[size_t(e)] = double(loss_weight) * m.aux_loss_coef_ * double(E) * s.frac[size_t(e)] / double(N);
-    // one row every token shares: E values to upload
-    Tensor d_probs_host = Tensor::empty({1, E}, m.dtype_, Device::CPU);
-    for (int64_t e = 0; e < E; ++e) {
-      if (m.dtype_ == DType::F64) d_probs_host.data<double>()[e] = dp_col[size_t(e)];
-      else d_probs_host.data<float>()[e] = float(dp_col[size_t(e)]);
+    // Router: through the top-k weights and the load-balance loss's d/dprobs, one row every token
+    // shares: from the host's counts (E values to upload), or made where the device offsets are.
+    Tensor d_probs;
+    if (plan.offsets.empty()) {
+      d_probs = act({1, E});
+      ops::load_balance_dprobs(plan.device_offsets, N, N * K, loss_weight, m.aux_loss_coef_, d_probs);
+    } else {
+      Tensor d_probs_host = Tensor::empty({1, E}, m.dtype_, Device::CPU);
+      for (int64_t e = 0; e < E; ++e) {
+        const double d = ops::load_balance_dprob(plan.offsets.data(), e, E, N, N * K, loss_weight, m.aux_loss_coef_);
+        if (m.dtype_ == DType::F64) d_probs_host.data<double>()[e] = d;
+        else d_probs_host.data<float>()[e] = float(d);
+      }
+      d_probs = d_probs_host.to(m.device_);
     }
-    const Tensor d_probs = d_probs_host.to(m.device_);
     Tensor d_logits = act({N, E});
     ops::router_backward(s.probs, s.topk_idx, s.topk_w, d_topk_w, d_probs, d_logits);
     // The router's GEMMs run on F32 operands in every recipe (high precision): dX = dlogits . W,
@@ -1428,14 +1442,6 @@ void Model::convert_bf16_weights_ahead() {
 
 namespace {
 
-double host_sum(const Tensor& t) {
-  const Tensor h = t.to(Device::CPU);
-  double s = 0;
-  for (int64_t i = 0; i < h.numel(); ++i)
-    s += h.dtype() == DType::F64 ? h.data<double>()[i] : double(h.data<float>()[i]);
-  return s;
-}
-
 // The layer stack and LM head; with `s`, keeps what backward needs; with `aux`, leaves the MoE
 // layers' load-balance terms in run (ModelRunner::aux_loss_value). With `kv` (the sampler's cached
 // forward) attention goes through the cache and only the rows `logit_rows` (I32 indices into the
@@ -1547,19 +1553,39 @@ Tensor forward_logits(Model& m, ModelRunner& run, const Tensor& tokens, Model::S
 
 const ForwardStats& PendingForwardStats::stats() {
   if (summed_) return st_;
-  const int64_t n_valid = st_.tokens;
+  if (index_check_) {  // a bad token id, target or expert id fails here, before any update
+    const std::function<void()> check = std::move(index_check_);
+    index_check_ = nullptr;
+    check();
+  }
+  if (scalars_) {  // the GPU's forward: its count and load-balance terms (forward_queued)
+    const double* sc = static_cast<const double*>(scalars_->wait());
+    st_.tokens = int64_t(sc[0]);
+    double total = 0;  // ModelRunner::aux_loss_value's sum
+    for (const AuxTerm& t : aux_) total += t.device_slot >= 0 ? sc[1 + t.device_slot] : t.value;
+    st_.aux_loss = total;
+  }
+  const int64_t n = st_.token_losses.numel(), n_valid = st_.tokens;
+  const Tensor lh = losses_ ? Tensor() : st_.token_losses.to(Device::CPU);
+  const bool f64 = !losses_ && lh.dtype() == DType::F64;
+  const void* lraw = losses_ ? losses_->wait() : lh.raw();
+  const auto loss_at = [&](int64_t i) {
+    return f64 ? static_cast<const double*>(lraw)[i] : double(static_cast<const float*>(lraw)[i]);
+  };
   if (weights_.defined()) {
-    const Tensor lh = st_.token_losses.to(Device::CPU), wh = weights_.to(Device::CPU);
+    const Tensor wh = weights_read_ ? Tensor() : weights_.to(Device::CPU);
+    const float* w = static_cast<const float*>(weights_read_ ? weights_read_->wait() : wh.raw());
     double sum = 0;
-    for (int64_t i = 0; i < lh.numel(); ++i)
-      sum += double(wh.data<float>()[i]) *
-             (lh.dtype() == DType::F64 ? lh.data<double>()[i] : double(lh.data<float>()[i]));
+    for (int64_t i = 0; i < n; ++i) sum += double(w[i]) * loss_at(i);
     st_.loss = n_valid ? sum / double(n_valid) : 0.0;
   } else {
-    st_.loss = n_valid ? host_sum(st_.token_losses) / double(n_valid) : 0.0;
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += loss_at(i);
+    st_.loss = n_valid ? sum / double(n_valid) : 0.0;
   }
   summed_ = true;
   weights_ = Tensor{};
+  scalars_ = losses_ = weights_read_ = nullptr;
   return st_;
 }
 
@@ -1594,16 +1620,30 @@ PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& ta
     s->tokens = tokens;
     s->layers.resize(size_t(cfg_.n_layers));
   }
-  // The targets that count, read back behind the work already queued (read_later) and counted
-  // once the forward is queued: the host does not wait for the GPU (the step before's update)
-  // before it queues the forward.
-  const std::shared_ptr<PendingRead> targets_read =
-      targets.device() == Device::CPU ? nullptr : read_later(targets.raw(), size_t(N) * sizeof(int32_t));
+  // On the GPU the host queues the whole forward without waiting for it: the ops' index checks are
+  // deferred (one read of the device's record once the forward is queued), the target count and the
+  // cross-entropy's gradient scale are made there (ops::count_targets), and the MoE layers either
+  // read their counts back as they go or, where the backward runs on the device offsets, leave
+  // their load-balance terms there too (ModelRunner::aux_terms). What the stats need comes back in
+  // reads queued behind the forward, which stats() waits for.
+  const bool on_gpu = device_ != Device::CPU;
+  std::optional<ops::DeferIndexChecks> defer_checks;
+  Tensor scalars;  // F64 [1 + n_layers] on the GPU: the target count, then the MoE layers' terms
+  if (on_gpu) {
+    defer_checks.emplace();
+    scalars = Tensor::zeros({1 + cfg_.n_layers}, DType::F64, device_);
+    run.aux_terms = scalars.view(1, {cfg_.n_layers});
+  }
   const Tensor logits = forward_logits(*this, run, tokens, s.get(), true);
+  const Tensor targets_flat = targets.reshape({N});
   int64_t n_valid = 0;
-  {
-    const ops::HostOpTimer timer("model forward: the targets read back");
-    const int32_t* th = static_cast<const int32_t*>(targets_read ? targets_read->wait() : targets.raw());
+  Tensor scale;  // the GPU's gradient scale (count_targets)
+  if (on_gpu) {
+    scale = Tensor::empty({1}, DType::F32, device_);
+    Tensor count = scalars.view(0, {1});
+    ops::count_targets(targets_flat, loss_weight, count, scale);
+  } else {
+    const int32_t* th = targets.data<int32_t>();
     for (int64_t i = 0; i < N; ++i) n_valid += th[i] >= 0 ? 1 : 0;
   }
 
@@ -1613,15 +1653,24 @@ PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& ta
   if (for_backward) dlogits = Tensor::empty({N, V}, dtype_, device_);
   const double grad_scale = n_valid ? double(loss_weight) / double(n_valid) : 0.0;
   const Tensor weights_flat = weighted ? token_weights.reshape({N}) : Tensor();
-  ops::cross_entropy(logits, targets.reshape({N}), losses, for_backward ? &dlogits : nullptr, grad_scale,
-                     weighted ? &weights_flat : nullptr);
+  ops::cross_entropy(logits, targets_flat, losses, for_backward ? &dlogits : nullptr, grad_scale,
+                     weighted ? &weights_flat : nullptr, on_gpu ? &scale : nullptr);
 
   PendingForwardStats pending;
   ForwardStats& st = pending.st_;
-  st.tokens = n_valid;
-  st.aux_loss = run.aux_loss_value();
   st.token_losses = losses;
   pending.weights_ = weights_flat;  // undefined without token weights
+  if (on_gpu) {
+    pending.index_check_ = ops::check_index_errors_later(device_);
+    pending.scalars_ = read_later(scalars.raw(), size_t(scalars.nbytes()));
+    pending.losses_ = read_later(losses.raw(), size_t(losses.nbytes()));
+    if (weighted) pending.weights_read_ = read_later(weights_flat.raw(), size_t(weights_flat.nbytes()));
+    pending.aux_ = std::move(run.pending_aux);
+    run.pending_aux.clear();
+  } else {
+    st.tokens = n_valid;
+    st.aux_loss = run.aux_loss_value();
+  }
 
   if (s) {
     saved_bytes_ = SavedBytes{};

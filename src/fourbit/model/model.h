@@ -1,4 +1,4 @@
-// defines: Model, ForwardStats, PendingForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
+// defines: Model, ForwardStats, AuxTerm, PendingForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
 //          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_moe_backward_device_offsets,
 //          set_training_producer_quantizers,
@@ -22,6 +22,7 @@
 #include "fourbit/model/linear.h"
 #include "fourbit/model/params.h"
 #include "fourbit/model/recipe.h"
+#include "fourbit/tensor/device_memory.h"
 
 namespace fourbit {
 
@@ -39,14 +40,28 @@ struct ForwardStats {
 // that queues the backward before calling it keeps the GPU busy while the host waits, where
 // reading the loss first leaves the GPU idle until the host has queued the backward's first
 // kernels. The same numbers as Model::forward's, bit for bit.
+// One MoE layer's load-balance term of a forward: its value (from the host's counts), or
+// (device_slot >= 0) its entry among the terms the GPU computed, read back with the stats.
+struct AuxTerm {
+  double value = 0;
+  int64_t device_slot = -1;
+};
+
 class PendingForwardStats {
  public:
-  const ForwardStats& stats();  // reads and sums on the first call; then the same stats
+  // Reads and sums on the first call (a bad index the GPU recorded in the forward fails here); then
+  // the same stats.
+  const ForwardStats& stats();
 
  private:
   friend class Model;
-  ForwardStats st_;  // all but the loss until stats()
+  ForwardStats st_;  // all but the loss (on the GPU also the tokens and aux loss) until stats()
   Tensor weights_;   // the per-token weights, flat [B*T], where the forward had them
+  // On the GPU, reads queued behind the forward: the device's index-error record, the target count
+  // and the load-balance terms (F64 [1 + n_layers]), the per-token losses and weights.
+  std::function<void()> index_check_;
+  std::shared_ptr<PendingRead> scalars_, losses_, weights_read_;
+  std::vector<AuxTerm> aux_;  // the MoE layers' terms in layer order
   bool summed_ = false;
 };
 
@@ -120,12 +135,13 @@ bool set_weight_forms_batched(bool on);
 // recipe) and no quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
 // the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
-// read in place and w1's and w3's weight gradients in one launch (on); off (the default), the
-// host's offsets and an operand view per expert. Either way the same bits. A step whose backward
-// reads no router count on the host is what a CUDA graph of the step needs; off by default: on an
-// H100 a gpu-small step runs within 0.04-0.06 ms of the host's offsets either way
-// (bench/results/h100_gpu_train_moe_backward_s60_heavy_first.json), and nothing gains from it until
-// the rest of the step reads no count. Process-wide, for benchmarks and tests; returns the setting before.
+// read in place and w1's and w3's weight gradients in one launch (on, the default); off, the
+// host's offsets and an operand view per expert. Either way the same bits. On, the training
+// forward's MoE layers read no counts back either: their load-balance terms and the backward's
+// d/dprobs are made on the GPU (ops::load_balance_term, ops::load_balance_dprobs) and the terms come
+// back with the loss (PendingForwardStats::stats), so the host queues a bf16 micro-batch's forward
+// and backward without waiting for the GPU once, as a CUDA graph of the step needs. Process-wide,
+// for benchmarks and tests; returns the setting before.
 bool set_moe_backward_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the

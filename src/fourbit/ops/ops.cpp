@@ -921,8 +921,23 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
   FOURBIT_DISPATCH(h1.device(), swiglu_backward, da, h1, h3, dh1, dh3);
 }
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale, const Tensor* weights) {
-  FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale, weights);
+                   double grad_scale, const Tensor* weights, const Tensor* scale) {
+  if (scale && (!scale->defined() || scale->dtype() != DType::F32 || scale->numel() != 1 ||
+                scale->device() != logits.device()))
+    fail("cross_entropy: scale must be one f32 on the logits' device ({}), got {}", device_name(logits.device()),
+         scale->defined() ? scale->str() : "an undefined tensor");
+  FOURBIT_DISPATCH(logits.device(), cross_entropy, logits, targets, losses, dlogits, grad_scale, weights, scale);
+}
+void count_targets(const Tensor& targets, float loss_weight, Tensor& count, Tensor& scale) {
+  const char* op = "count_targets";
+  if (!targets.defined() || targets.dim() != 1 || targets.dtype() != DType::I32)
+    fail("{}: targets must be i32 [N], got {}", op, targets.defined() ? targets.str() : "an undefined tensor");
+  const Device dev = targets.device();
+  if (!count.defined() || count.dtype() != DType::F64 || count.numel() != 1 || count.device() != dev)
+    fail("{}: count must be one f64 on {}, got {}", op, device_name(dev), count.defined() ? count.str() : "an undefined tensor");
+  if (!scale.defined() || scale.dtype() != DType::F32 || scale.numel() != 1 || scale.device() != dev)
+    fail("{}: scale must be one f32 on {}, got {}", op, device_name(dev), scale.defined() ? scale.str() : "an undefined tensor");
+  FOURBIT_DISPATCH(dev, count_targets, targets, loss_weight, count, scale);
 }
 void draw_tokens(const Tensor& logits, const DrawSpec& spec, const Tensor& keys, Tensor& tokens, Tensor& logprobs,
                  Tensor& status) {
@@ -948,7 +963,6 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
       fail("route_plan: probs must be a float [N={}, E={}] tensor on topk_idx's device, got {}", N, n_experts,
            probs.str());
   }
-  if (probs.defined() && !read_back) fail("route_plan: the probability sums come back with the counts (read_back)");
   FOURBIT_DISPATCH(topk_idx.device(), route_plan_begin, topk_idx, n_experts, probs, read_back, extra_rows);
 }
 void check_index_errors(Device device) {
@@ -956,6 +970,56 @@ void check_index_errors(Device device) {
   if (device == Device::CUDA) cuda::check_recorded_index_errors();
 #endif
   (void)device;
+}
+namespace {
+std::atomic<int> g_index_checks_deferred{0};
+}
+DeferIndexChecks::DeferIndexChecks() { g_index_checks_deferred.fetch_add(1, std::memory_order_relaxed); }
+DeferIndexChecks::~DeferIndexChecks() { g_index_checks_deferred.fetch_sub(1, std::memory_order_relaxed); }
+bool index_checks_deferred() { return g_index_checks_deferred.load(std::memory_order_relaxed) > 0; }
+std::function<void()> check_index_errors_later(Device device) {
+#if FOURBIT_HAS_CUDA
+  if (device == Device::CUDA) return cuda::recorded_index_errors_later();
+#endif
+  (void)device;
+  return {};
+}
+namespace {
+// load_balance_term's and load_balance_dprobs' shared arguments: offsets I32 [E + 1] on `dev`.
+int64_t expect_load_balance_offsets(const char* op, const Tensor& offsets, Device dev, int64_t tokens,
+                                    int64_t assignments) {
+  if (!offsets.defined() || offsets.dim() != 1 || offsets.dtype() != DType::I32 || offsets.numel() < 2 ||
+      offsets.device() != dev)
+    fail("{}: offsets must be i32 [E + 1] (E >= 1) on {}, got {}", op, device_name(dev),
+         offsets.defined() ? offsets.str() : "an undefined tensor");
+  if (tokens < 1 || assignments < 1)
+    fail("{}: tokens and assignments must be positive, got {} and {}", op, tokens, assignments);
+  return offsets.numel() - 1;
+}
+}  // namespace
+void load_balance_term(const Tensor& offsets, const Tensor& prob_sums, int64_t tokens, int64_t assignments,
+                       double coef, Tensor& terms, int64_t slot) {
+  const char* op = "load_balance_term";
+  if (!terms.defined()) fail("{}: terms is undefined", op);
+  const Device dev = terms.device();
+  const int64_t E = expect_load_balance_offsets(op, offsets, dev, tokens, assignments);
+  if (!prob_sums.defined() || prob_sums.dtype() != DType::F64 || prob_sums.numel() != E || prob_sums.device() != dev)
+    fail("{}: prob_sums must be f64 [E={}] on {}, got {}", op, E, device_name(dev),
+         prob_sums.defined() ? prob_sums.str() : "an undefined tensor");
+  if (terms.dtype() != DType::F64 || slot < 0 || slot >= terms.numel())
+    fail("{}: terms must be f64 with an entry {}, got {}", op, slot, terms.str());
+  FOURBIT_DISPATCH(dev, load_balance_term, offsets, prob_sums, tokens, assignments, coef, terms, slot);
+}
+void load_balance_dprobs(const Tensor& offsets, int64_t tokens, int64_t assignments, float loss_weight, double coef,
+                         Tensor& d_probs) {
+  const char* op = "load_balance_dprobs";
+  if (!d_probs.defined()) fail("{}: d_probs is undefined", op);
+  const Device dev = d_probs.device();
+  const int64_t E = expect_load_balance_offsets(op, offsets, dev, tokens, assignments);
+  const bool float_ok = d_probs.dtype() == DType::F32 || (dev == Device::CPU && d_probs.dtype() == DType::F64);
+  if (!float_ok || d_probs.dim() != 2 || d_probs.size(0) != 1 || d_probs.size(1) != E)
+    fail("{}: d_probs must be [1, E={}] f32 (or f64 on the CPU) on {}, got {}", op, E, device_name(dev), d_probs.str());
+  FOURBIT_DISPATCH(dev, load_balance_dprobs, offsets, tokens, assignments, loss_weight, coef, d_probs);
 }
 void route_plan_finish(PendingRoutePlan& pending) {
   const HostOpTimer host_timer("route_plan_end (the wait for the counts)");

@@ -4,6 +4,7 @@
 //          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
+//          DeferIndexChecks, check_index_errors_later, load_balance_term, load_balance_dprobs, count_targets,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rmsnorm_input_wgrad, rope, attention, swiglu, cross_entropy, router,
 //          DrawSpec, draw_tokens,
@@ -456,8 +457,15 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 // grad_scale * sum(weights * losses): row n is scaled by grad_scale * weights[n] (weights may be
 // negative: RL advantages). The losses stay unweighted. Without weights the results are the
 // same bits as before weights existed.
+// With `scale` (F32 [1] on the logits' device, count_targets'), the gradient scale is read there and
+// grad_scale is not used: a forward whose target count stays on the GPU.
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale, const Tensor* weights = nullptr);
+                   double grad_scale, const Tensor* weights = nullptr, const Tensor* scale = nullptr);
+// The targets that count (>= 0) in targets I32 [N], counted where they are: count (F64 [1], exact)
+// and the cross-entropy's gradient scale of a micro-batch weighed loss_weight, scale (F32 [1]) =
+// float(double(loss_weight) / count), 0 with none (the host's expression in Model::forward_queued).
+// Both on the targets' device: on the GPU nothing comes back to the host.
+void count_targets(const Tensor& targets, float loss_weight, Tensor& count, Tensor& scale);
 
 // Token draws (rl/sampling.h's draw, in numerics/draw.h's arithmetic) for every row of logits
 // [A, V] F32 at once, where the logits are, so that a GPU sampler reads back tokens instead of
@@ -506,6 +514,9 @@ struct RoutePlan {
   // route_plan_begin on, so that work queued before the host has the counts can read them
   // (grouped_gemm_device_offsets); undefined on the CPU, where the plan is complete at once.
   Tensor device_offsets;
+  // F64 [E]: prob_sums where the GPU made them (with probs), there from route_plan_begin on, for
+  // load_balance_term without a read-back; undefined on the CPU.
+  Tensor device_prob_sums;
 };
 // route_plan in two halves: route_plan_begin queues the plan (on the GPU the sort and the
 // read-back) and returns at once; route_plan_end waits for the read-back and completes it. Work
@@ -515,7 +526,7 @@ struct PendingRoutePlan {
   RoutePlan plan;
   std::function<void(RoutePlan&)> finish;  // completes plan on the host; empty: already complete
 };
-// read_back false (GPU; no probs): nothing comes back, the host never waits for this plan (its
+// read_back false (GPU): nothing comes back (with probs, the sums stay in device_prob_sums), the host never waits for this plan (its
 // offsets stay empty: work reads device_offsets), and a bad expert id stays in the device's
 // index-error record until check_index_errors. The CPU's plan is complete either way.
 // extra_rows (0 .. N): one more group after the experts' N k slots, tokens 0 .. extra_rows - 1 in
@@ -528,10 +539,38 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
 // without read_back, grouped_gemm_device_offsets' offsets): waits for the GPU's queued work. On the
 // CPU every op fails at once, so nothing is left to check.
 void check_index_errors(Device device);
+// Within a DeferIndexChecks scope the GPU ops that check user indices at once (embedding_forward's
+// tokens, cross_entropy's targets: one wait for the GPU each) leave a bad one in the device's
+// record instead, for check_index_errors or check_index_errors_later to report with the same
+// message. A training forward queues its micro-batch so, with no wait (Model::forward_queued). Nests;
+// one host thread issues GPU work. The CPU checks at once whatever the scope.
+class DeferIndexChecks {
+ public:
+  DeferIndexChecks();
+  ~DeferIndexChecks();
+  DeferIndexChecks(const DeferIndexChecks&) = delete;
+  DeferIndexChecks& operator=(const DeferIndexChecks&) = delete;
+};
+bool index_checks_deferred();
+// A read of the device's index-error record queued behind the work queued so far; calling the
+// result waits for it and fails as check_index_errors does if a bad index was recorded by then.
+// Empty (nothing to check) on the CPU.
+std::function<void()> check_index_errors_later(Device device);
 RoutePlan route_plan_end(PendingRoutePlan pending);
 // route_plan_end in place: waits for the read-back and completes pending.plan (once).
 void route_plan_finish(PendingRoutePlan& pending);
 RoutePlan route_plan(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs = Tensor());
+// The Switch load-balance loss of one MoE layer from its plan where the plan is, so that a GPU's
+// training forward needs no counts on the host (ops/load_balance_math.h has the one expression):
+// terms[slot] = coef * E * sum_e f_e * prob_sums[e] / tokens, f_e = (offsets[e + 1] - offsets[e]) /
+// assignments, the sum in expert order in double (terms F64, slot < its size; offsets I32 [E + 1],
+// prob_sums F64 [E], all on one device);
+void load_balance_term(const Tensor& offsets, const Tensor& prob_sums, int64_t tokens, int64_t assignments,
+                       double coef, Tensor& terms, int64_t slot);
+// and its gradient on the router's probabilities, one row every token shares (router_backward's
+// [1, E] d_probs, F32 on the GPU, F32 or F64 on the CPU): d_probs[e] = loss_weight * coef * E * f_e / tokens.
+void load_balance_dprobs(const Tensor& offsets, int64_t tokens, int64_t assignments, float loss_weight, double coef,
+                         Tensor& d_probs);
 // x_perm[s] = x[token_of_slot[s]]: dense rows, or a Row-axis QTensor's rows (codes, scales and
 // per-row outer scales travel together: tokens are dispatched already quantized).
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm);

@@ -1,6 +1,7 @@
 // defines: cpu::embedding_forward, cpu::embedding_backward, cpu::rmsnorm_forward,
 //          cpu::add_rmsnorm_forward, cpu::rmsnorm_backward, cpu::rope_forward, cpu::rope_backward,
-//          cpu::swiglu_forward, cpu::swiglu_forward_fused, cpu::swiglu_backward, cpu::cross_entropy
+//          cpu::swiglu_forward, cpu::swiglu_forward_fused, cpu::swiglu_backward, cpu::cross_entropy,
+//          cpu::count_targets
 // The CPU reference of the per-token layers, for F32 and F64 tensors. Arithmetic runs in double
 // and each output is rounded once to the tensor's dtype; every reduction runs sequentially in
 // ascending index order. Rows are independent and spread over OpenMP threads; the reductions
@@ -359,7 +360,8 @@ void swiglu_backward(const Tensor& da, const Tensor& h1, const Tensor& h3, Tenso
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale, const Tensor* weights) {
+                   double grad_scale, const Tensor* weights, const Tensor* scale) {
+  if (scale) grad_scale = double(scale->data<float>()[0]);
   const char* op = "cross_entropy";
   const DType dt = expect_float(op, "logits", logits, 2, "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -377,6 +379,14 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
                     want_grad ? dlogits->data<T>() : nullptr, double(grad_scale),
                     weighted ? weights->data<float>() : nullptr, N, V);
   });
+}
+
+void count_targets(const Tensor& targets, float loss_weight, Tensor& count, Tensor& scale) {
+  const int32_t* t = targets.data<int32_t>();
+  int64_t n = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) n += t[i] >= 0 ? 1 : 0;
+  count.data<double>()[0] = double(n);
+  scale.data<float>()[0] = n ? float(double(loss_weight) / double(n)) : 0.0f;
 }
 
 }  // namespace fourbit::ops::cpu

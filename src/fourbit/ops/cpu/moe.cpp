@@ -1,6 +1,6 @@
 // defines: cpu::router_topk, cpu::router_backward, cpu::route_plan, cpu::gather_rows (dense and
 //          QTensor), cpu::scatter_rows, cpu::gather_rows_backward, cpu::moe_combine,
-//          cpu::moe_combine_backward
+//          cpu::moe_combine_backward, cpu::load_balance_term, cpu::load_balance_dprobs
 // The router and the token <-> expert-slot permutation. Every token row is computed by one
 // thread from its own k assignments in rank order, so results are deterministic and a token's
 // output never depends on the other tokens of the batch (DESIGN "Exactness": combine by rank,
@@ -14,6 +14,7 @@
 
 #include "fourbit/ops/cpu/checks.h"
 #include "fourbit/ops/cpu/cpu_ops.h"
+#include "fourbit/ops/load_balance_math.h"
 
 namespace fourbit::ops::cpu {
 namespace {
@@ -243,6 +244,22 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
       plan.prob_sums = prob_sums_t(probs.data<T>(), N, n_experts);
     });
   return PendingRoutePlan{std::move(plan), {}};
+}
+
+void load_balance_term(const Tensor& offsets, const Tensor& prob_sums, int64_t tokens, int64_t assignments,
+                       double coef, Tensor& terms, int64_t slot) {
+  terms.data<double>()[slot] = load_balance_term_of(offsets.data<int32_t>(), prob_sums.data<double>(),
+                                                    offsets.numel() - 1, tokens, assignments, coef);
+}
+
+void load_balance_dprobs(const Tensor& offsets, int64_t tokens, int64_t assignments, float loss_weight, double coef,
+                         Tensor& d_probs) {
+  const int64_t E = offsets.numel() - 1;
+  for (int64_t e = 0; e < E; ++e) {
+    const double d = load_balance_dprob(offsets.data<int32_t>(), e, E, tokens, assignments, loss_weight, coef);
+    if (d_probs.dtype() == DType::F64) d_probs.data<double>()[e] = d;
+    else d_probs.data<float>()[e] = float(d);
+  }
 }
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {

@@ -10,7 +10,7 @@
 //          set_grouped_narrow_tiles, set_grouped_tma_store_probe,
 //          grouped_tma_launches, grouped_wgrad_tma_launches, grouped_wgrad_device_calls,
 //          set_dependent_launches, wgmma_available,
-//          check_recorded_index_errors, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
+//          check_recorded_index_errors, recorded_index_errors_later, route_plan_read_backs, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, quantize_both_each,
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
@@ -265,6 +265,11 @@ bool wgmma_available();
 
 // Synchronises and fails with the op's message if a kernel recorded a bad index (index_errors.cuh).
 void check_recorded_index_errors();
+// ops::check_index_errors_later on the GPU.
+std::function<void()> recorded_index_errors_later();
+// route_plan_begin calls that read the counts back, since the process started (for tests: a
+// forward that should read nothing back).
+int64_t route_plan_read_backs();
 
 // ops::gemm_batch (grouped: ops::gemm_batch_grouped) on CUDA operands (checked by the caller);
 // false when it does not apply (native block-scaled GEMMs), and the caller runs one gemm per job.

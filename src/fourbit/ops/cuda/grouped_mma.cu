@@ -539,6 +539,6 @@ int64_t grouped_tma_launches() { return hopper::g_tma_launches.load(std::memory_
 
 bool wgmma_available() { return hopper_device(); }
 
-void check_recorded_index_errors() { check_index_errors(); }
+void check_recorded_index_errors() { check_index_errors(true); }
 
 }  // namespace fourbit::ops::cuda

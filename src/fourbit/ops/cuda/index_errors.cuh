@@ -7,9 +7,11 @@
 //    row it cannot compute, and records the first bad index in one device-side record;
 //  - the record is turned into fail(), with the same message the CPU gives, at a host
 //    synchronisation: at once in the ops that take user data (embedding tokens, cross_entropy
-//    targets: one small copy each), and otherwise at the next check (route_plan's offsets copy,
-//    which every MoE layer of a training forward makes anyway; ops::check_index_errors, which a
-//    forward whose route plans read nothing back calls once it is queued).
+//    targets: one small copy each) unless an ops::DeferIndexChecks scope is open, and otherwise at
+//    the next check (route_plan's offsets copy, which a MoE layer that reads its counts back makes
+//    anyway; ops::check_index_errors, which a forward whose route plans read nothing back calls
+//    once it is queued; ops::check_index_errors_later, a read queued behind the work, which a
+//    training forward on the GPU collects in PendingForwardStats::stats).
 // Which bad index is recorded first when several race is unspecified; that a bad one is reported is
 // not. Kernels run on the default stream and fourbit uses one GPU per process, so one record serves.
 #pragma once
@@ -18,6 +20,10 @@
 #include <cstdint>
 
 #include "fourbit/ops/cuda/common.cuh"
+
+namespace fourbit::ops {
+bool index_checks_deferred();  // ops.h DeferIndexChecks
+}  // namespace fourbit::ops
 
 namespace fourbit::ops::cuda {
 
@@ -120,9 +126,11 @@ inline IndexError* index_error_record() {
 
 // Synchronises (one small device-to-host copy) and fails if any kernel recorded a bad index.
 // While a CUDA graph is being captured nothing can be read back: the record keeps what the
-// graph's kernels find, and whoever replays the graph checks after each replay.
-inline void check_index_errors() {
-  if (graph_capturing()) return;
+// graph's kernels find, and whoever replays the graph checks after each replay. Within an
+// ops::DeferIndexChecks scope the ops' own checks (not `even_deferred`, an explicit
+// ops::check_index_errors) leave the record to a later check the same way.
+inline void check_index_errors(bool even_deferred = false) {
+  if (graph_capturing() || (!even_deferred && ops::index_checks_deferred())) return;
   IndexError e{};
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(&e, index_error_record(), sizeof e, cudaMemcpyDeviceToHost, stream()));
   FOURBIT_CUDA_CHECK(cudaStreamSynchronize(stream()));

@@ -2,6 +2,7 @@
 //          cuda::add_rmsnorm_forward, cuda::rmsnorm_backward, cuda::rope_forward, cuda::rope_backward,
 //          cuda::rope_qkv_to_cache, cuda::rope_fused_qkv_to_cache,
 //          cuda::swiglu_forward, cuda::swiglu_forward_fused, cuda::swiglu_backward, cuda::cross_entropy,
+//          cuda::count_targets,
 //          cuda::rmsnorm_forward_quantized, cuda::add_rmsnorm_forward_quantized,
 //          cuda::swiglu_forward_fused_quantized (the kernels: fused_rows.cu)
 // The per-token layers on the GPU, F32 tensors. They follow the CPU reference (ops/cpu/layers.cpp)
@@ -535,8 +536,10 @@ __global__ void __launch_bounds__(kEltThreads)
 template <int T>
 __global__ void __launch_bounds__(T)
     cross_entropy_kernel(const float* logits, const int32_t* tgt, const float* weights, float* losses,
-                         float* dlogits, float grad_scale, int64_t N, int64_t V, bool vec, IndexError* err) {
+                         float* dlogits, float grad_scale, const float* scale_dev, int64_t N, int64_t V, bool vec,
+                         IndexError* err) {
   dependent_launch_prologue();
+  if (scale_dev) grad_scale = *scale_dev;  // count_targets' (after the prologue: its writer may still run)
   static_assert(T % 32 == 0 && T <= kXentThreads, "whole warps, at most kXentThreads");
   __shared__ float max_scratch[T / 32];
   __shared__ double sum_scratch[T / 32];
@@ -648,7 +651,9 @@ void embedding_forward(const Tensor& tokens, const Tensor& table, Tensor& out) {
   const bool vec = D % 4 == 0 && aligned16(table.raw()) && aligned16(out.raw());
   launch_dependent(embedding_forward_kernel, warp_row_grid(N), kRowThreads, 0, tokens.data<int32_t>(),
                    table.data<float>(), out.data<float>(), N, V, D, vec, index_error_record());
-  check_index_errors();  // token ids are user data: a bad one fails here, as on the CPU
+  // token ids are user data: a bad one fails here, as on the CPU (in a DeferIndexChecks scope, at the
+  // caller's later check)
+  check_index_errors();
 }
 
 void embedding_backward(const Tensor& dout, const Tensor& tokens, Tensor& dtable, bool tokens_checked) {
@@ -960,7 +965,7 @@ int cross_entropy_threads(int64_t V) {
 }
 
 void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, Tensor* dlogits,
-                   double grad_scale, const Tensor* weights) {
+                   double grad_scale, const Tensor* weights, const Tensor* scale) {
   const char* op = "cross_entropy";
   expect_f32(op, "logits", logits, 2, "[N, V]");
   const int64_t N = logits.size(0), V = logits.size(1);
@@ -978,7 +983,8 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   auto launch = [&](auto kernel, int t) {
     launch_dependent(kernel, grid_for(N, 1, int64_t(device_sm_count()) * (2048 / t)), t, 0, logits.data<float>(),
                      targets.data<int32_t>(), weighted ? weights->data<float>() : nullptr, losses.data<float>(),
-                     want_grad ? dlogits->data<float>() : nullptr, grad_scale, N, V, vec, index_error_record());
+                     want_grad ? dlogits->data<float>() : nullptr, float(grad_scale),
+                     scale ? scale->data<float>() : nullptr, N, V, vec, index_error_record());
   };
   switch (threads) {
     case 128: launch(cross_entropy_kernel<128>, 128); break;
@@ -986,7 +992,32 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
     case 512: launch(cross_entropy_kernel<512>, 512); break;
     default: launch(cross_entropy_kernel<kXentThreads>, kXentThreads); break;
   }
-  check_index_errors();  // targets are user data: a bad one fails here, as on the CPU
+  check_index_errors();  // targets are user data: as embedding_forward's tokens
+}
+
+// ops.h count_targets: one block; each thread counts a strided share, the counts summed exactly.
+constexpr int kCountThreads = 1024;
+__global__ void __launch_bounds__(kCountThreads)
+    count_targets_kernel(const int32_t* __restrict__ tgt, int64_t N, float loss_weight, double* __restrict__ count,
+                         float* __restrict__ scale) {
+  dependent_launch_prologue();
+  __shared__ unsigned long long warp_counts[kCountThreads / 32];
+  unsigned long long n = 0;
+  for (int64_t i = threadIdx.x; i < N; i += kCountThreads) n += tgt[i] >= 0 ? 1 : 0;
+  for (int o = 16; o > 0; o >>= 1) n += __shfl_down_sync(0xffffffffu, n, o);
+  if (threadIdx.x % 32 == 0) warp_counts[threadIdx.x / 32] = n;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < kCountThreads / 32; ++w) total += warp_counts[w];
+    *count = double(total);
+    *scale = total ? float(__ddiv_rn(double(loss_weight), double(total))) : 0.0f;
+  }
+}
+
+void count_targets(const Tensor& targets, float loss_weight, Tensor& count, Tensor& scale) {
+  launch_dependent(count_targets_kernel, 1, kCountThreads, 0, targets.data<int32_t>(), targets.numel(), loss_weight,
+                   count.data<double>(), scale.data<float>());
 }
 
 }  // namespace fourbit::ops::cuda

@@ -1,6 +1,8 @@
 // defines: cuda::router_topk, cuda::router_backward, cuda::route_plan, cuda::gather_rows (dense
 //          and QTensor), cuda::scatter_rows, cuda::gather_rows_backward, cuda::moe_combine,
-//          cuda::moe_combine_backward, cuda::moe_combine_backward_owners, cuda::stable_bucket_sort
+//          cuda::moe_combine_backward, cuda::moe_combine_backward_owners, cuda::stable_bucket_sort,
+//          cuda::load_balance_term, cuda::load_balance_dprobs, cuda::recorded_index_errors_later,
+//          cuda::route_plan_read_backs
 // The router and the token <-> expert-slot permutation on the GPU, following ops/cpu/moe.cpp:
 //  - router rows run one per warp, arithmetic in double rounded once per output, so a token's
 //    probabilities, choices and weights never depend on the other tokens (batch invariance);
@@ -12,6 +14,7 @@
 //    agree bit for bit; moe_combine_backward's dot products are per-(token, rank) warp reductions.
 // No float atomics anywhere; the integer atomics (slot ownership, the error record) only detect
 // bad input. Index checks: index_errors.cuh.
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -26,6 +29,7 @@
 #include "fourbit/ops/cuda/index_errors.cuh"
 #include "fourbit/ops/cuda/reduce.cuh"
 #include "fourbit/ops/cuda/vec4.cuh"
+#include "fourbit/ops/load_balance_math.h"
 
 namespace fourbit::ops::cuda {
 namespace {
@@ -682,9 +686,10 @@ void router_backward(const Tensor& probs, const Tensor& topk_idx, const Tensor& 
 }
 
 // ops.h "prob_sums", one CTA an expert: each thread sums whole chunks of kProbSumChunk tokens in
-// token order into partial (E x chunks), then thread 0 adds the chunk sums in order.
+// token order into partial (E x chunks), then thread 0 adds the chunk sums in order into out (the
+// plan's device_prob_sums) and, where the plan is read back, out_read.
 __global__ void prob_sums_kernel(const float* __restrict__ p, int64_t N, int64_t E, double* __restrict__ partial,
-                                 double* __restrict__ out) {
+                                 double* __restrict__ out, double* __restrict__ out_read) {
   const int64_t e = blockIdx.x, chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
   double* mine = partial + e * chunks;
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
@@ -699,8 +704,42 @@ __global__ void prob_sums_kernel(const float* __restrict__ p, int64_t N, int64_t
     double total = 0.0;
     for (int64_t c = 0; c < chunks; ++c) total += mine[c];
     out[e] = total;
+    if (out_read) out_read[e] = total;
   }
 }
+
+// ops.h load_balance_term: one thread, the host's loop (load_balance_math.h).
+__global__ void load_balance_term_kernel(const int32_t* __restrict__ offsets, const double* __restrict__ prob_sums,
+                                         int64_t E, int64_t tokens, int64_t assignments, double coef,
+                                         double* __restrict__ term) {
+  *term = load_balance_term_of(offsets, prob_sums, E, tokens, assignments, coef);
+}
+
+__global__ void load_balance_dprobs_kernel(const int32_t* __restrict__ offsets, int64_t E, int64_t tokens,
+                                           int64_t assignments, float loss_weight, double coef,
+                                           float* __restrict__ d_probs) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < E) d_probs[e] = float(load_balance_dprob(offsets, e, E, tokens, assignments, loss_weight, coef));
+}
+
+void load_balance_term(const Tensor& offsets, const Tensor& prob_sums, int64_t tokens, int64_t assignments,
+                       double coef, Tensor& terms, int64_t slot) {
+  load_balance_term_kernel<<<1, 1, 0, stream()>>>(offsets.data<int32_t>(), prob_sums.data<double>(),
+                                                  offsets.numel() - 1, tokens, assignments, coef,
+                                                  terms.data<double>() + slot);
+  FOURBIT_LAUNCH_CHECK();
+}
+
+void load_balance_dprobs(const Tensor& offsets, int64_t tokens, int64_t assignments, float loss_weight, double coef,
+                         Tensor& d_probs) {
+  const int64_t E = offsets.numel() - 1;
+  load_balance_dprobs_kernel<<<grid_for(E, 128), 128, 0, stream()>>>(offsets.data<int32_t>(), E, tokens, assignments,
+                                                                      loss_weight, coef, d_probs.data<float>());
+  FOURBIT_LAUNCH_CHECK();
+}
+
+static std::atomic<int64_t> g_route_plan_read_backs{0};
+int64_t route_plan_read_backs() { return g_route_plan_read_backs.load(std::memory_order_relaxed); }
 
 PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, const Tensor& probs, bool read_back,
                                   int64_t extra_rows) {
@@ -728,27 +767,34 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
   const auto round8 = [](size_t b) { return (b + 7) / 8 * 8; };
   const size_t start_bytes = round8(size_t(groups + 1) * sizeof(int32_t));
   const size_t sums_at = round8(start_bytes + sizeof(IndexError));
-  const size_t sums_bytes = probs.defined() ? size_t(n_experts) * sizeof(double) : 0;
+  const size_t sums_bytes = probs.defined() && read_back ? size_t(n_experts) * sizeof(double) : 0;
   const size_t read_bytes = sums_at + sums_bytes;
-  const int64_t chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
-  const size_t partial_bytes = probs.defined() ? size_t(n_experts * chunks) * sizeof(double) : 0;
   // I32 elements (every part's size is a multiple of 8 bytes), so that its first E + 1 are the
   // plan's device_offsets
-  Tensor scratch = Tensor::empty({int64_t(read_bytes + partial_bytes) / 4}, DType::I32, Device::CUDA);
+  Tensor scratch = Tensor::empty({int64_t(read_bytes) / 4}, DType::I32, Device::CUDA);
   char* dev = static_cast<char*>(scratch.raw());
   plan.device_offsets = scratch.view(0, {groups + 1});
   stable_bucket_sort(topk_idx.data<int32_t>(), A, n_experts, IndexSite::RoutePlanTopk, k,
                      int32_t(k > 0 ? k : 1), plan.token_of_slot.data<int32_t>(),
                      plan.slot_of.data<int32_t>(), reinterpret_cast<int32_t*>(dev), int32_t(extra_rows));
-  if (probs.defined() && N > 0) {
-    prob_sums_kernel<<<unsigned(n_experts), 128, 0, stream()>>>(probs.data<float>(), N, n_experts,
-                                                               reinterpret_cast<double*>(dev + read_bytes),
-                                                               reinterpret_cast<double*>(dev + sums_at));
-    FOURBIT_LAUNCH_CHECK();
-  } else if (probs.defined()) {
-    FOURBIT_CUDA_CHECK(cudaMemsetAsync(dev + sums_at, 0, sums_bytes, stream()));
+  if (probs.defined()) {
+    // the sums (the plan's device_prob_sums), then their chunk partials
+    const int64_t chunks = (N + kProbSumChunk - 1) / kProbSumChunk;
+    Tensor sums = Tensor::empty({n_experts + n_experts * chunks}, DType::F64, Device::CUDA);
+    plan.device_prob_sums = sums.view(0, {n_experts});
+    double* read_sums = sums_bytes ? reinterpret_cast<double*>(dev + sums_at) : nullptr;
+    if (N > 0) {
+      prob_sums_kernel<<<unsigned(n_experts), 128, 0, stream()>>>(probs.data<float>(), N, n_experts,
+                                                                 sums.data<double>() + n_experts, sums.data<double>(),
+                                                                 read_sums);
+      FOURBIT_LAUNCH_CHECK();
+    } else {
+      FOURBIT_CUDA_CHECK(cudaMemsetAsync(sums.raw(), 0, size_t(n_experts) * sizeof(double), stream()));
+      if (read_sums) FOURBIT_CUDA_CHECK(cudaMemsetAsync(read_sums, 0, sums_bytes, stream()));
+    }
   }
   if (!read_back) return pending;  // the record keeps any bad id for check_index_errors
+  g_route_plan_read_backs.fetch_add(1, std::memory_order_relaxed);
   FOURBIT_CUDA_CHECK(cudaMemcpyAsync(dev + start_bytes, index_error_record(), sizeof(IndexError),
                                      cudaMemcpyDeviceToDevice, stream()));
   // The scratch lives as long as the plan's device_offsets; its reuse once freed is queued behind
@@ -771,6 +817,16 @@ PendingRoutePlan route_plan_begin(const Tensor& topk_idx, int64_t n_experts, con
     }
   };
   return pending;
+}
+
+std::function<void()> recorded_index_errors_later() {
+  if (graph_capturing()) return {};  // nothing comes back while capturing: the replayer checks
+  std::shared_ptr<PendingRead> read = read_later(index_error_record(), sizeof(IndexError));
+  return [read] {
+    IndexError e;
+    std::memcpy(&e, read->wait(), sizeof e);
+    if (e.set) raise_index_error(e);
+  };
 }
 
 void gather_rows(const Tensor& x, const Tensor& token_of_slot, Tensor& x_perm) {
