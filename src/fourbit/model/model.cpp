@@ -1558,8 +1558,9 @@ const ForwardStats& PendingForwardStats::stats() {
     index_check_ = nullptr;
     check();
   }
-  if (scalars_) {  // the GPU's forward: its count and load-balance terms (forward_queued)
-    const double* sc = static_cast<const double*>(scalars_->wait());
+  if (scalars_dev_.defined()) {  // the GPU's forward: its count and load-balance terms (forward_queued)
+    const Tensor sh = scalars_ ? Tensor() : scalars_dev_.to(Device::CPU);  // captured: the replay's
+    const double* sc = static_cast<const double*>(scalars_ ? scalars_->wait() : sh.raw());
     st_.tokens = int64_t(sc[0]);
     double total = 0;  // ModelRunner::aux_loss_value's sum
     for (const AuxTerm& t : aux_) total += t.device_slot >= 0 ? sc[1 + t.device_slot] : t.value;
@@ -1584,9 +1585,16 @@ const ForwardStats& PendingForwardStats::stats() {
     st_.loss = n_valid ? sum / double(n_valid) : 0.0;
   }
   summed_ = true;
-  weights_ = Tensor{};
+  weights_ = scalars_dev_ = Tensor{};
   scalars_ = losses_ = weights_read_ = nullptr;
   return st_;
+}
+
+std::vector<Tensor> PendingForwardStats::captured_tensors() const {
+  std::vector<Tensor> out;
+  for (const Tensor& t : {st_.token_losses, scalars_dev_, weights_})
+    if (t.defined()) out.push_back(t);
+  return out;
 }
 
 ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
@@ -1661,10 +1669,13 @@ PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& ta
   st.token_losses = losses;
   pending.weights_ = weights_flat;  // undefined without token weights
   if (on_gpu) {
-    pending.index_check_ = ops::check_index_errors_later(device_);
-    pending.scalars_ = read_later(scalars.raw(), size_t(scalars.nbytes()));
-    pending.losses_ = read_later(losses.raw(), size_t(losses.nbytes()));
-    if (weighted) pending.weights_read_ = read_later(weights_flat.raw(), size_t(weights_flat.nbytes()));
+    pending.scalars_dev_ = scalars;
+    if (!graph_capturing()) {  // a capture records: stats() reads the replay's buffers (captured_tensors)
+      pending.index_check_ = ops::check_index_errors_later(device_);
+      pending.scalars_ = read_later(scalars.raw(), size_t(scalars.nbytes()));
+      pending.losses_ = read_later(losses.raw(), size_t(losses.nbytes()));
+      if (weighted) pending.weights_read_ = read_later(weights_flat.raw(), size_t(weights_flat.nbytes()));
+    }
     pending.aux_ = std::move(run.pending_aux);
     run.pending_aux.clear();
   } else {

@@ -52,6 +52,10 @@ class PendingForwardStats {
   // Reads and sums on the first call (a bad index the GPU recorded in the forward fails here); then
   // the same stats.
   const ForwardStats& stats();
+  // A forward queued while a CUDA graph is being captured (GraphCapture) reads nothing back: stats()
+  // reads, once, the buffers that a replay of the graph writes; these are they, for the capture's
+  // `keep` (the per-token losses, the count and load-balance terms, the token weights).
+  std::vector<Tensor> captured_tensors() const;
 
  private:
   friend class Model;
@@ -61,6 +65,7 @@ class PendingForwardStats {
   // and the load-balance terms (F64 [1 + n_layers]), the per-token losses and weights.
   std::function<void()> index_check_;
   std::shared_ptr<PendingRead> scalars_, losses_, weights_read_;
+  Tensor scalars_dev_;  // F64 [1 + n_layers] on the GPU (the reads' source)
   std::vector<AuxTerm> aux_;  // the MoE layers' terms in layer order
   bool summed_ = false;
 };
