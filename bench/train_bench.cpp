@@ -51,9 +51,9 @@
 // set_grouped_wgrad_tma_tile), or the 256 x 128 tile in the row-grouped form only (128-rows:
 // forward and dgrad) or the K-grouped one only (128-wgrad), the other on 128 x 256; the same bits.
 // Several (comma-separated, repeats allowed) run each recipe under each in this process.
-// --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the offsets
-// where the GPU made them, its forward reading no router count back (device, the default:
-// set_moe_backward_device_offsets), or on the host's routing offsets (host); several
+// --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the host's
+// routing offsets (host, the default) or on the offsets where the GPU made them, its forward then
+// reading no router count back (device: set_moe_backward_device_offsets); several
 // (comma-separated, repeats allowed) run each recipe under each in this process (the other recipes
 // take the host's either way).
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
@@ -204,8 +204,8 @@ int main(int argc, char** argv) {
   if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
   const std::vector<std::string> moe_backwards =
-      variant_list(argc, argv, "--moe-backward", {"device", "host"}, "MoE backward offsets", table);
-  if (moe_backwards != std::vector<std::string>{"device"} && device != Device::CUDA)
+      variant_list(argc, argv, "--moe-backward", {"host", "device"}, "MoE backward offsets", table);
+  if (moe_backwards != std::vector<std::string>{"host"} && device != Device::CUDA)
     fail("train_bench: --moe-backward is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);

@@ -140,13 +140,15 @@ bool set_weight_forms_batched(bool on);
 // recipe) and no quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
 // the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
-// read in place and w1's and w3's weight gradients in one launch (on, the default); off, the
+// read in place and w1's and w3's weight gradients in one launch (on); off (the default), the
 // host's offsets and an operand view per expert. Either way the same bits. On, the training
 // forward's MoE layers read no counts back either: their load-balance terms and the backward's
 // d/dprobs are made on the GPU (ops::load_balance_term, ops::load_balance_dprobs) and the terms come
 // back with the loss (PendingForwardStats::stats), so the host queues a bf16 micro-batch's forward
-// and backward without waiting for the GPU once, as a CUDA graph of the step needs. Process-wide,
-// for benchmarks and tests; returns the setting before.
+// and backward without waiting for the GPU once, as a CUDA graph of the step needs. Off by default:
+// on an H200 a gpu-small bf16 step ran 0.07-0.09 ms slower with it
+// (bench/results/h200_gpu_train_moe_backward_s61.json), and the trainer does not capture the step
+// yet. Process-wide, for benchmarks and tests; returns the setting before.
 bool set_moe_backward_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
