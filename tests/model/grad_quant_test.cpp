@@ -107,6 +107,16 @@ void expect_same(const ModelConfig& c, Device dev) {
     }
 }
 
+// The GPU tests' model: d_model 64 and d_expert 96, so the SwiGLU pass's half tiles of 128 columns
+// are cut short.
+ModelConfig gpu_test_config() {
+  ModelConfig c = tiny_moe_config(3, 64);
+  c.d_expert = 96;
+  c.d_shared = 96;
+  c.d_dense = 160;
+  return c;
+}
+
 }  // namespace
 
 TEST(GradQuantizers, SameBitsEitherWayOnTheCpu) {
@@ -116,11 +126,7 @@ TEST(GradQuantizers, SameBitsEitherWayOnTheCpu) {
 
 TEST(CudaGradQuantizers, SameBitsEitherWay) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  // d_model 64 and d_expert 96: the SwiGLU pass's half tiles of 128 columns cut short
-  ModelConfig c = tiny_moe_config(3, 64);
-  c.d_expert = 96;
-  c.d_shared = 96;
-  c.d_dense = 160;
+  const ModelConfig c = gpu_test_config();
   expect_same(c, Device::CUDA);
 }
 
@@ -131,10 +137,7 @@ TEST(CudaGradQuantizers, SameBitsEitherWay) {
 TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
 #if FOURBIT_HAS_CUDA
-  ModelConfig c = tiny_moe_config(3, 64);
-  c.d_expert = 96;
-  c.d_shared = 96;
-  c.d_dense = 160;
+  const ModelConfig c = gpu_test_config();
   const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
   const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
   const bool before = set_moe_backward_device_offsets(false);
@@ -221,16 +224,13 @@ TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
   }
 }
 
-// With the device-offset backward (the default) a bf16 micro-batch's forward and backward read
-// nothing back, so they record into one CUDA graph: a replay gives the eager run's loss, aux loss,
-// token count and every gradient bit for bit, twice (the replay stores the gradients as the
-// captured backward did, after zero_grad).
+// With the device-offset backward (set here; off by default) a bf16 micro-batch's forward and
+// backward read nothing back, so they record into one CUDA graph: a replay gives the eager run's
+// loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
+// gradients as the captured backward did, after zero_grad).
 TEST(CudaMoeBackward, Bf16MicroBatchRecordsAsOneCudaGraph) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  ModelConfig c = tiny_moe_config(3, 64);
-  c.d_expert = 96;
-  c.d_shared = 96;
-  c.d_dense = 160;
+  const ModelConfig c = gpu_test_config();
   const bool before = set_moe_backward_device_offsets(true);
   const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
   const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
