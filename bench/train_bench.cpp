@@ -7,7 +7,7 @@
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
 //                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both]
-//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--json FILE]
+//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--graph V[,V...]] [--json FILE]
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -56,11 +56,20 @@
 // reading no router count back (device: set_moe_backward_device_offsets); several
 // (comma-separated, repeats allowed) run each recipe under each in this process (the other recipes
 // take the host's either way).
+// --graph (CUDA; the bf16 recipe with --moe-backward device, one micro-batch a step): each step's
+// forward and backward eager (off, the default) or as the replay of one CUDA graph (on), captured
+// after the warm-up steps and one untimed forward and backward that fill the weight cache: the
+// batch is copied into the graph's token and target buffers, the graph replayed, the update
+// queued eagerly, then the stats read (PendingForwardStats::after_replay); several
+// (comma-separated, repeats allowed) run each recipe under each in this process. "last loss" is
+// the last timed step's, the same bits either way.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
 #include <algorithm>
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -164,7 +173,7 @@ int main(int argc, char** argv) {
   table.name = fmt::format("training step, {} on {}, {} tokens/step", cfg.path, machine, tokens_per_step);
   table.columns = device == Device::CUDA
                       ? std::vector<std::string>{"recipe", "step ms", "host ms", "tokens/s", "TFLOP/s", "MFU vs 786",
-                                                 "step / bf16", "saved MiB", "peak MiB"}
+                                                 "step / bf16", "saved MiB", "peak MiB", "last loss"}
                       : std::vector<std::string>{"recipe", "step ms", "tokens/s", "step / bf16", "saved MiB"};
   const std::string expert_gemms = arg(argc, argv, "--expert-gemms", "grouped");
   std::vector<std::string> variants;
@@ -205,6 +214,9 @@ int main(int argc, char** argv) {
     fail("train_bench: --tma-tile is for --device cuda");
   const std::vector<std::string> moe_backwards =
       variant_list(argc, argv, "--moe-backward", {"host", "device"}, "MoE backward offsets", table);
+  const std::vector<std::string> graphs = variant_list(argc, argv, "--graph", {"off", "on"}, "graph", table);
+  if (graphs != std::vector<std::string>{"off"} && (device != Device::CUDA || t.grad_accum != 1))
+    fail("train_bench: --graph is for --device cuda and one micro-batch a step (train.grad_accum = 1)");
   if (moe_backwards != std::vector<std::string>{"host"} && device != Device::CUDA)
     fail("train_bench: --moe-backward is for --device cuda");
   // the process's settings, put back after the variants
@@ -221,7 +233,11 @@ int main(int argc, char** argv) {
   for (const std::string& loss_read : loss_reads)
   for (const std::string& router_wgrad : router_wgrads)
   for (const std::string& tma_tile : tma_tiles)
-  for (const std::string& moe_backward : moe_backwards) {
+  for (const std::string& moe_backward : moe_backwards)
+  for (const std::string& graph_mode : graphs) {
+    const bool graph_on = graph_mode == "on";
+    if (graph_on && moe_backward != "device")
+      fail("train_bench: --graph on needs --moe-backward device (the MoE layers then read no counts back)");
     const bool keep = keep_ffn == "on";
     set_moe_backward_device_offsets(moe_backward == "device");
     set_weight_forms_batched(wforms == "batched");
@@ -243,6 +259,9 @@ int main(int argc, char** argv) {
 #endif
     double bf16_ms = 0;
     for (const std::string& name : recipes) {
+      if (graph_on && name != "bf16")
+        fail("train_bench: --graph on takes the bf16 recipe alone (the others read their MoE counts back), got {}",
+             name);
       Model model(cfg.model, recipe_by_name(name), device);
       model.set_keep_ffn_activations(keep);
       model.set_saved_x_decodes(saved_x == "decodes");
@@ -259,7 +278,42 @@ int main(int argc, char** argv) {
         tgts.emplace_back(batch_values);
         src->batch(b, t.batch_size, t.seq_len, toks.back().data(), tgts.back().data());
       }
+      // --graph on: the micro-batch's forward and backward as one CUDA graph, its inputs in fixed
+      // buffers; captured after a zero_grad, so each replay stores every gradient (no zero_grad
+      // between replays: the host's stale flags would have the update zero them).
+      std::unique_ptr<DeviceGraph> graph;
+      std::optional<PendingForwardStats> captured;
+      const Tensor tok_buf = graph_on ? Tensor::empty({t.batch_size, t.seq_len}, DType::I32, device) : Tensor();
+      const Tensor tgt_buf = graph_on ? Tensor::empty({t.batch_size, t.seq_len}, DType::I32, device) : Tensor();
+      double last_loss = 0;
+      auto load = [&](const Tensor& buf, const std::vector<int32_t>& v) {
+        Tensor dst = buf;
+        dst.copy_from(Tensor::from_host(v.data(), {t.batch_size, t.seq_len}, DType::I32, Device::CPU));
+      };
+      auto capture = [&](int64_t step) {
+        load(tok_buf, toks[size_t(step)]);
+        load(tgt_buf, tgts[size_t(step)]);
+        // the weight cache filled (an update empties it; a capture cannot fill it), untimed
+        PendingForwardStats prime = model.forward_queued(tok_buf, tgt_buf, SrStreams{t.seed, uint64_t(step), 0}, true, 1.0f);
+        model.backward();
+        (void)prime.stats();
+        model.params().zero_grad();
+        GraphCapture cap;
+        captured.emplace(model.forward_queued(tok_buf, tgt_buf, SrStreams{t.seed, uint64_t(step), 0}, true, 1.0f));
+        model.backward();
+        graph = cap.finish(captured->captured_tensors());
+      };
       auto run_step = [&](int64_t step) {
+        if (graph) {
+          load(tok_buf, toks[size_t(step)]);
+          load(tgt_buf, tgts[size_t(step)]);
+          graph->replay();
+          PendingForwardStats pending = captured->after_replay();
+          optim.step(step);
+          model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
+          last_loss = pending.stats().loss;
+          return;
+        }
         model.params().zero_grad();
         for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
           const size_t b = size_t(step * t.grad_accum + micro);
@@ -269,12 +323,13 @@ int main(int argc, char** argv) {
               tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true, 1.0f / float(t.grad_accum));
           if (loss_read == "first") (void)pending.stats();  // Model::forward's order
           model.backward();
-          (void)pending.stats();
+          last_loss = pending.stats().loss;
         }
         optim.step(step);
         model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
       };
       for (int i = 0; i < warmup; ++i) run_step(i);
+      if (graph_on) capture(warmup);
       sync(device);
       device_peak_bytes(true);
       // host ms: until the step's last launch returns (its waits for the GPU included); where it
@@ -311,6 +366,8 @@ int main(int argc, char** argv) {
                  {"router wgrad", router_wgrad},
                  {"TMA tile", tma_tile},
                  {"MoE backward offsets", moe_backward},
+                 {"graph", graph_mode},
+                 {"last loss", last_loss},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},
                  {"tokens/s", tps},

@@ -22,6 +22,7 @@
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/device_memory.h"
 #include "model/model_test_util.h"
+#include "test_util.h"
 #if FOURBIT_HAS_CUDA
 #include "fourbit/ops/cuda/cuda_ops.h"
 #endif
@@ -257,7 +258,7 @@ TEST(CudaMoeBackward, Bf16MicroBatchRecordsAsOneCudaGraph) {
     ops::fill_(grads, 7.0);  // the replay must write every gradient
     graph->replay();
     ops::check_index_errors(Device::CUDA);
-    PendingForwardStats again = *captured;  // stats() reads the buffers once a copy
+    PendingForwardStats again = captured->after_replay();  // the replay's buffers, read behind it
     const ForwardStats& got = again.stats();
     EXPECT_EQ(got.loss, want.loss);
     EXPECT_EQ(got.aux_loss, want.aux_loss);
@@ -266,5 +267,7 @@ TEST(CudaMoeBackward, Bf16MicroBatchRecordsAsOneCudaGraph) {
     ASSERT_EQ(g.numel(), want_grad.numel());
     EXPECT_EQ(std::memcmp(g.raw(), want_grad.raw(), size_t(g.nbytes())), 0) << "gradients differ";
   }
+  EXPECT_HAS(testutil::error_of([&] { (void)eager.after_replay(); }),
+             "not the stats of a forward queued while a CUDA graph");
   set_moe_backward_device_offsets(before);
 }

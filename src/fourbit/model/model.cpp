@@ -1592,6 +1592,18 @@ const ForwardStats& PendingForwardStats::stats() {
   return st_;
 }
 
+PendingForwardStats PendingForwardStats::after_replay() const {
+  if (!scalars_dev_.defined() || scalars_ || summed_)
+    fail("PendingForwardStats::after_replay: these are not the stats of a forward queued while a CUDA graph was captured");
+  PendingForwardStats p = *this;
+  const Tensor& losses = st_.token_losses;
+  p.index_check_ = ops::check_index_errors_later(scalars_dev_.device());
+  p.scalars_ = read_later(scalars_dev_.raw(), size_t(scalars_dev_.nbytes()));
+  p.losses_ = read_later(losses.raw(), size_t(losses.nbytes()));
+  if (weights_.defined()) p.weights_read_ = read_later(weights_.raw(), size_t(weights_.nbytes()));
+  return p;
+}
+
 std::vector<Tensor> PendingForwardStats::captured_tensors() const {
   std::vector<Tensor> out;
   for (const Tensor& t : {st_.token_losses, scalars_dev_, weights_})

@@ -52,10 +52,16 @@ class PendingForwardStats {
   // Reads and sums on the first call (a bad index the GPU recorded in the forward fails here); then
   // the same stats.
   const ForwardStats& stats();
-  // A forward queued while a CUDA graph is being captured (GraphCapture) reads nothing back: stats()
-  // reads, once, the buffers that a replay of the graph writes; these are they, for the capture's
-  // `keep` (the per-token losses, the count and load-balance terms, the token weights).
+  // A forward queued while a CUDA graph is being captured (GraphCapture) reads nothing back: its
+  // stats are those of a replay of the graph, from the buffers the replay writes; these are they,
+  // for the capture's `keep` (the per-token losses, the count and load-balance terms, the token
+  // weights).
   std::vector<Tensor> captured_tensors() const;
+  // Called on a captured forward's stats once a replay is queued: a copy whose reads of those
+  // buffers (and of the index-error record) are queued behind the replay, as forward_queued queues
+  // them behind an eager forward; its stats() are the replay's. (Without it, stats() reads the
+  // buffers at once, waiting for the GPU.)
+  PendingForwardStats after_replay() const;
 
  private:
   friend class Model;
