@@ -72,6 +72,25 @@ bool wgrad_from_saved_fwd(const LayerRecipe& r) { return r.requant_saved_sr || w
 
 int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 
+// The load-balance loss of a forward's MoE layers: their terms summed in layer order, each its host
+// value or (device_slot >= 0) device[device_slot], the terms the GPU computed as read back.
+double sum_aux_terms(const std::vector<AuxTerm>& terms, const double* device) {
+  double total = 0;
+  for (const AuxTerm& t : terms) {
+    FOURBIT_CHECK(t.device_slot < 0 || device, "sum_aux_terms: a layer's term is on the GPU, not read back");
+    total += t.device_slot >= 0 ? device[t.device_slot] : t.value;
+  }
+  return total;
+}
+
+// The bytes of `t` on the host: from `read` where one was queued behind its writer, else a copy
+// made now (kept in `hold`).
+const void* host_bytes(const std::shared_ptr<PendingRead>& read, const Tensor& t, Tensor& hold) {
+  if (read) return read->wait();
+  hold = t.to(Device::CPU);
+  return hold.raw();
+}
+
 }  // namespace
 
 struct Model::Saved {
@@ -211,11 +230,7 @@ struct ModelRunner {
   // coef * E * sum_e f_e * P_e with f_e the routed share (no gradient) and P_e the mean router
   // probability (PendingForwardStats::stats sums terms the GPU computed the same way).
   double aux_loss_value() {
-    double total = 0;
-    for (const AuxTerm& t : pending_aux) {
-      FOURBIT_CHECK(t.device_slot < 0, "aux_loss_value: a layer's term is on the GPU, not read back");
-      total += t.value;
-    }
+    const double total = sum_aux_terms(pending_aux, nullptr);
     pending_aux.clear();
     return total;
   }
@@ -1560,32 +1575,23 @@ const ForwardStats& PendingForwardStats::stats() {
     index_check_ = nullptr;
     check();
   }
-  if (scalars_dev_.defined()) {  // the GPU's forward: its count and load-balance terms (forward_queued)
-    const Tensor sh = scalars_ ? Tensor() : scalars_dev_.to(Device::CPU);  // captured: the replay's
-    const double* sc = static_cast<const double*>(scalars_ ? scalars_->wait() : sh.raw());
+  Tensor hold_s, hold_l, hold_w;  // host copies where no read was queued
+  if (scalars_dev_.defined()) {  // the GPU's forward: its count and load-balance terms (forward_queued;
+                                 // captured: the replay's, read now)
+    const double* sc = static_cast<const double*>(host_bytes(scalars_, scalars_dev_, hold_s));
     st_.tokens = int64_t(sc[0]);
-    double total = 0;  // ModelRunner::aux_loss_value's sum
-    for (const AuxTerm& t : aux_) total += t.device_slot >= 0 ? sc[1 + t.device_slot] : t.value;
-    st_.aux_loss = total;
+    st_.aux_loss = sum_aux_terms(aux_, sc + 1);
   }
   const int64_t n = st_.token_losses.numel(), n_valid = st_.tokens;
-  const Tensor lh = losses_ ? Tensor() : st_.token_losses.to(Device::CPU);
-  const bool f64 = !losses_ && lh.dtype() == DType::F64;
-  const void* lraw = losses_ ? losses_->wait() : lh.raw();
-  const auto loss_at = [&](int64_t i) {
-    return f64 ? static_cast<const double*>(lraw)[i] : double(static_cast<const float*>(lraw)[i]);
-  };
-  if (weights_.defined()) {
-    const Tensor wh = weights_read_ ? Tensor() : weights_.to(Device::CPU);
-    const float* w = static_cast<const float*>(weights_read_ ? weights_read_->wait() : wh.raw());
-    double sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += double(w[i]) * loss_at(i);
-    st_.loss = n_valid ? sum / double(n_valid) : 0.0;
-  } else {
-    double sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += loss_at(i);
-    st_.loss = n_valid ? sum / double(n_valid) : 0.0;
+  const bool f64 = st_.token_losses.dtype() == DType::F64;
+  const void* lraw = host_bytes(losses_, st_.token_losses, hold_l);
+  const float* w = weights_.defined() ? static_cast<const float*>(host_bytes(weights_read_, weights_, hold_w)) : nullptr;
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double l = f64 ? static_cast<const double*>(lraw)[i] : double(static_cast<const float*>(lraw)[i]);
+    sum += w ? double(w[i]) * l : l;
   }
+  st_.loss = n_valid ? sum / double(n_valid) : 0.0;
   summed_ = true;
   weights_ = scalars_dev_ = Tensor{};
   scalars_ = losses_ = weights_read_ = nullptr;

@@ -35,11 +35,6 @@ struct ForwardStats {
                         // cross-entropy, -log p(target) (0 where the target is -1)
 };
 
-// A forward whose loss the host has not read yet (Model::forward_queued). stats() reads the
-// per-token losses back and sums them: the forward's GPU work must finish first, so a trainer
-// that queues the backward before calling it keeps the GPU busy while the host waits, where
-// reading the loss first leaves the GPU idle until the host has queued the backward's first
-// kernels. The same numbers as Model::forward's, bit for bit.
 // One MoE layer's load-balance term of a forward: its value (from the host's counts), or
 // (device_slot >= 0) its entry among the terms the GPU computed, read back with the stats.
 struct AuxTerm {
@@ -47,6 +42,11 @@ struct AuxTerm {
   int64_t device_slot = -1;
 };
 
+// A forward whose loss the host has not read yet (Model::forward_queued). stats() reads the
+// per-token losses back and sums them: the forward's GPU work must finish first, so a trainer
+// that queues the backward before calling it keeps the GPU busy while the host waits, where
+// reading the loss first leaves the GPU idle until the host has queued the backward's first
+// kernels. The same numbers as Model::forward's, bit for bit.
 class PendingForwardStats {
  public:
   // Reads and sums on the first call (a bad index the GPU recorded in the forward fails here); then

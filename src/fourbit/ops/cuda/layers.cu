@@ -995,23 +995,20 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, Tensor& losses, 
   check_index_errors();  // targets are user data: as embedding_forward's tokens
 }
 
-// ops.h count_targets: one block; each thread counts a strided share, the counts summed exactly.
+// ops.h count_targets: one block; each thread counts a strided share, block_sum adds the counts
+// (whole numbers below 2^53: exact in double in any order).
 constexpr int kCountThreads = 1024;
 __global__ void __launch_bounds__(kCountThreads)
     count_targets_kernel(const int32_t* __restrict__ tgt, int64_t N, float loss_weight, double* __restrict__ count,
                          float* __restrict__ scale) {
   dependent_launch_prologue();
-  __shared__ unsigned long long warp_counts[kCountThreads / 32];
-  unsigned long long n = 0;
-  for (int64_t i = threadIdx.x; i < N; i += kCountThreads) n += tgt[i] >= 0 ? 1 : 0;
-  for (int o = 16; o > 0; o >>= 1) n += __shfl_down_sync(0xffffffffu, n, o);
-  if (threadIdx.x % 32 == 0) warp_counts[threadIdx.x / 32] = n;
-  __syncthreads();
+  __shared__ double scratch[kCountThreads / 32];
+  double n = 0.0;
+  for (int64_t i = threadIdx.x; i < N; i += kCountThreads) n += tgt[i] >= 0 ? 1.0 : 0.0;
+  const double total = block_sum<kCountThreads>(n, scratch);
   if (threadIdx.x == 0) {
-    unsigned long long total = 0;
-    for (int w = 0; w < kCountThreads / 32; ++w) total += warp_counts[w];
-    *count = double(total);
-    *scale = total ? float(__ddiv_rn(double(loss_weight), double(total))) : 0.0f;
+    *count = total;
+    *scale = total > 0.0 ? float(__ddiv_rn(double(loss_weight), total)) : 0.0f;
   }
 }
 
