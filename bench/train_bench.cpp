@@ -51,30 +51,29 @@
 // set_grouped_wgrad_tma_tile), or the 256 x 128 tile in the row-grouped form only (128-rows:
 // forward and dgrad) or the K-grouped one only (128-wgrad), the other on 128 x 256; the same bits.
 // Several (comma-separated, repeats allowed) run each recipe under each in this process.
-// --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the host's
-// routing offsets (host, the default) or on the offsets where the GPU made them, its forward then
-// reading no router count back (device: set_moe_backward_device_offsets); several
+// --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the offsets
+// where the GPU made them, its forward then reading no router count back (device, the default:
+// set_moe_backward_device_offsets) or on the host's routing offsets (host); several
 // (comma-separated, repeats allowed) run each recipe under each in this process (the other recipes
 // take the host's either way).
-// --graph (CUDA; the bf16 recipe with --moe-backward device, one micro-batch a step): each step's
-// forward and backward eager (off, the default) or as the replay of one CUDA graph (on), captured
-// after the warm-up steps and one untimed forward and backward that fill the weight cache: the
-// batch is copied into the graph's token and target buffers, the graph replayed, the update
-// queued eagerly, then the stats read (PendingForwardStats::after_replay); several
-// (comma-separated, repeats allowed) run each recipe under each in this process. "last loss" is
-// the last timed step's, the same bits either way.
+// --graph: each micro-batch's forward and backward as the trainer runs them (on, the default,
+// train.cuda_graphs: StepGraphs records a micro-batch that reads nothing back, the bf16 recipe's
+// with --moe-backward device, as a CUDA graph the second time its kind comes, in the warm-up, and
+// replays it after; the batch copied into the graph's buffers, the update eager) or all eager
+// (off); several (comma-separated, repeats allowed) run each recipe under each in this process.
+// "replays" counts the timed micro-batches that were replays; "last loss" is the last timed
+// step's, the same bits either way.
 // Model FLOPs per token = 6 * (active matmul parameters) + 6 * L * H * hd * T (causal attention:
 // half of the 12 L H hd T of the non-causal count); the peak is the H200's measured cuBLAS BF16
 // rate (786 TFLOP/s, 8192^3) and the datasheet's dense 989 TFLOP/s.
 #include <algorithm>
 #include <chrono>
-#include <memory>
-#include <optional>
 #include <sstream>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "fourbit/model/model.h"
+#include "fourbit/model/step_graph.h"
 #include "fourbit/tensor/device_memory.h"
 #include "fourbit/train/data.h"
 #include "fourbit/train/optimizer.h"
@@ -213,16 +212,14 @@ int main(int argc, char** argv) {
   if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
   const std::vector<std::string> moe_backwards =
-      variant_list(argc, argv, "--moe-backward", {"host", "device"}, "MoE backward offsets", table);
-  const std::vector<std::string> graphs = variant_list(argc, argv, "--graph", {"off", "on"}, "graph", table);
-  if (graphs != std::vector<std::string>{"off"} && (device != Device::CUDA || t.grad_accum != 1))
-    fail("train_bench: --graph is for --device cuda and one micro-batch a step (train.grad_accum = 1)");
-  if (moe_backwards != std::vector<std::string>{"host"} && device != Device::CUDA)
+      variant_list(argc, argv, "--moe-backward", {"device", "host"}, "MoE backward offsets", table);
+  const std::vector<std::string> graphs = variant_list(argc, argv, "--graph", {"on", "off"}, "graph", table);
+  if (moe_backwards != std::vector<std::string>{"device"} && device != Device::CUDA)
     fail("train_bench: --moe-backward is for --device cuda");
   // the process's settings, put back after the variants
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
-  const bool moe_backward_before = set_moe_backward_device_offsets(false);
+  const bool moe_backward_before = set_moe_backward_device_offsets(true);
   for (const std::string& variant : variants)
   for (const std::string& fwd_gemms : fwds)
   for (const std::string& keep_ffn : keeps)
@@ -235,9 +232,6 @@ int main(int argc, char** argv) {
   for (const std::string& tma_tile : tma_tiles)
   for (const std::string& moe_backward : moe_backwards)
   for (const std::string& graph_mode : graphs) {
-    const bool graph_on = graph_mode == "on";
-    if (graph_on && moe_backward != "device")
-      fail("train_bench: --graph on needs --moe-backward device (the MoE layers then read no counts back)");
     const bool keep = keep_ffn == "on";
     set_moe_backward_device_offsets(moe_backward == "device");
     set_weight_forms_batched(wforms == "batched");
@@ -259,9 +253,6 @@ int main(int argc, char** argv) {
 #endif
     double bf16_ms = 0;
     for (const std::string& name : recipes) {
-      if (graph_on && name != "bf16")
-        fail("train_bench: --graph on takes the bf16 recipe alone (the others read their MoE counts back), got {}",
-             name);
       Model model(cfg.model, recipe_by_name(name), device);
       model.set_keep_ffn_activations(keep);
       model.set_saved_x_decodes(saved_x == "decodes");
@@ -278,58 +269,33 @@ int main(int argc, char** argv) {
         tgts.emplace_back(batch_values);
         src->batch(b, t.batch_size, t.seq_len, toks.back().data(), tgts.back().data());
       }
-      // --graph on: the micro-batch's forward and backward as one CUDA graph, its inputs in fixed
-      // buffers; captured after a zero_grad, so each replay stores every gradient (no zero_grad
-      // between replays: the host's stale flags would have the update zero them).
-      std::unique_ptr<DeviceGraph> graph;
-      std::optional<PendingForwardStats> captured;
-      const Tensor tok_buf = graph_on ? Tensor::empty({t.batch_size, t.seq_len}, DType::I32, device) : Tensor();
-      const Tensor tgt_buf = graph_on ? Tensor::empty({t.batch_size, t.seq_len}, DType::I32, device) : Tensor();
+      // the trainer's micro-batches (StepGraphs), or with --loss-read first Model::forward's order
+      StepGraphs step_graphs(model, graph_mode == "on" && loss_read == "queued");
       double last_loss = 0;
-      auto load = [&](const Tensor& buf, const std::vector<int32_t>& v) {
-        Tensor dst = buf;
-        dst.copy_from(Tensor::from_host(v.data(), {t.batch_size, t.seq_len}, DType::I32, Device::CPU));
-      };
-      auto capture = [&](int64_t step) {
-        load(tok_buf, toks[size_t(step)]);
-        load(tgt_buf, tgts[size_t(step)]);
-        // the weight cache filled (an update empties it; a capture cannot fill it), untimed
-        PendingForwardStats prime = model.forward_queued(tok_buf, tgt_buf, SrStreams{t.seed, uint64_t(step), 0}, true, 1.0f);
-        model.backward();
-        (void)prime.stats();
-        model.params().zero_grad();
-        GraphCapture cap;
-        captured.emplace(model.forward_queued(tok_buf, tgt_buf, SrStreams{t.seed, uint64_t(step), 0}, true, 1.0f));
-        model.backward();
-        graph = cap.finish(captured->captured_tensors());
-      };
       auto run_step = [&](int64_t step) {
-        if (graph) {
-          load(tok_buf, toks[size_t(step)]);
-          load(tgt_buf, tgts[size_t(step)]);
-          graph->replay();
-          PendingForwardStats pending = captured->after_replay();
-          optim.step(step);
-          model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
-          last_loss = pending.stats().loss;
-          return;
-        }
         model.params().zero_grad();
         for (int64_t micro = 0; micro < t.grad_accum; ++micro) {
           const size_t b = size_t(step * t.grad_accum + micro);
           const Tensor tokens = Tensor::from_host(toks[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
           const Tensor targets = Tensor::from_host(tgts[b].data(), {t.batch_size, t.seq_len}, DType::I32, device);
-          PendingForwardStats pending = model.forward_queued(
-              tokens, targets, SrStreams{t.seed, uint64_t(step), uint64_t(micro)}, true, 1.0f / float(t.grad_accum));
-          if (loss_read == "first") (void)pending.stats();  // Model::forward's order
-          model.backward();
-          last_loss = pending.stats().loss;
+          const SrStreams sr{t.seed, uint64_t(step), uint64_t(micro)};
+          const float share = 1.0f / float(t.grad_accum);
+          if (loss_read == "first") {
+            PendingForwardStats pending = model.forward_queued(tokens, targets, sr, true, share);
+            (void)pending.stats();
+            model.backward();
+            last_loss = pending.stats().loss;
+          } else {
+            PendingForwardStats pending = step_graphs.run(tokens, targets, Tensor(), share, sr, micro == 0);
+            if (const std::string f = step_graphs.take_failure(); !f.empty()) fail("train_bench: {}", f);
+            last_loss = pending.stats().loss;
+          }
         }
         optim.step(step);
         model.invalidate_weight_cache(optim.wrote_bf16_copies(), optim.wrote_slice_amax());
       };
       for (int i = 0; i < warmup; ++i) run_step(i);
-      if (graph_on) capture(warmup);
+      const int64_t replays_before = step_graphs.replays();
       sync(device);
       device_peak_bytes(true);
       // host ms: until the step's last launch returns (its waits for the GPU included); where it
@@ -367,6 +333,7 @@ int main(int argc, char** argv) {
                  {"TMA tile", tma_tile},
                  {"MoE backward offsets", moe_backward},
                  {"graph", graph_mode},
+                 {"replays", step_graphs.replays() - replays_before},
                  {"last loss", last_loss},
                  {"step ms", step_ms},
                  {"host ms", host_ms[host_ms.size() / 2]},

@@ -2,8 +2,9 @@
 //          for every kind of field (integers, numbers, booleans, strings with or without quotes),
 //          each parsing error naming the assignment and what was expected, range errors starting
 //          with where the value came from (file:line, --set, the config's path for defaults), and
-//          run records written before train.keep_last (or train.saved_x_decodes) existed still
-//          loading, and train.saved_x_decodes read from a file.
+//          run records written before train.keep_last (or train.saved_x_decodes,
+//          train.cuda_graphs) existed still loading, and train.saved_x_decodes and train.cuda_graphs
+//          read from a file.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -82,15 +83,20 @@ TEST(ConfigRecord, OlderRecordsWithoutKeepLastTakeTheDefault) {
   RunConfig c;
   c.train.keep_last = 7;
   c.train.saved_x_decodes = false;
+  c.train.cuda_graphs = false;
   nlohmann::json j = config_to_json(c);
   EXPECT_EQ(j["train"]["keep_last"], 7);
   EXPECT_EQ(j["train"]["saved_x_decodes"], false);
+  EXPECT_EQ(j["train"]["cuda_graphs"], false);
   EXPECT_FALSE(config_from_json(j, "old/config.json").train.saved_x_decodes);
+  EXPECT_FALSE(config_from_json(j, "old/config.json").train.cuda_graphs);
   j["train"].erase("keep_last");
   j["train"].erase("saved_x_decodes");
+  j["train"].erase("cuda_graphs");
   const RunConfig old = config_from_json(j, "old/config.json");
   EXPECT_EQ(old.train.keep_last, TrainConfig{}.keep_last);
   EXPECT_TRUE(old.train.saved_x_decodes);
+  EXPECT_TRUE(old.train.cuda_graphs);
   j["train"].erase("lr");  // any other missing field is still an error
   EXPECT_HAS(error_of([&] { config_from_json(j, "old/config.json"); }), "old/config.json: config has no field 'train.lr'");
 }
@@ -101,4 +107,11 @@ TEST(ConfigFile, SavedXDecodes) {
   EXPECT_TRUE(parse_config("", "run.toml").train.saved_x_decodes);
   EXPECT_FALSE(parse_config("[train]\nsaved_x_decodes = false\n", "run.toml").train.saved_x_decodes);
   EXPECT_HAS(error_of([] { parse_config("[train]\nsaved_x_decodes = 1\n", "run.toml"); }), "saved_x_decodes");
+}
+
+// The GPU step as a CUDA graph where it can be recorded: on unless the file says otherwise.
+TEST(ConfigFile, CudaGraphs) {
+  EXPECT_TRUE(parse_config("", "run.toml").train.cuda_graphs);
+  EXPECT_FALSE(parse_config("[train]\ncuda_graphs = false\n", "run.toml").train.cuda_graphs);
+  EXPECT_HAS(error_of([] { parse_config("[train]\ncuda_graphs = \"yes\"\n", "run.toml"); }), "cuda_graphs");
 }

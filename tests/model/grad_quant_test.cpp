@@ -225,7 +225,7 @@ TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
   }
 }
 
-// With the device-offset backward (set here; off by default) a bf16 micro-batch's forward and
+// With the device-offset backward (the default, set here) a bf16 micro-batch's forward and
 // backward read nothing back, so they record into one CUDA graph: a replay gives the eager run's
 // loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
 // gradients as the captured backward did, after zero_grad).

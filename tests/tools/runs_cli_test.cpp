@@ -180,10 +180,11 @@ TEST(RunsCli, ResumeMismatchesAreNamed) {
   }
   // Allowed changes are recorded in the resume entry.
   ASSERT_EQ(run_cli(d.root, "pretrain --device cpu --steps 5 --set train.log_every=2 --set train.saved_x_decodes=false "
-                            "--resume " + run).status, 0);
+                            "--set train.cuda_graphs=false --resume " + run).status, 0);
   const auto rec = nlohmann::json::parse(file_bytes(run + "/config.json"));
   EXPECT_EQ(rec["resumes"][0]["changed"]["train.log_every"], nlohmann::json::array({1, 2}));
   EXPECT_EQ(rec["resumes"][0]["changed"]["train.saved_x_decodes"], nlohmann::json::array({true, false}));
+  EXPECT_EQ(rec["resumes"][0]["changed"]["train.cuda_graphs"], nlohmann::json::array({true, false}));
   EXPECT_EQ(rec["resumes"][0]["changed"]["train.steps"], nlohmann::json::array({3, 5}));
   EXPECT_EQ(rec["config"]["train"]["steps"], 3) << "config.json's config is written once";
 }

@@ -92,7 +92,8 @@ Field field(T& ref) {
 // Fields added after run records were first written: an older config.json or state.json lacks
 // them and gets the default.
 bool added_later(const std::string& section, const std::string& name) {
-  return section == "train" && (name == "keep_last" || name == "keep_ffn_activations" || name == "saved_x_decodes");
+  return section == "train" && (name == "keep_last" || name == "keep_ffn_activations" || name == "saved_x_decodes" ||
+                                name == "cuda_graphs");
 }
 
 std::map<std::string, Section> sections(RunConfig& c) {
@@ -122,7 +123,7 @@ std::map<std::string, Section> sections(RunConfig& c) {
         {"eval_batches", field(t.eval_batches)}, {"checkpoint_every", field(t.checkpoint_every)},
         {"keep_last", field(t.keep_last)}, {"log_every", field(t.log_every)}, {"seed", field(t.seed)},
         {"keep_ffn_activations", field(t.keep_ffn_activations)},
-        {"saved_x_decodes", field(t.saved_x_decodes)}}},
+        {"saved_x_decodes", field(t.saved_x_decodes)}, {"cuda_graphs", field(t.cuda_graphs)}}},
       {"data",
        {{"source", field(d.source)}, {"arithmetic_fraction", field(d.arithmetic_fraction)},
         {"eval_fraction", field(d.eval_fraction)}}},

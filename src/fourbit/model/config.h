@@ -73,6 +73,10 @@ struct TrainConfig {
   // memory, a slower step). The same bits either way (Model::set_saved_x_decodes). Recipes whose
   // X^T is not MXFP8 made with X (bf16, fp32) keep the same either way.
   bool saved_x_decodes = true;
+  // On the GPU, where a micro-batch reads nothing back (the bf16 recipe: Model::training_step_capturable),
+  // its forward and backward are recorded once as a CUDA graph and replayed in the steps after
+  // (StepGraphs): one launch instead of ~1600, the same bits. false: every micro-batch eager.
+  bool cuda_graphs = true;
 };
 
 struct DataConfig {

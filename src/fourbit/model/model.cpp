@@ -32,7 +32,7 @@ std::atomic<bool> g_weight_forms_batched{true};
 // Off by default: with it a bf16 training micro-batch reads no router count back, as a CUDA graph
 // of it needs, but on an H200 the step ran 0.07-0.09 ms slower than on the host's offsets, and the
 // trainer does not capture the step yet (docs/model.md).
-std::atomic<bool> g_moe_backward_device_offsets{false};
+std::atomic<bool> g_moe_backward_device_offsets{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -184,6 +184,21 @@ struct ModelRunner {
            bf16(r.wgrad.a) && bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x() &&
            ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_model) &&
            ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_expert);
+  }
+  // Whether the MoE layers' expert GEMMs read the routing's offsets where the GPU made them.
+  bool moe_offsets_on_gpu() const {
+    return m.device_ != Device::CPU && ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_model) &&
+           ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_expert);
+  }
+  // A training forward's MoE layer under r queues its dispatch, experts and combine on the GPU's
+  // plan, before any wait for the counts: dense BF16 expert operands read in place.
+  bool moe_training_routed_on_gpu(const LayerRecipe& r) const {
+    return moe_offsets_on_gpu() && moe_reads_bf16_x() && r.fprop.b.fmt == Format::BF16 && !r.fprop.b.quantized() &&
+           wgrad_from_saved_fwd(r);
+  }
+  // ... and, its backward on those offsets too and no routing observer to call, reads nothing back.
+  bool moe_training_reads_nothing(const LayerRecipe& r) const {
+    return moe_training_routed_on_gpu(r) && backward_on_device_offsets(r) && !m.routing_observer_;
   }
   // A MoE layer's experts (and shared expert) read its normed input as BF16, the router as F32:
   // the norm writes both (rmsnorm_forward's y_bf16).
@@ -779,9 +794,6 @@ struct ModelRunner {
     // counts on the host at all where the experts' GEMMs read the plan's offsets on the GPU
     // (every recipe's operands but FP32 ones, which run cuBLASLt per expert): nothing comes back,
     // and a bad expert id is reported once the whole forward is queued (finish_deferred_plans).
-    const bool offsets_on_gpu = m.device_ != Device::CPU &&
-                                ops::grouped_gemm_reads_device_offsets(m.device_, E, D) &&
-                                ops::grouped_gemm_reads_device_offsets(m.device_, E, c.d_expert);
     const bool deferred =
         !s && !aux && !record_amax && !training_path && inference_routing_on_gpu(m.device_, c, r);
     // The shared expert as one more group of the routed experts' GEMMs (set_shared_expert_grouped):
@@ -794,13 +806,11 @@ struct ModelRunner {
     // plan, a training forward's read them there too: the dispatch, the experts and the combine
     // are queued before the host waits for the counts, which only the load-balance statistics and
     // the backward need, so the GPU does not idle through that wait. Elsewhere the host waits here.
-    const bool device_routed = deferred || (offsets_on_gpu && bf16_x && r.fprop.b.fmt == Format::BF16 &&
-                                            !r.fprop.b.quantized() && wgrad_from_fwd);
+    const bool device_routed = deferred || moe_training_routed_on_gpu(r);
     // A training forward whose backward runs every expert GEMM on the device offsets
     // (backward_on_device_offsets) and whose load-balance terms stay on the GPU too (aux_terms)
     // reads nothing back at all: the index check is the forward's (Model::forward_queued).
-    const bool no_read = device_routed && !deferred && s && N > 0 && aux_terms.defined() && !group &&
-                         backward_on_device_offsets(r) && !m.routing_observer_;
+    const bool no_read = !deferred && s && N > 0 && aux_terms.defined() && !group && moe_training_reads_nothing(r);
     // Otherwise the routing comes back to the host (the expert GEMMs' shapes); the work that does
     // not depend on it is queued first, so that the GPU runs it while the host waits: the tokens'
     // BF16 copy or quantization, and the shared expert when it runs apart.
@@ -1455,6 +1465,35 @@ void Model::convert_bf16_weights_ahead() {
   }
   // the optimizer wrote them with the update (the same bits: convert of the updated weights)
   if (!bf16_copies_current_) ops::convert_each(src, dst);
+}
+
+bool Model::training_step_capturable() {
+  if (device_ == Device::CPU || dtype_ != DType::F32 || quant_log_.enabled || quant_log_.record_calls) return false;
+  const auto bf16 = [](const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); };
+  const auto all_bf16 = [&](const LayerRecipe& r) {
+    for (const GemmRecipe* g : {&r.fprop, &r.dgrad, &r.wgrad})
+      if (!bf16(g->a) || !bf16(g->b)) return false;
+    return !r.requant_saved_sr;
+  };
+  ModelRunner run{*this, cfg_, SrStreams{}, &quant_log_};
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+    run.layer = l;
+    const bool moe = cfg_.is_moe_layer(l);
+    if (!all_bf16(run.recipe(LayerClass::Attention)) ||
+        !all_bf16(run.recipe(moe ? LayerClass::Expert : LayerClass::Dense)))
+      return false;
+    if (moe && !run.moe_training_reads_nothing(run.recipe(LayerClass::Expert))) return false;
+    const LayerRecipe& router = run.recipe(LayerClass::Router);
+    for (const GemmRecipe* g : {&router.fprop, &router.dgrad, &router.wgrad})
+      if (g->a.quantized() || g->b.quantized()) return false;
+  }
+  return all_bf16(recipe_.layer(LayerClass::LmHead, cfg_.n_layers, cfg_.n_layers));
+}
+
+void Model::bf16_copies_for_replay() {
+  if (bf16_copies_current_ || !weight_cache_.empty() || !bf16_ahead_.empty()) return;
+  convert_bf16_weights_ahead();
+  bf16_copies_current_ = bf16_copies_.defined();
 }
 
 namespace {

@@ -146,15 +146,15 @@ bool set_weight_forms_batched(bool on);
 // recipe) and no quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
 // the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
-// read in place and w1's and w3's weight gradients in one launch (on); off (the default), the
+// read in place and w1's and w3's weight gradients in one launch (on, the default); off, the
 // host's offsets and an operand view per expert. Either way the same bits. On, the training
 // forward's MoE layers read no counts back either: their load-balance terms and the backward's
 // d/dprobs are made on the GPU (ops::load_balance_term, ops::load_balance_dprobs) and the terms come
 // back with the loss (PendingForwardStats::stats), so the host queues a bf16 micro-batch's forward
-// and backward without waiting for the GPU once, as a CUDA graph of the step needs. Off by default:
-// on an H200 a gpu-small bf16 step ran 0.07-0.09 ms slower with it
-// (bench/results/h200_gpu_train_moe_backward_s61.json), and the trainer does not capture the step
-// yet. Process-wide, for benchmarks and tests; returns the setting before.
+// and backward without waiting for the GPU once, and the trainer records them as a CUDA graph
+// (StepGraphs). Eagerly, on an H200, a gpu-small bf16 step ran 0.07-0.09 ms slower with it
+// (bench/results/h200_gpu_train_moe_backward_s61.json); the graph it allows took 1.4 ms off a step
+// on an H100. Process-wide, for benchmarks and tests; returns the setting before.
 bool set_moe_backward_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
@@ -282,6 +282,18 @@ class Model {
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
     amax_ahead_current_ = slice_amax_current && amax_ahead_.defined();
   }
+  // Whether a training micro-batch's forward and backward on this model read nothing back to the
+  // host and fix nothing that changes between steps into the work they queue, so that they can be
+  // recorded as one CUDA graph and replayed in later steps (StepGraphs): on the GPU, every linear
+  // in BF16 but the routers (F32; no quantizer, so no SR keys or amax records), every MoE layer's
+  // routing and backward on the GPU's offsets (set_moe_backward_device_offsets), and no quantizer
+  // log or routing observer, which are called on the host.
+  bool training_step_capturable();
+  // Before the replay of a recorded training forward, which reads the weights' BF16 copies where
+  // the recording found them without the conversion a forward makes after
+  // invalidate_weight_cache: converts them now unless the optimizer wrote them with its update
+  // (Optimizer::write_bf16_copies) or a forward has since the weights changed.
+  void bf16_copies_for_replay();
   // Where the recipe has linears with BF16 forward operands over F32 weights (bf16, and the
   // layers other recipes keep in BF16, such as the LM head), the BF16 copies of those weights
   // live packed in one buffer (made on first call), which the forward fills with one conversion

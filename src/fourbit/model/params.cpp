@@ -117,6 +117,8 @@ void ParamStore::settle_grads() {
   }
 }
 
+void ParamStore::mark_grads_written() { std::fill(stale_.begin(), stale_.end(), uint8_t(0)); }
+
 size_t ParamStore::param_index(const Tensor& view) const {
   const auto* base = static_cast<const char*>(flat_.raw());
   const auto* p = static_cast<const char*>(view.raw());

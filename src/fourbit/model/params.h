@@ -84,6 +84,10 @@ class ParamStore {
   bool grad_accumulate(const Tensor& grad);  // grad: a view of flat_grad() within one parameter
   void zero_if_stale(const Tensor& grad);
   void settle_grads();
+  // Every gradient as a backward leaves it (none stale): after the replay of a recorded backward
+  // (StepGraphs), whose writes the host did not see, the way Model::backward's settle_grads leaves
+  // the flags.
+  void mark_grads_written();
 
  private:
   size_t param_of(const Tensor& grad) const;  // the parameter whose gradient grad lies in

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "fourbit/io/atomic_file.h"
+#include "fourbit/model/step_graph.h"
 #include "fourbit/ops/ops.h"
 #include "fourbit/tensor/error.h"
 #include "fourbit/train/checkpoint.h"
@@ -41,6 +42,7 @@ nlohmann::json TrainSummary::to_json() const {
   if (final_eval_loss) j["final_eval_loss"] = *final_eval_loss;
   if (!final_eval.empty()) j["final_eval"] = final_eval;
   if (tokens_per_s) j["tokens_per_s"] = *tokens_per_s;
+  if (cuda_graph_replays) j["cuda_graph_replays"] = *cuda_graph_replays;
   for (const auto& [k, v] : extra.items()) j[k] = v;
   return j;
 }
@@ -194,6 +196,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   Model model(cfg.model, recipe, opt.device);
   model.set_keep_ffn_activations(cfg.train.keep_ffn_activations);
   model.set_saved_x_decodes(cfg.train.saved_x_decodes);
+  StepGraphs graphs(model, cfg.train.cuda_graphs);
   Optimizer optim(model.params(), cfg.train);
   optim.write_bf16_copies(model.bf16_weight_copies());  // the update writes the next forward's BF16 weights
   optim.write_slice_amax(model.slice_amax_ahead());      // and its NVFP4 weights' outer-scale amax
@@ -345,9 +348,10 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
       const float share = b.loss_weight.value_or(1.0f / float(micro_batches));
       // The backward is queued before the host reads the loss back (forward_queued), so the GPU
       // goes on from the forward into it; a non-finite loss still stops the run before the update.
-      PendingForwardStats pending = model.forward_queued(
-          b.tokens, b.targets, SrStreams{seed, uint64_t(step), uint64_t(micro)}, true, share, b.weights);
-      model.backward();
+      // On the GPU both may be the replay of a CUDA graph (train.cuda_graphs, StepGraphs).
+      PendingForwardStats pending =
+          graphs.run(b.tokens, b.targets, b.weights, share, SrStreams{seed, uint64_t(step), uint64_t(micro)}, micro == 0);
+      if (const std::string f = graphs.take_failure(); !f.empty()) warn(f);
       const ForwardStats& st = pending.stats();
       if (!std::isfinite(st.loss)) nonfinite(step + 1, "the training loss", st.loss);
       source.micro_batch_done(ctx, micro, st);
@@ -430,6 +434,7 @@ TrainSummary run_training(const LoopOptions& opt, TrainingSource& source) {
   if (last_eval.contains("eval_loss")) sum.final_eval_loss = last_eval["eval_loss"].get<double>();
   if (tokens_done > 0 && loop_s > 0) sum.tokens_per_s = double(tokens_done) / loop_s;
   sum.saved_bytes = model.saved_bytes().by_category;
+  if (opt.device != Device::CPU) sum.cuda_graph_replays = graphs.replays();
   source.summarize(sum.extra);
   sum.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   io::write_file_atomic((fs::path(opt.out_dir) / "summary.json").string(), sum.to_json().dump(2) + "\n");

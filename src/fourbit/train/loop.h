@@ -164,6 +164,8 @@ struct TrainSummary {
   double wall_s = 0;
   int64_t params = 0;
   std::map<std::string, int64_t> saved_bytes;  // activation bytes kept for backward, per category
+  // GPU runs: the micro-batches that ran as a CUDA graph's replay (train.cuda_graphs, StepGraphs)
+  std::optional<int64_t> cuda_graph_replays;
   nlohmann::json extra = nlohmann::json::object();  // the source's summary fields
   int stopped_by = 0;          // SIGINT / SIGTERM when a signal stopped the run, else 0
   std::string checkpoint;      // the newest checkpoint this session wrote ("" if none)

@@ -59,12 +59,12 @@ class RunLock {
 };
 
 // Config fields a resume may change (they change no number the run computes): the logging and
-// checkpoint cadence, and what the forward keeps for the backward (memory against time).
-// train.steps changes through the LR schedule (LrSchedule); the device may change too. Every
-// other difference is an error.
+// checkpoint cadence, what the forward keeps for the backward (memory against time) and whether
+// the GPU replays the step as a CUDA graph. train.steps changes through the LR schedule
+// (LrSchedule); the device may change too. Every other difference is an error.
 inline const std::vector<std::string> kResumeChangeable = {"train.log_every", "train.checkpoint_every",
                                                            "train.keep_last", "train.keep_ffn_activations",
-                                                           "train.saved_x_decodes"};
+                                                           "train.saved_x_decodes", "train.cuda_graphs"};
 
 struct ConfigChange {
   std::string field;  // "train.lr"

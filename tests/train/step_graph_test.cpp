@@ -1,0 +1,189 @@
+// defines: tests of the training micro-batch as a CUDA graph replay (model/step_graph.h,
+//          train.cuda_graphs): (a) a GPU run that replays its micro-batches writes an eager run's
+//          metrics bytes (loss, gradient norm, evaluations) step for step, with gradient
+//          accumulation, token weights and evaluation forwards of another batch shape between the
+//          steps, and its summary counts the replays; (b) a bad token id in a replayed micro-batch
+//          fails at its stats, naming it; (c) a recipe whose micro-batch reads the routing back
+//          (mxfp8) is never recorded; (d) on the CPU every micro-batch runs eagerly, the bits of
+//          forward_queued and backward.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "fourbit/model/step_graph.h"
+#include "fourbit/tensor/device_memory.h"
+#include "fourbit/tensor/error.h"
+#include "fourbit/train/loop.h"
+#include "model/model_test_util.h"
+#include "test_util.h"
+
+using namespace fourbit;
+using namespace fourbit::modeltest;
+using fourbit::testutil::error_of;
+
+namespace {
+
+// The GPU tests' model (as tests/model/grad_quant_test.cpp's): d_model 64, d_expert 96.
+ModelConfig graph_test_model() {
+  ModelConfig c = tiny_moe_config(3, 64);
+  c.d_expert = 96;
+  c.d_shared = 96;
+  c.d_dense = 160;
+  return c;
+}
+
+// Two micro-batches a step of B = 2 rows of T = 12, a prompt of 3 positions without loss and
+// signed per-token weights; every evaluation runs a forward of 3 rows of 7 (another shape, so the
+// model's positions for it replace the ones a graph recorded).
+class ShapedSource : public TrainingSource {
+ public:
+  std::string describe() const override { return "graph test batches"; }
+  nlohmann::json record() const override { return {{"kind", "graph-test"}}; }
+  int64_t micro_batches(const StepContext& ctx) const override {
+    (void)ctx;
+    return 2;
+  }
+  MicroBatch micro_batch(const StepContext& ctx, int64_t micro) override {
+    const int64_t B = 2, T = 12;
+    MicroBatch mb;
+    mb.tokens = random_tokens(B, T, ctx.seed * 1000 + uint64_t(ctx.step) * 10 + uint64_t(micro));
+    mb.targets = shifted_targets(mb.tokens, 258);
+    std::vector<float> w(size_t(B * T));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        if (t < 3) mb.targets.data<int32_t>()[b * T + t] = -1;
+        w[size_t(b * T + t)] = (b % 2 ? -0.5f : 1.0f) + 0.25f * float(micro);
+      }
+    mb.weights = Tensor::from_host(w.data(), {B, T}, DType::F32);
+    return mb;
+  }
+  void evaluate(const StepContext& ctx, Model& model, nlohmann::json& line) override {
+    const Tensor tokens = random_tokens(3, 7, 99 + uint64_t(ctx.step)).to(ctx.device);
+    const Tensor logits = model.logits(tokens, SrStreams{}).to(Device::CPU);
+    double sum = 0;
+    for (int64_t i = 0; i < logits.numel(); ++i) sum += double(logits.data<float>()[i]);
+    line["eval_logit_sum"] = sum;
+  }
+};
+
+TrainSummary run_shaped(const std::string& dir, bool graphs) {
+  RunConfig cfg = tiny_run_config(3, 64);
+  cfg.model = graph_test_model();
+  cfg.train.steps = 6;
+  cfg.train.warmup_steps = 2;
+  cfg.train.eval_every = 2;
+  cfg.train.checkpoint_every = 100;
+  cfg.train.cuda_graphs = graphs;
+  LoopOptions o;
+  o.config = cfg;
+  o.recipe = "bf16";
+  o.out_dir = dir;
+  o.command = "graph-test";
+  o.quiet = true;
+  o.device = Device::CUDA;
+  ShapedSource src;
+  return run_training(o, src);
+}
+
+}  // namespace
+
+TEST(CudaStepGraphs, ReplayedRunWritesTheEagerRunsMetrics) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::string root = fresh_test_dir("step_graph_tests");
+  const TrainSummary eager = run_shaped(root + "/eager", false);
+  const TrainSummary replayed = run_shaped(root + "/graphs", true);
+  // steps 1-2 run eagerly (the second records both kinds: the first micro-batch and the
+  // accumulating one), steps 3-6 replay them
+  ASSERT_TRUE(replayed.cuda_graph_replays.has_value());
+  EXPECT_EQ(*replayed.cuda_graph_replays, 8);
+  EXPECT_EQ(eager.cuda_graph_replays.value_or(-1), 0);
+  const std::string want = file_bytes(root + "/eager/metrics.jsonl"), got = file_bytes(root + "/graphs/metrics.jsonl");
+  EXPECT_EQ(got, want) << "the replays' metrics differ from the eager run's";
+  std::istringstream lines(got);
+  int n = 0;
+  for (std::string l; std::getline(lines, l);) n += !l.empty();
+  EXPECT_EQ(n, 6);
+  EXPECT_EQ(nlohmann::json::parse(file_bytes(root + "/graphs/summary.json"))["cuda_graph_replays"], 8);
+}
+
+TEST(CudaStepGraphs, ABadTokenInAReplayFailsAtItsStats) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = graph_test_model();
+  Model m(c, recipe_by_name("bf16"), Device::CUDA);
+  init_params(m.params(), c, 5);
+  ASSERT_TRUE(m.training_step_capturable());
+  StepGraphs graphs(m, true);
+  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
+  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+  double loss = 0;
+  for (int i = 0; i < 3; ++i) {
+    m.params().zero_grad();
+    PendingForwardStats p = graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, uint64_t(i), 0}, true);
+    if (i == 0) loss = p.stats().loss;
+    else EXPECT_EQ(p.stats().loss, loss) << "micro-batch " << i;
+  }
+  EXPECT_EQ(graphs.graphs(), 1);
+  EXPECT_EQ(graphs.replays(), 1);
+  EXPECT_EQ(graphs.take_failure(), "");
+  Tensor bad = random_tokens(2, 12, 6);
+  bad.data<int32_t>()[5] = int32_t(c.vocab_size) + 3;
+  m.params().zero_grad();
+  PendingForwardStats p = graphs.run(bad.to(Device::CUDA), targets, Tensor(), 1.0f, SrStreams{11, 3, 0}, true);
+  EXPECT_EQ(graphs.replays(), 2);
+  EXPECT_HAS(error_of([&] { (void)p.stats(); }), "embedding_forward: tokens[5] = 263 is outside [0, V=260)");
+  // the next replay reads a fresh record
+  m.params().zero_grad();
+  PendingForwardStats next = graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, 4, 0}, true);
+  EXPECT_EQ(next.stats().loss, loss);
+}
+
+TEST(CudaStepGraphs, AMicroBatchThatReadsBackIsNeverRecorded) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = graph_test_model();
+  Model m(c, recipe_by_name("mxfp8"), Device::CUDA);
+  init_params(m.params(), c, 5);
+  EXPECT_FALSE(m.training_step_capturable());
+  StepGraphs graphs(m, true);
+  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
+  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+  for (int i = 0; i < 3; ++i) {
+    m.params().zero_grad();
+    (void)graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, 7, 0}, true).stats();
+  }
+  EXPECT_EQ(graphs.graphs(), 0);
+  EXPECT_EQ(graphs.replays(), 0);
+  // the bf16 recipe's micro-batch reads its counts back too with the host-offset MoE backward
+  const bool before = set_moe_backward_device_offsets(false);
+  Model b(c, recipe_by_name("bf16"), Device::CUDA);
+  EXPECT_FALSE(b.training_step_capturable());
+  set_moe_backward_device_offsets(before);
+}
+
+TEST(StepGraphs, OnTheCpuEveryMicroBatchRunsEagerly) {
+  const OmpThreads threads(2);
+  const ModelConfig c = tiny_moe_config(2);
+  const Tensor tokens = random_tokens(2, 8, 3);
+  const Tensor targets = shifted_targets(tokens, 258);
+  Model a(c, recipe_by_name("bf16"), Device::CPU), b(c, recipe_by_name("bf16"), Device::CPU);
+  init_params(a.params(), c, 5);
+  init_params(b.params(), c, 5);
+  EXPECT_FALSE(a.training_step_capturable());
+  StepGraphs graphs(a, true);
+  for (int micro = 0; micro < 3; ++micro) {
+    const SrStreams sr{1, 0, uint64_t(micro)};
+    if (micro == 0) {
+      a.params().zero_grad();
+      b.params().zero_grad();
+    }
+    const double got = graphs.run(tokens, targets, Tensor(), 0.5f, sr, micro == 0).stats().loss;
+    const double want = b.forward_queued(tokens, targets, sr, true, 0.5f).stats().loss;
+    b.backward();
+    EXPECT_EQ(got, want);
+  }
+  EXPECT_EQ(graphs.graphs(), 0);
+  EXPECT_EQ(std::memcmp(a.params().flat_grad().raw(), b.params().flat_grad().raw(), size_t(a.params().flat_grad().nbytes())), 0);
+}
