@@ -1,6 +1,6 @@
 // defines: GPU tests of CUDA graph capture (skipped without a GPU): a replay runs the recorded ops
 //          on what the fixed input buffers hold at the time, with the capture's temporaries kept
-//          apart from the shared cache; a read-back, a leftover buffer or a nested capture fails
+//          apart from the shared cache and counted in use until the graph goes; a read-back, a leftover buffer or a nested capture fails
 //          the capture by name and leaves the eager path working; and attention_step's kernel,
 //          which reads each row's position on the GPU, gives the bits of one launch per row.
 #include <gtest/gtest.h>
@@ -48,6 +48,7 @@ TEST(CudaGraphs, ReplayRunsTheRecordedOpsOnTheBuffersOfTheTime) {
     Tensor warm = Tensor::empty(shape, DType::F32, Device::CUDA);
     work(x, x2, warm);
   }
+  const int64_t in_use = device_bytes_in_use();
   {
     GraphCapture capture;
     EXPECT_TRUE(graph_capturing());
@@ -56,6 +57,8 @@ TEST(CudaGraphs, ReplayRunsTheRecordedOpsOnTheBuffersOfTheTime) {
     graph = capture.finish({out});
   }
   EXPECT_FALSE(graph_capturing());
+  // the capture's temporaries (a, a16) are the graph's while it lives, and counted in use
+  EXPECT_GE(device_bytes_in_use() - in_use, out.nbytes() + shape[0] * shape[1] * (4 + 2));
   for (uint64_t r = 0; r < 3; ++r) {
     SCOPED_TRACE("replay " + std::to_string(r));
     x.copy_from(uniform(shape, 10 + r));
@@ -66,6 +69,9 @@ TEST(CudaGraphs, ReplayRunsTheRecordedOpsOnTheBuffersOfTheTime) {
     work(x, x2, want);
     EXPECT_TRUE(bitwise_equal(out.to(Device::CPU), want.to(Device::CPU)));
   }
+  graph.reset();
+  out = Tensor();
+  EXPECT_EQ(device_bytes_in_use(), in_use) << "the graph's blocks went back with it";
 }
 
 TEST(CudaGraphs, WhatACaptureCannotRecordFailsByName) {

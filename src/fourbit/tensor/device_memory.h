@@ -39,7 +39,8 @@ class PendingRead {
 };
 std::shared_ptr<PendingRead> read_later(const void* src, size_t bytes);
 void device_synchronize();
-// Bytes of GPU tensors alive now, and the most alive at once since the last reset.
+// Bytes of GPU tensors alive now (and of the blocks a CUDA graph's capture took, which its
+// replays write: held until the graph goes), and the most at once since the last reset.
 int64_t device_bytes_in_use();
 int64_t device_peak_bytes(bool reset = false);
 

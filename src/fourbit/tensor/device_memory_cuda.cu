@@ -229,13 +229,12 @@ void* device_alloc(size_t bytes) {
   Cache& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mu);
-    if (CapturePool* pool = capture().pool.get()) {  // the capture's own blocks first
+    if (CapturePool* pool = capture().pool.get()) {  // the capture's own blocks first (still counted in use)
       auto it = pool->free_blocks.find(size);
       if (it != pool->free_blocks.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
         pool->taken[p] = size;
-        c.taken(size);
         return p;
       }
     }
@@ -283,15 +282,16 @@ void device_free(void* p, size_t bytes) {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const size_t size = round_size(bytes);
-  c.in_use -= int64_t(size);
   if (CapturePool* pool = capture().pool.get()) {
     // A block freed while capturing stays the capture's, whenever it was taken: the graph may
-    // write it (and it is reused only by later work of the same capture, ordered after this).
+    // write it (and it is reused only by later work of the same capture, ordered after this). It
+    // stays counted in use until the pool gives it back (release_pool).
     pool->taken.erase(p);
     if (lanes().open) pool->deferred.emplace_back(size, p);
     else pool->free_blocks[size].push_back(p);
     return;
   }
+  c.in_use -= int64_t(size);
   if (lanes().open) c.deferred.emplace_back(size, p);
   else c.free_blocks[size].push_back(p);
   c.cached_bytes += size;
@@ -444,6 +444,7 @@ void release_pool(CapturePool& pool) {
     auto give = [&](size_t size, void* p) {
       c.free_blocks[size].push_back(p);
       c.cached_bytes += size;
+      c.in_use -= int64_t(size);
     };
     for (const auto& [size, blocks] : pool.free_blocks)
       for (void* p : blocks) give(size, p);
