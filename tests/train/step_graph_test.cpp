@@ -1,8 +1,8 @@
 // defines: tests of the training micro-batch as a CUDA graph replay (model/step_graph.h,
 //          train.cuda_graphs): (a) a GPU run that replays its micro-batches writes an eager run's
 //          metrics bytes (loss, gradient norm, evaluations) step for step, with gradient
-//          accumulation, token weights and evaluation forwards of another batch shape between the
-//          steps, and its summary counts the replays; (b) a bad token id in a replayed micro-batch
+//          accumulation, token weights and evaluation forwards of another batch shape after every
+//          step, and its summary counts the replays; (b) a bad token id in a replayed micro-batch
 //          fails at its stats, naming it; (c) a recipe whose micro-batch reads the routing back
 //          (mxfp8) is never recorded; (d) on the CPU every micro-batch runs eagerly, the bits of
 //          forward_queued and backward.
@@ -75,7 +75,7 @@ TrainSummary run_shaped(const std::string& dir, bool graphs) {
   cfg.model = graph_test_model();
   cfg.train.steps = 6;
   cfg.train.warmup_steps = 2;
-  cfg.train.eval_every = 2;
+  cfg.train.eval_every = 1;  // an inference forward, which caches stacked operands, before the recording too
   cfg.train.checkpoint_every = 100;
   cfg.train.cuda_graphs = graphs;
   LoopOptions o;

@@ -29,9 +29,8 @@ std::atomic<bool> g_dy_decodes_only{true};
 std::atomic<bool> g_training_producer_quantizers{true};
 std::atomic<bool> g_input_amax_from_quantizers{true};
 std::atomic<bool> g_weight_forms_batched{true};
-// Off by default: with it a bf16 training micro-batch reads no router count back, as a CUDA graph
-// of it needs, but on an H200 the step ran 0.07-0.09 ms slower than on the host's offsets, and the
-// trainer does not capture the step yet (docs/model.md).
+// On by default: with it a bf16 training micro-batch reads no router count back, so the trainer
+// records it as a CUDA graph (StepGraphs; eagerly the step is 0.07-0.09 ms slower, docs/model.md).
 std::atomic<bool> g_moe_backward_device_offsets{true};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
@@ -179,11 +178,9 @@ struct ModelRunner {
   // quantizer log is written (its per-expert entries count the experts with tokens).
   bool backward_on_device_offsets(const LayerRecipe& r) const {
     const auto bf16 = [](const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); };
-    return g_moe_backward_device_offsets.load(std::memory_order_relaxed) && m.device_ != Device::CPU &&
+    return g_moe_backward_device_offsets.load(std::memory_order_relaxed) &&
            !(log && (log->enabled || log->record_calls)) && bf16(r.fprop.a) && bf16(r.dgrad.a) && bf16(r.dgrad.b) &&
-           bf16(r.wgrad.a) && bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x() &&
-           ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_model) &&
-           ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_expert);
+           bf16(r.wgrad.a) && bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x() && moe_offsets_on_gpu();
   }
   // Whether the MoE layers' expert GEMMs read the routing's offsets where the GPU made them.
   bool moe_offsets_on_gpu() const {

@@ -25,7 +25,8 @@ std::string StepGraphs::take_failure() {
 }
 
 std::string StepGraphs::cache_outside_weights() {
-  if (!model_.fused_weights().empty()) return "a fused forward operand";
+  // (The fused operands an inference forward stacks, Model::fused_weights, are copies, but no
+  // training forward reads them.)
   const Bf16Copies& copies = model_.bf16_weight_copies();
   for (const auto& [key, p] : model_.weight_cache()) {
     const bool view = !p.is_quantized() && p.dense.defined() &&

@@ -65,9 +65,9 @@ class StepGraphs {
     std::optional<PendingForwardStats> stats;  // the recorded forward's: after_replay() reads a replay's
   };
   void record(const Kind& kind, const SrStreams& sr);
-  // Whether every weight operand the forward took from the model's cache is a view of the weights
-  // or of their BF16 copies (buffers the optimizer updates in place), which a graph may read from
-  // one step to the next; names the first that is not.
+  // Whether every weight operand in the model's cache (where a training forward takes its own) is
+  // a view of the weights or of their BF16 copies (buffers the optimizer updates in place), which
+  // a graph may read from one step to the next; names the first that is not.
   std::string cache_outside_weights();
 
   Model& model_;
