@@ -108,16 +108,6 @@ void expect_same(const ModelConfig& c, Device dev) {
     }
 }
 
-// The GPU tests' model: d_model 64 and d_expert 96, so the SwiGLU pass's half tiles of 128 columns
-// are cut short.
-ModelConfig gpu_test_config() {
-  ModelConfig c = tiny_moe_config(3, 64);
-  c.d_expert = 96;
-  c.d_shared = 96;
-  c.d_dense = 160;
-  return c;
-}
-
 }  // namespace
 
 TEST(GradQuantizers, SameBitsEitherWayOnTheCpu) {

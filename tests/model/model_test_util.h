@@ -1,6 +1,6 @@
-// defines: tiny_moe_config, tiny_run_config, random_tokens, shifted_targets, host_doubles,
-//          fresh_test_dir, file_bytes, OmpThreads (helpers for tests/model, tests/train and
-//          tests/tools)
+// defines: tiny_moe_config, gpu_test_config, tiny_run_config, random_tokens, shifted_targets,
+//          host_doubles, fresh_test_dir, file_bytes, OmpThreads (helpers for tests/model,
+//          tests/train and tests/tools)
 // The small models these tests train and differentiate: every code path of the model (dense FFN
 // layer, MoE layer with a shared expert, grouped-query attention) at sizes that run in
 // milliseconds on two cores.
@@ -37,6 +37,17 @@ inline ModelConfig tiny_moe_config(int64_t n_layers = 2, int64_t d_model = 32) {
   c.n_shared_experts = 1;
   c.dense_layers = 1;
   c.d_dense = 64;
+  return c;
+}
+
+// The GPU tests' model: tiny_moe_config(3, 64) with d_expert 96 (and the shared expert's and
+// dense FFN's hidden sizes not multiples of 128), so the SwiGLU pass's half tiles of 128 columns
+// are cut short.
+inline ModelConfig gpu_test_config() {
+  ModelConfig c = tiny_moe_config(3, 64);
+  c.d_expert = 96;
+  c.d_shared = 96;
+  c.d_dense = 160;
   return c;
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -26,15 +27,6 @@ using namespace fourbit::modeltest;
 using fourbit::testutil::error_of;
 
 namespace {
-
-// The GPU tests' model (as tests/model/grad_quant_test.cpp's): d_model 64, d_expert 96.
-ModelConfig graph_test_model() {
-  ModelConfig c = tiny_moe_config(3, 64);
-  c.d_expert = 96;
-  c.d_shared = 96;
-  c.d_dense = 160;
-  return c;
-}
 
 // Two micro-batches a step of B = 2 rows of T = 12, a prompt of 3 positions without loss and
 // signed per-token weights; every evaluation runs a forward of 3 rows of 7 (another shape, so the
@@ -70,9 +62,30 @@ class ShapedSource : public TrainingSource {
   }
 };
 
+// A model of gpu_test_config() under `recipe` on the GPU with the same micro-batch (B = 2, T = 12)
+// run three times, each the first of its step, through StepGraphs: eager, eager and then recorded
+// where the model can be, replayed.
+struct ThreeMicroBatches {
+  Model m;
+  StepGraphs graphs;
+  Tensor tokens, targets;
+  std::vector<double> losses;
+  explicit ThreeMicroBatches(const std::string& recipe)
+      : m(gpu_test_config(), recipe_by_name(recipe), Device::CUDA), graphs(m, true) {
+    init_params(m.params(), gpu_test_config(), 5);
+    tokens = random_tokens(2, 12, 6).to(Device::CUDA);
+    targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+    for (int i = 0; i < 3; ++i) losses.push_back(run(tokens, i).stats().loss);
+  }
+  PendingForwardStats run(const Tensor& toks, int step) {
+    m.params().zero_grad();
+    return graphs.run(toks, targets, Tensor(), 1.0f, SrStreams{11, uint64_t(step), 0}, true);
+  }
+};
+
 TrainSummary run_shaped(const std::string& dir, bool graphs) {
   RunConfig cfg = tiny_run_config(3, 64);
-  cfg.model = graph_test_model();
+  cfg.model = gpu_test_config();
   cfg.train.steps = 6;
   cfg.train.warmup_steps = 2;
   cfg.train.eval_every = 1;  // an inference forward, which caches stacked operands, before the recording too
@@ -112,53 +125,31 @@ TEST(CudaStepGraphs, ReplayedRunWritesTheEagerRunsMetrics) {
 
 TEST(CudaStepGraphs, ABadTokenInAReplayFailsAtItsStats) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const ModelConfig c = graph_test_model();
-  Model m(c, recipe_by_name("bf16"), Device::CUDA);
-  init_params(m.params(), c, 5);
-  ASSERT_TRUE(m.training_step_capturable());
-  StepGraphs graphs(m, true);
-  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
-  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
-  double loss = 0;
-  for (int i = 0; i < 3; ++i) {
-    m.params().zero_grad();
-    PendingForwardStats p = graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, uint64_t(i), 0}, true);
-    if (i == 0) loss = p.stats().loss;
-    else EXPECT_EQ(p.stats().loss, loss) << "micro-batch " << i;
-  }
-  EXPECT_EQ(graphs.graphs(), 1);
-  EXPECT_EQ(graphs.replays(), 1);
-  EXPECT_EQ(graphs.take_failure(), "");
+  ThreeMicroBatches t("bf16");
+  ASSERT_TRUE(t.m.training_step_capturable());
+  EXPECT_EQ(t.losses[1], t.losses[0]);
+  EXPECT_EQ(t.losses[2], t.losses[0]) << "the replay";
+  EXPECT_EQ(t.graphs.graphs(), 1);
+  EXPECT_EQ(t.graphs.replays(), 1);
+  EXPECT_EQ(t.graphs.take_failure(), "");
   Tensor bad = random_tokens(2, 12, 6);
-  bad.data<int32_t>()[5] = int32_t(c.vocab_size) + 3;
-  m.params().zero_grad();
-  PendingForwardStats p = graphs.run(bad.to(Device::CUDA), targets, Tensor(), 1.0f, SrStreams{11, 3, 0}, true);
-  EXPECT_EQ(graphs.replays(), 2);
+  bad.data<int32_t>()[5] = int32_t(t.m.config().vocab_size) + 3;
+  PendingForwardStats p = t.run(bad.to(Device::CUDA), 3);
+  EXPECT_EQ(t.graphs.replays(), 2);
   EXPECT_HAS(error_of([&] { (void)p.stats(); }), "embedding_forward: tokens[5] = 263 is outside [0, V=260)");
   // the next replay reads a fresh record
-  m.params().zero_grad();
-  PendingForwardStats next = graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, 4, 0}, true);
-  EXPECT_EQ(next.stats().loss, loss);
+  EXPECT_EQ(t.run(t.tokens, 4).stats().loss, t.losses[0]);
 }
 
 TEST(CudaStepGraphs, AMicroBatchThatReadsBackIsNeverRecorded) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const ModelConfig c = graph_test_model();
-  Model m(c, recipe_by_name("mxfp8"), Device::CUDA);
-  init_params(m.params(), c, 5);
-  EXPECT_FALSE(m.training_step_capturable());
-  StepGraphs graphs(m, true);
-  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
-  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
-  for (int i = 0; i < 3; ++i) {
-    m.params().zero_grad();
-    (void)graphs.run(tokens, targets, Tensor(), 1.0f, SrStreams{11, 7, 0}, true).stats();
-  }
-  EXPECT_EQ(graphs.graphs(), 0);
-  EXPECT_EQ(graphs.replays(), 0);
+  ThreeMicroBatches t("mxfp8");
+  EXPECT_FALSE(t.m.training_step_capturable());
+  EXPECT_EQ(t.graphs.graphs(), 0);
+  EXPECT_EQ(t.graphs.replays(), 0);
   // the bf16 recipe's micro-batch reads its counts back too with the host-offset MoE backward
   const bool before = set_moe_backward_device_offsets(false);
-  Model b(c, recipe_by_name("bf16"), Device::CUDA);
+  Model b(gpu_test_config(), recipe_by_name("bf16"), Device::CUDA);
   EXPECT_FALSE(b.training_step_capturable());
   set_moe_backward_device_offsets(before);
 }
