@@ -38,6 +38,8 @@ void print_summary(const TrainSummary& s, const RunConfig& cfg) {
   if (s.tokens_per_s) std::printf("  throughput         %.0f tokens/s over %.1f s\n", *s.tokens_per_s, s.wall_s);
   else std::printf("  throughput         - (no step ran)\n");
   std::printf("  parameters         %lld\n", (long long)s.params);
+  if (s.cuda_graph_replays)
+    std::printf("  CUDA graph         %lld micro-batches replayed (train.cuda_graphs)\n", (long long)*s.cuda_graph_replays);
   if (!s.saved_bytes.empty()) {
     int64_t total = 0;
     for (const auto& [k, v] : s.saved_bytes) total += v;
