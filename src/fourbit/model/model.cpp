@@ -71,6 +71,9 @@ bool wgrad_from_saved_fwd(const LayerRecipe& r) { return r.requant_saved_sr || w
 
 int64_t tensor_bytes(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 
+// A GEMM operand in BF16 as it is (no block-scaled format).
+bool dense_bf16(const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); }
+
 // The load-balance loss of a forward's MoE layers: their terms summed in layer order, each its host
 // value or (device_slot >= 0) device[device_slot], the terms the GPU computed as read back.
 double sum_aux_terms(const std::vector<AuxTerm>& terms, const double* device) {
@@ -177,10 +180,10 @@ struct ModelRunner {
   // read in place, no per-expert operand made), the grouped kernel takes the offsets there, and no
   // quantizer log is written (its per-expert entries count the experts with tokens).
   bool backward_on_device_offsets(const LayerRecipe& r) const {
-    const auto bf16 = [](const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); };
     return g_moe_backward_device_offsets.load(std::memory_order_relaxed) &&
-           !(log && (log->enabled || log->record_calls)) && bf16(r.fprop.a) && bf16(r.dgrad.a) && bf16(r.dgrad.b) &&
-           bf16(r.wgrad.a) && bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x() && moe_offsets_on_gpu();
+           !(log && (log->enabled || log->record_calls)) && dense_bf16(r.fprop.a) && dense_bf16(r.dgrad.a) &&
+           dense_bf16(r.dgrad.b) && dense_bf16(r.wgrad.a) && dense_bf16(r.wgrad.b) && !r.requant_saved_sr &&
+           moe_reads_bf16_x() && moe_offsets_on_gpu();
   }
   // Whether the MoE layers' expert GEMMs read the routing's offsets where the GPU made them.
   bool moe_offsets_on_gpu() const {
@@ -190,8 +193,7 @@ struct ModelRunner {
   // A training forward's MoE layer under r queues its dispatch, experts and combine on the GPU's
   // plan, before any wait for the counts: dense BF16 expert operands read in place.
   bool moe_training_routed_on_gpu(const LayerRecipe& r) const {
-    return moe_offsets_on_gpu() && moe_reads_bf16_x() && r.fprop.b.fmt == Format::BF16 && !r.fprop.b.quantized() &&
-           wgrad_from_saved_fwd(r);
+    return moe_offsets_on_gpu() && moe_reads_bf16_x() && dense_bf16(r.fprop.b) && wgrad_from_saved_fwd(r);
   }
   // ... and, its backward on those offsets too and no routing observer to call, reads nothing back.
   bool moe_training_reads_nothing(const LayerRecipe& r) const {
@@ -1466,10 +1468,9 @@ void Model::convert_bf16_weights_ahead() {
 
 bool Model::training_step_capturable() {
   if (device_ == Device::CPU || dtype_ != DType::F32 || quant_log_.enabled || quant_log_.record_calls) return false;
-  const auto bf16 = [](const QuantSpec& q) { return q.fmt == Format::BF16 && !q.quantized(); };
-  const auto all_bf16 = [&](const LayerRecipe& r) {
+  const auto all_bf16 = [](const LayerRecipe& r) {
     for (const GemmRecipe* g : {&r.fprop, &r.dgrad, &r.wgrad})
-      if (!bf16(g->a) || !bf16(g->b)) return false;
+      if (!dense_bf16(g->a) || !dense_bf16(g->b)) return false;
     return !r.requant_saved_sr;
   };
   ModelRunner run{*this, cfg_, SrStreams{}, &quant_log_};
@@ -1658,17 +1659,21 @@ ForwardStats Model::forward(const Tensor& tokens, const Tensor& targets, const S
   return forward_queued(tokens, targets, sr, for_backward, loss_weight, token_weights).stats();
 }
 
-PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
-                                          bool for_backward, float loss_weight, const Tensor& token_weights) {
+void Model::check_training_batch(const Tensor& tokens, const Tensor& targets, const Tensor& token_weights) const {
   if (tokens.dim() != 2 || tokens.dtype() != DType::I32)
     fail("model forward: tokens must be i32 [B, T], got {}", tokens.str());
   if (targets.shape() != tokens.shape() || targets.dtype() != DType::I32)
     fail("model forward: targets must be i32 {} like tokens, got {}", shape_str(tokens.shape()), targets.str());
-  const bool weighted = token_weights.defined();
-  if (weighted && (token_weights.shape() != tokens.shape() || token_weights.dtype() != DType::F32 ||
-                   token_weights.device() != device_))
+  if (token_weights.defined() && (token_weights.shape() != tokens.shape() || token_weights.dtype() != DType::F32 ||
+                                  token_weights.device() != device_))
     fail("model forward: token weights must be f32 {} on {} like tokens, got {}", shape_str(tokens.shape()),
          device_name(device_), token_weights.str());
+}
+
+PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& targets, const SrStreams& sr,
+                                          bool for_backward, float loss_weight, const Tensor& token_weights) {
+  check_training_batch(tokens, targets, token_weights);
+  const bool weighted = token_weights.defined();
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T, V = cfg_.vocab_size;
   if (T > cfg_.max_seq_len) fail("model forward: sequence length {} exceeds max_seq_len {}", T, cfg_.max_seq_len);
 

@@ -282,6 +282,9 @@ class Model {
     bf16_copies_current_ = bf16_copies_current && bf16_copies_.defined();
     amax_ahead_current_ = slice_amax_current && amax_ahead_.defined();
   }
+  // Fails, naming what was expected, unless tokens and targets are I32 [B, T] and token_weights
+  // (where defined) F32 [B, T] on this model's device: forward_queued's checks of its batch.
+  void check_training_batch(const Tensor& tokens, const Tensor& targets, const Tensor& token_weights) const;
   // Whether a training micro-batch's forward and backward on this model read nothing back to the
   // host and fix nothing that changes between steps into the work they queue, so that they can be
   // recorded as one CUDA graph and replayed in later steps (StepGraphs): on the GPU, every linear

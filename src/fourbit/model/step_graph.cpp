@@ -51,6 +51,7 @@ void StepGraphs::record(const Kind& kind, const SrStreams& sr) {
   // another (B, T) comes: the graph keeps the ones it recorded.
   std::vector<Tensor> keep{model_.training_positions(kind.B, kind.T), rec.tokens, rec.targets};
   if (kind.weighted) keep.push_back(rec.weights);
+  std::string error;
   try {
     const std::string outside = cache_outside_weights();
     if (!outside.empty())
@@ -64,30 +65,27 @@ void StepGraphs::record(const Kind& kind, const SrStreams& sr) {
     for (const Tensor& t : rec.stats->captured_tensors()) keep.push_back(t);
     rec.graph = capture.finish(keep);
   } catch (const Error& e) {
-    params.mark_grads_written();
+    error = e.what();
+  }
+  params.mark_grads_written();
+  if (!error.empty()) {
     failure_ = fmt::format("a training micro-batch could not be recorded as a CUDA graph ({}); the run goes on "
                            "without one",
-                           e.what());
+                           error);
     enabled_ = false;
     return;
   }
-  params.mark_grads_written();
   graphs_.push_back(std::move(rec));
 }
 
 PendingForwardStats StepGraphs::run(const Tensor& tokens, const Tensor& targets, const Tensor& weights,
                                     float loss_weight, const SrStreams& sr, bool first) {
-  const Kind kind{tokens.dim() == 2 ? tokens.size(0) : 0, tokens.dim() == 2 ? tokens.size(1) : 0, weights.defined(),
-                  first, loss_weight};
+  model_.check_training_batch(tokens, targets, weights);
+  const Kind kind{tokens.size(0), tokens.size(1), weights.defined(), first, loss_weight};
   const bool capturable = enabled_ && model_.training_step_capturable();
   if (capturable) {
     const auto it = std::find_if(graphs_.begin(), graphs_.end(), [&](const Recorded& r) { return r.kind == kind; });
-    if (it != graphs_.end()) {
-      // the shapes checked as forward_queued checks them; the ids by the replay's kernels (stats())
-      if (targets.shape() != tokens.shape() || tokens.dtype() != DType::I32 || targets.dtype() != DType::I32 ||
-          (kind.weighted && (weights.shape() != tokens.shape() || weights.dtype() != DType::F32)))
-        fail("training graph: tokens and targets must be i32 [B, T] and token weights f32 [B, T], got {}, {}, {}",
-             tokens.str(), targets.str(), weights.defined() ? weights.str() : "none");
+    if (it != graphs_.end()) {  // (the token and target ids are checked by the replay's kernels: stats())
       it->tokens.copy_from(tokens);
       it->targets.copy_from(targets);
       if (kind.weighted) it->weights.copy_from(weights);

@@ -528,7 +528,8 @@ struct PendingRoutePlan {
 };
 // read_back false (GPU): nothing comes back (with probs, the sums stay in device_prob_sums), the
 // host never waits for this plan (its offsets stay empty: work reads device_offsets), and a bad
-// expert id stays in the device's index-error record until check_index_errors. The CPU's plan is complete either way.
+// expert id stays in the device's index-error record until check_index_errors. The CPU's plan is
+// complete either way.
 // extra_rows (0 .. N): one more group after the experts' N k slots, tokens 0 .. extra_rows - 1 in
 // order (a MoE layer's shared expert run as one more group of the routed experts' GEMMs):
 // token_of_slot gets those extra_rows entries after the slots, and the offsets (host and device)
