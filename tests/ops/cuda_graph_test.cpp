@@ -1,8 +1,10 @@
 // defines: GPU tests of CUDA graph capture (skipped without a GPU): a replay runs the recorded ops
 //          on what the fixed input buffers hold at the time, with the capture's temporaries kept
-//          apart from the shared cache and counted in use until the graph goes; a read-back, a leftover buffer or a nested capture fails
-//          the capture by name and leaves the eager path working; and attention_step's kernel,
-//          which reads each row's position on the GPU, gives the bits of one launch per row.
+//          apart from the shared cache and counted in use until the graph goes; two graphs sharing
+//          one pool hold one set of temporaries and keep their bits; a read-back, a leftover buffer
+//          or a nested capture fails the capture by name and leaves the eager path working; and
+//          attention_step's kernel, which reads each row's position on the GPU, gives the bits of
+//          one launch per row.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -72,6 +74,80 @@ TEST(CudaGraphs, ReplayRunsTheRecordedOpsOnTheBuffersOfTheTime) {
   graph.reset();
   out = Tensor();
   EXPECT_EQ(device_bytes_in_use(), in_use) << "the graph's blocks went back with it";
+}
+
+// A second capture that shares the first graph's pool takes the first's temporaries' blocks instead
+// of its own; each graph still gives its bits when the two replay in turn, and a block of the pool
+// that the second graph's output held goes back to the pool, not to eager work, while the first
+// graph (which writes it) lives.
+TEST(CudaGraphs, GraphsThatShareAPoolHoldOneSetOfTemporaries) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Shape shape{333, 7};
+  const int64_t f32_block = (shape[0] * shape[1] * 4 + 511) / 512 * 512;  // the allocator's 512-byte granules
+  Tensor x = Tensor::zeros(shape, DType::F32, Device::CUDA), x2 = Tensor::zeros(shape, DType::F32, Device::CUDA);
+  Tensor y = Tensor::zeros(shape, DType::F32, Device::CUDA), y2 = Tensor::zeros(shape, DType::F32, Device::CUDA);
+  {
+    Tensor warm = Tensor::empty(shape, DType::F32, Device::CUDA);
+    work(x, x2, warm);
+  }
+  const int64_t in_use0 = device_bytes_in_use();
+  std::unique_ptr<DeviceGraph> first, second;
+  Tensor out1, out2;
+  {
+    GraphCapture capture;
+    out1 = Tensor::empty(shape, DType::F32, Device::CUDA);
+    work(x, x2, out1);
+    first = capture.finish({out1});
+  }
+  const int64_t in_use1 = device_bytes_in_use();
+  {
+    GraphCapture capture(first.get());
+    out2 = Tensor::empty(shape, DType::F32, Device::CUDA);
+    work(y, y2, out2);
+    second = capture.finish({out2});
+  }
+  // out2 took the first graph's F32 temporary and the BF16 one was there to take: one block more
+  EXPECT_EQ(device_bytes_in_use() - in_use1, f32_block);
+  auto expect_work = [&](const Tensor& a, const Tensor& b, const Tensor& out, const char* what) {
+    Tensor want = Tensor::empty(shape, DType::F32, Device::CUDA);
+    work(a, b, want);
+    EXPECT_TRUE(bitwise_equal(out.to(Device::CPU), want.to(Device::CPU))) << what;
+  };
+  for (uint64_t r = 0; r < 3; ++r) {
+    SCOPED_TRACE("round " + std::to_string(r));
+    x.copy_from(uniform(shape, 10 + r));
+    x2.copy_from(uniform(shape, 20 + r));
+    y.copy_from(uniform(shape, 30 + r));
+    y2.copy_from(uniform(shape, 40 + r));
+    // a graph's outputs are read before another of its pool replays (to_device's copy is queued behind it)
+    if (r % 2 == 0) {
+      first->replay();
+      expect_work(x, x2, out1, "first");
+      second->replay();
+      expect_work(y, y2, out2, "second");
+    } else {
+      second->replay();
+      expect_work(y, y2, out2, "second");
+      first->replay();
+      expect_work(x, x2, out1, "first");
+    }
+  }
+  const int64_t in_use2 = device_bytes_in_use();
+  second.reset();
+  out2 = Tensor();
+  EXPECT_EQ(device_bytes_in_use(), in_use2) << "the second graph's blocks stay the pool's while the first lives";
+  // eager work now gets none of them: a buffer made now keeps its bytes through the first's replays
+  const Tensor pattern = uniform(shape, 99);
+  Tensor other = Tensor::empty(shape, DType::F32, Device::CUDA);
+  other.copy_from(pattern);
+  x.copy_from(uniform(shape, 50));
+  first->replay();
+  expect_work(x, x2, out1, "first, after the second went");
+  EXPECT_TRUE(bitwise_equal(other.to(Device::CPU), pattern)) << "a replay wrote a block handed to eager work";
+  first.reset();
+  out1 = Tensor();
+  other = Tensor();
+  EXPECT_EQ(device_bytes_in_use(), in_use0) << "the pool's blocks went back with its last graph";
 }
 
 TEST(CudaGraphs, WhatACaptureCannotRecordFailsByName) {

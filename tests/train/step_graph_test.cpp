@@ -3,8 +3,9 @@
 //          metrics bytes (loss, gradient norm, evaluations) step for step, with gradient
 //          accumulation, token weights and evaluation forwards of another batch shape after every
 //          step, and its summary counts the replays; (b) a bad token id in a replayed micro-batch
-//          fails at its stats, naming it; (c) a recipe whose micro-batch reads the routing back
-//          (mxfp8) is never recorded; (d) on the CPU every micro-batch runs eagerly, the bits of
+//          fails at its stats, naming it; (c) gradient accumulation's two recorded kinds share
+//          one pool of blocks; (d) a recipe whose micro-batch reads the routing back (mxfp8) is
+//          never recorded; (e) on the CPU every micro-batch runs eagerly, the bits of
 //          forward_queued and backward.
 #include <gtest/gtest.h>
 
@@ -139,6 +140,51 @@ TEST(CudaStepGraphs, ABadTokenInAReplayFailsAtItsStats) {
   EXPECT_HAS(error_of([&] { (void)p.stats(); }), "embedding_forward: tokens[5] = 263 is outside [0, V=260)");
   // the next replay reads a fresh record
   EXPECT_EQ(t.run(t.tokens, 4).stats().loss, t.losses[0]);
+}
+
+// Gradient accumulation's two kinds (a step's first micro-batch, which stores the gradients, and
+// the next, which adds to them) are recorded on one pool of blocks: the second recording takes
+// little memory of its own, and the replays, one after the other, give the eager losses.
+TEST(CudaStepGraphs, TheSecondKindSharesTheFirstsMemory) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  Model m(gpu_test_config(), recipe_by_name("bf16"), Device::CUDA);
+  init_params(m.params(), gpu_test_config(), 5);
+  StepGraphs graphs(m, true);
+  std::vector<Tensor> tokens, targets;
+  for (uint64_t i = 0; i < 2; ++i) {
+    tokens.push_back(random_tokens(2, 12, 20 + i).to(Device::CUDA));
+    targets.push_back(shifted_targets(random_tokens(2, 12, 20 + i), 258).to(Device::CUDA));
+  }
+  struct Micro {
+    double loss;
+    int64_t grew;  // device bytes in use after the micro-batch, less before
+  };
+  auto micro = [&](int step, int i) {
+    const bool first = i == 0;
+    if (first) m.params().zero_grad();
+    const int64_t before = device_bytes_in_use();
+    const double loss = graphs.run(tokens[size_t(i)], targets[size_t(i)], Tensor(), 0.5f,
+                                   SrStreams{11, uint64_t(step), uint64_t(i)}, first)
+                            .stats()
+                            .loss;
+    return Micro{loss, device_bytes_in_use() - before};
+  };
+  const Micro a0 = micro(0, 0), b0 = micro(0, 1);
+  const Micro a1 = micro(1, 0), b1 = micro(1, 1);  // each recorded after its eager run
+  ASSERT_EQ(graphs.graphs(), 2) << graphs.take_failure();
+  EXPECT_GT(a1.grew, 0) << "the first recording holds its micro-batch's activations";
+  EXPECT_LT(b1.grew, a1.grew / 4) << "the second recording took its own blocks, not the first's";
+  for (int step = 2; step < 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Micro a = micro(step, 0), b = micro(step, 1);
+    EXPECT_EQ(a.loss, a0.loss);
+    EXPECT_EQ(b.loss, b0.loss);
+    EXPECT_EQ(a.grew, 0);
+    EXPECT_EQ(b.grew, 0);
+  }
+  EXPECT_EQ(graphs.replays(), 4);
+  EXPECT_EQ(a1.loss, a0.loss);
+  EXPECT_EQ(b1.loss, b0.loss);
 }
 
 TEST(CudaStepGraphs, AMicroBatchThatReadsBackIsNeverRecorded) {

@@ -59,7 +59,9 @@ void StepGraphs::record(const Kind& kind, const SrStreams& sr) {
            "would read a freed copy",
            outside);
     if (kind.first) params.zero_grad();
-    GraphCapture capture;
+    // The kinds replay one at a time, and after_replay queues the reads of a replay's stats
+    // behind it: they can share one pool of blocks (device_memory.h).
+    GraphCapture capture(graphs_.empty() ? nullptr : graphs_.front().graph.get());
     rec.stats.emplace(model_.forward_queued(rec.tokens, rec.targets, sr, true, kind.loss_weight, rec.weights));
     model_.backward();
     for (const Tensor& t : rec.stats->captured_tensors()) keep.push_back(t);

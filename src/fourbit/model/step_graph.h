@@ -13,9 +13,9 @@
 // weight cache a recording cannot fill; a kind that never comes back, such as RL's micro-batches
 // whose loss weights change every step, is never recorded), and replayed from its third time on.
 // At most two kinds are recorded (a step's first micro-batch and the others of gradient
-// accumulation); any other runs eagerly. Each recorded kind holds the memory its capture took (a
-// micro-batch's activations and temporaries) for the run, so gradient accumulation holds that
-// twice.
+// accumulation); any other runs eagerly. The recorded kinds hold the memory their captures took (a
+// micro-batch's activations and temporaries) for the run, one set of blocks between them: the
+// second kind's capture takes the first's pool (GraphCapture(share)), as they never run at once.
 //
 // Only a model whose micro-batch reads nothing back can be recorded
 // (Model::training_step_capturable: the bf16 recipe with the MoE backward on the GPU's offsets);

@@ -60,11 +60,16 @@ void* current_stream();  // the cudaStream_t kernels go to now; null = the defau
 // CUDA graphs. The GPU work the host issues between a GraphCapture's start and finish() (kernels,
 // cuBLASLt calls, copies and memsets, on the current stream and its lanes) is recorded, not run,
 // into a DeviceGraph whose replay() runs all of it again with one launch and no host work per op.
-//  - Memory taken while capturing comes from a pool private to the capture: a replay writes the
-//    same addresses, so none of it goes back to the shared cache while the graph lives. Blocks
-//    still taken when the capture finishes must hold tensors of `keep` (the graph's outputs, which
-//    the graph keeps alive); any other fails finish() (a replay would write memory that something
-//    else may be given).
+//  - Memory taken while capturing comes from a pool kept apart from the shared cache: a replay
+//    writes the same addresses, so none of it goes back to the cache while a graph of the pool
+//    lives. Blocks still taken when the capture finishes must hold tensors of `keep` (the graph's
+//    outputs, which the graph keeps alive); any other fails finish() (a replay would write memory
+//    that something else may be given).
+//  - GraphCapture(share) takes its memory from the pool of the live graph `share` (and its
+//    temporaries' blocks first), so graphs that never run at once hold one set of blocks between
+//    them, not one each. Each may then write what the others took, outputs included: replay them
+//    one at a time on the stream, and read a graph's outputs (read_later queued behind its replay
+//    will do) before another of the pool replays.
 //  - A host-to-GPU copy while capturing is recorded from a pinned copy of the bytes that the graph
 //    owns: every replay copies the bytes the capture saw. Inputs that change between replays go
 //    into fixed buffers (tensors made before the capture) before replay().
@@ -79,7 +84,8 @@ class DeviceGraph {
 };
 class GraphCapture {
  public:
-  GraphCapture();   // fails without a GPU, while lanes are open or inside another capture
+  // fails without a GPU, while lanes are open or inside another capture; share: see above
+  explicit GraphCapture(const DeviceGraph* share = nullptr);
   ~GraphCapture();  // discards a capture not finished (an exception left it)
   GraphCapture(const GraphCapture&) = delete;
   GraphCapture& operator=(const GraphCapture&) = delete;

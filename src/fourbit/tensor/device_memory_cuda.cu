@@ -4,7 +4,8 @@
 // rounded up (512 B granules below 1 MiB, 2 MiB above) so near-equal requests share blocks.
 // Also the GPU lanes (device_memory.h): a few non-blocking streams forked from and joined to the
 // main stream with events; and CUDA graph capture (GraphCapture), which moves the main stream from
-// the default stream to a capturing one and takes memory from a pool private to the capture.
+// the default stream to a capturing one and takes memory from a pool kept apart from the shared
+// cache: the capture's own, or that of the graph it shares one with.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "fourbit/tensor/device_memory.h"
@@ -31,12 +33,16 @@ size_t round_size(size_t bytes) {
   return (bytes + kLarge - 1) / kLarge * kLarge;
 }
 
+struct CapturePool;
 struct Cache {
   std::mutex mu;
   std::map<size_t, std::vector<void*>> free_blocks;
   std::vector<std::pair<size_t, void*>> deferred;  // freed while lanes are open
   size_t cached_bytes = 0;
   int64_t in_use = 0, peak = 0;  // bytes handed out (rounded sizes)
+  // The blocks of the capture pools that live (CapturePool::members): one freed outside a capture
+  // goes back to its pool, whose graphs may write it, not to free_blocks.
+  std::unordered_map<void*, CapturePool*> pool_of;
   void taken(size_t size) {
     in_use += int64_t(size);
     if (in_use > peak) peak = in_use;
@@ -62,24 +68,62 @@ Lanes& lanes() {
   return *l;
 }
 
-// The capture in progress (GraphCapture): the stream it records, and the blocks it took. Blocks
-// freed while capturing go to the capture's own free lists, not the shared cache, and are reused
-// only inside the capture: a replay writes every block the capture used, so none of them may be
-// handed to anything else while the graph lives (DeviceGraph gives them back when destroyed).
+// The memory of one or more captures (GraphCapture; those after the first share it through
+// GraphCapture(share)). A replay writes every block its capture used, so none of them may be
+// handed to anything but a capture of the same pool while one of its graphs lives: blocks freed
+// while capturing, or freed later by the tensors that held them, go to the pool's free lists, not
+// the shared cache. They stay counted in use until the last graph of the pool goes, when its
+// destructor gives them back.
 struct CapturePool {
   std::map<size_t, std::vector<void*>> free_blocks;
-  std::vector<std::pair<size_t, void*>> deferred;  // freed while lanes are open
-  std::map<void*, size_t> taken;                    // handed out during the capture, not freed
+  std::vector<std::pair<size_t, void*>> deferred;  // freed while capturing with lanes open
+  std::map<void*, size_t> members;                  // every block a capture of the pool took or freed
   std::vector<void*> pinned;                        // host bytes the recorded uploads copy
+  CapturePool() = default;
+  CapturePool(const CapturePool&) = delete;
+  CapturePool& operator=(const CapturePool&) = delete;
+  ~CapturePool();
 };
+// The capture in progress: the stream it records, its pool, and the blocks it took that no one has
+// freed yet (which finish() requires to be the graph's outputs).
 struct Capture {
   cudaStream_t stream = nullptr;  // made once, non-blocking
-  std::unique_ptr<CapturePool> pool;  // null: not capturing
+  std::shared_ptr<CapturePool> pool;  // null: not capturing
+  std::map<void*, size_t> taken;
 };
 Capture& capture() {
   static Capture* c = new Capture();  // the stream lives for the process
   return *c;
 }
+
+// The last graph of the pool is gone (or the only capture failed): its free blocks go to the
+// shared cache, and the blocks tensors still hold will when those are freed.
+CapturePool::~CapturePool() {
+  Cache& c = cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto give = [&](size_t size, void* p) {
+      c.free_blocks[size].push_back(p);
+      c.cached_bytes += size;
+      c.in_use -= int64_t(size);
+    };
+    for (const auto& [size, blocks] : free_blocks)
+      for (void* p : blocks) give(size, p);
+    for (const auto& [size, p] : deferred) give(size, p);
+    for (const auto& [p, size] : members) c.pool_of.erase(p);
+  }
+  for (void* h : pinned) cudaFreeHost(h);
+}
+
+// A block handed out while capturing: the capture's until freed, and its pool's from then on.
+void join_capture_pool(Cache& c, void* p, size_t size) {
+  Capture& cap = capture();
+  if (!cap.pool) return;
+  cap.taken[p] = size;
+  cap.pool->members[p] = size;
+  c.pool_of[p] = cap.pool.get();
+}
+
 
 // Host-to-GPU copies of up to kSlotBytes go through pinned staging slots, so the host need not
 // wait for the GPU: the bytes are copied into a slot at once (the caller may reuse its buffer on
@@ -229,12 +273,12 @@ void* device_alloc(size_t bytes) {
   Cache& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mu);
-    if (CapturePool* pool = capture().pool.get()) {  // the capture's own blocks first (still counted in use)
+    if (CapturePool* pool = capture().pool.get()) {  // the pool's own blocks first (still counted in use)
       auto it = pool->free_blocks.find(size);
       if (it != pool->free_blocks.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
-        pool->taken[p] = size;
+        capture().taken[p] = size;
         return p;
       }
     }
@@ -244,7 +288,7 @@ void* device_alloc(size_t bytes) {
       it->second.pop_back();
       c.cached_bytes -= size;
       c.taken(size);
-      if (CapturePool* pool = capture().pool.get()) pool->taken[p] = size;
+      join_capture_pool(c, p, size);
       return p;
     }
   }
@@ -269,7 +313,7 @@ void* device_alloc(size_t bytes) {
   if (e != cudaSuccess) fail("cudaMalloc of {} bytes failed: {}", size, cudaGetErrorString(e));
   std::lock_guard<std::mutex> lock(c.mu);
   c.taken(size);
-  if (CapturePool* pool = capture().pool.get()) pool->taken[p] = size;
+  join_capture_pool(c, p, size);
   return p;
 }
 
@@ -282,13 +326,29 @@ void device_free(void* p, size_t bytes) {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mu);
   const size_t size = round_size(bytes);
+  const auto owner = c.pool_of.find(p);
   if (CapturePool* pool = capture().pool.get()) {
-    // A block freed while capturing stays the capture's, whenever it was taken: the graph may
-    // write it (and it is reused only by later work of the same capture, ordered after this). It
-    // stays counted in use until the pool gives it back (release_pool).
-    pool->taken.erase(p);
+    // A block freed while capturing becomes the pool's, whenever it was taken: the graph may
+    // write it (and it is reused only by later work of the same pool's captures, ordered after
+    // this). It stays counted in use until the pool gives it back (~CapturePool). A block of
+    // another pool (an output of another live graph) goes back to that one.
+    capture().taken.erase(p);
+    if (owner != c.pool_of.end() && owner->second != pool) {
+      owner->second->free_blocks[size].push_back(p);
+      return;
+    }
+    if (owner == c.pool_of.end()) {
+      pool->members[p] = size;
+      c.pool_of[p] = pool;
+    }
     if (lanes().open) pool->deferred.emplace_back(size, p);
     else pool->free_blocks[size].push_back(p);
+    return;
+  }
+  if (owner != c.pool_of.end()) {
+    // a graph's output, freed while a graph of its pool lives (which may write the block): the
+    // pool's again. No capture runs now, and one begins only outside lanes.
+    owner->second->free_blocks[size].push_back(p);
     return;
   }
   c.in_use -= int64_t(size);
@@ -435,59 +495,49 @@ bool lanes_open() { return lanes().open > 0; }
 
 namespace {
 
-// Gives a finished or discarded capture's free blocks to the shared cache and frees its pinned
-// bytes (blocks still taken belong to tensors, which give them to the shared cache when freed).
-void release_pool(CapturePool& pool) {
-  Cache& c = cache();
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    auto give = [&](size_t size, void* p) {
-      c.free_blocks[size].push_back(p);
-      c.cached_bytes += size;
-      c.in_use -= int64_t(size);
-    };
-    for (const auto& [size, blocks] : pool.free_blocks)
-      for (void* p : blocks) give(size, p);
-    for (const auto& [size, p] : pool.deferred) give(size, p);
-  }
-  for (void* h : pool.pinned) cudaFreeHost(h);
-  pool.free_blocks.clear();
-  pool.deferred.clear();
-  pool.pinned.clear();
-}
-
 class CudaGraph final : public DeviceGraph {
  public:
-  CudaGraph(cudaGraphExec_t exec, std::unique_ptr<CapturePool> pool, std::vector<Tensor> keep)
+  CudaGraph(cudaGraphExec_t exec, std::shared_ptr<CapturePool> pool, std::vector<Tensor> keep)
       : exec_(exec), pool_(std::move(pool)), keep_(std::move(keep)) {}
   ~CudaGraph() override {
     cudaDeviceSynchronize();  // a replay in flight still reads the pinned bytes and writes the blocks
     cudaGraphExecDestroy(exec_);
-    release_pool(*pool_);
+    keep_.clear();  // the outputs' blocks go back to the pool (the last graph's, to the cache next)
+    pool_.reset();
   }
   void replay() override {
     if (capture().pool) fail("a CUDA graph cannot be replayed while another is being captured");
     if (lanes_open()) fail("a CUDA graph replays on the default stream, not inside GPU lanes");
     FOURBIT_MEM_CHECK(cudaGraphLaunch(exec_, cudaStream_t(0)));
   }
+  const std::shared_ptr<CapturePool>& pool() const { return pool_; }
 
  private:
   cudaGraphExec_t exec_;
-  std::unique_ptr<CapturePool> pool_;
+  std::shared_ptr<CapturePool> pool_;
   std::vector<Tensor> keep_;  // the outputs: their blocks are written by every replay
 };
 
 }  // namespace
 
-GraphCapture::GraphCapture() {
+GraphCapture::GraphCapture(const DeviceGraph* share) {
   if (cuda_device_count() == 0) fail("no CUDA device is visible: cannot capture a CUDA graph");
   Capture& cap = capture();
   if (cap.pool) fail("a CUDA graph is already being captured: captures do not nest");
   if (lanes_open()) fail("a CUDA graph capture cannot begin while GPU lanes are open");
+  std::shared_ptr<CapturePool> pool;
+  if (share) {
+    const auto* g = dynamic_cast<const CudaGraph*>(share);
+    if (!g) fail("GraphCapture: the graph to share memory with is not a CUDA graph");
+    pool = g->pool();
+  } else {
+    pool = std::make_shared<CapturePool>();
+  }
   if (!cap.stream) FOURBIT_MEM_CHECK(cudaStreamCreateWithFlags(&cap.stream, cudaStreamNonBlocking));
   // Relaxed: the allocator may still cudaMalloc a block the cache lacks while capturing.
   FOURBIT_MEM_CHECK(cudaStreamBeginCapture(cap.stream, cudaStreamCaptureModeRelaxed));
-  cap.pool = std::make_unique<CapturePool>();
+  cap.pool = std::move(pool);
+  cap.taken.clear();
   open_ = true;
 }
 
@@ -498,8 +548,8 @@ GraphCapture::~GraphCapture() {
   cudaStreamEndCapture(cap.stream, &g);  // fails where the capture was invalidated; nothing to keep either way
   if (g) cudaGraphDestroy(g);
   cudaGetLastError();
-  std::unique_ptr<CapturePool> pool = std::move(cap.pool);
-  release_pool(*pool);
+  cap.taken.clear();
+  cap.pool.reset();  // an unshared pool gives its blocks back here
 }
 
 std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>& keep) {
@@ -509,17 +559,19 @@ std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>& kee
   cudaGraph_t g = nullptr;
   const cudaError_t e = cudaStreamEndCapture(cap.stream, &g);
   open_ = false;
-  std::unique_ptr<CapturePool> pool = std::move(cap.pool);
+  std::shared_ptr<CapturePool> pool = std::move(cap.pool);
+  std::map<void*, size_t> taken_now;
+  taken_now.swap(cap.taken);
   auto discard = [&] {
     if (g) cudaGraphDestroy(g);
     cudaGetLastError();
-    release_pool(*pool);
+    pool.reset();  // an unshared pool gives its blocks back here
   };
   if (e != cudaSuccess || !g) {
     discard();
     fail("CUDA graph capture failed: {} (a call the capture could not record)", cudaGetErrorString(e));
   }
-  for (const auto& taken : pool->taken) {
+  for (const auto& taken : taken_now) {
     const char* begin = static_cast<const char*>(taken.first);
     const size_t size = taken.second;
     const bool held = std::any_of(keep.begin(), keep.end(), [&](const Tensor& t) {
@@ -533,7 +585,6 @@ std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>& kee
            size);
     }
   }
-  pool->taken.clear();  // those blocks are the kept tensors': the graph holds them
   cudaGraphExec_t exec = nullptr;
   const cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
   cudaGraphDestroy(g);

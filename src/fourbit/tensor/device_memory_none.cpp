@@ -34,7 +34,7 @@ void lanes_end() {}
 bool lanes_open() { return false; }
 int current_lane() { return -1; }
 void* current_stream() { return nullptr; }
-GraphCapture::GraphCapture() { fail("this fourbit was built without CUDA: no CUDA graphs"); }
+GraphCapture::GraphCapture(const DeviceGraph*) { fail("this fourbit was built without CUDA: no CUDA graphs"); }
 GraphCapture::~GraphCapture() = default;
 std::unique_ptr<DeviceGraph> GraphCapture::finish(const std::vector<Tensor>&) {
   fail("this fourbit was built without CUDA: no CUDA graphs");
