@@ -7,7 +7,11 @@
 //                    [--grad-quant V[,V...]] [--weight-amax optimizer|pass|both]
 //                    [--saved-x decodes|codes|both] [--weight-forms batched|each|both]
 //                    [--loss-read queued|first|both] [--router-wgrad kernels|cublas|both]
-//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--graph V[,V...]] [--json FILE]
+//                    [--tma-tile V[,V...]] [--moe-backward V[,V...]] [--graph V[,V...]]
+//                    [--set section.key=value]... [--json FILE]
+// --set: a config field changed as fourbit pretrain's --set does (train.grad_accum=2 with
+// train.batch_size=4 runs gpu-small's 8192 tokens a step as two micro-batches); the JSON's meta
+// lists them.
 // --expert-gemms (CUDA): the expert GEMMs through the grouped kernel with block-scaled operands
 // dequantized inside it (grouped, the default; grouped-lanes-dgrad: with the bf16 recipe's expert
 // dgrad, a transposed weight, on cuBLASLt an expert at a time), the grouped kernel after a decode
@@ -140,10 +144,16 @@ void sync(Device d) {
   if (d == Device::CUDA) device_synchronize();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const RunConfig cfg = load_config(arg(argc, argv, "--config", "configs/tiny.toml"));
+int run(int argc, char** argv) {
+  std::vector<std::string> sets;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--set") sets.push_back(argv[i + 1]);
+  const RunConfig cfg = [&] {
+    RunConfig c = load_config(arg(argc, argv, "--config", "configs/tiny.toml"));
+    for (const std::string& a : sets) apply_override(c, a);
+    validate_config(c);
+    return c;
+  }();
   const Device device = arg(argc, argv, "--device", "cpu") == "cuda" ? Device::CUDA : Device::CPU;
   if (device == Device::CUDA && cuda_device_count() == 0) {
     std::printf("train_bench: no CUDA device; nothing measured\n");
@@ -365,7 +375,19 @@ int main(int argc, char** argv) {
   table.meta = {{"config", cfg.path}, {"device", device_name(device)}, {"machine", machine}, {"tokens_per_step", tokens_per_step},
                 {"model_flops_per_token", flops_per_token}, {"active_matmul_params", active_matmul_params(cfg.model)},
                 {"warmup", warmup}, {"steps", steps}};
+  if (!sets.empty()) table.meta["set"] = sets;
   table.print();
   table.write_json(arg(argc, argv, "--json", ""));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // a bad option or config field: its message, not an abort
+    std::fprintf(stderr, "train_bench: %s\n", e.what());
+    return 2;
+  }
 }
