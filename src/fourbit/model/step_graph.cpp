@@ -75,6 +75,7 @@ void StepGraphs::record(const Kind& kind, const SrStreams& sr) {
                            "without one",
                            error);
     enabled_ = false;
+    graphs_.clear();  // their blocks back for the eager micro-batches from here on
     return;
   }
   graphs_.push_back(std::move(rec));

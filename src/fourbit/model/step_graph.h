@@ -46,7 +46,8 @@ class StepGraphs {
   PendingForwardStats run(const Tensor& tokens, const Tensor& targets, const Tensor& weights, float loss_weight,
                           const SrStreams& sr, bool first);
 
-  // Why recording stopped (a capture that failed; the run goes on eagerly), once: empty otherwise.
+  // Why recording stopped (a capture that failed; the run goes on eagerly, the graphs recorded
+  // before it released), once: empty otherwise.
   std::string take_failure();
   int64_t graphs() const { return int64_t(graphs_.size()); }
   int64_t replays() const { return replays_; }
