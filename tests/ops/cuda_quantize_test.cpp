@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -621,6 +622,111 @@ TEST(CudaQuantize, GatheredRowColMatchesGatherThenRowCol) {
     EXPECT_NE(std::string(e.what()).find("gather_quantize_row_col: token_of_slot[2] = 8"), std::string::npos)
         << e.what();
   }
+}
+
+// ops::quantize_row_col_device_offsets and its gathered form on the GPU (each segment found from
+// the offsets on the GPU): the Row form is the host-offset call's, and col_rows the CPU's (each
+// segment's Col form decoded into its rows) bit for bit, for both element formats, RNE and SR on
+// each side, segments empty, shorter than a block and longer than several, and more segments than
+// a launch takes (two launches); offsets past the rows are clamped, not read past. The call reads
+// nothing back: recorded in a CUDA graph, its replays write the same forms for new offsets.
+TEST(CudaQuantize, RowColOnDeviceOffsetsMatchesCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  std::vector<QuantSpec> rows_specs, cols_specs;
+  mxfp8_axis_specs(rows_specs, cols_specs);
+  const std::vector<std::vector<int64_t>> lengths = {
+      {0, 1, 31, 32, 33, 100, 0, 64},
+      std::vector<int64_t>(40, 37),
+  };
+  auto bytes_equal = [](const Tensor& a, const Tensor& b) {
+    const Tensor ha = a.to(Device::CPU), hb = b.to(Device::CPU);
+    return ha.shape() == hb.shape() && ha.dtype() == hb.dtype() &&
+           std::memcmp(ha.raw(), hb.raw(), size_t(ha.nbytes())) == 0;
+  };
+  uint32_t seed = 5100;
+  int pair = 0;
+  for (int64_t cols : {37, 256, 1024})
+    for (const auto& len : lengths) {
+      std::vector<int64_t> offsets = {0};
+      for (int64_t n : len) offsets.push_back(offsets.back() + n);
+      std::vector<int32_t> off32(offsets.begin(), offsets.end());
+      const int64_t R = offsets.back();
+      const Tensor x_cpu = Tensor::from_host(make_data({1, R, cols}, Data::Varied, seed++).data(), {R, cols}, DType::F32);
+      const Tensor x_gpu = x_cpu.to(Device::CUDA);
+      const Tensor off_cpu = Tensor::from_host(off32.data(), {int64_t(off32.size())}, DType::I32);
+      const Tensor off_gpu = off_cpu.to(Device::CUDA);
+      for (const QuantSpec& rs : rows_specs)
+        for (const QuantSpec& cs : cols_specs) {
+          if (rs.fmt != cs.fmt) continue;
+          ++pair;
+          const ops::RngKey row_key{0xD1CEu + uint64_t(pair), 7};
+          std::vector<ops::RngKey> keys;
+          for (size_t e = 0; e < len.size(); ++e) keys.push_back({0xFACEu + uint64_t(pair), 5 * e + 1});
+          const ops::FormOut row_out = kForms[pair % 3];
+          const std::string what = std::to_string(R) + "x" + std::to_string(cols) + " " + spec_str(rs) + " + " +
+                                   spec_str(cs);
+          const ops::RowColQuant got =
+              ops::quantize_row_col_device_offsets(x_gpu, rs, row_key, cs, off_gpu, keys, row_out);
+          const ops::RowColQuant want_cpu =
+              ops::quantize_row_col_device_offsets(x_cpu, rs, row_key, cs, off_cpu, keys, row_out);
+          const ops::RowColQuant want_row =
+              ops::quantize_row_col(x_gpu, rs, row_key, cs, offsets, keys, row_out, ops::FormOut::Codes);
+          EXPECT_TRUE(got.col.empty()) << what;
+          ASSERT_TRUE(bytes_equal(got.col_rows, want_cpu.col_rows)) << what << ": col_rows";
+          for (const auto& [a, b] : {std::pair{got.row.codes, want_row.row.codes},
+                                     std::pair{got.row.block_scales, want_row.row.block_scales},
+                                     std::pair{got.row.bf16, want_row.row.bf16}}) {
+            ASSERT_EQ(a.defined(), b.defined()) << what;
+            if (a.defined()) {
+              ASSERT_TRUE(bytes_equal(a, b)) << what << ": the Row form";
+            }
+          }
+        }
+    }
+  EXPECT_EQ(pair, 3 * 2 * 32);  // 3 widths x 2 segmentations x (4 x 4 rounding/rule pairs) x 2 formats
+  // gathered: x's rows read through token_of_slot, against gather_rows then the plain call (and the CPU)
+  QuantSpec row = recipe_by_name("mxfp8").expert.fprop.a, col = recipe_by_name("mxfp8").expert.wgrad.b;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  const int64_t N = 50, M = 97, D = 300;
+  const Tensor x = Tensor::from_host(make_data({1, N, D}, Data::Varied, 5300).data(), {N, D}, DType::F32).to(Device::CUDA);
+  std::vector<int32_t> tok;
+  for (int32_t s = 0; s < M; ++s) tok.push_back((s * 7 + 3) % int32_t(N));
+  const Tensor t = Tensor::from_host(tok.data(), {M}, DType::I32).to(Device::CUDA);
+  const std::vector<int32_t> off32 = {0, 20, 20, 61, 97};
+  const Tensor off = Tensor::from_host(off32.data(), {5}, DType::I32).to(Device::CUDA);
+  const std::vector<ops::RngKey> keys = {{8, 1}, {8, 2}, {8, 3}, {8, 4}};
+  const ops::RowColQuant got =
+      ops::gather_quantize_row_col_device_offsets(x, t, row, {8, 9}, col, off, keys, ops::FormOut::CodesAndBf16);
+  Tensor x_perm = Tensor::empty({M, D}, DType::F32, Device::CUDA);
+  ops::gather_rows(x, t, x_perm);
+  const ops::RowColQuant want =
+      ops::quantize_row_col_device_offsets(x_perm.to(Device::CPU), row, {8, 9}, col, off.to(Device::CPU), keys);
+  EXPECT_TRUE(bytes_equal(got.col_rows, want.col_rows)) << "gathered: col_rows";
+  EXPECT_TRUE(bytes_equal(got.row.codes, want.row.codes)) << "gathered: the Row form";
+  // offsets past the rows: clamped to them (the last segment ends at the rows' end)
+  const std::vector<int32_t> past = {0, 20, 20, 61, 500};
+  const ops::RowColQuant clamped = ops::gather_quantize_row_col_device_offsets(
+      x, t, row, {8, 9}, col, Tensor::from_host(past.data(), {5}, DType::I32).to(Device::CUDA), keys,
+      ops::FormOut::Codes);
+  EXPECT_TRUE(bytes_equal(clamped.col_rows, got.col_rows)) << "offsets past the rows";
+  // in a CUDA graph: nothing comes back, and a replay reads the offsets of its time
+  Tensor off_live = Tensor::from_host(off32.data(), {5}, DType::I32).to(Device::CUDA);
+  std::unique_ptr<DeviceGraph> graph;
+  ops::RowColQuant recorded;
+  {
+    GraphCapture capture;
+    recorded = ops::gather_quantize_row_col_device_offsets(x, t, row, {8, 9}, col, off_live, keys, ops::FormOut::Codes);
+    graph = capture.finish({recorded.row.codes, recorded.row.block_scales, recorded.col_rows});
+  }
+  const std::vector<int32_t> other = {0, 3, 50, 50, 97};
+  off_live.copy_from(Tensor::from_host(other.data(), {5}, DType::I32));
+  graph->replay();
+  const ops::RowColQuant want_other =
+      ops::quantize_row_col_device_offsets(x_perm.to(Device::CPU), row, {8, 9}, col,
+                                           Tensor::from_host(other.data(), {5}, DType::I32), keys);
+  EXPECT_TRUE(bytes_equal(recorded.col_rows, want_other.col_rows)) << "the replay on other offsets";
+  EXPECT_TRUE(bytes_equal(recorded.row.codes, want_other.row.codes)) << "the replay's Row form";
 }
 
 // ops::moe_combine_backward_row_col on the GPU (dy_perm's rows computed where the quantizer reads

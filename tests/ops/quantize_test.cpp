@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fourbit/model/recipe.h"
+#include "fourbit/numerics/bf16.h"
 #include "fourbit/numerics/formats.h"
 #include "fourbit/numerics/hadamard.h"
 #include "fourbit/numerics/minifloat.h"
@@ -1189,6 +1190,58 @@ TEST(QuantizeSegments, GatheredRowColIsGatherThenRowCol) {
   };
   EXPECT_NE(error_of(x, {0, 30}).find("token_of_slot must be i32[M]"), std::string::npos);
   EXPECT_NE(error_of(t, {0, 44}).find("from 0 to token_of_slot's 45 rows"), std::string::npos);
+}
+
+// quantize_row_col_device_offsets and its gathered form: on the CPU, the offsets read from their
+// tensor and quantize_row_col run on them, its Row form returned as it is and each segment's Col
+// form decoded into that segment's rows of col_rows (empty segments write no rows); offsets not
+// i32[G + 1] on x's device and key counts that do not match are refused.
+TEST(QuantizeSegments, DeviceOffsetFormsDecodeEachSegmentsColFormIntoItsRows) {
+  const Dims d{1, 70, 40};
+  const Tensor x = to_tensor(varied_data(d, 91), d);
+  const std::vector<int32_t> off32 = {0, 33, 33, 70};
+  const std::vector<int64_t> offsets(off32.begin(), off32.end());
+  const Tensor off = Tensor::from_host(off32.data(), {4}, DType::I32);
+  const std::vector<ops::RngKey> keys = {{4, 1}, {4, 2}, {4, 3}};
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::SR), col = row;
+  col.axis = BlockAxis::Col;
+  const ops::RowColQuant got = ops::quantize_row_col_device_offsets(x, row, {4, 9}, col, off, keys);
+  EXPECT_TRUE(got.col.empty());
+  EXPECT_EQ(host<uint8_t>(got.row.codes), host<uint8_t>(ops::quantize(x, row, {4, 9}).codes));
+  ASSERT_EQ(got.col_rows.shape(), (Shape{70, 40}));
+  ASSERT_EQ(got.col_rows.dtype(), DType::BF16);
+  const std::vector<uint16_t> rows = host<uint16_t>(got.col_rows);
+  for (size_t e : {size_t(0), size_t(2)}) {
+    const Tensor dq = ops::dequantize(ops::quantize(x.slice_rows(offsets[e], offsets[e + 1]), col, keys[e]));
+    ASSERT_EQ(dq.shape(), (Shape{offsets[e + 1] - offsets[e], 40}));
+    for (int64_t i = 0; i < dq.numel(); ++i)
+      ASSERT_EQ(rows[size_t(offsets[e] * 40 + i)], num::bf16_encode(dq.data<float>()[i])) << e << " " << i;
+  }
+  // gathered: gather_rows, then the same
+  std::vector<int32_t> tok;
+  for (int32_t s = 0; s < 70; ++s) tok.push_back((s * 13 + 1) % 70);
+  const Tensor t = Tensor::from_host(tok.data(), {70}, DType::I32);
+  Tensor xp = Tensor::empty({70, 40}, DType::F32);
+  ops::gather_rows(x, t, xp);
+  const ops::RowColQuant gathered = ops::gather_quantize_row_col_device_offsets(x, t, row, {4, 9}, col, off, keys);
+  const ops::RowColQuant want = ops::quantize_row_col_device_offsets(xp, row, {4, 9}, col, off, keys);
+  EXPECT_EQ(host<uint16_t>(gathered.col_rows), host<uint16_t>(want.col_rows));
+  EXPECT_EQ(host<uint8_t>(gathered.row.codes), host<uint8_t>(want.row.codes));
+  auto error_of = [&](const Tensor& o, size_t nkeys) {
+    try {
+      ops::quantize_row_col_device_offsets(x, row, {}, col, o, std::vector<ops::RngKey>(nkeys));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::vector<int64_t> off64 = {0, 70};
+  EXPECT_NE(error_of(Tensor::from_host(off64.data(), {2}, DType::I64), 1).find("offsets must be i32[G + 1]"),
+            std::string::npos);
+  EXPECT_NE(error_of(off, 2).find("2 keys for 3 segments"), std::string::npos);
+  const std::vector<int32_t> short_off = {0, 69};
+  EXPECT_NE(error_of(Tensor::from_host(short_off.data(), {2}, DType::I32), 1).find("from 0 to x's 70 rows"),
+            std::string::npos);
 }
 
 // moe_combine_backward_row_col: on the CPU, moe_combine_backward (dw written) and then

@@ -224,6 +224,79 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
   return out;
 }
 
+namespace {
+// offsets as the *_device_offsets forms take them: I32 [G + 1], G >= 1, on `dev`; returns G.
+int64_t check_device_offsets(const char* op, const Tensor& offsets, Device dev) {
+  if (!offsets.defined() || offsets.dim() != 1 || offsets.dtype() != DType::I32 || offsets.device() != dev ||
+      offsets.size(0) < 2)
+    fail("{}: offsets must be i32[G + 1] with G >= 1 on {}, got {}{}", op, device_name(dev), str_or_undef(offsets),
+         offsets.defined() ? offsets.str() : "");
+  return offsets.size(0) - 1;
+}
+std::vector<int64_t> offsets_on_host(const Tensor& offsets) {
+  const Tensor h = offsets.to(Device::CPU);
+  return std::vector<int64_t>(h.data<int32_t>(), h.data<int32_t>() + h.numel());
+}
+// A quantize_row_col result on host offsets in the *_device_offsets form: each segment's Col form
+// decoded (exactly: MXFP8 values are BF16 values) into its rows of col_rows.
+RowColQuant col_forms_as_rows(RowColQuant q, const std::vector<int64_t>& offsets, int64_t cols, Device dev) {
+  q.col_rows = Tensor::empty({offsets.back(), cols}, DType::BF16, dev);
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    if (offsets[g] == offsets[g + 1]) continue;
+    Tensor rows = q.col_rows.slice_rows(offsets[g], offsets[g + 1]);
+    convert(dequantize(q.col[g]), rows);
+  }
+  q.col.clear();
+  return q;
+}
+}  // namespace
+
+RowColQuant quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng,
+                                            const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::vector<RngKey>& col_rngs, FormOut row_out) {
+  const char* op = "quantize_row_col_device_offsets";
+  const HostOpTimer host_timer(op);
+  if (x.dim() != 2) fail("{}: x must be 2-D [rows, cols], got {}", op, x.str());
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_device_offsets(op, offsets, x.device());
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+#if FOURBIT_HAS_CUDA
+  RowColQuant out;
+  if (x.device() == Device::CUDA &&
+      cuda::quantize_row_col_device_offsets(x, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, out))
+    return out;
+#endif
+  const std::vector<int64_t> h = offsets_on_host(offsets);
+  return col_forms_as_rows(quantize_row_col(x, row_spec, row_rng, col_spec, h, col_rngs, row_out, FormOut::Codes), h,
+                           x.size(1), x.device());
+}
+
+RowColQuant gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot,
+                                                   const QuantSpec& row_spec, RngKey row_rng,
+                                                   const QuantSpec& col_spec, const Tensor& offsets,
+                                                   const std::vector<RngKey>& col_rngs, FormOut row_out) {
+  const char* op = "gather_quantize_row_col_device_offsets";
+  const HostOpTimer host_timer(op);
+  if (x.dim() != 2) fail("{}: x must be 2-D [N, D], got {}", op, x.str());
+  if (!token_of_slot.defined() || token_of_slot.dim() != 1 || token_of_slot.dtype() != DType::I32 ||
+      token_of_slot.device() != x.device())
+    fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
+         token_of_slot.defined() ? token_of_slot.str() : "");
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_device_offsets(op, offsets, x.device());
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+#if FOURBIT_HAS_CUDA
+  RowColQuant out;
+  if (x.device() == Device::CUDA && cuda::gather_quantize_row_col_device_offsets(x, token_of_slot, row_spec, row_rng,
+                                                                                 col_spec, offsets, col_rngs, row_out, out))
+    return out;
+#endif
+  const std::vector<int64_t> h = offsets_on_host(offsets);
+  return col_forms_as_rows(
+      gather_quantize_row_col(x, token_of_slot, row_spec, row_rng, col_spec, h, col_rngs, row_out, FormOut::Codes), h,
+      x.size(1), x.device());
+}
+
 RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                     RngKey row_rng, const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                     const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {

@@ -1,5 +1,6 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
-//          quantize_row_col, gather_quantize_row_col, moe_combine_backward_row_col, swiglu_forward_row_col,
+//          quantize_row_col, quantize_row_col_device_offsets, gather_quantize_row_col,
+//          gather_quantize_row_col_device_offsets, moe_combine_backward_row_col, swiglu_forward_row_col,
 //          swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
 //          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
@@ -96,10 +97,24 @@ bool row_col_one_pass(const QuantSpec& row_spec, const QuantSpec& col_spec);
 struct RowColQuant {
   QTensor row;
   std::vector<QTensor> col;  // per segment (empty segments: empty QTensors)
+  // The *_device_offsets forms' Col forms: their BF16 decodes in the rows' layout, [rows, cols]
+  // (row r of segment g holds its values as segment g's Col form decodes them); col stays empty.
+  Tensor col_rows;
 };
 RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,
                              FormOut row_out = FormOut::Codes, FormOut col_out = FormOut::Codes);
+
+// quantize_row_col with the segments given as offsets, an I32 [G + 1] tensor on x's device (a
+// route plan's device_offsets, which the host does not have yet), the Col forms coming back as
+// out.col_rows: the layout in which grouped_wgrad_device_offsets reads a weight gradient's
+// operands on the same offsets. On the GPU, where quantize_row_col's one pass takes the specs,
+// that pass finds each segment on the GPU and nothing comes back (a step that runs it can be
+// captured in a graph); elsewhere the offsets are read back (bad ones fail) and quantize_row_col's
+// Col forms are decoded into those rows. The same values either way.
+RowColQuant quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng,
+                                            const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::vector<RngKey>& col_rngs, FormOut row_out = FormOut::Codes);
 
 // quantize_row_col of gather_rows(x, token_of_slot) (x F32 [N, D], token_of_slot I32 [M]: the
 // experts' dispatched tokens), bit for bit. On the GPU, where quantize_row_col's one pass takes
@@ -108,6 +123,12 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
 RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                     RngKey row_rng, const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                     const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
+// ... with the segments as quantize_row_col_device_offsets takes them.
+RowColQuant gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot,
+                                                   const QuantSpec& row_spec, RngKey row_rng,
+                                                   const QuantSpec& col_spec, const Tensor& offsets,
+                                                   const std::vector<RngKey>& col_rngs,
+                                                   FormOut row_out = FormOut::Codes);
 
 // moe_combine_backward(dout, y_perm, slot_of, w, dy_perm, dw) followed by quantize_row_col of
 // dy_perm (F32 [M, D]; offsets over its M slots), bit for bit: dw written, dy_perm returned

@@ -11,6 +11,7 @@
 //          grouped_tma_launches, grouped_wgrad_tma_launches, grouped_wgrad_device_calls,
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, recorded_index_errors_later, route_plan_read_backs, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
+//          quantize_row_col_device_offsets, gather_quantize_row_col_device_offsets,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, quantize_both_each,
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
@@ -305,6 +306,17 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
 bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec, RngKey row_rng,
                              const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                              const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out);
+
+// ops::quantize_row_col_device_offsets and ops::gather_quantize_row_col_device_offsets on CUDA
+// tensors (checked by the caller) into out, in one pass of mxfp8_row_col_kernel finding each
+// segment from the offsets on the GPU; false (nothing done) where quantize_row_col's conditions do
+// not hold for x.
+bool quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng,
+                                     const QuantSpec& col_spec, const Tensor& offsets,
+                                     const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out);
+bool gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
+                                            RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out);
 
 // moe_combine_backward's dw (checked as it checks its arguments), and in place of dy_perm each
 // slot's assignment a (slot_of[a] = slot; -1 where none): I32 [M], from which dy_perm's row is

@@ -396,6 +396,58 @@ bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const
   return true;
 }
 
+namespace {
+// The Row form as row_out asks and the Col forms' decodes in the rows' layout, [R, C], for a
+// launch on device offsets; the segments' keys (their rows are the GPU's).
+PairOutput alloc_row_col_rows(int64_t R, int64_t C, const QuantSpec& row_spec, RngKey row_rng,
+                              const QuantSpec& col_spec, FormOut row_out, RowColQuant& out) {
+  PairOutput o = alloc_row_col(R, C, row_spec, row_rng, col_spec, {}, row_out, FormOut::Codes, out);
+  out.col_rows = Tensor::empty({R, C}, DType::BF16, Device::CUDA);
+  o.col_bf16_rows = static_cast<__nv_bfloat16*>(out.col_rows.raw());
+  return o;
+}
+std::vector<PairSegmentOut> key_segments(const std::vector<RngKey>& keys) {
+  std::vector<PairSegmentOut> segs(keys.size());
+  for (size_t g = 0; g < keys.size(); ++g) segs[g].rng[0] = keys[g];
+  return segs;
+}
+}  // namespace
+
+bool quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng,
+                                     const QuantSpec& col_spec, const Tensor& offsets,
+                                     const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  const char* op = "quantize_row_col_device_offsets";
+  check_cuda_tensor(x, op, "x");
+  check_cuda_tensor(offsets, op, "offsets");
+  (void)quant_shape(x, row_spec);
+  (void)quant_shape(x, col_spec);
+  const int64_t R = x.size(0), C = x.size(1);
+  const PairOutput o = alloc_row_col_rows(R, C, row_spec, row_rng, col_spec, row_out, out);
+  if (R > 0 && C > 0)
+    launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, key_segments(col_rngs),
+                         &offsets, R);
+  return true;
+}
+
+bool gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
+                                            RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  const char* op = "gather_quantize_row_col_device_offsets";
+  check_cuda_tensor(x, op, "x");
+  check_cuda_tensor(token_of_slot, op, "token_of_slot");
+  check_cuda_tensor(offsets, op, "offsets");
+  (void)quant_shape(x, row_spec);
+  (void)quant_shape(x, col_spec);
+  const int64_t M = token_of_slot.size(0), N = x.size(0), D = x.size(1);
+  const PairOutput o = alloc_row_col_rows(M, D, row_spec, row_rng, col_spec, row_out, out);
+  if (M > 0 && D > 0)
+    launch_mxfp8_row_col(GatherSource{x.data<float>(), token_of_slot.data<int32_t>(), D, N, index_error_record()}, D,
+                         {o}, row_spec, col_spec, key_segments(col_rngs), &offsets, M);
+  return true;
+}
+
 bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of, const Tensor& w,
                                   Tensor& dw, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                                   const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs,

@@ -89,6 +89,7 @@ struct PairOut {
   uint8_t* col_codes;       // Col forms: a segment's storage [cols, its padded rows] at cols * at
   uint8_t* col_scales;      // [cols, padded rows / 32] at cols * at / 32
   __nv_bfloat16* col_bf16;  // [cols, padded rows] at cols * at
+  __nv_bfloat16* col_bf16_rows;  // the Col forms' decodes in the rows' layout: [rows, cols], row r at r
 };
 // The values' source: an F32 tensor of `ld` floats a row, or swiglu_backward's gradients.
 struct PlainSource {
@@ -157,6 +158,10 @@ template <class Src>
 constexpr int pair_outputs() {
   return std::is_same_v<Src, SwigluGradSource> ? 2 : 1;
 }
+// The segments are seg[0 .. n), or, with dev_offsets (I32 [groups + 1] on the GPU, the router's
+// offsets where it made them), groups first .. first + n of those offsets, whose rows the host
+// does not know: seg[i] then holds only group first + i's keys, and a CTA finds its group from the
+// offsets (pair_device_segment). rows: the source's rows (an offset past them is clamped).
 template <class Src>
 struct PairParams {
   Src src;
@@ -165,7 +170,35 @@ struct PairParams {
   PairOut out[2];
   PairSegment seg[kPairSegsPerLaunch];
   int n;
+  const int32_t* dev_offsets;
+  int first;
+  int64_t rows;
 };
+
+// Segment `first + i` of the device offsets that CTA `cta` falls in, set out as the host would
+// have (its rows, its first CTA, its keys), or false for a CTA past the groups' block rows (the
+// launch covers the most they can take: ceil(rows / 32) + n block rows). Read by one thread.
+template <class Src>
+__device__ inline bool pair_device_segment(const PairParams<Src>& p, int64_t cta, PairSegment& sg) {
+  auto at = [&](int g) { return min64(p.rows, int64_t(max(0, __ldg(p.dev_offsets + g)))); };
+  int64_t cta0 = 0, r0 = at(p.first);
+  for (int i = 0; i < p.n; ++i) {
+    const int64_t end = at(p.first + i + 1), r1 = end > r0 ? end : r0;  // a decreasing offset: an empty group
+    const int64_t ctas = (r1 - r0 + num::kMxBlock - 1) / num::kMxBlock * p.col_chunks;
+    if (cta < cta0 + ctas) {
+      sg = p.seg[i];
+      sg.x_row0 = r0;
+      sg.rows = r1 - r0;
+      sg.at = 0;
+      sg.counter_row0 = 0;
+      sg.cta0 = cta0;
+      return true;
+    }
+    cta0 += ctas;
+    r0 = r1;
+  }
+  return false;
+}
 
 // Words 2u and 2u + 1 of a block's eight code words (u = 0..3, known only at run time).
 __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4], int u) {
@@ -173,17 +206,14 @@ __device__ __forceinline__ uint2 code_pair(const uint32_t (&w)[num::kMxBlock / 4
                                                                                     : make_uint2(w[6], w[7]);
 }
 
-// CTA `cta` of a launch over p: its block row of one segment, both forms (the kernels below).
+// CTA `cta` of a launch over p, in segment sg: its block row there, both forms (the kernels below).
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
-__device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t cta) {
+__device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, const PairSegment& sg, int64_t cta) {
   constexpr int B = num::kMxBlock;
   constexpr int kOuts = pair_outputs<Src>(), kOutCols = kPairCols / kOuts;  // tile columns an output
   constexpr Format F = kExpBits == 4 ? Format::MXFP8_E4M3 : Format::MXFP8_E5M2;
   extern __shared__ __align__(16) unsigned char pair_smem[];
   float* tile = reinterpret_cast<float*>(pair_smem);
-  int si = 0;
-  while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
-  const PairSegment& sg = p.seg[si];
   const int64_t local = cta - sg.cta0, rb = local / p.col_chunks, r0 = rb * B;
   const int64_t c0 = (local % p.col_chunks) * kOutCols;  // each output's first column
   const int t = int(threadIdx.x);
@@ -328,7 +358,7 @@ __device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t c
 #pragma unroll
   for (int q = 0; q < kOuts; ++q) {
     any_codes |= p.out[q].row_codes || p.out[q].col_codes;
-    any_bf16 |= p.out[q].row_bf16 || p.out[q].col_bf16;
+    any_bf16 |= p.out[q].row_bf16 || p.out[q].col_bf16 || p.out[q].col_bf16_rows;
   }
   unsigned char* col_stage = pair_smem;
   unsigned char* row_stage = pair_smem + kStageRows;
@@ -367,7 +397,7 @@ __device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t c
     if (any_bf16) __syncthreads();  // the codes are read: the decodes take their bytes
   }
   if (any_bf16) {
-    if (col_live && out.col_bf16) {
+    if (col_live && (out.col_bf16 || out.col_bf16_rows)) {
       const float sv = decode8_scale<F>(col_scale);
       uint4* e = reinterpret_cast<uint4*>(col_stage + t * kColBf16Ld);
 #pragma unroll
@@ -391,6 +421,26 @@ __device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t c
         *reinterpret_cast<uint4*>(w.col_bf16 + p.cols * sg.at + jc * padded_rows + r0 + 8 * part) =
             *reinterpret_cast<const uint4*>(col_stage + c * kColBf16Ld + 16 * part);
     }
+    // The Col decodes in the rows' layout: row r0 + r's eight columns from the eight columns'
+    // staged blocks (whole 16-byte stores where the row's columns allow them).
+    for (int k = t; k < n_rows * (kPairCols / 8); k += kThreads) {
+      const int r = k / (kPairCols / 8), c8 = 8 * (k % (kPairCols / 8));
+      const PairOut& w = p.out[c8 / kOutCols];
+      const int64_t jc = c0 + c8 % kOutCols;
+      if (!w.col_bf16_rows || jc >= p.cols) continue;
+      __nv_bfloat16* dst = w.col_bf16_rows + (sg.x_row0 + r0 + r) * p.cols + jc;
+      const auto staged = [&](int e) {
+        return *reinterpret_cast<const __nv_bfloat16*>(col_stage + (c8 + e) * kColBf16Ld + 2 * r);
+      };
+      if (p.cols % 8 == 0) {
+        __align__(16) __nv_bfloat16 v8[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v8[e] = staged(e);
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v8);
+      } else {
+        for (int e = 0; e < 8 && jc + e < p.cols; ++e) dst[e] = staged(e);
+      }
+    }
     for (int k = t; k < B * (kPairCols / 8); k += kThreads) {  // row k / 32: 32 chunks of 8 BF16
       const int r = k / (kPairCols / 8), part = k % (kPairCols / 8);
       const PairOut& w = p.out[8 * part / kOutCols];
@@ -406,7 +456,19 @@ __device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, int64_t c
 template <int kExpBits, bool kRowSR, bool kColSR, class Src>
 __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4) mxfp8_row_col_kernel(const __grid_constant__ PairParams<Src> p) {
   dependent_launch_prologue();
-  row_col_tile<kExpBits, kRowSR, kColSR>(p, blockIdx.x);
+  const int64_t cta = blockIdx.x;
+  if (p.dev_offsets) {
+    __shared__ PairSegment sg;
+    __shared__ bool live;
+    if (threadIdx.x == 0) live = pair_device_segment(p, cta, sg);
+    __syncthreads();
+    if (!live) return;  // uniform: past the groups' block rows
+    row_col_tile<kExpBits, kRowSR, kColSR>(p, sg, cta);
+    return;
+  }
+  int si = 0;
+  while (si + 1 < p.n && p.seg[si + 1].cta0 <= cta) ++si;  // uniform over the CTA
+  row_col_tile<kExpBits, kRowSR, kColSR>(p, p.seg[si], cta);
 }
 
 // One F32 tensor ([S, R, C]: S slices of R rows) of mxfp8_row_col_jobs_kernel, as quantize_both
@@ -465,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, kRowSR || kColSR ? 2 : 4)
     sg.cta0 = jb.cta0 + sl * per_slice;
   }
   __syncthreads();
-  row_col_tile<kExpBits, kRowSR, kColSR>(sp, cta);
+  row_col_tile<kExpBits, kRowSR, kColSR>(sp, sp.seg[0], cta);
 }
 
 // One Col-axis segment of launch_mxfp8_row_col: rows x_row0 .. x_row0 + rows of the source, its
@@ -477,13 +539,14 @@ struct PairSegmentOut {
 };
 // One output of launch_mxfp8_row_col: its Row form (row: codes, scales and bf16 as allocated;
 // an undefined tensor is not written) under row_rng, and the bases of its Col forms (null: not
-// written).
+// written): per segment, or their decodes in the rows' layout (col_bf16_rows, [rows, cols]).
 struct PairOutput {
   QTensor* row;
   RngKey row_rng;
   uint8_t* col_codes;
   uint8_t* col_scales;
   __nv_bfloat16* col_bf16;
+  __nv_bfloat16* col_bf16_rows = nullptr;
 };
 
 // t's storage, or null for a form part not written (an undefined tensor).
@@ -492,11 +555,14 @@ inline void* raw_or_null(const Tensor& t) { return t.defined() ? t.raw() : nullp
 // The source's values ([rows, cols] per output) into the outputs' Row forms (every row under
 // row_spec) and the segments' Col forms under col_spec (rounding and scale rule; both MXFP8 of
 // one element format). Segments must cover the source's rows (each row's Row-axis block is
-// quantized by the CTA of its segment).
+// quantized by the CTA of its segment). With dev_offsets (I32 [segs.size() + 1] on the GPU, over
+// the source's `rows` rows) the segments are those offsets' groups, segs giving only their keys:
+// every launch covers the most block rows its groups can take, and the CTAs past theirs return.
 template <class Src>
 void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOutput>& outs,
                           const QuantSpec& row_spec, const QuantSpec& col_spec,
-                          const std::vector<PairSegmentOut>& segs) {
+                          const std::vector<PairSegmentOut>& segs, const Tensor* dev_offsets = nullptr,
+                          int64_t rows = 0) {
   constexpr int kOuts = pair_outputs<Src>();
   FOURBIT_CHECK(int(outs.size()) == kOuts, "launch_mxfp8_row_col: {} outputs for a source of {}", outs.size(), kOuts);
   const bool row_sr = row_spec.rounding == num::Rounding::SR, col_sr = col_spec.rounding == num::Rounding::SR;
@@ -522,9 +588,23 @@ void launch_mxfp8_row_col(const Src& src, int64_t cols, const std::vector<PairOu
       d.col_codes = w.col_codes;
       d.col_scales = w.col_scales;
       d.col_bf16 = w.col_bf16;
+      d.col_bf16_rows = w.col_bf16_rows;
     }
     int64_t ctas = 0;
-    for (size_t i = first; i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
+    if (dev_offsets) {
+      p.dev_offsets = dev_offsets->data<int32_t>();
+      p.first = int(first);
+      p.rows = rows;
+      for (size_t i = first; i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
+        PairSegment& sg = p.seg[p.n++];
+        for (int o = 0; o < kOuts; ++o) {
+          sg.seed[o] = segs[i].rng[o].seed;
+          sg.stream[o] = segs[i].rng[o].stream;
+        }
+      }
+      ctas = ((rows + num::kMxBlock - 1) / num::kMxBlock + p.n) * p.col_chunks;
+    }
+    for (size_t i = first; !dev_offsets && i < segs.size() && p.n < kPairSegsPerLaunch; ++i) {
       const PairSegmentOut& so = segs[i];
       PairSegment& sg = p.seg[p.n++];
       sg.x_row0 = so.x_row0;
