@@ -729,6 +729,71 @@ TEST(CudaQuantize, RowColOnDeviceOffsetsMatchesCpu) {
   EXPECT_TRUE(bytes_equal(recorded.row.codes, want_other.row.codes)) << "the replay's Row form";
 }
 
+// The computed sources on device offsets (moe_combine_backward_row_col_device_offsets,
+// swiglu_forward_row_col_device_offsets, swiglu_backward_row_col_device_offsets) on the GPU give
+// the CPU's forms bit for bit (the CPU: the host-offset op, each segment's Col form decoded into
+// its rows), over a route plan's slots with an expert of no tokens, widths inside and past a tile.
+TEST(CudaQuantize, ComputedSourcesOnDeviceOffsetsMatchCpu) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  QuantSpec row = recipe_by_name("mxfp8").expert.dgrad.a, col = recipe_by_name("mxfp8").expert.wgrad.a;
+  row.axis = BlockAxis::Row;
+  col.axis = BlockAxis::Col;
+  auto bytes_equal = [](const Tensor& a, const Tensor& b) {
+    const Tensor ha = a.to(Device::CPU), hb = b.to(Device::CPU);
+    return ha.shape() == hb.shape() && std::memcmp(ha.raw(), hb.raw(), size_t(ha.nbytes())) == 0;
+  };
+  auto same = [&](const ops::RowColQuant& got, const ops::RowColQuant& want, const std::string& what) {
+    EXPECT_TRUE(bytes_equal(got.col_rows, want.col_rows)) << what << ": col_rows";
+    EXPECT_TRUE(bytes_equal(got.row.codes, want.row.codes)) << what << ": Row codes";
+    EXPECT_TRUE(bytes_equal(got.row.block_scales, want.row.block_scales)) << what << ": Row scales";
+  };
+  uint32_t seed = 5400;
+  for (int64_t D : {40, 256, 300}) {
+    const int64_t N = 45, k = 2, E = 5;  // expert 4 gets no token
+    std::vector<int32_t> idx(size_t(N * k));
+    for (int64_t n = 0; n < N; ++n) {
+      idx[size_t(n * k)] = int32_t((n * 3) % 4);
+      idx[size_t(n * k + 1)] = int32_t((n * 3 + 1 + n % 3) % 4);
+      if (idx[size_t(n * k + 1)] == idx[size_t(n * k)]) idx[size_t(n * k + 1)] = (idx[size_t(n * k)] + 1) % 4;
+    }
+    const Tensor idx_cpu = Tensor::from_host(idx.data(), {N, k}, DType::I32);
+    const ops::RoutePlan plan_cpu = ops::route_plan(idx_cpu, E), plan_gpu = ops::route_plan(idx_cpu.to(Device::CUDA), E);
+    const std::vector<int32_t> off32(plan_cpu.offsets.begin(), plan_cpu.offsets.end());
+    const Tensor off_cpu = Tensor::from_host(off32.data(), {E + 1}, DType::I32), off_gpu = off_cpu.to(Device::CUDA);
+    std::vector<ops::RngKey> keys0, keys1;
+    for (int64_t e = 0; e < E; ++e) {
+      keys0.push_back({21, uint64_t(e)});
+      keys1.push_back({22, uint64_t(e)});
+    }
+    auto data = [&](int64_t r, int64_t c) {
+      return Tensor::from_host(make_data({1, r, c}, Data::Varied, seed++).data(), {r, c}, DType::F32);
+    };
+    const std::string what = "D " + std::to_string(D);
+    {  // the combine gradient
+      const Tensor dout = data(N, D), y_perm = data(N * k, D), w = data(N, k);
+      Tensor dw_gpu = Tensor::empty({N, k}, DType::F32, Device::CUDA), dw_cpu = Tensor::empty({N, k}, DType::F32);
+      const ops::RowColQuant got = ops::moe_combine_backward_row_col_device_offsets(
+          dout.to(Device::CUDA), y_perm.to(Device::CUDA), plan_gpu.slot_of, w.to(Device::CUDA), dw_gpu, row, {21, 9},
+          col, off_gpu, keys0, ops::FormOut::CodesAndBf16);
+      const ops::RowColQuant want = ops::moe_combine_backward_row_col_device_offsets(
+          dout, y_perm, plan_cpu.slot_of, w, dw_cpu, row, {21, 9}, col, off_cpu, keys0);
+      same(got, want, what + " combine");
+      EXPECT_TRUE(bytes_equal(dw_gpu, dw_cpu)) << what << " combine: dw";
+    }
+    const Tensor h1 = data(N * k, D), h3 = data(N * k, D), da = data(N * k, D);
+    same(ops::swiglu_forward_row_col_device_offsets(h1.to(Device::CUDA), h3.to(Device::CUDA), row, {23, 9}, col, off_gpu,
+                                                    keys0),
+         ops::swiglu_forward_row_col_device_offsets(h1, h3, row, {23, 9}, col, off_cpu, keys0), what + " swiglu");
+    const std::array<ops::RowColQuant, 2> got =
+        ops::swiglu_backward_row_col_device_offsets(da.to(Device::CUDA), h1.to(Device::CUDA), h3.to(Device::CUDA), row,
+                                                    {ops::RngKey{24, 1}, {24, 2}}, col, off_gpu, {keys0, keys1});
+    const std::array<ops::RowColQuant, 2> want = ops::swiglu_backward_row_col_device_offsets(
+        da, h1, h3, row, {ops::RngKey{24, 1}, {24, 2}}, col, off_cpu, {keys0, keys1});
+    same(got[0], want[0], what + " swiglu backward dh1");
+    same(got[1], want[1], what + " swiglu backward dh3");
+  }
+}
+
 // ops::moe_combine_backward_row_col on the GPU (dy_perm's rows computed where the quantizer reads
 // them) gives moe_combine_backward's dw and the bytes of quantize_row_col of its dy_perm, every
 // FormOut, a route plan's slots; two assignments of one slot are reported as moe_combine_backward

@@ -344,6 +344,31 @@ RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_per
   return quantize_row_col(dy_perm, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
 }
 
+RowColQuant moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm,
+                                                        const Tensor& slot_of, const Tensor& w, Tensor& dw,
+                                                        const QuantSpec& row_spec, RngKey row_rng,
+                                                        const QuantSpec& col_spec, const Tensor& offsets,
+                                                        const std::vector<RngKey>& col_rngs, FormOut row_out) {
+  const char* op = "moe_combine_backward_row_col_device_offsets";
+  const HostOpTimer host_timer(op);
+  if (!y_perm.defined() || y_perm.dim() != 2)
+    fail("{}: y_perm must be 2-D [M, D], got {}{}", op, str_or_undef(y_perm), y_perm.defined() ? y_perm.str() : "");
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_device_offsets(op, offsets, y_perm.device());
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+#if FOURBIT_HAS_CUDA
+  RowColQuant out;
+  if (dout.device() == Device::CUDA &&
+      cuda::moe_combine_backward_row_col_device_offsets(dout, y_perm, slot_of, w, dw, row_spec, row_rng, col_spec,
+                                                        offsets, col_rngs, row_out, out))
+    return out;
+#endif
+  const std::vector<int64_t> h = offsets_on_host(offsets);
+  return col_forms_as_rows(moe_combine_backward_row_col(dout, y_perm, slot_of, w, dw, row_spec, row_rng, col_spec, h,
+                                                        col_rngs, row_out, FormOut::Codes),
+                           h, y_perm.size(1), y_perm.device());
+}
+
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out) {
@@ -371,6 +396,28 @@ RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const Qua
   return quantize_row_col(a, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, col_out);
 }
 
+RowColQuant swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                                  RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                                  const std::vector<RngKey>& col_rngs, FormOut row_out) {
+  const char* op = "swiglu_forward_row_col_device_offsets";
+  const HostOpTimer host_timer(op);
+  if (h1.dim() != 2) fail("{}: h1 must be 2-D [rows, F], got {}", op, h1.str());
+  if (h3.shape() != h1.shape()) fail("{}: h3 {} must have h1's shape {}", op, h3.str(), h1.str());
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_device_offsets(op, offsets, h1.device());
+  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+#if FOURBIT_HAS_CUDA
+  RowColQuant out;
+  if (h1.device() == Device::CUDA &&
+      cuda::swiglu_forward_row_col_device_offsets(h1, h3, row_spec, row_rng, col_spec, offsets, col_rngs, row_out, out))
+    return out;
+#endif
+  const std::vector<int64_t> h = offsets_on_host(offsets);
+  return col_forms_as_rows(
+      swiglu_forward_row_col(h1, h3, row_spec, row_rng, col_spec, h, col_rngs, row_out, FormOut::Codes), h,
+      h1.size(1), h1.device());
+}
+
 std::array<RowColQuant, 2> swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h3,
                                                    const QuantSpec& row_spec, const std::array<RngKey, 2>& row_rngs,
                                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
@@ -395,6 +442,32 @@ std::array<RowColQuant, 2> swiglu_backward_row_col(const Tensor& da, const Tenso
   swiglu_backward(da, h1, h3, dh1, dh3);
   out[0] = quantize_row_col(dh1, row_spec, row_rngs[0], col_spec, offsets, col_rngs[0], row_out, col_out);
   out[1] = quantize_row_col(dh3, row_spec, row_rngs[1], col_spec, offsets, col_rngs[1], row_out, col_out);
+  return out;
+}
+
+std::array<RowColQuant, 2> swiglu_backward_row_col_device_offsets(
+    const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+    const std::array<RngKey, 2>& row_rngs, const QuantSpec& col_spec, const Tensor& offsets,
+    const std::array<std::vector<RngKey>, 2>& col_rngs, FormOut row_out) {
+  const char* op = "swiglu_backward_row_col_device_offsets";
+  const HostOpTimer host_timer(op);
+  if (da.dim() != 2) fail("{}: da must be 2-D [rows, F], got {}", op, da.str());
+  if (h1.shape() != da.shape() || h3.shape() != da.shape())
+    fail("{}: h1 {} and h3 {} must have da's shape {}", op, h1.str(), h3.str(), da.str());
+  check_row_col_axes(op, row_spec, col_spec);
+  const int64_t G = check_device_offsets(op, offsets, da.device());
+  for (const std::vector<RngKey>& keys : col_rngs)
+    if (int64_t(keys.size()) != G) fail("{}: {} keys for {} segments", op, keys.size(), G);
+  std::array<RowColQuant, 2> out;
+#if FOURBIT_HAS_CUDA
+  if (da.device() == Device::CUDA && cuda::swiglu_backward_row_col_device_offsets(da, h1, h3, row_spec, row_rngs,
+                                                                                  col_spec, offsets, col_rngs, row_out,
+                                                                                  out))
+    return out;
+#endif
+  const std::vector<int64_t> h = offsets_on_host(offsets);
+  out = swiglu_backward_row_col(da, h1, h3, row_spec, row_rngs, col_spec, h, col_rngs, row_out, FormOut::Codes);
+  for (RowColQuant& q : out) q = col_forms_as_rows(std::move(q), h, da.size(1), da.device());
   return out;
 }
 

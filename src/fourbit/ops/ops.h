@@ -1,7 +1,9 @@
 // defines: RngKey, QuantReport, quantize, outer_amax, quantize_segments, FormOut, row_col_one_pass, RowColQuant,
 //          quantize_row_col, quantize_row_col_device_offsets, gather_quantize_row_col,
-//          gather_quantize_row_col_device_offsets, moe_combine_backward_row_col, swiglu_forward_row_col,
-//          swiglu_backward_row_col, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
+//          gather_quantize_row_col_device_offsets, moe_combine_backward_row_col,
+//          moe_combine_backward_row_col_device_offsets, swiglu_forward_row_col,
+//          swiglu_forward_row_col_device_offsets, swiglu_backward_row_col,
+//          swiglu_backward_row_col_device_offsets, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
 //          requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
@@ -139,6 +141,13 @@ RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_per
                                          const Tensor& w, Tensor& dw, const QuantSpec& row_spec, RngKey row_rng,
                                          const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                          const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
+// ... with the segments as quantize_row_col_device_offsets takes them.
+RowColQuant moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm,
+                                                        const Tensor& slot_of, const Tensor& w, Tensor& dw,
+                                                        const QuantSpec& row_spec, RngKey row_rng,
+                                                        const QuantSpec& col_spec, const Tensor& offsets,
+                                                        const std::vector<RngKey>& col_rngs,
+                                                        FormOut row_out = FormOut::Codes);
 
 // swiglu_forward's a of h1 and h3 (F32 [rows, F]) quantized as quantize_row_col quantizes it, the
 // bits of swiglu_forward followed by that call; offsets empty: its Row-axis form alone (the bits of
@@ -148,6 +157,11 @@ RowColQuant moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_per
 RowColQuant swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                    const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out);
+// ... with the segments as quantize_row_col_device_offsets takes them.
+RowColQuant swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                                  RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                                  const std::vector<RngKey>& col_rngs,
+                                                  FormOut row_out = FormOut::Codes);
 
 // swiglu_backward's dh1 and dh3 of da, h1 and h3 (F32 [rows, F]) quantized as quantize_row_col
 // quantizes each (output o: row_rngs[o], col_rngs[o]), the bits of swiglu_backward followed by
@@ -159,6 +173,11 @@ std::array<RowColQuant, 2> swiglu_backward_row_col(const Tensor& da, const Tenso
                                                    const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                                                    const std::array<std::vector<RngKey>, 2>& col_rngs,
                                                    FormOut row_out, FormOut col_out);
+// ... with the segments as quantize_row_col_device_offsets takes them.
+std::array<RowColQuant, 2> swiglu_backward_row_col_device_offsets(
+    const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+    const std::array<RngKey, 2>& row_rngs, const QuantSpec& col_spec, const Tensor& offsets,
+    const std::array<std::vector<RngKey>, 2>& col_rngs, FormOut row_out = FormOut::Codes);
 
 // x ([R, C], or [S, R, C]: a stack of expert weights) quantized on both axes, each with one
 // stream: bit for bit quantize(x, row_spec, row_rng) and quantize(x, col_spec, col_rng) (a

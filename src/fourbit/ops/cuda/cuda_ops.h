@@ -12,6 +12,8 @@
 //          set_dependent_launches, wgmma_available,
 //          check_recorded_index_errors, recorded_index_errors_later, route_plan_read_backs, gemm_batch, quantize_segments, quantize_row_col, gather_quantize_row_col,
 //          quantize_row_col_device_offsets, gather_quantize_row_col_device_offsets,
+//          moe_combine_backward_row_col_device_offsets, swiglu_forward_row_col_device_offsets,
+//          swiglu_backward_row_col_device_offsets,
 //          moe_combine_backward_owners, moe_combine_backward_row_col, swiglu_forward_row_col, swiglu_backward_row_col, quantize_both, quantize_both_each,
 //          requantize_transposed_segments, decode_bf16,
 //          quantize_kernel_for, quantize_kernel_names,
@@ -317,6 +319,21 @@ bool quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec,
 bool gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                             RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
                                             const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out);
+// ... and the combine gradient's and the SwiGLU's one-pass sources likewise (checked as their
+// host-offset forms check them; false where those would be).
+bool moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                                 const Tensor& w, Tensor& dw, const QuantSpec& row_spec,
+                                                 RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                                 const std::vector<RngKey>& col_rngs, FormOut row_out,
+                                                 RowColQuant& out);
+bool swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                           RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                           const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out);
+bool swiglu_backward_row_col_device_offsets(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                            const QuantSpec& row_spec, const std::array<RngKey, 2>& row_rngs,
+                                            const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::array<std::vector<RngKey>, 2>& col_rngs, FormOut row_out,
+                                            std::array<RowColQuant, 2>& out);
 
 // moe_combine_backward's dw (checked as it checks its arguments), and in place of dy_perm each
 // slot's assignment a (slot_of[a] = slot; -1 where none): I32 [M], from which dy_perm's row is

@@ -505,6 +505,66 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
   return true;
 }
 
+bool moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm, const Tensor& slot_of,
+                                                 const Tensor& w, Tensor& dw, const QuantSpec& row_spec,
+                                                 RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                                 const std::vector<RngKey>& col_rngs, FormOut row_out,
+                                                 RowColQuant& out) {
+  if (!row_col_kernel_takes(dout, row_spec, col_spec) || y_perm.dtype() != DType::F32) return false;
+  check_cuda_tensor(offsets, "moe_combine_backward_row_col_device_offsets", "offsets");
+  const Tensor owner = moe_combine_backward_owners(dout, y_perm, slot_of, w, dw);  // checks the arguments
+  const int64_t M = owner.size(0), D = dout.size(1), k = slot_of.size(1);
+  const PairOutput o = alloc_row_col_rows(M, D, row_spec, row_rng, col_spec, row_out, out);
+  if (M > 0 && D > 0)
+    launch_mxfp8_row_col(CombineGradSource{dout.data<float>(), owner.data<int32_t>(), w.data<float>(), D, k}, D, {o},
+                         row_spec, col_spec, key_segments(col_rngs), &offsets, M);
+  return true;
+}
+
+bool swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                           RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
+                                           const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
+  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
+  const char* op = "swiglu_forward_row_col_device_offsets";
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  check_cuda_tensor(offsets, op, "offsets");
+  (void)quant_shape(h1, row_spec);
+  (void)quant_shape(h1, col_spec);
+  const int64_t R = h1.size(0), F = h1.size(1);
+  const PairOutput o = alloc_row_col_rows(R, F, row_spec, row_rng, col_spec, row_out, out);
+  if (R > 0 && F > 0)
+    launch_mxfp8_row_col(SwigluSource{h1.data<float>(), h3.data<float>(), F}, F, {o}, row_spec, col_spec,
+                         key_segments(col_rngs), &offsets, R);
+  return true;
+}
+
+bool swiglu_backward_row_col_device_offsets(const Tensor& da, const Tensor& h1, const Tensor& h3,
+                                            const QuantSpec& row_spec, const std::array<RngKey, 2>& row_rngs,
+                                            const QuantSpec& col_spec, const Tensor& offsets,
+                                            const std::array<std::vector<RngKey>, 2>& col_rngs, FormOut row_out,
+                                            std::array<RowColQuant, 2>& out) {
+  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
+    return false;
+  const char* op = "swiglu_backward_row_col_device_offsets";
+  check_cuda_tensor(da, op, "da");
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  check_cuda_tensor(offsets, op, "offsets");
+  (void)quant_shape(da, row_spec);
+  (void)quant_shape(da, col_spec);
+  const int64_t R = da.size(0), F = da.size(1);
+  std::vector<PairOutput> outs;
+  for (int o = 0; o < 2; ++o)
+    outs.push_back(alloc_row_col_rows(R, F, row_spec, row_rngs[size_t(o)], col_spec, row_out, out[size_t(o)]));
+  std::vector<PairSegmentOut> segs = key_segments(col_rngs[0]);
+  for (size_t g = 0; g < segs.size(); ++g) segs[g].rng[1] = col_rngs[1][g];
+  if (R > 0 && F > 0)
+    launch_mxfp8_row_col(SwigluGradSource{da.data<float>(), h1.data<float>(), h3.data<float>(), F}, F, outs, row_spec,
+                         col_spec, segs, &offsets, R);
+  return true;
+}
+
 namespace {
 // quantize_both's outputs for x, allocated as row_out / col_out ask; x's shape.
 QuantShape alloc_both(const Tensor& x, const QuantSpec& row_spec, const QuantSpec& col_spec, FormOut row_out,
