@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <initializer_list>
 #include <vector>
 
 #include "fourbit/ops/cpu/cpu_ops.h"
@@ -225,13 +226,18 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
 }
 
 namespace {
-// offsets as the *_device_offsets forms take them: I32 [G + 1], G >= 1, on `dev`; returns G.
-int64_t check_device_offsets(const char* op, const Tensor& offsets, Device dev) {
+// The specs, offsets and keys of a *_device_offsets form: a Row-axis and a Col-axis spec (as
+// quantize_row_col checks them), offsets I32 [G + 1], G >= 1, on `dev`, and G keys in each set.
+void check_device_segments(const char* op, const QuantSpec& row_spec, const QuantSpec& col_spec, const Tensor& offsets,
+                           Device dev, std::initializer_list<size_t> key_counts) {
+  check_row_col_axes(op, row_spec, col_spec);
   if (!offsets.defined() || offsets.dim() != 1 || offsets.dtype() != DType::I32 || offsets.device() != dev ||
       offsets.size(0) < 2)
     fail("{}: offsets must be i32[G + 1] with G >= 1 on {}, got {}{}", op, device_name(dev), str_or_undef(offsets),
          offsets.defined() ? offsets.str() : "");
-  return offsets.size(0) - 1;
+  const int64_t G = offsets.size(0) - 1;
+  for (const size_t n : key_counts)
+    if (int64_t(n) != G) fail("{}: {} keys for {} segments", op, n, G);
 }
 std::vector<int64_t> offsets_on_host(const Tensor& offsets) {
   const Tensor h = offsets.to(Device::CPU);
@@ -257,9 +263,7 @@ RowColQuant quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& ro
   const char* op = "quantize_row_col_device_offsets";
   const HostOpTimer host_timer(op);
   if (x.dim() != 2) fail("{}: x must be 2-D [rows, cols], got {}", op, x.str());
-  check_row_col_axes(op, row_spec, col_spec);
-  const int64_t G = check_device_offsets(op, offsets, x.device());
-  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  check_device_segments(op, row_spec, col_spec, offsets, x.device(), {col_rngs.size()});
 #if FOURBIT_HAS_CUDA
   RowColQuant out;
   if (x.device() == Device::CUDA &&
@@ -282,9 +286,7 @@ RowColQuant gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor
       token_of_slot.device() != x.device())
     fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
          token_of_slot.defined() ? token_of_slot.str() : "");
-  check_row_col_axes(op, row_spec, col_spec);
-  const int64_t G = check_device_offsets(op, offsets, x.device());
-  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  check_device_segments(op, row_spec, col_spec, offsets, x.device(), {col_rngs.size()});
 #if FOURBIT_HAS_CUDA
   RowColQuant out;
   if (x.device() == Device::CUDA && cuda::gather_quantize_row_col_device_offsets(x, token_of_slot, row_spec, row_rng,
@@ -353,9 +355,7 @@ RowColQuant moe_combine_backward_row_col_device_offsets(const Tensor& dout, cons
   const HostOpTimer host_timer(op);
   if (!y_perm.defined() || y_perm.dim() != 2)
     fail("{}: y_perm must be 2-D [M, D], got {}{}", op, str_or_undef(y_perm), y_perm.defined() ? y_perm.str() : "");
-  check_row_col_axes(op, row_spec, col_spec);
-  const int64_t G = check_device_offsets(op, offsets, y_perm.device());
-  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  check_device_segments(op, row_spec, col_spec, offsets, y_perm.device(), {col_rngs.size()});
 #if FOURBIT_HAS_CUDA
   RowColQuant out;
   if (dout.device() == Device::CUDA &&
@@ -403,9 +403,7 @@ RowColQuant swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor
   const HostOpTimer host_timer(op);
   if (h1.dim() != 2) fail("{}: h1 must be 2-D [rows, F], got {}", op, h1.str());
   if (h3.shape() != h1.shape()) fail("{}: h3 {} must have h1's shape {}", op, h3.str(), h1.str());
-  check_row_col_axes(op, row_spec, col_spec);
-  const int64_t G = check_device_offsets(op, offsets, h1.device());
-  if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);
+  check_device_segments(op, row_spec, col_spec, offsets, h1.device(), {col_rngs.size()});
 #if FOURBIT_HAS_CUDA
   RowColQuant out;
   if (h1.device() == Device::CUDA &&
@@ -454,10 +452,7 @@ std::array<RowColQuant, 2> swiglu_backward_row_col_device_offsets(
   if (da.dim() != 2) fail("{}: da must be 2-D [rows, F], got {}", op, da.str());
   if (h1.shape() != da.shape() || h3.shape() != da.shape())
     fail("{}: h1 {} and h3 {} must have da's shape {}", op, h1.str(), h3.str(), da.str());
-  check_row_col_axes(op, row_spec, col_spec);
-  const int64_t G = check_device_offsets(op, offsets, da.device());
-  for (const std::vector<RngKey>& keys : col_rngs)
-    if (int64_t(keys.size()) != G) fail("{}: {} keys for {} segments", op, keys.size(), G);
+  check_device_segments(op, row_spec, col_spec, offsets, da.device(), {col_rngs[0].size(), col_rngs[1].size()});
   std::array<RowColQuant, 2> out;
 #if FOURBIT_HAS_CUDA
   if (da.device() == Device::CUDA && cuda::swiglu_backward_row_col_device_offsets(da, h1, h3, row_spec, row_rngs,

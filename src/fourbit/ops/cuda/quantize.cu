@@ -364,6 +364,31 @@ std::vector<PairSegmentOut> row_col_segments(const std::vector<int64_t>& offsets
 }
 }  // namespace
 
+namespace {
+// Whether the one-pass kernel takes the SwiGLU's F32 inputs (h1, h3) and the specs, the inputs
+// and specs then checked as op's; and the same for the SwiGLU's gradients (da, h1, h3).
+bool swiglu_pair_takes(const char* op, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                       const QuantSpec& col_spec) {
+  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  (void)quant_shape(h1, row_spec);
+  (void)quant_shape(h1, col_spec);
+  return true;
+}
+bool swiglu_grads_pair_takes(const char* op, const Tensor& da, const Tensor& h1, const Tensor& h3,
+                             const QuantSpec& row_spec, const QuantSpec& col_spec) {
+  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
+    return false;
+  check_cuda_tensor(da, op, "da");
+  check_cuda_tensor(h1, op, "h1");
+  check_cuda_tensor(h3, op, "h3");
+  (void)quant_shape(da, row_spec);
+  (void)quant_shape(da, col_spec);
+  return true;
+}
+}  // namespace
+
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                       const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
                       FormOut col_out, RowColQuant& out) {
@@ -465,12 +490,7 @@ bool moe_combine_backward_row_col(const Tensor& dout, const Tensor& y_perm, cons
 bool swiglu_forward_row_col(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, RngKey row_rng,
                             const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                             const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
-  const char* op = "swiglu_forward_row_col";
-  check_cuda_tensor(h1, op, "h1");
-  check_cuda_tensor(h3, op, "h3");
-  (void)quant_shape(h1, row_spec);
-  (void)quant_shape(h1, col_spec);
+  if (!swiglu_pair_takes("swiglu_forward_row_col", h1, h3, row_spec, col_spec)) return false;
   const int64_t R = h1.size(0), F = h1.size(1);
   // no offsets: the Row form alone, the kernel's CTAs over one segment of every row
   const std::vector<int64_t> whole = {0, R};
@@ -487,14 +507,7 @@ bool swiglu_backward_row_col(const Tensor& da, const Tensor& h1, const Tensor& h
                              const std::array<RngKey, 2>& row_rngs, const QuantSpec& col_spec,
                              const std::vector<int64_t>& offsets, const std::array<std::vector<RngKey>, 2>& col_rngs,
                              FormOut row_out, FormOut col_out, std::array<RowColQuant, 2>& out) {
-  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
-    return false;
-  const char* op = "swiglu_backward_row_col";
-  check_cuda_tensor(da, op, "da");
-  check_cuda_tensor(h1, op, "h1");
-  check_cuda_tensor(h3, op, "h3");
-  (void)quant_shape(da, row_spec);
-  (void)quant_shape(da, col_spec);
+  if (!swiglu_grads_pair_takes("swiglu_backward_row_col", da, h1, h3, row_spec, col_spec)) return false;
   const int64_t R = da.size(0), F = da.size(1);
   std::vector<PairOutput> outs;
   for (int o = 0; o < 2; ++o)
@@ -524,13 +537,9 @@ bool moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tenso
 bool swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
                                            RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
                                            const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
   const char* op = "swiglu_forward_row_col_device_offsets";
-  check_cuda_tensor(h1, op, "h1");
-  check_cuda_tensor(h3, op, "h3");
+  if (!swiglu_pair_takes(op, h1, h3, row_spec, col_spec)) return false;
   check_cuda_tensor(offsets, op, "offsets");
-  (void)quant_shape(h1, row_spec);
-  (void)quant_shape(h1, col_spec);
   const int64_t R = h1.size(0), F = h1.size(1);
   const PairOutput o = alloc_row_col_rows(R, F, row_spec, row_rng, col_spec, row_out, out);
   if (R > 0 && F > 0)
@@ -544,15 +553,9 @@ bool swiglu_backward_row_col_device_offsets(const Tensor& da, const Tensor& h1, 
                                             const QuantSpec& col_spec, const Tensor& offsets,
                                             const std::array<std::vector<RngKey>, 2>& col_rngs, FormOut row_out,
                                             std::array<RowColQuant, 2>& out) {
-  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
-    return false;
   const char* op = "swiglu_backward_row_col_device_offsets";
-  check_cuda_tensor(da, op, "da");
-  check_cuda_tensor(h1, op, "h1");
-  check_cuda_tensor(h3, op, "h3");
+  if (!swiglu_grads_pair_takes(op, da, h1, h3, row_spec, col_spec)) return false;
   check_cuda_tensor(offsets, op, "offsets");
-  (void)quant_shape(da, row_spec);
-  (void)quant_shape(da, col_spec);
   const int64_t R = da.size(0), F = da.size(1);
   std::vector<PairOutput> outs;
   for (int o = 0; o < 2; ++o)
