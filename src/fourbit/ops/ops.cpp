@@ -226,6 +226,13 @@ RowColQuant quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey 
 }
 
 namespace {
+// token_of_slot as the gathered row_col forms take it: i32[M] on x's device.
+void check_token_of_slot(const char* op, const Tensor& token_of_slot, const Tensor& x) {
+  if (!token_of_slot.defined() || token_of_slot.dim() != 1 || token_of_slot.dtype() != DType::I32 ||
+      token_of_slot.device() != x.device())
+    fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
+         token_of_slot.defined() ? token_of_slot.str() : "");
+}
 // The specs, offsets and keys of a *_device_offsets form: a Row-axis and a Col-axis spec (as
 // quantize_row_col checks them), offsets I32 [G + 1], G >= 1, on `dev`, and G keys in each set.
 void check_device_segments(const char* op, const QuantSpec& row_spec, const QuantSpec& col_spec, const Tensor& offsets,
@@ -282,10 +289,7 @@ RowColQuant gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor
   const char* op = "gather_quantize_row_col_device_offsets";
   const HostOpTimer host_timer(op);
   if (x.dim() != 2) fail("{}: x must be 2-D [N, D], got {}", op, x.str());
-  if (!token_of_slot.defined() || token_of_slot.dim() != 1 || token_of_slot.dtype() != DType::I32 ||
-      token_of_slot.device() != x.device())
-    fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
-         token_of_slot.defined() ? token_of_slot.str() : "");
+  check_token_of_slot(op, token_of_slot, x);
   check_device_segments(op, row_spec, col_spec, offsets, x.device(), {col_rngs.size()});
 #if FOURBIT_HAS_CUDA
   RowColQuant out;
@@ -305,10 +309,7 @@ RowColQuant gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot
   const HostOpTimer host_timer("gather_quantize_row_col");
   const char* op = "gather_quantize_row_col";
   if (x.dim() != 2) fail("{}: x must be 2-D [N, D], got {}", op, x.str());
-  if (!token_of_slot.defined() || token_of_slot.dim() != 1 || token_of_slot.dtype() != DType::I32 ||
-      token_of_slot.device() != x.device())
-    fail("{}: token_of_slot must be i32[M] on x's device, got {}{}", op, str_or_undef(token_of_slot),
-         token_of_slot.defined() ? token_of_slot.str() : "");
+  check_token_of_slot(op, token_of_slot, x);
   check_row_col_axes(op, row_spec, col_spec);
   const int64_t G = check_row_offsets(op, offsets, token_of_slot.size(0), "token_of_slot");
   if (int64_t(col_rngs.size()) != G) fail("{}: {} keys for {} segments", op, col_rngs.size(), G);

@@ -77,7 +77,7 @@ Lanes& lanes() {
 struct CapturePool {
   std::map<size_t, std::vector<void*>> free_blocks;
   std::vector<std::pair<size_t, void*>> deferred;  // freed while capturing with lanes open
-  std::map<void*, size_t> members;                  // every block a capture of the pool took or freed
+  std::vector<void*> members;                       // every block a capture of the pool took or freed
   std::vector<void*> pinned;                        // host bytes the recorded uploads copy
   CapturePool() = default;
   CapturePool(const CapturePool&) = delete;
@@ -110,7 +110,7 @@ CapturePool::~CapturePool() {
     for (const auto& [size, blocks] : free_blocks)
       for (void* p : blocks) give(size, p);
     for (const auto& [size, p] : deferred) give(size, p);
-    for (const auto& [p, size] : members) c.pool_of.erase(p);
+    for (void* p : members) c.pool_of.erase(p);
   }
   for (void* h : pinned) cudaFreeHost(h);
 }
@@ -120,10 +120,9 @@ void join_capture_pool(Cache& c, void* p, size_t size) {
   Capture& cap = capture();
   if (!cap.pool) return;
   cap.taken[p] = size;
-  cap.pool->members[p] = size;
+  cap.pool->members.push_back(p);
   c.pool_of[p] = cap.pool.get();
 }
-
 
 // Host-to-GPU copies of up to kSlotBytes go through pinned staging slots, so the host need not
 // wait for the GPU: the bytes are copied into a slot at once (the caller may reuse its buffer on
@@ -338,7 +337,7 @@ void device_free(void* p, size_t bytes) {
       return;
     }
     if (owner == c.pool_of.end()) {
-      pool->members[p] = size;
+      pool->members.push_back(p);
       c.pool_of[p] = pool;
     }
     if (lanes().open) pool->deferred.emplace_back(size, p);

@@ -367,24 +367,28 @@ std::vector<PairSegmentOut> row_col_segments(const std::vector<int64_t>& offsets
 namespace {
 // Whether the one-pass kernel takes the SwiGLU's F32 inputs (h1, h3) and the specs, the inputs
 // and specs then checked as op's; and the same for the SwiGLU's gradients (da, h1, h3).
+// Whether the one-pass kernel takes the F32 values x (`name` in op's messages) and the specs, x and
+// the specs then checked.
+bool pair_takes(const char* op, const char* name, const Tensor& x, const QuantSpec& row_spec,
+                const QuantSpec& col_spec) {
+  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
+  check_cuda_tensor(x, op, name);
+  (void)quant_shape(x, row_spec);  // validates the specs
+  (void)quant_shape(x, col_spec);
+  return true;
+}
 bool swiglu_pair_takes(const char* op, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
                        const QuantSpec& col_spec) {
-  if (!row_col_kernel_takes(h1, row_spec, col_spec) || h3.dtype() != DType::F32) return false;
-  check_cuda_tensor(h1, op, "h1");
+  if (h3.dtype() != DType::F32 || !pair_takes(op, "h1", h1, row_spec, col_spec)) return false;
   check_cuda_tensor(h3, op, "h3");
-  (void)quant_shape(h1, row_spec);
-  (void)quant_shape(h1, col_spec);
   return true;
 }
 bool swiglu_grads_pair_takes(const char* op, const Tensor& da, const Tensor& h1, const Tensor& h3,
                              const QuantSpec& row_spec, const QuantSpec& col_spec) {
-  if (!row_col_kernel_takes(da, row_spec, col_spec) || h1.dtype() != DType::F32 || h3.dtype() != DType::F32)
+  if (h1.dtype() != DType::F32 || h3.dtype() != DType::F32 || !pair_takes(op, "da", da, row_spec, col_spec))
     return false;
-  check_cuda_tensor(da, op, "da");
   check_cuda_tensor(h1, op, "h1");
   check_cuda_tensor(h3, op, "h3");
-  (void)quant_shape(da, row_spec);
-  (void)quant_shape(da, col_spec);
   return true;
 }
 }  // namespace
@@ -392,10 +396,7 @@ bool swiglu_grads_pair_takes(const char* op, const Tensor& da, const Tensor& h1,
 bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
                       const std::vector<int64_t>& offsets, const std::vector<RngKey>& col_rngs, FormOut row_out,
                       FormOut col_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
-  check_cuda_tensor(x, "quantize_row_col", "x");
-  (void)quant_shape(x, row_spec);  // validates the specs
-  (void)quant_shape(x, col_spec);
+  if (!pair_takes("quantize_row_col", "x", x, row_spec, col_spec)) return false;
   const int64_t R = x.size(0), C = x.size(1);
   const PairOutput o = alloc_row_col(R, C, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
   if (C > 0)
@@ -407,12 +408,9 @@ bool quantize_row_col(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng
 bool gather_quantize_row_col(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec, RngKey row_rng,
                              const QuantSpec& col_spec, const std::vector<int64_t>& offsets,
                              const std::vector<RngKey>& col_rngs, FormOut row_out, FormOut col_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   const char* op = "gather_quantize_row_col";
-  check_cuda_tensor(x, op, "x");
+  if (!pair_takes(op, "x", x, row_spec, col_spec)) return false;
   check_cuda_tensor(token_of_slot, op, "token_of_slot");
-  (void)quant_shape(x, row_spec);
-  (void)quant_shape(x, col_spec);
   const int64_t M = token_of_slot.size(0), N = x.size(0), D = x.size(1);
   const PairOutput o = alloc_row_col(M, D, row_spec, row_rng, col_spec, offsets, row_out, col_out, out);
   if (D > 0)
@@ -431,9 +429,10 @@ PairOutput alloc_row_col_rows(int64_t R, int64_t C, const QuantSpec& row_spec, R
   o.col_bf16_rows = static_cast<__nv_bfloat16*>(out.col_rows.raw());
   return o;
 }
-std::vector<PairSegmentOut> key_segments(const std::vector<RngKey>& keys) {
-  std::vector<PairSegmentOut> segs(keys.size());
-  for (size_t g = 0; g < keys.size(); ++g) segs[g].rng[0] = keys[g];
+std::vector<PairSegmentOut> key_segments(const std::vector<const std::vector<RngKey>*>& keys) {
+  std::vector<PairSegmentOut> segs(keys[0]->size());
+  for (size_t g = 0; g < segs.size(); ++g)
+    for (size_t o = 0; o < keys.size(); ++o) segs[g].rng[o] = (*keys[o])[g];
   return segs;
 }
 }  // namespace
@@ -441,16 +440,13 @@ std::vector<PairSegmentOut> key_segments(const std::vector<RngKey>& keys) {
 bool quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng,
                                      const QuantSpec& col_spec, const Tensor& offsets,
                                      const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   const char* op = "quantize_row_col_device_offsets";
-  check_cuda_tensor(x, op, "x");
+  if (!pair_takes(op, "x", x, row_spec, col_spec)) return false;
   check_cuda_tensor(offsets, op, "offsets");
-  (void)quant_shape(x, row_spec);
-  (void)quant_shape(x, col_spec);
   const int64_t R = x.size(0), C = x.size(1);
   const PairOutput o = alloc_row_col_rows(R, C, row_spec, row_rng, col_spec, row_out, out);
   if (R > 0 && C > 0)
-    launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, key_segments(col_rngs),
+    launch_mxfp8_row_col(PlainSource{x.data<float>(), C}, C, {o}, row_spec, col_spec, key_segments({&col_rngs}),
                          &offsets, R);
   return true;
 }
@@ -458,18 +454,15 @@ bool quantize_row_col_device_offsets(const Tensor& x, const QuantSpec& row_spec,
 bool gather_quantize_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot, const QuantSpec& row_spec,
                                             RngKey row_rng, const QuantSpec& col_spec, const Tensor& offsets,
                                             const std::vector<RngKey>& col_rngs, FormOut row_out, RowColQuant& out) {
-  if (!row_col_kernel_takes(x, row_spec, col_spec)) return false;
   const char* op = "gather_quantize_row_col_device_offsets";
-  check_cuda_tensor(x, op, "x");
+  if (!pair_takes(op, "x", x, row_spec, col_spec)) return false;
   check_cuda_tensor(token_of_slot, op, "token_of_slot");
   check_cuda_tensor(offsets, op, "offsets");
-  (void)quant_shape(x, row_spec);
-  (void)quant_shape(x, col_spec);
   const int64_t M = token_of_slot.size(0), N = x.size(0), D = x.size(1);
   const PairOutput o = alloc_row_col_rows(M, D, row_spec, row_rng, col_spec, row_out, out);
   if (M > 0 && D > 0)
     launch_mxfp8_row_col(GatherSource{x.data<float>(), token_of_slot.data<int32_t>(), D, N, index_error_record()}, D,
-                         {o}, row_spec, col_spec, key_segments(col_rngs), &offsets, M);
+                         {o}, row_spec, col_spec, key_segments({&col_rngs}), &offsets, M);
   return true;
 }
 
@@ -530,7 +523,7 @@ bool moe_combine_backward_row_col_device_offsets(const Tensor& dout, const Tenso
   const PairOutput o = alloc_row_col_rows(M, D, row_spec, row_rng, col_spec, row_out, out);
   if (M > 0 && D > 0)
     launch_mxfp8_row_col(CombineGradSource{dout.data<float>(), owner.data<int32_t>(), w.data<float>(), D, k}, D, {o},
-                         row_spec, col_spec, key_segments(col_rngs), &offsets, M);
+                         row_spec, col_spec, key_segments({&col_rngs}), &offsets, M);
   return true;
 }
 
@@ -544,7 +537,7 @@ bool swiglu_forward_row_col_device_offsets(const Tensor& h1, const Tensor& h3, c
   const PairOutput o = alloc_row_col_rows(R, F, row_spec, row_rng, col_spec, row_out, out);
   if (R > 0 && F > 0)
     launch_mxfp8_row_col(SwigluSource{h1.data<float>(), h3.data<float>(), F}, F, {o}, row_spec, col_spec,
-                         key_segments(col_rngs), &offsets, R);
+                         key_segments({&col_rngs}), &offsets, R);
   return true;
 }
 
@@ -560,11 +553,9 @@ bool swiglu_backward_row_col_device_offsets(const Tensor& da, const Tensor& h1, 
   std::vector<PairOutput> outs;
   for (int o = 0; o < 2; ++o)
     outs.push_back(alloc_row_col_rows(R, F, row_spec, row_rngs[size_t(o)], col_spec, row_out, out[size_t(o)]));
-  std::vector<PairSegmentOut> segs = key_segments(col_rngs[0]);
-  for (size_t g = 0; g < segs.size(); ++g) segs[g].rng[1] = col_rngs[1][g];
   if (R > 0 && F > 0)
     launch_mxfp8_row_col(SwigluGradSource{da.data<float>(), h1.data<float>(), h3.data<float>(), F}, F, outs, row_spec,
-                         col_spec, segs, &offsets, R);
+                         col_spec, key_segments({&col_rngs[0], &col_rngs[1]}), &offsets, R);
   return true;
 }
 
