@@ -7,7 +7,7 @@
 //          quantizer passes writing codes and decodes, a weight at a time — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
 //          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax). The bf16
-//          recipe's MoE backward on the GPU's routing offsets gives the bits of the host's.
+//          and mxfp8 recipes' MoE backward on the GPU's routing offsets gives the bits of the host's.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -121,16 +121,20 @@ TEST(CudaGradQuantizers, SameBitsEitherWay) {
   expect_same(c, Device::CUDA);
 }
 
-// set_moe_backward_device_offsets: the bf16 recipe's MoE backward with its experts' GEMMs on the
-// routing's offsets where the GPU made them gives the loss and every gradient of the host's
-// offsets, FFN interiors kept or recomputed, a fresh gradient and an accumulated one (the second
-// micro-batch of a step), and it ran (two device-offset weight-gradient calls a MoE layer).
+// set_moe_backward_device_offsets: the MoE backward with its experts' GEMMs on the routing's
+// offsets where the GPU made them gives the loss and every gradient of the host's offsets, a fresh
+// gradient and an accumulated one (the second micro-batch of a step), and it ran (two
+// device-offset weight-gradient calls a MoE layer, no counts read back): the bf16 recipe (dense
+// BF16 operands read in place), FFN interiors kept or recomputed, and the mxfp8 recipe (its pairs
+// made on the device offsets, the weight gradients reading their Col forms' decodes in the rows'
+// layout; FFN interiors recomputed). 8 x 14 tokens: each expert's ~56 slots span a block of 32
+// tokens and a partial one, so the Col forms' blocks start at each expert's first row.
 TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
 #if FOURBIT_HAS_CUDA
   const ModelConfig c = gpu_test_config();
-  const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
-  const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
+  const Tensor tokens = random_tokens(8, 14, 6).to(Device::CUDA);
+  const Tensor targets = shifted_targets(random_tokens(8, 14, 6), 258).to(Device::CUDA);
   const bool before = set_moe_backward_device_offsets(false);
   struct Pass {
     double loss, aux;
@@ -138,9 +142,9 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
     std::vector<float> grad;
     int64_t device_calls, read_backs;
   };
-  const auto run_bf16 = [&](bool on_gpu_offsets, bool keep) {
+  const auto run = [&](const char* recipe, bool on_gpu_offsets, bool keep) {
     set_moe_backward_device_offsets(on_gpu_offsets);
-    Model m(c, recipe_by_name("bf16"), Device::CUDA);
+    Model m(c, recipe_by_name(recipe), Device::CUDA);
     m.set_keep_ffn_activations(keep);
     init_params(m.params(), c, 5);
     m.params().zero_grad();
@@ -162,9 +166,13 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
     return p;
   };
   const int64_t moe_layers = c.n_layers - c.dense_layers;
-  for (bool keep : {false, true}) {
-    SCOPED_TRACE(keep ? "FFN interiors kept" : "FFN interiors recomputed");
-    const Pass host = run_bf16(false, keep), dev = run_bf16(true, keep);
+  struct Case {
+    const char* recipe;
+    bool keep;
+  };
+  for (const Case k : {Case{"bf16", false}, Case{"bf16", true}, Case{"mxfp8", false}}) {
+    SCOPED_TRACE(std::string(k.recipe) + (k.keep ? ", FFN interiors kept" : ", FFN interiors recomputed"));
+    const Pass host = run(k.recipe, false, k.keep), dev = run(k.recipe, true, k.keep);
     EXPECT_EQ(host.device_calls, 0);
     EXPECT_EQ(dev.device_calls, 2 * 2 * moe_layers) << "the backward did not take the device offsets";
     EXPECT_EQ(host.read_backs, 2 * moe_layers);
@@ -174,7 +182,11 @@ TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
     EXPECT_EQ(host.aux, dev.aux);
     EXPECT_EQ(host.tokens, dev.tokens);
     ASSERT_EQ(host.grad.size(), dev.grad.size());
-    EXPECT_EQ(std::memcmp(host.grad.data(), dev.grad.data(), dev.grad.size() * 4), 0) << "gradients differ";
+    size_t differ = 0, first = 0;
+    for (size_t i = 0; i < dev.grad.size(); ++i)
+      if (std::memcmp(&host.grad[i], &dev.grad[i], 4) != 0 && differ++ == 0) first = i;
+    EXPECT_EQ(differ, 0u) << "gradients differ, the first at " << first << ": " << host.grad[first] << " on the host's "
+                          << "offsets, " << dev.grad[first] << " on the device's";
   }
   set_moe_backward_device_offsets(before);
 #endif

@@ -4,8 +4,9 @@
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm,
 //          prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col, prepare_swiglu,
-//          prepare_swiglu_grads,
-//          prepare_weights_both (linear.h)
+//          prepare_swiglu_grads, prepare_gathered_row_col_device_offsets,
+//          prepare_combine_grad_row_col_device_offsets, prepare_swiglu_device_offsets,
+//          prepare_swiglu_grads_device_offsets, prepare_weights_both (linear.h)
 #include "fourbit/model/linear.h"
 
 #include <atomic>
@@ -352,6 +353,93 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
   for (size_t o = 0; o < 2; ++o)
     out[o] = row_col_prepared(std::move(q[o]), row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls,
                               log);
+  return out;
+}
+
+namespace {
+// The Col forms' keys of a device-offset preparer, one a segment of offsets (I32 [G + 1]).
+std::vector<ops::RngKey> device_segment_keys(const char* op, const Tensor& offsets,
+                                             const std::vector<QuantSite>& col_sites) {
+  FOURBIT_CHECK(offsets.defined() && offsets.dim() == 1 && offsets.size(0) == int64_t(col_sites.size()) + 1,
+                "{}: offsets {} for {} sites", op, offsets.defined() ? offsets.str() : "undefined", col_sites.size());
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  return keys;
+}
+// A device-offset preparer's result: `fused` given the specs on their axes and the segments' keys.
+PreparedRowCol device_row_col(const char* op, const FusedRowCol& fused, const Tensor& like, const QuantSpec& row_spec,
+                              GemmRole row_role, char row_side, const QuantSpec& col_spec, GemmRole col_role,
+                              char col_side, const Tensor& offsets, const std::vector<QuantSite>& col_sites,
+                              LayerClass cls) {
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "{} of a dense spec", op);
+  ops::RowColQuant q = fused(quantized_spec(like, row_spec, row_role, row_side, cls),
+                             quantized_spec(like, col_spec, col_role, col_side, cls),
+                             device_segment_keys(op, offsets, col_sites));
+  PreparedRowCol out;
+  out.row.q = std::move(q.row);
+  out.col_rows = std::move(q.col_rows);
+  return out;
+}
+}  // namespace
+
+PreparedRowCol prepare_gathered_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot,
+                                                       const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                                                       const QuantSite& row_site, const QuantSpec& col_spec,
+                                                       GemmRole col_role, char col_side, const Tensor& offsets,
+                                                       const std::vector<QuantSite>& col_sites, LayerClass cls,
+                                                       ops::FormOut row_out) {
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::gather_quantize_row_col_device_offsets(x, token_of_slot, rs, row_site.key, cs, offsets, keys, row_out);
+  };
+  return device_row_col("prepare_gathered_row_col_device_offsets", fused, x, row_spec, row_role, row_side, col_spec,
+                        col_role, col_side, offsets, col_sites, cls);
+}
+
+PreparedRowCol prepare_combine_grad_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm,
+                                                           const Tensor& slot_of, const Tensor& w, Tensor& dw,
+                                                           const QuantSpec& row_spec, GemmRole row_role,
+                                                           char row_side, const QuantSite& row_site,
+                                                           const QuantSpec& col_spec, GemmRole col_role,
+                                                           char col_side, const Tensor& offsets,
+                                                           const std::vector<QuantSite>& col_sites, LayerClass cls,
+                                                           ops::FormOut row_out) {
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::moe_combine_backward_row_col_device_offsets(dout, y_perm, slot_of, w, dw, rs, row_site.key, cs, offsets,
+                                                            keys, row_out);
+  };
+  return device_row_col("prepare_combine_grad_row_col_device_offsets", fused, dout, row_spec, row_role, row_side,
+                        col_spec, col_role, col_side, offsets, col_sites, cls);
+}
+
+PreparedRowCol prepare_swiglu_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                             GemmRole row_role, char row_side, const QuantSite& row_site,
+                                             const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                                             const Tensor& offsets, const std::vector<QuantSite>& col_sites,
+                                             LayerClass cls, ops::FormOut row_out) {
+  const auto fused = [&](const QuantSpec& rs, const QuantSpec& cs, const std::vector<ops::RngKey>& keys) {
+    return ops::swiglu_forward_row_col_device_offsets(h1, h3, rs, row_site.key, cs, offsets, keys, row_out);
+  };
+  return device_row_col("prepare_swiglu_device_offsets", fused, h1, row_spec, row_role, row_side, col_spec, col_role,
+                        col_side, offsets, col_sites, cls);
+}
+
+std::array<PreparedRowCol, 2> prepare_swiglu_grads_device_offsets(
+    const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, GemmRole row_role,
+    char row_side, const std::array<QuantSite, 2>& row_sites, const QuantSpec& col_spec, GemmRole col_role,
+    char col_side, const Tensor& offsets, const std::array<std::vector<QuantSite>, 2>& col_sites, LayerClass cls,
+    ops::FormOut row_out) {
+  const char* op = "prepare_swiglu_grads_device_offsets";
+  FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "{} of a dense spec", op);
+  std::array<ops::RowColQuant, 2> q = ops::swiglu_backward_row_col_device_offsets(
+      da, h1, h3, quantized_spec(da, row_spec, row_role, row_side, cls), {row_sites[0].key, row_sites[1].key},
+      quantized_spec(da, col_spec, col_role, col_side, cls),
+      offsets, {device_segment_keys(op, offsets, col_sites[0]), device_segment_keys(op, offsets, col_sites[1])},
+      row_out);
+  std::array<PreparedRowCol, 2> out;
+  for (size_t o = 0; o < 2; ++o) {
+    out[o].row.q = std::move(q[o].row);
+    out[o].col_rows = std::move(q[o].col_rows);
+  }
   return out;
 }
 

@@ -1,7 +1,9 @@
 // defines: Prepared, QuantSite, QuantLog, SrStreams, prepare, producer_quant, producer_quantized,
 //          shared_outer_amax, prepare_segments,
 //          PreparedRowCol, prepare_row_col, prepare_gathered_row_col, prepare_combine_grad_row_col,
-//          prepare_swiglu, prepare_swiglu_grads, WeightBoth, prepare_weights_both,
+//          prepare_swiglu, prepare_swiglu_grads, prepare_gathered_row_col_device_offsets,
+//          prepare_combine_grad_row_col_device_offsets, prepare_swiglu_device_offsets,
+//          prepare_swiglu_grads_device_offsets, WeightBoth, prepare_weights_both,
 //          requantize_saved, requantize_saved_segments, stack_fprop_weights, append_weight_slices, gemm, forward_gemm,
 //          set_forward_gemms_grouped,
 //          forward_gemms_grouped, grouped_gemm
@@ -120,6 +122,9 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
 struct PreparedRowCol {
   Prepared row;
   std::vector<Prepared> col;
+  // The *_device_offsets preparers' Col forms instead of col: their BF16 decodes in the rows'
+  // layout, [rows, cols] (ops::RowColQuant::col_rows).
+  Tensor col_rows;
 };
 PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmRole row_role, char row_side,
                                const QuantSite& row_site, const QuantSpec& col_spec, GemmRole col_role, char col_side,
@@ -166,6 +171,37 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
                                                    const std::array<std::vector<QuantSite>, 2>& col_sites,
                                                    LayerClass cls, QuantLog* log, ops::FormOut row_out,
                                                    ops::FormOut col_out);
+// The four preparers above with the segments as an I32 [G + 1] tensor on the device (a route
+// plan's device_offsets, which the host does not have yet), as ops::*_device_offsets take them: the
+// Row form as there, the Col forms as their decodes in the rows' layout (out.col_rows; out.col
+// stays empty), the same values; on the GPU, where the one-pass kernel takes the specs, nothing
+// comes back to the host (a step that runs them can be captured in a graph). They keep no
+// quantizer log: its per-segment entries count the segments with rows, which the host does not
+// know (the model calls them where it keeps none).
+PreparedRowCol prepare_gathered_row_col_device_offsets(const Tensor& x, const Tensor& token_of_slot,
+                                                       const QuantSpec& row_spec, GemmRole row_role, char row_side,
+                                                       const QuantSite& row_site, const QuantSpec& col_spec,
+                                                       GemmRole col_role, char col_side, const Tensor& offsets,
+                                                       const std::vector<QuantSite>& col_sites, LayerClass cls,
+                                                       ops::FormOut row_out);
+PreparedRowCol prepare_combine_grad_row_col_device_offsets(const Tensor& dout, const Tensor& y_perm,
+                                                           const Tensor& slot_of, const Tensor& w, Tensor& dw,
+                                                           const QuantSpec& row_spec, GemmRole row_role,
+                                                           char row_side, const QuantSite& row_site,
+                                                           const QuantSpec& col_spec, GemmRole col_role,
+                                                           char col_side, const Tensor& offsets,
+                                                           const std::vector<QuantSite>& col_sites, LayerClass cls,
+                                                           ops::FormOut row_out);
+PreparedRowCol prepare_swiglu_device_offsets(const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec,
+                                             GemmRole row_role, char row_side, const QuantSite& row_site,
+                                             const QuantSpec& col_spec, GemmRole col_role, char col_side,
+                                             const Tensor& offsets, const std::vector<QuantSite>& col_sites,
+                                             LayerClass cls, ops::FormOut row_out);
+std::array<PreparedRowCol, 2> prepare_swiglu_grads_device_offsets(
+    const Tensor& da, const Tensor& h1, const Tensor& h3, const QuantSpec& row_spec, GemmRole row_role,
+    char row_side, const std::array<QuantSite, 2>& row_sites, const QuantSpec& col_spec, GemmRole col_role,
+    char col_side, const Tensor& offsets, const std::array<std::vector<QuantSite>, 2>& col_sites, LayerClass cls,
+    ops::FormOut row_out);
 // Weights' fprop and dgrad operands (W on the Row and on the Col axis, specs as the recipe states
 // them), each its BF16 decode alone where the GPU makes one (the training step's GEMMs read
 // nothing else): the bits prepare() gives each. batched: all of them in one

@@ -111,6 +111,7 @@ struct Model::Saved {
     ops::RoutePlan plan;  // its host offsets, or (the forward read nothing back) its device ones alone
     Prepared x_perm;                     // expert inputs in fprop form, expert-sorted
     std::vector<Prepared> x_perm_wgrad;  // per expert, when prepared in forward
+    Tensor x_perm_wgrad_rows;            // or X^T's decodes in X's rows, made on the device offsets
     Tensor expert_h1, expert_h3, expert_a, expert_y;  // expert-sorted, kept (keep_ffn_activations) or undefined
     std::vector<Prepared> expert_a_wgrad;  // kept with them where the forward made w2's a^T (ExpertInner)
     Ffn shared, dense;
@@ -176,14 +177,30 @@ struct ModelRunner {
   }
   // Whether a training step's MoE backward runs the experts' GEMMs on the routing's offsets where
   // the GPU made them (set_moe_backward_device_offsets), the routed experts' E + 1 that the forward
-  // keeps in the saved plan: where every expert operand is dense BF16 (the bf16 recipe: dY, X and a
-  // read in place, no per-expert operand made), the grouped kernel takes the offsets there, and no
-  // quantizer log is written (its per-expert entries count the experts with tokens).
+  // keeps in the saved plan, where the grouped kernel takes the offsets there and no quantizer log
+  // is written (its per-expert entries count the experts with tokens): where every expert operand
+  // is dense BF16 (the bf16 recipe: dY, X and a read in place, no per-expert operand made), or
+  // where they are MXFP8 pairs made on those offsets (moe_pairs_on_device_offsets).
   bool backward_on_device_offsets(const LayerRecipe& r) const {
-    return g_moe_backward_device_offsets.load(std::memory_order_relaxed) &&
-           !(log && (log->enabled || log->record_calls)) && dense_bf16(r.fprop.a) && dense_bf16(r.dgrad.a) &&
-           dense_bf16(r.dgrad.b) && dense_bf16(r.wgrad.a) && dense_bf16(r.wgrad.b) && !r.requant_saved_sr &&
-           moe_reads_bf16_x() && moe_offsets_on_gpu();
+    if (!g_moe_backward_device_offsets.load(std::memory_order_relaxed) || (log && (log->enabled || log->record_calls)) ||
+        !moe_offsets_on_gpu())
+      return false;
+    return (dense_bf16(r.fprop.a) && dense_bf16(r.dgrad.a) && dense_bf16(r.dgrad.b) && dense_bf16(r.wgrad.a) &&
+            dense_bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x()) ||
+           moe_pairs_on_device_offsets(r);
+  }
+  // Whether the experts' quantized operands pair as the mxfp8 recipe's do, each pair made by its
+  // producer in one pass that finds the experts' rows from the device offsets (the
+  // *_device_offsets preparers): X and X^T as the tokens are gathered (X rounded to nearest), a and
+  // a^T in the backward's SwiGLU, dY and dY^T in the combine's backward, dh1, dh3 and their
+  // transposes in the SwiGLU's backward. The Col forms come as their decodes in the rows' layout,
+  // which grouped_wgrad_device_offsets reads. Not where the FFN interiors are kept (the forward
+  // then makes a^T per expert) nor where the producers' quantizers are off; the weights' forms
+  // (no offsets in them) as the host-offset path makes them.
+  bool moe_pairs_on_device_offsets(const LayerRecipe& r) const {
+    return m.dtype_ == DType::F32 && swiglu_a_fused(r, true) && dy_pair_fused(r) &&
+           r.fprop.a.rounding == num::Rounding::RNE && r.fprop.b.quantized() && r.dgrad.b.quantized() &&
+           !r.requant_saved_sr;
   }
   // Whether the MoE layers' expert GEMMs read the routing's offsets where the GPU made them.
   bool moe_offsets_on_gpu() const {
@@ -192,8 +209,10 @@ struct ModelRunner {
   }
   // A training forward's MoE layer under r queues its dispatch, experts and combine on the GPU's
   // plan, before any wait for the counts: dense BF16 expert operands read in place.
+  // Also where the experts' pairs are made on those offsets and the backward reads them there.
   bool moe_training_routed_on_gpu(const LayerRecipe& r) const {
-    return moe_offsets_on_gpu() && moe_reads_bf16_x() && dense_bf16(r.fprop.b) && wgrad_from_saved_fwd(r);
+    return moe_offsets_on_gpu() && ((moe_reads_bf16_x() && dense_bf16(r.fprop.b) && wgrad_from_saved_fwd(r)) ||
+                                    (moe_pairs_on_device_offsets(r) && backward_on_device_offsets(r)));
   }
   // ... and, its backward on those offsets too and no routing observer to call, reads nothing back.
   bool moe_training_reads_nothing(const LayerRecipe& r) const {
@@ -306,12 +325,19 @@ struct ModelRunner {
   }
   // prepare_swiglu_grads for the FFN (or the experts, offsets their token ranges) whose w1 and w3
   // sites are point1 and point3: dh1 and dh3 as linear_backward / expert_dy prepare them.
+  // device_offsets (defined: the experts' on the GPU's offsets): prepare_swiglu_grads_device_offsets.
   std::array<PreparedRowCol, 2> swiglu_grads(const Tensor& da, const Tensor& h1, const Tensor& h3, const LayerRecipe& r,
                                              LayerClass cls, const std::string& point1, const std::string& point3,
-                                             const std::vector<int64_t>& offsets, bool experts) {
+                                             const std::vector<int64_t>& offsets, bool experts,
+                                             const Tensor& device_offsets = Tensor{}) {
     const auto col_sites = [&](const std::string& point) {
       return experts ? expert_sites(point + "/wgrad/dY^T") : std::vector<QuantSite>{site(point + "/wgrad/dY^T")};
     };
+    if (device_offsets.defined())
+      return prepare_swiglu_grads_device_offsets(da, h1, h3, r.dgrad.a, GemmRole::Dgrad, 'a',
+                                                 {site(point1 + "/dgrad/dY"), site(point3 + "/dgrad/dY")}, r.wgrad.a,
+                                                 GemmRole::Wgrad, 'a', device_offsets,
+                                                 {col_sites(point1), col_sites(point3)}, cls, dy_form());
     return prepare_swiglu_grads(da, h1, h3, r.dgrad.a, GemmRole::Dgrad, 'a',
                                 {site(point1 + "/dgrad/dY"), site(point3 + "/dgrad/dY")}, r.wgrad.a, GemmRole::Wgrad, 'a',
                                 offsets, {col_sites(point1), col_sites(point3)}, cls, log, dy_form(), dy_form());
@@ -843,14 +869,19 @@ struct ModelRunner {
     record_input_amax(name + "moe.x", xn, r, E, plan.token_of_slot, plan.offsets, quantized(px));
     Prepared x_perm;
     std::vector<Prepared> x_perm_wgrad;
-    Tensor xn_perm;
+    Tensor xn_perm, x_wgrad_rows;
     if (r.fprop.a.quantized() && !pair_x) {
       x_perm.q = ops::gather_rows(px.q, plan.token_of_slot);
       if (s) x_perm = decoded(std::move(x_perm));  // w1's and w3's GEMMs read it (inference: a packed read)
     }
     if (pair_x) {
       PreparedRowCol p;
-      if (g_training_producer_quantizers.load(std::memory_order_relaxed)) {  // quantized as gathered
+      if (device_routed) {  // the experts' rows found from the GPU's offsets (moe_pairs_on_device_offsets)
+        p = prepare_gathered_row_col_device_offsets(xn, plan.token_of_slot, r.fprop.a, GemmRole::Fprop, 'a',
+                                                    site(name + "moe.w13/fprop/X"), r.wgrad.b, GemmRole::Wgrad, 'b',
+                                                    plan.device_offsets, expert_sites(name + "moe.w13/wgrad/X^T"),
+                                                    cls, ops::FormOut::CodesAndBf16);
+      } else if (g_training_producer_quantizers.load(std::memory_order_relaxed)) {  // quantized as gathered
         p = prepare_gathered_row_col(xn, plan.token_of_slot, r.fprop.a, GemmRole::Fprop, 'a',
                                      site(name + "moe.w13/fprop/X"), r.wgrad.b, GemmRole::Wgrad, 'b', plan.offsets,
                                      expert_sites(name + "moe.w13/wgrad/X^T"), cls, log, ops::FormOut::CodesAndBf16,
@@ -864,6 +895,7 @@ struct ModelRunner {
       }
       x_perm = std::move(p.row);
       x_perm_wgrad = std::move(p.col);
+      x_wgrad_rows = std::move(p.col_rows);
     } else if (bf16_x) {
       // BF16 experts (and shared expert): the tokens converted once, then dispatched as BF16 rows.
       xn_perm = Tensor::empty({rows, D}, DType::BF16, m.device_);
@@ -929,6 +961,7 @@ struct ModelRunner {
       }
       s->x_perm = std::move(x_perm);
       s->x_perm_wgrad = std::move(x_perm_wgrad);
+      s->x_perm_wgrad_rows = std::move(x_wgrad_rows);
       if (keep) {
         s->expert_h1 = inner.h1;
         s->expert_h3 = inner.h3;
@@ -986,6 +1019,7 @@ struct ModelRunner {
     Tensor h1, h3, a;
     Prepared pa;
     std::vector<Prepared> a_wgrad;  // a^T per expert for w2's weight gradient, where made with pa
+    Tensor a_wgrad_rows;            // or a^T's decodes in a's rows, made on the device offsets
   };
   // group: the shared expert's rows follow the experts' (moe_forward), its weights appended to theirs.
   // a_wgrad_form: what inner's a^T forms hold (ops::FormOut): their codes where the backward keeps them,
@@ -1026,7 +1060,18 @@ struct ModelRunner {
     // operand as its decode alone: nothing reads it after the GEMM.
     Prepared pa;
     std::vector<Prepared> a_wgrad;
-    if (a_fused) {
+    Tensor a_wgrad_rows;
+    // the backward's recomputation where its experts' GEMMs read the GPU's offsets: a^T made on
+    // them (moe_pairs_on_device_offsets)
+    const bool a_on_device = a_fused && inner && plan.device_offsets.defined() && backward_on_device_offsets(r);
+    if (a_on_device) {
+      PreparedRowCol p = prepare_swiglu_device_offsets(h1, h3, r.fprop.a, GemmRole::Fprop, 'a',
+                                                       site(name + "moe.w2/fprop/X"), r.wgrad.b, GemmRole::Wgrad, 'b',
+                                                       plan.device_offsets, expert_sites(name + "moe.w2/wgrad/X^T"),
+                                                       cls, ops::FormOut::Bf16);
+      pa = std::move(p.row);
+      a_wgrad_rows = std::move(p.col_rows);
+    } else if (a_fused) {
       PreparedRowCol p =
           inner ? prepare_swiglu(h1, h3, r.fprop.a, GemmRole::Fprop, 'a', site(name + "moe.w2/fprop/X"), r.wgrad.b,
                                  GemmRole::Wgrad, 'b', plan.offsets, expert_sites(name + "moe.w2/wgrad/X^T"), cls, log,
@@ -1053,7 +1098,7 @@ struct ModelRunner {
     expert_gemm(pa, w2, plan, y);
     if (inner) {
       pa.q.bf16 = Tensor{};  // only the GEMM above reads it
-      *inner = ExpertInner{h1, h3, a, std::move(pa), std::move(a_wgrad)};
+      *inner = ExpertInner{h1, h3, a, std::move(pa), std::move(a_wgrad), std::move(a_wgrad_rows)};
     }
     return y;
   }
@@ -1085,8 +1130,10 @@ struct ModelRunner {
       y_perm = expert_ffn(decoded(s.x_perm), w, name, plan, N * K, &in, nullptr, ops::FormOut::Bf16);
     }
     // The experts' GEMMs on the offsets where the GPU made them (backward_on_device_offsets): dY, X
-    // and a read in place, no per-expert operands; otherwise on the host's.
-    const bool on_gpu = plan.device_offsets.defined() && backward_on_device_offsets(r);
+    // and a read in place (the bf16 recipe), or their pairs made on those offsets, the weight
+    // gradients reading the Col forms' decodes in the rows' layout (moe_pairs_on_device_offsets);
+    // no per-expert operands. Otherwise on the host's.
+    const bool on_gpu = plan.device_offsets.defined() && backward_on_device_offsets(r) && N * K > 0;
     const auto expert_dgrad = [&](const Prepared& a, const Prepared& b, Tensor& out, bool accumulate) {
       if (on_gpu) ops::grouped_gemm_device_offsets(a.op(), b.op(), plan.device_offsets, out, accumulate);
       else grouped_gemm(a, b, plan.offsets, out, accumulate);
@@ -1096,11 +1143,20 @@ struct ModelRunner {
                     "moe_backward: the experts' {} is not a dense BF16 operand", what);
       return p.dense;
     };
+    // A weight gradient's operand on the device offsets: a pair's Col decodes in the rows' layout,
+    // else the dense BF16 rows.
+    const auto wgrad_rows = [&](const Tensor& col_rows, const Prepared& p, const char* what) -> const Tensor& {
+      return col_rows.defined() ? col_rows : dense_bf16(p, what);
+    };
     Tensor d_topk_w = act({N, K});
     PreparedRowCol pdy;
     if (dy_pair_fused(r) && N * K > 0) {
       // dy_perm quantized where its rows are computed (w2's dY pair, as expert_dy makes it)
-      pdy = prepare_combine_grad_row_col(dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
+      pdy = on_gpu ? prepare_combine_grad_row_col_device_offsets(
+                         dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
+                         site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.device_offsets,
+                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, dy_form())
+                   : prepare_combine_grad_row_col(dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
                                          site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.offsets,
                                          expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log, dy_form(), dy_form());
     } else {
@@ -1116,8 +1172,8 @@ struct ModelRunner {
     Tensor da = act({N * K, F});
     expert_dgrad(pdy.row, w2_dgrad, da, false);
     if (on_gpu) {  // dW2_e (+)= dy_e^T . a_e, every expert's rows in one launch
-      ops::grouped_wgrad_device_offsets(dense_bf16(pdy.row, "dY"), dense_bf16(in.pa, "a"), plan.device_offsets, g.w2,
-                                        m.params_.grad_accumulate(g.w2));
+      ops::grouped_wgrad_device_offsets(wgrad_rows(pdy.col_rows, pdy.row, "dY"), wgrad_rows(in.a_wgrad_rows, in.pa, "a"),
+                                        plan.device_offsets, g.w2, m.params_.grad_accumulate(g.w2));
     } else {
       // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
       const std::vector<Prepared> dyt = std::move(pdy.col);
@@ -1132,7 +1188,8 @@ struct ModelRunner {
     PreparedRowCol pdh1, pdh3;
     if (dy_pair_fused(r) && N * K > 0) {  // dh1 and dh3 quantized where they are computed
       std::array<PreparedRowCol, 2> pdh =
-          swiglu_grads(da, in.h1, in.h3, r, cls, name + "moe.w1", name + "moe.w3", plan.offsets, true);
+          swiglu_grads(da, in.h1, in.h3, r, cls, name + "moe.w1", name + "moe.w3", plan.offsets, true,
+                       on_gpu ? plan.device_offsets : Tensor{});
       pdh1 = std::move(pdh[0]);
       pdh3 = std::move(pdh[1]);
     } else {
@@ -1148,10 +1205,12 @@ struct ModelRunner {
       const bool accumulate = m.params_.grad_accumulate(g.w1);
       FOURBIT_CHECK(accumulate == m.params_.grad_accumulate(g.w3), "moe_backward: w1's and w3's gradients differ in "
                     "staleness");
-      const Tensor x16 = dense_bf16(s.x_perm, "X").slice_rows(0, N * K);  // the routed slots (not a shared group's)
-      ops::grouped_wgrad_device_offsets(
-          {{&dense_bf16(pdh1.row, "dh1"), &x16, &g.w1}, {&dense_bf16(pdh3.row, "dh3"), &x16, &g.w3}},
-          plan.device_offsets, accumulate);
+      // the routed slots (not a shared group's)
+      const Tensor x16 = s.x_perm_wgrad_rows.defined() ? s.x_perm_wgrad_rows
+                                                       : dense_bf16(s.x_perm, "X").slice_rows(0, N * K);
+      ops::grouped_wgrad_device_offsets({{&wgrad_rows(pdh1.col_rows, pdh1.row, "dh1"), &x16, &g.w1},
+                                         {&wgrad_rows(pdh3.col_rows, pdh3.row, "dh3"), &x16, &g.w3}},
+                                        plan.device_offsets, accumulate);
     } else {
       const std::vector<Prepared> dh1t = std::move(pdh1.col), dh3t = std::move(pdh3.col);
       const std::vector<Prepared> x_wgrad =
@@ -1759,6 +1818,7 @@ PendingForwardStats Model::forward_queued(const Tensor& tokens, const Tensor& ta
                      tensor_bytes(sl.expert_a) + tensor_bytes(sl.expert_y) + tensor_bytes(sl.shared.h1) +
                      tensor_bytes(sl.shared.h3) + tensor_bytes(sl.shared.a);
         for (const Prepared& p : sl.x_perm_wgrad) ex += p.bytes();
+        ex += tensor_bytes(sl.x_perm_wgrad_rows);
         by["expert"] += ex;
         int64_t a_wgrad = 0;  // w2's a^T, made with a in the forward (kept FFN interiors)
         for (const Prepared& p : sl.expert_a_wgrad) a_wgrad += p.bytes();
