@@ -227,49 +227,53 @@ TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
   }
 }
 
-// With the device-offset backward (the default, set here) a bf16 micro-batch's forward and
-// backward read nothing back, so they record into one CUDA graph: a replay gives the eager run's
-// loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
+// With the device-offset backward (the default, set here) a bf16 or mxfp8 micro-batch's forward
+// and backward read nothing back, so they record into one CUDA graph: a replay gives the eager
+// run's loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
 // gradients as the captured backward did, after zero_grad).
-TEST(CudaMoeBackward, Bf16MicroBatchRecordsAsOneCudaGraph) {
+TEST(CudaMoeBackward, MicroBatchRecordsAsOneCudaGraph) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModelConfig c = gpu_test_config();
   const bool before = set_moe_backward_device_offsets(true);
   const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);
   const Tensor targets = shifted_targets(random_tokens(2, 12, 6), 258).to(Device::CUDA);
-  Model m(c, recipe_by_name("bf16"), Device::CUDA);
-  init_params(m.params(), c, 5);
-  const SrStreams sr{11, 7, 0};
-  m.params().zero_grad();
-  PendingForwardStats eager = m.forward_queued(tokens, targets, sr, true, 0.5f);
-  m.backward();
-  const ForwardStats want = eager.stats();
-  const Tensor want_grad = m.params().flat_grad().to(Device::CPU);
-  std::unique_ptr<DeviceGraph> graph;
-  std::optional<PendingForwardStats> captured;
-  m.params().zero_grad();
-  {
-    GraphCapture capture;
-    captured.emplace(m.forward_queued(tokens, targets, sr, true, 0.5f));
+  for (const char* recipe : {"bf16", "mxfp8"}) {
+    SCOPED_TRACE(recipe);
+    Model m(c, recipe_by_name(recipe), Device::CUDA);
+    ASSERT_TRUE(m.training_step_capturable());
+    init_params(m.params(), c, 5);
+    const SrStreams sr{11, 7, 0};
+    m.params().zero_grad();
+    PendingForwardStats eager = m.forward_queued(tokens, targets, sr, true, 0.5f);
     m.backward();
-    graph = capture.finish(captured->captured_tensors());
+    const ForwardStats want = eager.stats();
+    const Tensor want_grad = m.params().flat_grad().to(Device::CPU);
+    std::unique_ptr<DeviceGraph> graph;
+    std::optional<PendingForwardStats> captured;
+    m.params().zero_grad();
+    {
+      GraphCapture capture;
+      captured.emplace(m.forward_queued(tokens, targets, sr, true, 0.5f));
+      m.backward();
+      graph = capture.finish(captured->captured_tensors());
+    }
+    for (int replay = 0; replay < 2; ++replay) {
+      SCOPED_TRACE("replay " + std::to_string(replay));
+      Tensor grads = m.params().flat_grad();
+      ops::fill_(grads, 7.0);  // the replay must write every gradient
+      graph->replay();
+      ops::check_index_errors(Device::CUDA);
+      PendingForwardStats again = captured->after_replay();  // the replay's buffers, read behind it
+      const ForwardStats& got = again.stats();
+      EXPECT_EQ(got.loss, want.loss);
+      EXPECT_EQ(got.aux_loss, want.aux_loss);
+      EXPECT_EQ(got.tokens, want.tokens);
+      const Tensor g = m.params().flat_grad().to(Device::CPU);
+      ASSERT_EQ(g.numel(), want_grad.numel());
+      EXPECT_EQ(std::memcmp(g.raw(), want_grad.raw(), size_t(g.nbytes())), 0) << "gradients differ";
+    }
+    EXPECT_HAS(testutil::error_of([&] { (void)eager.after_replay(); }),
+               "not the stats of a forward queued while a CUDA graph");
   }
-  for (int replay = 0; replay < 2; ++replay) {
-    SCOPED_TRACE("replay " + std::to_string(replay));
-    Tensor grads = m.params().flat_grad();
-    ops::fill_(grads, 7.0);  // the replay must write every gradient
-    graph->replay();
-    ops::check_index_errors(Device::CUDA);
-    PendingForwardStats again = captured->after_replay();  // the replay's buffers, read behind it
-    const ForwardStats& got = again.stats();
-    EXPECT_EQ(got.loss, want.loss);
-    EXPECT_EQ(got.aux_loss, want.aux_loss);
-    EXPECT_EQ(got.tokens, want.tokens);
-    const Tensor g = m.params().flat_grad().to(Device::CPU);
-    ASSERT_EQ(g.numel(), want_grad.numel());
-    EXPECT_EQ(std::memcmp(g.raw(), want_grad.raw(), size_t(g.nbytes())), 0) << "gradients differ";
-  }
-  EXPECT_HAS(testutil::error_of([&] { (void)eager.after_replay(); }),
-             "not the stats of a forward queued while a CUDA graph");
   set_moe_backward_device_offsets(before);
 }

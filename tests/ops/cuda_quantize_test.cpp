@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -1050,6 +1051,36 @@ TEST(CudaQuantize, BothAxesEachMatchesBothAxes) {
     }
   }
   EXPECT_EQ(pair, 32);
+  // quantize_both_each_into: other tensors of the same shapes written into those forms in place
+  // (a step's weights after an update), the bits of quantize_both_each on them
+  std::vector<ops::BothJob> again = jobs;
+  std::map<const void*, Tensor> next;
+  for (ops::BothJob& j : again) {
+    Tensor& x = next[j.x.raw()];
+    if (!x.defined()) {
+      const Dims d = dims[size_t(std::find_if(xs.begin(), xs.end(), [&](const Tensor& t) { return t.raw() == j.x.raw(); }) -
+                                 xs.begin())];
+      x = Tensor::from_host(make_data(d, Data::Varied, seed++).data(), d.shape(), DType::F32, Device::CUDA);
+    }
+    j.x = x;
+  }
+  std::vector<ops::BothAxes> into = got;
+  ops::quantize_both_each_into(again, into);
+  const std::vector<ops::BothAxes> fresh = ops::quantize_both_each(again);
+  for (size_t k = 0; k < jobs.size(); ++k)
+    for (const auto& [a, b, was, axis] : {std::tuple{&fresh[k].row, &into[k].row, &got[k].row, "row"},
+                                          std::tuple{&fresh[k].col, &into[k].col, &got[k].col, "col"}}) {
+      const std::string what = names[k] + " " + axis + " (written into)";
+      EXPECT_EQ(b->codes.defined() ? b->codes.raw() : nullptr, was->codes.defined() ? was->codes.raw() : nullptr)
+          << what;
+      EXPECT_EQ(b->bf16.defined() ? b->bf16.raw() : nullptr, was->bf16.defined() ? was->bf16.raw() : nullptr) << what;
+      if (a->codes.defined() && !same_qtensor(*a, *b, what)) return;
+      if (a->bf16.defined()) {
+        EXPECT_EQ(host_vec<uint16_t>(a->bf16), host_vec<uint16_t>(b->bf16)) << what << ": BF16 decodes differ";
+      }
+    }
+  std::vector<ops::BothAxes> short_forms(into.begin(), into.begin() + 1);
+  EXPECT_THROW(ops::quantize_both_each_into({again[1]}, short_forms), std::exception) << "another tensor's forms";
 }
 
 // A GEMM that reads quantize_row_col's BF16 decodes gives the bits of the same GEMM decoding the

@@ -30,6 +30,7 @@
 #include "fourbit/numerics/philox.h"
 #include "fourbit/ops/ops.h"
 #include "numerics/reference_formats.h"
+#include "test_util.h"
 
 using namespace fourbit;
 using num::Rounding;
@@ -1350,6 +1351,34 @@ TEST(QuantizeSegments, BothAxesAreTwoQuantizes) {
   EXPECT_EQ(host<uint8_t>(each[0].col.codes), host<uint8_t>(wc.codes));
   EXPECT_EQ(host<uint8_t>(each[1].col.codes), host<uint8_t>(ops::quantize(u, col, {5, 2}).codes));
   EXPECT_THROW(ops::quantize_both_each({{t, col, {4, 1}, row, {4, 2}}}), std::exception);
+}
+
+// quantize_both_each_into: another tensor of the same shape written into the forms an earlier
+// call made, their storage kept, the bits quantize_both_each gives it; forms of another shape or
+// output, or of another count, are refused, naming the job.
+TEST(QuantizeSegments, BothAxesEachIntoWritesTheEarlierForms) {
+  const Dims d{1, 40, 64};
+  const Tensor t = to_tensor(varied_data(d, 76), d), u = to_tensor(varied_data(d, 77), d);
+  QuantSpec row = mxfp8(Format::MXFP8_E4M3, num::MxScaleRule::RCEIL, Rounding::RNE), col = row;
+  col.axis = BlockAxis::Col;
+  const auto job = [&](const Tensor& x) {
+    return ops::BothJob{x, row, {4, 1}, col, {4, 2}, ops::FormOut::Codes, ops::FormOut::Codes};
+  };
+  std::vector<ops::BothAxes> into = ops::quantize_both_each({job(t)});
+  const void* codes = into[0].row.codes.raw();
+  ops::quantize_both_each_into({job(u)}, into);
+  const std::vector<ops::BothAxes> want = ops::quantize_both_each({job(u)});
+  EXPECT_EQ(into[0].row.codes.raw(), codes) << "not written in place";
+  EXPECT_EQ(host<uint8_t>(into[0].row.codes), host<uint8_t>(want[0].row.codes));
+  EXPECT_EQ(host<uint8_t>(into[0].row.block_scales), host<uint8_t>(want[0].row.block_scales));
+  EXPECT_EQ(host<uint8_t>(into[0].col.codes), host<uint8_t>(want[0].col.codes));
+  EXPECT_EQ(host<uint8_t>(into[0].col.block_scales), host<uint8_t>(want[0].col.block_scales));
+  const Dims wider{1, 40, 96};
+  const Tensor w = to_tensor(varied_data(wider, 78), wider);
+  EXPECT_HAS(fourbit::testutil::error_of([&] { ops::quantize_both_each_into({job(w)}, into); }),
+             "quantize_both_each_into: job 0's Row form does not match the form to write into");
+  EXPECT_HAS(fourbit::testutil::error_of([&] { ops::quantize_both_each_into({job(u), job(u)}, into); }),
+             "quantize_both_each_into: 1 forms to write into for 2 jobs");
 }
 
 // requantize_transposed_segments: requantize_transposed of each segment's rows (bytes equal);

@@ -2,11 +2,12 @@
 //          train.cuda_graphs): (a) a GPU run that replays its micro-batches writes an eager run's
 //          metrics bytes (loss, gradient norm, evaluations) step for step, with gradient
 //          accumulation, token weights and evaluation forwards of another batch shape after every
-//          step, and its summary counts the replays; (b) a bad token id in a replayed micro-batch
-//          fails at its stats, naming it; (c) gradient accumulation's two recorded kinds share
-//          one pool of blocks; (d) a recipe whose micro-batch reads the routing back (mxfp8) is
-//          never recorded; (e) on the CPU every micro-batch runs eagerly, the bits of
-//          forward_queued and backward.
+//          step, and its summary counts the replays, under the bf16 and the mxfp8 recipe (whose
+//          weights' forms are made again in place before a replay after an update); (b) a bad
+//          token id in a replayed micro-batch fails at its stats, naming it; (c) gradient
+//          accumulation's two recorded kinds share one pool of blocks; (d) a recipe whose
+//          micro-batch draws SR bits and reads the routing back (nvfp4-fwd) is never recorded;
+//          (e) on the CPU every micro-batch runs eagerly, the bits of forward_queued and backward.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -84,7 +85,7 @@ struct ThreeMicroBatches {
   }
 };
 
-TrainSummary run_shaped(const std::string& dir, bool graphs) {
+TrainSummary run_shaped(const std::string& dir, bool graphs, const std::string& recipe) {
   RunConfig cfg = tiny_run_config(3, 64);
   cfg.model = gpu_test_config();
   cfg.train.steps = 6;
@@ -94,7 +95,7 @@ TrainSummary run_shaped(const std::string& dir, bool graphs) {
   cfg.train.cuda_graphs = graphs;
   LoopOptions o;
   o.config = cfg;
-  o.recipe = "bf16";
+  o.recipe = recipe;
   o.out_dir = dir;
   o.command = "graph-test";
   o.quiet = true;
@@ -107,21 +108,25 @@ TrainSummary run_shaped(const std::string& dir, bool graphs) {
 
 TEST(CudaStepGraphs, ReplayedRunWritesTheEagerRunsMetrics) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  const std::string root = fresh_test_dir("step_graph_tests");
-  const TrainSummary eager = run_shaped(root + "/eager", false);
-  const TrainSummary replayed = run_shaped(root + "/graphs", true);
-  // steps 1-2 run eagerly (the second records both kinds: the first micro-batch and the
-  // accumulating one), steps 3-6 replay them
-  ASSERT_TRUE(replayed.cuda_graph_replays.has_value());
-  EXPECT_EQ(*replayed.cuda_graph_replays, 8);
-  EXPECT_EQ(eager.cuda_graph_replays.value_or(-1), 0);
-  const std::string want = file_bytes(root + "/eager/metrics.jsonl"), got = file_bytes(root + "/graphs/metrics.jsonl");
-  EXPECT_EQ(got, want) << "the replays' metrics differ from the eager run's";
-  std::istringstream lines(got);
-  int n = 0;
-  for (std::string l; std::getline(lines, l);) n += !l.empty();
-  EXPECT_EQ(n, 6);
-  EXPECT_EQ(nlohmann::json::parse(file_bytes(root + "/graphs/summary.json"))["cuda_graph_replays"], 8);
+  for (const std::string recipe : {"bf16", "mxfp8"}) {
+    SCOPED_TRACE(recipe);
+    const std::string root = fresh_test_dir("step_graph_tests_" + recipe);
+    const TrainSummary eager = run_shaped(root + "/eager", false, recipe);
+    const TrainSummary replayed = run_shaped(root + "/graphs", true, recipe);
+    // steps 1-2 run eagerly (the second records both kinds: the first micro-batch and the
+    // accumulating one), steps 3-6 replay them
+    ASSERT_TRUE(replayed.cuda_graph_replays.has_value());
+    EXPECT_EQ(*replayed.cuda_graph_replays, 8);
+    EXPECT_EQ(eager.cuda_graph_replays.value_or(-1), 0);
+    const std::string want = file_bytes(root + "/eager/metrics.jsonl"),
+                      got = file_bytes(root + "/graphs/metrics.jsonl");
+    EXPECT_EQ(got, want) << "the replays' metrics differ from the eager run's";
+    std::istringstream lines(got);
+    int n = 0;
+    for (std::string l; std::getline(lines, l);) n += !l.empty();
+    EXPECT_EQ(n, 6);
+    EXPECT_EQ(nlohmann::json::parse(file_bytes(root + "/graphs/summary.json"))["cuda_graph_replays"], 8);
+  }
 }
 
 TEST(CudaStepGraphs, ABadTokenInAReplayFailsAtItsStats) {
@@ -189,7 +194,7 @@ TEST(CudaStepGraphs, TheSecondKindSharesTheFirstsMemory) {
 
 TEST(CudaStepGraphs, AMicroBatchThatReadsBackIsNeverRecorded) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  ThreeMicroBatches t("mxfp8");
+  ThreeMicroBatches t("nvfp4-fwd");
   EXPECT_FALSE(t.m.training_step_capturable());
   EXPECT_EQ(t.graphs.graphs(), 0);
   EXPECT_EQ(t.graphs.replays(), 0);

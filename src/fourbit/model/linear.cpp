@@ -444,7 +444,8 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads_device_offsets(
 }
 
 std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vector<WeightBoth>& ws, QuantLog* log,
-                                                                bool batched) {
+                                                                bool batched,
+                                                                const std::vector<std::pair<Prepared, Prepared>>* into) {
   std::vector<ops::BothJob> jobs;
   for (const WeightBoth& b : ws) {
     FOURBIT_CHECK(b.fprop.quantized() && b.dgrad.quantized(), "prepare_weights_both of a dense spec");
@@ -453,7 +454,12 @@ std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vecto
                     ops::FormOut::Bf16});
   }
   std::vector<ops::BothAxes> q;
-  if (batched) {
+  FOURBIT_CHECK(!into || (batched && into->size() == ws.size()), "prepare_weights_both: {} operand pairs to write "
+                "into for {} weights{}", into ? into->size() : 0, ws.size(), batched ? "" : ", one call a weight");
+  if (into) {
+    for (const auto& [f, d] : *into) q.push_back({f.q, d.q});
+    ops::quantize_both_each_into(jobs, q);
+  } else if (batched) {
     q = ops::quantize_both_each(jobs);
   } else {
     for (const ops::BothJob& j : jobs)

@@ -207,7 +207,9 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads_device_offsets(
 // nothing else): the bits prepare() gives each. batched: all of them in one
 // ops::quantize_both_each (one launch on the GPU); else an ops::quantize_both each. Recorded at
 // their sites (with record_calls) but not counted: the weight cache counts each use
-// (Model::weight).
+// (Model::weight). into (batched only): the operands an earlier call on the same weights and
+// specs returned, rewritten in place and returned again (ops::quantize_both_each_into): a CUDA
+// graph that reads them reads the new ones.
 struct WeightBoth {
   Tensor w;
   QuantSpec fprop;
@@ -216,8 +218,9 @@ struct WeightBoth {
   QuantSite dgrad_site;
   LayerClass cls;
 };
-std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vector<WeightBoth>& ws, QuantLog* log,
-                                                                bool batched = true);
+std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(
+    const std::vector<WeightBoth>& ws, QuantLog* log, bool batched = true,
+    const std::vector<std::pair<Prepared, Prepared>>* into = nullptr);
 
 // A dense (BF16, FP32) operand prepared for one role used again for another, reading the same
 // tensor (`input`'s rounding) on role's axis: no second conversion; counted in the log and, with

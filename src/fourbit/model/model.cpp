@@ -1372,9 +1372,11 @@ Prepared Model::appended_weight(const std::string& name, int64_t slices, int64_t
 // quantizations and a decode before every GEMM, and one launch for all of them
 // (set_weight_forms_batched). Nothing in the step reads their codes
 // (forward_weight makes them again for its readers); the cache holds 2 bytes a value per operand
-// until the weights change.
+// until the weights change. Once a change: forms an inference forward cached since (one role's,
+// with codes) are replaced, so that the cache holds the forms made in one launch, which stay where
+// they are from one update to the next (weight_forms_).
 void Model::quantize_weights_ahead(const SrStreams& sr) {
-  if (device_ != Device::CUDA || dtype_ != DType::F32) return;
+  if (device_ != Device::CUDA || dtype_ != DType::F32 || weight_forms_current_) return;
   std::vector<WeightBoth> ws;
   std::vector<std::pair<std::string, std::string>> keys;
   for (const LinearInfo& li : linears()) {
@@ -1385,16 +1387,22 @@ void Model::quantize_weights_ahead(const SrStreams& sr) {
       continue;
     const std::string kf = li.name + "/" + gemm_role_name(GemmRole::Fprop);
     const std::string kd = li.name + "/" + gemm_role_name(GemmRole::Dgrad);
-    if (weight_cache_.count(kf) || weight_cache_.count(kd)) continue;
     ws.push_back({li.weight, f, sr.site(kf + "/W"), d, sr.site(kd + "/W"), li.cls});
     keys.emplace_back(kf, kd);
   }
   if (ws.empty()) return;
+  // The same weights' forms made in one launch again (after an update): rewritten where the last
+  // ones are, which a recorded micro-batch reads (StepGraphs).
+  const bool batched = g_weight_forms_batched.load(std::memory_order_relaxed);
+  const bool again = batched && keys == weight_forms_keys_;
   std::vector<std::pair<Prepared, Prepared>> forms =
-      prepare_weights_both(ws, &quant_log_, g_weight_forms_batched.load(std::memory_order_relaxed));
+      prepare_weights_both(ws, &quant_log_, batched, again ? &weight_forms_ : nullptr);
+  weight_forms_ = batched ? forms : std::vector<std::pair<Prepared, Prepared>>{};
+  weight_forms_keys_ = batched ? keys : std::vector<std::pair<std::string, std::string>>{};
+  weight_forms_current_ = true;
   for (size_t i = 0; i < ws.size(); ++i) {
-    weight_cache_.emplace(keys[i].first, std::move(forms[i].first));
-    weight_cache_.emplace(keys[i].second, std::move(forms[i].second));
+    weight_cache_.insert_or_assign(keys[i].first, std::move(forms[i].first));
+    weight_cache_.insert_or_assign(keys[i].second, std::move(forms[i].second));
   }
 }
 
@@ -1527,30 +1535,58 @@ void Model::convert_bf16_weights_ahead() {
 
 bool Model::training_step_capturable() {
   if (device_ == Device::CPU || dtype_ != DType::F32 || quant_log_.enabled || quant_log_.record_calls) return false;
-  const auto all_bf16 = [](const LayerRecipe& r) {
+  // Every operand dense BF16, or MXFP8 rounded to nearest (no SR keys, which change every
+  // micro-batch, and no amax record) with the weights' two forms made in one launch (their
+  // buffers rewritten in place before a replay: quantize_weights_ahead).
+  const bool batched = g_weight_forms_batched.load(std::memory_order_relaxed);
+  const auto mx_rne = [](const QuantSpec& q) {
+    return (q.fmt == Format::MXFP8_E4M3 || q.fmt == Format::MXFP8_E5M2) && q.rounding == num::Rounding::RNE &&
+           q.hadamard == 0;
+  };
+  const auto replayable = [&](const LayerRecipe& r) {
     for (const GemmRecipe* g : {&r.fprop, &r.dgrad, &r.wgrad})
-      if (!dense_bf16(g->a) || !dense_bf16(g->b)) return false;
+      for (const QuantSpec* q : {&g->a, &g->b})
+        if (!dense_bf16(*q) && !mx_rne(*q)) return false;
+    if (r.fprop.b.quantized() != r.dgrad.b.quantized()) return false;
+    if (r.fprop.b.quantized() && !(batched && ops::row_col_one_pass(r.fprop.b, r.dgrad.b))) return false;
     return !r.requant_saved_sr;
   };
   ModelRunner run{*this, cfg_, SrStreams{}, &quant_log_};
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     run.layer = l;
     const bool moe = cfg_.is_moe_layer(l);
-    if (!all_bf16(run.recipe(LayerClass::Attention)) ||
-        !all_bf16(run.recipe(moe ? LayerClass::Expert : LayerClass::Dense)))
+    if (!replayable(run.recipe(LayerClass::Attention)) ||
+        !replayable(run.recipe(moe ? LayerClass::Expert : LayerClass::Dense)))
       return false;
     if (moe && !run.moe_training_reads_nothing(run.recipe(LayerClass::Expert))) return false;
     const LayerRecipe& router = run.recipe(LayerClass::Router);
     for (const GemmRecipe* g : {&router.fprop, &router.dgrad, &router.wgrad})
       if (g->a.quantized() || g->b.quantized()) return false;
   }
-  return all_bf16(recipe_.layer(LayerClass::LmHead, cfg_.n_layers, cfg_.n_layers));
+  return replayable(recipe_.layer(LayerClass::LmHead, cfg_.n_layers, cfg_.n_layers));
 }
 
-void Model::bf16_copies_for_replay() {
-  if (bf16_copies_current_ || !weight_cache_.empty() || !bf16_ahead_.empty()) return;
-  convert_bf16_weights_ahead();
-  bf16_copies_current_ = bf16_copies_.defined();
+void Model::weights_for_replay(const SrStreams& sr) {
+  // the BF16 copies, unless a forward since the update converted them
+  if (!bf16_copies_current_ && weight_cache_.empty() && bf16_ahead_.empty()) {
+    convert_bf16_weights_ahead();
+    bf16_copies_current_ = bf16_copies_.defined();
+  }
+  quantize_weights_ahead(sr);  // (nothing where a training forward since the update made them)
+}
+
+bool Model::persistent_weight_operand(const Prepared& p) const {
+  if (!p.is_quantized())
+    return p.dense.defined() && (p.dense.shares_storage(params_.flat_const()) ||
+                                 (bf16_copies_.defined() && p.dense.shares_storage(bf16_copies_.buffer)));
+  const auto same = [](const QTensor& a, const QTensor& b) {
+    for (const auto& [x, y] : {std::pair{&a.codes, &b.codes}, std::pair{&a.bf16, &b.bf16}})
+      if (x->defined() && !(y->defined() && x->raw() == y->raw())) return false;
+    return a.codes.defined() || a.bf16.defined();
+  };
+  for (const auto& [f, d] : weight_forms_)
+    if (same(p.q, f.q) || same(p.q, d.q)) return true;
+  return false;
 }
 
 namespace {

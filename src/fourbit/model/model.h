@@ -276,6 +276,7 @@ class Model {
   void invalidate_weight_cache(bool bf16_copies_current = false, bool slice_amax_current = false) {
     ++weights_version_;
     weight_cache_.clear();
+    weight_forms_current_ = false;
     group_amax_cache_.clear();
     fused_cache_.clear();
     bf16_ahead_.clear();
@@ -288,15 +289,23 @@ class Model {
   // Whether a training micro-batch's forward and backward on this model read nothing back to the
   // host and fix nothing that changes between steps into the work they queue, so that they can be
   // recorded as one CUDA graph and replayed in later steps (StepGraphs): on the GPU, every linear
-  // in BF16 but the routers (F32; no quantizer, so no SR keys or amax records), every MoE layer's
-  // routing and backward on the GPU's offsets (set_moe_backward_device_offsets), and no quantizer
-  // log or routing observer, which are called on the host.
+  // operand in BF16 or MXFP8 rounded to nearest (no SR keys, which change every micro-batch, nor
+  // amax records), the MXFP8 weights' forms made in one launch (rewritten in place:
+  // weights_for_replay), the routers in F32, every MoE layer's routing and backward on the GPU's
+  // offsets (set_moe_backward_device_offsets), and no quantizer log or routing observer, which are
+  // called on the host. The bf16 and mxfp8 recipes.
   bool training_step_capturable();
-  // Before the replay of a recorded training forward, which reads the weights' BF16 copies where
-  // the recording found them without the conversion a forward makes after
-  // invalidate_weight_cache: converts them now unless the optimizer wrote them with its update
-  // (Optimizer::write_bf16_copies) or a forward has since the weights changed.
-  void bf16_copies_for_replay();
+  // Before the replay of a recorded training forward, which reads the weights' operands where the
+  // recording found them without the work a forward does after invalidate_weight_cache, unless a
+  // forward has since the weights changed: converts the BF16 copies unless the optimizer wrote them
+  // with its update (Optimizer::write_bf16_copies), and makes the MXFP8 weights' forms again where
+  // the last ones are (quantize_weights_ahead; sr: the micro-batch's streams, which their
+  // rounding to nearest does not read).
+  void weights_for_replay(const SrStreams& sr);
+  // Whether a weight operand stays where it is from one step to the next, rewritten in place
+  // (weights_for_replay): a view of the weights or of their BF16 copies, or one of the MXFP8
+  // forms made in one launch.
+  bool persistent_weight_operand(const Prepared& p) const;
   // Where the recipe has linears with BF16 forward operands over F32 weights (bf16, and the
   // layers other recipes keep in BF16, such as the LM head), the BF16 copies of those weights
   // live packed in one buffer (made on first call), which the forward fills with one conversion
@@ -393,6 +402,11 @@ class Model {
   Tensor positions_;  // training_positions' for (positions_B_, positions_T_)
   int64_t positions_B_ = 0, positions_T_ = 0;
   std::map<std::string, Prepared> weight_cache_;
+  // quantize_weights_ahead's last forms made in one launch, by their cache keys: kept through
+  // invalidate_weight_cache and rewritten in place while the keys stay the same.
+  std::vector<std::pair<Prepared, Prepared>> weight_forms_;
+  std::vector<std::pair<std::string, std::string>> weight_forms_keys_;
+  bool weight_forms_current_ = false;  // made since the weights last changed
   // The outer-scale group amax of a weight pair (an FFN's w1 and w3), made for the first of the two
   // and taken by the second, until the weights change.
   std::map<std::string, Tensor> group_amax_cache_;

@@ -25,15 +25,10 @@ std::string StepGraphs::take_failure() {
 }
 
 std::string StepGraphs::cache_outside_weights() {
-  // (The fused operands an inference forward stacks, Model::fused_weights, are copies, but no
-  // training forward reads them.)
-  const Bf16Copies& copies = model_.bf16_weight_copies();
-  for (const auto& [key, p] : model_.weight_cache()) {
-    const bool view = !p.is_quantized() && p.dense.defined() &&
-                      (p.dense.shares_storage(model_.params().flat_const()) ||
-                       (copies.defined() && p.dense.shares_storage(copies.buffer)));
-    if (!view) return key;
-  }
+  // (Model::persistent_weight_operand. The fused operands an inference forward stacks,
+  // Model::fused_weights, are copies, but no training forward reads them.)
+  for (const auto& [key, p] : model_.weight_cache())
+    if (!model_.persistent_weight_operand(p)) return key;
   return "";
 }
 
@@ -55,8 +50,8 @@ void StepGraphs::record(const Kind& kind, const SrStreams& sr) {
   try {
     const std::string outside = cache_outside_weights();
     if (!outside.empty())
-      fail("the weight operand {} is not a view of the weights or of their BF16 copies, so a replay after an update "
-           "would read a freed copy",
+      fail("the weight operand {} is not a view of the weights or of their BF16 copies nor an MXFP8 form rewritten "
+           "in place, so a replay after an update would read a freed copy",
            outside);
     if (kind.first) params.zero_grad();
     // The kinds replay one at a time, and after_replay queues the reads of a replay's stats
@@ -92,7 +87,7 @@ PendingForwardStats StepGraphs::run(const Tensor& tokens, const Tensor& targets,
       it->tokens.copy_from(tokens);
       it->targets.copy_from(targets);
       if (kind.weighted) it->weights.copy_from(weights);
-      model_.bf16_copies_for_replay();
+      model_.weights_for_replay(sr);
       it->graph->replay();
       model_.params().mark_grads_written();
       ++replays_;

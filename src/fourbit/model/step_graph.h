@@ -18,10 +18,12 @@
 // second kind's capture takes the first's pool (GraphCapture(share)), as they never run at once.
 //
 // Only a model whose micro-batch reads nothing back can be recorded
-// (Model::training_step_capturable: the bf16 recipe with the MoE backward on the GPU's offsets);
-// its weight operands are views of the weights and of their BF16 copies, which stay where they are
-// while the optimizer updates them, so a graph holds across steps. Elsewhere every micro-batch
-// runs eagerly. Either way the same bits as forward_queued and backward.
+// (Model::training_step_capturable: the bf16 and mxfp8 recipes with the MoE backward on the GPU's
+// offsets); its weight operands are views of the weights and of their BF16 copies, which stay
+// where they are while the optimizer updates them, and the MXFP8 weights' forms, made again where
+// they are before a replay after an update (Model::weights_for_replay), so a graph holds across
+// steps. Elsewhere every micro-batch runs eagerly. Either way the same bits as forward_queued and
+// backward.
 #pragma once
 #include <cstdint>
 #include <memory>

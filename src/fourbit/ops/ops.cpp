@@ -504,6 +504,39 @@ std::vector<BothAxes> quantize_both_each(const std::vector<BothJob>& jobs) {
   return out;
 }
 
+void quantize_both_each_into(const std::vector<BothJob>& jobs, std::vector<BothAxes>& into) {
+  const HostOpTimer host_timer("quantize_both_each_into");
+  if (into.size() != jobs.size())
+    fail("quantize_both_each_into: {} forms to write into for {} jobs", into.size(), jobs.size());
+  bool all_cuda = !jobs.empty();
+  for (const BothJob& j : jobs) {
+    check_row_col_axes("quantize_both_each_into", j.row_spec, j.col_spec);
+    all_cuda = all_cuda && j.x.device() == Device::CUDA;
+  }
+#if FOURBIT_HAS_CUDA
+  if (all_cuda && cuda::quantize_both_each(jobs, into, true)) return;
+#else
+  (void)all_cuda;
+#endif
+  const std::vector<BothAxes> made = quantize_both_each(jobs);
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    const QTensor* have[2] = {&made[i].row, &made[i].col};
+    QTensor* dst[2] = {&into[i].row, &into[i].col};
+    for (int f = 0; f < 2; ++f) {
+      const QTensor &m = *have[f];
+      QTensor& d = *dst[f];
+      if (m.fmt != d.fmt || m.axis != d.axis || m.slices != d.slices || m.rows != d.rows || m.cols != d.cols ||
+          m.codes.defined() != d.codes.defined() || m.bf16.defined() != d.bf16.defined() ||
+          m.outer_scales.defined() != d.outer_scales.defined())
+        fail("quantize_both_each_into: job {}'s {} form does not match the form to write into", i,
+             f == 0 ? "Row" : "Col");
+      for (const auto& [src, out] : {std::pair{&m.codes, &d.codes}, std::pair{&m.block_scales, &d.block_scales},
+                                     std::pair{&m.outer_scales, &d.outer_scales}, std::pair{&m.bf16, &d.bf16}})
+        if (src->defined()) out->copy_from(*src);
+    }
+  }
+}
+
 std::vector<QTensor> requantize_transposed_segments(const QTensor& q, const std::vector<int64_t>& offsets,
                                                     const QuantSpec& target, const std::vector<RngKey>& rngs,
                                                     FormOut form) {

@@ -4,7 +4,7 @@
 //          moe_combine_backward_row_col_device_offsets, swiglu_forward_row_col,
 //          swiglu_forward_row_col_device_offsets, swiglu_backward_row_col,
 //          swiglu_backward_row_col_device_offsets, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
-//          requantize_transposed,
+//          quantize_both_each_into, requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
 //          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          DeferIndexChecks, check_index_errors_later, load_balance_term, load_balance_dprobs, count_targets,
@@ -200,6 +200,12 @@ struct BothJob {
   FormOut row_out = FormOut::Codes, col_out = FormOut::Codes;
 };
 std::vector<BothAxes> quantize_both_each(const std::vector<BothJob>& jobs);
+// quantize_both_each of jobs written into `into`: the forms a quantize_both_each of jobs with the
+// same tensors' shapes, specs and outputs returned (checked), their storage kept, so that a CUDA
+// graph that reads them reads the new forms (a training step's weights, rewritten after each
+// update). On the GPU, where quantize_both_each's one launch takes the jobs, written in place;
+// otherwise made and copied in.
+void quantize_both_each_into(const std::vector<BothJob>& jobs, std::vector<BothAxes>& into);
 
 // requantize_transposed(qtensor_rows(q, offsets[i], offsets[i + 1]), target, rngs[i], form) for
 // every row segment i of a single-slice Row-axis q (the experts' tokens of a saved NVFP4

@@ -371,7 +371,8 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
 // ops::quantize_both_each on CUDA tensors into out (one entry a job): every job's tensor in one
 // launch of mxfp8_row_col_jobs_kernel per MXFP8 variant; false (nothing done) unless quantize_both's
 // one pass takes every job.
-bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out);
+// into: out holds the forms such a call returned (layouts checked), written in place.
+bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out, bool into = false);
 
 // ops::requantize_transposed_segments on a CUDA QTensor (checked by the caller) into out; false
 // where requantize_transposed_kernel does not take q to target (behind an RHT, targets other than

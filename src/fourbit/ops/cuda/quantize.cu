@@ -574,6 +574,29 @@ QuantShape alloc_both(const Tensor& x, const QuantSpec& row_spec, const QuantSpe
   if (writes_bf16(col_out)) col.bf16 = Tensor::empty({S * C, col.padded_cols()}, DType::BF16, Device::CUDA);
   return shape;
 }
+
+// alloc_both's layout checked against forms it made before (quantize_both_each's into): the same
+// format, axis and shape, and buffers of the same shapes where row_out / col_out ask for them.
+QuantShape reuse_both(const Tensor& x, const QuantSpec& row_spec, const QuantSpec& col_spec, FormOut row_out,
+                      FormOut col_out, const QTensor& row, const QTensor& col, size_t job) {
+  check_cuda_tensor(x, "quantize_both_each_into", "x");
+  const QuantShape shape = quant_shape(x, row_spec);
+  (void)quant_shape(x, col_spec);
+  const auto fits = [&](const QTensor& have, const QuantSpec& spec, FormOut out) {
+    const QTensor want = qtensor_layout(spec, shape);
+    const auto sized = [](const Tensor& t, bool wanted, const Shape& s) {
+      return wanted ? t.defined() && t.device() == Device::CUDA && t.shape() == s : !t.defined();
+    };
+    return have.fmt == want.fmt && have.axis == want.axis && have.slices == want.slices && have.rows == want.rows &&
+           have.cols == want.cols && sized(have.codes, writes_codes(out), {want.total_rows(), want.code_row_bytes()}) &&
+           sized(have.block_scales, writes_codes(out), {want.total_rows(), want.blocks_per_row()}) &&
+           sized(have.bf16, writes_bf16(out), {want.total_rows(), want.padded_cols()});
+  };
+  if (!fits(row, row_spec, row_out) || !fits(col, col_spec, col_out))
+    fail("quantize_both_each_into: job {}'s forms to write into are not those its tensor {} makes under {} and {}", job,
+         x.str(), describe(row_spec), describe(col_spec));
+  return shape;
+}
 }  // namespace
 
 bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, const QuantSpec& col_spec,
@@ -592,17 +615,18 @@ bool quantize_both(const Tensor& x, const QuantSpec& row_spec, RngKey row_rng, c
   return true;
 }
 
-bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out) {
+bool quantize_both_each(const std::vector<BothJob>& jobs, std::vector<BothAxes>& out, bool into) {
   for (const BothJob& j : jobs)
     if (!row_col_kernel_takes(j.x, j.row_spec, j.col_spec)) return false;
-  out.assign(jobs.size(), BothAxes{});
+  if (!into) out.assign(jobs.size(), BothAxes{});
   // one launch per MXFP8 variant (element format, row and col rounding), in the jobs' order
   std::map<std::tuple<bool, bool, bool>, std::vector<PairJob>> by_variant;
   for (size_t i = 0; i < jobs.size(); ++i) {
     const BothJob& j = jobs[i];
     QTensor& row = out[i].row;
     QTensor& col = out[i].col;
-    const QuantShape shape = alloc_both(j.x, j.row_spec, j.col_spec, j.row_out, j.col_out, row, col);
+    const QuantShape shape = into ? reuse_both(j.x, j.row_spec, j.col_spec, j.row_out, j.col_out, row, col, i)
+                                  : alloc_both(j.x, j.row_spec, j.col_spec, j.row_out, j.col_out, row, col);
     PairJob pj{};
     pj.x = j.x.data<float>();
     pj.R = shape.rows;
