@@ -7,7 +7,8 @@
 //          quantizer passes writing codes and decodes, a weight at a time — loss and every
 //          gradient, every recipe, FFN interiors kept or recomputed, on the CPU and (when there is
 //          one) the GPU; and the same record of the NVFP4 inputs' amax (Model::input_amax). The bf16
-//          and mxfp8 recipes' MoE backward on the GPU's routing offsets gives the bits of the host's.
+//          and mxfp8 recipes' MoE backward on the GPU's routing offsets gives the bits of the host's,
+//          and so does that path run on the CPU (set_moe_device_offsets_on_cpu).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -119,6 +120,65 @@ TEST(CudaGradQuantizers, SameBitsEitherWay) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   const ModelConfig c = gpu_test_config();
   expect_same(c, Device::CUDA);
+}
+
+// set_moe_device_offsets_on_cpu: the CPU runs the training MoE layers' device-offset path (the
+// ops' read-back fallbacks reading the offsets tensor) with the loss and every gradient of the
+// host-offset path, two micro-batches (the second accumulating), and it ran: two device-offset
+// weight-gradient calls a MoE layer whose experts take it (bf16 always; mxfp8 and nvfp4-fwd's
+// MXFP8 tail layers where the FFN interiors are recomputed), none elsewhere. 8 x 14 tokens, so
+// that an expert's tokens span a block of 32 and a partial one.
+TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
+  const OmpThreads threads(2);
+  const ModelConfig c = tiny_moe_config(3);
+  const Tensor tokens = random_tokens(8, 14, 6);
+  const Tensor targets = shifted_targets(tokens, 258);
+  struct Pass {
+    double loss, aux;
+    std::vector<float> grad;
+    int64_t calls;
+  };
+  const auto run = [&](const std::string& recipe, bool device_path, bool keep) {
+    const bool before = set_moe_device_offsets_on_cpu(device_path);
+    Model m(c, recipe_by_name(recipe), Device::CPU);
+    m.set_keep_ffn_activations(keep);
+    init_params(m.params(), c, 5);
+    m.params().zero_grad();
+    const int64_t calls = ops::grouped_wgrad_device_offsets_calls();
+    Pass p{};
+    for (int micro = 0; micro < 2; ++micro) {
+      const ForwardStats st = m.forward(tokens, targets, SrStreams{11, 7, uint64_t(micro)}, true, 0.5f);
+      m.backward();
+      p.loss = st.loss;
+      p.aux = st.aux_loss;
+    }
+    p.calls = ops::grouped_wgrad_device_offsets_calls() - calls;
+    const Tensor g = m.params().flat_grad();
+    p.grad.assign(g.data<float>(), g.data<float>() + g.numel());
+    set_moe_device_offsets_on_cpu(before);
+    return p;
+  };
+  for (const std::string recipe : {"bf16", "mxfp8", "nvfp4-fwd"})
+    for (bool keep : {false, true}) {
+      SCOPED_TRACE(recipe + (keep ? ", FFN interiors kept" : ", FFN interiors recomputed"));
+      int64_t layers = 0;  // MoE layers whose experts take the device-offset path
+      for (int64_t l = 0; l < c.n_layers; ++l) {
+        const LayerRecipe& r = recipe_by_name(recipe).layer(LayerClass::Expert, l, c.n_layers);
+        layers += c.is_moe_layer(l) && (r.fprop.a.fmt == Format::BF16 || (r.fprop.a.fmt == Format::MXFP8_E4M3 && !keep));
+      }
+      if (recipe != "nvfp4-fwd") {
+        EXPECT_EQ(layers, recipe == "bf16" || !keep ? 2 : 0);
+      } else {
+        EXPECT_EQ(layers, keep ? 0 : 1);  // its last MoE layer is in its MXFP8 tail
+      }
+      const Pass host = run(recipe, false, keep), dev = run(recipe, true, keep);
+      EXPECT_EQ(host.calls, 0);
+      EXPECT_EQ(dev.calls, 2 * 2 * layers) << "the MoE layers did not take the device-offset path";
+      EXPECT_EQ(host.loss, dev.loss);
+      EXPECT_EQ(host.aux, dev.aux);
+      ASSERT_EQ(host.grad.size(), dev.grad.size());
+      EXPECT_EQ(std::memcmp(host.grad.data(), dev.grad.data(), dev.grad.size() * 4), 0) << "gradients differ";
+    }
 }
 
 // set_moe_backward_device_offsets: the MoE backward with its experts' GEMMs on the routing's

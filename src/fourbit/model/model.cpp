@@ -32,6 +32,7 @@ std::atomic<bool> g_weight_forms_batched{true};
 // On by default: with it a bf16 training micro-batch reads no router count back, so the trainer
 // records it as a CUDA graph (StepGraphs; eagerly the step is 0.07-0.09 ms slower, docs/model.md).
 std::atomic<bool> g_moe_backward_device_offsets{true};
+std::atomic<bool> g_moe_device_offsets_on_cpu{false};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -204,6 +205,7 @@ struct ModelRunner {
   }
   // Whether the MoE layers' expert GEMMs read the routing's offsets where the GPU made them.
   bool moe_offsets_on_gpu() const {
+    if (m.device_ == Device::CPU) return g_moe_device_offsets_on_cpu.load(std::memory_order_relaxed);
     return m.device_ != Device::CPU && ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_model) &&
            ops::grouped_gemm_reads_device_offsets(m.device_, c.n_experts, c.d_expert);
   }
@@ -842,6 +844,9 @@ struct ModelRunner {
     ops::PendingRoutePlan pending_plan =
         ops::route_plan_begin(topk_idx, E, aux ? probs : Tensor(), !deferred && !no_read, group ? N : 0);
     ops::RoutePlan& plan = pending_plan.plan;  // its slot maps (and on the GPU, device_offsets) already
+    if (m.device_ == Device::CPU && moe_offsets_on_gpu())  // set_moe_device_offsets_on_cpu
+      plan.device_offsets = Tensor::from_host(std::vector<int32_t>(plan.offsets.begin(), plan.offsets.end()).data(),
+                                              {int64_t(plan.offsets.size())}, DType::I32, Device::CPU);
     const int64_t rows = plan.token_of_slot.size(0);  // N K, and the shared expert's N where grouped
     // Where a weight gradient follows (s) and the experts' X and X^T pair (MXFP8 both, X rounded
     // to nearest: a token's blocks are then the same wherever it is quantized), both come from the
@@ -1933,6 +1938,10 @@ void Model::backward() {
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
+bool set_moe_device_offsets_on_cpu(bool on) {
+  return g_moe_device_offsets_on_cpu.exchange(on, std::memory_order_relaxed);
+}
+
 bool set_moe_backward_device_offsets(bool on) {
   return g_moe_backward_device_offsets.exchange(on, std::memory_order_relaxed);
 }

@@ -143,7 +143,8 @@ bool set_dy_decodes_only(bool on);
 // the setting before.
 bool set_weight_forms_batched(bool on);
 // In a training step's MoE backward on the GPU, where every expert operand is dense BF16 (the bf16
-// recipe) and no quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
+// recipe) or an MXFP8 pair made by its producer (the mxfp8 recipe, FFN interiors recomputed) and no
+// quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
 // the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
 // read in place and w1's and w3's weight gradients in one launch (on, the default); off, the
@@ -156,6 +157,12 @@ bool set_weight_forms_batched(bool on);
 // (bench/results/h200_gpu_train_moe_backward_s61.json); the graph it allows took 1.4 ms off a step
 // on an H100. Process-wide, for benchmarks and tests; returns the setting before.
 bool set_moe_backward_device_offsets(bool on);
+// Whether a model on the CPU runs its training MoE layers as the GPU's device-offset path does
+// (set_moe_backward_device_offsets), the plan's offsets also an I32 tensor on the CPU that the ops
+// read as device offsets (their fallbacks read them back): off by default, as it gains nothing
+// there; on, for tests of that path's plumbing where no GPU runs it (CI). The same bits either
+// way. Process-wide; returns the setting before.
+bool set_moe_device_offsets_on_cpu(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
 // experts' dispatched tokens where they are gathered, when their X and X^T pair

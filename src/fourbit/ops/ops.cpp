@@ -655,9 +655,15 @@ void grouped_gemm_device_offsets(const Operand& a, const Operand& b, const Tenso
   grouped_gemm(a, b, off, c, accumulate);
 }
 
+namespace {
+std::atomic<int64_t> g_grouped_wgrad_device_offsets_calls{0};
+}
+int64_t grouped_wgrad_device_offsets_calls() { return g_grouped_wgrad_device_offsets_calls.load(); }
+
 void grouped_wgrad_device_offsets(const std::vector<WgradSet>& sets, const Tensor& offsets, bool accumulate) {
   const char* op = "grouped_wgrad_device_offsets";
   if (sets.empty()) return;
+  g_grouped_wgrad_device_offsets_calls.fetch_add(1, std::memory_order_relaxed);
   const auto name = [](const Tensor* t) { return t && t->defined() ? t->str() : std::string("an undefined tensor"); };
   const Tensor* a0 = sets[0].a;
   for (size_t s = 0; s < sets.size(); ++s) {

@@ -6,7 +6,7 @@
 //          swiglu_backward_row_col_device_offsets, BothAxes, quantize_both, BothJob, quantize_both_each, dequantize,
 //          quantize_both_each_into, requantize_transposed,
 //          requantize_transposed_segments, with_decode, Operand, gemm, GemmJob, gemm_batch, gemm_batch_grouped, grouped_gemm,
-//          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
+//          grouped_gemm_device_offsets, WgradSet, grouped_wgrad_device_offsets, grouped_wgrad_device_offsets_calls, grouped_gemm_reads_device_offsets, route_plan_finish, check_index_errors,
 //          DeferIndexChecks, check_index_errors_later, load_balance_term, load_balance_dprobs, count_targets,
 //          rope_qkv_to_cache, rope_fused_qkv_to_cache, attention_step,
 //          RowQuant, the layer ops (embedding, rmsnorm, add_rmsnorm, rmsnorm_input_wgrad, rope, attention, swiglu, cross_entropy, router,
@@ -293,6 +293,9 @@ struct WgradSet {
   Tensor* c;
 };
 void grouped_wgrad_device_offsets(const std::vector<WgradSet>& sets, const Tensor& offsets, bool accumulate = false);
+// How many grouped_wgrad_device_offsets calls the process has made, on any device (tests check
+// that a path took them).
+int64_t grouped_wgrad_device_offsets_calls();
 void grouped_wgrad_device_offsets(const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& c,
                                   bool accumulate = false);
 // Whether grouped_gemm_device_offsets on `device` reads the offsets where they are for `groups`
