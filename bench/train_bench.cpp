@@ -57,9 +57,10 @@
 // Several (comma-separated, repeats allowed) run each recipe under each in this process.
 // --moe-backward (CUDA): the bf16 recipe's MoE backward with its experts' GEMMs on the offsets
 // where the GPU made them, its forward then reading no router count back (device, the default:
-// set_moe_backward_device_offsets) or on the host's routing offsets (host); several
-// (comma-separated, repeats allowed) run each recipe under each in this process (the other recipes
-// take the host's either way).
+// set_moe_backward_device_offsets), the same with the experts' MXFP8 pairs made on those offsets
+// too (pairs: set_moe_pairs_on_device_offsets; the mxfp8 recipe and nvfp4-fwd's tail layers), or
+// on the host's routing offsets (host); several (comma-separated, repeats allowed) run each recipe
+// under each in this process (other experts take the host's either way).
 // --graph: each micro-batch's forward and backward as the trainer runs them (on, the default,
 // train.cuda_graphs: StepGraphs records a micro-batch that reads nothing back, the bf16 recipe's
 // with --moe-backward device, as a CUDA graph the second time its kind comes, in the warm-up, and
@@ -222,7 +223,7 @@ int run(int argc, char** argv) {
   if (tma_tiles != std::vector<std::string>{"pingpong"} && device != Device::CUDA)
     fail("train_bench: --tma-tile is for --device cuda");
   const std::vector<std::string> moe_backwards =
-      variant_list(argc, argv, "--moe-backward", {"device", "host"}, "MoE backward offsets", table);
+      variant_list(argc, argv, "--moe-backward", {"device", "pairs", "host"}, "MoE backward offsets", table);
   const std::vector<std::string> graphs = variant_list(argc, argv, "--graph", {"on", "off"}, "graph", table);
   if (moe_backwards != std::vector<std::string>{"device"} && device != Device::CUDA)
     fail("train_bench: --moe-backward is for --device cuda");
@@ -230,6 +231,7 @@ int run(int argc, char** argv) {
   const bool producers_before = set_training_producer_quantizers(true), decodes_before = set_dy_decodes_only(true);
   const bool batched_before = set_weight_forms_batched(true);
   const bool moe_backward_before = set_moe_backward_device_offsets(true);
+  const bool moe_pairs_before = set_moe_pairs_on_device_offsets(false);
   for (const std::string& variant : variants)
   for (const std::string& fwd_gemms : fwds)
   for (const std::string& keep_ffn : keeps)
@@ -243,7 +245,8 @@ int run(int argc, char** argv) {
   for (const std::string& moe_backward : moe_backwards)
   for (const std::string& graph_mode : graphs) {
     const bool keep = keep_ffn == "on";
-    set_moe_backward_device_offsets(moe_backward == "device");
+    set_moe_backward_device_offsets(moe_backward != "host");
+    set_moe_pairs_on_device_offsets(moe_backward == "pairs");
     set_weight_forms_batched(wforms == "batched");
     set_forward_gemms_grouped(fwd_gemms == "grouped");
     set_training_producer_quantizers(gq == "fused");
@@ -363,6 +366,7 @@ int run(int argc, char** argv) {
   set_dy_decodes_only(decodes_before);
   set_weight_forms_batched(batched_before);
   set_moe_backward_device_offsets(moe_backward_before);
+  set_moe_pairs_on_device_offsets(moe_pairs_before);
 #if FOURBIT_HAS_CUDA
   if (device == Device::CUDA) {
     ops::cuda::set_grouped_tma_tile(256);

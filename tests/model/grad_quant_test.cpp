@@ -122,14 +122,23 @@ TEST(CudaGradQuantizers, SameBitsEitherWay) {
   expect_same(c, Device::CUDA);
 }
 
+// Sets set_moe_pairs_on_device_offsets for a test's scope.
+struct PairsOnDeviceOffsets {
+  const bool before;
+  explicit PairsOnDeviceOffsets(bool on) : before(set_moe_pairs_on_device_offsets(on)) {}
+  ~PairsOnDeviceOffsets() { set_moe_pairs_on_device_offsets(before); }
+};
+
 // set_moe_device_offsets_on_cpu: the CPU runs the training MoE layers' device-offset path (the
 // ops' read-back fallbacks reading the offsets tensor) with the loss and every gradient of the
 // host-offset path, two micro-batches (the second accumulating), and it ran: two device-offset
-// weight-gradient calls a MoE layer whose experts take it (bf16 always; mxfp8 and nvfp4-fwd's
-// MXFP8 tail layers where the FFN interiors are recomputed), none elsewhere. 8 x 14 tokens, so
-// that an expert's tokens span a block of 32 and a partial one.
+// weight-gradient calls a MoE layer whose experts take it (bf16 always; with
+// set_moe_pairs_on_device_offsets, mxfp8 and nvfp4-fwd's MXFP8 tail layers where the FFN
+// interiors are recomputed), none elsewhere. 8 x 14 tokens, so that an expert's tokens span a
+// block of 32 and a partial one.
 TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
   const OmpThreads threads(2);
+  PairsOnDeviceOffsets pairs(true);
   const ModelConfig c = tiny_moe_config(3);
   const Tensor tokens = random_tokens(8, 14, 6);
   const Tensor targets = shifted_targets(tokens, 258);
@@ -179,6 +188,9 @@ TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
       ASSERT_EQ(host.grad.size(), dev.grad.size());
       EXPECT_EQ(std::memcmp(host.grad.data(), dev.grad.data(), dev.grad.size() * 4), 0) << "gradients differ";
     }
+  // without set_moe_pairs_on_device_offsets the mxfp8 experts keep the host's offsets
+  set_moe_pairs_on_device_offsets(false);
+  EXPECT_EQ(run("mxfp8", true, false).calls, 0);
 }
 
 // set_moe_backward_device_offsets: the MoE backward with its experts' GEMMs on the routing's
@@ -187,11 +199,12 @@ TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
 // device-offset weight-gradient calls a MoE layer, no counts read back): the bf16 recipe (dense
 // BF16 operands read in place), FFN interiors kept or recomputed, and the mxfp8 recipe (its pairs
 // made on the device offsets, the weight gradients reading their Col forms' decodes in the rows'
-// layout; FFN interiors recomputed). 8 x 14 tokens: each expert's ~56 slots span a block of 32
+// layout, set_moe_pairs_on_device_offsets; FFN interiors recomputed). 8 x 14 tokens: each expert's ~56 slots span a block of 32
 // tokens and a partial one, so the Col forms' blocks start at each expert's first row.
 TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
 #if FOURBIT_HAS_CUDA
+  PairsOnDeviceOffsets pairs(true);
   const ModelConfig c = gpu_test_config();
   const Tensor tokens = random_tokens(8, 14, 6).to(Device::CUDA);
   const Tensor targets = shifted_targets(random_tokens(8, 14, 6), 258).to(Device::CUDA);
@@ -287,12 +300,13 @@ TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
   }
 }
 
-// With the device-offset backward (the default, set here) a bf16 or mxfp8 micro-batch's forward
-// and backward read nothing back, so they record into one CUDA graph: a replay gives the eager
+// With the device-offset backward (the default, set here; for mxfp8 with its pairs on the device
+// offsets) a bf16 or mxfp8 micro-batch's forward and backward read nothing back, so they record into one CUDA graph: a replay gives the eager
 // run's loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
 // gradients as the captured backward did, after zero_grad).
 TEST(CudaMoeBackward, MicroBatchRecordsAsOneCudaGraph) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  PairsOnDeviceOffsets pairs(true);  // the mxfp8 experts' pairs too
   const ModelConfig c = gpu_test_config();
   const bool before = set_moe_backward_device_offsets(true);
   const Tensor tokens = random_tokens(2, 12, 6).to(Device::CUDA);

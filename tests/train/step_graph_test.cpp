@@ -2,11 +2,13 @@
 //          train.cuda_graphs): (a) a GPU run that replays its micro-batches writes an eager run's
 //          metrics bytes (loss, gradient norm, evaluations) step for step, with gradient
 //          accumulation, token weights and evaluation forwards of another batch shape after every
-//          step, and its summary counts the replays, under the bf16 and the mxfp8 recipe (whose
-//          weights' forms are made again in place before a replay after an update); (b) a bad
+//          step, and its summary counts the replays, under the bf16 and the mxfp8 recipe (its
+//          experts' pairs on the device offsets, set_moe_pairs_on_device_offsets; its weights'
+//          forms made again in place before a replay after an update); (b) a bad
 //          token id in a replayed micro-batch fails at its stats, naming it; (c) gradient
 //          accumulation's two recorded kinds share one pool of blocks; (d) a recipe whose
-//          micro-batch draws SR bits and reads the routing back (nvfp4-fwd) is never recorded;
+//          micro-batch draws SR bits and reads the routing back (nvfp4-fwd; mxfp8 with its pairs
+//          on the host's offsets) is never recorded;
 //          (e) on the CPU every micro-batch runs eagerly, the bits of forward_queued and backward.
 #include <gtest/gtest.h>
 
@@ -108,6 +110,7 @@ TrainSummary run_shaped(const std::string& dir, bool graphs, const std::string& 
 
 TEST(CudaStepGraphs, ReplayedRunWritesTheEagerRunsMetrics) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const bool pairs_before = set_moe_pairs_on_device_offsets(true);  // mxfp8's micro-batch reads nothing back
   for (const std::string recipe : {"bf16", "mxfp8"}) {
     SCOPED_TRACE(recipe);
     const std::string root = fresh_test_dir("step_graph_tests_" + recipe);
@@ -127,6 +130,7 @@ TEST(CudaStepGraphs, ReplayedRunWritesTheEagerRunsMetrics) {
     EXPECT_EQ(n, 6);
     EXPECT_EQ(nlohmann::json::parse(file_bytes(root + "/graphs/summary.json"))["cuda_graph_replays"], 8);
   }
+  set_moe_pairs_on_device_offsets(pairs_before);
 }
 
 TEST(CudaStepGraphs, ABadTokenInAReplayFailsAtItsStats) {
@@ -198,6 +202,11 @@ TEST(CudaStepGraphs, AMicroBatchThatReadsBackIsNeverRecorded) {
   EXPECT_FALSE(t.m.training_step_capturable());
   EXPECT_EQ(t.graphs.graphs(), 0);
   EXPECT_EQ(t.graphs.replays(), 0);
+  // mxfp8's reads its counts back with its experts' pairs on the host's offsets (the default)
+  const bool pairs_before = set_moe_pairs_on_device_offsets(false);
+  Model x(gpu_test_config(), recipe_by_name("mxfp8"), Device::CUDA);
+  EXPECT_FALSE(x.training_step_capturable());
+  set_moe_pairs_on_device_offsets(pairs_before);
   // the bf16 recipe's micro-batch reads its counts back too with the host-offset MoE backward
   const bool before = set_moe_backward_device_offsets(false);
   Model b(gpu_test_config(), recipe_by_name("bf16"), Device::CUDA);

@@ -33,6 +33,7 @@ std::atomic<bool> g_weight_forms_batched{true};
 // records it as a CUDA graph (StepGraphs; eagerly the step is 0.07-0.09 ms slower, docs/model.md).
 std::atomic<bool> g_moe_backward_device_offsets{true};
 std::atomic<bool> g_moe_device_offsets_on_cpu{false};
+std::atomic<bool> g_moe_pairs_on_device_offsets{false};
 
 // Whether an inference forward's MoE layer (experts' recipe r) runs its experts on the routing's
 // offsets where the GPU made them, reading no counts back: every recipe's operands but FP32 ones
@@ -197,9 +198,10 @@ struct ModelRunner {
   // transposes in the SwiGLU's backward. The Col forms come as their decodes in the rows' layout,
   // which grouped_wgrad_device_offsets reads. Not where the FFN interiors are kept (the forward
   // then makes a^T per expert) nor where the producers' quantizers are off; the weights' forms
-  // (no offsets in them) as the host-offset path makes them.
+  // (no offsets in them) as the host-offset path makes them. With set_moe_pairs_on_device_offsets.
   bool moe_pairs_on_device_offsets(const LayerRecipe& r) const {
-    return m.dtype_ == DType::F32 && swiglu_a_fused(r, true) && dy_pair_fused(r) &&
+    return g_moe_pairs_on_device_offsets.load(std::memory_order_relaxed) && m.dtype_ == DType::F32 &&
+           swiglu_a_fused(r, true) && dy_pair_fused(r) &&
            r.fprop.a.rounding == num::Rounding::RNE && r.fprop.b.quantized() && r.dgrad.b.quantized() &&
            !r.requant_saved_sr;
   }
@@ -1938,6 +1940,10 @@ void Model::backward() {
 void set_moe_routing_waits_deferred(bool on) { g_routing_waits_deferred.store(on, std::memory_order_relaxed); }
 void set_fused_forward_gemms(bool on) { g_fused_forward_gemms.store(on, std::memory_order_relaxed); }
 void set_producer_quantizers(bool on) { g_producer_quantizers.store(on, std::memory_order_relaxed); }
+bool set_moe_pairs_on_device_offsets(bool on) {
+  return g_moe_pairs_on_device_offsets.exchange(on, std::memory_order_relaxed);
+}
+
 bool set_moe_device_offsets_on_cpu(bool on) {
   return g_moe_device_offsets_on_cpu.exchange(on, std::memory_order_relaxed);
 }

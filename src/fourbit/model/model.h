@@ -143,7 +143,7 @@ bool set_dy_decodes_only(bool on);
 // the setting before.
 bool set_weight_forms_batched(bool on);
 // In a training step's MoE backward on the GPU, where every expert operand is dense BF16 (the bf16
-// recipe) or an MXFP8 pair made by its producer (the mxfp8 recipe, FFN interiors recomputed) and no
+// recipe) or, with set_moe_pairs_on_device_offsets, an MXFP8 pair made by its producer, and no
 // quantizer log is being written, the experts' dgrad and weight-gradient GEMMs read
 // the routing's offsets where the GPU made them (ops::grouped_gemm_device_offsets,
 // ops::grouped_wgrad_device_offsets: the forward keeps them in the saved plan), with dY, X and a
@@ -163,6 +163,16 @@ bool set_moe_backward_device_offsets(bool on);
 // there; on, for tests of that path's plumbing where no GPU runs it (CI). The same bits either
 // way. Process-wide; returns the setting before.
 bool set_moe_device_offsets_on_cpu(bool on);
+// Whether the experts' MXFP8 pairs made by their producers (the mxfp8 recipe and nvfp4-fwd's tail
+// layers, FFN interiors recomputed) take the device-offset path of set_moe_backward_device_offsets
+// too: each pair made on the GPU's offsets (the *_device_offsets preparers, model/linear.h), the
+// weight gradients reading the Col forms' decodes in the rows' layout, so that the micro-batch
+// reads nothing back and the trainer records it as a CUDA graph (StepGraphs). Off by default: on
+// an H100 a gpu-small mxfp8 step took 56.4 ms eagerly and 55.2 replayed with it, against ~51.4
+// with the host's offsets in an earlier call (bench/results/h100_gpu_train_mxfp8_device_pairs_graph_s64.json,
+// docs/cuda.md). The same bits either way. Process-wide, for benchmarks and tests; returns the
+// setting before.
+bool set_moe_pairs_on_device_offsets(bool on);
 // In training, the ops that produce a GEMM's MXFP8 operands quantize them where they compute them,
 // so that on the GPU these F32 tensors are never written nor read back (true): the
 // experts' dispatched tokens where they are gathered, when their X and X^T pair

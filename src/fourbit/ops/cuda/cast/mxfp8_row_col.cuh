@@ -422,9 +422,13 @@ __device__ __forceinline__ void row_col_tile(const PairParams<Src>& p, const Pai
             *reinterpret_cast<const uint4*>(col_stage + c * kColBf16Ld + 16 * part);
     }
     // The Col decodes in the rows' layout: row r0 + r's eight columns from the eight columns'
-    // staged blocks (whole 16-byte stores where the row's columns allow them).
+    // staged blocks (whole 16-byte stores where the row's columns allow them). A warp's lanes take
+    // consecutive rows of one chunk of eight columns: each of the eight staged reads is then a
+    // run of consecutive BF16 of one column (no bank conflict), where lanes along the columns
+    // would each read a column kColBf16Ld * 8 bytes (a multiple of 128) from the next, all in one
+    // bank.
     for (int k = t; k < n_rows * (kPairCols / 8); k += kThreads) {
-      const int r = k / (kPairCols / 8), c8 = 8 * (k % (kPairCols / 8));
+      const int r = k % n_rows, c8 = 8 * (k / n_rows);
       const PairOut& w = p.out[c8 / kOutCols];
       const int64_t jc = c0 + c8 % kOutCols;
       if (!w.col_bf16_rows || jc >= p.cols) continue;
