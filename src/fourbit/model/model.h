@@ -1,7 +1,7 @@
 // defines: Model, ForwardStats, AuxTerm, PendingForwardStats, SavedBytes, LinearInfo, RoutingEvent, RoutingObserver, ForwardWeightBytes,
 //          forward_weight_bytes, set_moe_routing_waits_deferred, set_fused_forward_gemms, set_producer_quantizers,
 //          set_shared_expert_grouped, set_dy_decodes_only, set_weight_forms_batched, set_moe_backward_device_offsets,
-//          set_training_producer_quantizers,
+//          set_moe_device_offsets_on_cpu, set_moe_pairs_on_device_offsets, set_training_producer_quantizers,
 //          set_input_amax_from_quantizers
 // The decoder-only MoE transformer, forward and backward written out layer by layer over the
 // ops/ interface (llm.c style): embedding; L x [RMSNorm -> causal GQA attention with RoPE ->
