@@ -173,7 +173,8 @@ TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
       int64_t layers = 0;  // MoE layers whose experts take the device-offset path
       for (int64_t l = 0; l < c.n_layers; ++l) {
         const LayerRecipe& r = recipe_by_name(recipe).layer(LayerClass::Expert, l, c.n_layers);
-        layers += c.is_moe_layer(l) && (r.fprop.a.fmt == Format::BF16 || (r.fprop.a.fmt == Format::MXFP8_E4M3 && !keep));
+        const bool takes = r.fprop.a.fmt == Format::BF16 || (r.fprop.a.fmt == Format::MXFP8_E4M3 && !keep);
+        layers += c.is_moe_layer(l) && takes;
       }
       if (recipe != "nvfp4-fwd") {
         EXPECT_EQ(layers, recipe == "bf16" || !keep ? 2 : 0);
@@ -199,8 +200,9 @@ TEST(MoeBackward, DeviceOffsetPathOnTheCpuGivesTheHostOffsetsBits) {
 // device-offset weight-gradient calls a MoE layer, no counts read back): the bf16 recipe (dense
 // BF16 operands read in place), FFN interiors kept or recomputed, and the mxfp8 recipe (its pairs
 // made on the device offsets, the weight gradients reading their Col forms' decodes in the rows'
-// layout, set_moe_pairs_on_device_offsets; FFN interiors recomputed). 8 x 14 tokens: each expert's ~56 slots span a block of 32
-// tokens and a partial one, so the Col forms' blocks start at each expert's first row.
+// layout, set_moe_pairs_on_device_offsets; FFN interiors recomputed). 8 x 14 tokens: each
+// expert's ~56 slots span a block of 32 tokens and a partial one, so the Col forms' blocks start
+// at each expert's first row.
 TEST(CudaMoeBackward, DeviceOffsetsGiveTheHostOffsetsBits) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
 #if FOURBIT_HAS_CUDA
@@ -301,9 +303,10 @@ TEST(CudaMoeBackward, TrainingForwardReportsABadTokenAtItsStats) {
 }
 
 // With the device-offset backward (the default, set here; for mxfp8 with its pairs on the device
-// offsets) a bf16 or mxfp8 micro-batch's forward and backward read nothing back, so they record into one CUDA graph: a replay gives the eager
-// run's loss, aux loss, token count and every gradient bit for bit, twice (the replay stores the
-// gradients as the captured backward did, after zero_grad).
+// offsets) a bf16 or mxfp8 micro-batch's forward and backward read nothing back, so they record
+// into one CUDA graph: a replay gives the eager run's loss, aux loss, token count and every
+// gradient bit for bit, twice (the replay stores the gradients as the captured backward did, after
+// zero_grad).
 TEST(CudaMoeBackward, MicroBatchRecordsAsOneCudaGraph) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   PairsOnDeviceOffsets pairs(true);  // the mxfp8 experts' pairs too

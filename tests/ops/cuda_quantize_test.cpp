@@ -1058,8 +1058,8 @@ TEST(CudaQuantize, BothAxesEachMatchesBothAxes) {
   for (ops::BothJob& j : again) {
     Tensor& x = next[j.x.raw()];
     if (!x.defined()) {
-      const Dims d = dims[size_t(std::find_if(xs.begin(), xs.end(), [&](const Tensor& t) { return t.raw() == j.x.raw(); }) -
-                                 xs.begin())];
+      const auto same = [&](const Tensor& t) { return t.raw() == j.x.raw(); };
+      const Dims d = dims[size_t(std::find_if(xs.begin(), xs.end(), same) - xs.begin())];
       x = Tensor::from_host(make_data(d, Data::Varied, seed++).data(), d.shape(), DType::F32, Device::CUDA);
     }
     j.x = x;

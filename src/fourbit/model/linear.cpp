@@ -443,9 +443,9 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads_device_offsets(
   return out;
 }
 
-std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(const std::vector<WeightBoth>& ws, QuantLog* log,
-                                                                bool batched,
-                                                                const std::vector<std::pair<Prepared, Prepared>>* into) {
+std::vector<std::pair<Prepared, Prepared>> prepare_weights_both(
+    const std::vector<WeightBoth>& ws, QuantLog* log, bool batched,
+    const std::vector<std::pair<Prepared, Prepared>>* into) {
   std::vector<ops::BothJob> jobs;
   for (const WeightBoth& b : ws) {
     FOURBIT_CHECK(b.fprop.quantized() && b.dgrad.quantized(), "prepare_weights_both of a dense spec");

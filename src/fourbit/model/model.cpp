@@ -184,8 +184,8 @@ struct ModelRunner {
   // is dense BF16 (the bf16 recipe: dY, X and a read in place, no per-expert operand made), or
   // where they are MXFP8 pairs made on those offsets (moe_pairs_on_device_offsets).
   bool backward_on_device_offsets(const LayerRecipe& r) const {
-    if (!g_moe_backward_device_offsets.load(std::memory_order_relaxed) || (log && (log->enabled || log->record_calls)) ||
-        !moe_offsets_on_gpu())
+    if (!g_moe_backward_device_offsets.load(std::memory_order_relaxed) ||
+        (log && (log->enabled || log->record_calls)) || !moe_offsets_on_gpu())
       return false;
     return (dense_bf16(r.fprop.a) && dense_bf16(r.dgrad.a) && dense_bf16(r.dgrad.b) && dense_bf16(r.wgrad.a) &&
             dense_bf16(r.wgrad.b) && !r.requant_saved_sr && moe_reads_bf16_x()) ||
@@ -1163,9 +1163,10 @@ struct ModelRunner {
                          dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
                          site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.device_offsets,
                          expert_sites(name + "moe.w2/wgrad/dY^T"), cls, dy_form())
-                   : prepare_combine_grad_row_col(dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
-                                         site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.offsets,
-                                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log, dy_form(), dy_form());
+                   : prepare_combine_grad_row_col(
+                         dy, y_perm, plan.slot_of, s.topk_w, d_topk_w, r.dgrad.a, GemmRole::Dgrad, 'a',
+                         site(name + "moe.w2/dgrad/dY"), r.wgrad.a, GemmRole::Wgrad, 'a', plan.offsets,
+                         expert_sites(name + "moe.w2/wgrad/dY^T"), cls, log, dy_form(), dy_form());
     } else {
       Tensor dy_perm = act_bf16_if(bf16_grad(r), {N * K, D});
       ops::moe_combine_backward(dy, y_perm, plan.slot_of, s.topk_w, dy_perm, d_topk_w);
@@ -1179,8 +1180,9 @@ struct ModelRunner {
     Tensor da = act({N * K, F});
     expert_dgrad(pdy.row, w2_dgrad, da, false);
     if (on_gpu) {  // dW2_e (+)= dy_e^T . a_e, every expert's rows in one launch
-      ops::grouped_wgrad_device_offsets(wgrad_rows(pdy.col_rows, pdy.row, "dY"), wgrad_rows(in.a_wgrad_rows, in.pa, "a"),
-                                        plan.device_offsets, g.w2, m.params_.grad_accumulate(g.w2));
+      ops::grouped_wgrad_device_offsets(wgrad_rows(pdy.col_rows, pdy.row, "dY"),
+                                        wgrad_rows(in.a_wgrad_rows, in.pa, "a"), plan.device_offsets, g.w2,
+                                        m.params_.grad_accumulate(g.w2));
     } else {
       // The weight-gradient operands along the tokens: every expert's in one pass (per-expert keys).
       const std::vector<Prepared> dyt = std::move(pdy.col);
