@@ -61,6 +61,12 @@ uint64_t hash_qtensor(const QTensor& q) {
 void record(QuantLog* log, const QuantSite& site, const QuantSpec& spec, uint64_t input_hash) {
   if (log && log->record_calls) log->calls.push_back({site.name, site.key, describe(spec), input_hash});
 }
+// The SR keys of per-segment sites, in their order.
+std::vector<ops::RngKey> site_keys(const std::vector<QuantSite>& sites) {
+  std::vector<ops::RngKey> keys;
+  for (const QuantSite& s : sites) keys.push_back(s.key);
+  return keys;
+}
 }  // namespace
 
 ops::RngKey SrStreams::key(std::string_view site_name) const {
@@ -173,9 +179,7 @@ std::vector<Prepared> prepare_segments(const Tensor& t, const std::vector<int64_
   if (dense) {
     whole = prepare(t, spec, role, side, QuantSite{}, cls, nullptr);  // F32/BF16 draw no bits
   } else {
-    std::vector<ops::RngKey> keys;
-    for (const QuantSite& s : sites) keys.push_back(s.key);
-    qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), keys);
+    qs = ops::quantize_segments(t, offsets, quantized_spec(t, spec, role, side, cls), site_keys(sites));
   }
   for (size_t e = 0; e < out.size(); ++e) {
     const int64_t b = offsets[e], end = offsets[e + 1];
@@ -219,8 +223,7 @@ PreparedRowCol prepare_row_col(const Tensor& t, const QuantSpec& row_spec, GemmR
                 col_sites.size());
   const QuantSpec rs = quantized_spec(t, row_spec, row_role, row_side, cls);
   const QuantSpec cs = quantized_spec(t, col_spec, col_role, col_side, cls);
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  const std::vector<ops::RngKey> keys = site_keys(col_sites);
   if (log && log->record_calls) {
     record(log, row_site, row_spec, hash_tensor(t));
     for (size_t e = 0; e < col_sites.size(); ++e)
@@ -248,8 +251,7 @@ PreparedRowCol computed_row_col(const std::function<Tensor()>& make, const Fused
   FOURBIT_CHECK(row_spec.quantized() && col_spec.quantized(), "prepare_row_col of a dense spec");
   FOURBIT_CHECK(offsets.size() == col_sites.size() + 1, "prepare_row_col: {} offsets for {} sites", offsets.size(),
                 col_sites.size());
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : col_sites) keys.push_back(s.key);
+  const std::vector<ops::RngKey> keys = site_keys(col_sites);
   return row_col_prepared(fused(quantized_spec(like, row_spec, row_role, row_side, cls),
                                 quantized_spec(like, col_spec, col_role, col_side, cls), keys),
                           row_spec, row_role, row_side, col_spec, col_role, col_side, offsets, cls, log);
@@ -346,7 +348,7 @@ std::array<PreparedRowCol, 2> prepare_swiglu_grads(const Tensor& da, const Tenso
   for (size_t o = 0; o < 2; ++o) {
     FOURBIT_CHECK(offsets.size() == col_sites[o].size() + 1, "prepare_swiglu_grads: {} offsets for {} sites",
                   offsets.size(), col_sites[o].size());
-    for (const QuantSite& s : col_sites[o]) keys[o].push_back(s.key);
+    keys[o] = site_keys(col_sites[o]);
   }
   std::array<ops::RowColQuant, 2> q = ops::swiglu_backward_row_col(
       da, h1, h3, rs, {row_sites[0].key, row_sites[1].key}, cs, offsets, keys, row_out, col_out);
@@ -362,9 +364,7 @@ std::vector<ops::RngKey> device_segment_keys(const char* op, const Tensor& offse
                                              const std::vector<QuantSite>& col_sites) {
   FOURBIT_CHECK(offsets.defined() && offsets.dim() == 1 && offsets.size(0) == int64_t(col_sites.size()) + 1,
                 "{}: offsets {} for {} sites", op, offsets.defined() ? offsets.str() : "undefined", col_sites.size());
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : col_sites) keys.push_back(s.key);
-  return keys;
+  return site_keys(col_sites);
 }
 // A device-offset preparer's result: `fused` given the specs on their axes and the segments' keys.
 PreparedRowCol device_row_col(const char* op, const FusedRowCol& fused, const Tensor& like, const QuantSpec& row_spec,
@@ -493,9 +493,7 @@ std::vector<Prepared> requantize_saved_segments(const Prepared& saved, const std
                                                 const std::vector<QuantSite>& sites, LayerClass cls, QuantLog* log,
                                                 ops::FormOut form) {
   check_saved_nvfp4(saved);
-  std::vector<ops::RngKey> keys;
-  for (const QuantSite& s : sites) keys.push_back(s.key);
-  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, spec, keys, form);
+  std::vector<QTensor> qs = ops::requantize_transposed_segments(saved.q, offsets, spec, site_keys(sites), form);
   std::vector<Prepared> out(qs.size());
   for (size_t e = 0; e < qs.size(); ++e) {
     if (offsets[e] == offsets[e + 1]) continue;
